@@ -1,0 +1,81 @@
+"""Benchmark scenarios of `tessera bench` (see DESIGN.md, "Benchmark contract").
+
+A scenario is a module exposing:
+
+- ``DESCRIPTION: str`` — one line for ``tessera bench --help``;
+- ``run(config: BenchConfig, progress: Progress) -> BenchReport`` — runs every
+  policy (or autoscaler, or placement) of the scenario on the same requests,
+  seed and engine, side by side;
+- optionally ``plot(report: BenchReport, out_dir: Path) -> list[Path]`` — PNGs.
+
+Rows name what they ran by configuration name, with a variant after a colon
+(``isrtf:batch=4``). Metric keys follow the contract (``mean_ttft_s``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# scenario name -> module. Each scenario adds one line here.
+SCENARIOS: dict[str, str] = {
+    "baseline": "tessera.sim.scenarios.baseline",
+    "perf": "tessera.sim.scenarios.perf",
+    "fidelity": "tessera.sim.scenarios.fidelity",
+    "elis": "tessera.sim.scenarios.elis",
+    "andes": "tessera.sim.scenarios.andes",
+    "qlm": "tessera.sim.scenarios.qlm",
+    "chiron": "tessera.sim.scenarios.chiron",
+    "seallm": "tessera.sim.scenarios.seallm",
+    "worker-overhead": "tessera.worker.bench.overhead",
+    "real-policy": "tessera.worker.bench.real_policy",
+}
+
+# Progress callback: advance the bar by ``n`` steps; ``total`` (re)sets the bar's length.
+Progress = Callable[..., None]
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    """The benchmark contract's common flags, validated by the CLI."""
+
+    scenario: str
+    trace: Path | None = None
+    rate: float | None = None  # requests/s (scales the trace or sets the synthetic rate)
+    load: float | None = None  # offered load relative to capacity
+    seed: int = 0
+    json_path: Path | None = None
+    plot_dir: Path | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # scenario-specific --set key=value
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-friendly form for the report's ``config``."""
+        return {
+            "trace": str(self.trace) if self.trace else None,
+            "rate": self.rate,
+            "load": self.load,
+            "seed": self.seed,
+            **self.options,
+        }
+
+
+@dataclass(slots=True)
+class BenchReport:
+    """A scenario's result: one row per policy/variant, plus target checks for people."""
+
+    scenario: str
+    config: dict[str, Any]
+    results: list[dict[str, Any]]
+    # Target checks for people, e.g. "isrtf:batch=1 mean JCT 18.2% below fcfs (target >= 15%): PASS".
+    checks: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The contract's JSON document."""
+        return {
+            "scenario": self.scenario,
+            "config": self.config,
+            "results": self.results,
+            "checks": self.checks,
+        }

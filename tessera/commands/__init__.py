@@ -1,0 +1,1 @@
+"""Subcommands of the `tessera` CLI, one module each (see tessera.cli.SUBCOMMANDS)."""

@@ -1,0 +1,191 @@
+"""The policy interface every scheduler implements and every engine drives.
+
+Protocol (the same for the simulator and the real-vLLM worker):
+
+1. The engine calls ``policy.add(req, now)`` when a request reaches the instance
+   and ``policy.remove(req, now)`` when it finishes or is cancelled. Between those
+   the policy owns the request's place in its queue.
+2. At every decision point — an arrival, a completion, an engine-side preemption,
+   or a re-check the policy asked for — the engine calls ``policy.schedule(view)``.
+3. The policy answers with a ``Decision``: ``run`` is the set of requests that
+   should be in the batch from now on, highest priority first. The engine keeps
+   running requests that are in ``run``, preempts running requests that are not,
+   and admits the others in order while the batch limit and KV capacity allow,
+   stopping at the first that does not fit (vLLM's head-of-line admission).
+4. When KV runs out mid-decode, the engine preempts the running request that
+   came last in the latest ``run`` (for FCFS: the latest arrival, as vLLM does)
+   and asks the policy again.
+
+Policies never mutate requests' engine state (phase, generated, KV flags); they
+may write ``predicted_remaining`` and ``annotations``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from tessera.worker.core.profile import StepProfile
+from tessera.worker.core.request import Phase, Request
+
+PreemptMode = Literal["recompute", "swap", "keep"]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """What a policy may see of one engine instance at a decision point (read-only)."""
+
+    now: float
+    instance: str
+    running: Sequence[Request]  # in the batch now, in admission order
+    max_batch: int  # the engine's batch-size limit (Chiron's local autoscaler moves it)
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    profile: StepProfile
+    active_model: str | None = None  # model whose weights are loaded (None: any / single-model)
+    iteration: int = 0  # engine iterations so far
+
+    @property
+    def kv_free_tokens(self) -> int:
+        """KV tokens not held by resident requests."""
+        return self.kv_capacity_tokens - self.kv_used_tokens
+
+
+@dataclass(slots=True)
+class Decision:
+    """A policy's answer at one decision point (see the module docstring for semantics)."""
+
+    run: list[Request]
+    preempt_mode: PreemptMode | None = None  # how to preempt requests leaving the batch; None: engine default
+    load_model: str | None = None  # swap the instance to this model first (QLM model swapping)
+    recheck_after_tokens: int | None = None  # call schedule again after this many decode iterations
+    recheck_at: float | None = None  # ... or at this absolute time, whichever comes first
+
+
+class Policy(ABC):
+    """A scheduling policy: a pure object over its queue and the time passed in."""
+
+    name: ClassVar[str]
+    oracle: ClassVar[bool] = False  # reads Request.true_output_tokens: simulation only
+
+    @abstractmethod
+    def add(self, req: Request, now: float) -> None:
+        """A request arrived at this instance (or was routed back to it)."""
+
+    @abstractmethod
+    def remove(self, req: Request, now: float) -> None:
+        """A request left: finished or cancelled."""
+
+    @abstractmethod
+    def schedule(self, view: InstanceView) -> Decision:
+        """Decide which requests run from now on."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of requests the policy holds (waiting, preempted and running)."""
+
+
+@dataclass(order=True, slots=True)
+class _Entry:
+    key: tuple
+    seq: int
+    req: Request = field(compare=False)
+
+
+class PriorityPolicy(Policy):
+    """Run the requests with the smallest ``key`` first.
+
+    ``preemptive=False``: running requests keep their slots and only free slots are
+    filled from the queue (FCFS, EDF, SJF). ``preemptive=True``: every decision
+    re-ranks running and queued requests together and the top ``max_batch`` run
+    (SRTF). Keys of queued requests are assumed fixed while they wait; keys of
+    running requests are re-evaluated at every decision. Cost per decision is
+    O(running · log queue), independent of the queue length.
+    """
+
+    preemptive: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._heap: list[_Entry] = []
+        self._queued: dict[int, _Entry] = {}  # id(req) -> live heap entry; lazy deletion
+        self._running: dict[int, Request] = {}
+        self._seq = itertools.count()
+
+    @abstractmethod
+    def key(self, req: Request, now: float) -> tuple:
+        """Priority key: smaller runs first."""
+
+    def add(self, req: Request, now: float) -> None:
+        """Queue a new request."""
+        self._push(req, now)
+
+    def remove(self, req: Request, now: float) -> None:
+        """Forget a finished or cancelled request."""
+        self._running.pop(id(req), None)
+        self._queued.pop(id(req), None)
+
+    def __len__(self) -> int:
+        return len(self._queued) + len(self._running)
+
+    def _push(self, req: Request, now: float) -> None:
+        entry = _Entry(self.key(req, now), next(self._seq), req)
+        self._queued[id(req)] = entry
+        heapq.heappush(self._heap, entry)
+
+    def _pop_queued(self) -> Request | None:
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if self._queued.get(id(entry.req)) is entry:
+                del self._queued[id(entry.req)]
+                return entry.req
+        return None
+
+    def _peek_queued(self) -> _Entry | None:
+        while self._heap:
+            entry = self._heap[0]
+            if self._queued.get(id(entry.req)) is entry:
+                return entry
+            heapq.heappop(self._heap)
+        return None
+
+    def _sync_running(self, view: InstanceView) -> None:
+        """Requests the engine preempted on its own go back to the queue with a fresh key."""
+        now_running = {id(r): r for r in view.running}
+        for rid, req in list(self._running.items()):
+            if rid not in now_running and req.phase is not Phase.FINISHED:
+                del self._running[rid]
+                self._push(req, view.now)
+        for rid, req in now_running.items():
+            if rid not in self._running:
+                self._running[rid] = req
+                self._queued.pop(rid, None)
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Keep or re-rank the running set, then fill free slots from the queue in key order."""
+        self._sync_running(view)
+        now = view.now
+        running = sorted(self._running.values(), key=lambda r: self.key(r, now))
+        if self.preemptive:
+            for req in running:
+                del self._running[id(req)]
+                self._push(req, now)
+            running = []
+        run = list(running)
+        while len(run) < view.max_batch:
+            req = self._pop_queued()
+            if req is None:
+                break
+            run.append(req)
+        # Whatever the engine cannot admit returns to the queue at the next decision via _sync_running;
+        # remember the chosen set as running now so keys stay consistent.
+        for req in run:
+            self._running[id(req)] = req
+        return Decision(run=run, recheck_after_tokens=self.recheck_tokens())
+
+    def recheck_tokens(self) -> int | None:
+        """Decode iterations until the policy wants to re-rank without an event (None: only on events)."""
+        return None

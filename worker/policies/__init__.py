@@ -1,0 +1,1 @@
+"""Tessera's scheduling policies beyond the baselines (ELIS, Andes, QLM, SeaLLM)."""
