@@ -1,0 +1,253 @@
+"""LLMService: one model served from a ServingPool, the request classes it accepts and how it schedules."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from tessera.api.base import NAME_PATTERN, ApiModel, Quantity, Resource, ResourceStatus, nested
+from tessera.api.request_class import ClassOverrides, RequestClassSpec
+from tessera.api.rules import LessOrEqual, ListedIn, MutuallyExclusive
+from tessera.worker.core.request import ServiceClass
+
+
+class VolumeSource(ApiModel):
+    """Model weights on a PersistentVolumeClaim."""
+
+    claim_name: str = Field(pattern=NAME_PATTERN, description="Name of the PersistentVolumeClaim.")
+    path: str = Field(default="/", description="Directory inside the volume holding the model files.")
+
+
+class ModelSpec(ApiModel):
+    """The model to serve and how vLLM loads it."""
+
+    RULES = (MutuallyExclusive("source", "volume"),)
+
+    name: str = Field(
+        min_length=1,
+        description="Model name as clients send it, e.g. meta-llama/Llama-3.1-8B-Instruct; also the "
+        "Hugging Face id to load when neither source nor volume is set.",
+    )
+    source: str | None = Field(
+        default=None,
+        pattern=r"^(hf|s3|gs|https?|file)://.+$",
+        description="Where to load weights from: an hf://, s3://, gs://, http(s):// or file:// URI.",
+    )
+    volume: VolumeSource | None = Field(
+        default=None, description="Load weights from a PersistentVolumeClaim."
+    )
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        default="auto", description="Weight and activation dtype passed to vLLM (--dtype)."
+    )
+    max_model_length: Annotated[int, Field(ge=16)] | None = Field(
+        default=None, description="Context length limit in tokens (--max-model-len); unset means the model's."
+    )
+    tensor_parallel_size: Literal[1, 2, 4, 8] = Field(
+        default=1, description="Smallest number of GPUs one replica of the model needs (tensor parallel)."
+    )
+    weights_size: Quantity | None = Field(
+        default=None,
+        description="Size of the weights, e.g. '16Gi'; used for placement; unset means estimated.",
+    )
+
+
+class PoolReference(ApiModel):
+    """The ServingPool (in the same namespace) that serves the model."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="Name of the ServingPool.")
+
+
+class AcceptedClass(ApiModel):
+    """A RequestClass the service accepts, with optional per-service overrides."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="Name of a RequestClass in the same namespace.")
+    overrides: ClassOverrides | None = Field(
+        default=None, description="Values that replace the class's for this service only."
+    )
+
+
+class ISRTFSettings(ApiModel):
+    """ELIS iterative shortest-remaining-time-first settings."""
+
+    window_tokens: int = Field(
+        default=50,
+        ge=1,
+        description="Tokens per request between re-predictions and re-ordering (ELIS K = 50).",
+    )
+    resume_mode: Literal["keep_kv", "recompute_always"] = Field(
+        default="keep_kv", description="Whether a displaced request keeps its KV cache while memory allows."
+    )
+
+
+class QoESettings(ApiModel):
+    """Andes QoE-gain knapsack scheduler settings."""
+
+    horizon_seconds: float = Field(default=10.0, gt=0, description="Gain estimation horizon Δt in seconds.")
+    quantum_iterations: int = Field(
+        default=10, ge=1, description="Engine iterations between scheduler runs (scheduling quantum)."
+    )
+    kv_high_watermark: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="KV occupancy above which the solver is triggered (memory-bound).",
+    )
+    pacing: bool = Field(default=True, description="Release streamed tokens to the client at reading speed.")
+
+
+class QLMSettings(ApiModel):
+    """QLM request-group and virtual-queue settings."""
+
+    group_size_multiplier: int = Field(
+        default=4, ge=1, description="Request group size as a multiple of the average batch size (δ_rg)."
+    )
+    tail_aware: bool = Field(
+        default=True, description="Compare a group's last request (not only its start) with the SLO."
+    )
+
+
+class SchedulingSpec(ApiModel):
+    """The worker's queue scheduling policy and its settings."""
+
+    policy: Literal["fcfs", "isrtf", "qoe", "qlm", "auto"] = Field(
+        default="auto",
+        description="fcfs (vLLM order), isrtf (ELIS), qoe (Andes), qlm (QLM); auto picks qlm when a batch "
+        "class is accepted, else qoe.",
+    )
+    isrtf: ISRTFSettings = nested(ISRTFSettings, "Settings used when the policy is isrtf.")
+    qoe: QoESettings = nested(QoESettings, "Settings used when the policy is qoe.")
+    qlm: QLMSettings = nested(QLMSettings, "Settings used when the policy is qlm.")
+
+    def resolved_policy(self, has_batch_class: bool) -> str:
+        """The concrete policy name, with ``auto`` resolved."""
+        if self.policy != "auto":
+            return self.policy
+        return "qlm" if has_batch_class else "qoe"
+
+
+class PredictorSpec(ApiModel):
+    """The ELIS response-length predictor (encoder plus regression head)."""
+
+    enabled: bool = Field(default=True, description="Predict response lengths (needed by isrtf and qlm).")
+    encoder: str = Field(
+        default="sentence-transformers/all-MiniLM-L6-v2", min_length=1, description="Sentence encoder model."
+    )
+    checkpoint: str | None = Field(
+        default=None,
+        description="URI or path of trained regression-head weights; unset means the built-in one.",
+    )
+    repredict_every_tokens: int = Field(
+        default=50, ge=1, description="Re-predict the remaining length after this many generated tokens."
+    )
+
+
+class ReplicaBounds(ApiModel):
+    """Bounds on the number of replicas of the service across the pool."""
+
+    RULES = (LessOrEqual("min", "max"),)
+
+    min: int = Field(default=1, ge=0, description="Fewest replicas (0 allows scaling the service to zero).")
+    max: int = Field(default=4, ge=1, description="Most replicas.")
+
+
+class LLMServiceSpec(ApiModel):
+    """Desired state of an LLMService."""
+
+    RULES = (ListedIn(field="defaultClass", items="requestClasses"),)
+
+    model: ModelSpec = Field(description="The model to serve.")
+    pool_ref: PoolReference = Field(description="The ServingPool to place the model on.")
+    request_classes: list[AcceptedClass] = Field(
+        min_length=1,
+        description="RequestClasses the service accepts (at least one), matched by header.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    default_class: str | None = Field(
+        default=None,
+        description="Class of requests whose header names no accepted class; unset means the first listed.",
+    )
+    scheduling: SchedulingSpec = nested(SchedulingSpec, "Queue scheduling policy and its settings.")
+    predictor: PredictorSpec = nested(PredictorSpec, "Response-length predictor settings.")
+    replicas: ReplicaBounds = nested(ReplicaBounds, "Replica bounds.")
+
+    @field_validator("request_classes")
+    @classmethod
+    def _unique_class_names(cls, classes: list[AcceptedClass]) -> list[AcceptedClass]:
+        names = [c.name for c in classes]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"each class may be listed once; duplicated: {duplicates}")
+        return classes
+
+    @property
+    def default_class_name(self) -> str:
+        """The class given to requests that name no accepted class."""
+        return self.default_class or self.request_classes[0].name
+
+    def service_classes(self, classes: Mapping[str, RequestClassSpec]) -> dict[str, ServiceClass]:
+        """Runtime classes of this service, overrides applied, from the RequestClass specs by name.
+
+        Raises KeyError naming the missing classes when ``classes`` lacks one this service accepts.
+        """
+        missing = [c.name for c in self.request_classes if c.name not in classes]
+        if missing:
+            raise KeyError(
+                f"RequestClass not found: {missing}; create it or remove it from spec.requestClasses"
+            )
+        return {
+            c.name: classes[c.name].with_overrides(c.overrides).to_service_class(c.name)
+            for c in self.request_classes
+        }
+
+
+class PlacementRef(ApiModel):
+    """Where the service's replicas run: one placement group of the pool."""
+
+    group: str = Field(description="Placement group name in the pool's status.")
+    replicas: int = Field(default=0, ge=0, description="Replicas of the service in that group.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica in that group.")
+
+
+class ClassAttainment(ApiModel):
+    """Measured SLO attainment of one request class over the last measurement window."""
+
+    name: str = Field(description="RequestClass name.")
+    attainment: float = Field(ge=0, le=1, description="Fraction of finished requests that met their SLO.")
+    requests: int = Field(default=0, ge=0, description="Requests measured.")
+    p99_ttft_seconds: float | None = Field(default=None, ge=0, description="99th percentile TTFT in seconds.")
+    mean_itl_seconds: float | None = Field(
+        default=None, ge=0, description="Mean inter-token latency in seconds."
+    )
+    mean_qoe: float | None = Field(default=None, ge=0, le=1, description="Mean Andes QoE.")
+
+
+class LLMServiceStatus(ResourceStatus):
+    """Observed state of an LLMService."""
+
+    placement: list[PlacementRef] = Field(default_factory=list, description="Groups serving this model.")
+    replicas: int = Field(default=0, ge=0, description="Replicas placed.")
+    ready_replicas: int = Field(default=0, ge=0, description="Replicas ready to serve.")
+    endpoint: str | None = Field(
+        default=None, description="In-cluster URL of the OpenAI-compatible endpoint."
+    )
+    policy: str | None = Field(default=None, description="Scheduling policy in effect (auto resolved).")
+    slo_attainment: float | None = Field(
+        default=None, ge=0, le=1, description="Measured SLO attainment over all classes (fraction 0-1)."
+    )
+    slo_attainment_by_class: list[ClassAttainment] = Field(
+        default_factory=list,
+        description="Measured SLO attainment per request class.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    measured_at: datetime | None = Field(default=None, description="When SLO attainment was last measured.")
+
+
+class LLMService(Resource):
+    """A model served from a ServingPool, with the request classes it accepts and its scheduling policy."""
+
+    kind: Literal["LLMService"] = Field(default="LLMService", description="LLMService.")
+    spec: LLMServiceSpec = Field(description="Desired state.")
+    status: LLMServiceStatus | None = Field(default=None, description="Observed state (set by the operator).")

@@ -1,0 +1,143 @@
+"""Cross-field rules, defined once and enforced twice.
+
+Each rule yields the CEL expression the API server checks (``x-kubernetes-validations``
+in the generated CRD) and the equivalent Python check that the pydantic models run.
+Both read the object in its JSON form (camelCase keys, unset optional fields absent,
+defaults applied), which is what CEL sees after the API server's defaulting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_MISSING = object()
+
+
+def _get(obj: Mapping[str, Any], path: str) -> Any:
+    """Value at a dotted path of a JSON object, or ``_MISSING`` when any step is absent."""
+    value: Any = obj
+    for part in path.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _cel_has(path: str) -> str:
+    """CEL presence test for a dotted path (each level must be tested in turn)."""
+    parts = path.split(".")
+    return " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
+
+
+@dataclass(frozen=True)
+class LessOrEqual:
+    """``lower <= upper`` whenever both fields are set."""
+
+    lower: str
+    upper: str
+
+    @property
+    def message(self) -> str:
+        """Human-readable statement of the rule."""
+        return f"{self.lower} must be less than or equal to {self.upper}"
+
+    def cel(self) -> str:
+        """The rule as a CEL expression over ``self``."""
+        both_set = f"({_cel_has(self.lower)}) && ({_cel_has(self.upper)})"
+        return f"!({both_set}) || self.{self.lower} <= self.{self.upper}"
+
+    def violation(self, obj: Mapping[str, Any]) -> str | None:
+        """Why ``obj`` breaks the rule, or None when it holds."""
+        low, high = _get(obj, self.lower), _get(obj, self.upper)
+        if low is _MISSING or high is _MISSING or low <= high:
+            return None
+        return f"{self.message} (got {self.lower}={low}, {self.upper}={high})"
+
+
+@dataclass(frozen=True)
+class RequiredWhen:
+    """``field`` must be set when ``when`` equals ``value``."""
+
+    field: str
+    when: str
+    value: str
+
+    @property
+    def message(self) -> str:
+        """Human-readable statement of the rule."""
+        return f"{self.field} is required when {self.when} is '{self.value}'"
+
+    def cel(self) -> str:
+        """The rule as a CEL expression over ``self``."""
+        return f"!({_cel_has(self.when)}) || self.{self.when} != '{self.value}' || ({_cel_has(self.field)})"
+
+    def violation(self, obj: Mapping[str, Any]) -> str | None:
+        """Why ``obj`` breaks the rule, or None when it holds."""
+        if _get(obj, self.when) == self.value and _get(obj, self.field) is _MISSING:
+            return f"{self.message}; set {self.field}"
+        return None
+
+
+@dataclass(frozen=True)
+class MutuallyExclusive:
+    """At most one of ``first`` and ``second`` may be set."""
+
+    first: str
+    second: str
+
+    @property
+    def message(self) -> str:
+        """Human-readable statement of the rule."""
+        return f"set at most one of {self.first} and {self.second}"
+
+    def cel(self) -> str:
+        """The rule as a CEL expression over ``self``."""
+        return f"!(({_cel_has(self.first)}) && ({_cel_has(self.second)}))"
+
+    def violation(self, obj: Mapping[str, Any]) -> str | None:
+        """Why ``obj`` breaks the rule, or None when it holds."""
+        if _get(obj, self.first) is not _MISSING and _get(obj, self.second) is not _MISSING:
+            return f"{self.message}, not both"
+        return None
+
+
+@dataclass(frozen=True)
+class ListedIn:
+    """The string at ``field``, when set, equals the ``key`` of some item of the list ``items``."""
+
+    field: str
+    items: str
+    key: str = "name"
+
+    @property
+    def message(self) -> str:
+        """Human-readable statement of the rule."""
+        return f"{self.field} must name one of the entries of {self.items} (by {self.key})"
+
+    def cel(self) -> str:
+        """The rule as a CEL expression over ``self``."""
+        return (
+            f"!({_cel_has(self.field)}) || "
+            f"(({_cel_has(self.items)}) && self.{self.items}.exists(i, i.{self.key} == self.{self.field}))"
+        )
+
+    def violation(self, obj: Mapping[str, Any]) -> str | None:
+        """Why ``obj`` breaks the rule, or None when it holds."""
+        value = _get(obj, self.field)
+        if value is _MISSING:
+            return None
+        items = _get(obj, self.items)
+        names = [i.get(self.key) for i in items] if isinstance(items, list) else []
+        if value in names:
+            return None
+        return f"{self.message}; got '{value}', listed: {names}"
+
+
+Rule = LessOrEqual | RequiredWhen | MutuallyExclusive | ListedIn
+
+
+def cel_validations(rules: tuple[Rule, ...]) -> list[dict[str, str]]:
+    """The ``x-kubernetes-validations`` entries for a tuple of rules."""
+    return [{"rule": rule.cel(), "message": rule.message} for rule in rules]

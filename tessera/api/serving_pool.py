@@ -1,0 +1,264 @@
+"""ServingPool: a pool of GPU instances shared by several LLMServices, with autoscaling and placement."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from tessera.api.base import ApiModel, Quantity, Resource, ResourceStatus, nested
+from tessera.api.rules import LessOrEqual
+
+# Flags the operator sets on the vLLM command line from the specs; extra args may not repeat them.
+OPERATOR_OWNED_VLLM_FLAGS = (
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--tensor-parallel-size",
+    "--max-num-seqs",
+    "--dtype",
+    "--max-model-len",
+)
+DEFAULT_WORKER_IMAGE = "ghcr.io/tessera-dev/tessera-worker:0.1.0"
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
+
+
+class GPUSpec(ApiModel):
+    """The GPUs of one instance."""
+
+    type: str = Field(min_length=1, description="GPU model, e.g. H100, A100-80GB, L4 (used for profiles).")
+    per_instance: int = Field(default=1, ge=1, le=16, description="GPUs per instance (pod).")
+    memory: Quantity = Field(description="Memory of one GPU, e.g. '80Gi'.")
+    resource_name: str = Field(
+        default="nvidia.com/gpu",
+        pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$",
+        description="Extended resource the pods request, e.g. nvidia.com/gpu.",
+    )
+
+
+class Toleration(ApiModel):
+    """A pod toleration (the Kubernetes core/v1 Toleration shape)."""
+
+    key: str | None = Field(default=None, description="Taint key; unset with operator Exists matches all.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate; unset means all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="How long a NoExecute taint is tolerated; unset means forever."
+    )
+
+
+class InstanceBounds(ApiModel):
+    """Bounds on the number of instances (pods) of the pool, over all placement groups and roles."""
+
+    RULES = (LessOrEqual("min", "max"), LessOrEqual("min", "desired"), LessOrEqual("desired", "max"))
+
+    min: int = Field(default=0, ge=0, description="Fewest instances.")
+    max: int = Field(ge=1, description="Most instances (the pool's GPU budget is max x gpu.perInstance).")
+    desired: int | None = Field(
+        default=None,
+        ge=0,
+        description="Instance count to hold when autoscaling is disabled (the scale subresource); "
+        "unset means one instance per placed replica.",
+    )
+
+
+class BatchSizeBounds(ApiModel):
+    """Bounds of the per-instance batch size (max concurrent sequences) set by the local autoscaler."""
+
+    RULES = (LessOrEqual("min", "initial"), LessOrEqual("initial", "max"))
+
+    min: int = Field(default=1, ge=1, description="Smallest batch size.")
+    initial: int = Field(default=256, ge=1, description="Batch size at start (vLLM's default max_num_seqs).")
+    max: int = Field(default=8192, ge=1, description="Largest batch size (Chiron BS_max).")
+
+
+class AutoscalingSpec(ApiModel):
+    """Chiron hierarchical autoscaling: local batch size, global interactive/mixed/batch instance counts."""
+
+    enabled: bool = Field(
+        default=True, description="Run the autoscalers; when false, instances.desired holds."
+    )
+    interval_seconds: float = Field(
+        default=5.0, gt=0, description="Period of the global autoscaler (Chiron T_eval)."
+    )
+    over_provisioning: float = Field(
+        default=1 / 3,
+        gt=0,
+        le=1,
+        description="Target share of interactive+mixed instances busy with interactive work (Chiron Θ_op; "
+        "1/3 absorbs 3x spikes).",
+    )
+    over_provisioning_band: float = Field(
+        default=0.05, ge=0, lt=1, description="Tolerance δ_op around the target before scaling."
+    )
+    scale_up_cooldown_seconds: float = Field(
+        default=0.0, ge=0, description="Least time between two scale-ups of the same role."
+    )
+    scale_down_cooldown_seconds: float = Field(
+        default=120.0, ge=0, description="Least time after any scaling before a scale-down (stabilisation)."
+    )
+    batch_size: BatchSizeBounds = nested(BatchSizeBounds, "Bounds of the local autoscaler's batch size.")
+
+
+class ReplacementInterval(ApiModel):
+    """SeaLLM's adaptive re-placement interval (Eq. 8)."""
+
+    RULES = (LessOrEqual("minSeconds", "initialSeconds"), LessOrEqual("initialSeconds", "maxSeconds"))
+
+    initial_seconds: float = Field(default=300.0, gt=0, description="First interval I_0 in seconds.")
+    min_seconds: float = Field(default=60.0, gt=0, description="Shortest interval I_min in seconds.")
+    max_seconds: float = Field(default=1800.0, gt=0, description="Longest interval I_max in seconds.")
+    beta: float = Field(
+        default=0.1,
+        gt=0,
+        lt=1,
+        description="Adaptation rate β: shrink by (1-β) when the relative prediction error exceeds β, "
+        "else grow by (1+β).",
+    )
+
+
+class PlacementSpec(ApiModel):
+    """How services are placed onto groups of instances."""
+
+    strategy: Literal["seallm", "dedicated"] = Field(
+        default="seallm",
+        description="seallm: co-locate services on GPU groups (SeaLLM); dedicated: one group per service.",
+    )
+    max_services_per_group: int = Field(
+        default=2, ge=1, le=8, description="Most services sharing one group (SeaLLM K_max)."
+    )
+    replacement_interval: ReplacementInterval = nested(ReplacementInterval, "Adaptive re-placement interval.")
+
+
+class ImagesSpec(ApiModel):
+    """Container images of the worker pods."""
+
+    worker: str = Field(default=DEFAULT_WORKER_IMAGE, min_length=1, description="Tessera worker image.")
+    vllm: str = Field(default=DEFAULT_VLLM_IMAGE, min_length=1, description="vLLM OpenAI server image.")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy."
+    )
+
+
+class ServingPoolSpec(ApiModel):
+    """Desired state of a ServingPool."""
+
+    gpu: GPUSpec = Field(description="GPUs of each instance.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels of the GPU node pool the instances must run on."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Tolerations for the taints of the GPU node pool."
+    )
+    instances: InstanceBounds = Field(description="Bounds on the instance count.")
+    autoscaling: AutoscalingSpec = nested(AutoscalingSpec, "Autoscaling settings (Chiron).")
+    placement: PlacementSpec = nested(PlacementSpec, "Placement settings (SeaLLM).")
+    images: ImagesSpec = nested(ImagesSpec, "Container images.")
+    extra_vllm_args: list[str] = Field(
+        default_factory=list,
+        description="Extra vLLM server arguments, e.g. ['--enable-prefix-caching']; flags the operator sets "
+        "(--model, --port, --tensor-parallel-size, --max-num-seqs, ...) are not allowed.",
+    )
+
+    @field_validator("extra_vllm_args")
+    @classmethod
+    def _no_operator_owned_flags(cls, args: list[str]) -> list[str]:
+        owned = sorted({a.split("=", 1)[0] for a in args} & set(OPERATOR_OWNED_VLLM_FLAGS))
+        if owned:
+            raise ValueError(
+                f"{owned} are set by the operator from the LLMService/ServingPool specs; remove them "
+                f"(operator-owned flags: {list(OPERATOR_OWNED_VLLM_FLAGS)})"
+            )
+        return args
+
+
+class ReplicasByRole(ApiModel):
+    """Instance counts of one group by Chiron role."""
+
+    interactive: int = Field(default=0, ge=0, description="Instances serving interactive requests only.")
+    mixed: int = Field(
+        default=0, ge=0, description="Over-provisioned instances serving both (preemptible batch)."
+    )
+    batch: int = Field(default=0, ge=0, description="Instances serving batch requests only.")
+
+    @property
+    def total(self) -> int:
+        """All instances of the group."""
+        return self.interactive + self.mixed + self.batch
+
+
+class PlacementGroup(ApiModel):
+    """One placement group: a set of services co-located on instances of the same shape."""
+
+    name: str = Field(description="Group name (also names its StatefulSet).")
+    services: list[str] = Field(description="LLMServices placed in the group.")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per instance used by the group.")
+    replicas: ReplicasByRole = nested(ReplicasByRole, "Instances by role.")
+    ready_replicas: int = Field(default=0, ge=0, description="Instances ready to serve.")
+    batch_size: int | None = Field(default=None, ge=1, description="Current batch size (local autoscaler).")
+
+
+class PlacementPlan(ApiModel):
+    """The placement in effect."""
+
+    groups: list[PlacementGroup] = Field(
+        default_factory=list,
+        description="Placement groups.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    strategy: str | None = Field(default=None, description="Strategy that produced the plan.")
+    estimated_slo_attainment: float | None = Field(
+        default=None, ge=0, le=1, description="SLO attainment the placement simulator predicted (M_est)."
+    )
+
+
+class ScalingDecision(ApiModel):
+    """One scaling action of the global autoscaler or the placement loop."""
+
+    time: datetime = Field(description="When the decision was made.")
+    group: str | None = Field(default=None, description="Placement group concerned; unset means the pool.")
+    role: Literal["interactive", "mixed", "batch", "all"] = Field(default="all", description="Role scaled.")
+    from_replicas: int = Field(ge=0, description="Instances before.")
+    to_replicas: int = Field(ge=0, description="Instances after.")
+    reason: str = Field(description="Why, e.g. 'IBP 0.52 > 0.38' or 'batch backpressure: 3 groups late'.")
+
+
+SCALING_HISTORY_LENGTH = 20
+
+
+class ServingPoolStatus(ResourceStatus):
+    """Observed state of a ServingPool."""
+
+    placement: PlacementPlan = nested(PlacementPlan, "Placement plan in effect.")
+    last_placement_time: datetime | None = Field(default=None, description="When the plan was last computed.")
+    next_placement_time: datetime | None = Field(
+        default=None, description="When the plan is next recomputed."
+    )
+    replacement_interval_seconds: float | None = Field(
+        default=None, gt=0, description="Current adaptive re-placement interval I_t in seconds."
+    )
+    replicas: int = Field(default=0, ge=0, description="Instances of the pool (all groups and roles).")
+    ready_replicas: int = Field(default=0, ge=0, description="Instances ready to serve.")
+    selector: str | None = Field(
+        default=None, description="Label selector of the pool's pods (scale subresource)."
+    )
+    scaling_history: list[ScalingDecision] = Field(
+        default_factory=list,
+        max_length=SCALING_HISTORY_LENGTH,
+        description=f"Last {SCALING_HISTORY_LENGTH} scaling decisions, oldest first.",
+    )
+
+
+class ServingPool(Resource):
+    """A pool of GPU instances shared by LLMServices, with its autoscaling and placement settings."""
+
+    kind: Literal["ServingPool"] = Field(default="ServingPool", description="ServingPool.")
+    spec: ServingPoolSpec = Field(description="Desired state.")
+    status: ServingPoolStatus | None = Field(
+        default=None, description="Observed state (set by the operator)."
+    )
