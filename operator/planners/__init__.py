@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tessera.operator.planners.chiron import chiron_decide
 from tessera.operator.planners.placement import PlacementError, plan_dedicated
 from tessera.operator.planners.replacement import (
     IntervalMetrics,
@@ -26,6 +27,7 @@ from tessera.operator.planners.replacement import (
     next_replacement_interval,
     rollout_diff,
 )
+from tessera.operator.planners.threshold import ThresholdDecision, ThresholdSettings, threshold_decide
 from tessera.operator.planners.types import (
     ROLES,
     AutoscalerState,
@@ -89,7 +91,11 @@ __all__ = [
     "ScalingDecision",
     "ServiceInput",
     "Strategy",
+    "ThresholdDecision",
+    "ThresholdSettings",
+    "chiron_decide",
     "next_replacement_interval",
     "plan_placement",
     "rollout_diff",
+    "threshold_decide",
 ]

@@ -65,12 +65,12 @@ def next_replacement_interval(
     if estimated is None or measured is None:
         return min(settings.max_s, max(settings.min_s, current_s))
     err = prediction_error(estimated, measured)
-    if err > settings.beta:
-        nxt = (1 - settings.beta) * current_s
-    elif err < settings.beta:
-        nxt = (1 + settings.beta) * current_s
-    else:
+    if math.isclose(err, settings.beta, rel_tol=1e-9):
         nxt = current_s
+    elif err > settings.beta:
+        nxt = (1 - settings.beta) * current_s
+    else:
+        nxt = (1 + settings.beta) * current_s
     return min(settings.max_s, max(settings.min_s, nxt))
 
 

@@ -1,0 +1,198 @@
+"""Chiron global autoscaler (spec B5): IBP band, stabilisation, batch backpressure minimality."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from tessera.operator.planners import (
+    AutoscalerState,
+    BatchGroup,
+    ChironSettings,
+    MetricsSnapshot,
+    RoleCounts,
+    chiron_decide,
+)
+from tessera.operator.planners.chiron import batch_backpressure, waiting_time
+
+S = ChironSettings(over_provisioning=1 / 3, band=0.05, scale_down_cooldown_s=0.0, load_time_s=15.0)
+
+
+def test_scale_up_when_ibp_above_band_hits_target_at_once():
+    snap = MetricsSnapshot(ready=RoleCounts(interactive=2, mixed=1), instances_with_interactive=3)
+    d = chiron_decide(snap, AutoscalerState(), S, now=10.0)
+    # U = 3 -> N_IM* = 9, N_I* = 3, N_M* = 6
+    assert d.desired == RoleCounts(interactive=3, mixed=6, batch=0)
+    assert d.ibp == pytest.approx(1.0)
+    assert d.reasons and "IBP" in d.reasons[0]
+    assert d.state.last_scaling == 10.0
+
+
+def test_pending_instances_prevent_repeated_scale_up():
+    snap = MetricsSnapshot(
+        ready=RoleCounts(interactive=2, mixed=1),
+        pending=RoleCounts(interactive=1, mixed=5),
+        instances_with_interactive=3,
+    )
+    d = chiron_decide(snap, AutoscalerState(), S, now=10.0)
+    assert d.desired == RoleCounts(interactive=3, mixed=6)
+    assert not d.changed(RoleCounts(interactive=3, mixed=6))
+
+
+def test_in_band_keeps_counts():
+    snap = MetricsSnapshot(ready=RoleCounts(interactive=3, mixed=6), instances_with_interactive=3)
+    d = chiron_decide(snap, AutoscalerState(), S, now=0.0)
+    assert d.desired == RoleCounts(interactive=3, mixed=6)
+    assert d.reasons == ()
+
+
+def test_scale_down_needs_consecutive_low_evaluations_and_drains_mixed_first():
+    snap = MetricsSnapshot(ready=RoleCounts(interactive=3, mixed=6), instances_with_interactive=1)
+    st = AutoscalerState()
+    d1 = chiron_decide(snap, st, S, now=0.0)
+    assert d1.desired == RoleCounts(interactive=3, mixed=6)  # first low evaluation: hold
+    d2 = chiron_decide(snap, d1.state, S, now=5.0)
+    # U = 1 -> N_IM* = 3: N_I* = 1, N_M* = 2; mixed drained first (6 -> 2), then interactive (3 -> 1)
+    assert d2.desired == RoleCounts(interactive=1, mixed=2)
+    assert d2.state.low_evaluations == 0
+
+
+def test_scale_down_cooldown_stabilises():
+    settings = ChironSettings(scale_down_cooldown_s=120.0)
+    snap_hi = MetricsSnapshot(ready=RoleCounts(interactive=1, mixed=0), instances_with_interactive=1)
+    up = chiron_decide(snap_hi, AutoscalerState(), settings, now=0.0)
+    assert up.desired.total == 3
+    snap_lo = MetricsSnapshot(ready=up.desired, instances_with_interactive=0)
+    st = up.state
+    for t in (5.0, 10.0, 15.0, 60.0):
+        d = chiron_decide(snap_lo, st, settings, now=t)
+        assert d.desired == up.desired, t
+        st = d.state
+    d = chiron_decide(snap_lo, st, settings, now=125.0)
+    assert d.desired.total < up.desired.total
+
+
+def test_no_flapping_under_alternating_load():
+    """Load alternating around the band edges must not make the counts oscillate every evaluation."""
+    settings = ChironSettings(scale_down_cooldown_s=60.0)
+    counts = RoleCounts(interactive=1)
+    st = AutoscalerState()
+    changes = 0
+    for step in range(120):
+        busy = 4 if step % 2 else 3
+        d = chiron_decide(
+            MetricsSnapshot(ready=counts, instances_with_interactive=min(busy, counts.total)),
+            st,
+            settings,
+            5.0 * step,
+        )
+        changes += d.desired != counts
+        counts, st = d.desired, d.state
+    assert changes <= 3
+
+
+def test_queued_interactive_triggers_scale_up_even_without_instances():
+    snap = MetricsSnapshot(ready=RoleCounts(), interactive_queued=5)
+    d = chiron_decide(snap, AutoscalerState(), S, now=0.0)
+    assert d.desired.interactive >= 1 and d.desired.total == 3
+
+
+def test_waiting_time_piecewise():
+    assert waiting_time(100, 10, 0, 5, 15) == pytest.approx(10)
+    # 10*15 = 150 by load time, then 10 + 2*5 = 20 tok/s for the remaining 50
+    assert waiting_time(200, 10, 2, 5, 15) == pytest.approx(15 + 2.5)
+    assert waiting_time(200, 0, 0, 5, 15) == math.inf
+
+
+def _batch_snapshot(n_groups: int, per_group: int, deadline_step: float) -> MetricsSnapshot:
+    return MetricsSnapshot(
+        ready=RoleCounts(interactive=1, mixed=2),
+        instances_with_interactive=1,
+        batch_queue=tuple(BatchGroup(per_group, 3600 + i * deadline_step) for i in range(n_groups)),
+        batch_tokens_per_s=500.0,
+        mean_output_tokens=300.0,
+        std_output_tokens=100.0,
+    )
+
+
+def _bbp(snap, k, settings):
+    return batch_backpressure(
+        snap.batch_queue,
+        now=0.0,
+        mean_tokens=300.0,
+        std_tokens=100.0,
+        rate_now=500.0,
+        per_instance=settings.default_instance_tokens_per_s,
+        extra_instances=k,
+        settings=settings,
+    )
+
+
+def test_batch_autoscaler_returns_smallest_k_with_zero_backpressure():
+    snap = _batch_snapshot(n_groups=4, per_group=20_000, deadline_step=600)
+    d = chiron_decide(snap, AutoscalerState(), S, now=0.0)
+    k = d.desired.batch
+    assert k > 1  # several instances in one step for a large queue
+    assert _bbp(snap, k, S) == 0
+    assert _bbp(snap, k - 1, S) > 0
+    assert d.batch_backpressure == _bbp(snap, 0, S)
+
+
+def test_batch_autoscaler_adds_nothing_when_no_backpressure():
+    snap = _batch_snapshot(n_groups=2, per_group=100, deadline_step=600)
+    d = chiron_decide(snap, AutoscalerState(), S, now=0.0)
+    assert d.desired.batch == 0 and d.batch_backpressure == 0
+
+
+def test_batch_instances_retire_only_when_queue_empty_and_idle():
+    busy = MetricsSnapshot(
+        ready=RoleCounts(interactive=1, mixed=2, batch=4), instances_with_interactive=1, batch_running=10
+    )
+    assert chiron_decide(busy, AutoscalerState(), S, now=0.0).desired.batch == 4
+    idle = MetricsSnapshot(ready=RoleCounts(interactive=1, mixed=2, batch=4), instances_with_interactive=1)
+    assert chiron_decide(idle, AutoscalerState(), S, now=0.0).desired.batch == 0
+
+
+def test_unsaveable_group_does_not_launch_the_whole_cap():
+    # Deadline in 5 s: shorter than the 15 s load time, no instance can help.
+    snap = MetricsSnapshot(
+        ready=RoleCounts(interactive=1, mixed=2),
+        instances_with_interactive=1,
+        batch_queue=(BatchGroup(10_000, 5.0),),
+        batch_tokens_per_s=100.0,
+        mean_output_tokens=300.0,
+        std_output_tokens=0.0,
+    )
+    d = chiron_decide(snap, AutoscalerState(), S, now=0.0)
+    assert d.desired.batch == 0
+    assert d.batch_backpressure == 1
+
+
+def test_cap_bounds_total_and_interactive_comes_first():
+    settings = ChironSettings(max_instances=6, scale_down_cooldown_s=0.0)
+    snap = _batch_snapshot(n_groups=4, per_group=50_000, deadline_step=600)
+    snap = replace(snap, instances_with_interactive=3)
+    d = chiron_decide(snap, AutoscalerState(), settings, now=0.0)
+    assert d.desired.total <= 6
+    assert d.desired.interactive + d.desired.mixed == 6
+
+
+def test_defer_counts_only_groups_near_their_deadline():
+    settings = ChironSettings(
+        defer=True, batch_slo_s=3600.0, defer_horizon_fraction=0.25, scale_down_cooldown_s=0
+    )
+    snap = _batch_snapshot(n_groups=4, per_group=20_000, deadline_step=600)
+    assert chiron_decide(snap, AutoscalerState(), settings, now=0.0).desired.batch == 0
+    late = chiron_decide(snap, AutoscalerState(), settings, now=3600 - 800.0)
+    assert late.desired.batch > 0
+
+
+def test_settings_validation():
+    with pytest.raises(ValueError, match="over_provisioning"):
+        ChironSettings(over_provisioning=0)
+    with pytest.raises(ValueError, match="band"):
+        ChironSettings(over_provisioning=0.2, band=0.3)
+    with pytest.raises(ValueError, match="count"):
+        BatchGroup(-1, 0.0)
