@@ -18,8 +18,10 @@ GROUP = "tessera.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-# DNS-1035 label: the names of Services and StatefulSets the operator derives from these objects.
-NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# DNS-1123 label: names the operator can reuse in the names of the Services, StatefulSets and
+# ConfigMaps it creates. Kubernetes itself checks object names as DNS-1123 subdomains, which
+# differ only by allowing dots and up to 253 characters; the CRD adds exactly that difference.
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 NAME_MAX_LENGTH = 63
 
 
@@ -72,10 +74,11 @@ def nested(model: type[ApiModel], description: str) -> Any:
 
 # Kubernetes resource.Quantity syntax: a signed decimal number with an optional binary (Ki..Ei),
 # decimal (m, k, M..E) or exponent (e3, E-2) suffix.
-_QUANTITY = re.compile(
-    r"^(?P<num>[+-]?(\d+\.?\d*|\.\d+))(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?$"
-)
-QUANTITY_PATTERN = _QUANTITY.pattern
+_SUFFIX = r"(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][+-]?\d+)?"
+_QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))" + _SUFFIX + "$")
+# The subset the Quantity fields accept: unsigned, with a non-zero digit (so the value is > 0).
+# The CRD uses the same pattern, so the API server and the models agree.
+POSITIVE_QUANTITY_PATTERN = r"^(\d*[1-9]\d*(\.\d*)?|\d*\.\d*[1-9]\d*)" + _SUFFIX + "$"
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": Decimal(10**3)}
 _DECIMAL |= {"M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12), "P": Decimal(10**15)}
@@ -87,17 +90,17 @@ def parse_quantity(text: str) -> float:
 
     Raises ValueError with an example of the accepted syntax when ``text`` is not a quantity.
     """
-    match = _QUANTITY.match(text.strip()) if isinstance(text, str) else None
+    match = _QUANTITY.match(text) if isinstance(text, str) else None
     if match is None:
         raise ValueError(
             f"{text!r} is not a Kubernetes quantity; write a number with an optional suffix "
             "such as '80Gi', '16Gi', '40G' or '512Mi' (binary Ki/Mi/Gi/Ti, decimal k/M/G/T)"
         )
     try:
-        number = Decimal(match["num"])
+        number = Decimal(match[1])
     except InvalidOperation as err:  # pragma: no cover - the pattern admits only decimals
         raise ValueError(f"{text!r} is not a Kubernetes quantity") from err
-    suffix = match["suffix"] or ""
+    suffix = match[2] or ""
     if suffix in _BINARY:
         number *= _BINARY[suffix]
     elif suffix in _DECIMAL:
@@ -108,8 +111,9 @@ def parse_quantity(text: str) -> float:
 
 
 def _valid_positive_quantity(text: str) -> str:
-    if parse_quantity(text) <= 0:
-        raise ValueError(f"{text!r} must be a positive quantity, e.g. '80Gi'")
+    parse_quantity(text)  # explains the syntax when it is not a quantity at all
+    if re.match(POSITIVE_QUANTITY_PATTERN, text) is None:
+        raise ValueError(f"{text!r} must be a positive quantity without a sign, e.g. '80Gi'")
     return text
 
 
@@ -117,7 +121,7 @@ def _valid_positive_quantity(text: str) -> str:
 Quantity = Annotated[
     str,
     AfterValidator(_valid_positive_quantity),
-    Field(json_schema_extra={"pattern": QUANTITY_PATTERN}),
+    Field(json_schema_extra={"pattern": POSITIVE_QUANTITY_PATTERN}),
 ]
 
 Seconds = Annotated[float, Field(gt=0)]
@@ -131,7 +135,7 @@ class ObjectMeta(BaseModel):
     name: str = Field(
         pattern=NAME_PATTERN,
         max_length=NAME_MAX_LENGTH,
-        description="Object name: lowercase letters, digits and '-', starting with a letter, at most 63.",
+        description="Object name: lowercase letters, digits and '-', at most 63 characters, no dots.",
     )
     namespace: str | None = Field(default=None, description="Namespace; unset means the current namespace.")
     labels: dict[str, str] = Field(default_factory=dict, description="Labels.")

@@ -8,10 +8,21 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from tessera.api.base import NAME_PATTERN, ApiModel, Quantity, Resource, ResourceStatus, nested
+from tessera.api.base import (
+    NAME_MAX_LENGTH,
+    NAME_PATTERN,
+    ApiModel,
+    Quantity,
+    Resource,
+    ResourceStatus,
+    nested,
+)
 from tessera.api.request_class import ClassOverrides, RequestClassSpec
 from tessera.api.rules import LessOrEqual, ListedIn, MutuallyExclusive
 from tessera.worker.core.request import ServiceClass
+
+# Bounds the list so that the API server's CEL cost estimate of the defaultClass rule stays small.
+MAX_CLASSES_PER_SERVICE = 32
 
 
 class VolumeSource(ApiModel):
@@ -63,7 +74,11 @@ class PoolReference(ApiModel):
 class AcceptedClass(ApiModel):
     """A RequestClass the service accepts, with optional per-service overrides."""
 
-    name: str = Field(pattern=NAME_PATTERN, description="Name of a RequestClass in the same namespace.")
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        max_length=NAME_MAX_LENGTH,
+        description="Name of a RequestClass in the same namespace.",
+    )
     overrides: ClassOverrides | None = Field(
         default=None, description="Values that replace the class's for this service only."
     )
@@ -162,11 +177,13 @@ class LLMServiceSpec(ApiModel):
     pool_ref: PoolReference = Field(description="The ServingPool to place the model on.")
     request_classes: list[AcceptedClass] = Field(
         min_length=1,
+        max_length=MAX_CLASSES_PER_SERVICE,
         description="RequestClasses the service accepts (at least one), matched by header.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     default_class: str | None = Field(
         default=None,
+        max_length=NAME_MAX_LENGTH,
         description="Class of requests whose header names no accepted class; unset means the first listed.",
     )
     scheduling: SchedulingSpec = nested(SchedulingSpec, "Queue scheduling policy and its settings.")
