@@ -1,0 +1,1 @@
+"""Engine adapters: the real vLLM server and the simulator in real time, behind one interface."""
