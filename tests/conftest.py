@@ -1,0 +1,66 @@
+"""Session-wide fixtures shared by every test module.
+
+Real-engine fixtures (use them from ``@pytest.mark.integration`` tests only):
+
+- ``tiny_model_dir`` (session): a real, random-weight Llama model directory (byte-level BPE
+  tokenizer with a chat template, hidden 256, 4 heads, 2 layers, float32, 2048 positions), built
+  offline once per session by ``tessera.worker.engines.tiny_model.build_tiny_model``. Greedy
+  decoding on it is deterministic. Output text is gibberish; token ids are what tests compare.
+- ``vllm_server`` (session, lazy): ONE real vLLM OpenAI server (``VLLMServer``) on the tiny
+  model, started by the first test that asks for it (about 40-110 s on a 2-core CPU) and stopped
+  at the end of the session. Served model name ``TINY_MODEL_NAME`` ("tiny"), ``--max-model-len``
+  ``TINY_MAX_MODEL_LEN`` (512), ``--max-num-seqs`` 64, prefix caching on, 1 GiB of CPU KV cache.
+  Use ``vllm_server.url`` (no ``/v1``). A test that kills it must bring it back on the same port
+  before it ends (``vllm_server.launch(); vllm_server.wait_healthy()``); the fixture restarts it
+  for the next test if it finds it dead.
+
+Tests that send requests to the server should set ``ignore_eos`` when they need exact lengths: the
+random model may emit ``</s>`` at any step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tessera.worker.engines.vllm_process import VLLMServer
+
+TINY_MODEL_NAME = "tiny"
+TINY_MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random-weight Llama model, built once per session."""
+    from tessera.worker.engines.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def _vllm_session(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    server = VLLMServer(
+        tiny_model_dir,
+        served_model_name=TINY_MODEL_NAME,
+        max_model_len=TINY_MAX_MODEL_LEN,
+        max_num_seqs=64,
+        kv_cache_gib=1,
+        log_path=tmp_path_factory.mktemp("vllm-log") / "vllm.log",
+    )
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture()
+def vllm_server(_vllm_session: VLLMServer) -> VLLMServer:
+    """The session's shared vLLM server, restarted first if an earlier test left it dead."""
+    server = _vllm_session
+    if not server.healthy():
+        server.launch()
+        server.wait_healthy()
+    return server
