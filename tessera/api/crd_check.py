@@ -60,6 +60,25 @@ def _as_cel_json(schema: dict[str, Any], value: Any) -> Any:
     return value
 
 
+def _unknown_fields(schema: dict[str, Any], value: Any, path: str) -> list[str]:
+    """Fields the schema does not declare (kubectl's strict field validation rejects them)."""
+    problems: list[str] = []
+    if isinstance(value, dict) and "properties" in schema:
+        for name, item in value.items():
+            where = f"{path}.{name}".lstrip(".")
+            if name in schema["properties"]:
+                problems += _unknown_fields(schema["properties"][name], item, where)
+            else:
+                problems.append(f'{where}: unknown field "{where}"')
+    elif isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for name, item in value.items():
+            problems += _unknown_fields(schema["additionalProperties"], item, f"{path}.{name}")
+    elif isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            problems += _unknown_fields(schema["items"], item, f"{path}[{index}]")
+    return problems
+
+
 def _cel_problems(schema: dict[str, Any], value: Any, path: str) -> list[str]:
     import celpy
 
@@ -86,7 +105,7 @@ def server_side_problems(obj: dict[str, Any]) -> list[str]:
     schema = openapi_schema(str(obj.get("kind")))
     defaulted = apply_defaults(schema, obj)
     validator = jsonschema.Draft4Validator(schema)
-    problems = [
+    problems = _unknown_fields(schema, obj, "") + [
         f"{'.'.join(str(p) for p in error.absolute_path) or '<root>'}: {error.message}"
         for error in sorted(validator.iter_errors(defaulted), key=lambda e: list(map(str, e.absolute_path)))
     ]

@@ -135,7 +135,31 @@ class ListedIn:
         return f"{self.message}; got '{value}', listed: {names}"
 
 
-Rule = LessOrEqual | RequiredWhen | MutuallyExclusive | ListedIn
+@dataclass(frozen=True)
+class NoFlags:
+    """No string of the list ``field`` is one of ``flags``, alone or as ``flag=value``."""
+
+    field: str
+    flags: tuple[str, ...]
+
+    @property
+    def message(self) -> str:
+        """Human-readable statement of the rule."""
+        return f"{self.field} may not contain {', '.join(self.flags)} (set by the operator from the specs)"
+
+    def cel(self) -> str:
+        """The rule as a CEL expression over ``self``."""
+        banned = " || ".join(f"a == '{f}' || a.startsWith('{f}=')" for f in self.flags)
+        return f"!({_cel_has(self.field)}) || self.{self.field}.all(a, !({banned}))"
+
+    def violation(self, obj: Mapping[str, Any]) -> str | None:
+        """Why ``obj`` breaks the rule, or None when it holds."""
+        values = _get(obj, self.field)
+        found = [a for a in (values if isinstance(values, list) else []) if a.split("=", 1)[0] in self.flags]
+        return f"{self.message}; remove {found}" if found else None
+
+
+Rule = LessOrEqual | RequiredWhen | MutuallyExclusive | ListedIn | NoFlags
 
 
 def cel_validations(rules: tuple[Rule, ...]) -> list[dict[str, str]]:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from tessera.api.base import ApiModel, Quantity, Resource, ResourceStatus, nested
-from tessera.api.rules import LessOrEqual
+from tessera.api.rules import LessOrEqual, NoFlags
 
 # Flags the operator sets on the vLLM command line from the specs; extra args may not repeat them.
 OPERATOR_OWNED_VLLM_FLAGS = (
@@ -148,6 +148,8 @@ class ImagesSpec(ApiModel):
 class ServingPoolSpec(ApiModel):
     """Desired state of a ServingPool."""
 
+    RULES = (NoFlags("extraVllmArgs", OPERATOR_OWNED_VLLM_FLAGS),)
+
     gpu: GPUSpec = Field(description="GPUs of each instance.")
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Node labels of the GPU node pool the instances must run on."
@@ -159,22 +161,12 @@ class ServingPoolSpec(ApiModel):
     autoscaling: AutoscalingSpec = nested(AutoscalingSpec, "Autoscaling settings (Chiron).")
     placement: PlacementSpec = nested(PlacementSpec, "Placement settings (SeaLLM).")
     images: ImagesSpec = nested(ImagesSpec, "Container images.")
-    extra_vllm_args: list[str] = Field(
+    extra_vllm_args: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
         default_factory=list,
+        max_length=64,
         description="Extra vLLM server arguments, e.g. ['--enable-prefix-caching']; flags the operator sets "
         "(--model, --port, --tensor-parallel-size, --max-num-seqs, ...) are not allowed.",
     )
-
-    @field_validator("extra_vllm_args")
-    @classmethod
-    def _no_operator_owned_flags(cls, args: list[str]) -> list[str]:
-        owned = sorted({a.split("=", 1)[0] for a in args} & set(OPERATOR_OWNED_VLLM_FLAGS))
-        if owned:
-            raise ValueError(
-                f"{owned} are set by the operator from the LLMService/ServingPool specs; remove them "
-                f"(operator-owned flags: {list(OPERATOR_OWNED_VLLM_FLAGS)})"
-            )
-        return args
 
 
 class ReplicasByRole(ApiModel):
