@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tessera.operator.planners.chiron import chiron_decide
-from tessera.operator.planners.placement import PlacementError, plan_dedicated
+from tessera.operator.planners.placement import PlacementError, plan_dedicated, plan_seallm
 from tessera.operator.planners.replacement import (
     IntervalMetrics,
     IntervalSettings,
@@ -65,8 +65,6 @@ def plan_placement(
     if strategy == "dedicated":
         return plan_dedicated(pool, services)
     if strategy == "seallm":
-        from tessera.operator.planners.placement import plan_seallm
-
         return plan_seallm(pool, services, now=now, previous=previous)
     raise PlacementError(f"unknown placement strategy {strategy!r}; use 'seallm' or 'dedicated'")
 

@@ -7,8 +7,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from tessera.operator.planners.group_sim import SHARING_OVERHEAD
 from tessera.operator.planners.naming import group_name
 from tessera.operator.planners.types import GroupPlan, PlacementPlan, PoolInput, RoleCounts, ServiceInput
 
@@ -83,3 +86,259 @@ def plan_dedicated(pool: PoolInput, services: Sequence[ServiceInput]) -> Placeme
         for s in services
     )
     return PlacementPlan(strategy="dedicated", groups=groups)
+
+
+# ---------------------------------------------------------------------------------------------------
+# SeaLLM: stage 1 (GPU-group partition) and stage 2 (greedy unserved-index allocation)
+
+ALPHA = 1e-4  # Eq. 6's α: L_N only breaks ties between equal violation counts
+TYPICAL_BATCH = 16  # CHOICE: batch size at which the estimator prices one decode token
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One stage-1 configuration: uniform TP size ``tp`` and at most ``k_max`` services per group."""
+
+    tp: int
+    k_max: int
+
+
+@dataclass(slots=True)
+class Group:
+    """A GPU group of a candidate partition (mutable while the greedy fills it)."""
+
+    index: int
+    tp: int
+    reserved: bool = False  # merged for a service with tp_min > candidate TP (spec §6.1)
+    services: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """What the analytic estimator predicts for a placement."""
+
+    slo_attainment: float
+    norm_latency: float
+    unserved: dict[str, float]
+    max_utilization: float
+
+
+def candidates(pool: PoolInput) -> list[Candidate]:
+    """GetParallelismConfig: TP sizes {p ≤ node size, powers of two} × K_max ∈ {1, pool's K_max ≤ 2}."""
+    tps = []
+    p = pool.min_gpus_per_instance
+    while p <= min(pool.gpus_per_node, pool.max_gpus):
+        tps.append(p)
+        p *= 2
+    ks = sorted({1, min(2, pool.max_services_per_group)})
+    return [Candidate(tp, k) for tp in tps for k in ks]
+
+
+def generate_groups(pool: PoolInput, services: Sequence[ServiceInput], tp: int) -> list[Group]:
+    """GenerateGPUGroups: groups of ``tp`` GPUs inside nodes, after one merged, reserved group of
+    ``tp_min`` GPUs for each service that needs more than ``tp`` (first-fit decreasing keeps them
+    aligned inside a node)."""
+    nodes = [pool.gpus_per_node] * (pool.max_gpus // pool.gpus_per_node)
+    if pool.max_gpus % pool.gpus_per_node:
+        nodes.append(pool.max_gpus % pool.gpus_per_node)
+    groups: list[Group] = []
+    for s in sorted((s for s in services if s.tp_min > tp), key=lambda s: (-s.tp_min, s.name)):
+        node = next((i for i, free in enumerate(nodes) if free >= s.tp_min), None)
+        if node is None:
+            raise PlacementError(f"no node has {s.tp_min} free GPUs for service {s.name!r} at TP {tp}")
+        nodes[node] -= s.tp_min
+        groups.append(Group(len(groups), s.tp_min, reserved=True))
+    for free in nodes:
+        for _ in range(free // tp):
+            groups.append(Group(len(groups), tp))
+    return groups
+
+
+def service_rate(s: ServiceInput) -> float:
+    """λ_s: the configured rate, else the history's arrivals per second."""
+    if s.request_rate > 0 or len(s.history) < 2:
+        return s.request_rate
+    span = s.history[-1].arrival - s.history[0].arrival
+    return len(s.history) / span if span > 0 else 0.0
+
+
+def request_work(s: ServiceInput, tp: int) -> float:
+    """Seconds of group time one mean request of ``s`` costs at TP ``tp`` under continuous batching:
+    its prefill plus its decode tokens priced at ``TYPICAL_BATCH`` sequences per iteration."""
+    out = max(1, round(s.mean_output_tokens))
+    prompt = round(s.mean_prompt_tokens)
+    ctx = prompt + out / 2
+    step = s.latency.decode_step(tp, TYPICAL_BATCH, round(TYPICAL_BATCH * ctx))
+    return s.latency.prefill(tp, prompt) + (out - 1) * step / TYPICAL_BATCH
+
+
+def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s: float = 300.0) -> Estimate:
+    """Analytic SimulateUI: each group is a processor-sharing server; requests of a service are split
+    evenly over its groups. A request's latency is exponential with mean ``exec/(1−ρ)`` (M/M/1-PS), so
+    P(L > SLO) = exp(−SLO·(1−ρ)/exec); an overloaded group (ρ ≥ 1) violates every request. Unplaced
+    services violate every request (at least one, so that Eq. 3 places them first)."""
+    by_name = {s.name: s for s in services}
+    hosts: dict[str, list[Group]] = {}
+    for g in groups:
+        for n in g.services:
+            hosts.setdefault(n, []).append(g)
+    rho: dict[int, float] = {}
+    for g in groups:
+        load = sum(
+            service_rate(by_name[n]) / len(hosts[n]) * request_work(by_name[n], g.tp) for n in g.services
+        )
+        rho[g.index] = load * (1 + SHARING_OVERHEAD if len(g.services) > 1 else 1.0)
+    unserved: dict[str, float] = {}
+    total_rate = viol_rate = norm_sum = 0.0
+    for s in services:
+        lam = service_rate(s)
+        ref = s.mean_exec_s()
+        placed = hosts.get(s.name, [])
+        if not placed:
+            unserved[s.name] = max(1.0, lam * window_s) + ALPHA * 1e6
+            total_rate += lam
+            viol_rate += lam
+            norm_sum += lam * 1e6
+            continue
+        p_viol = norm = 0.0
+        for g in placed:
+            exec_g = s.mean_exec_s(g.tp)
+            r = rho[g.index]
+            if r >= 1:
+                p_viol += 1.0
+                norm += window_s / ref
+            else:
+                mean_l = exec_g / (1 - r)
+                p_viol += math.exp(-s.slo_scale * ref / mean_l)
+                norm += mean_l / ref
+        p_viol /= len(placed)
+        norm /= len(placed)
+        unserved[s.name] = lam * window_s * p_viol + ALPHA * norm
+        total_rate += lam
+        viol_rate += lam * p_viol
+        norm_sum += lam * norm
+    if total_rate > 0:
+        slo, ln = 1 - viol_rate / total_rate, norm_sum / total_rate
+    else:
+        slo, ln = 1.0, 1.0
+    return Estimate(slo, ln, unserved, max(rho.values(), default=0.0))
+
+
+def can_allocate(
+    pool: PoolInput, g: Group, s: ServiceInput, k_max: int, by_name: dict[str, ServiceInput]
+) -> bool:
+    """CanAllocate (spec §6.2): not there yet, room, TP, reservation rule, memory."""
+    if s.name in g.services or len(g.services) >= k_max or g.tp < s.tp_min:
+        return False
+    if g.reserved and not any(by_name[n].tp_min == g.tp for n in g.services) and s.tp_min != g.tp:
+        return False
+    return fits(pool, [*(by_name[n] for n in g.services), s], g.tp)
+
+
+def greedy_allocate(
+    pool: PoolInput, services: Sequence[ServiceInput], groups: list[Group], k_max: int
+) -> Estimate:
+    """Alg. 1 stage 2: repeatedly add the first feasible (group, service) pair, groups by ascending
+    request rate, services by descending unserved index. Fills ``groups`` in place."""
+    by_name = {s.name: s for s in services}
+    while True:
+        est = estimate(services, groups)
+        hosts: dict[str, int] = {}
+        for g in groups:
+            for n in g.services:
+                hosts[n] = hosts.get(n, 0) + 1
+        order_g = sorted(
+            groups,
+            key=lambda g: (sum(service_rate(by_name[n]) / hosts[n] for n in g.services), g.index),
+        )
+        order_s = sorted(services, key=lambda s: (-est.unserved[s.name], s.name))
+        placed = False
+        for g in order_g:
+            for s in order_s:
+                if can_allocate(pool, g, s, k_max, by_name):
+                    g.services.append(s.name)
+                    placed = True
+                    break
+            if placed:
+                break
+        if not placed:
+            return est
+
+
+def to_plan(
+    strategy: str, groups: Sequence[Group], est: Estimate | None, notes: tuple[str, ...] = ()
+) -> PlacementPlan:
+    """Merge groups with the same (services, TP) into one GroupPlan with that many replicas."""
+    counts: dict[tuple[tuple[str, ...], int], int] = {}
+    for g in groups:
+        if g.services:
+            key = (tuple(sorted(g.services)), g.tp)
+            counts[key] = counts.get(key, 0) + 1
+    plans = tuple(
+        GroupPlan(name=group_name(svcs, tp), services=svcs, tp=tp, replicas=RoleCounts(interactive=n))
+        for (svcs, tp), n in sorted(counts.items())
+    )
+    return PlacementPlan(
+        strategy=strategy,
+        groups=plans,
+        estimated_slo_attainment=None if est is None else est.slo_attainment,
+        estimated_norm_latency=None if est is None else est.norm_latency,
+        notes=notes,
+    )
+
+
+def groups_of_plan(plan: PlacementPlan) -> list[Group]:
+    """The plan's instances as stage-2 groups (one per replica)."""
+    out: list[Group] = []
+    for gp in plan.groups:
+        for _ in range(gp.replicas.total):
+            out.append(Group(len(out), gp.tp, services=list(gp.services)))
+    return out
+
+
+def plan_seallm(
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    *,
+    now: float,
+    previous: PlacementPlan | None = None,
+    keep_margin: float = 0.005,
+) -> PlacementPlan:
+    """SeaLLM Alg. 1 over every stage-1 candidate; the best by (estimated SLO attainment, then L_N).
+
+    Least churn (CHOICE): if ``previous`` still places every service and the best new plan is not better
+    by more than ``keep_margin`` attainment (or 2 % L_N at equal attainment), the previous plan stays."""
+    validate_services(pool, services)
+    if not services:
+        return PlacementPlan(strategy="seallm", groups=())
+    names = {s.name for s in services}
+    best: tuple[tuple[float, float], list[Group], Estimate, Candidate] | None = None
+    for cand in candidates(pool):
+        try:
+            groups = generate_groups(pool, services, cand.tp)
+        except PlacementError:
+            continue
+        est = greedy_allocate(pool, services, groups, cand.k_max)
+        if {n for g in groups for n in g.services} != names:
+            continue  # Eq. 3 violated: some service found no group
+        score = (est.slo_attainment, -est.norm_latency)
+        if best is None or score > best[0]:
+            best = (score, groups, est, cand)
+    if best is None:
+        raise PlacementError(
+            f"pool {pool.name!r} ({pool.max_gpus} GPUs) cannot place all {len(services)} services; "
+            "raise instances.max or remove services"
+        )
+    _, groups, est, cand = best
+    plan = to_plan("seallm", groups, est, (f"tp={cand.tp}", f"k_max={cand.k_max}"))
+    if previous is not None and {n for g in previous.groups for n in g.services} == names:
+        prev_groups = groups_of_plan(previous)
+        if sum(g.tp for g in prev_groups) <= pool.max_gpus:
+            prev = estimate(services, prev_groups)
+            better = est.slo_attainment > prev.slo_attainment + keep_margin or (
+                est.slo_attainment >= prev.slo_attainment - 1e-12
+                and est.norm_latency < 0.98 * prev.norm_latency
+            )
+            if not better:
+                return to_plan("seallm", prev_groups, prev, ("kept previous plan: new one not better",))
+    return plan
