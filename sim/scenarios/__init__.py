@@ -48,6 +48,7 @@ class BenchConfig:
     seed: int = 0
     json_path: Path | None = None
     plot_dir: Path | None = None
+    requests_csv: Path | None = None  # per-request CSV (one line per request and row)
     options: dict[str, Any] = field(default_factory=dict)  # scenario-specific --set key=value
 
     def as_dict(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ class FCFS(PriorityPolicy):
     """First come, first served (vLLM default)."""
 
     name: ClassVar[str] = "fcfs"
+    static_keys: ClassVar[bool] = True
 
     def key(self, req: Request, now: float) -> tuple:
         """Arrival time."""
@@ -32,6 +33,7 @@ class EDF(PriorityPolicy):
     """Earliest SLO deadline first."""
 
     name: ClassVar[str] = "edf"
+    static_keys: ClassVar[bool] = True
 
     def key(self, req: Request, now: float) -> tuple:
         """Absolute SLO deadline, then arrival."""
@@ -48,6 +50,7 @@ class SJFOracle(PriorityPolicy):
     """Shortest job first on the true output length (bound; simulation only)."""
 
     name: ClassVar[str] = "sjf-oracle"
+    static_keys: ClassVar[bool] = True
     oracle: ClassVar[bool] = True
 
     def key(self, req: Request, now: float) -> tuple:

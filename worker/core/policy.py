@@ -48,6 +48,9 @@ class InstanceView:
     profile: StepProfile
     active_model: str | None = None  # model whose weights are loaded (None: any / single-model)
     iteration: int = 0  # engine iterations so far
+    # Prefill tokens the engine admits in one iteration (vLLM's max_num_batched_tokens; None: unbounded).
+    # Policies may use it, with kv_free_tokens, to avoid proposing admissions that cannot happen now.
+    prefill_budget_tokens: int | None = None
 
     @property
     def kv_free_tokens(self) -> int:
@@ -103,16 +106,20 @@ class PriorityPolicy(Policy):
     filled from the queue (FCFS, EDF, SJF). ``preemptive=True``: every decision
     re-ranks running and queued requests together and the top ``max_batch`` run
     (SRTF). Keys of queued requests are assumed fixed while they wait; keys of
-    running requests are re-evaluated at every decision. Cost per decision is
-    O(running · log queue), independent of the queue length.
+    running requests are re-evaluated at every decision unless ``static_keys`` says
+    they never change (then the key computed at queueing time is reused). The queue
+    is popped only as far as the engine could admit now (free KV tokens, prefill
+    budget, batch slots), so a decision costs O(running + admitted·log queue),
+    independent of the queue length.
     """
 
     preemptive: ClassVar[bool] = False
+    static_keys: ClassVar[bool] = False  # key(req, now) never changes for a request
 
     def __init__(self) -> None:
         self._heap: list[_Entry] = []
         self._queued: dict[int, _Entry] = {}  # id(req) -> live heap entry; lazy deletion
-        self._running: dict[int, Request] = {}
+        self._running: dict[int, _Entry] = {}
         self._seq = itertools.count()
 
     @abstractmethod
@@ -136,12 +143,12 @@ class PriorityPolicy(Policy):
         self._queued[id(req)] = entry
         heapq.heappush(self._heap, entry)
 
-    def _pop_queued(self) -> Request | None:
+    def _pop_queued(self) -> _Entry | None:
         while self._heap:
             entry = heapq.heappop(self._heap)
             if self._queued.get(id(entry.req)) is entry:
                 del self._queued[id(entry.req)]
-                return entry.req
+                return entry
         return None
 
     def _peek_queued(self) -> _Entry | None:
@@ -155,37 +162,57 @@ class PriorityPolicy(Policy):
     def _sync_running(self, view: InstanceView) -> None:
         """Requests the engine preempted on its own go back to the queue with a fresh key."""
         now_running = {id(r): r for r in view.running}
-        for rid, req in list(self._running.items()):
-            if rid not in now_running and req.phase is not Phase.FINISHED:
-                del self._running[rid]
-                self._push(req, view.now)
+        if len(now_running) != len(self._running) or not now_running.keys() >= self._running.keys():
+            for rid, entry in list(self._running.items()):
+                if rid not in now_running and entry.req.phase is not Phase.FINISHED:
+                    del self._running[rid]
+                    self._push(entry.req, view.now)
         for rid, req in now_running.items():
             if rid not in self._running:
-                self._running[rid] = req
-                self._queued.pop(rid, None)
+                # A fresh entry: the queued one may still sit in the heap (lazy deletion) and must not change.
+                old = self._queued.pop(rid, None)
+                key = old.key if old is not None else self.key(req, view.now)
+                self._running[rid] = _Entry(key, next(self._seq), req)
 
     def schedule(self, view: InstanceView) -> Decision:
         """Keep or re-rank the running set, then fill free slots from the queue in key order."""
         self._sync_running(view)
         now = view.now
-        running = sorted(self._running.values(), key=lambda r: self.key(r, now))
+        entries = list(self._running.values())
+        if not self.static_keys:
+            for entry in entries:
+                entry.key = self.key(entry.req, now)
+        entries.sort(key=_entry_order)
         if self.preemptive:
-            for req in running:
-                del self._running[id(req)]
-                self._push(req, now)
-            running = []
-        run = list(running)
-        while len(run) < view.max_batch:
-            req = self._pop_queued()
-            if req is None:
+            for entry in entries:
+                self._queued[id(entry.req)] = entry
+                heapq.heappush(self._heap, entry)
+            self._running.clear()
+            entries = []
+        run = [entry.req for entry in entries]
+        # Admission room: the engine stops at the first request that does not fit, so popping
+        # further than the free KV tokens and the prefill budget allow would only churn the heap.
+        room = view.kv_free_tokens
+        budget = view.prefill_budget_tokens
+        while len(run) < view.max_batch and room > 0 and (budget is None or budget > 0):
+            entry = self._pop_queued()
+            if entry is None:
                 break
+            req = entry.req
             run.append(req)
-        # Whatever the engine cannot admit returns to the queue at the next decision via _sync_running;
-        # remember the chosen set as running now so keys stay consistent.
-        for req in run:
-            self._running[id(req)] = req
+            self._running[id(req)] = entry
+            if not req.kv_resident:
+                need = req.prompt_tokens + req.generated + 1
+                room -= need
+                if budget is not None and not req.swapped:
+                    budget -= need
+        # Whatever the engine cannot admit returns to the queue at the next decision via _sync_running.
         return Decision(run=run, recheck_after_tokens=self.recheck_tokens())
 
     def recheck_tokens(self) -> int | None:
         """Decode iterations until the policy wants to re-rank without an event (None: only on events)."""
         return None
+
+
+def _entry_order(entry: _Entry) -> tuple:
+    return (entry.key, entry.seq)

@@ -27,6 +27,7 @@ class StepProfile:
     weights_bytes: int = 16_000_000_000
     host_link_bytes_per_s: float = 25e9  # model swap and KV swap bandwidth (PCIe)
     cold_start_s: float = 30.0  # new instance until ready (image pull excluded)
+    gpus: int = 1  # GPUs of one instance (tensor-parallel degree); GPU-seconds count these
     source: str = ""  # where the numbers come from
 
     def decode_step(self, batch: int, context_tokens: int) -> float:

@@ -156,6 +156,8 @@ class ConsumptionTracker:
 
     def update(self, timeline: TokenTimeline) -> None:
         """Take in the tokens appended to ``timeline`` since the last call."""
+        if timeline.total == self.tokens:  # also brings a shared-log timeline up to date
+            return
         counts = timeline.counts
         if self._runs and counts[self._runs - 1] != self._last_count:
             # the last seen run grew in place: take in its new tail

@@ -1,0 +1,383 @@
+"""A simulated cluster: engine instances, a router, an optional controller.
+
+The event loop merges three streams in time order: request arrivals (routed at
+arrival), instance segment ends (a heap keyed by each instance's next event
+time) and controller ticks every ``interval_s``. Cost grows with events.
+
+Extension points (other engineers build on these):
+
+- ``Router``: ``route(req, view) -> Instance``. QLM's global scheduler assigns
+  requests to instance queues by subclassing it.
+- ``Controller``: ``tick(view) -> list[Action]`` every ``interval_s`` of simulated
+  time, given a ``ClusterView`` it must not mutate. Actions add instances (ready
+  after the profile's cold start), drain or remove instances, set an instance's
+  max batch or role (Chiron's autoscalers).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tessera.sim.engine import EngineConfig, Instance
+from tessera.worker.core.policy import Policy
+from tessera.worker.core.profile import StepProfile
+from tessera.worker.core.request import Request
+
+INF = float("inf")
+
+PolicyFactory = Callable[[], Policy]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    """What routers and controllers see (live objects: read, never mutate)."""
+
+    now: float
+    instances: Sequence[Instance]  # alive (not retired), in creation order
+    waiting_arrivals: int = 0  # requests not yet arrived
+
+    def serving(self, model: str) -> list[Instance]:
+        """Instances that can serve ``model`` and accept new requests (ready or warming up)."""
+        return [i for i in self.instances if not i.draining and model in i.profiles]
+
+
+class Router(ABC):
+    """Chooses the instance for each arriving request."""
+
+    name: str = "router"
+
+    @abstractmethod
+    def route(self, req: Request, view: ClusterView) -> Instance:
+        """The instance ``req`` goes to (one of ``view.serving(req.model)``)."""
+
+
+def _candidates(req: Request, view: ClusterView) -> list[Instance]:
+    cands = view.serving(req.model)
+    if not cands:
+        raise RuntimeError(f"no instance serves model {req.model!r} (request {req.id})")
+    ready = [i for i in cands if i.ready_at <= view.now]
+    return ready or [min(cands, key=lambda i: i.ready_at)]
+
+
+class RoundRobin(Router):
+    """Cycle through the ready instances that serve the request's model."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def route(self, req: Request, view: ClusterView) -> Instance:
+        """The next instance in turn."""
+        cands = _candidates(req, view)
+        inst = cands[self._next % len(cands)]
+        self._next += 1
+        return inst
+
+
+class LeastLoaded(Router):
+    """The ready instance with the fewest outstanding requests (ties: the first)."""
+
+    name = "least-loaded"
+
+    def route(self, req: Request, view: ClusterView) -> Instance:
+        """The least-loaded candidate."""
+        return min(_candidates(req, view), key=lambda i: i.outstanding)
+
+
+ROUTERS: dict[str, type[Router]] = {"round-robin": RoundRobin, "least-loaded": LeastLoaded}
+
+
+def make_router(name: str) -> Router:
+    """A router by name; ValueError naming the known ones otherwise."""
+    if name not in ROUTERS:
+        raise ValueError(f"unknown router {name!r}; known routers: {', '.join(ROUTERS)}")
+    return ROUTERS[name]()
+
+
+# ---- controller actions -----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AddInstance:
+    """Start a new instance; it is ready after the cold start of its first model's profile."""
+
+    role: str = "default"
+    models: tuple[str, ...] | None = None  # None: the cluster's models
+    max_batch: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DrainInstance:
+    """Stop routing to the instance; it retires when its last request finishes."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveInstance:
+    """Retire the instance now; its unfinished requests are routed again (progress kept, KV lost)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class SetMaxBatch:
+    """Change an instance's batch-size limit."""
+
+    name: str
+    max_batch: int
+
+
+@dataclass(frozen=True, slots=True)
+class SetRole:
+    """Change an instance's role label (routers may use it)."""
+
+    name: str
+    role: str
+
+
+Action = AddInstance | DrainInstance | RemoveInstance | SetMaxBatch | SetRole
+
+
+class Controller(ABC):
+    """Periodic cluster-level decisions (autoscalers)."""
+
+    interval_s: float = 10.0
+
+    @abstractmethod
+    def tick(self, view: ClusterView) -> list[Action]:
+        """Actions to apply now."""
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    """How to build a cluster."""
+
+    profiles: dict[str, StepProfile]  # model -> profile
+    instances: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: str = "least-loaded"
+    role: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.instances < 0:
+            raise ValueError(f"instances must be >= 0, got {self.instances}")
+        if not self.profiles:
+            raise ValueError("a cluster needs at least one model profile")
+
+
+@dataclass(slots=True)
+class ClusterResult:
+    """What a simulation produced besides the requests' own state."""
+
+    requests: list[Request]
+    gpu_seconds: float
+    makespan_s: float  # first arrival to last completion
+    model_swaps: int
+    kv_swaps: int
+    preemptions: int
+    iterations: int
+    wall_s: float
+    events: int
+    instance_log: list[tuple[float, str, str]]  # (time, instance, what happened)
+
+
+class Cluster:
+    """Many instances, a router and an optional controller, driven by one event loop."""
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        policy_factory: PolicyFactory,
+        *,
+        router: Router | None = None,
+        controller: Controller | None = None,
+    ) -> None:
+        self.config = config
+        self.policy_factory = policy_factory
+        self.router = router or make_router(config.router)
+        self.controller = controller
+        self.instances: list[Instance] = []
+        self.retired: list[Instance] = []
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Instance]] = []
+        self._seq = itertools.count()
+        self._names = itertools.count()
+        self._pending: list[Request] = []  # removed instances' requests to route again
+        self.log: list[tuple[float, str, str]] = []
+        for _ in range(config.instances):
+            self.add_instance(role=config.role, cold=False)
+
+    def view(self) -> ClusterView:
+        """The current read-only view."""
+        return ClusterView(self.now, self.instances)
+
+    def add_instance(
+        self,
+        role: str = "default",
+        models: Sequence[str] | None = None,
+        max_batch: int | None = None,
+        *,
+        cold: bool = True,
+    ) -> Instance:
+        """Create an instance now; with ``cold`` it is ready after its profile's cold start."""
+        names = list(models) if models is not None else list(self.config.profiles)
+        unknown = [m for m in names if m not in self.config.profiles]
+        if unknown or not names:
+            raise ValueError(
+                f"cannot add an instance for models {names}; known: {list(self.config.profiles)}"
+            )
+        profiles = {m: self.config.profiles[m] for m in names}
+        first = profiles[names[0]]
+        inst = Instance(
+            f"i{next(self._names)}",
+            profiles,
+            self.policy_factory(),
+            self.config.engine,
+            role=role,
+            created_at=self.now,
+            ready_at=self.now + (first.cold_start_s if cold else 0.0),
+        )
+        if max_batch is not None:
+            inst.max_batch = max_batch
+        self.instances.append(inst)
+        self.log.append((self.now, inst.name, f"add role={role}"))
+        self._reschedule(inst)
+        return inst
+
+    def _reschedule(self, inst: Instance) -> None:
+        t = inst.next_time
+        if t < INF:
+            seq = next(self._seq)
+            inst.heap_seq = seq  # older entries of this instance are stale
+            heapq.heappush(self._heap, (t, seq, inst))
+
+    def _retire(self, inst: Instance) -> None:
+        inst.retired_at = self.now
+        inst.heap_seq = -1
+        self.instances.remove(inst)
+        self.retired.append(inst)
+        self.log.append((self.now, inst.name, "retire"))
+
+    def _find(self, name: str) -> Instance:
+        for inst in self.instances:
+            if inst.name == name:
+                return inst
+        raise ValueError(f"controller named unknown instance {name!r}")
+
+    def apply(self, actions: Sequence[Action]) -> None:
+        """Apply controller actions at the current time."""
+        for act in actions:
+            if isinstance(act, AddInstance):
+                self.add_instance(act.role, act.models, act.max_batch)
+            elif isinstance(act, DrainInstance):
+                inst = self._find(act.name)
+                inst.draining = True
+                self.log.append((self.now, inst.name, "drain"))
+                if not inst.outstanding:
+                    self._retire(inst)
+            elif isinstance(act, RemoveInstance):
+                inst = self._find(act.name)
+                self._pending.extend(inst.take_all(self.now))
+                self._retire(inst)
+            elif isinstance(act, SetMaxBatch):
+                inst = self._find(act.name)
+                inst.set_max_batch(act.max_batch, self.now)
+                self._reschedule(inst)
+            elif isinstance(act, SetRole):
+                self._find(act.name).role = act.role
+            else:
+                raise TypeError(f"unknown controller action {act!r}")
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for req in pending:
+                self._route(req)
+
+    def _route(self, req: Request) -> None:
+        inst = self.router.route(req, self.view())
+        inst.add(req, self.now)
+        self._reschedule(inst)
+
+    def run(
+        self, requests: Sequence[Request], progress: Callable[[int], None] | None = None
+    ) -> ClusterResult:
+        """Simulate until every request has finished; requests are mutated in place."""
+        wall0 = time.perf_counter()
+        arrivals = sorted(requests, key=lambda r: r.arrival)
+        n = len(arrivals)
+        if n == 0:
+            raise ValueError("no requests to simulate")
+        if not self.instances and self.controller is None:
+            raise ValueError("the cluster has no instances and no controller to add some")
+        t_start = arrivals[0].arrival
+        self.now = min(self.now, t_start)
+        next_tick = t_start if self.controller is not None else INF
+        interval = self.controller.interval_s if self.controller is not None else INF
+        if interval <= 0:
+            raise ValueError(f"controller interval_s must be > 0, got {interval}")
+        heap = self._heap
+        ai = 0
+        done_before = 0
+        events = 0
+        report_every = max(1, n // 200)
+        while True:
+            t_arr = arrivals[ai].arrival if ai < n else INF
+            while heap and heap[0][2].heap_seq != heap[0][1]:
+                heapq.heappop(heap)  # stale entry
+            t_inst = heap[0][0] if heap else INF
+            if ai >= n and not any(i.outstanding for i in self.instances):
+                break
+            t = min(t_arr, t_inst, next_tick)
+            if t == INF:
+                stuck = sum(i.outstanding for i in self.instances)
+                raise RuntimeError(
+                    f"simulation stalled at t={self.now:.3f}s with {stuck} unfinished requests: "
+                    "the policy left them unscheduled and asked for no re-check"
+                )
+            self.now = t
+            events += 1
+            if t == next_tick:
+                actions = self.controller.tick(self.view()) if self.controller is not None else []
+                self.apply(actions)
+                next_tick += interval
+            elif t == t_arr:  # arrivals of an instant first, so they share the next iteration
+                self._route(arrivals[ai])
+                ai += 1
+            else:
+                _, _, inst = heapq.heappop(heap)
+                inst.advance()
+                self._reschedule(inst)
+                if inst.draining and not inst.outstanding and inst in self.instances:
+                    self._retire(inst)
+            if progress is not None and events % 512 == 0:
+                finished = sum(i.finished for i in self.instances) + sum(i.finished for i in self.retired)
+                if finished - done_before >= report_every:
+                    progress(finished - done_before)
+                    done_before = finished
+        end = self.now
+        if progress is not None and n - done_before > 0:
+            progress(n - done_before)
+        unfinished = [r for r in requests if not r.finished]
+        if unfinished:
+            raise RuntimeError(f"{len(unfinished)} requests did not finish (first: {unfinished[0].id})")
+        everyone = self.instances + self.retired
+        gpu_seconds = sum(
+            i.gpus * ((i.retired_at if i.retired_at is not None else end) - i.created_at) for i in everyone
+        )
+        last = max(r.finished_at or 0.0 for r in requests)
+        return ClusterResult(
+            requests=list(requests),
+            gpu_seconds=gpu_seconds,
+            makespan_s=last - t_start,
+            model_swaps=sum(i.model_swaps for i in everyone),
+            kv_swaps=sum(i.kv_swaps for i in everyone),
+            preemptions=sum(i.preemptions for i in everyone),
+            iterations=sum(i.iterations for i in everyone),
+            wall_s=time.perf_counter() - wall0,
+            events=events,
+            instance_log=self.log,
+        )

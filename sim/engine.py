@@ -1,0 +1,543 @@
+"""One simulated continuous-batching engine instance (vLLM V0 semantics).
+
+Spec: elis_andes_spec.md §0.2, qlm_chiron_spec.md part C, seallm_spec.md §9.1.
+
+- KV cache in blocks of ``profile.block_size``; a resident request with context
+  ``c = P + n_gen`` holds ``ceil((c + 1) / block)`` blocks, i.e. what its next
+  step needs. Admission keeps a watermark (1% of the blocks) free.
+- Without chunked prefill, admitting requests triggers a prefill-only iteration
+  (bounded by the prefill token budget); the first token appears at its end.
+  With chunked prefill each iteration carries every decode plus prompt chunks up
+  to the token budget (decodes first, Sarathi-Serve).
+- Decode iterations give each running request one token. Between events the
+  engine advances a *run* of k decode iterations in closed form: the step time
+  grows linearly with the batch's context, so the run's token times are an
+  arithmetic series recorded as one ``TokenTimeline`` run (shared ``RunLog``).
+  A run ends at the first completion, at KV exhaustion (computed analytically),
+  at a policy re-check, or early at the first iteration boundary after an
+  arrival or external change (``notify``).
+- Preemption: ``recompute`` (KV dropped; resuming re-prefills P + generated),
+  ``swap`` (KV over the host link, bounded swap space; falls back to recompute),
+  ``keep`` (paused with KV kept). When KV runs out the engine preempts the
+  running request that came last in the policy's latest ``run`` and asks again.
+- Models: ``profiles`` maps each model the instance can serve to its step
+  profile. One model is active; loading a model that is not resident costs
+  ``weights_bytes / host_link`` (a model swap) and evicts the least recently
+  used resident model beyond ``max_resident_models``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from tessera.worker.core.policy import Decision, InstanceView, Policy, PreemptMode
+from tessera.worker.core.profile import StepProfile
+from tessera.worker.core.request import Phase, Request
+from tessera.worker.core.timeline import RunLog
+
+INF = float("inf")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Settings of one simulated engine instance (each a CHOICE with the specs' default)."""
+
+    max_batch: int = 256  # vLLM max_num_seqs default
+    chunked_prefill: bool = False  # Sarathi-Serve style mixed iterations
+    token_budget: int | None = None  # max_num_batched_tokens; None: 512 chunked, 8192 otherwise
+    preempt_mode: PreemptMode = "recompute"  # engine default (vLLM for single-sequence requests)
+    watermark: float = 0.01  # fraction of KV blocks admission keeps free
+    swap_space_tokens: int | None = None  # host swap space; None: 4 GiB (vLLM default) of KV
+    max_resident_models: int = 1  # models whose weights fit at once
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.preempt_mode not in ("recompute", "swap", "keep"):
+            raise ValueError(f"preempt_mode must be recompute, swap or keep, got {self.preempt_mode!r}")
+        if self.max_resident_models < 1:
+            raise ValueError("max_resident_models must be >= 1")
+
+    @property
+    def budget(self) -> int:
+        """The effective per-iteration token budget."""
+        if self.token_budget is not None:
+            return self.token_budget
+        return 512 if self.chunked_prefill else 8192
+
+
+SegmentKind = Literal["prefill", "decode", "busy", "wait"]
+
+
+@dataclass(slots=True)
+class _Segment:
+    kind: SegmentKind
+    t0: float  # when its first iteration starts
+    end: float
+    k: int = 0  # decode iterations (decode) or 1 (prefill)
+    a: float = 0.0  # first decode step time
+    g: float = 0.0  # per-iteration growth of the step time
+    decodes: int = 0  # requests decoding in a mixed (chunked) iteration
+    chunks: tuple[tuple[Request, int], ...] = ()  # prefill work of the iteration
+
+
+def blocks_for(context: int, block: int) -> int:
+    """Blocks a resident request with ``context`` tokens holds: what its next step needs."""
+    return context // block + 1  # == ceil((context + 1) / block)
+
+
+class Instance:
+    """A continuous-batching engine driven by a policy; time is always passed in."""
+
+    def __init__(
+        self,
+        name: str,
+        profiles: dict[str, StepProfile],
+        policy: Policy,
+        config: EngineConfig | None = None,
+        *,
+        role: str = "default",
+        created_at: float = 0.0,
+        ready_at: float | None = None,
+        on_finish: Callable[[Request], None] | None = None,
+    ) -> None:
+        if not profiles:
+            raise ValueError(f"instance {name}: needs at least one model profile")
+        self.name = name
+        self.profiles = profiles
+        self.policy = policy
+        self.config = config or EngineConfig()
+        self.role = role
+        self.max_batch = self.config.max_batch
+        self.active_model = next(iter(profiles))
+        self.resident_models: list[str] = [self.active_model]  # LRU order, most recent last
+        self.profile = profiles[self.active_model]
+        self.gpus = self.profile.gpus
+        self.created_at = created_at
+        self.ready_at = created_at if ready_at is None else ready_at
+        self.retired_at: float | None = None
+        self.draining = False
+        self.on_finish = on_finish
+        self.log = RunLog()
+        self.running: list[Request] = []  # in the batch, in admission order
+        self.paused_kv: list[Request] = []  # preempted with KV kept
+        self._prefill_left: dict[Request, int] = {}  # running requests still prefilling -> tokens left
+        self._last_rank: dict[int, int] = {}  # id(req) -> position in the latest Decision.run
+        self._recheck_after: int | None = None
+        self._recheck_at: float | None = None
+        self._overhead = 0.0  # swap transfers to charge before the next iteration
+        self.used_blocks = 0
+        self.swap_used_tokens = 0
+        self.assigned: dict[Request, None] = {}  # routed here and not finished, in routing order
+        self.now = created_at
+        self.heap_seq = -1  # the cluster's latest heap entry for this instance
+        self.seg: _Segment | None = None
+        if self.ready_at > created_at:
+            self.seg = _Segment("busy", created_at, self.ready_at)
+        # counters
+        self.iterations = 0
+        self.preemptions = 0
+        self.kv_swaps = 0
+        self.model_swaps = 0
+        self.finished = 0
+
+    # ---- capacity ---------------------------------------------------------------------------
+    @property
+    def block(self) -> int:
+        """Block size of the active model's KV cache."""
+        return self.profile.block_size
+
+    @property
+    def capacity_blocks(self) -> int:
+        """KV blocks of the active model on this instance."""
+        return self.profile.kv_capacity_tokens // self.profile.block_size
+
+    @property
+    def outstanding(self) -> int:
+        """Requests routed here and not finished (queued, preempted or running)."""
+        return len(self.assigned)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the instance has finished its cold start (at its current time)."""
+        return self.now >= self.ready_at
+
+    @property
+    def next_time(self) -> float:
+        """When this instance next needs the simulator's attention (inf: waits for a request)."""
+        return self.seg.end if self.seg is not None else INF
+
+    def view(self, now: float) -> InstanceView:
+        """The read-only view a policy sees."""
+        block = self.profile.block_size
+        return InstanceView(
+            now=now,
+            instance=self.name,
+            running=tuple(self.running),
+            max_batch=self.max_batch,
+            kv_capacity_tokens=self.capacity_blocks * block,
+            kv_used_tokens=self.used_blocks * block,
+            profile=self.profile,
+            active_model=self.active_model,
+            iteration=self.iterations,
+            prefill_budget_tokens=None if self.config.chunked_prefill else self.config.budget,
+        )
+
+    # ---- entry points used by the cluster ---------------------------------------------------
+    def add(self, req: Request, now: float) -> None:
+        """A request routed to this instance at ``now``."""
+        if req.model not in self.profiles:
+            raise ValueError(f"instance {self.name} cannot serve model {req.model!r}")
+        prof = self.profiles[req.model]
+        need = blocks_for(req.prompt_tokens + req.target_output_tokens, prof.block_size)
+        cap = prof.kv_capacity_tokens // prof.block_size
+        if need > cap - int(self.config.watermark * cap):
+            raise ValueError(
+                f"request {req.id} needs {need} KV blocks (prompt {req.prompt_tokens} + output "
+                f"{req.target_output_tokens} tokens) but instance {self.name} holds "
+                f"{cap} (less the {self.config.watermark:.0%} admission watermark); "
+                "filter the trace or raise kv_capacity_tokens"
+            )
+        req.instance = self.name
+        self.assigned[req] = None
+        self.policy.add(req, now)
+        self.notify(now)
+
+    def notify(self, now: float) -> None:
+        """Something changed at ``now`` (arrival, batch size): decide at the next iteration boundary."""
+        seg = self.seg
+        if seg is None:  # decide at ``now``, after every other event of the same instant
+            self.seg = _Segment("wait", now, now)
+        elif seg.kind == "wait":
+            seg.end = now
+        elif seg.kind == "decode" and seg.end > now:
+            k = self._iterations_until(seg, now)
+            if k < seg.k:
+                seg.k = k
+                seg.end = seg.t0 + k * seg.a + seg.g * k * (k - 1) / 2
+
+    def set_max_batch(self, max_batch: int, now: float) -> None:
+        """Change the batch-size limit (Chiron's local autoscaler); applies at the next boundary."""
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.notify(now)
+
+    def advance(self) -> None:
+        """Finish the current segment (its end is ``next_time``) and decide what runs next."""
+        seg = self.seg
+        assert seg is not None
+        now = seg.end
+        self.now = now
+        self.seg = None
+        if seg.kind == "decode":
+            self._commit_decode(seg)
+        elif seg.kind == "prefill":
+            self._commit_prefill(seg, now)
+        self._enforce_kv(now)
+        self._decide(now)
+
+    def take_all(self, now: float) -> list[Request]:
+        """Remove every unfinished request (the instance is being removed): KV dropped, progress kept."""
+        out = list(self.assigned)
+        for req in out:
+            if req.phase is Phase.RUNNING or req.kv_resident:
+                self._preempt(req, "recompute", now, engine=True)
+            if req.swapped:
+                self.swap_used_tokens -= req.prompt_tokens + req.generated
+                req.swapped = False
+            self.policy.remove(req, now)
+            req.instance = None
+        self.assigned.clear()
+        self.seg = None
+        return out
+
+    # ---- decisions --------------------------------------------------------------------------
+    def _decide(self, now: float) -> None:
+        """Ask the policy, apply its decision and plan the next segment."""
+        if now < self.ready_at:
+            self.seg = _Segment("busy", now, self.ready_at)
+            return
+        if not len(self.policy):
+            if self.running:
+                raise RuntimeError(f"instance {self.name}: policy holds no request but some are running")
+            return
+        if not self._apply(self.policy.schedule(self.view(now)), now):  # else: loading a model
+            self._plan(now)
+
+    def _apply(self, d: Decision, now: float) -> bool:
+        """Apply a decision; True when the instance is now busy loading a model."""
+        swap_to = d.load_model
+        if swap_to is not None and swap_to != self.active_model and self._load_model(swap_to, now):
+            return True
+        self._recheck_after = d.recheck_after_tokens
+        self._recheck_at = d.recheck_at
+        rank = {id(r): i for i, r in enumerate(d.run)}
+        self._last_rank = rank
+        mode = d.preempt_mode or self.config.preempt_mode
+        if len(rank) < len(self.running) or any(id(r) not in rank for r in self.running):
+            for req in [r for r in self.running if id(r) not in rank]:
+                self._preempt(req, mode, now, engine=False)
+        cap = self.capacity_blocks
+        reserve = int(self.config.watermark * cap)
+        block = self.profile.block_size
+        budget = None if self.config.chunked_prefill else self.config.budget
+        prefill_tokens = sum(self._prefill_left.values())
+        for req in d.run:
+            if req.phase is Phase.RUNNING or req.phase is Phase.FINISHED:
+                continue
+            if req.model != self.active_model:
+                continue  # cannot run until its model is loaded
+            if len(self.running) >= self.max_batch:
+                break
+            context = req.prompt_tokens + req.generated
+            if req.kv_resident:  # paused with KV kept: resumes at no cost
+                self.paused_kv.remove(req)
+                self._start(req, now, prefill=0)
+                continue
+            need = blocks_for(context, block)
+            if cap - self.used_blocks - need < reserve:
+                break
+            if req.swapped:
+                self.used_blocks += need
+                self._overhead += self.profile.kv_swap_time(context)
+                self.swap_used_tokens -= context
+                req.swapped = False
+                self._start(req, now, prefill=0)
+                continue
+            if budget is not None and prefill_tokens > 0 and prefill_tokens + context > budget:
+                break
+            prefill_tokens += context
+            self.used_blocks += need
+            self._start(req, now, prefill=context)
+        return False
+
+    def _start(self, req: Request, now: float, prefill: int) -> None:
+        req.phase = Phase.RUNNING
+        req.kv_resident = True
+        if req.first_scheduled_at is None:
+            req.first_scheduled_at = now
+        self.running.append(req)
+        if prefill:
+            self._prefill_left[req] = prefill
+        else:
+            req.tokens.attach(self.log)
+
+    def _preempt(self, req: Request, mode: PreemptMode, now: float, *, engine: bool) -> None:
+        """Take ``req`` out of the batch (or drop the KV of a paused one)."""
+        block = self.profile.block_size
+        context = req.prompt_tokens + req.generated
+        if req in self._prefill_left:
+            del self._prefill_left[req]
+            mode = "recompute"  # a half-prefilled request has nothing worth keeping
+        else:
+            req.tokens.detach()
+        if req.phase is Phase.RUNNING:
+            self.running.remove(req)
+            req.preemptions += 1
+            self.preemptions += 1
+        else:  # paused with KV: only the KV goes
+            self.paused_kv.remove(req)
+        req.phase = Phase.PREEMPTED
+        if mode == "keep" and not engine:
+            self.paused_kv.append(req)
+            return
+        self.used_blocks -= blocks_for(context, block)
+        req.kv_resident = False
+        if mode == "swap" and req.generated > 0 and self._swap_room() >= context:
+            self.swap_used_tokens += context
+            self._overhead += self.profile.kv_swap_time(context)
+            req.swapped = True
+            req.swaps += 1
+            self.kv_swaps += 1
+
+    def _swap_room(self) -> int:
+        space = self.config.swap_space_tokens
+        if space is None:
+            space = (4 << 30) // self.profile.kv_bytes_per_token
+        return space - self.swap_used_tokens
+
+    def _load_model(self, model: str, now: float) -> bool:
+        if model not in self.profiles:
+            raise ValueError(f"instance {self.name}: policy asked to load unknown model {model!r}")
+        for req in list(self.running) + list(self.paused_kv):
+            self._preempt(req, "recompute", now, engine=True)
+        self.active_model = model
+        self.profile = self.profiles[model]
+        if model in self.resident_models:
+            self.resident_models.remove(model)
+            self.resident_models.append(model)
+            return False
+        self.resident_models.append(model)
+        del self.resident_models[: -self.config.max_resident_models]
+        self.model_swaps += 1
+        self.seg = _Segment("busy", now, now + self.profile.model_load_time())
+        return True
+
+    # ---- planning ---------------------------------------------------------------------------
+    def _plan(self, now: float) -> None:
+        """Plan the next segment (none when nothing can run: the instance waits for an event)."""
+        prof = self.profile
+        t0 = now + self._overhead
+        self._overhead = 0.0
+        if self._prefill_left and not self.config.chunked_prefill:
+            tokens = sum(self._prefill_left.values())
+            chunks = tuple(self._prefill_left.items())
+            self.seg = _Segment("prefill", t0, t0 + prof.prefill(tokens), 1, chunks=chunks)
+            return
+        decoding = len(self.running) - len(self._prefill_left)
+        if self._prefill_left:  # chunked: one mixed iteration
+            left = self.config.budget - decoding
+            chunks = []
+            for req, need in self._prefill_left.items():
+                if left <= 0:
+                    break
+                take = min(need, left)
+                chunks.append((req, take))
+                left -= take
+            chunk_tokens = sum(t for _, t in chunks)
+            if decoding:
+                context = self._decoding_context()
+                dt = prof.decode_step(decoding, context) + prof.prefill_p1 * chunk_tokens
+            else:
+                dt = prof.prefill(chunk_tokens)
+            self.seg = _Segment("prefill", t0, t0 + dt, 1, decodes=decoding, chunks=tuple(chunks))
+            return
+        if not decoding:
+            if self._recheck_at is not None and self._recheck_at > now:
+                self.seg = _Segment("wait", now, self._recheck_at)
+            return
+        context = self._decoding_context()
+        k = min(r.target_output_tokens - r.generated for r in self.running)
+        if self._recheck_after is not None:
+            k = min(k, max(1, self._recheck_after))
+        k = self._kv_iterations(decoding, k)
+        a = prof.decode_c0 + prof.decode_c1 * decoding + prof.decode_c2 * context
+        g = prof.decode_c2 * decoding
+        seg = _Segment("decode", t0, 0.0, k, a, g)
+        seg.end = t0 + k * a + g * k * (k - 1) / 2
+        if self._recheck_at is not None and self._recheck_at < seg.end:
+            seg.k = self._iterations_until(seg, self._recheck_at)
+            seg.end = t0 + seg.k * a + g * seg.k * (seg.k - 1) / 2
+        self.seg = seg
+
+    def _decoding_context(self) -> int:
+        pl = self._prefill_left
+        if pl:
+            return sum(r.prompt_tokens + r.generated for r in self.running if r not in pl)
+        return sum(r.prompt_tokens + r.generated for r in self.running)
+
+    def _kv_iterations(self, decoding: int, k: int) -> int:
+        """``k`` capped at the decode iterations that fit before a request needs a block that is not free.
+
+        Iteration j (0-based) needs ``sum_r floor((u_r + j) / block)`` blocks beyond those held,
+        where ``u_r = context_r mod block``; the first j where that exceeds the free blocks F is
+        ``q*block + block - u_(rem)`` with ``q = F // B``, ``rem = F % B`` and ``u`` sorted descending.
+        """
+        free = self.capacity_blocks - self.used_blocks
+        block = self.profile.block_size
+        if decoding * ((k - 1 + block - 1) // block) <= free:
+            return k  # each request needs at most ceil((k-1)/block) more blocks in k iterations
+        q, rem = divmod(free, decoding)
+        us = sorted(
+            ((r.prompt_tokens + r.generated) % block for r in self.running if r not in self._prefill_left),
+            reverse=True,
+        )
+        return min(k, q * block + block - us[rem])
+
+    @staticmethod
+    def _iterations_until(seg: _Segment, t: float) -> int:
+        """Iterations of ``seg`` needed for its boundary to reach ``t`` (>= 1, <= seg.k)."""
+        x = t - seg.t0
+        if x <= 0:
+            return 1
+        a, g = seg.a, seg.g
+        # E(m) = m*a + g*m*(m-1)/2 >= x; smallest integer m.
+        if g > 0:
+            b = a - g / 2
+            m = math.ceil((-b + math.sqrt(b * b + 2 * g * x)) / g)
+        else:
+            m = math.ceil(x / a)
+        m = max(1, min(m, seg.k))
+        while m > 1 and (m - 1) * a + g * (m - 1) * (m - 2) / 2 >= x:
+            m -= 1
+        while m < seg.k and m * a + g * m * (m - 1) / 2 < x:
+            m += 1
+        return m
+
+    # ---- commits ----------------------------------------------------------------------------
+    def _commit_decode(self, seg: _Segment) -> None:
+        k = seg.k
+        self.iterations += k
+        self.log.append_run(seg.t0 + seg.a, k, seg.a + seg.g, seg.g)
+        block = self.profile.block_size
+        used = 0
+        done = []
+        for r in self.running:
+            r.generated += k
+            if r.generated >= r.target_output_tokens:
+                done.append(r)
+            used += (r.prompt_tokens + r.generated) // block + 1
+        for r in self.paused_kv:
+            used += blocks_for(r.prompt_tokens + r.generated, block)
+        self.used_blocks = used
+        for r in done:
+            self._finish(r, seg.end)
+
+    def _commit_prefill(self, seg: _Segment, now: float) -> None:
+        self.iterations += 1
+        block = self.profile.block_size
+        if seg.decodes:  # mixed iteration: every decoding request got a token at its end
+            self.log.append_run(now, 1)
+            for r in self.running:
+                if r not in self._prefill_left:
+                    self._advance_one(r, block)
+        for req, take in seg.chunks:
+            left = self._prefill_left.get(req)
+            if left is None:
+                continue
+            if left > take:
+                self._prefill_left[req] = left - take
+                continue
+            del self._prefill_left[req]
+            req.tokens.append(now)
+            self._advance_one(req, block)
+            req.tokens.attach(self.log)
+        for r in [r for r in self.running if r.generated >= r.target_output_tokens]:
+            self._finish(r, now)
+
+    def _advance_one(self, r: Request, block: int) -> None:
+        before = blocks_for(r.prompt_tokens + r.generated, block)
+        r.generated += 1
+        self.used_blocks += blocks_for(r.prompt_tokens + r.generated, block) - before
+
+    def _finish(self, r: Request, t: float) -> None:
+        r.tokens.detach()
+        self.running.remove(r)
+        self.used_blocks -= blocks_for(r.prompt_tokens + r.generated, self.profile.block_size)
+        r.phase = Phase.FINISHED
+        r.kv_resident = False
+        r.finished_at = t
+        del self.assigned[r]
+        self.finished += 1
+        self.policy.remove(r, t)
+        if self.on_finish is not None:
+            self.on_finish(r)
+
+    def _enforce_kv(self, now: float) -> None:
+        """Preempt until the resident requests' next steps fit (vLLM: latest in policy order first)."""
+        cap = self.capacity_blocks
+        while self.used_blocks > cap:
+            if self.paused_kv:
+                self._preempt(self.paused_kv[-1], "recompute", now, engine=True)
+                continue
+            rank = self._last_rank
+            victim = max(self.running, key=lambda r: rank.get(id(r), -1))
+            self._preempt(victim, self.config.preempt_mode, now, engine=True)

@@ -1,0 +1,80 @@
+"""Scenario ``baseline``: vLLM-FCFS, EDF and the oracle bounds SJF / SRTF at several loads.
+
+Workload: the Azure 2023 conversation trace (or ``--trace``), first ``requests``
+rows, arrivals rescaled to ``load`` × the cluster's measured capacity (FCFS on the
+same requests all arriving at once). Interactive class with a TTFT SLO (``ttft_slo``,
+default 5 s) so EDF has deadlines to order by.
+
+Options (``--set``): requests (2000), loads ("0.5,0.8,1.0"), ttft_slo (5.0), and the
+cluster options of ``tessera.sim.runner.CLUSTER_OPTIONS`` (max_batch default 32).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tessera.sim.runner import AZURE_CONV, cluster_config_from, option, run_policies, trace_requests
+from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
+from tessera.sim.scenarios._common import parse_loads, plot_metric_vs_load, saturation_rate, with_rate
+from tessera.worker.core.registry import make_policy
+from tessera.worker.core.request import ServiceClass
+
+DESCRIPTION = "FCFS, EDF and the oracle bounds SJF/SRTF on the Azure conversation trace at several loads"
+POLICIES = ("fcfs", "edf", "sjf-oracle", "srtf-oracle")
+
+
+def run(config: BenchConfig, progress: Progress) -> BenchReport:
+    """Run every baseline at every load on the same requests."""
+    opts = config.options
+    n = option(opts, "requests", 2000, int)
+    loads = parse_loads(config.load if config.load is not None else opts.get("loads"), (0.5, 0.8, 1.0))
+    slo = option(opts, "ttft_slo", 5.0, float)
+    cluster = cluster_config_from(opts, max_batch=32)
+    base = trace_requests(config, AZURE_CONV, n)
+    cls = ServiceClass(name="interactive", kind="interactive", ttft_slo_s=slo)
+    for r in base:
+        r.service_class = cls
+    capacity = saturation_rate(base, cluster)
+    rates = [config.rate] if config.rate is not None else [x * capacity for x in loads]
+    labels = [f"rate={config.rate:g}"] if config.rate is not None else [f"load={x:g}" for x in loads]
+    progress(0, total=n * len(POLICIES) * len(rates))
+    rows = []
+    for rate, label in zip(rates, labels, strict=True):
+        reqs = with_rate(base, rate)
+        policies = {f"{p}:{label}": (lambda p=p: make_policy(p)) for p in POLICIES}
+        rows += run_policies(reqs, policies, cluster, _no_total(progress), requests_csv=config.requests_csv)
+    checks = []
+    for label in labels:
+        by = {r["policy"].split(":")[0]: r for r in rows if r["policy"].endswith(":" + label)}
+        for bound in ("sjf-oracle", "srtf-oracle"):
+            mine, fcfs = by[bound]["mean_jct_s"], by["fcfs"]["mean_jct_s"]
+            ok = mine <= fcfs * 1.001
+            checks.append(
+                f"{bound}:{label} mean JCT {mine:.2f}s vs fcfs {fcfs:.2f}s "
+                f"(bound must not be worse): {'PASS' if ok else 'FAIL'}"
+            )
+    cfg = {**config.as_dict(), "requests": n, "capacity_rps": capacity, "rates": rates}
+    cfg["cluster"] = {
+        "instances": cluster.instances,
+        "max_batch": cluster.engine.max_batch,
+        "profile": next(iter(cluster.profiles.values())).name,
+    }
+    return BenchReport("baseline", cfg, rows, checks)
+
+
+def _no_total(progress: Progress) -> Progress:
+    """The scenario sets the bar's total once; drop the per-call totals of run_policies."""
+
+    def advance(n: int = 1, total: int | None = None) -> None:
+        if n:
+            progress(n)
+
+    return advance
+
+
+def plot(report: BenchReport, out_dir: Path) -> list[Path]:
+    """Mean JCT, p99 TTFT and SLO attainment against load."""
+    return plot_metric_vs_load(report.results, out_dir, ("mean_jct_s", "p99_ttft_s", "slo_attainment"))
+
+
+__all__ = ["DESCRIPTION", "plot", "run"]

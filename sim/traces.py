@@ -1,0 +1,162 @@
+"""Trace replay: CSV or JSONL (optionally gzipped) with auto-detected columns.
+
+Recognised formats (the benchmark contract):
+
+- Azure LLM inference 2023: ``TIMESTAMP, ContextTokens, GeneratedTokens``;
+- BurstGPT: ``Timestamp, Model, Request tokens, Response tokens, ...``;
+- Mooncake: ``timestamp`` (milliseconds), ``input_length``, ``output_length``;
+- generic: ``arrival_s`` or ``timestamp``, ``input_tokens`` or ``prompt_tokens``,
+  ``output_tokens``; optional ``model``, ``class``, ``prompt``, ``response``.
+
+Timestamps become seconds from the first arrival (rows may come unsorted).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+ARRIVAL_COLS = ("arrival_s", "timestamp", "TIMESTAMP", "Timestamp", "arrival", "time")
+INPUT_COLS = ("input_tokens", "prompt_tokens", "ContextTokens", "Request tokens", "input_length")
+OUTPUT_COLS = ("output_tokens", "GeneratedTokens", "Response tokens", "output_length", "completion_tokens")
+MODEL_COLS = ("model", "Model")
+CLASS_COLS = ("class", "service_class", "request_class")
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One request of a trace, arrival in seconds from the trace's first arrival."""
+
+    arrival: float
+    input_tokens: int
+    output_tokens: int
+    model: str | None = None
+    service_class: str | None = None
+    prompt: str | None = None
+    response: str | None = None
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.suffix == ".gz":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return path.open(encoding="utf-8", newline="")
+
+
+def _records(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, record) pairs."""
+    is_jsonl = ".jsonl" in path.name or ".ndjson" in path.name or path.name.endswith(".json")
+    with _open_text(path) as fh:
+        if is_jsonl:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{path}:{lineno}: expected a JSON object per line")
+                yield lineno, rec
+        else:
+            reader = csv.DictReader(fh)
+            for lineno, rec in enumerate(reader, 2):
+                yield lineno, rec
+
+
+def _pick(columns: list[str], options: tuple[str, ...]) -> str | None:
+    for name in options:
+        if name in columns:
+            return name
+    return None
+
+
+def _parse_time(value: object, where: str) -> float:
+    """Seconds as a number, or an ISO-like wall-clock timestamp (Azure's 100 ns resolution included)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    text = str(value).strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    if "." in text:  # Python parses at most 6 fractional digits; Azure has 7
+        head, frac = text.rsplit(".", 1)
+        if frac.isdigit():
+            extra = float("0." + frac)
+            try:
+                return datetime.fromisoformat(head).timestamp() + extra
+            except ValueError:
+                pass
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError as exc:
+        raise ValueError(f"{where}: arrival {text!r} is neither seconds nor a timestamp") from exc
+
+
+def _parse_count(value: object, column: str, where: str) -> int:
+    try:
+        number = float(str(value).strip())
+    except ValueError as exc:
+        raise ValueError(f"{where}: {column} must be a non-negative integer, got {value!r}") from exc
+    if number < 0 or number != int(number):
+        raise ValueError(f"{where}: {column} must be a non-negative integer, got {value!r}")
+    return int(number)
+
+
+def load_trace(path: Path | str) -> list[TraceRow]:
+    """Read a trace file into rows sorted by arrival (seconds from the first arrival)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"trace {path} does not exist")
+    rows: list[tuple[float, int, int, dict]] = []
+    cols: tuple[str, str, str] | None = None
+    time_scale = 1.0
+    for lineno, rec in _records(path):
+        where = f"{path}:{lineno}"
+        if cols is None:
+            names = list(rec)
+            arr, inp, out = _pick(names, ARRIVAL_COLS), _pick(names, INPUT_COLS), _pick(names, OUTPUT_COLS)
+            missing = [
+                f"arrival ({' | '.join(ARRIVAL_COLS)})" if arr is None else None,
+                f"input tokens ({' | '.join(INPUT_COLS)})" if inp is None else None,
+                f"output tokens ({' | '.join(OUTPUT_COLS)})" if out is None else None,
+            ]
+            missing = [m for m in missing if m]
+            if missing:
+                raise ValueError(
+                    f"{path}: missing columns: {'; '.join(missing)}. Found: {', '.join(names)}. "
+                    "Rename the columns or use one of the supported formats (Azure 2023, BurstGPT, Mooncake)."
+                )
+            assert arr is not None and inp is not None and out is not None
+            cols = (arr, inp, out)
+            if arr == "timestamp" and "input_length" in names:
+                time_scale = 1e-3  # Mooncake timestamps are milliseconds
+        arr, inp, out = cols
+        if rec.get(arr) in (None, "") or rec.get(inp) in (None, "") or rec.get(out) in (None, ""):
+            raise ValueError(f"{where}: empty value in {arr}, {inp} or {out}")
+        t = _parse_time(rec[arr], where) * time_scale
+        rows.append((t, _parse_count(rec[inp], inp, where), _parse_count(rec[out], out, where), rec))
+    if not rows:
+        raise ValueError(f"trace {path} has no rows")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    model_col = _pick(list(rows[0][3]), MODEL_COLS)
+    class_col = _pick(list(rows[0][3]), CLASS_COLS)
+    return [
+        TraceRow(
+            arrival=t - t0,
+            input_tokens=i,
+            output_tokens=o,
+            model=str(rec[model_col]) if model_col and rec.get(model_col) not in (None, "") else None,
+            service_class=str(rec[class_col]) if class_col and rec.get(class_col) not in (None, "") else None,
+            prompt=rec.get("prompt"),
+            response=rec.get("response"),
+        )
+        for t, i, o, rec in rows
+    ]
