@@ -1,0 +1,437 @@
+"""The reconcile loop of one ServingPool: read the cluster, decide (pure), apply, report.
+
+kopf handlers call these methods; they run in kopf's worker threads, so a lock per pool keeps two
+triggers (a pool timer and an LLMService change) from applying the same pool at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from tessera.api.serving_pool import SCALING_HISTORY_LENGTH
+from tessera.operator import status as st
+from tessera.operator.children import desired_children, endpoint_url, pool_labels
+from tessera.operator.inputs import chiron_settings
+from tessera.operator.kube import Kube
+from tessera.operator.planners import (
+    AutoscalerState,
+    GroupPlan,
+    IntervalSettings,
+    MetricsSnapshot,
+    PlacementPlan,
+    RoleCounts,
+    next_replacement_interval,
+)
+from tessera.operator.planners.chiron import chiron_decide
+from tessera.operator.pool_plan import (
+    POOL_NOT_FOUND,
+    PoolDesired,
+    Problem,
+    desired_pool,
+    parse,
+    parse_classes,
+    pool_ref,
+)
+from tessera.operator.reconcile import contains, plan_actions
+
+log = logging.getLogger(__name__)
+
+POOLS, SERVICES, CLASSES = "servingpools", "llmservices", "requestclasses"
+# (object body, event type "Normal"/"Warning", reason, message)
+EventSink = Callable[[Mapping[str, Any], str, str, str], None]
+
+
+class MetricsSource(Protocol):
+    """Where the global autoscaler and the status read measurements (Prometheus in production)."""
+
+    def snapshot(self, namespace: str, pool: str, group: GroupPlan, now: float) -> MetricsSnapshot | None:
+        """The group's measurements now; None when there are none."""
+        ...
+
+    def attainment(self, namespace: str, service: str, now: float) -> list[dict[str, Any]] | None:
+        """Measured SLO attainment per class of one LLMService (ClassAttainment JSON); None if unknown."""
+        ...
+
+
+@dataclass
+class _Scaler:
+    """Autoscaler memory of one group (rebuilt from the scaling history after a restart)."""
+
+    state: AutoscalerState
+    last_eval: float = -math.inf
+
+
+def _state_from_history(history: list[dict[str, Any]], group: str) -> AutoscalerState:
+    last_up: dict[str, float] = {}
+    last_any: float | None = None
+    for entry in history:
+        if entry.get("group") != group:
+            continue
+        when = st.parse_time(entry.get("time"))
+        if when is None:
+            continue
+        last_any = when if last_any is None else max(last_any, when)
+        if entry.get("toReplicas", 0) > entry.get("fromReplicas", 0):
+            role = entry.get("role", "")
+            last_up[role] = max(last_up.get(role, when), when)
+    return AutoscalerState(last_scale_up=last_up, last_scaling=last_any)
+
+
+class Controller:
+    """Reconciles pools, services and classes of a cluster through a ``Kube`` adapter."""
+
+    def __init__(self, kube: Kube, emit: EventSink, metrics: MetricsSource | None = None) -> None:
+        self.kube = kube
+        self.emit = emit
+        self.metrics = metrics
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._scalers: dict[tuple[str, str, str], _Scaler] = {}
+
+    def _lock(self, namespace: str, pool: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, pool), threading.Lock())
+
+    # -- pools ---------------------------------------------------------------------------------------
+
+    def reconcile_pool(self, namespace: str, name: str, now: float, autoscale: bool = False) -> None:
+        """Bring one pool's children and status (and its services' status) in line with the specs."""
+        with self._lock(namespace, name):
+            body = self.kube.get_custom(POOLS, namespace, name)
+            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+                return
+            status = dict(body.get("status") or {})
+            previous = st.plan_from_status(status.get("placement"))
+            services = self.kube.list_custom(SERVICES, namespace)
+            classes = self.kube.list_custom(CLASSES, namespace)
+            decided = desired_pool(body, services, classes, previous, now)
+            if isinstance(decided, Problem):
+                self._report_invalid(POOLS, body, decided, now)
+                return
+            history = list(status.get("scalingHistory") or [])
+            if autoscale and decided.plan is not None and decided.pool.spec.autoscaling.enabled:
+                decided, history = self._autoscale(namespace, body, decided, history, now)
+            self._apply(namespace, body, decided)
+            self._report_pool(namespace, body, decided, previous, history, now)
+
+    def _apply(self, namespace: str, body: Mapping[str, Any], decided: PoolDesired) -> None:
+        observed = self.kube.list_children(namespace, pool_labels(decided.pool.name))
+        for action in plan_actions(decided.children, observed):
+            self.kube.apply(namespace, action)
+            self.emit(body, "Normal", action.verb.capitalize() + "d", f"{action.kind} {action.name}")
+
+    def _autoscale(
+        self,
+        namespace: str,
+        body: Mapping[str, Any],
+        decided: PoolDesired,
+        history: list[dict[str, Any]],
+        now: float,
+    ) -> tuple[PoolDesired, list[dict[str, Any]]]:
+        """One Chiron evaluation per group that is due; changed counts replace the plan's."""
+        assert decided.plan is not None and self.metrics is not None
+        pool = decided.pool
+        budget = pool.spec.instances.max * pool.spec.gpu.per_instance
+        groups: list[GroupPlan] = []
+        entries: list[dict[str, Any]] = []
+        for group in decided.plan.groups:
+            key = (namespace, pool.name, group.name)
+            scaler = self._scalers.setdefault(key, _Scaler(_state_from_history(history, group.name)))
+            if now - scaler.last_eval < pool.spec.autoscaling.interval_seconds:
+                groups.append(group)
+                continue
+            snapshot = self.metrics.snapshot(namespace, pool.name, group, now)
+            if snapshot is None:
+                groups.append(group)
+                continue
+            scaler.last_eval = now
+            others = sum(g.gpus for g in decided.plan.groups if g.name != group.name)
+            settings = chiron_settings(pool, (budget - others) // group.tp)
+            decision = chiron_decide(snapshot, scaler.state, settings, now)
+            scaler.state = decision.state
+            if decision.changed(group.replicas):
+                reason = "; ".join(decision.reasons) or "autoscaler"
+                entries += st.history_entries(group.name, group.replicas, decision.desired, reason, now)
+                self.emit(
+                    body,
+                    "Normal",
+                    "Scaled",
+                    f"group {group.name}: {_counts(group.replicas)} -> {_counts(decision.desired)}: {reason}",
+                )
+                group = replace(group, replicas=decision.desired)
+            groups.append(group)
+        plan = replace(decided.plan, groups=tuple(groups))
+        children = decided.children
+        if entries:
+            children = desired_children(pool, plan.groups, decided.services, decided.classes, namespace)
+        return replace(decided, plan=plan, children=children), st.append_history(
+            history, entries, SCALING_HISTORY_LENGTH
+        )
+
+    def _report_invalid(self, plural: str, body: Mapping[str, Any], problem: Problem, now: float) -> None:
+        meta = body.get("metadata", {})
+        conditions = list((body.get("status") or {}).get("conditions") or [])
+        was_invalid = st.condition_status(conditions, st.INVALID) == "True"
+        conditions = st.set_condition(conditions, st.INVALID, True, problem.reason, problem.message, now)
+        conditions = st.set_condition(conditions, st.READY, False, problem.reason, problem.message, now)
+        self.kube.patch_status(plural, meta.get("namespace"), meta["name"], {"conditions": conditions})
+        previous_message = next(
+            (
+                c.get("message")
+                for c in (body.get("status") or {}).get("conditions") or []
+                if c.get("type") == st.INVALID
+            ),
+            None,
+        )
+        if not was_invalid or previous_message != problem.message:
+            self.emit(body, "Warning", problem.reason, problem.message)
+
+    def _report_pool(
+        self,
+        namespace: str,
+        body: Mapping[str, Any],
+        decided: PoolDesired,
+        previous: PlacementPlan | None,
+        history: list[dict[str, Any]],
+        now: float,
+    ) -> None:
+        pool = decided.pool
+        status = dict(body.get("status") or {})
+        conditions = list(status.get("conditions") or [])
+        observed = self.kube.list_children(namespace, pool_labels(pool.name))
+        ready = {
+            (o["metadata"].get("labels") or {}).get("tessera.dev/group", ""): int(
+                (o.get("status") or {}).get("readyReplicas") or 0
+            )
+            for o in observed
+            if o["kind"] == "StatefulSet"
+        }
+        plan = decided.plan
+        conditions = st.set_condition(conditions, st.INVALID, False, "Valid", "spec is valid", now)
+        if decided.placement_problem:
+            conditions = st.set_condition(
+                conditions, st.PLACED, False, "PlacementFailed", decided.placement_problem, now
+            )
+            if st.condition_status(status.get("conditions") or [], st.PLACED) != "False":
+                self.emit(body, "Warning", "PlacementFailed", decided.placement_problem)
+        elif plan is not None:
+            summary = ", ".join(f"{g.name}: {'+'.join(g.services)} x{g.replicas.total}" for g in plan.groups)
+            message = f"{plan.strategy} placement: {summary or 'no services'}"
+            conditions = st.set_condition(conditions, st.PLACED, True, "Placed", message, now)
+            if previous is None or {g.key for g in previous.groups} != {g.key for g in plan.groups}:
+                self.emit(body, "Normal", "Placed", message)
+        replicas = sum(g.replicas.total for g in plan.groups) if plan else 0
+        ready_total = sum(ready.get(g.name, 0) for g in plan.groups) if plan else 0
+        autoscaling = pool.spec.autoscaling.enabled
+        scaled_reason = ("Autoscaled" if self.metrics else "NoMetrics") if autoscaling else "Fixed"
+        scaled_message = {
+            "Autoscaled": "Chiron global autoscaler sets instance counts from Prometheus",
+            "NoMetrics": "autoscaling is on but the operator has no --prometheus-url: counts are the plan's",
+            "Fixed": "autoscaling is off: counts are instances.desired or the plan's",
+        }[scaled_reason]
+        conditions = st.set_condition(
+            conditions, st.SCALED, scaled_reason != "NoMetrics", scaled_reason, scaled_message, now
+        )
+        is_ready = plan is not None and replicas > 0 and ready_total >= replicas
+        conditions = st.set_condition(
+            conditions,
+            st.READY,
+            is_ready,
+            "AllInstancesReady" if is_ready else "InstancesNotReady",
+            f"{ready_total}/{replicas} instances ready",
+            now,
+        )
+        settings = pool.spec.placement.replacement_interval
+        interval = next_replacement_interval(
+            status.get("replacementIntervalSeconds"),
+            None,
+            None,
+            IntervalSettings(
+                settings.initial_seconds, settings.min_seconds, settings.max_seconds, settings.beta
+            ),
+        )
+        replanned = (
+            previous is None
+            or plan is None
+            or {g.key for g in previous.groups} != {g.key for g in plan.groups}
+        )
+        last_placement = status.get("lastPlacementTime") if not replanned else st.rfc3339(now)
+        new_status: dict[str, Any] = {
+            "conditions": conditions,
+            "placement": st.plan_to_status(plan, ready) if plan else {"groups": []},
+            "replicas": replicas,
+            "readyReplicas": ready_total,
+            "selector": f"tessera.dev/pool={pool.name}",
+            "scalingHistory": history,
+            "replacementIntervalSeconds": interval,
+            "lastPlacementTime": last_placement or st.rfc3339(now),
+            "nextPlacementTime": st.rfc3339((st.parse_time(last_placement) or now) + interval),
+        }
+        generation = body.get("metadata", {}).get("generation")
+        if generation is not None:
+            new_status["observedGeneration"] = generation
+        if _changed(status, new_status):
+            self.kube.patch_status(POOLS, namespace, pool.name, new_status)
+        self._report_services(namespace, decided, ready, now)
+
+    def _report_services(
+        self, namespace: str, decided: PoolDesired, ready: Mapping[str, int], now: float
+    ) -> None:
+        bodies = {
+            b["metadata"]["name"]: b
+            for b in self.kube.list_custom(SERVICES, namespace)
+            if pool_ref(b) == decided.pool.name
+        }
+        for name, problem in decided.rejected.items():
+            if name in bodies:
+                self._report_service_problem(bodies[name], problem, now)
+        plan = decided.plan
+        for name, service in decided.services.items():
+            body = bodies.get(name)
+            if body is None:
+                continue
+            groups = plan.groups_of(name) if plan else []
+            replicas = sum(g.replicas.total for g in groups)
+            ready_count = sum(ready.get(g.name, 0) for g in groups)
+            status = dict(body.get("status") or {})
+            conditions = list(status.get("conditions") or [])
+            conditions = st.set_condition(conditions, st.INVALID, False, "Valid", "spec is valid", now)
+            placed = bool(groups)
+            conditions = st.set_condition(
+                conditions,
+                st.PLACED,
+                placed,
+                "Placed" if placed else "NotPlaced",
+                f"in groups {[g.name for g in groups]}"
+                if placed
+                else (decided.placement_problem or "no plan"),
+                now,
+            )
+            is_ready = placed and ready_count > 0
+            conditions = st.set_condition(
+                conditions,
+                st.READY,
+                is_ready,
+                "Serving" if is_ready else "NoReadyReplicas",
+                f"{ready_count}/{replicas} replicas ready",
+                now,
+            )
+            has_batch = any(
+                c.name in decided.classes and decided.classes[c.name].kind == "batch"
+                for c in service.spec.request_classes
+            )
+            new_status: dict[str, Any] = {
+                "conditions": conditions,
+                "placement": [
+                    {"group": g.name, "replicas": g.replicas.total, "tensorParallelSize": g.tp}
+                    for g in groups
+                ],
+                "replicas": replicas,
+                "readyReplicas": ready_count,
+                "endpoint": endpoint_url(name, namespace),
+                "policy": service.spec.scheduling.resolved_policy(has_batch),
+            }
+            measured = self.metrics.attainment(namespace, name, now) if self.metrics else None
+            if measured:
+                total = sum(c.get("requests", 0) for c in measured)
+                new_status["sloAttainmentByClass"] = measured
+                if total:
+                    new_status["sloAttainment"] = (
+                        sum(c["attainment"] * c.get("requests", 0) for c in measured) / total
+                    )
+                new_status["measuredAt"] = st.rfc3339(now)
+            if _changed(status, new_status):
+                self.kube.patch_status(SERVICES, namespace, name, new_status)
+
+    def _report_service_problem(self, body: Mapping[str, Any], problem: Problem, now: float) -> None:
+        if problem.invalid:
+            self._report_invalid(SERVICES, body, problem, now)
+            return
+        meta = body["metadata"]
+        status = dict(body.get("status") or {})
+        conditions = list(status.get("conditions") or [])
+        before = st.condition_status(conditions, st.READY)
+        conditions = st.set_condition(conditions, st.INVALID, False, "Valid", "spec is valid", now)
+        conditions = st.set_condition(conditions, st.READY, False, problem.reason, problem.message, now)
+        new_status = {"conditions": conditions, "replicas": 0, "readyReplicas": 0, "placement": []}
+        if _changed(status, new_status):
+            self.kube.patch_status(SERVICES, meta.get("namespace"), meta["name"], new_status)
+        if before != "False" or _reason(status, st.READY) != problem.reason:
+            self.emit(body, "Warning", problem.reason, problem.message)
+
+    # -- services and classes --------------------------------------------------------------------------
+
+    def reconcile_service(self, namespace: str, body: Mapping[str, Any], now: float) -> None:
+        """An LLMService changed: reconcile its pool, or report that the pool is missing."""
+        pool = pool_ref(body)
+        if pool and self.kube.get_custom(POOLS, namespace, pool) is not None:
+            self.reconcile_pool(namespace, pool, now)
+            return
+        try:
+            parse(body)
+        except Exception as err:  # SpecError; any parse failure is the spec's fault
+            self._report_invalid(SERVICES, body, Problem("InvalidSpec", str(err)), now)
+            return
+        self._report_service_problem(
+            body,
+            Problem(POOL_NOT_FOUND, f"ServingPool {pool!r} not found in namespace {namespace!r}; create it"),
+            now,
+        )
+
+    def reconcile_class(self, namespace: str, body: Mapping[str, Any], now: float) -> None:
+        """A RequestClass changed: report its validity and users, then reconcile the pools using it."""
+        name = body["metadata"]["name"]
+        _, problems = parse_classes([body])
+        services = self.kube.list_custom(SERVICES, namespace)
+        users = sorted(
+            s["metadata"]["name"]
+            for s in services
+            if any(c.get("name") == name for c in (s.get("spec") or {}).get("requestClasses") or [])
+        )
+        if name in problems:
+            self._report_invalid(CLASSES, body, problems[name], now)
+        else:
+            status = dict(body.get("status") or {})
+            conditions = st.set_condition(
+                list(status.get("conditions") or []), st.INVALID, False, "Valid", "spec is valid", now
+            )
+            conditions = st.set_condition(conditions, st.READY, True, "Valid", f"used by {len(users)}", now)
+            new_status = {"conditions": conditions, "usedBy": users}
+            if _changed(status, new_status):
+                self.kube.patch_status(CLASSES, namespace, name, new_status)
+        pools = sorted({p for s in services if s["metadata"]["name"] in users and (p := pool_ref(s))})
+        for pool in pools:
+            if self.kube.get_custom(POOLS, namespace, pool) is not None:
+                self.reconcile_pool(namespace, pool, now)
+
+    def cleanup_pool(self, namespace: str, name: str) -> int:
+        """Delete every child of a pool being deleted; returns how many were deleted.
+
+        Owner references let the garbage collector do this too; doing it here makes the cleanup
+        immediate and visible in events, and works where no collector runs.
+        """
+        with self._lock(namespace, name):
+            actions = plan_actions([], self.kube.list_children(namespace, pool_labels(name)))
+            for action in actions:
+                self.kube.apply(namespace, action)
+            for key in [k for k in self._scalers if k[:2] == (namespace, name)]:
+                del self._scalers[key]
+            return len(actions)
+
+
+def _counts(counts: RoleCounts) -> str:
+    return f"{counts.interactive}i/{counts.mixed}m/{counts.batch}b"
+
+
+def _reason(status: Mapping[str, Any], type_: str) -> str | None:
+    return next((c.get("reason") for c in status.get("conditions") or [] if c.get("type") == type_), None)
+
+
+def _changed(current: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether patching ``new`` would change ``current`` (so an idle reconcile writes nothing)."""
+    return not contains(dict(current), dict(new))
