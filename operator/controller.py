@@ -49,12 +49,21 @@ EventSink = Callable[[Mapping[str, Any], str, str, str], None]
 class MetricsSource(Protocol):
     """Where the global autoscaler and the status read measurements (Prometheus in production)."""
 
-    def snapshot(self, namespace: str, pool: str, group: GroupPlan, now: float) -> MetricsSnapshot | None:
-        """The group's measurements now; None when there are none."""
+    def snapshot(
+        self,
+        namespace: str,
+        pool: str,
+        group: GroupPlan,
+        kinds: Mapping[str, str],
+        deadlines: Mapping[str, float],
+        now: float,
+    ) -> MetricsSnapshot | None:
+        """The group's measurements now (``kinds``: class name -> interactive/batch; ``deadlines``:
+        batch class name -> deadline seconds); None when there are none."""
         ...
 
-    def attainment(self, namespace: str, service: str, now: float) -> list[dict[str, Any]] | None:
-        """Measured SLO attainment per class of one LLMService (ClassAttainment JSON); None if unknown."""
+    def attainment(self, namespace: str, pool: str, model: str) -> list[dict[str, Any]] | None:
+        """Measured SLO attainment per class of one served model (ClassAttainment JSON); None if unknown."""
         ...
 
 
@@ -145,7 +154,12 @@ class Controller:
             if now - scaler.last_eval < pool.spec.autoscaling.interval_seconds:
                 groups.append(group)
                 continue
-            snapshot = self.metrics.snapshot(namespace, pool.name, group, now)
+            accepted = {c.name for s in group.services for c in decided.services[s].spec.request_classes}
+            kinds = {c: decided.classes[c].kind for c in accepted}
+            deadlines = {
+                c: decided.classes[c].slo.deadline_seconds or 0.0 for c in accepted if kinds[c] == "batch"
+            }
+            snapshot = self.metrics.snapshot(namespace, pool.name, group, kinds, deadlines, now)
             if snapshot is None:
                 groups.append(group)
                 continue
@@ -336,7 +350,11 @@ class Controller:
                 "endpoint": endpoint_url(name, namespace),
                 "policy": service.spec.scheduling.resolved_policy(has_batch),
             }
-            measured = self.metrics.attainment(namespace, name, now) if self.metrics else None
+            measured = (
+                self.metrics.attainment(namespace, decided.pool.name, service.spec.model.name)
+                if self.metrics
+                else None
+            )
             if measured:
                 total = sum(c.get("requests", 0) for c in measured)
                 new_status["sloAttainmentByClass"] = measured
