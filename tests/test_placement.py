@@ -1,0 +1,163 @@
+"""SeaLLM placement: validity (Eq. 3-4, K_max, TP, memory), ILP optimality vs brute force, greedy gap."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy.optimize import linprog
+
+from tessera.operator.planners import (
+    LatencyModel,
+    PlacementError,
+    PoolInput,
+    ServiceInput,
+    plan_placement,
+)
+from tessera.operator.planners.placement import (
+    Group,
+    fits,
+    generate_groups,
+    greedy_allocate,
+    request_work,
+    service_rate,
+)
+from tessera.operator.planners.placement_ilp import EPSILON, max_utilization, solve_partition
+
+GIB = 2**30
+LM7 = LatencyModel(0.008, 2e-5, 6.6e-8, 0.005, 8.5e-5)
+LM70 = LatencyModel(0.022, 2e-5, 4e-8, 0.01, 2.2e-4, tp_ref=4)
+
+
+def svc(name, rate, *, weights=14 * GIB, tp_min=1, lm=LM7, out=300):
+    return ServiceInput(
+        name,
+        weights,
+        512 * 1024,
+        lm,
+        tp_min=tp_min,
+        request_rate=rate,
+        mean_output_tokens=out,
+        p99_context_tokens=2048,
+    )
+
+
+POOL = PoolInput("p", "A800", 80 * GIB, 32)
+
+
+def test_sixteen_services_on_32_gpus_valid_plan():
+    services = [svc(f"s{i}", 0.2 + 0.15 * i) for i in range(14)]
+    services += [
+        svc("big-a", 0.3, weights=130 * GIB, tp_min=4, lm=LM70),
+        svc("big-b", 0.2, weights=130 * GIB, tp_min=4, lm=LM70),
+    ]
+    plan = plan_placement(POOL, services, strategy="seallm", now=0.0)
+    placed = {n for g in plan.groups for n in g.services}
+    assert placed == {s.name for s in services}  # Eq. 3
+    assert plan.gpus <= 32  # Eq. 4
+    by = {s.name: s for s in services}
+    for g in plan.groups:
+        assert len(g.services) <= 2
+        assert g.tp in (1, 2, 4, 8)
+        assert all(g.tp >= by[n].tp_min for n in g.services)
+        assert fits(POOL, [by[n] for n in g.services], g.tp)
+    assert 0 <= plan.estimated_slo_attainment <= 1
+
+
+def test_dedicated_splits_evenly_and_rejects_too_small_pools():
+    services = [svc(f"s{i}", 1.0) for i in range(4)]
+    plan = plan_placement(POOL, services, strategy="dedicated", now=0.0)
+    assert [g.replicas.total for g in plan.groups] == [8, 8, 8, 8]
+    with pytest.raises(PlacementError, match="need at least"):
+        plan_placement(PoolInput("q", "A800", 80 * GIB, 2), services, strategy="dedicated", now=0.0)
+    with pytest.raises(PlacementError, match="unknown placement strategy"):
+        plan_placement(POOL, services, strategy="magic", now=0.0)  # type: ignore[arg-type]
+
+
+def test_service_that_fits_nowhere_is_rejected_clearly():
+    with pytest.raises(PlacementError, match="does not fit"):
+        plan_placement(POOL, [svc("huge", 1.0, weights=500 * GIB)], strategy="seallm", now=0.0)
+    with pytest.raises(PlacementError, match="unique"):
+        plan_placement(POOL, [svc("a", 1.0), svc("a", 2.0)], strategy="seallm", now=0.0)
+
+
+def test_big_models_get_merged_reserved_groups():
+    services = [svc("big", 0.3, weights=130 * GIB, tp_min=4, lm=LM70), svc("small", 1.0)]
+    groups = generate_groups(PoolInput("p", "A800", 80 * GIB, 8), services, tp=1)
+    assert sorted(g.tp for g in groups) == [1, 1, 1, 1, 4]
+    assert [g.reserved for g in groups if g.tp == 4] == [True]
+
+
+def test_previous_plan_kept_when_new_not_better():
+    services = [svc(f"s{i}", 0.5) for i in range(4)]
+    pool = PoolInput("p", "A800", 80 * GIB, 8)
+    first = plan_placement(pool, services, strategy="seallm", now=0.0)
+    again = plan_placement(pool, services, strategy="seallm", now=300.0, previous=first)
+    assert {g.key for g in again.groups} == {g.key for g in first.groups}
+
+
+def _brute_force_objective(pool, services, groups, k_max):
+    """min over all x of (min_f U) + ε Σx, with the inner LP solved by scipy (independent of CBC)."""
+    n_s, n_b = len(services), len(groups)
+    best = np.inf
+    options = [
+        [subset for r in range(1, n_b + 1) for subset in itertools.combinations(range(n_b), r)]
+        for _ in range(n_s)
+    ]
+    for choice in itertools.product(*options):
+        load_count = [sum(b in c for c in choice) for b in range(n_b)]
+        if max(load_count) > k_max:
+            continue
+        if not all(
+            fits(pool, [services[s] for s in range(n_s) if b in choice[s]], groups[b].tp) for b in range(n_b)
+        ):
+            continue
+        # variables: f[s,b] for b in choice[s], then U
+        idx = [(s, b) for s in range(n_s) for b in choice[s]]
+        c = np.zeros(len(idx) + 1)
+        c[-1] = 1
+        a_eq = np.zeros((n_s, len(idx) + 1))
+        for j, (s, _) in enumerate(idx):
+            a_eq[s, j] = 1
+        a_ub = np.zeros((n_b, len(idx) + 1))
+        for j, (s, b) in enumerate(idx):
+            a_ub[b, j] = service_rate(services[s]) * request_work(services[s], groups[b].tp)
+        a_ub[:, -1] = -1
+        res = linprog(
+            c,
+            A_ub=a_ub,
+            b_ub=np.zeros(n_b),
+            A_eq=a_eq,
+            b_eq=np.ones(n_s),
+            bounds=[(0, 1)] * len(idx) + [(0, None)],
+        )
+        assert res.status == 0
+        best = min(best, res.fun + EPSILON * len(idx))
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ilp_is_optimal_against_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    services = [svc(f"s{i}", float(rng.uniform(0.2, 3.0)), out=int(rng.integers(50, 600))) for i in range(3)]
+    pool = PoolInput("p", "A800", 80 * GIB, 3, gpus_per_node=4)
+    groups = [Group(i, 1) for i in range(3)]
+    ilp = solve_partition(pool, services, groups, k_max=2)
+    n_x = len(ilp.shares)  # placed (service, group) pairs
+    assert ilp.max_utilization + EPSILON * n_x == pytest.approx(
+        _brute_force_objective(pool, services, groups, 2), rel=1e-6
+    )
+
+
+def test_greedy_within_reported_gap_of_ilp():
+    rng = np.random.default_rng(7)
+    services = [svc(f"s{i}", float(rng.lognormal(0, 1)), out=int(rng.integers(50, 600))) for i in range(5)]
+    pool = PoolInput("p", "A800", 80 * GIB, 4, gpus_per_node=4)
+    greedy_groups = generate_groups(pool, services, 1)
+    greedy_allocate(pool, services, greedy_groups, 2)
+    u_greedy = max_utilization(services, greedy_groups)
+    u_opt = solve_partition(pool, services, generate_groups(pool, services, 1), 2).max_utilization
+    assert u_opt <= u_greedy + 1e-9
+    gap = u_greedy / u_opt - 1
+    assert gap < 1.0, f"greedy max utilization {gap:.1%} above the optimum"
