@@ -251,7 +251,9 @@ def greedy_allocate(
             groups,
             key=lambda g: (sum(service_rate(by_name[n]) / hosts[n] for n in g.services), g.index),
         )
-        order_s = sorted(services, key=lambda s: (-est.unserved[s.name], s.name))
+        # Unplaced services first: Eq. 3 must hold, and their violations are as total as an overloaded
+        # group's (the paper gives a new service its minimum dedicated GPUs before anything else).
+        order_s = sorted(services, key=lambda s: (s.name in hosts, -est.unserved[s.name], s.name))
         placed = False
         for g in order_g:
             for s in order_s:
