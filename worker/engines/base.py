@@ -1,0 +1,90 @@
+"""The interface every engine adapter implements (the real vLLM server, the simulator in real time).
+
+The worker's scheduler owns the queue and decides what runs; an adapter only runs one generation
+stream per in-flight request. Preemption is closing the stream (``aclose`` on the iterator aborts
+the request in the engine); resumption is a new stream whose prompt is the original prompt ids
+followed by the ids generated so far.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class EngineError(Exception):
+    """A generation could not run. ``status`` is the HTTP status the client should see."""
+
+    status: int = 503
+    code: str = "engine_unavailable"
+
+
+class EngineUnavailable(EngineError):
+    """The engine is down or unreachable (HTTP 503); the request may be retried later."""
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request as invalid (HTTP 400); the message says why."""
+
+    status = 400
+    code = "invalid_request"
+
+
+@dataclass(slots=True)
+class EngineJob:
+    """One generation stream: prompt token ids (resumed requests: prompt + generated so far)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, seed, stop, ignore_eos...
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """Tokens produced since the previous delta of a stream; ``finish_reason`` set on the last."""
+
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None
+
+
+class Engine(ABC):
+    """An engine serving one model."""
+
+    model: str
+    max_model_len: int
+
+    supports_sleep: bool = False  # whether sleep()/wake_up() free and restore the model's memory
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Connect or start; called once before use."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and processes."""
+
+    @abstractmethod
+    async def healthy(self) -> bool:
+        """Whether the engine can take work now."""
+
+    @abstractmethod
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of a completion prompt (with the model's special tokens)."""
+
+    @abstractmethod
+    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat conversation rendered by the model's chat template."""
+
+    @abstractmethod
+    def stream(self, job: EngineJob) -> AsyncIterator[TokenDelta]:
+        """Generate; closing the iterator early aborts the request in the engine."""
+
+    async def sleep(self) -> None:
+        """Free the model's accelerator memory (model swapping)."""
+        raise EngineError(f"engine for {self.model} cannot sleep on this platform")
+
+    async def wake_up(self) -> None:
+        """Restore the model after ``sleep``."""
+        raise EngineError(f"engine for {self.model} cannot sleep on this platform")

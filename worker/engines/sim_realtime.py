@@ -1,0 +1,119 @@
+"""The ``sim`` engine adapter: a continuous-batching engine simulated in real time.
+
+For local mode and tests without vLLM. It runs the step-time model the simulator uses
+(``StepProfile``: decode ``c0 + c1·B + c2·context``, prefill ``p0 + p1·tokens``) against the wall
+clock: one shared iteration loop; every active stream receives one token per decode iteration,
+and an iteration in which streams join also pays their prefill. Token ids are a deterministic
+function of the context (``next = (31·last + len(context)) mod vocab``), so a stream resumed from
+prompt + generated ids continues exactly as an uninterrupted one would, like greedy decoding.
+Streams end at ``max_tokens`` (the simulated model never emits an end-of-sequence token).
+
+The discrete-event simulator (``tessera.sim``) owns its own policy loop; this adapter instead
+lets the worker's scheduler drive the policy, which is what the worker needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.worker.core.profile import StepProfile
+from tessera.worker.engines.base import Engine, EngineJob, EngineRejected, TokenDelta
+
+VOCAB = 32000
+
+
+def next_token(context: list[int]) -> int:
+    """The simulated model's deterministic next token after ``context``."""
+    last = context[-1] if context else 0
+    return (31 * last + len(context)) % VOCAB
+
+
+@dataclass(eq=False, slots=True)
+class _Stream:
+    context: list[int]
+    remaining: int
+    queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
+    prefilled: bool = False
+
+
+class SimEngine(Engine):
+    """A simulated engine serving ``model`` at the speed of ``profile``."""
+
+    def __init__(self, model: str, profile: StepProfile, max_model_len: int) -> None:
+        self.model = model
+        self.profile = profile
+        self.max_model_len = max_model_len
+        self._streams: dict[_Stream, None] = {}
+        self._loop: asyncio.Task[None] | None = None
+        self._work = asyncio.Event()
+        self.up = True  # tests flip this to simulate an engine failure
+
+    async def start(self) -> None:
+        """Start the iteration loop."""
+        self._loop = asyncio.create_task(self._iterate(), name=f"sim-engine-{self.model}")
+
+    async def close(self) -> None:
+        """Stop the iteration loop."""
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+
+    async def healthy(self) -> bool:
+        """Whether the simulated engine is up."""
+        return self.up
+
+    async def tokenize(self, text: str) -> list[int]:
+        """One token per UTF-8 byte (shifted past the special ids 0-2), after a BOS of 0."""
+        return [0, *(b + 3 for b in text.encode())]
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """``role: content`` lines, then ``assistant:``, tokenized like ``tokenize``."""
+        text = "".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant:"
+        return await self.tokenize(text)
+
+    async def stream(self, job: EngineJob) -> AsyncIterator[TokenDelta]:
+        """Join the batch and yield one token per iteration until ``max_tokens``."""
+        if len(job.prompt_ids) + job.max_tokens > self.max_model_len:
+            raise EngineRejected(
+                f"prompt ({len(job.prompt_ids)} tokens) plus max_tokens ({job.max_tokens}) exceeds "
+                f"the context length {self.max_model_len}"
+            )
+        s = _Stream(list(job.prompt_ids), job.max_tokens)
+        self._streams[s] = None
+        self._work.set()
+        try:
+            while True:
+                delta = await s.queue.get()
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            self._streams.pop(s, None)
+
+    async def _iterate(self) -> None:
+        while True:
+            if not self._streams:
+                self._work.clear()
+                await self._work.wait()
+            active = list(self._streams)
+            step = self.profile.decode_step(len(active), sum(len(s.context) for s in active))
+            joining = [s for s in active if not s.prefilled]
+            if joining:
+                step += self.profile.prefill(sum(len(s.context) for s in joining))
+            await asyncio.sleep(step)
+            for s in active:
+                if s not in self._streams:
+                    continue  # aborted during the iteration
+                s.prefilled = True
+                token = next_token(s.context)
+                s.context.append(token)
+                s.remaining -= 1
+                finish = "length" if s.remaining <= 0 else None
+                if finish:
+                    self._streams.pop(s, None)
+                s.queue.put_nowait(TokenDelta([token], f" t{token}", finish))

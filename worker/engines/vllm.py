@@ -1,0 +1,143 @@
+"""The ``vllm`` engine adapter: a stock vLLM OpenAI server, driven over HTTP.
+
+- tokenizes through the server's ``/tokenize`` (chat through the model's chat template there);
+- submits prompt token ids to ``/v1/completions`` with ``stream`` and ``return_token_ids``, so the
+  worker knows every generated id and can resume a preempted request exactly from
+  prompt + generated ids (vLLM's prefix cache makes the re-prefill cheap);
+- preempts by closing the stream: vLLM aborts a request whose client went away;
+- sleep / wake-up through ``/sleep`` and ``/wake_up`` where the server was started with
+  ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (CUDA/ROCm only in vLLM 0.32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from tessera.worker.engines.base import Engine, EngineJob, EngineRejected, EngineUnavailable, TokenDelta
+
+# Generation streams may last minutes: no read timeout; a dead server closes the socket instead.
+_TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+
+
+class VLLMEngine(Engine):
+    """One model on one vLLM server at ``url`` (base URL, without ``/v1``)."""
+
+    def __init__(self, model: str, url: str, max_model_len: int, *, supports_sleep: bool = False) -> None:
+        self.model = model
+        self.url = url.rstrip("/")
+        self.max_model_len = max_model_len
+        self.supports_sleep = supports_sleep
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        """The HTTP client (created on first use)."""
+        if self._client is None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            self._client = httpx.AsyncClient(base_url=self.url, timeout=_TIMEOUT, limits=limits)
+        return self._client
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def healthy(self) -> bool:
+        """``/health`` answers 200."""
+        try:
+            return (await self.client.get("/health", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the model's special tokens."""
+        return await self._tokenize({"model": self.model, "prompt": text})
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template, ready for the assistant's turn."""
+        return await self._tokenize(
+            {"model": self.model, "messages": messages, "add_generation_prompt": True}
+        )
+
+    async def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        try:
+            resp = await self.client.post("/tokenize", json=body, timeout=30.0)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"vLLM for {self.model} is unreachable: {exc!r}") from exc
+        _raise_for_status(resp.status_code, resp.text, self.model)
+        return [int(t) for t in resp.json()["tokens"]]
+
+    async def stream(self, job: EngineJob) -> AsyncIterator[TokenDelta]:
+        """Stream the completion of ``job.prompt_ids``; closing this iterator aborts it in vLLM."""
+        body = {
+            **job.sampling,
+            "model": self.model,
+            "prompt": job.prompt_ids,
+            "max_tokens": job.max_tokens,
+            "stream": True,
+            "return_token_ids": True,
+            "request_id": job.request_id,
+        }
+        try:
+            async with self.client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    _raise_for_status(
+                        resp.status_code, (await resp.aread()).decode(errors="replace"), self.model
+                    )
+                finished = False
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        err = chunk["error"]
+                        _raise_for_status(int(err.get("code") or 500), str(err.get("message")), self.model)
+                    for choice in chunk.get("choices") or ():
+                        delta = TokenDelta(
+                            token_ids=list(choice.get("token_ids") or ()),
+                            text=choice.get("text") or "",
+                            finish_reason=choice.get("finish_reason"),
+                        )
+                        finished = finished or delta.finish_reason is not None
+                        yield delta
+                if not finished:
+                    raise EngineUnavailable(f"vLLM for {self.model} ended the stream without finishing")
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"vLLM for {self.model} failed mid-request: {exc!r}") from exc
+
+    async def sleep(self) -> None:
+        """``POST /sleep?level=1``: offload weights, drop the KV cache."""
+        await self._post_admin("/sleep", {"level": "1"})
+
+    async def wake_up(self) -> None:
+        """``POST /wake_up``."""
+        await self._post_admin("/wake_up", {})
+
+    async def _post_admin(self, path: str, params: dict[str, str]) -> None:
+        if not self.supports_sleep:
+            await super().sleep()
+        try:
+            resp = await self.client.post(path, params=params, timeout=120.0)
+        except httpx.HTTPError as exc:
+            raise EngineUnavailable(f"vLLM for {self.model} is unreachable: {exc!r}") from exc
+        _raise_for_status(resp.status_code, resp.text, self.model)
+
+
+def _raise_for_status(status: int, text: str, model: str) -> None:
+    if status < 400:
+        return
+    message = text
+    with contextlib.suppress(ValueError, KeyError, TypeError):
+        message = json.loads(text)["error"]["message"]
+    if 400 <= status < 500:
+        raise EngineRejected(f"vLLM rejected the request for {model}: {message}")
+    raise EngineUnavailable(f"vLLM for {model} answered {status}: {message}")

@@ -1,0 +1,76 @@
+"""Prometheus metrics of one worker (``tessera_`` prefix; labels ``model`` and ``class``).
+
+Every worker owns its own registry, so several workers can live in one process (tests).
+Per-engine quantities (batch size, swaps, decision time) carry only ``model``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+_QOE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+_DECISION_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
+_ERROR_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+
+MC = ("model", "class")
+
+
+class WorkerMetrics:
+    """The worker's metric families in their own registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.queue_length = Gauge(
+            "tessera_queue_length", "Requests waiting (queued or preempted).", MC, registry=r
+        )
+        self.inflight = Gauge("tessera_inflight", "Requests running in the engine.", MC, registry=r)
+        self.batch_size = Gauge(
+            "tessera_batch_size", "Most requests in flight (batch size).", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            "tessera_ttft_seconds", "Time to first token.", MC, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "tessera_itl_seconds", "Inter-token latency.", MC, buckets=_ITL_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "tessera_e2e_seconds", "Arrival to last token.", MC, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.slo_met = Counter("tessera_slo_met", "Finished requests that met their SLO.", MC, registry=r)
+        self.slo_missed = Counter(
+            "tessera_slo_missed", "Finished requests that missed their SLO.", MC, registry=r
+        )
+        self.qoe = Histogram(
+            "tessera_qoe", "Andes QoE of finished requests.", MC, buckets=_QOE_BUCKETS, registry=r
+        )
+        self.preemptions = Counter(
+            "tessera_preemptions", "Requests preempted by the scheduler.", MC, registry=r
+        )
+        self.evictions = Counter(
+            "tessera_evictions", "Requests evicted (moved off this engine).", MC, registry=r
+        )
+        self.swaps = Counter("tessera_swaps", "Model swaps (sleep / wake-up).", ["model"], registry=r)
+        self.rejected = Counter(
+            "tessera_rejected", "Requests refused at admission.", [*MC, "reason"], registry=r
+        )
+        self.failed = Counter("tessera_failed", "Accepted requests that ended with an error.", MC, registry=r)
+        self.predictor_error = Histogram(
+            "tessera_predictor_error_tokens",
+            "Absolute error of the first output-length prediction, in tokens.",
+            MC,
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.decision_time = Histogram(
+            "tessera_decision_seconds",
+            "Time of one scheduling decision.",
+            ["model"],
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+
+    def exposition(self) -> bytes:
+        """The text exposition format of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,161 @@
+"""The worker: configuration -> engines and schedulers, class resolution, hot reload, readiness.
+
+Several models per pod, each with its own engine (one vLLM server each) and scheduler. Model
+swapping: where the platform supports vLLM's sleep mode (CUDA/ROCm, server started with
+``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``) an idle model can be put to sleep through
+the engine's ``sleep``/``wake_up``; vLLM 0.32 on CPU has no sleep mode, so there (the documented
+fallback) every model stays resident and no swap happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from tessera.worker.config import ConfigError, ModelEntry, WorkerConfig, load_config
+from tessera.worker.core.policy import Policy
+from tessera.worker.core.registry import make_policy
+from tessera.worker.core.request import ServiceClass
+from tessera.worker.engines.base import Engine
+from tessera.worker.metrics import WorkerMetrics
+from tessera.worker.scheduler import ModelScheduler
+
+
+class UnknownClass(ValueError):
+    """The request names a class the service does not accept."""
+
+
+def _policy(config: WorkerConfig) -> Policy:
+    return make_policy(config.scheduling.policy, **config.scheduling.settings)
+
+
+def _class_limits(config: WorkerConfig) -> dict[str, int | None]:
+    return {name: spec.queue.max_queued for name, spec in config.classes.items()}
+
+
+class Worker:
+    """Everything the HTTP layer drives: one scheduler per model."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        config_path: Path | None = None,
+        engines: dict[str, Engine] | None = None,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.metrics = WorkerMetrics()
+        self.engines: dict[str, Engine] = dict(engines or {})
+        self.schedulers: dict[str, ModelScheduler] = {}
+        self.classes = self._service_classes(config)
+        self.draining = False
+        self._servers: list[object] = []  # vLLM servers this worker launched itself
+
+    @staticmethod
+    def _service_classes(config: WorkerConfig) -> dict[str, ServiceClass]:
+        return {name: spec.to_service_class(name) for name, spec in config.classes.items()}
+
+    async def start(self) -> None:
+        """Create engines (launching vLLM where asked), then start the schedulers."""
+        for entry in self.config.models:
+            if entry.name not in self.engines:
+                self.engines[entry.name] = await self._make_engine(entry)
+            engine = self.engines[entry.name]
+            await engine.start()
+            self.schedulers[entry.name] = ModelScheduler(
+                engine,
+                _policy(self.config),
+                profile=entry.profile.to_profile(entry.name, entry.kv_capacity_tokens),
+                batch=self.config.scheduling.batch,
+                autoscale=self.config.scheduling.autoscale,
+                max_queued=self.config.scheduling.max_queued,
+                class_limits=_class_limits(self.config),
+                metrics=self.metrics,
+            )
+            await self.schedulers[entry.name].start()
+
+    async def _make_engine(self, entry: ModelEntry) -> Engine:
+        if entry.engine == "sim":
+            from tessera.worker.engines.sim_realtime import SimEngine
+
+            return SimEngine(
+                entry.name,
+                entry.profile.to_profile(entry.name, entry.kv_capacity_tokens),
+                entry.max_model_len,
+            )
+        from tessera.worker.engines.vllm import VLLMEngine
+
+        url = entry.url
+        if entry.launch is not None:
+            from tessera.worker.engines.vllm_process import VLLMServer
+
+            server = VLLMServer(
+                entry.launch.model_dir,
+                served_model_name=entry.name,
+                max_model_len=entry.max_model_len,
+                max_num_seqs=entry.launch.max_num_seqs,
+                kv_cache_gib=entry.launch.kv_cache_gib,
+                dtype=entry.launch.dtype,
+            )
+            self._servers.append(server)
+            await asyncio.to_thread(server.start)
+            url = server.url
+        assert url is not None  # the configuration guarantees url or launch
+        return VLLMEngine(entry.name, url, entry.max_model_len)
+
+    async def stop(self) -> None:
+        """Stop schedulers and engines, and any vLLM server launched here."""
+        for sched in self.schedulers.values():
+            await sched.stop()
+        for engine in self.engines.values():
+            with contextlib.suppress(Exception):
+                await engine.close()
+        for server in self._servers:
+            await asyncio.to_thread(server.stop)  # type: ignore[attr-defined]
+
+    def ready(self) -> bool:
+        """Ready for traffic: not draining and every engine healthy."""
+        return not self.draining and all(s.engine_ok for s in self.schedulers.values())
+
+    def resolve_class(self, model: ModelEntry, header_value: str | None) -> ServiceClass:
+        """The class named by the header, else the model's default class."""
+        if header_value is None or header_value == "":
+            return self.classes[self.config.default_class(model)]
+        name = self.config.class_for_header(header_value)
+        if name is None:
+            known = ", ".join(self.config.classes[n].header_value(n) for n in self.config.classes)
+            raise UnknownClass(
+                f"unknown request class {header_value!r} in header {self.config.class_header}; "
+                f"this service accepts: {known}"
+            )
+        return self.classes[name]
+
+    def reload(self, new: WorkerConfig | None = None) -> WorkerConfig:
+        """Apply a new configuration (default: re-read the file) without a restart.
+
+        Policy, settings, classes, queue and batch bounds change in place; the model list may not.
+        """
+        if new is None:
+            if self.config_path is None:
+                raise ConfigError(
+                    "this worker was started without a configuration file; send one in the body"
+                )
+            new = load_config(self.config_path)
+        old_models = [(m.name, m.engine, m.url, m.launch) for m in self.config.models]
+        new_models = [(m.name, m.engine, m.url, m.launch) for m in new.models]
+        if old_models != new_models:
+            raise ConfigError("the model list cannot change without a restart; restart the worker pod")
+        policies = {name: _policy(new) for name in self.schedulers}  # fail before changing anything
+        self.config = new
+        self.classes = self._service_classes(new)
+        for name, sched in self.schedulers.items():
+            sched.reconfigure(
+                policies[name],
+                batch=new.scheduling.batch,
+                autoscale=new.scheduling.autoscale,
+                max_queued=new.scheduling.max_queued,
+                class_limits=_class_limits(new),
+            )
+        return new

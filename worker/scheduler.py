@@ -1,0 +1,428 @@
+"""The real-time scheduling loop of one model: a core Policy driving an engine adapter.
+
+The worker holds every accepted request of the model. At each decision point (an arrival, a
+completion, a cancellation, a recheck the policy asked for, the engine coming back) it builds an
+``InstanceView`` and asks the policy; ``Decision.run`` becomes the in-flight set (protocol in
+``tessera.worker.core.policy``):
+
+- in-flight requests not in ``run`` are preempted: their stream is closed, which aborts them in
+  the engine (vLLM V1 preempts by recompute anyway; ``Decision.preempt_mode`` is therefore not
+  applied: the KV stays only as far as vLLM's prefix cache keeps it);
+- requests of ``run`` not in flight start, in order, while the batch size allows (head-of-line);
+  a resumed request is submitted as prompt ids + the ids it generated so far, with the remaining
+  ``max_tokens``, so its output continues exactly (greedy decoding gives identical ids).
+
+Chiron's local autoscaler (``ChironLocal``) moves the batch size at changes of the running set.
+If the engine fails, in-flight requests end with the engine's error (HTTP 503), queued ones stay
+queued, nothing is admitted until a health probe sees the engine back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.worker.chiron_local import ChironLocal
+from tessera.worker.config import AutoscaleSpec, BatchBounds
+from tessera.worker.core.policy import InstanceView, Policy
+from tessera.worker.core.profile import StepProfile
+from tessera.worker.core.qoe import request_qoe
+from tessera.worker.core.request import Phase, Request, ServiceClass
+from tessera.worker.engines.base import Engine, EngineError, EngineJob, EngineUnavailable, TokenDelta
+from tessera.worker.metrics import WorkerMetrics
+
+PROBE_INTERVAL_S = 0.5
+
+
+class QueueFull(Exception):
+    """The model's (or the class's) queue is at its bound; retry after ``retry_after_s`` seconds."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """The worker's state of one accepted request."""
+
+    req: Request
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+    output_ids: list[int] = field(default_factory=list)
+    events: asyncio.Queue[TokenDelta | None] = field(default_factory=asyncio.Queue)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    finish_reason: str | None = None
+    error: EngineError | None = None
+    task: asyncio.Task[None] | None = None
+    streams: int = 0  # engine streams opened (1 + resumptions)
+    last_token_at: float | None = None
+    engine_finish: str | None = None  # finish reason the engine sent (kept if preempted just after)
+    first_prediction: float | None = None
+
+    @property
+    def class_name(self) -> str:
+        """The request's class name."""
+        return self.req.service_class.name
+
+
+class ModelScheduler:
+    """Queue, policy and in-flight set of one model on one engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        policy: Policy,
+        *,
+        profile: StepProfile,
+        batch: BatchBounds,
+        autoscale: AutoscaleSpec,
+        max_queued: int,
+        class_limits: dict[str, int | None],
+        metrics: WorkerMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.profile = profile
+        self.metrics = metrics
+        self.clock = clock
+        self.max_queued = max_queued
+        self.class_limits = class_limits
+        self.autoscale = autoscale
+        self.chiron = ChironLocal(
+            batch.min, batch.max, batch.start, autoscale.alpha, autoscale.min_iterations,
+            autoscale.min_interval_seconds,
+        )  # fmt: skip
+        self.max_batch = batch.start
+        self.engine_ok = True
+        self.inflight: dict[Job, None] = {}  # insertion-ordered set: admission order
+        self.jobs: dict[Request, Job] = {}
+        self._live: Counter[str] = Counter()
+        self._running: Counter[str] = Counter()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._probe_task: asyncio.Task[None] | None = None
+        self._recheck_tokens: int | None = None
+        self._recheck_at: float | None = None
+        self._iters = 0.0  # decode iterations since the last decision (estimated from tokens)
+        self._chiron_iters = 0.0
+        self._completions: deque[float] = deque(maxlen=64)
+        metrics.batch_size.labels(engine.model).set(self.max_batch)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Start the loop; the engine is probed before anything is admitted."""
+        self.engine_ok = await self.engine.healthy()
+        if not self.engine_ok:
+            self._start_probe()
+        self._loop_task = asyncio.create_task(self._run(), name=f"scheduler-{self.engine.model}")
+
+    async def stop(self) -> None:
+        """Stop the loop and end every stream (requests still held end with an error)."""
+        for task in (self._loop_task, self._probe_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        for job in list(self.jobs.values()):
+            self._end(job, None, EngineUnavailable("the worker is shutting down"))
+        await asyncio.sleep(0)
+
+    @property
+    def waiting(self) -> int:
+        """Accepted requests not in flight."""
+        return len(self.jobs) - len(self.inflight)
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, job: Job) -> None:
+        """Accept ``job`` or raise QueueFull (nothing accepted is ever dropped)."""
+        cls = job.class_name
+        limit = self.class_limits.get(cls)
+        if self.waiting >= self.max_queued:
+            raise QueueFull(f"the queue of model {self.engine.model} is full ({self.max_queued} waiting)",
+                            self._retry_after(self.waiting - self.max_queued + 1))  # fmt: skip
+        class_waiting = self._live[cls] - self._running[cls]
+        if limit is not None and class_waiting >= limit:
+            raise QueueFull(f"the queue of class {cls} is full ({limit} waiting)",
+                            self._retry_after(class_waiting - limit + 1))  # fmt: skip
+        now = self.clock()
+        job.req.arrival = now
+        self.jobs[job.req] = job
+        self._live[cls] += 1
+        self.policy.add(job.req, now)
+        self._gauges(cls)
+        self._wake.set()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: abort the stream (if any) and forget the request."""
+        if not job.done.is_set():
+            self._end(job, "cancelled", None)
+
+    # ---------------------------------------------------------------- reconfiguration
+
+    def reconfigure(
+        self,
+        policy: Policy,
+        *,
+        batch: BatchBounds,
+        autoscale: AutoscaleSpec,
+        max_queued: int,
+        class_limits: dict[str, int | None],
+    ) -> None:
+        """Switch policy and bounds in place; every held request moves to the new policy."""
+        now = self.clock()
+        for req in self.jobs:
+            policy.add(req, now)
+        self.policy = policy
+        self.max_queued = max_queued
+        self.class_limits = class_limits
+        self.autoscale = autoscale
+        self.chiron.set_bounds(batch.min, batch.max)
+        self.chiron.alpha = autoscale.alpha
+        self.chiron.min_iterations = autoscale.min_iterations
+        self.chiron.min_interval_s = autoscale.min_interval_seconds
+        if not autoscale.enabled:
+            self.chiron.initial = batch.start
+        self._set_batch(self.chiron.batch_size() if autoscale.enabled else batch.start)
+        self._wake.set()
+
+    # ---------------------------------------------------------------- the loop
+
+    async def _run(self) -> None:
+        while True:
+            timeout = None if self._recheck_at is None else max(0.0, self._recheck_at - self.clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            self.decide()
+
+    def decide(self) -> None:
+        """One decision point: ask the policy and apply its answer."""
+        now = self.clock()
+        if self.autoscale.enabled:
+            self._autoscale(now)
+        running = [job.req for job in self.inflight]
+        view = InstanceView(
+            now=now,
+            instance=self.engine.model,
+            running=running,
+            max_batch=self.max_batch,
+            kv_capacity_tokens=self.profile.kv_capacity_tokens,
+            kv_used_tokens=sum(r.context_tokens for r in running),
+            profile=self.profile,
+        )
+        t0 = time.perf_counter()
+        decision = self.policy.schedule(view)
+        self.metrics.decision_time.labels(self.engine.model).observe(time.perf_counter() - t0)
+        self._recheck_tokens = decision.recheck_after_tokens
+        self._recheck_at = decision.recheck_at
+        self._iters = 0.0
+        chosen = {id(r) for r in decision.run}
+        for job in list(self.inflight):
+            if id(job.req) not in chosen:
+                self._preempt(job, now)
+        if not self.engine_ok:
+            return
+        for req in decision.run:
+            job = self.jobs.get(req)
+            if job is None or job in self.inflight:
+                continue
+            if len(self.inflight) >= self.max_batch:
+                break
+            self._launch(job, now)
+
+    def _autoscale(self, now: float) -> None:
+        slo = min((self._itl_slo(job.req.service_class) for job in self.inflight), default=None)
+        self._set_batch(self.chiron.update(now, slo))
+
+    def _itl_slo(self, cls: ServiceClass) -> float:
+        if cls.itl_slo_s is not None:
+            return cls.itl_slo_s
+        if cls.kind == "batch":
+            return self.autoscale.batch_itl_slo_seconds
+        return self.autoscale.interactive_itl_slo_seconds
+
+    def _set_batch(self, size: int) -> None:
+        if size != self.max_batch:
+            self.max_batch = size
+            self.metrics.batch_size.labels(self.engine.model).set(size)
+
+    # ---------------------------------------------------------------- streams
+
+    def _launch(self, job: Job, now: float) -> None:
+        req = job.req
+        if job.engine_finish is not None or req.generated >= req.max_tokens:  # preempted after its end
+            self._end(job, job.engine_finish or "length", None)
+            return
+        req.phase = Phase.RUNNING
+        if req.first_scheduled_at is None:
+            req.first_scheduled_at = now
+            job.first_prediction = req.predicted_remaining
+        self.inflight[job] = None
+        self._running[job.class_name] += 1
+        self._gauges(job.class_name)
+        engine_job = EngineJob(
+            request_id=f"{req.id}-{job.streams}",
+            prompt_ids=job.prompt_ids + job.output_ids,
+            max_tokens=req.max_tokens - req.generated,
+            sampling=job.sampling,
+        )
+        job.streams += 1
+        job.task = asyncio.create_task(self._drive(job, engine_job), name=f"stream-{engine_job.request_id}")
+
+    async def _drive(self, job: Job, engine_job: EngineJob) -> None:
+        finish: str | None = None
+        try:
+            gen = self.engine.stream(engine_job)
+            try:
+                async for delta in gen:
+                    self._on_tokens(job, delta)
+                    finish = delta.finish_reason or finish
+            finally:
+                await gen.aclose()
+        except EngineError as exc:
+            if isinstance(exc, EngineUnavailable):
+                self._engine_down()
+            self._end(job, None, exc)
+            return
+        self._end(job, finish or "stop", None)
+
+    def _on_tokens(self, job: Job, delta: TokenDelta) -> None:
+        n = len(delta.token_ids)
+        if n == 0:
+            if delta.text:
+                job.events.put_nowait(delta)
+            return
+        now = self.clock()
+        req = job.req
+        labels = (self.engine.model, job.class_name)
+        gap_sum, gaps = 0.0, 0
+        if job.last_token_at is None:
+            self.metrics.ttft.labels(*labels).observe(now - req.arrival)
+        else:
+            gap_sum, gaps = now - job.last_token_at, n
+            self.metrics.itl.labels(*labels).observe(gap_sum)
+        for _ in range(n):
+            req.tokens.append(now)
+        req.generated += n
+        job.output_ids.extend(delta.token_ids)
+        job.last_token_at = now
+        job.engine_finish = delta.finish_reason
+        job.events.put_nowait(delta)
+        iters = n / max(1, len(self.inflight))
+        self._iters += iters
+        if self.autoscale.enabled:
+            self._chiron_iters += iters
+            whole = int(self._chiron_iters)
+            self._chiron_iters -= whole
+            self.chiron.observe(
+                now, tokens=n, gap_sum=gap_sum, gaps=gaps, iterations=whole, running=len(self.inflight)
+            )
+        if self._recheck_tokens is not None and self._iters >= self._recheck_tokens:
+            self._recheck_tokens = None
+            self._wake.set()
+
+    def _preempt(self, job: Job, now: float) -> None:
+        del self.inflight[job]
+        self._running[job.class_name] -= 1
+        if job.task is not None:
+            job.task.cancel()
+            job.task = None
+        job.req.phase = Phase.PREEMPTED
+        job.req.preemptions += 1
+        self.metrics.preemptions.labels(self.engine.model, job.class_name).inc()
+        self._gauges(job.class_name)
+
+    def _end(self, job: Job, finish_reason: str | None, error: EngineError | None) -> None:
+        if job.done.is_set():
+            return
+        now = self.clock()
+        req = job.req
+        cls = job.class_name
+        if job in self.inflight:
+            del self.inflight[job]
+            self._running[cls] -= 1
+        if job.task is not None and job.task is not asyncio.current_task():
+            job.task.cancel()
+        job.task = None
+        req.phase = Phase.FINISHED
+        req.finished_at = now
+        self.policy.remove(req, now)
+        del self.jobs[req]
+        self._live[cls] -= 1
+        job.finish_reason = finish_reason
+        job.error = error
+        if error is None and finish_reason != "cancelled":
+            self._completions.append(now)
+            self._record_finished(job, now)
+        elif error is not None:
+            self.metrics.failed.labels(self.engine.model, cls).inc()
+        self._gauges(cls)
+        job.events.put_nowait(None)
+        job.done.set()
+        self._wake.set()
+
+    def _record_finished(self, job: Job, now: float) -> None:
+        req = job.req
+        labels = (self.engine.model, job.class_name)
+        self.metrics.e2e.labels(*labels).observe(now - req.arrival)
+        if req.generated:
+            self.metrics.qoe.labels(*labels).observe(request_qoe(req))
+        if job.first_prediction is not None and req.first_scheduled_at is not None:
+            self.metrics.predictor_error.labels(*labels).observe(abs(job.first_prediction - req.generated))
+        met = self._slo_met(req, now)
+        (self.metrics.slo_met if met else self.metrics.slo_missed).labels(*labels).inc()
+
+    @staticmethod
+    def _slo_met(req: Request, now: float) -> bool:
+        cls = req.service_class
+        if cls.kind == "batch" and cls.deadline_s is not None:
+            return now - req.arrival <= cls.deadline_s
+        first = req.first_token_at
+        if cls.ttft_slo_s is not None and (first is None or first - req.arrival > cls.ttft_slo_s):
+            return False
+        if cls.itl_slo_s is not None and req.generated > 1 and first is not None:
+            return (now - first) / (req.generated - 1) <= cls.itl_slo_s
+        return True
+
+    # ---------------------------------------------------------------- health
+
+    def _engine_down(self) -> None:
+        if self.engine_ok:
+            self.engine_ok = False
+            self._start_probe()
+
+    def _start_probe(self) -> None:
+        if self._probe_task is None or self._probe_task.done():
+            self._probe_task = asyncio.create_task(self._probe(), name=f"probe-{self.engine.model}")
+
+    async def _probe(self) -> None:
+        while not await self.engine.healthy():
+            await asyncio.sleep(PROBE_INTERVAL_S)
+        self.engine_ok = True
+        self._wake.set()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _gauges(self, cls: str) -> None:
+        labels = (self.engine.model, cls)
+        self.metrics.inflight.labels(*labels).set(self._running[cls])
+        self.metrics.queue_length.labels(*labels).set(self._live[cls] - self._running[cls])
+
+    def _retry_after(self, excess: int) -> int:
+        """Seconds until ``excess`` more requests will have completed at the recent completion rate."""
+        if len(self._completions) >= 2:
+            span = self._completions[-1] - self._completions[0]
+            rate = (len(self._completions) - 1) / span if span > 0 else 0.0
+            if rate > 0:
+                return min(60, max(1, math.ceil(excess / rate)))
+        return 1

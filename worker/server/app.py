@@ -1,0 +1,360 @@
+"""The worker's FastAPI application.
+
+``/v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``,
+``/health`` (process alive), ``/ready`` (engines healthy, not draining), ``/metrics``
+(Prometheus), ``POST /admin/reload`` (bearer token), ``/openapi.json``.
+
+A request is tokenized, checked against the context length, classified by the class header (or
+the model's default class) and handed to the model's scheduler; the handler then relays its tokens.
+While a request waits, the handler polls for a client disconnect, so an abandoned request leaves the
+queue (or is aborted in the engine) within ``DISCONNECT_POLL_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tessera.worker.config import ConfigError, parse_config
+from tessera.worker.core.request import Request
+from tessera.worker.engines.base import EngineError, TokenDelta
+from tessera.worker.runtime import UnknownClass, Worker
+from tessera.worker.scheduler import Job, QueueFull
+from tessera.worker.server.errors import ApiError
+from tessera.worker.server.schemas import AdminReloadResult, ChatCompletionRequest, CompletionRequest
+
+DISCONNECT_POLL_S = 0.2
+_ERRORS = {
+    400: {"description": "Invalid request (OpenAI-style error body)."},
+    404: {"description": "Unknown model."},
+    429: {"description": "Queue full; see Retry-After."},
+    503: {"description": "Engine unavailable or worker draining."},
+}
+
+
+def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
+    """The HTTP application over ``worker`` (started and stopped with the app when ``manage_worker``)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_worker:
+            await worker.start()
+        try:
+            yield
+        finally:
+            if manage_worker:
+                await worker.stop()
+
+    app = FastAPI(title="Tessera worker", version="0.1.0", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: HttpRequest, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.get("/health", summary="Liveness: the worker process answers.")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get(
+        "/ready", summary="Readiness: every engine healthy and not draining.", responses={503: _ERRORS[503]}
+    )
+    async def ready() -> JSONResponse:
+        engines = {name: s.engine_ok for name, s in worker.schedulers.items()}
+        ok = worker.ready()
+        return JSONResponse(
+            {"ready": ok, "engines": engines, "draining": worker.draining}, 200 if ok else 503
+        )
+
+    @app.get("/metrics", summary="Prometheus metrics.")
+    async def metrics() -> Response:
+        return Response(worker.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", summary="Models served by this worker.")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": m.name, "object": "model", "owned_by": "tessera", "max_model_len": m.max_model_len}
+                for m in worker.config.models
+            ],
+        }
+
+    @app.post("/v1/completions", summary="OpenAI completions (streaming or not).", responses=_ERRORS)
+    async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
+        _, sched, cls = _route(worker, body.model, http)
+        if isinstance(body.prompt, str):
+            prompt_ids = await _engine_call(sched.engine.tokenize(body.prompt))
+        else:
+            prompt_ids = list(body.prompt)
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        return await _serve(worker, body, http, prompt_ids, max_tokens, cls, chat=False)
+
+    @app.post(
+        "/v1/chat/completions", summary="OpenAI chat completions (streaming or not).", responses=_ERRORS
+    )
+    async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
+        entry, sched, cls = _route(worker, body.model, http)
+        messages = [m.model_dump() for m in body.messages]
+        prompt_ids = await _engine_call(sched.engine.tokenize_chat(messages))
+        max_tokens = (
+            body.max_tokens or body.max_completion_tokens or max(1, entry.max_model_len - len(prompt_ids))
+        )
+        return await _serve(worker, body, http, prompt_ids, max_tokens, cls, chat=True)
+
+    @app.post(
+        "/admin/reload",
+        summary="Reload policy, classes and batch bounds without a restart (bearer token).",
+        responses={401: {"description": "Missing or wrong token."}, 400: _ERRORS[400]},
+    )
+    async def admin_reload(http: HttpRequest) -> AdminReloadResult:
+        try:
+            token = worker.config.admin.token()
+        except ConfigError as exc:
+            raise ApiError(403, str(exc), code="admin_disabled") from None
+        if token is None:
+            raise ApiError(403, "the admin endpoint is disabled: configure admin.tokenEnv or admin.tokenFile")
+        if http.headers.get("authorization", "") != f"Bearer {token}":
+            raise ApiError(401, "missing or wrong admin token; send 'Authorization: Bearer <token>'")
+        raw = await http.body()
+        try:
+            new = (
+                parse_config(json.loads(raw), where="configuration in the request body")
+                if raw.strip()
+                else None
+            )
+            config = worker.reload(new)
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        except (ConfigError, ValueError) as exc:
+            raise ApiError(400, str(exc), code="invalid_configuration") from None
+        b = config.scheduling.batch
+        return AdminReloadResult(
+            policy=config.scheduling.policy, classes=list(config.classes), batch_min=b.min, batch_max=b.max
+        )
+
+    return app
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    problems = []
+    param = None
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return ApiError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
+        where = ".".join(loc) or "body"
+        param = param or where
+        problems.append(f"{where}: {err.get('msg')}")
+    return ApiError(400, "invalid request: " + "; ".join(problems), param=param)
+
+
+def _route(worker: Worker, model: str, http: HttpRequest) -> tuple[Any, Any, Any]:
+    entry = worker.config.model(model)
+    if entry is None:
+        known = ", ".join(m.name for m in worker.config.models)
+        message = f"the model {model!r} does not exist here; models: {known}"
+        raise ApiError(404, message, code="model_not_found", param="model")
+    if worker.draining:
+        raise ApiError(503, "the worker is shutting down; retry on another replica", code="draining")
+    try:
+        cls = worker.resolve_class(entry, http.headers.get(worker.config.class_header))
+    except UnknownClass as exc:
+        raise ApiError(400, str(exc), code="unknown_class", param=worker.config.class_header) from None
+    return entry, worker.schedulers[model], cls
+
+
+async def _engine_call(coro: Any) -> Any:
+    try:
+        return await coro
+    except EngineError as exc:
+        raise ApiError(exc.status, str(exc), code=exc.code) from None
+
+
+async def _serve(
+    worker: Worker,
+    body: CompletionRequest | ChatCompletionRequest,
+    http: HttpRequest,
+    prompt_ids: list[int],
+    max_tokens: int,
+    cls: Any,
+    *,
+    chat: bool,
+) -> Response:
+    entry = worker.config.model(body.model)
+    assert entry is not None
+    if len(prompt_ids) + max_tokens > entry.max_model_len:
+        raise ApiError(
+            400,
+            f"this model's maximum context length is {entry.max_model_len} tokens, but the prompt has "
+            f"{len(prompt_ids)} tokens and max_tokens is {max_tokens}; shorten the prompt or lower "
+            "max_tokens",
+            code="context_length_exceeded",
+            param="max_tokens"
+            if len(prompt_ids) < entry.max_model_len
+            else ("messages" if chat else "prompt"),
+        )
+    sched = worker.schedulers[body.model]
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    req = Request(
+        id=rid,
+        arrival=0.0,
+        prompt_tokens=len(prompt_ids),
+        max_tokens=max_tokens,
+        model=body.model,
+        service_class=cls,
+        prompt_text=body.prompt
+        if isinstance(body, CompletionRequest) and isinstance(body.prompt, str)
+        else None,
+    )
+    job = Job(req, prompt_ids, body.sampling())
+    try:
+        sched.submit(job)
+    except QueueFull as exc:
+        worker.metrics.rejected.labels(body.model, cls.name, "queue_full").inc()
+        raise ApiError(429, f"{exc}; retry later", code="queue_full",
+                       headers={"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
+    first = await _next_event(job, http)
+    if first is _DISCONNECTED:
+        sched.cancel(job)
+        return Response(status_code=499)
+    if first is None and job.error is not None:
+        raise ApiError(job.error.status, str(job.error), code=job.error.code)
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _sse(worker, job, first, rid, created, chat=chat, include_usage=include_usage,
+                      token_ids=body.return_token_ids)  # fmt: skip
+        return StreamingResponse(events, media_type="text/event-stream")
+    deltas: list[TokenDelta] = [first] if isinstance(first, TokenDelta) else []
+    while first is not None:
+        first = await _next_event(job, http)
+        if first is _DISCONNECTED:
+            sched.cancel(job)
+            return Response(status_code=499)
+        if isinstance(first, TokenDelta):
+            deltas.append(first)
+    if job.error is not None:
+        raise ApiError(job.error.status, str(job.error), code=job.error.code)
+    text = "".join(d.text for d in deltas)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    if body.return_token_ids:
+        choice["token_ids"] = job.output_ids
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": body.model,
+            "choices": [choice],
+            "usage": _usage(job),
+        }
+    )
+
+
+_DISCONNECTED = object()
+
+
+async def _next_event(job: Job, http: HttpRequest) -> Any:
+    """The job's next event (a TokenDelta, or None at its end), or _DISCONNECTED if the client left."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await http.is_disconnected():
+                return _DISCONNECTED
+
+
+def _usage(job: Job) -> dict[str, int]:
+    prompt = job.req.prompt_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": job.req.generated,
+        "total_tokens": prompt + job.req.generated,
+    }
+
+
+async def _sse(
+    worker: Worker,
+    job: Job,
+    first: TokenDelta | None,
+    rid: str,
+    created: int,
+    *,
+    chat: bool,
+    include_usage: bool,
+    token_ids: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events of one job; leaving early (client gone) cancels the job."""
+    sched = worker.schedulers[job.req.model]
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        body = {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": job.req.model,
+            "choices": choices,
+            **extra,
+        }
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def deltas() -> AsyncIterator[TokenDelta]:
+        item: TokenDelta | None = first
+        while item is not None:
+            yield item
+            item = await job.events.get()
+
+    source: AsyncIterator[TokenDelta] = deltas()
+    if worker.config.scheduling.pacing:
+        from tessera.worker.pacer import TokenPacer, pace
+
+        source = pace(source, TokenPacer.for_request(job.req), time.monotonic)
+    try:
+        if chat:
+            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        async for delta in source:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
+            if chat:
+                choice["delta"] = {"content": delta.text}
+            else:
+                choice["text"] = delta.text
+            if token_ids:
+                choice["token_ids"] = delta.token_ids
+            yield chunk([choice])
+        await job.done.wait()
+        if job.error is not None:
+            error = ApiError(job.error.status, str(job.error), code=job.error.code)
+            yield f"data: {json.dumps(error.body())}\n\n"
+        else:
+            end: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": None}
+            end["delta" if chat else "text"] = {} if chat else ""
+            yield chunk([end])
+            if include_usage:
+                yield chunk([], usage=_usage(job))
+        yield "data: [DONE]\n\n"
+    finally:
+        sched.cancel(job)
