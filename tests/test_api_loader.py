@@ -103,6 +103,8 @@ def test_document_level_errors(text: str, message: str) -> None:
 def test_unreadable_path_is_reported(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="cannot read"):
         load_documents(tmp_path)  # a directory, not a file
+    with pytest.raises(SpecError, match=r"missing\.yaml: cannot read: No such file"):
+        load_documents(str(tmp_path / "missing.yaml"))
 
 
 def test_server_metadata_and_status_are_accepted() -> None:

@@ -147,7 +147,9 @@ def load_documents(path_or_text: str | Path) -> list[Resource]:
     SpecError listing every invalid document, each with the fields at fault and what is allowed.
     """
     source = "<text>"
-    if isinstance(path_or_text, Path) or ("\n" not in path_or_text and Path(path_or_text).is_file()):
+    one_line = "\n" not in str(path_or_text)
+    looks_like_path = one_line and str(path_or_text).endswith((".yaml", ".yml", ".json"))
+    if isinstance(path_or_text, Path) or looks_like_path or (one_line and Path(path_or_text).is_file()):
         source = str(path_or_text)
         try:
             text = Path(path_or_text).read_text()
