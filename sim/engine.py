@@ -136,6 +136,7 @@ class Instance:
         self.used_blocks = 0
         self.swap_used_tokens = 0
         self.assigned: dict[Request, None] = {}  # routed here and not finished, in routing order
+        self._target: dict[Request, int] = {}  # output tokens each assigned request will produce
         self.now = created_at
         self.heap_seq = -1  # the cluster's latest heap entry for this instance
         self.seg: _Segment | None = None
@@ -207,6 +208,7 @@ class Instance:
             )
         req.instance = self.name
         self.assigned[req] = None
+        self._target[req] = req.target_output_tokens
         self.policy.add(req, now)
         self.notify(now)
 
@@ -256,6 +258,7 @@ class Instance:
             self.policy.remove(req, now)
             req.instance = None
         self.assigned.clear()
+        self._target.clear()
         self.seg = None
         return out
 
@@ -279,10 +282,10 @@ class Instance:
             return True
         self._recheck_after = d.recheck_after_tokens
         self._recheck_at = d.recheck_at
-        rank = {id(r): i for i, r in enumerate(d.run)}
+        rank = dict(zip(map(id, d.run), range(len(d.run)), strict=True))
         self._last_rank = rank
         mode = d.preempt_mode or self.config.preempt_mode
-        if len(rank) < len(self.running) or any(id(r) not in rank for r in self.running):
+        if len(rank) < len(self.running) or not rank.keys() >= set(map(id, self.running)):
             for req in [r for r in self.running if id(r) not in rank]:
                 self._preempt(req, mode, now, engine=False)
         cap = self.capacity_blocks
@@ -303,6 +306,8 @@ class Instance:
                 self._start(req, now, prefill=0)
                 continue
             need = blocks_for(context, block)
+            while cap - self.used_blocks - need < reserve and self.paused_kv:
+                self._preempt(self.paused_kv[-1], "recompute", now, engine=True)  # paused KV gives way
             if cap - self.used_blocks - need < reserve:
                 break
             if req.swapped:
@@ -415,7 +420,8 @@ class Instance:
                 self.seg = _Segment("wait", now, self._recheck_at)
             return
         context = self._decoding_context()
-        k = min(r.target_output_tokens - r.generated for r in self.running)
+        target = self._target
+        k = min([target[r] - r.generated for r in self.running])
         if self._recheck_after is not None:
             k = min(k, max(1, self._recheck_after))
         k = self._kv_iterations(decoding, k)
@@ -480,9 +486,10 @@ class Instance:
         block = self.profile.block_size
         used = 0
         done = []
+        target = self._target
         for r in self.running:
             r.generated += k
-            if r.generated >= r.target_output_tokens:
+            if r.generated >= target[r]:
                 done.append(r)
             used += (r.prompt_tokens + r.generated) // block + 1
         for r in self.paused_kv:
@@ -495,7 +502,7 @@ class Instance:
         self.iterations += 1
         block = self.profile.block_size
         if seg.decodes:  # mixed iteration: every decoding request got a token at its end
-            self.log.append_run(now, 1)
+            self.log.append_run(now, 1, 0.0, 0.0)
             for r in self.running:
                 if r not in self._prefill_left:
                     self._advance_one(r, block)
@@ -526,6 +533,7 @@ class Instance:
         r.kv_resident = False
         r.finished_at = t
         del self.assigned[r]
+        del self._target[r]
         self.finished += 1
         self.policy.remove(r, t)
         if self.on_finish is not None:

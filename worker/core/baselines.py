@@ -8,13 +8,16 @@
 - ``srtf-oracle``: shortest true remaining output first, preemptive at every
   decision point (simulation only). ``recheck_tokens`` bounds how long a running
   request may hold its slot between events (CHOICE: 50 tokens, ELIS' window).
+  ``preempt_mode`` (CHOICE: ``keep``) is how its own preemptions leave the batch:
+  as a bound it pauses requests with their KV kept instead of paying a recompute;
+  the engine drops paused KV first when memory runs short.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from tessera.worker.core.policy import PriorityPolicy
+from tessera.worker.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
 from tessera.worker.core.request import Request
 
 
@@ -65,11 +68,20 @@ class SRTFOracle(PriorityPolicy):
     oracle: ClassVar[bool] = True
     preemptive: ClassVar[bool] = True
 
-    def __init__(self, recheck_tokens: int = 50) -> None:
+    def __init__(self, recheck_tokens: int = 50, preempt_mode: PreemptMode = "keep") -> None:
         super().__init__()
         if recheck_tokens < 1:
             raise ValueError("recheck_tokens must be >= 1")
+        if preempt_mode not in ("recompute", "swap", "keep"):
+            raise ValueError(f"preempt_mode must be recompute, swap or keep, got {preempt_mode!r}")
         self._recheck = recheck_tokens
+        self._mode: PreemptMode = preempt_mode
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Re-rank everything; preempted requests leave with ``preempt_mode``."""
+        decision = super().schedule(view)
+        decision.preempt_mode = self._mode
+        return decision
 
     def key(self, req: Request, now: float) -> tuple:
         """True remaining output tokens, then arrival."""

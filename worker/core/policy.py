@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -161,7 +162,7 @@ class PriorityPolicy(Policy):
 
     def _sync_running(self, view: InstanceView) -> None:
         """Requests the engine preempted on its own go back to the queue with a fresh key."""
-        now_running = {id(r): r for r in view.running}
+        now_running = dict(zip(map(id, view.running), view.running, strict=True))
         if len(now_running) != len(self._running) or not now_running.keys() >= self._running.keys():
             for rid, entry in list(self._running.items()):
                 if rid not in now_running and entry.req.phase is not Phase.FINISHED:
@@ -179,9 +180,10 @@ class PriorityPolicy(Policy):
         self._sync_running(view)
         now = view.now
         entries = list(self._running.values())
-        if not self.static_keys:
+        if not self.static_keys:  # fresh entries: an old one may still sit in the heap (lazy deletion)
+            entries = [_Entry(self.key(e.req, now), e.seq, e.req) for e in entries]
             for entry in entries:
-                entry.key = self.key(entry.req, now)
+                self._running[id(entry.req)] = entry
         entries.sort(key=_entry_order)
         if self.preemptive:
             for entry in entries:
@@ -190,22 +192,35 @@ class PriorityPolicy(Policy):
             self._running.clear()
             entries = []
         run = [entry.req for entry in entries]
+        former = entries if self.preemptive else []
         # Admission room: the engine stops at the first request that does not fit, so popping
         # further than the free KV tokens and the prefill budget allow would only churn the heap.
         room = view.kv_free_tokens
         budget = view.prefill_budget_tokens
-        while len(run) < view.max_batch and room > 0 and (budget is None or budget > 0):
+        while len(run) < view.max_batch:
             entry = self._pop_queued()
             if entry is None:
                 break
             req = entry.req
-            run.append(req)
-            self._running[id(req)] = entry
             if not req.kv_resident:
                 need = req.prompt_tokens + req.generated + 1
+                if room <= 0 or (budget is not None and budget <= 0 and not req.swapped):
+                    self._queued[id(req)] = entry  # cannot start now: stays queued
+                    heapq.heappush(self._heap, entry)
+                    break
                 room -= need
                 if budget is not None and not req.swapped:
                     budget -= need
+            run.append(req)
+            self._running[id(req)] = entry
+        # Requests that were running keep their KV: they stay in the batch behind the stop point.
+        for entry in former:
+            if len(run) >= view.max_batch:
+                break
+            if id(entry.req) not in self._running:
+                del self._queued[id(entry.req)]
+                run.append(entry.req)
+                self._running[id(entry.req)] = entry
         # Whatever the engine cannot admit returns to the queue at the next decision via _sync_running.
         return Decision(run=run, recheck_after_tokens=self.recheck_tokens())
 
@@ -214,5 +229,4 @@ class PriorityPolicy(Policy):
         return None
 
 
-def _entry_order(entry: _Entry) -> tuple:
-    return (entry.key, entry.seq)
+_entry_order = operator.attrgetter("key", "seq")
