@@ -1,0 +1,122 @@
+"""Scenario ``fidelity``: the simulator against real vLLM on this machine (issue 3, item 7).
+
+1. Build the offline tiny random-weight Llama and start a real vLLM OpenAI server on it.
+2. Measure it with ``tessera profile``'s logic and fit a step profile.
+3. Replay the same ``requests`` (default 200) through the real server (async streaming client)
+   and through the simulator with the fitted profile (FCFS, the server's max_num_seqs as batch
+   size, its KV capacity, chunked prefill with the server's token budget: vLLM V1 always chunks).
+4. Report mean JCT and mean TTFT of both and their relative error (target within 15%).
+
+Arrivals: the Azure conversation trace's first rows, rescaled to ``rate`` (default 4 req/s);
+lengths scaled down to fit the tiny model (``input/in_div`` clipped to [4, 1024], ``output/out_div``
+clipped to [1, 512]; defaults 4 and 2).
+Options: requests (200), rate (4.0), max_num_seqs (16), kv_cache_gib (1), token_budget (2048).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from tessera.sim.cluster import ClusterConfig
+from tessera.sim.engine import EngineConfig
+from tessera.sim.runner import AZURE_CONV, option, run_one
+from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
+from tessera.sim.traces import load_trace
+from tessera.sim.workloads import build_requests, scale_to_rate
+from tessera.worker.core.registry import make_policy
+
+DESCRIPTION = "simulator vs real vLLM (tiny model on this CPU): mean JCT and TTFT error"
+
+
+def _kv_bytes_per_token(model_dir: Path) -> int:
+    import json
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4  # float32
+
+
+def run(config: BenchConfig, progress: Progress) -> BenchReport:
+    """Real and simulated replay of the same requests."""
+    from tessera.commands.profile import measure_and_fit
+    from tessera.sim.measure import replay
+    from tessera.worker.engines.tiny_model import build_tiny_model
+    from tessera.worker.engines.vllm_process import VLLMServer
+
+    opts = config.options
+    n = option(opts, "requests", 200, int)
+    rate = config.rate if config.rate is not None else option(opts, "rate", 4.0, float)
+    seqs = option(opts, "max_num_seqs", 16, int)
+    gib = option(opts, "kv_cache_gib", 1, int)
+    budget = option(opts, "token_budget", 2048, int)
+    in_div = option(opts, "in_div", 4.0, float)
+    out_div = option(opts, "out_div", 2.0, float)
+    rows = load_trace(config.trace or AZURE_CONV)[:n]
+    arrivals = scale_to_rate([r.arrival for r in rows], rate)
+    inp = np.clip(np.round(np.array([r.input_tokens for r in rows]) / in_div), 4, 1024).astype(int)
+    out = np.clip(np.round(np.array([r.output_tokens for r in rows]) / out_div), 1, 512).astype(int)
+    progress(0, total=4)
+    with tempfile.TemporaryDirectory(prefix="tessera-fidelity-") as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "tiny")
+        kvb = _kv_bytes_per_token(model_dir)
+        kv_tokens = gib * (1 << 30) // kvb
+        progress(1)
+        server = VLLMServer(
+            model_dir,
+            max_num_seqs=seqs,
+            kv_cache_gib=gib,
+            enable_prefix_caching=False,
+            extra_args=["--max-num-batched-tokens", str(budget)],
+        )
+        with server:
+            server.start()
+            progress(1)
+            profile, _ = measure_and_fit(server.url, server.model_name, "tiny-cpu", kv_tokens, 16, 1000, seqs)
+            progress(1)
+            real = asyncio.run(
+                replay(server.url, server.model_name, list(zip(arrivals, inp, out, strict=True)))
+            )
+            progress(1)
+    reqs = build_requests(arrivals, inp, out, np.random.default_rng(config.seed))
+    cluster = ClusterConfig(
+        {"default": profile}, 1, EngineConfig(max_batch=seqs, chunked_prefill=True, token_budget=budget)
+    )
+    _, sim = run_one(reqs, lambda: make_policy("fcfs"), cluster)
+    real_jct = float(np.mean([r.jct for r in real]))
+    real_ttft = float(np.mean([r.ttft for r in real]))
+    jct_err = abs(sim["mean_jct_s"] - real_jct) / real_jct
+    ttft_err = abs(sim["mean_ttft_s"] - real_ttft) / real_ttft
+    results = [
+        {
+            "policy": "fcfs:engine=vllm",
+            "requests": n,
+            "mean_jct_s": real_jct,
+            "mean_ttft_s": real_ttft,
+            "p99_jct_s": float(np.percentile([r.jct for r in real], 99)),
+        },
+        {"policy": "fcfs:engine=sim", **sim},
+    ]
+    checks = [
+        f"mean JCT: real {real_jct:.3f}s, sim {sim['mean_jct_s']:.3f}s, error {jct_err:.1%} "
+        f"(target <= 15%): {'PASS' if jct_err <= 0.15 else 'FAIL'}",
+        f"mean TTFT: real {real_ttft:.3f}s, sim {sim['mean_ttft_s']:.3f}s, error {ttft_err:.1%} "
+        f"(target <= 15%): {'PASS' if ttft_err <= 0.15 else 'FAIL'}",
+        f"fitted profile: decode {profile.decode_c0 * 1e3:.2f} ms + {profile.decode_c1 * 1e3:.3f} ms/seq + "
+        f"{profile.decode_c2 * 1e6:.3f} us/ctx; prefill {profile.prefill_p0 * 1e3:.2f} ms + "
+        f"{profile.prefill_p1 * 1e6:.2f} us/token",
+    ]
+    cfg = {
+        **config.as_dict(),
+        "requests": n,
+        "rate": rate,
+        "max_num_seqs": seqs,
+        "kv_tokens": kv_tokens,
+        "token_budget": budget,
+    }
+    return BenchReport("fidelity", cfg, results, checks)
