@@ -1,0 +1,48 @@
+"""`tessera bench` end to end on a tiny run: the contract's JSON shape, checks and errors."""
+
+from __future__ import annotations
+
+import json
+
+from tessera.cli import main
+
+
+def test_baseline_json_shape(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    csv = tmp_path / "r.csv"
+    rc = main(
+        [
+            "bench",
+            "baseline",
+            "--set",
+            "requests=40",
+            "--load",
+            "0.8",
+            "--json",
+            str(out),
+            "--requests-csv",
+            str(csv),
+        ]
+    )
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["scenario"] == "baseline"
+    assert doc["config"]["requests"] == 40
+    names = [r["policy"] for r in doc["results"]]
+    assert names == ["fcfs:load=0.8", "edf:load=0.8", "sjf-oracle:load=0.8", "srtf-oracle:load=0.8"]
+    for row in doc["results"]:
+        assert row["requests"] == 40
+        for key in ("mean_ttft_s", "p99_ttft_s", "mean_itl_s", "mean_jct_s", "p99_jct_s", "throughput_rps"):
+            assert row[key] > 0
+        assert 0 <= row["slo_attainment"] <= 1
+        assert row["gpu_seconds"] > 0
+    assert len(csv.read_text().splitlines()) == 1 + 4 * 40
+    assert "PASS" in capsys.readouterr().out or doc["checks"]
+
+
+def test_unknown_scenario_and_bad_set(capsys):
+    assert main(["bench", "nope"]) == 2
+    assert main(["bench", "baseline", "--set", "novalue"]) == 2
+    assert main(["bench", "baseline", "--set", "requests=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "known" in err and "KEY=VALUE" in err and "expected int" in err
