@@ -112,3 +112,25 @@ def eviction_victims(
         free_slots += 1
         free_tokens += req.context_tokens + 1
     return victims
+
+
+class SwapGate:
+    """Charges a swap's extra time (``ModelTiers.extra_swap_s``) after the engine's weight copy:
+    the policy keeps the batch empty until then."""
+
+    def __init__(self, tiers: ModelTiers) -> None:
+        self.tiers = tiers
+        self._issued: tuple[str, float] | None = None
+        self._until = float("-inf")
+
+    def issue(self, model: str, weights_bytes: float, now: float) -> None:
+        """A swap to ``model`` is being requested from the engine at ``now``."""
+        self._issued = (model, self.tiers.extra_swap_s(model, weights_bytes, now))
+
+    def closed_until(self, active_model: str | None, now: float) -> float | None:
+        """When the instance may run again, or None if it may run now."""
+        if self._issued is not None and active_model == self._issued[0]:
+            self._until = now + self._issued[1]  # the engine's copy is done; S0 (+ storage read) now
+            self.tiers.loaded(self._issued[0], now)
+            self._issued = None
+        return self._until if now < self._until else None

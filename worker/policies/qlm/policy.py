@@ -36,7 +36,7 @@ from tessera.worker.policies.qlm.estimator import (
     start_times,
 )
 from tessera.worker.policies.qlm.groups import Grouper, GroupKey, RequestGroup, VirtualQueue, group_key
-from tessera.worker.policies.qlm.lso import ModelTiers, TierCosts, eviction_victims
+from tessera.worker.policies.qlm.lso import ModelTiers, SwapGate, TierCosts, eviction_victims
 from tessera.worker.policies.qlm.milp import GroupSpec, QueueSpec, SolverSettings, solve
 
 TokenSeeds = Mapping[
@@ -109,8 +109,7 @@ class QLMPolicy(Policy):
         self._check_due = False
         self._last_solve = -math.inf
         self._reordered_head: RequestGroup | None = None  # head placed by the scheduler: evict, swap now
-        self._swap_extra: tuple[str, float] | None = None  # swap issued: (model, extra seconds)
-        self._gate_until = -math.inf
+        self.gate = SwapGate(self.tiers)
         self._active_model: str | None = None
         self.counters: dict[str, float] = {"solves": 0, "fallbacks": 0, "evicted": 0, "model_swaps": 0}
         self.solve_times: list[float] = []
@@ -148,13 +147,10 @@ class QLMPolicy(Policy):
         self.vq.name = view.instance
         self._refresh_rates(view)
         self._sync(view)
-        if self._swap_extra is not None and view.active_model == self._swap_extra[0]:
-            self._gate_until = now + self._swap_extra[1]  # the engine's copy is done; S0 (+ disk) now
-            self.tiers.loaded(self._swap_extra[0], now)
-            self._swap_extra = None
         self._active_model = view.active_model
-        if now < self._gate_until:
-            return Decision(run=[], recheck_at=self._gate_until)
+        closed = self.gate.closed_until(view.active_model, now)
+        if closed is not None:
+            return Decision(run=[], recheck_at=closed)
         recheck_at = None
         if self.reorder and self._check_due:
             recheck_at = self._maybe_reorder(view)
@@ -379,8 +375,7 @@ class QLMPolicy(Policy):
         upcoming = [head.model] + [g.model for g in self.vq.groups if g.n_pending]
         sizes = {m: self.model_weights_bytes.get(m, view.profile.weights_bytes) for m in upcoming}
         self.tiers.plan(upcoming, sizes, view.now)
-        extra = self.tiers.extra_swap_s(head.model, sizes[head.model], view.now)
-        self._swap_extra = (head.model, extra)
+        self.gate.issue(head.model, sizes[head.model], view.now)
         self._reordered_head = None
         self.counters["model_swaps"] += 1
         return Decision(run=[], load_model=head.model, preempt_mode=self.evict_mode)
