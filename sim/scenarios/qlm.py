@@ -1,0 +1,371 @@
+"""Scenario ``qlm``: QLM against its baselines, one part per target of issue 6.
+
+Parts (``--set part=NAME``, default ``all``):
+
+- ``estimator``: one instance, a burst of ShareGPT-like batch requests served in VQ
+  order; at snapshots (every ``snapshot_s``) the RWT estimate (z = 0) of every waiting
+  request is compared with its actual wait. R² over requests with >= 4 groups ahead.
+- ``single``: one model, interactive (TTFT SLO 20 s) + batch (1 h) at ``load`` x the
+  measured capacity; fcfs, edf, qlm and qlm without eviction.
+- ``multi``: three models on two instances with model swapping (GPU/CPU/storage
+  tiers); FCFS with per-request swapping (least-loaded routing) vs QLM (QLM router).
+- ``eviction``: a saturated instance of long batch requests; interactive bursts of
+  ``burst`` requests; median interactive wait with and without eviction.
+- ``solver``: synthetic 100 groups over 4 VQs (2 models, interactive + batch):
+  solve-time p50 over seeds; then a case beyond the time limit: the EDF fallback
+  engages and every group is still placed.
+
+Options: part, requests, load, interactive_share, max_batch, seeds, time_limit, snapshot_s, burst.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from tessera.sim.cluster import ClusterConfig
+from tessera.sim.engine import EngineConfig
+from tessera.sim.profiles import load_profile
+from tessera.sim.runner import option, run_one
+from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
+from tessera.sim.scenarios._common import saturation_rate, with_rate
+from tessera.sim.workloads import Mix, build_requests, poisson_arrivals, sharegpt_lengths
+from tessera.worker.core.registry import make_policy
+from tessera.worker.core.request import Request, ServiceClass
+from tessera.worker.policies.qlm import QLMPolicy
+from tessera.worker.policies.qlm.baseline import SwapFCFS
+from tessera.worker.policies.qlm.estimator import GroupCosts
+from tessera.worker.policies.qlm.milp import GroupSpec, QueueSpec, SolverSettings, solve
+from tessera.worker.policies.qlm.router import QLMRouter
+
+DESCRIPTION = "QLM: RWT estimator R², SLO attainment, multi-model swapping, eviction, MILP solver time"
+PARTS = ("estimator", "single", "multi", "eviction", "solver")
+INTERACTIVE = ServiceClass("interactive", "interactive", ttft_slo_s=20.0)
+BATCH = ServiceClass("batch", "batch", deadline_s=3600.0)
+
+
+def run(config: BenchConfig, progress: Progress) -> BenchReport:
+    """Run the selected parts; each adds rows (policy names carry the part) and target checks."""
+    opts = config.options
+    part = str(opts.get("part", "all"))
+    parts = PARTS if part == "all" else tuple(part.split(","))
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise ValueError(f"--set part: unknown {unknown}; choose from {', '.join(PARTS)} or all")
+    progress(0, total=len(parts))
+    rows: list[dict[str, Any]] = []
+    checks: list[str] = []
+    for name in parts:
+        part_rows, part_checks = globals()[f"_part_{name}"](config)
+        rows += part_rows
+        checks += part_checks
+        progress(1)
+    return BenchReport("qlm", {**config.as_dict(), "parts": list(parts)}, rows, checks)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _profile(opts: dict[str, Any]) -> Any:
+    return load_profile(str(option(opts, "profile", "a100-llama3-8b", str)))
+
+
+def _requests(n: int, rng: np.random.Generator, mix: Mix, rate: float) -> list[Request]:
+    inputs, outputs = sharegpt_lengths(n, rng)
+    return build_requests(poisson_arrivals(n, rate, rng), inputs, outputs, rng, mix)
+
+
+def _seeds(reqs: list[Request], sample: int = 500) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """Offline workload profiling (spec A6-1): token statistics per (model, class) from a sample."""
+    by: dict[tuple[str, str], list[Request]] = {}
+    for r in reqs[:sample]:
+        by.setdefault((r.model, r.service_class.name), []).append(r)
+    return {
+        key: (
+            float(np.mean([r.prompt_tokens for r in rs])),
+            float(np.mean([r.target_output_tokens for r in rs])),
+            float(np.std([r.target_output_tokens for r in rs])),
+        )
+        for key, rs in by.items()
+    }
+
+
+def _row(name: str, metrics: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"policy": name, **metrics, **extra}
+
+
+def _qlm_counters(policies: list[QLMPolicy]) -> dict[str, Any]:
+    times = [t for p in policies for t in p.solve_times]
+    return {
+        "solves": sum(p.counters["solves"] for p in policies),
+        "edf_fallbacks": sum(p.counters["fallbacks"] for p in policies),
+        "evicted": sum(p.counters["evicted"] for p in policies),
+        "solve_p50_s": statistics.median(times) if times else None,
+    }
+
+
+def _r2(actual: list[float], estimate: list[float]) -> float:
+    a, e = np.asarray(actual), np.asarray(estimate)
+    ss_tot = float(((a - a.mean()) ** 2).sum())
+    return 1.0 - float(((a - e) ** 2).sum()) / ss_tot if ss_tot > 0 else float("nan")
+
+
+# ---- parts ------------------------------------------------------------------------------------------
+def _part_estimator(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    opts = config.options
+    n = option(opts, "requests", 4000, int)
+    every = option(opts, "snapshot_s", 30.0, float)
+    max_batch = option(opts, "max_batch", 64, int)
+    rng = np.random.default_rng(config.seed)
+    reqs = _requests(n, rng, Mix(classes=((BATCH, 1.0),)), 1e6)  # a burst: the queue forms at once
+    seeds = _seeds(reqs)
+    snaps: list[tuple[float, dict[int, float], dict[int, int]]] = []
+
+    class Probe(QLMPolicy):
+        """QLM in VQ order (no reordering) that records its estimates at snapshot times."""
+
+        def schedule(self, view):  # type: ignore[no-untyped-def]
+            due = every * (len(snaps) + 1)
+            if view.now >= due and self.rates is not None:
+                groups_ahead = {}
+                for idx, g in enumerate([g for g in self.vq.groups if g.n_pending]):
+                    for req in g.pending():
+                        groups_ahead[id(req)] = idx
+                snaps.append((view.now, self.estimated_waits(view.now, z=0.0), groups_ahead))
+            return super().schedule(view)
+
+    cluster = ClusterConfig(profiles={"default": _profile(opts)}, engine=EngineConfig(max_batch=max_batch))
+    copies, metrics = run_one(reqs, lambda: Probe(reorder=False, token_seeds=seeds), cluster)
+    by_id = {id(r): r for r in copies}
+    rows, checks = [], []
+    for min_groups in (0, 1, 4):
+        actual, est = [], []
+        for t, waits, ahead in snaps:
+            for rid, w in waits.items():
+                if ahead[rid] >= min_groups:
+                    actual.append(by_id[rid].first_scheduled_at - t)
+                    est.append(w)
+        r2 = _r2(actual, est) if len(actual) > 2 else float("nan")
+        rows.append(
+            _row(
+                f"qlm:estimator:groups_ahead>={min_groups}",
+                {},
+                r2=r2,
+                points=len(actual),
+                snapshots=len(snaps),
+            )
+        )
+        if min_groups == 4:
+            ok = r2 >= 0.95
+            checks.append(
+                f"estimator R² with >= 4 groups ahead: {r2:.3f} (target >= 0.95): {'PASS' if ok else 'FAIL'}"
+            )
+    return rows, checks
+
+
+def _part_single(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    opts = config.options
+    n = option(opts, "requests", 4000, int)
+    share = option(opts, "interactive_share", 0.5, float)
+    load = config.load if config.load is not None else option(opts, "load", 1.6, float)
+    max_batch = option(opts, "max_batch", 64, int)
+    rng = np.random.default_rng(config.seed)
+    mix = Mix(classes=((INTERACTIVE, share), (BATCH, 1 - share)))
+    base = _requests(n, rng, mix, 1.0)
+    cluster = ClusterConfig(profiles={"default": _profile(opts)}, engine=EngineConfig(max_batch=max_batch))
+    capacity = saturation_rate(base, cluster)
+    rate = config.rate if config.rate is not None else load * capacity
+    reqs = with_rate(base, rate)
+    seeds = _seeds(reqs)
+    rows = []
+    made: dict[str, list[QLMPolicy]] = {"qlm": [], "qlm:eviction=off": []}
+
+    def qlm(key: str, **kw: Any):  # type: ignore[no-untyped-def]
+        def factory() -> QLMPolicy:
+            p = QLMPolicy(token_seeds=seeds, **kw)
+            made[key].append(p)
+            return p
+
+        return factory
+
+    factories = {
+        "fcfs": lambda: make_policy("fcfs"),
+        "edf": lambda: make_policy("edf"),
+        "qlm": qlm("qlm"),
+        "qlm:eviction=off": qlm("qlm:eviction=off", eviction=False),
+    }
+    for name, factory in factories.items():
+        _, metrics = run_one(reqs, factory, cluster)
+        extra = _qlm_counters(made[name]) if name in made else {}
+        rows.append(_row(f"{name}:single", metrics, rate=rate, capacity_rps=capacity, **extra))
+    by = {r["policy"].removesuffix(":single"): r for r in rows}
+    fcfs, mine = by["fcfs"]["slo_attainment"], by["qlm"]["slo_attainment"]
+    checks = [
+        f"single: fcfs SLO attainment {fcfs:.3f} at {rate:.2f} req/s (needs < 0.60 for the target to apply): "
+        f"{'OK' if fcfs < 0.6 else 'NOT IN REGIME'}",
+        f"single: qlm {mine:.3f} vs fcfs {fcfs:.3f}: +{(mine - fcfs) * 100:.1f} points (target >= +40): "
+        f"{'PASS' if mine - fcfs >= 0.40 else 'FAIL'}",
+    ]
+    return rows, checks
+
+
+def _part_multi(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    opts = config.options
+    n = option(opts, "requests", 3000, int)
+    max_batch = option(opts, "max_batch", 64, int)
+    rng = np.random.default_rng(config.seed)
+    profile = _profile(opts)
+    models = ("model-a", "model-b", "model-c")
+    batch1 = ServiceClass("batch-1", "batch", deadline_s=600.0)
+    mix = Mix(classes=((batch1, 0.5), (BATCH, 0.5)), models=tuple((m, 1.0) for m in models))
+    base = _requests(n, rng, mix, 1.0)
+    cluster = ClusterConfig(
+        profiles={m: profile for m in models}, instances=2, engine=EngineConfig(max_batch=max_batch)
+    )
+    rate = config.rate if config.rate is not None else option(opts, "multi_rate", 20.0, float)
+    reqs = with_rate(base, rate)
+    seeds = _seeds(reqs)
+    made: list[QLMPolicy] = []
+
+    def qlm() -> QLMPolicy:
+        p = QLMPolicy(token_seeds=seeds)
+        made.append(p)
+        return p
+
+    rows = []
+    _, m_fcfs = run_one(reqs, SwapFCFS, cluster)
+    rows.append(_row("fcfs:swap=per-request:multi", m_fcfs, rate=rate))
+    _, m_qlm = run_one(reqs, qlm, cluster, router=QLMRouter())
+    rows.append(_row("qlm:multi", m_qlm, rate=rate, **_qlm_counters(made)))
+    ratio = m_qlm["throughput_rps"] / m_fcfs["throughput_rps"]
+    checks = [
+        f"multi: qlm throughput {m_qlm['throughput_rps']:.2f} vs fcfs per-request swap "
+        f"{m_fcfs['throughput_rps']:.2f} req/s = {ratio:.2f}x (target >= 2x): {'PASS' if ratio >= 2 else 'FAIL'}",
+        f"multi: SLO attainment qlm {m_qlm['slo_attainment']:.3f} vs fcfs {m_fcfs['slo_attainment']:.3f} "
+        f"(target higher): {'PASS' if m_qlm['slo_attainment'] > m_fcfs['slo_attainment'] else 'FAIL'}",
+    ]
+    return rows, checks
+
+
+def _part_eviction(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    opts = config.options
+    max_batch = option(opts, "max_batch", 64, int)
+    burst = option(opts, "burst", 16, int)
+    rng = np.random.default_rng(config.seed)
+    n_batch = 4 * max_batch
+    batch = build_requests(
+        np.zeros(n_batch),
+        rng.integers(100, 400, n_batch),
+        rng.integers(1500, 2500, n_batch),
+        rng,
+        Mix(classes=((BATCH, 1.0),)),
+        prefix="b",
+    )
+    bursts = 5
+    times = np.repeat(30.0 + 40.0 * np.arange(bursts), burst)
+    inter = build_requests(
+        times,
+        rng.integers(50, 300, bursts * burst),
+        rng.integers(50, 300, bursts * burst),
+        rng,
+        Mix(classes=((INTERACTIVE, 1.0),)),
+        prefix="i",
+    )
+    reqs = batch + inter
+    seeds = _seeds(batch + inter, sample=len(reqs))
+    cluster = ClusterConfig(profiles={"default": _profile(opts)}, engine=EngineConfig(max_batch=max_batch))
+    rows, waits = [], {}
+    for name, evict in (("qlm", True), ("qlm:eviction=off", False)):
+        made: list[QLMPolicy] = []
+
+        def factory(evict: bool = evict, made: list[QLMPolicy] = made) -> QLMPolicy:
+            p = QLMPolicy(token_seeds=seeds, eviction=evict)
+            made.append(p)
+            return p
+
+        copies, metrics = run_one(reqs, factory, cluster)
+        w = [r.first_scheduled_at - r.arrival for r in copies if r.service_class is INTERACTIVE]
+        waits[name] = statistics.median(w)
+        rows.append(
+            _row(f"{name}:eviction", metrics, interactive_wait_p50_s=waits[name], **_qlm_counters(made))
+        )
+    ratio = waits["qlm:eviction=off"] / max(waits["qlm"], 1e-9)
+    checks = [
+        f"eviction: interactive head-of-line wait p50 {waits['qlm']:.3f}s with vs {waits['qlm:eviction=off']:.3f}s "
+        f"without = {ratio:.1f}x shorter (target >= 10x): {'PASS' if ratio >= 10 else 'FAIL'}"
+    ]
+    return rows, checks
+
+
+def synthetic_groups(
+    n: int, n_queues: int, seed: int, models: int = 2
+) -> tuple[list[GroupSpec], list[QueueSpec]]:
+    """Solver benchmark input: ``n`` groups over ``n_queues`` VQs with 8B/A100-like costs (group of
+    256 requests x ~340 tokens at ~8k tokens/s: drains of 5-30 s), 10% interactive groups."""
+    rnd = random.Random(seed)
+    queues = [QueueSpec(f"vq{g}", f"m{g % models}", 0.0, 21.0) for g in range(n_queues)]
+    groups = []
+    for i in range(n):
+        drain = rnd.uniform(5, 30)
+        costs = GroupCosts(drain, drain * 0.95, drain * 0.95 + 40.0, 0.05)
+        slack = rnd.uniform(100, 200) if rnd.random() < 0.1 else rnd.uniform(600, 3600)
+        groups.append(
+            GroupSpec(
+                i,
+                f"m{rnd.randrange(models)}",
+                slack,
+                {q.name: costs for q in queues},
+                current=f"vq{i % n_queues}",
+            )
+        )
+    return groups, queues
+
+
+def _part_solver(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
+    opts = config.options
+    seeds = option(opts, "seeds", 5, int)
+    limit = option(opts, "time_limit", 5.0, float)
+    times, statuses = [], []
+    for s in range(seeds):
+        groups, queues = synthetic_groups(100, 4, config.seed + s)
+        plan = solve(groups, queues, SolverSettings(time_limit_s=limit))
+        times.append(plan.solve_s)
+        statuses.append(plan.status)
+    p50 = statistics.median(times)
+    rows = [
+        _row(
+            "qlm:solver:groups=100,vqs=4",
+            {},
+            solve_p50_s=p50,
+            solve_max_s=max(times),
+            statuses=",".join(statuses),
+            time_limit_s=limit,
+        )
+    ]
+    # Beyond the limit: a larger problem with a short limit must fall back to EDF and lose nothing.
+    groups, queues = synthetic_groups(200, 4, config.seed)
+    t0 = time.perf_counter()
+    plan = solve(groups, queues, SolverSettings(time_limit_s=0.5))
+    wall = time.perf_counter() - t0
+    placed = sorted(gid for order in plan.order.values() for gid in order)
+    lossless = placed == sorted(g.id for g in groups)
+    rows.append(
+        _row(
+            "qlm:solver:groups=200,vqs=4,limit=0.5s",
+            {},
+            status=plan.status,
+            wall_s=wall,
+            all_groups_placed=lossless,
+        )
+    )
+    checks = [
+        f"solver: p50 {p50:.3f}s for 100 groups over 4 VQs (target <= 1 s): {'PASS' if p50 <= 1.0 else 'FAIL'}",
+        f"solver: beyond its limit -> {plan.status}, every group placed: {lossless}: "
+        f"{'PASS' if lossless and plan.status != 'optimal' else 'FAIL'}",
+    ]
+    return rows, checks
+
+
+__all__ = ["DESCRIPTION", "run", "synthetic_groups"]
