@@ -137,7 +137,7 @@ def _part_estimator(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str
             return super().schedule(view)
 
     cluster = ClusterConfig(profiles={"default": _profile(opts)}, engine=EngineConfig(max_batch=max_batch))
-    copies, metrics = run_one(reqs, lambda: Probe(reorder=False, token_seeds=seeds), cluster)
+    copies, _ = run_one(reqs, lambda: Probe(reorder=False, token_seeds=seeds), cluster)
     by_id = {id(r): r for r in copies}
     rows, checks = [], []
     for min_groups in (0, 1, 4):
@@ -242,7 +242,8 @@ def _part_multi(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
     ratio = m_qlm["throughput_rps"] / m_fcfs["throughput_rps"]
     checks = [
         f"multi: qlm throughput {m_qlm['throughput_rps']:.2f} vs fcfs per-request swap "
-        f"{m_fcfs['throughput_rps']:.2f} req/s = {ratio:.2f}x (target >= 2x): {'PASS' if ratio >= 2 else 'FAIL'}",
+        f"{m_fcfs['throughput_rps']:.2f} req/s = {ratio:.2f}x (target >= 2x): "
+        f"{'PASS' if ratio >= 2 else 'FAIL'}",
         f"multi: SLO attainment qlm {m_qlm['slo_attainment']:.3f} vs fcfs {m_fcfs['slo_attainment']:.3f} "
         f"(target higher): {'PASS' if m_qlm['slo_attainment'] > m_fcfs['slo_attainment'] else 'FAIL'}",
     ]
@@ -293,7 +294,8 @@ def _part_eviction(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]
         )
     ratio = waits["qlm:eviction=off"] / max(waits["qlm"], 1e-9)
     checks = [
-        f"eviction: interactive head-of-line wait p50 {waits['qlm']:.3f}s with vs {waits['qlm:eviction=off']:.3f}s "
+        f"eviction: interactive head-of-line wait p50 {waits['qlm']:.3f}s with vs "
+        f"{waits['qlm:eviction=off']:.3f}s "
         f"without = {ratio:.1f}x shorter (target >= 10x): {'PASS' if ratio >= 10 else 'FAIL'}"
     ]
     return rows, checks
@@ -361,7 +363,8 @@ def _part_solver(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
         )
     )
     checks = [
-        f"solver: p50 {p50:.3f}s for 100 groups over 4 VQs (target <= 1 s): {'PASS' if p50 <= 1.0 else 'FAIL'}",
+        f"solver: p50 {p50:.3f}s for 100 groups over 4 VQs (target <= 1 s): "
+        f"{'PASS' if p50 <= 1.0 else 'FAIL'}",
         f"solver: beyond its limit -> {plan.status}, every group placed: {lossless}: "
         f"{'PASS' if lossless and plan.status != 'optimal' else 'FAIL'}",
     ]
