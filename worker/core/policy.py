@@ -16,6 +16,11 @@ Protocol (the same for the simulator and the real-vLLM worker):
    came last in the latest ``run`` (for FCFS: the latest arrival, as vLLM does)
    and asks the policy again.
 
+5. Requests paused with ``preempt_mode="keep"`` hold their KV; when memory runs
+   short (admission or decode) the engine drops that KV first (they resume by
+   recompute). ``InstanceView.prefill_budget_tokens`` (additive, optional) tells how
+   many prefill tokens the engine admits per iteration.
+
 Policies never mutate requests' engine state (phase, generated, KV flags); they
 may write ``predicted_remaining`` and ``annotations``.
 """
