@@ -1,0 +1,284 @@
+"""QLM: group formation, estimator equations, MILP vs brute force, EDF fallback, LSO effects."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from tessera.sim.cluster import ClusterConfig
+from tessera.sim.engine import EngineConfig
+from tessera.sim.profiles import load_profile
+from tessera.sim.runner import run_one
+from tessera.sim.workloads import Mix, build_requests
+from tessera.worker.core.profile import StepProfile
+from tessera.worker.core.request import Request, ServiceClass
+from tessera.worker.policies.qlm import QLMPolicy
+from tessera.worker.policies.qlm.baseline import SwapFCFS
+from tessera.worker.policies.qlm.estimator import (
+    EngineRates,
+    GroupCosts,
+    QueuedGroup,
+    TokenStats,
+    first_violation,
+    group_costs,
+    start_times,
+)
+from tessera.worker.policies.qlm.groups import Grouper, VirtualQueue
+from tessera.worker.policies.qlm.lso import ModelTiers, TierCosts, eviction_victims
+from tessera.worker.policies.qlm.milp import GroupSpec, QueueSpec, SolverSettings, evaluate, solve
+from tessera.worker.policies.qlm.router import QLMRouter
+
+INTER = ServiceClass("interactive", "interactive", ttft_slo_s=20.0)
+BATCH = ServiceClass("batch", "batch", deadline_s=3600.0)
+
+
+def _req(i: int, t: float = 0.0, model: str = "m", cls: ServiceClass = BATCH, out: int = 100) -> Request:
+    return Request(f"r{i}", t, 50, out, model=model, service_class=cls, true_output_tokens=out)
+
+
+# ---- groups ---------------------------------------------------------------------------------------
+def test_groups_split_by_key_and_size_and_close_when_started() -> None:
+    grouper = Grouper(lambda key: 3)
+    reqs = [_req(i, i) for i in range(7)] + [_req(10, 10, model="other")] + [_req(11, 11, cls=INTER)]
+    groups = [grouper.add(r)[0] for r in reqs]
+    assert [g.id for g in groups[:7]] == [0, 0, 0, 1, 1, 1, 2]  # FCFS chunks of at most 3
+    assert groups[7].id not in {g.id for g in groups[:7]}  # other model: own group
+    assert groups[8].id not in {g.id for g in groups[:8]}  # other class: own group
+    g2 = groups[6]
+    g2.mark_running(reqs[6])
+    assert not g2.is_open
+    assert grouper.add(_req(12, 12))[1]  # a started group takes no new member
+
+
+def test_group_fcfs_and_eviction_returns_to_its_place() -> None:
+    grouper = Grouper(lambda key: 10)
+    reqs = [_req(i, float(i)) for i in range(4)]
+    for r in reqs:
+        grouper.add(r)
+    group = grouper.of[id(reqs[0])]
+    group.mark_running(reqs[0])
+    group.mark_running(reqs[1])
+    assert group.head() is reqs[2]
+    group.mark_waiting(reqs[1])  # evicted: back ahead of later arrivals
+    assert list(group.pending()) == [reqs[1], reqs[2], reqs[3]]
+    for r in reqs:
+        grouper.forget(r)
+    assert group.done
+    vq = VirtualQueue("i0")
+    vq.append(group)
+    vq.drop_done()
+    assert len(vq) == 0
+
+
+# ---- estimator --------------------------------------------------------------------------------------
+PROFILE = StepProfile("t", 0.01, 0.0, 0.0, 0.02, 0.001, kv_capacity_tokens=10_000)
+
+
+def test_theta_and_group_costs_hand_computed() -> None:
+    stats = TokenStats(mu_in=100, mu_out=100, var_out=400)  # sigma 20
+    rates = EngineRates(PROFILE, max_batch=64, eps=1.25)
+    # B = min(64, 10000 / 200) = 50; d = 0.01 s (flat profile); Theta = 50 / (0.01 * 1.25) = 4000 tok/s.
+    assert rates.batch_for(stats) == pytest.approx(50)
+    assert rates.theta(stats) == pytest.approx(4000)
+    c = group_costs(n=16, stats=stats, rates=rates, z=2.0, max_tokens=300, context_len=4096)
+    assert c.drain == pytest.approx((16 * 100 + 2 * 20 * 4) / 4000)  # (n mu + z sigma sqrt n) / Theta
+    assert c.last_wait == pytest.approx((15 * 100 + 2 * 20 * math.sqrt(15)) / 4000)
+    assert c.prefill == pytest.approx(0.02 + 0.001 * 100)
+    assert c.completion == pytest.approx(c.last_wait + c.prefill + 300 * 1.25 * 0.01)  # O_max eps d
+    capped = group_costs(16, stats, rates, 2.0, max_tokens=10_000, context_len=1000)
+    assert capped.completion == pytest.approx(c.last_wait + c.prefill + 900 * 1.25 * 0.01)  # ctx - mu_I
+
+
+def test_token_stats_ewma_moves_towards_observations() -> None:
+    stats = TokenStats(10, 100, 0, alpha=0.5)
+    stats.observe_output(200)
+    assert stats.mu_out == pytest.approx(150)
+    assert stats.var_out == pytest.approx(0.5 * (0 + 100 * 50))
+
+
+def test_violation_walk_charges_drain_and_swap_hand_computed() -> None:
+    a = QueuedGroup("a", GroupCosts(10, 9, 30, 1), slack=100)
+    b = QueuedGroup("b", GroupCosts(5, 4, 20, 1), slack=100)
+    starts = start_times([a, a, b], loaded_model="a", residual=2, swap_s=7)
+    # b waits for a's drain twice, then the second a's completion beyond drain (30-10) and the swap.
+    assert starts == pytest.approx([2, 12, 22 + 20 + 7])
+    late_b = QueuedGroup("b", GroupCosts(5, 4, 20, 1), slack=52)
+    assert first_violation([a, a, late_b], "a", 2, 7, tail_aware=True) == 2  # 49 + 4 + 1 > 52
+    assert first_violation([a, a, late_b], "a", 2, 7, tail_aware=False) is None
+
+
+# ---- MILP ---------------------------------------------------------------------------------------------
+def _brute_force(groups, queues, tail_aware=True):  # type: ignore[no-untyped-def]
+    best = None
+    names = [q.name for q in queues]
+    for assign in itertools.product(names, repeat=len(groups)):
+        if any(q not in g.costs for g, q in zip(groups, assign, strict=True)):
+            continue
+        per = {n: [g.id for g, q in zip(groups, assign, strict=True) if q == n] for n in names}
+        for orders in itertools.product(*(itertools.permutations(per[n]) for n in names)):
+            order = dict(zip(names, (list(o) for o in orders), strict=True))
+            total, ok = evaluate(order, groups, queues, tail_aware)
+            if ok and (best is None or total < best):
+                best = total
+    return best
+
+
+def _random_case(rng: np.random.Generator, n: int, n_queues: int, models: int):  # type: ignore[no-untyped-def]
+    queues = [QueueSpec(f"q{g}", f"m{g % models}", float(rng.uniform(0, 3)), 8.0) for g in range(n_queues)]
+    groups = []
+    for i in range(n):
+        costs = {}
+        for q in queues:
+            w = float(rng.uniform(2, 12))
+            costs[q.name] = GroupCosts(w, 0.8 * w, 0.8 * w + float(rng.uniform(1, 10)), 0.5)
+        groups.append(GroupSpec(i, f"m{rng.integers(models)}", float(rng.uniform(15, 60)), costs))
+    return groups, queues
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_milp_matches_brute_force_on_small_cases(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    groups, queues = _random_case(rng, n=int(rng.integers(3, 6)), n_queues=int(rng.integers(1, 3)), models=2)
+    best = _brute_force(groups, queues)
+    plan = solve(groups, queues, SolverSettings(time_limit_s=20, mip_gap=0.0, slots_factor=10))
+    if best is None:
+        assert plan.status == "edf-infeasible"
+    else:
+        assert plan.status == "optimal"
+        assert plan.objective == pytest.approx(best, rel=1e-6, abs=1e-6)
+        assert evaluate(plan.order, groups, queues)[1]  # every p <= 0
+
+
+def test_single_model_single_queue_rule_matches_brute_force() -> None:
+    rng = np.random.default_rng(7)
+    queues = [QueueSpec("q", "m", 1.0, 5.0)]
+    for _ in range(5):
+        groups = []
+        for i in range(6):
+            w = float(rng.uniform(1, 10))
+            groups.append(GroupSpec(i, "m", float(rng.uniform(10, 50)), {"q": GroupCosts(w, w, w + 5, 0.2)}))
+        best = _brute_force(groups, queues)
+        plan = solve(groups, queues, SolverSettings())
+        if best is None:
+            assert plan.status == "edf-infeasible"
+        else:
+            assert plan.objective == pytest.approx(best)
+
+
+def test_infeasible_falls_back_to_edf_and_keeps_every_group() -> None:
+    c = GroupCosts(10, 9, 20, 1)
+    queues = [QueueSpec("q0", "m", 0, 5), QueueSpec("q1", "m", 0, 5)]
+    groups = [
+        GroupSpec(i, "m", slack, {"q0": c, "q1": c}, current=f"q{i % 2}")
+        for i, slack in enumerate([5, 3, 50])
+    ]
+    plan = solve(groups, queues, SolverSettings())
+    assert plan.status == "edf-infeasible"
+    assert sorted(g for o in plan.order.values() for g in o) == [0, 1, 2]
+    assert plan.order["q0"] == [0, 2] and plan.order["q1"] == [1]  # own VQ, by slack
+
+
+def test_interactive_group_never_behind_a_swap_longer_than_its_slack() -> None:
+    c = GroupCosts(5, 4, 10, 0.5)
+    queues = [QueueSpec("q0", "a", 0, 30), QueueSpec("q1", "b", 0, 30)]
+    groups = [
+        GroupSpec(0, "a", 20, {"q0": c, "q1": c}),  # interactive-like: slack 20 s < swap 30 s
+        GroupSpec(1, "b", 20, {"q0": c, "q1": c}),
+        GroupSpec(2, "a", 500, {"q0": c, "q1": c}),
+    ]
+    plan = solve(groups, queues, SolverSettings())
+    assert plan.status == "optimal"
+    assert 0 in plan.order["q0"] and 1 in plan.order["q1"]  # each on the instance with its model loaded
+
+
+def test_pinned_group_does_not_migrate() -> None:
+    c = GroupCosts(5, 4, 10, 0.5)
+    queues = [QueueSpec("q0", "m", 50, 1), QueueSpec("q1", "m", 0, 1)]
+    groups = [
+        GroupSpec(0, "m", 500, {"q0": c, "q1": c}, pinned="q0"),
+        GroupSpec(1, "m", 500, {"q0": c, "q1": c}),
+    ]
+    plan = solve(groups, queues, SolverSettings())
+    assert plan.order["q0"] == [0] and plan.order["q1"] == [1]
+
+
+# ---- LSOs -----------------------------------------------------------------------------------------------
+def test_eviction_victims_latest_position_first_and_only_enough() -> None:
+    running = [_req(i) for i in range(4)]
+    pos = {id(running[0]): 0, id(running[1]): 2, id(running[2]): 2, id(running[3]): 3}
+    victims = eviction_victims(1, running, pos, need_slots=2, need_tokens=0, free_slots=0, free_tokens=0)
+    assert victims == [running[3], running[2]]  # position 3 first, then LIFO within position 2
+
+
+def test_tiers_warm_model_swaps_faster_than_cold() -> None:
+    tiers = ModelTiers(TierCosts(engine_reinit_s=20, disk_to_cpu_bytes_per_s=2e9, cpu_model_bytes=40e9))
+    assert tiers.extra_swap_s("b", 16e9, 0.0) == pytest.approx(28.0)  # S0 + storage read
+    tiers.plan(["a", "b"], {"a": 16e9, "b": 16e9}, now=0.0)
+    assert tiers.extra_swap_s("b", 16e9, 100.0) == pytest.approx(20.0)  # prefetched: S0 only
+    cold = ModelTiers(TierCosts(warm_start=False))
+    cold.plan(["a", "b"], {"a": 16e9, "b": 16e9}, now=0.0)
+    assert cold.extra_swap_s("b", 16e9, 100.0) == pytest.approx(28.0)
+
+
+def _cluster(
+    models: tuple[str, ...] = ("default",), instances: int = 1, max_batch: int = 16
+) -> ClusterConfig:
+    profile = load_profile("a100-llama3-8b")
+    return ClusterConfig(
+        {m: profile for m in models}, instances=instances, engine=EngineConfig(max_batch=max_batch)
+    )
+
+
+def test_eviction_lets_interactive_run_within_an_iteration() -> None:
+    rng = np.random.default_rng(0)
+    batch = build_requests(
+        np.zeros(32), [200] * 32, [1500] * 32, rng, Mix(classes=((BATCH, 1.0),)), prefix="b"
+    )
+    inter = build_requests(
+        np.full(4, 5.0), [100] * 4, [50] * 4, rng, Mix(classes=((INTER, 1.0),)), prefix="i"
+    )
+    seeds = {("default", "batch"): (200.0, 1500.0, 1.0), ("default", "interactive"): (100.0, 50.0, 1.0)}
+    waits = {}
+    for evict in (True, False):
+        reqs, _ = run_one(
+            batch + inter, lambda evict=evict: QLMPolicy(eviction=evict, token_seeds=seeds), _cluster()
+        )
+        waits[evict] = max(r.first_scheduled_at - r.arrival for r in reqs if r.id.startswith("i"))
+    assert waits[True] < 0.1
+    assert waits[False] > 10 * waits[True]
+
+
+def test_reordering_meets_interactive_slo_where_fcfs_does_not() -> None:
+    rng = np.random.default_rng(1)
+    batch = build_requests(
+        np.zeros(200), [200] * 200, [400] * 200, rng, Mix(classes=((BATCH, 1.0),)), prefix="b"
+    )
+    inter = build_requests(
+        np.full(8, 2.0), [100] * 8, [50] * 8, rng, Mix(classes=((INTER, 1.0),)), prefix="i"
+    )
+    from tessera.worker.core.registry import make_policy
+
+    fcfs, _ = run_one(batch + inter, lambda: make_policy("fcfs"), _cluster())
+    qlm, _ = run_one(batch + inter, lambda: QLMPolicy(eviction=False), _cluster())
+
+    def worst(reqs: list[Request]) -> float:
+        return max(r.first_token_at - r.arrival for r in reqs if r.id.startswith("i"))
+
+    assert worst(fcfs) > 20.0
+    assert worst(qlm) < 20.0
+
+
+def test_grouping_and_load_balancing_cut_model_swaps() -> None:
+    rng = np.random.default_rng(2)
+    models = ("a", "b", "c")
+    mix = Mix(classes=((BATCH, 1.0),), models=tuple((m, 1.0) for m in models))
+    reqs = build_requests(np.linspace(0, 5, 150), [100] * 150, [100] * 150, rng, mix)
+    cluster = _cluster(models, instances=2)
+    _, naive = run_one(reqs, SwapFCFS, cluster)
+    _, qlm = run_one(reqs, QLMPolicy, cluster, router=QLMRouter())
+    assert qlm["swaps"] <= 2 * len(models)
+    assert naive["swaps"] > 5 * qlm["swaps"]
+    assert qlm["throughput_rps"] > 2 * naive["throughput_rps"]
