@@ -1,15 +1,155 @@
-"""`tessera local`: Run the same custom resources on one machine, without a cluster."""
+"""`tessera local`: run the same custom resources on one machine, without a cluster.
+
+``tessera local up -f FILE...`` plans the pools as the operator does, starts one worker process per
+instance (engine ``sim`` by default; ``--engine vllm --model DIR`` or ``--vllm-url URL`` for real vLLM)
+and serves the router's OpenAI endpoint on ``--host:--port``. With ``--trace FILE`` it also drives that
+trace, prints the report and exits; without, it serves until Ctrl-C.
+
+``tessera local load --trace FILE`` drives a trace against a running endpoint (``--endpoint``) with a
+live table, and ends with the report (``--json``, ``--plot``).
+"""
 
 from __future__ import annotations
 
 import argparse
-
-from tessera.commands._pending import add_no_arguments, not_yet
+import asyncio
+import sys
+import time
+from pathlib import Path
 
 HELP = "Run the same custom resources on one machine, without a cluster."
-add_arguments = add_no_arguments
+
+
+def _add_load_flags(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--trace", type=Path, required=required, help="Trace to replay (CSV/JSONL, gz ok).")
+    p.add_argument("--time-scale", type=float, default=1.0, help="Replay speed-up (2 = twice as fast).")
+    p.add_argument("--duration", type=float, default=None, help="Only arrivals within this many seconds.")
+    p.add_argument("--max-requests", type=int, default=None, help="At most this many requests.")
+    p.add_argument("--batch-share", type=float, default=0.0,
+                   help="Share of requests (without a class in the trace) sent as the batch class.")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="Seed of the class draw (default 0).")
+    p.add_argument("--target-model", default=None, help="Send every request to this model.")
+    p.add_argument("--max-input-tokens", type=int, default=None, help="Cap of prompt tokens.")
+    p.add_argument("--max-output-tokens", type=int, default=None, help="Cap of output tokens.")
+    p.add_argument("--json", type=Path, default=None, help="Write the report as JSON here.")
+    p.add_argument("--plot", type=Path, default=None, help="Write PNG plots into this folder.")
+    p.add_argument("--no-live", action="store_true", help="No live table (only the final report).")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Subcommands `up` and `load`."""
+    sub = parser.add_subparsers(dest="local_command", metavar="SUBCOMMAND")
+    sub.required = True
+    up = sub.add_parser("up", help="Start workers and the router for the given custom resources.")
+    up.add_argument("-f", "--file", dest="files", type=Path, action="append", required=True,
+                    help="YAML file of ServingPool / LLMService / RequestClass (repeatable).")  # fmt: skip
+    up.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="Engine of the workers.")
+    up.add_argument("--model", dest="model_dir", default=None, help="vLLM: model directory to launch.")
+    up.add_argument("--vllm-url", default=None, help="vLLM: use this running server instead.")
+    up.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM: CPU KV cache per server (GiB).")
+    up.add_argument("--max-model-len", type=int, default=None, help="Override every model's context length.")
+    up.add_argument("--max-instances", type=int, default=None,
+                    help="Cap of instances per placement group (default: the plan's; 1 with --engine vllm).")  # fmt: skip
+    up.add_argument("--host", default="127.0.0.1", help="Router address (default 127.0.0.1).")
+    up.add_argument("--port", type=int, default=8000, help="Router port (default 8000).")
+    up.add_argument("--run-dir", type=Path, default=Path(".tessera-local"),
+                    help="Worker configurations and logs go here (default .tessera-local).")  # fmt: skip
+    up.add_argument("--ready-timeout", type=float, default=None,
+                    help="Seconds for workers to get ready (default 60 sim, 600 vllm).")  # fmt: skip
+    _add_load_flags(up, required=False)
+    load = sub.add_parser("load", help="Drive a trace against a running endpoint; live table and report.")
+    load.add_argument("--endpoint", default="http://127.0.0.1:8000", help="Router base URL.")
+    _add_load_flags(load, required=True)
+
+
+def _fail(message: str) -> int:
+    print(f"tessera local: {message}", file=sys.stderr)
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
-    """Report that this subcommand has not landed yet."""
-    return not_yet("local", "the local mode issue")
+    """Dispatch `up` / `load`."""
+    from tessera.api import SpecError
+    from tessera.local.control_plane import LocalPlanError
+    from tessera.local.load import WorkloadError
+    from tessera.local.supervisor import WorkerStartError
+
+    try:
+        if args.local_command == "up":
+            return asyncio.run(_up(args))
+        return asyncio.run(_load(args))
+    except (SpecError, LocalPlanError, WorkloadError, WorkerStartError, OSError) as exc:
+        return _fail(str(exc))
+
+
+def _workload(args: argparse.Namespace, classes: dict, models: dict) -> object:
+    from tessera.local.load import WorkloadError, WorkloadOptions, build_workload
+    from tessera.sim.traces import load_trace
+
+    options = WorkloadOptions(
+        time_scale=args.time_scale, duration_s=args.duration, max_requests=args.max_requests,
+        batch_share=args.batch_share, seed=args.seed, model=args.target_model,
+        max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
+    )  # fmt: skip
+    try:
+        rows = load_trace(args.trace)
+    except ValueError as exc:
+        raise WorkloadError(f"cannot read trace: {exc}") from None
+    return build_workload(rows, classes, models, options)
+
+
+def _settings(args: argparse.Namespace) -> object:
+    from tessera.local.runner import LoadSettings
+
+    return LoadSettings(json_path=args.json, plot_dir=args.plot, live=not args.no_live)
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from tessera.api import load_documents
+    from tessera.local.control_plane import LocalEngine, plan_local
+    from tessera.local.runner import LocalStack, describe_plan, run_load
+    from tessera.router.app import class_infos
+
+    if not 0 < args.port < 65536:
+        return _fail(f"--port {args.port} is not a TCP port (1-65535)")
+    resources = [r for path in args.files for r in load_documents(path)]
+    engine = LocalEngine(args.engine, args.model_dir, args.vllm_url, args.kv_cache_gib, args.max_model_len)
+    cap = args.max_instances if args.max_instances is not None else (1 if args.engine == "vllm" else None)
+    plan = plan_local(resources, engine, max_instances_per_group=cap)
+    print(describe_plan(plan), flush=True)
+    stack = LocalStack(plan, args.run_dir, args.host, args.port)
+    timeout = args.ready_timeout or (600.0 if args.engine == "vllm" and args.model_dir else 60.0)
+    workload = None
+    if args.trace is not None:
+        classes = {n: c for i in plan.instances for n, c in class_infos(i.config).items()}
+        models = {m.name: m.max_model_len for i in plan.instances for m in i.config.models}
+        workload = _workload(args, classes, models)  # checked before anything starts
+    started = time.monotonic()
+    await stack.start(timeout)
+    try:
+        print(f"workers ready in {time.monotonic() - started:.1f} s (logs in {args.run_dir}/)")
+        print(f"OpenAI endpoint: {stack.endpoint}/v1  (class header {stack.state.class_header}; "
+              f"status {stack.endpoint}/router/status)", flush=True)  # fmt: skip
+        if workload is None:
+            print("serving; Ctrl-C stops", flush=True)
+            await stack.wait()
+            return 0
+        await run_load(stack.endpoint, workload, classes, stack.state.class_header, _settings(args),
+                       stack.status)  # fmt: skip
+        return 0
+    finally:
+        await stack.stop()
+
+
+async def _load(args: argparse.Namespace) -> int:
+    import httpx
+
+    from tessera.local.load import endpoint_info
+    from tessera.local.runner import remote_status, run_load
+
+    async with httpx.AsyncClient() as client:
+        classes, header, models = await endpoint_info(args.endpoint.rstrip("/"), client)
+    workload = _workload(args, classes, models)
+    endpoint = args.endpoint.rstrip("/")
+    await run_load(endpoint, workload, classes, header, _settings(args), lambda: remote_status(endpoint))
+    return 0

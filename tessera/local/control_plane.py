@@ -1,0 +1,148 @@
+"""Local mode's control plane: the operator's decisions for one machine, without a cluster.
+
+Pure: resources in, the worker instances to start out. It runs exactly what the operator runs for a
+reconcile (``tessera.operator.pool_plan.desired_pool``: spec validation, the placement planner, the
+children builders) and reads each group's worker configuration and role counts from the ConfigMap the
+operator would apply. Only the engine differs: every model entry is rewritten for the local engine
+(``sim``; or ``vllm`` launching a server on a local model directory, or using a running server).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tessera.api import LLMService, RequestClass, ServingPool
+from tessera.operator.children import CONFIG_KEY, PLACEMENT_KEY
+from tessera.operator.pool_plan import Problem, desired_pool
+from tessera.worker.config import WorkerConfig
+
+Role = Literal["interactive", "mixed", "batch"]
+ROLE_ORDER: tuple[Role, ...] = ("interactive", "mixed", "batch")  # by pod ordinal, as the operator orders
+
+
+class LocalPlanError(ValueError):
+    """The resources cannot run locally; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalEngine:
+    """Which engine the local workers use.
+
+    ``sim``: the simulated engine. ``vllm``: real vLLM, either launched by each worker on
+    ``model_dir`` (one server per instance) or an already running server at ``vllm_url`` (then the
+    LLMService's model name must be the server's served model name).
+    """
+
+    kind: Literal["sim", "vllm"] = "sim"
+    model_dir: str | None = None
+    vllm_url: str | None = None
+    kv_cache_gib: int = 1
+    max_model_len: int | None = None  # overrides every model's context length (small local models)
+
+    def __post_init__(self) -> None:
+        if self.kind == "vllm" and (self.model_dir is None) == (self.vllm_url is None):
+            raise LocalPlanError("--engine vllm needs exactly one of --model DIR or --vllm-url URL")
+        if self.kind == "sim" and (self.model_dir or self.vllm_url):
+            raise LocalPlanError("--model and --vllm-url need --engine vllm")
+
+    def rewrite(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """A worker model entry (as the operator builds it) rewritten for this engine."""
+        out = {k: v for k, v in entry.items() if k not in ("url", "launch", "engine")}
+        if self.max_model_len is not None:
+            out["maxModelLen"] = self.max_model_len
+        if self.kind == "sim":
+            return {**out, "engine": "sim"}
+        if self.vllm_url is not None:
+            return {**out, "engine": "vllm", "url": self.vllm_url}
+        launch = {"modelDir": self.model_dir, "kvCacheGib": self.kv_cache_gib}
+        return {**out, "engine": "vllm", "launch": launch}
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One worker instance to start."""
+
+    name: str
+    pool: str
+    group: str
+    ordinal: int
+    role: Role
+    config: WorkerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPlan:
+    """What local mode starts, and what it could not serve (with reasons)."""
+
+    instances: tuple[Instance, ...]
+    problems: tuple[str, ...]
+
+
+def _body(resource: ServingPool | LLMService | RequestClass) -> dict[str, Any]:
+    """The API body of a resource, with the uid the API server would set (owner references need one)."""
+    body = resource.to_json()
+    meta = body.setdefault("metadata", {})
+    meta.setdefault("namespace", "default")
+    meta.setdefault("uid", f"local-{resource.kind}-{resource.name}")
+    return body
+
+
+def roles_by_ordinal(roles: dict[str, int]) -> list[Role]:
+    """The role of each pod ordinal: interactive first, then mixed, then batch (the operator's order)."""
+    return [role for role in ROLE_ORDER for _ in range(int(roles.get(role, 0)))]
+
+
+def plan_local(
+    resources: Sequence[ServingPool | LLMService | RequestClass],
+    engine: LocalEngine,
+    *,
+    max_instances_per_group: int | None = None,
+    now: float = 0.0,
+) -> LocalPlan:
+    """Decide every pool as the operator would and list the worker instances to start.
+
+    ``max_instances_per_group`` caps each group's instances for a small machine (the first ordinals
+    stay, as a StatefulSet scaled down keeps them). Raises LocalPlanError when nothing can run.
+    """
+    if max_instances_per_group is not None and max_instances_per_group < 1:
+        raise LocalPlanError(f"the instance cap must be >= 1, got {max_instances_per_group}")
+    bodies = [_body(r) for r in resources]
+    pools = [b for b in bodies if b["kind"] == "ServingPool"]
+    services = [b for b in bodies if b["kind"] == "LLMService"]
+    classes = [b for b in bodies if b["kind"] == "RequestClass"]
+    if not pools:
+        raise LocalPlanError("no ServingPool in the files; add one (see examples/quickstart.yaml)")
+    instances: list[Instance] = []
+    problems: list[str] = []
+    for pool_body in pools:
+        pool_name = pool_body["metadata"]["name"]
+        desired = desired_pool(pool_body, services, classes, None, now)
+        if isinstance(desired, Problem):
+            problems.append(f"ServingPool {pool_name}: {desired.message}")
+            continue
+        problems += [f"LLMService {name}: {p.message}" for name, p in sorted(desired.rejected.items())]
+        if desired.placement_problem:
+            problems.append(f"ServingPool {pool_name}: {desired.placement_problem}")
+        for child in desired.children:
+            if child["kind"] != "ConfigMap":
+                continue
+            data = child["data"]
+            placement = json.loads(data[PLACEMENT_KEY])
+            config = json.loads(data[CONFIG_KEY])
+            config["models"] = [engine.rewrite(m) for m in config["models"]]
+            worker_config = WorkerConfig.model_validate(config)
+            roles = roles_by_ordinal(placement["roles"])
+            if max_instances_per_group is not None:
+                roles = roles[:max_instances_per_group]
+            group = placement["group"]
+            instances += [
+                Instance(f"{pool_name}-{group}-{i}", pool_name, group, i, role, worker_config)
+                for i, role in enumerate(roles)
+            ]
+    if not instances:
+        detail = "\n  ".join(problems) or "no LLMService names a pool in the files"
+        raise LocalPlanError(f"nothing to serve:\n  {detail}")
+    return LocalPlan(tuple(instances), tuple(problems))

@@ -1,0 +1,186 @@
+"""Local mode end to end: plan, start the workers, serve the router, optionally drive a trace and report.
+
+The thin, I/O-owning layer over the pure pieces (``control_plane``, ``balancer``, ``load``, ``report``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+from tessera.local.control_plane import LocalPlan
+from tessera.local.load import LiveCounters, Workload, drive, outstanding_of
+from tessera.local.report import class_rows, render_report, summarize_outcomes, write_plots
+from tessera.local.supervisor import Supervisor
+from tessera.router.app import ClassInfo, RouterState, create_router_app
+
+LIVE_PERIOD_S = 1.0
+RATE_WINDOW_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSettings:
+    """Where the load report goes."""
+
+    json_path: Path | None = None
+    plot_dir: Path | None = None
+    live: bool = True
+
+
+def describe_plan(plan: LocalPlan) -> str:
+    """One line per instance to start, then the problems."""
+    lines = [f"{len(plan.instances)} worker instance(s):"]
+    for inst in plan.instances:
+        models = ", ".join(m.name for m in inst.config.models)
+        engine = inst.config.models[0].engine
+        lines.append(f"  {inst.name}  role={inst.role}  policy={inst.config.scheduling.policy}  "
+                     f"engine={engine}  models: {models}")  # fmt: skip
+    lines += [f"  not served: {p}" for p in plan.problems]
+    return "\n".join(lines)
+
+
+def live_table(counters: LiveCounters, status: dict[str, Any] | None) -> Any:
+    """The live table: elapsed, rate, sent, outstanding at the router, finished, failed, SLO by class."""
+    from rich.table import Table
+
+    now = time.monotonic() - (counters.t0 or time.monotonic())
+    recent = [t for t in counters.sent_times if t > now - RATE_WINDOW_S]
+    rate = len(recent) / min(RATE_WINDOW_S, max(now, 1e-9))
+    ok = sum(1 for o in counters.ended if o.ok)
+    table = Table(title="tessera local load", show_edge=False)
+    for col in ("elapsed", "rate", "sent", "queue", "finished", "failed"):
+        table.add_column(col, justify="right")
+    queue = "-" if status is None else str(outstanding_of(status))
+    table.add_row(f"{now:.0f} s", f"{rate:.1f}/s", str(counters.sent), queue, str(ok),
+                  str(len(counters.ended) - ok))  # fmt: skip
+    rows = class_rows(counters.ended)
+    if rows:
+        slo = Table(show_edge=False)
+        for col in ("class", "finished", "TTFT mean", "SLO met"):
+            slo.add_column(col, justify="right")
+        for name, row in rows.items():
+            att = row["slo_attainment"]
+            ttft = row["mean_ttft_s"]
+            slo.add_row(name, str(row["finished"]), "-" if ttft is None else f"{ttft:.2f} s",
+                        "-" if att is None else f"{att:.1%}")  # fmt: skip
+        outer = Table.grid()
+        outer.add_row(table)
+        outer.add_row(slo)
+        return outer
+    return table
+
+
+async def run_load(
+    endpoint: str,
+    workload: Workload,
+    classes: dict[str, ClassInfo],
+    class_header: str,
+    settings: LoadSettings,
+    status_fn: Callable[[], Awaitable[dict[str, Any] | None]],
+    out: TextIO = sys.stdout,
+) -> dict[str, Any]:
+    """Drive ``workload`` with a live table; print and return the report (JSON and plots if asked)."""
+    counters = LiveCounters()
+    task = asyncio.create_task(drive(endpoint, workload, classes, class_header, counters=counters))
+    if settings.live and out.isatty():
+        from rich.console import Console
+        from rich.live import Live
+
+        with Live(live_table(counters, None), console=Console(file=out), refresh_per_second=4) as live:
+            while not task.done():
+                await asyncio.wait({task}, timeout=LIVE_PERIOD_S)
+                live.update(live_table(counters, await status_fn()))
+    elif settings.live:  # not a terminal: a progress line every few seconds
+        while not task.done():
+            await asyncio.wait({task}, timeout=5.0)
+            status = await status_fn()
+            ok = sum(1 for o in counters.ended if o.ok)
+            queue = "-" if status is None else outstanding_of(status)
+            print(f"  sent {counters.sent}/{len(workload.items)}  queue {queue}  finished {ok}  "
+                  f"failed {len(counters.ended) - ok}", file=out, flush=True)  # fmt: skip
+    outcomes, wall = await task
+    summary = summarize_outcomes(outcomes, wall)
+    if workload.clipped:
+        summary["clipped_to_context"] = workload.clipped
+    print(render_report(summary), file=out)
+    if workload.clipped:
+        print(f"({workload.clipped} request(s) shortened to fit the model's context length)", file=out)
+    if settings.json_path is not None:
+        settings.json_path.parent.mkdir(parents=True, exist_ok=True)
+        settings.json_path.write_text(json.dumps({"scenario": "local-load", "results": [summary]}, indent=2))
+        print(f"report written to {settings.json_path}", file=out)
+    if settings.plot_dir is not None:
+        for path in write_plots(outcomes, settings.plot_dir):
+            print(f"plot written to {path}", file=out)
+    return summary
+
+
+class LocalStack:
+    """Workers (processes) plus the in-process router, started and stopped together."""
+
+    def __init__(self, plan: LocalPlan, run_dir: Path, host: str, port: int) -> None:
+        self.plan = plan
+        self.supervisor = Supervisor(run_dir)
+        self.host = host
+        self.port = port
+        self.state: RouterState | None = None
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The router's base URL."""
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self, ready_timeout_s: float) -> None:
+        """Start every worker (waiting until ready), then the router on ``host:port``."""
+        import uvicorn
+
+        await asyncio.to_thread(self.supervisor.start_all, self.plan.instances, ready_timeout_s)
+        self.state = RouterState([w.backend() for w in self.supervisor.workers])
+        app = create_router_app(self.state)
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, host=self.host, port=self.port, log_level="warning")
+        )
+        self._task = asyncio.create_task(self._server.serve(), name="router")
+        while not self._server.started:
+            if self._task.done():
+                await asyncio.to_thread(self.supervisor.stop_all)
+                raise OSError(f"the router could not listen on {self.host}:{self.port} (port in use?); "
+                              "pick another with --port")  # fmt: skip
+            await asyncio.sleep(0.05)
+
+    async def wait(self) -> None:
+        """Serve until the router stops (Ctrl-C / SIGTERM)."""
+        if self._task is not None:
+            await self._task
+
+    async def status(self) -> dict[str, Any] | None:
+        """The router's status (in process)."""
+        return self.state.status() if self.state is not None else None
+
+    async def stop(self) -> None:
+        """Stop the router, then the workers."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await self._task
+        await asyncio.to_thread(self.supervisor.stop_all)
+
+
+async def remote_status(endpoint: str) -> dict[str, Any] | None:
+    """A router's status over HTTP (None when it does not answer)."""
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            return (await client.get(f"{endpoint}/router/status")).json()
+    except (httpx.HTTPError, json.JSONDecodeError):
+        return None

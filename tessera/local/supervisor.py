@@ -1,0 +1,133 @@
+"""Local mode's process supervisor: one ``tessera worker`` process per instance, on loopback.
+
+Each worker gets its configuration file and log file in the run directory, a free port, and its own
+process group. ``start_all`` launches every worker, then waits until each answers ``/ready`` (a worker
+that exits or stays unready past the timeout fails the start with its log's tail). ``stop_all`` sends
+SIGTERM (the worker drains, and stops any vLLM server it launched), then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tessera.local.control_plane import Instance
+from tessera.router.backends import Backend
+from tessera.worker.engines.vllm_process import free_port
+
+
+class WorkerStartError(RuntimeError):
+    """A worker process did not become ready; the message holds its log's tail."""
+
+
+@dataclass(slots=True)
+class WorkerProcess:
+    """One running ``tessera worker``."""
+
+    instance: Instance
+    port: int
+    config_path: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        """Base URL of the worker."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def backend(self) -> Backend:
+        """The router's backend entry for this worker."""
+        return Backend(name=self.instance.name, url=self.url, role=self.instance.role,
+                       config=self.instance.config)  # fmt: skip
+
+    def log_tail(self, chars: int = 3000) -> str:
+        """The end of the worker's log."""
+        if not self.log_path.exists():
+            return "(no log)"
+        return self.log_path.read_bytes()[-chars:].decode("utf-8", errors="replace")
+
+
+class Supervisor:
+    """Starts and stops the worker processes of a local plan."""
+
+    def __init__(self, run_dir: Path, *, grace_s: float = 10.0) -> None:
+        self.run_dir = run_dir
+        self.grace_s = grace_s
+        self.workers: list[WorkerProcess] = []
+
+    def launch(self, instance: Instance) -> WorkerProcess:
+        """Write the instance's configuration and start its worker (without waiting)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.run_dir / f"{instance.name}.json"
+        config_path.write_text(json.dumps(instance.config.to_json(), indent=2))
+        worker = WorkerProcess(instance, free_port(), config_path, self.run_dir / f"{instance.name}.log")
+        command = [sys.executable, "-m", "tessera", "worker", "--config", str(config_path),
+                   "--host", "127.0.0.1", "--port", str(worker.port),
+                   "--grace-seconds", str(self.grace_s / 2)]  # fmt: skip
+        with open(worker.log_path, "ab") as log:
+            worker.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True,
+            )  # fmt: skip
+        self.workers.append(worker)
+        return worker
+
+    def wait_ready(self, worker: WorkerProcess, deadline: float) -> None:
+        """Block until the worker answers /ready; WorkerStartError if it exits or time runs out."""
+        while time.monotonic() < deadline:
+            assert worker.proc is not None
+            if worker.proc.poll() is not None:
+                raise WorkerStartError(
+                    f"worker {worker.instance.name} exited with code {worker.proc.returncode} while "
+                    f"starting (log {worker.log_path}):\n{worker.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{worker.url}/ready", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.25)
+        raise WorkerStartError(
+            f"worker {worker.instance.name} not ready in time (log {worker.log_path}):\n{worker.log_tail()}"
+        )
+
+    def start_all(self, instances: list[Instance] | tuple[Instance, ...], timeout_s: float) -> None:
+        """Launch every instance's worker and wait until all are ready (stopping all on failure)."""
+        try:
+            started = [self.launch(i) for i in instances]
+            deadline = time.monotonic() + timeout_s
+            for worker in started:
+                self.wait_ready(worker, deadline)
+        except BaseException:
+            self.stop_all()
+            raise
+
+    def stop_all(self) -> None:
+        """SIGTERM every worker's process group, SIGKILL what remains after the grace period."""
+        live = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
+        for w in live:
+            _signal_group(w, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for w in live:
+            assert w.proc is not None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for w in self.workers:
+            _signal_group(w, signal.SIGKILL)
+            if w.proc is not None:
+                w.proc.wait()
+        self.workers = []
+
+
+def _signal_group(worker: WorkerProcess, sig: int) -> None:
+    if worker.proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(worker.proc.pid, sig)

@@ -1,0 +1,71 @@
+"""The router's view of the worker instances: where they are, their role and their worker configuration.
+
+Every backend carries the worker configuration its instance runs (the operator's ConfigMap, or what
+local mode starts the worker with), so the router knows the models, classes, default classes and
+step-time profiles from the same source as the worker. A backends file is JSON or YAML::
+
+    backends:
+      - name: h100-pool-g1-0
+        url: http://127.0.0.1:8101
+        role: interactive            # interactive | mixed | batch (Chiron roles)
+        config: {models: [...], classes: {...}}   # a worker configuration
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError
+
+from tessera.api.base import ApiModel
+from tessera.worker.config import WorkerConfig
+
+
+class BackendsError(ValueError):
+    """The backends file is invalid; the message says where and how to fix it."""
+
+
+class Backend(ApiModel):
+    """One worker instance behind the router."""
+
+    name: str = Field(min_length=1, description="Instance name (unique).")
+    url: str = Field(pattern=r"^https?://", description="Base URL of the worker (no /v1).")
+    role: Literal["interactive", "mixed", "batch"] = Field(default="mixed", description="Chiron role.")
+    config: WorkerConfig = Field(description="The worker configuration the instance runs.")
+
+
+class BackendsFile(ApiModel):
+    """The whole backends file."""
+
+    backends: list[Backend] = Field(min_length=1, description="Worker instances.")
+
+
+def parse_backends(data: Any, where: str = "backends") -> list[Backend]:
+    """Validate parsed backends; BackendsError listing every problem with its location."""
+    try:
+        backends = BackendsFile.model_validate(data).backends
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()]
+        raise BackendsError(f"invalid {where}:\n" + "\n".join(lines)) from None
+    names = [b.name for b in backends]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise BackendsError(f"invalid {where}: backend names must be unique; repeated: {', '.join(dupes)}")
+    return backends
+
+
+def load_backends(path: Path | str) -> list[Backend]:
+    """Read a backends file (JSON or YAML)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise BackendsError(f"cannot read backends file {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise BackendsError(f"backends file {path} is not valid JSON/YAML: {exc}") from None
+    return parse_backends(data, where=f"backends file {path}")
