@@ -26,7 +26,7 @@ def _add_load_flags(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--duration", type=float, default=None, help="Only arrivals within this many seconds.")
     p.add_argument("--max-requests", type=int, default=None, help="At most this many requests.")
     p.add_argument("--batch-share", type=float, default=0.0,
-                   help="Share of requests (without a class in the trace) sent as the batch class.")  # fmt: skip
+                   help="Share of unclassed trace requests sent as the batch class.")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="Seed of the class draw (default 0).")
     p.add_argument("--target-model", default=None, help="Send every request to this model.")
     p.add_argument("--max-input-tokens", type=int, default=None, help="Cap of prompt tokens.")
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM: CPU KV cache per server (GiB).")
     up.add_argument("--max-model-len", type=int, default=None, help="Override every model's context length.")
     up.add_argument("--max-instances", type=int, default=None,
-                    help="Cap of instances per placement group (default: the plan's; 1 with --engine vllm).")  # fmt: skip
+                    help="Instances per placement group at most (default: the plan's; vllm: 1).")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="Router address (default 127.0.0.1).")
     up.add_argument("--port", type=int, default=8000, help="Router port (default 8000).")
     up.add_argument("--run-dir", type=Path, default=Path(".tessera-local"),
