@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Sequence
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from tessera.worker.policies.qlm.estimator import TokenStats
 from tessera.worker.server.errors import ApiError
 
 POLL_INTERVAL_S = 1.0
+log = logging.getLogger(__name__)
 # Hop-by-hop and length headers are the transport's business, not the relayed answer's.
 _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
 
@@ -93,22 +95,38 @@ class RouterState:
     """Instances, their loads and the token statistics the balancer uses."""
 
     def __init__(self, backends: Sequence[Backend], *, z: float = DEFAULT_Z) -> None:
-        self.backends = {b.name: b for b in backends}
         self.z = z
+        self.backends: dict[str, Backend] = {}
         self.loads: dict[tuple[str, str], InstanceLoad] = {}
         self.configs: dict[str, WorkerConfig] = {}  # model -> configuration of its first instance
+        self.stats: dict[str, TokenStats] = {}
+        self.class_header = ""
+        self.update(backends)
+
+    def update(self, backends: Sequence[Backend]) -> None:
+        """Replace the backends (cluster discovery); instances that stay keep their load and health."""
+        old = self.loads
+        self.backends = {b.name: b for b in backends}
+        self.loads = {}
+        self.configs = {}
         for b in backends:
             for m in b.config.models:
                 self.configs.setdefault(m.name, b.config)
+                profile = m.profile.to_profile(m.name, m.kv_capacity_tokens)
+                kept = old.get((b.name, m.name))
+                if kept is not None:  # the same object: requests in flight still count on it
+                    kept.role, kept.profile = b.role, profile
+                    self.loads[(b.name, m.name)] = kept
+                    continue
                 self.loads[(b.name, m.name)] = InstanceLoad(
                     instance=b.name,
                     model=m.name,
                     role=b.role,
-                    profile=m.profile.to_profile(m.name, m.kv_capacity_tokens),
+                    profile=profile,
                     batch_size=b.config.scheduling.batch.start,
                     healthy=False,  # until a poll sees it ready
                 )
-        self.stats: dict[str, TokenStats] = {m: seed_stats() for m in self.configs}
+        self.stats = {m: self.stats.get(m) or seed_stats() for m in self.configs}
         self.class_header = next(iter(self.configs.values())).class_header if self.configs else ""
 
     def classify(self, model: str, header_value: str | None) -> str:
@@ -192,9 +210,16 @@ async def poll(state: RouterState, client: httpx.AsyncClient) -> None:
 
 
 def create_router_app(
-    state: RouterState, *, poll_interval_s: float = POLL_INTERVAL_S, client: httpx.AsyncClient | None = None
+    state: RouterState,
+    *,
+    poll_interval_s: float = POLL_INTERVAL_S,
+    client: httpx.AsyncClient | None = None,
+    discover: Callable[[], list[Backend]] | None = None,
 ) -> FastAPI:
-    """The router's HTTP application over ``state`` (polling runs while the app runs)."""
+    """The router's HTTP application over ``state`` (polling runs while the app runs).
+
+    ``discover`` (cluster mode) is called before every poll round to refresh the backends; when it
+    fails the backends stay as they were (logged)."""
     holder: dict[str, httpx.AsyncClient] = {}
 
     @asynccontextmanager
@@ -202,12 +227,21 @@ def create_router_app(
         http = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                            limits=httpx.Limits(max_connections=None))  # fmt: skip
         holder["client"] = http
-        await poll(state, http)
+
+        async def refresh() -> None:
+            if discover is not None:
+                try:
+                    state.update(await asyncio.to_thread(discover))
+                except Exception as exc:  # the API server may be briefly unreachable: keep the last view
+                    log.warning("backend discovery failed: %s", exc)
+            await poll(state, http)
+
+        await refresh()
 
         async def poller() -> None:
             while True:
                 await asyncio.sleep(poll_interval_s)
-                await poll(state, http)
+                await refresh()
 
         task = asyncio.create_task(poller(), name="router-poller")
         try:
