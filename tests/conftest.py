@@ -11,8 +11,7 @@ Real-engine fixtures (use them from ``@pytest.mark.integration`` tests only):
   at the end of the session. Served model name ``TINY_MODEL_NAME`` ("tiny"), ``--max-model-len``
   ``TINY_MAX_MODEL_LEN`` (512), ``--max-num-seqs`` 64, prefix caching on, 1 GiB of CPU KV cache.
   Use ``vllm_server.url`` (no ``/v1``). A test that kills it must bring it back on the same port
-  before it ends (``vllm_server.launch(); vllm_server.wait_healthy()``); the fixture restarts it
-  for the next test if it finds it dead.
+  before it ends (``vllm_server.launch(); vllm_server.wait_healthy()``).
 
 Tests that send requests to the server should set ``ignore_eos`` when they need exact lengths: the
 random model may emit ``</s>`` at any step.
@@ -40,7 +39,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def _vllm_session(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """The session's one shared vLLM server on the tiny model (started on first use)."""
     server = VLLMServer(
         tiny_model_dir,
         served_model_name=TINY_MODEL_NAME,
@@ -54,13 +54,3 @@ def _vllm_session(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture()
-def vllm_server(_vllm_session: VLLMServer) -> VLLMServer:
-    """The session's shared vLLM server, restarted first if an earlier test left it dead."""
-    server = _vllm_session
-    if not server.healthy():
-        server.launch()
-        server.wait_healthy()
-    return server

@@ -108,7 +108,7 @@ def build_tiny_model(
         pad_token_id=tokenizer.token_to_id(PAD),
         tie_word_embeddings=False,
     )
-    config.torch_dtype = "float32"
+    config.dtype = "float32"
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out)

@@ -1,0 +1,298 @@
+"""The worker in front of a real vLLM server (the session's shared tiny-model server).
+
+One `tessera worker` process per module serves the tiny model; each test drives it over HTTP.
+The fault test that kills vLLM runs last in this module and brings the server back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import TINY_MAX_MODEL_LEN, TINY_MODEL_NAME
+
+from tessera.worker.engines.vllm_process import VLLMServer, free_port
+
+pytestmark = pytest.mark.integration
+ADMIN_TOKEN = "test-admin-token"
+
+
+def _config(vllm_url: str, *, batch_max: int = 8) -> dict:
+    return {
+        "models": [
+            {
+                "name": TINY_MODEL_NAME,
+                "url": vllm_url,
+                "maxModelLen": TINY_MAX_MODEL_LEN,
+                "defaultClass": "chat",
+            }
+        ],
+        "classes": {
+            "chat": {"slo": {"ttftSeconds": 5, "itlSeconds": 1}},
+            "limited": {"slo": {"ttftSeconds": 5}, "queue": {"maxQueued": 2}},
+        },
+        "scheduling": {"policy": "fcfs", "batch": {"min": 1, "max": batch_max}},
+        "admin": {"tokenEnv": "TESSERA_ADMIN_TOKEN"},
+    }
+
+
+class WorkerProcess:
+    """`tessera worker` as a child process on a free port."""
+
+    def __init__(self, config: dict, tmp: Path, grace_s: float = 30.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        path = tmp / f"worker-{self.port}.json"
+        path.write_text(json.dumps(config))
+        self.log = tmp / f"worker-{self.port}.log"
+        env = {**os.environ, "TESSERA_ADMIN_TOKEN": ADMIN_TOKEN}
+        cmd = [sys.executable, "-m", "tessera", "worker", "--config", str(path), "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--grace-seconds", str(grace_s)]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"worker not ready:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def worker(vllm_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    proc = WorkerProcess(_config(vllm_server.url), tmp_path_factory.mktemp("worker"))
+    yield proc
+    proc.stop()
+
+
+def _complete(url: str, **body: object) -> httpx.Response:
+    payload = {"model": TINY_MODEL_NAME, "prompt": [0, 5, 6, 7], "max_tokens": 8, **body}
+    return httpx.post(f"{url}/v1/completions", json=payload, timeout=120)
+
+
+def _vllm_running(vllm: VLLMServer) -> float:
+    text = httpx.get(f"{vllm.url}/metrics", timeout=5).text
+    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+
+def test_completion_chat_and_stream(worker: WorkerProcess) -> None:
+    r = _complete(worker.url, max_tokens=6, ignore_eos=True, return_token_ids=True, temperature=0)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
+    chat = httpx.post(
+        f"{worker.url}/v1/chat/completions",
+        json={"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        timeout=60,
+    )
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    with httpx.stream(
+        "POST",
+        f"{worker.url}/v1/completions",
+        json={
+            "model": TINY_MODEL_NAME,
+            "prompt": "Hello",
+            "max_tokens": 5,
+            "stream": True,
+            "ignore_eos": True,
+        },
+        timeout=60,
+    ) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][5:])["choices"][0]["finish_reason"] == "length"
+    assert httpx.get(f"{worker.url}/v1/models").json()["data"][0]["id"] == TINY_MODEL_NAME
+    assert "tessera_ttft_seconds_bucket" in httpx.get(f"{worker.url}/metrics").text
+
+
+@pytest.mark.parametrize(
+    ("payload", "headers", "status", "needle"),
+    [
+        (b'{"model": "tiny", "prompt": ', {}, 400, "not valid JSON"),
+        (json.dumps({"model": "nope", "prompt": "a"}).encode(), {}, 404, "'nope' does not exist"),
+        (json.dumps({"model": "tiny", "prompt": [1] * 600}).encode(), {}, 400, "maximum context length"),
+        (json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 0}).encode(), {}, 400, "max_tokens"),
+        (json.dumps({"model": "tiny", "prompt": "a", "max_tokens": -3}).encode(), {}, 400, "max_tokens"),
+        (json.dumps({"model": "tiny", "prompt": "a"}).encode(), {"X-Tessera-Class": "vip"}, 400, "'vip'"),
+    ],
+)
+def test_bad_input_is_a_4xx_with_an_openai_error(
+    worker: WorkerProcess, payload: bytes, headers: dict, status: int, needle: str
+) -> None:
+    r = httpx.post(
+        f"{worker.url}/v1/completions",
+        content=payload,
+        headers={"content-type": "application/json", **headers},
+        timeout=30,
+    )
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["type"]
+
+
+def test_queue_full_is_429_with_retry_after_and_accepted_requests_complete(worker: WorkerProcess) -> None:
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": TINY_MODEL_NAME, "prompt": [0, 9, 9], "max_tokens": 40, "ignore_eos": True}
+            calls = [
+                client.post(f"{worker.url}/v1/completions", json=body, headers={"X-Tessera-Class": "limited"})
+                for _ in range(16)
+            ]
+            return await asyncio.gather(*calls)
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert 429 in codes and 200 in codes, codes
+    assert set(codes) <= {200, 429}
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["code"] == "queue_full"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 40  # nothing accepted is cut short
+
+
+def test_client_disconnect_aborts_in_vllm_within_1s(worker: WorkerProcess, vllm_server: VLLMServer) -> None:
+    body = {
+        "model": TINY_MODEL_NAME,
+        "prompt": [0, 4, 4],
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{worker.url}/v1/completions", json=body, timeout=60) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i > 6:
+                break
+        assert _vllm_running(vllm_server) >= 1
+    closed = time.monotonic()
+    while _vllm_running(vllm_server) > 0:
+        assert time.monotonic() - closed < 1.0, "vLLM still runs the request 1 s after the client left"
+        time.sleep(0.05)
+
+
+def test_admin_reload_changes_policy_without_restart(worker: WorkerProcess, vllm_server: VLLMServer) -> None:
+    new = _config(vllm_server.url, batch_max=4)
+    new["scheduling"]["policy"] = "edf"
+    url = f"{worker.url}/admin/reload"
+    assert httpx.post(url, json=new).status_code == 401
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    bad = httpx.post(url, json={**new, "scheduling": {"policy": "nope"}}, headers=auth)
+    assert bad.status_code == 400 and "nope" in bad.json()["error"]["message"]
+    ok = httpx.post(url, json=new, headers=auth)
+    assert ok.status_code == 200 and ok.json()["policy"] == "edf" and ok.json()["batch_max"] == 4
+    assert _complete(worker.url).status_code == 200
+    assert 'tessera_batch_size{model="tiny"} 4.0' in httpx.get(f"{worker.url}/metrics").text
+
+
+def test_preempted_twice_resumes_with_identical_token_ids(vllm_server: VLLMServer) -> None:
+    from tessera.worker.config import AutoscaleSpec, BatchBounds, ProfileSpec
+    from tessera.worker.core.registry import make_policy
+    from tessera.worker.core.request import Request
+    from tessera.worker.engines.vllm import VLLMEngine
+    from tessera.worker.metrics import WorkerMetrics
+    from tessera.worker.scheduler import Job, ModelScheduler
+
+    prompt = [0, 11, 12, 13, 14]
+    sampling = {"temperature": 0, "ignore_eos": True}
+    n = 60
+    reference = _complete(vllm_server.url, prompt=prompt, max_tokens=n, return_token_ids=True, **sampling)
+    expected = reference.json()["choices"][0]["token_ids"]
+
+    async def run() -> Job:
+        engine = VLLMEngine(TINY_MODEL_NAME, vllm_server.url, TINY_MAX_MODEL_LEN)
+        sched = ModelScheduler(
+            engine,
+            make_policy("fcfs"),
+            profile=ProfileSpec().to_profile(TINY_MODEL_NAME, 10000),
+            batch=BatchBounds(max=1),
+            autoscale=AutoscaleSpec(),
+            max_queued=10,
+            class_limits={},
+            metrics=WorkerMetrics(),
+        )
+        await sched.start()
+        job = Job(Request("r", 0.0, len(prompt), n), prompt, sampling)
+        sched.submit(job)
+        for cut in (15, 35):
+            while job.req.generated < cut:
+                await asyncio.sleep(0.005)
+            sched._preempt(job, sched.clock())  # what a policy's Decision does to a displaced request
+            await asyncio.sleep(0.05)
+            sched._wake.set()
+        await asyncio.wait_for(job.done.wait(), 60)
+        await sched.stop()
+        await engine.close()
+        return job
+
+    job = asyncio.run(run())
+    assert job.streams == 3 and job.req.preemptions == 2
+    assert job.output_ids == expected
+
+
+def test_sigterm_finishes_inflight_and_exits_0(vllm_server: VLLMServer, tmp_path: Path) -> None:
+    proc = WorkerProcess(_config(vllm_server.url), tmp_path, grace_s=30)
+    body = {"model": TINY_MODEL_NAME, "prompt": [0, 3], "max_tokens": 200, "ignore_eos": True}
+    result: dict[str, httpx.Response] = {}
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            call = asyncio.create_task(client.post(f"{proc.url}/v1/completions", json=body))
+            await asyncio.sleep(0.5)
+            proc.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            with pytest.raises(httpx.ConnectError):
+                await client.post(f"{proc.url}/v1/completions", json=body)
+            result["r"] = await call
+
+    asyncio.run(run())
+    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 200
+    assert proc.proc.wait(timeout=30) == 0
+
+
+def test_zz_vllm_death_gives_503_not_ready_then_recovers(
+    worker: WorkerProcess, vllm_server: VLLMServer
+) -> None:
+    body = {"model": TINY_MODEL_NAME, "prompt": [0, 8], "max_tokens": 480, "ignore_eos": True}
+
+    async def run() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60) as client:
+            call = asyncio.create_task(client.post(f"{worker.url}/v1/completions", json=body))
+            while _vllm_running(vllm_server) < 1:
+                await asyncio.sleep(0.05)
+            vllm_server.kill()
+            return await call
+
+    r = asyncio.run(run())
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+    assert httpx.get(f"{worker.url}/ready").status_code == 503
+    vllm_server.launch()
+    vllm_server.wait_healthy()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{worker.url}/ready").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert _complete(worker.url).status_code == 200
