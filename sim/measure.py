@@ -61,6 +61,8 @@ async def stream_completion(
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: the server reported an error mid-stream: {chunk['error']}")
             if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
                 times.append(time.perf_counter() - t0)
                 tokens += 1

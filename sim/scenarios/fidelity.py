@@ -16,6 +16,7 @@ Options: requests (200), rate (4.0), max_num_seqs (16), kv_cache_gib (1), token_
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 from pathlib import Path
 
@@ -33,8 +34,6 @@ DESCRIPTION = "simulator vs real vLLM (tiny model on this CPU): mean JCT and TTF
 
 
 def _kv_bytes_per_token(model_dir: Path) -> int:
-    import json
-
     cfg = json.loads((model_dir / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", heads)
@@ -65,6 +64,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     with tempfile.TemporaryDirectory(prefix="tessera-fidelity-") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
         kvb = _kv_bytes_per_token(model_dir)
+        vocab = min(1000, int(json.loads((model_dir / "config.json").read_text())["vocab_size"]))
         kv_tokens = gib * (1 << 30) // kvb
         progress(1)
         server = VLLMServer(
@@ -77,7 +77,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         with server:
             server.start()
             progress(1)
-            profile, _ = measure_and_fit(server.url, server.model_name, "tiny-cpu", kv_tokens, 16, 1000, seqs)
+            profile, _ = measure_and_fit(
+                server.url, server.model_name, "tiny-cpu", kv_tokens, 16, vocab, seqs
+            )
             progress(1)
             real = asyncio.run(
                 replay(server.url, server.model_name, list(zip(arrivals, inp, out, strict=True)))

@@ -22,7 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-capacity-tokens", type=int, required=True, help="KV cache size of the server, in tokens"
     )
     parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
-    parser.add_argument("--vocab", type=int, default=1000, help="token ids used for prompts are below this")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=1000,
+        help="prompts use random token ids below this; must not exceed the model's vocabulary size",
+    )
     parser.add_argument("--max-batch", type=int, default=16, help="largest concurrency measured (default 16)")
 
 
