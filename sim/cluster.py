@@ -182,6 +182,7 @@ class ClusterResult:
     preemptions: int
     iterations: int
     wall_s: float
+    cpu_s: float  # CPU time of this process (wall_s includes waiting for a busy machine's cores)
     events: int
     instance_log: list[tuple[float, str, str]]  # (time, instance, what happened)
 
@@ -307,6 +308,7 @@ class Cluster:
     ) -> ClusterResult:
         """Simulate until every request has finished; requests are mutated in place."""
         wall0 = time.perf_counter()
+        cpu0 = time.process_time()
         arrivals = sorted(requests, key=lambda r: r.arrival)
         n = len(arrivals)
         if n == 0:
@@ -378,6 +380,7 @@ class Cluster:
             preemptions=sum(i.preemptions for i in everyone),
             iterations=sum(i.iterations for i in everyone),
             wall_s=time.perf_counter() - wall0,
+            cpu_s=time.process_time() - cpu0,
             events=events,
             instance_log=self.log,
         )

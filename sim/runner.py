@@ -118,6 +118,7 @@ def run_one(
     metrics["kv_swaps"] = result.kv_swaps
     metrics["preemptions"] = result.preemptions
     metrics["events"] = result.events
+    metrics["cpu_s"] = result.cpu_s
     metrics["iterations"] = result.iterations
     return reqs, metrics
 

@@ -59,6 +59,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         f"{'PASS' if w10 <= 1.5 * w1 else 'FAIL'}",
         f"simulated requests/s: {results[0]['sim_requests_per_s']:.0f} (1x), "
         f"{results[1]['sim_requests_per_s']:.0f} (10x)",
+        f"CPU time of the simulation: {results[0]['cpu_s']:.1f}s (1x), {results[1]['cpu_s']:.1f}s (10x), "
+        f"ratio {results[1]['cpu_s'] / results[0]['cpu_s']:.2f}x "
+        "(wall time also counts waiting for cores other processes hold)",
     ]
     cfg = {**config.as_dict(), "requests": n, "instances": cluster.instances, "load": load}
     return BenchReport("perf", cfg, results, checks)
