@@ -244,6 +244,7 @@ class AndesQoE(Policy):
         context = np.fromiter((r.prompt_tokens + r.generated for r in reqs), dtype=float, count=n_req)
         # blocks: what the engine holds for the request's next step
         weight = (np.floor(context / block) + 1.0) * block if self.kv_units == "blocks" else context + 1.0
+        swap_per_token = prof.kv_swap_time(1)
         ideal = np.empty(n_req)
         speed = np.empty(n_req)
         delivered = np.empty(n_req)
@@ -253,7 +254,8 @@ class AndesQoE(Policy):
             key = id(r)
             params = self._params[key]
             tracker = self._trackers[key]
-            tracker.update(r.tokens)
+            if r.generated != tracker.tokens:  # new tokens since the last look (engines keep both equal)
+                tracker.update(r.tokens)
             ideal[i] = params.ideal_start
             speed[i] = params.reading_speed_tps
             delivered[i] = tracker.tokens
@@ -261,9 +263,9 @@ class AndesQoE(Policy):
             if r.kv_resident:
                 resume[i] = 0.0
             elif r.swapped:
-                resume[i] = prof.kv_swap_time(int(context[i]))
+                resume[i] = swap_per_token * context[i]
             else:
-                resume[i] = prof.prefill(int(context[i]))
+                resume[i] = prof.prefill_p0 + prof.prefill_p1 * context[i]
         is_running = np.zeros(n_req, dtype=bool)
         is_running[: len(running)] = True
         return _Ongoing(reqs, is_running, weight, context, ideal, speed, delivered, last, resume)
