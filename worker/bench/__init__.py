@@ -1,0 +1,1 @@
+"""Benchmarks of the worker on real vLLM (scenarios of `tessera bench`)."""

@@ -1,0 +1,207 @@
+"""Scenario ``worker-overhead``: the worker in front of vLLM against vLLM directly (issue 7).
+
+One real vLLM server on the offline tiny model; a `tessera worker` process (FCFS, batch bound
+above the load) in front of it. The same burst of ``streams`` concurrent streaming requests
+(``prompt_tokens`` random prompt ids, ``max_tokens`` output, ``ignore_eos``) goes to vLLM directly
+(row ``vllm``) and through the worker (row ``worker``), alternating ``rounds`` times so that noise
+from other load on the machine hits both alike; per row the medians over rounds are reported.
+Targets: worker throughput / vLLM throughput >= 0.95; added TTFT p50 <= 5 ms.
+
+Then the scheduler's decision time: ``ModelScheduler.decide`` with ``queued`` (10,000) requests
+waiting and a full batch, p50 over ``decisions`` calls, for each policy that can run here
+(rows ``decide:POLICY``; target <= 1 ms p50).
+
+Options (``--set``): streams (32), prompt_tokens (32), max_tokens (128), rounds (3), queued (10000),
+decisions (200), policies (fcfs,isrtf,qoe,qlm), max_num_seqs (64).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tessera.sim.runner import option
+from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
+
+DESCRIPTION = "worker in front of real vLLM vs vLLM directly (tiny model, 32 streams) + decision time"
+
+
+def _burst_row(name: str, rounds: list[list[Any]]) -> dict[str, Any]:
+    thr, p50s, means, jcts = [], [], [], []
+    for stats in rounds:
+        span = max(s.done for s in stats) - min(s.sent for s in stats)
+        thr.append(sum(s.tokens for s in stats) / span)
+        ttfts = [s.ttft for s in stats]
+        p50s.append(float(np.median(ttfts)))
+        means.append(float(np.mean(ttfts)))
+        jcts.append(float(np.mean([s.jct for s in stats])))
+    return {
+        "policy": name,
+        "requests": sum(len(r) for r in rounds),
+        "output_tokens_per_s": statistics.median(thr),
+        "p50_ttft_s": statistics.median(p50s),
+        "mean_ttft_s": statistics.median(means),
+        "mean_jct_s": statistics.median(jcts),
+    }
+
+
+class _IdleEngine:
+    """An engine whose streams never produce: the decision benchmark times the scheduler alone."""
+
+    model = "bench"
+    max_model_len = 1 << 20
+    supports_sleep = False
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def stream(self, job: Any) -> AsyncIterator[Any]:
+        await asyncio.Event().wait()
+        yield None  # pragma: no cover - never reached
+
+    async def close(self) -> None:
+        return None
+
+
+async def _decision_times(
+    policy_name: str, queued: int, decisions: int, batch: int, seed: int
+) -> list[float]:
+    from tessera.worker.config import AutoscaleSpec, BatchBounds, ProfileSpec
+    from tessera.worker.core.registry import make_policy
+    from tessera.worker.core.request import Request, ServiceClass
+    from tessera.worker.metrics import WorkerMetrics
+    from tessera.worker.scheduler import Job, ModelScheduler
+
+    rng = random.Random(seed)
+    sched = ModelScheduler(
+        _IdleEngine(),  # type: ignore[arg-type]
+        make_policy(policy_name),
+        profile=ProfileSpec().to_profile("bench", 1 << 22),
+        batch=BatchBounds(max=batch),
+        autoscale=AutoscaleSpec(),
+        max_queued=queued + 1,
+        class_limits={},
+        metrics=WorkerMetrics(),
+    )
+    classes = [
+        ServiceClass("chat", ttft_slo_s=1.0, itl_slo_s=0.2),
+        ServiceClass("batch", "batch", deadline_s=600),
+    ]
+    for i in range(queued):
+        n = rng.randint(8, 512)
+        prompt = [rng.randrange(3, 900) for _ in range(rng.randint(4, 64))]
+        req = Request(
+            f"r{i}", 0.0, len(prompt), n, service_class=classes[i % 2], prompt_text="x" * len(prompt)
+        )
+        sched.submit(Job(req, prompt, {}))
+    sched.decide()  # admit the first batch
+    times = []
+    for _ in range(decisions):
+        t0 = time.perf_counter()
+        sched.decide()
+        times.append(time.perf_counter() - t0)
+    for job in list(sched.inflight):
+        if job.task is not None:
+            job.task.cancel()
+    await asyncio.sleep(0)
+    return times
+
+
+def run(config: BenchConfig, progress: Progress) -> BenchReport:
+    """vLLM vs worker on the same bursts, then decision time per policy."""
+    from tessera.worker.bench._harness import WorkerChild, replay
+    from tessera.worker.engines.tiny_model import build_tiny_model
+    from tessera.worker.engines.vllm_process import VLLMServer
+
+    opts = config.options
+    streams = option(opts, "streams", 32, int)
+    prompt_tokens = option(opts, "prompt_tokens", 32, int)
+    max_tokens = option(opts, "max_tokens", 128, int)
+    rounds = option(opts, "rounds", 3, int)
+    queued = option(opts, "queued", 10000, int)
+    decisions = option(opts, "decisions", 200, int)
+    seqs = option(opts, "max_num_seqs", 64, int)
+    policies = [p for p in str(option(opts, "policies", "fcfs,isrtf,qoe,qlm", str)).split(",") if p]
+    for key, value in (
+        ("streams", streams),
+        ("max_tokens", max_tokens),
+        ("rounds", rounds),
+        ("queued", queued),
+    ):
+        if value < 1:
+            raise ValueError(f"--set {key}={value}: must be >= 1")
+    rng = random.Random(config.seed)
+    progress(0, total=2 * rounds + len(policies) + 1)
+    direct: list[list[Any]] = []
+    proxied: list[list[Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tessera-overhead-") as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "tiny")
+        with VLLMServer(model_dir, served_model_name="tiny", max_model_len=1024, max_num_seqs=seqs) as server:
+            worker_config = {
+                "models": [{"name": "tiny", "url": server.url, "maxModelLen": 1024}],
+                "scheduling": {"policy": "fcfs", "batch": {"max": seqs}},
+            }
+            worker = WorkerChild(worker_config, Path(tmp))
+            progress(1)
+            try:
+                warm = [(0.0, [0, 5, 6], 8, "")] * 4
+                asyncio.run(replay(server.url, "tiny", warm))
+                asyncio.run(replay(worker.url, "tiny", warm))
+                for _ in range(rounds):
+                    plan = [
+                        (0.0, [rng.randrange(3, 900) for _ in range(prompt_tokens)], max_tokens, "")
+                        for _ in range(streams)
+                    ]
+                    direct.append(asyncio.run(replay(server.url, "tiny", plan)))
+                    progress(1)
+                    proxied.append(asyncio.run(replay(worker.url, "tiny", plan)))
+                    progress(1)
+            finally:
+                worker.stop()
+    vllm_row = _burst_row("vllm", direct)
+    worker_row = _burst_row("worker", proxied)
+    ratio = worker_row["output_tokens_per_s"] / vllm_row["output_tokens_per_s"]
+    added_ms = (worker_row["p50_ttft_s"] - vllm_row["p50_ttft_s"]) * 1e3
+    results = [vllm_row, worker_row]
+    checks = [
+        f"throughput worker/vllm {ratio:.3f} (target >= 0.95): {'PASS' if ratio >= 0.95 else 'FAIL'}",
+        f"added TTFT p50 {added_ms:.2f} ms (target <= 5 ms): {'PASS' if added_ms <= 5 else 'FAIL'}",
+    ]
+    for name in policies:
+        try:
+            times = asyncio.run(_decision_times(name, queued, decisions, streams, config.seed))
+        except (ValueError, ImportError, RuntimeError) as exc:
+            checks.append(f"decide:{name}: not measured ({exc})")
+            progress(1)
+            continue
+        p50 = float(np.median(times))
+        results.append(
+            {
+                "policy": f"decide:{name}",
+                "queued": queued,
+                "decision_p50_s": p50,
+                "decision_p99_s": float(np.percentile(times, 99)),
+            }
+        )
+        checks.append(
+            f"decide:{name} p50 {p50 * 1e3:.3f} ms with {queued} queued (target <= 1 ms): "
+            f"{'PASS' if p50 <= 1e-3 else 'FAIL'}"
+        )
+        progress(1)
+    cfg = {
+        **config.as_dict(),
+        "streams": streams,
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "queued": queued,
+    }
+    return BenchReport("worker-overhead", cfg, results, checks)
