@@ -50,8 +50,12 @@ format: venv
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# Local mode on the quickstart: 4 simulated-engine workers + the router on localhost:8000, the first
+# 60 s of the bundled Azure conv trace (30% sent as batch), then the report; exits by itself.
 demo: venv
-	$(VENV)/bin/tessera bench baseline --set requests=2000
+	$(VENV)/bin/tessera local up -f examples/quickstart.yaml \
+	  --trace examples/traces/azure-conv-2023-first-2min.csv --duration 60 --batch-share 0.3 \
+	  --json .tessera-local/demo-report.json --plot .tessera-local/plots
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
