@@ -244,28 +244,20 @@ class AndesQoE(Policy):
         context = np.fromiter((r.prompt_tokens + r.generated for r in reqs), dtype=float, count=n_req)
         # blocks: what the engine holds for the request's next step
         weight = (np.floor(context / block) + 1.0) * block if self.kv_units == "blocks" else context + 1.0
-        swap_per_token = prof.kv_swap_time(1)
-        ideal = np.empty(n_req)
-        speed = np.empty(n_req)
-        delivered = np.empty(n_req)
-        last = np.empty(n_req)
-        resume = np.empty(n_req)
-        for i, r in enumerate(reqs):
-            key = id(r)
-            params = self._params[key]
-            tracker = self._trackers[key]
+        trackers = self._trackers
+        for r in reqs:
+            tracker = trackers[id(r)]
             if r.generated != tracker.tokens:  # new tokens since the last look (engines keep both equal)
                 tracker.update(r.tokens)
-            ideal[i] = params.ideal_start
-            speed[i] = params.reading_speed_tps
-            delivered[i] = tracker.tokens
-            last[i] = tracker.last_consumption
-            if r.kv_resident:
-                resume[i] = 0.0
-            elif r.swapped:
-                resume[i] = swap_per_token * context[i]
-            else:
-                resume[i] = prof.prefill_p0 + prof.prefill_p1 * context[i]
+        params = [self._params[id(r)] for r in reqs]
+        ideal = np.fromiter((p.ideal_start for p in params), dtype=float, count=n_req)
+        speed = np.fromiter((p.reading_speed_tps for p in params), dtype=float, count=n_req)
+        delivered = np.fromiter((trackers[id(r)].tokens for r in reqs), dtype=float, count=n_req)
+        last = np.fromiter((trackers[id(r)].last_consumption for r in reqs), dtype=float, count=n_req)
+        resident = np.fromiter((r.kv_resident for r in reqs), dtype=bool, count=n_req)
+        swapped = np.fromiter((r.swapped for r in reqs), dtype=bool, count=n_req)
+        prefill = prof.prefill_p0 + prof.prefill_p1 * context
+        resume = np.where(resident, 0.0, np.where(swapped, prof.kv_swap_time(1) * context, prefill))
         is_running = np.zeros(n_req, dtype=bool)
         is_running[: len(running)] = True
         return _Ongoing(reqs, is_running, weight, context, ideal, speed, delivered, last, resume)
