@@ -63,6 +63,7 @@ class StreamStat:
     done: float
     tokens: int
     klass: str
+    times: list[float]  # arrival time of every token at the client
 
     @property
     def ttft(self) -> float:
@@ -82,6 +83,7 @@ async def stream_one(
     sent = time.perf_counter()
     first = 0.0
     tokens = 0
+    times: list[float] = []
     payload = {**body, "stream": True, "return_token_ids": True}
     async with client.stream("POST", f"{url}/v1/completions", json=payload, headers=headers) as resp:
         if resp.status_code != 200:
@@ -92,10 +94,13 @@ async def stream_one(
             choices = json.loads(line[6:]).get("choices") or ()
             for choice in choices:
                 n = len(choice.get("token_ids") or ())
+                now = time.perf_counter()
                 if n and not tokens:
-                    first = time.perf_counter()
+                    first = now
                 tokens += n
-    return StreamStat(sent, first, time.perf_counter(), tokens, (headers or {}).get("X-Tessera-Class", ""))
+                times.extend([now] * n)
+    klass = (headers or {}).get("X-Tessera-Class", "")
+    return StreamStat(sent, first, time.perf_counter(), tokens, klass, times)
 
 
 async def replay(
