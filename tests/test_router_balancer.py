@@ -37,7 +37,10 @@ def test_least_estimated_wait_wins_and_a_faster_instance_takes_a_longer_queue() 
 
 def test_ties_go_to_fewer_outstanding_then_name() -> None:
     stats = seed_stats()
-    assert choose([load("b", outstanding=1), load("a", outstanding=2)], "m", "interactive", stats).instance == "b"
+    assert (
+        choose([load("b", outstanding=1), load("a", outstanding=2)], "m", "interactive", stats).instance
+        == "b"
+    )
     assert choose([load("b"), load("a")], "m", "interactive", stats).instance == "a"
 
 
@@ -60,4 +63,7 @@ def test_all_interactive_plan_still_serves_batch_and_unknown_model_or_unhealthy_
         choose(only, "other", "interactive", stats)
     with pytest.raises(NoInstance):
         choose([load("i", healthy=False)], "m", "interactive", stats)
-    assert choose([load("i1", healthy=False), load("i2", outstanding=50)], "m", "interactive", stats).instance == "i2"
+    assert (
+        choose([load("i1", healthy=False), load("i2", outstanding=50)], "m", "interactive", stats).instance
+        == "i2"
+    )

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -129,13 +129,15 @@ class RouterState:
         self.stats = {m: self.stats.get(m) or seed_stats() for m in self.configs}
         self.class_header = next(iter(self.configs.values())).class_header if self.configs else ""
 
-    def classify(self, model: str, header_value: str | None) -> str:
-        """The class kind of a request; ApiError 404/400 for an unknown model or class."""
+    def classify(self, model: str, headers: Mapping[str, str]) -> str:
+        """The class kind of a request (class header in ``headers``); ApiError 404/400 for an unknown
+        model or class."""
         config = self.configs.get(model)
         if config is None:
             known = ", ".join(sorted(self.configs)) or "(none)"
             raise ApiError(404, f"the model {model!r} is not served here; models: {known}",
                            code="model_not_found", param="model")  # fmt: skip
+        header_value = headers.get(config.class_header)
         entry = config.model(model)
         assert entry is not None
         name = config.default_class(entry) if not header_value else config.class_for_header(header_value)
@@ -291,7 +293,7 @@ def create_router_app(
         if not isinstance(model, str):
             raise ApiError(400, "the request body must be a JSON object with a string field 'model'",
                            param="model")  # fmt: skip
-        kind = state.classify(model, http.headers.get(state.configs[model].class_header))
+        kind = state.classify(model, http.headers)
         headers = {k: v for k, v in http.headers.items() if k.lower() not in ("host", "content-length")}
         tried: set[str] = set()
         while True:
