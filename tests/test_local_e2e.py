@@ -73,8 +73,8 @@ async def test_local_mode_serves_streams_and_reports_slo(tmp_path: Path) -> None
                 chunks = [json.loads(ln[6:]) for ln in lines]
                 assert sum(c["choices"][0]["finish_reason"] is None for c in chunks) == n
                 assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-            chat = await client.post("/v1/chat/completions", json={
-                "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
+            msg = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            chat = await client.post("/v1/chat/completions", json=msg)
             assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 3
             bad = await client.post("/v1/completions", json={"model": model, "prompt": "x"},
                                     headers={"X-Tessera-Class": "gold"})  # fmt: skip
@@ -91,8 +91,9 @@ async def test_local_mode_serves_streams_and_reports_slo(tmp_path: Path) -> None
         classes = class_infos(plan.instances[0].config)
         workload = build_workload(load_trace(trace), classes, {model: 8192}, WorkloadOptions())
         out = io.StringIO()
-        summary = await run_load(stack.endpoint, workload, classes, "X-Tessera-Class",
-                                 LoadSettings(json_path=tmp_path / "r.json", live=False), stack.status, out)  # fmt: skip
+        settings = LoadSettings(json_path=tmp_path / "r.json", live=False)
+        summary = await run_load(stack.endpoint, workload, classes, "X-Tessera-Class", settings,
+                                 stack.status, out)  # fmt: skip
         assert (summary["requests"], summary["finished"], summary["failed"]) == (12, 12, 0)
         assert summary["slo_attainment_by_class"] == {"chat": 1.0, "offline": 1.0, "strict": 0.0}
         assert summary["output_tokens_per_s"] > 0

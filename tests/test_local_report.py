@@ -61,7 +61,7 @@ def test_workload_classes_models_scaling_and_context_fit() -> None:
 
 def test_workload_errors_say_what_to_change() -> None:
     rows = [TraceRow(0.0, 10, 10, service_class="gold")]
-    with pytest.raises(WorkloadError, match="class 'gold'.*classes: chat, offline"):
+    with pytest.raises(WorkloadError, match=r"class 'gold'.*classes: chat, offline"):
         build_workload(rows, CLASSES, {"a": 512}, WorkloadOptions())
     with pytest.raises(WorkloadError, match="--model 'x' is not served"):
         build_workload(rows, CLASSES, {"a": 512}, WorkloadOptions(model="x"))
