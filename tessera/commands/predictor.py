@@ -1,15 +1,151 @@
-"""`tessera predictor`: Train and evaluate the response-length predictor."""
+"""`tessera predictor`: train and evaluate the ELIS response-length predictor."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 
-from tessera.commands._pending import add_no_arguments, not_yet
+HELP = "Train and evaluate the response-length predictor (ELIS)."
 
-HELP = "Train and evaluate the response-length predictor."
-add_arguments = add_no_arguments
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _layers(text: str) -> int | None:
+    if text == "all":
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"encoder layers must be 'all' or >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``train`` and ``eval`` subcommands."""
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    tr = sub.add_parser("train", help="train the regression head on a prompt/response JSONL(.gz)")
+    tr.add_argument("--data", required=True, type=Path, help="JSONL(.gz) with prompt and response fields")
+    tr.add_argument("--out", required=True, type=Path, help="folder for head.pt and head.json")
+    tr.add_argument(
+        "--encoder", default="auto", help="auto (BGE if cached locally, else MiniLM), minilm, or a folder"
+    )
+    tr.add_argument(
+        "--encoder-layers", type=_layers, default=None, help="transformer layers kept (default all)"
+    )
+    tr.add_argument(
+        "--no-quantize", action="store_true", help="keep the encoder in fp32 (default int8 dynamic)"
+    )
+    tr.add_argument(
+        "--tokenizer", default=None, help="served model's tokenizer.json or folder (default MiniLM's)"
+    )
+    tr.add_argument("--rows-per-prompt", type=_positive_int, default=16, help="training responses per prompt")
+    tr.add_argument(
+        "--val-rows-per-prompt", type=_positive_int, default=8, help="validation responses per prompt"
+    )
+    tr.add_argument(
+        "--val-fraction", type=float, default=0.2, help="share of prompt ids held out (default 0.2)"
+    )
+    tr.add_argument(
+        "--exclude-source", action="append", default=[], help="drop rows whose source contains this"
+    )
+    tr.add_argument("--window", type=_positive_int, default=50, help="ELIS re-prediction window K (tokens)")
+    tr.add_argument("--epochs", type=_positive_int, default=16)
+    tr.add_argument("--batch-size", type=_positive_int, default=16)
+    tr.add_argument("--lr", type=float, default=1e-4)
+    tr.add_argument("--hidden", type=_positive_int, default=512)
+    tr.add_argument("--depth", type=_positive_int, default=8)
+    tr.add_argument("--loss", choices=("mse", "huber"), default="mse")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+
+    ev = sub.add_parser("eval", help="MAE, RMSE, R², Kendall τ of a trained predictor on a JSONL(.gz)")
+    ev.add_argument("--data", required=True, type=Path, help="JSONL(.gz) with prompt and response fields")
+    ev.add_argument("--model", type=Path, default=None, help="artifact folder (default: the shipped head)")
+    ev.add_argument(
+        "--tokenizer", default=None, help="served model's tokenizer.json or folder (default MiniLM's)"
+    )
+    ev.add_argument(
+        "--split",
+        choices=("all", "heldout"),
+        default="all",
+        help="heldout: the artifact's validation prompts",
+    )
+    ev.add_argument("--source", action="append", default=[], help="only rows whose source contains this")
+    ev.add_argument("--max-rows", type=_positive_int, default=None, help="evaluate a seeded sample of rows")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--latency", action="store_true", help="also time predict_remaining on batches of 16")
+    ev.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    ev.add_argument("--json", type=Path, default=None, help="write the metrics as JSON here")
+
+
+def _print_metrics(title: str, m: dict) -> None:
+    print(
+        f"{title:<10} n={m['n']:<7} MAE {m['mae']:7.1f}  RMSE {m['rmse']:7.1f}  "
+        f"R² {m['r2']:6.3f}  Kendall τ {m['kendall_tau']:6.3f}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Report that this subcommand has not landed yet."""
-    return not_yet("predictor", "the ELIS issue")
+    """Dispatch to training or evaluation; errors in inputs exit 2 with the reason."""
+    from tessera.worker.predictor.samples import StepSettings
+
+    try:
+        if args.action == "train":
+            from tessera.worker.predictor.train import TrainConfig, train
+
+            if not 0.0 < args.val_fraction < 1.0:
+                raise ValueError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+            cfg = TrainConfig(
+                data=str(args.data),
+                out=str(args.out),
+                encoder=args.encoder,
+                encoder_layers=args.encoder_layers,
+                quantize=not args.no_quantize,
+                tokenizer=args.tokenizer,
+                steps=StepSettings(window=args.window, chunk_tokens=args.window),
+                val_fraction=args.val_fraction,
+                rows_per_prompt=args.rows_per_prompt,
+                val_rows_per_prompt=args.val_rows_per_prompt,
+                exclude_sources=tuple(args.exclude_source),
+                hidden=args.hidden,
+                depth=args.depth,
+                epochs=args.epochs,
+                batch_size=args.batch_size,
+                lr=args.lr,
+                loss=args.loss,
+                seed=args.seed,
+                threads=args.threads,
+            )
+            meta = train(cfg)
+            _print_metrics("validation", meta["validation"])
+            print(
+                f"train time {meta['seconds']['total']:.0f} s (embedding {meta['seconds']['embedding']:.0f} s)"
+            )
+            return 0
+        from tessera.worker.predictor.evaluate import evaluate, measure_latency
+        from tessera.worker.predictor.model import TextLengthPredictor
+
+        predictor = TextLengthPredictor(args.model, tokenizer=args.tokenizer, threads=args.threads)
+        result = evaluate(predictor, args.data, args.split, tuple(args.source), args.max_rows, args.seed)
+        _print_metrics("all steps", result)
+        _print_metrics("step 0", result["step0"])
+        print("MAE by step: " + ", ".join(f"{k}: {v:.1f}" for k, v in result["mae_by_step"].items()))
+        if args.latency:
+            result["latency"] = measure_latency(predictor, args.data, seed=args.seed)
+            for name in ("window", "step0"):
+                lat = result["latency"][name]
+                print(
+                    f"latency {name:<6} batch {lat['batch']}: p50 {lat['p50_ms']:.1f} ms, p90 {lat['p90_ms']:.1f} ms"
+                )
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        return 0
+    except ValueError as exc:
+        print(f"tessera predictor {args.action}: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,140 @@
+"""ELIS iterative shortest-remaining-time-first (elis_andes_spec §A.4).
+
+Priority = predicted remaining output tokens ŷ, smallest first, ties by earlier arrival. A request is
+predicted once on arrival (prompt only, ``Predictor.init``) and again each time it has generated
+``window_tokens`` more tokens (``Predictor.iter``); requests waiting in the queue keep their last
+prediction. Every prediction due at a decision is made in one batched ``predict_remaining`` call.
+
+Preemption happens at window boundaries only (ELIS: "a window is never interrupted"): a decision at
+which some running request reached its boundary re-ranks running and queued requests together and
+the top ``max_batch`` run; any other decision (an arrival, a completion) only fills free slots
+(spec §A.4 #7, ``join_midwindow``). With batch size 1 this is exactly ELIS' window loop; with larger
+batches each request's window counts from its own last prediction (CHOICE: the engine re-checks when
+the first running request reaches its boundary, instead of ELIS' batch-synchronous windows).
+
+Aging guard (spec §A.4 #8a, off by default): the key becomes ŷ − ``aging_tokens_per_s`` · age, where
+age = now − arrival. Subtracting the common ``now`` leaves ŷ + a·arrival, so keys stay fixed while a
+request waits and the heap order stays valid.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from tessera.worker.core.policy import Decision, InstanceView, PriorityPolicy
+from tessera.worker.core.request import Request
+from tessera.worker.predictor.fallbacks import ConstantPredictor, LengthPredictor, RunningMeanPredictor
+
+PREDICTED_AT = "isrtf_predicted_at"  # annotation: tokens generated when ŷ was last predicted
+
+
+def _make_predictor(spec: LengthPredictor | str) -> LengthPredictor:
+    if not isinstance(spec, str):
+        if not isinstance(spec, LengthPredictor):
+            raise ValueError(f"predictor must have predict_remaining(requests), got {type(spec).__name__}")
+        return spec
+    if spec == "text":
+        from tessera.worker.predictor.model import TextLengthPredictor
+
+        return TextLengthPredictor()
+    if spec == "running-mean":
+        return RunningMeanPredictor()
+    if spec == "constant":
+        return ConstantPredictor()
+    raise ValueError(f"unknown predictor {spec!r}: use 'text', 'running-mean', 'constant' or an object")
+
+
+class ISRTF(PriorityPolicy):
+    """Shortest predicted remaining output first, re-predicted every ``window_tokens`` tokens."""
+
+    name: ClassVar[str] = "isrtf"
+    preemptive: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        predictor: LengthPredictor | str = "text",
+        window_tokens: int = 50,
+        aging_tokens_per_s: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+        if aging_tokens_per_s < 0:
+            raise ValueError(f"aging_tokens_per_s must be >= 0 (0 = off), got {aging_tokens_per_s}")
+        self.predictor = _make_predictor(predictor)
+        self.window = window_tokens
+        self.aging = aging_tokens_per_s
+        self._pending: dict[int, Request] = {}  # arrived, not yet predicted
+        self._next_check: int | None = None
+        self.prediction_calls = 0  # batched predict_remaining calls so far
+        self.predictions = 0  # requests predicted so far
+
+    def key(self, req: Request, now: float) -> tuple:
+        """Predicted remaining tokens (minus the aging credit), then arrival."""
+        assert req.predicted_remaining is not None, "ISRTF keys only predicted requests"
+        return (req.predicted_remaining + self.aging * req.arrival, req.arrival)
+
+    def add(self, req: Request, now: float) -> None:
+        """Hold a new request until the next decision predicts it (batched with others)."""
+        self._pending[id(req)] = req
+
+    def remove(self, req: Request, now: float) -> None:
+        """Forget a request; finished lengths feed predictors that learn from them."""
+        self._pending.pop(id(req), None)
+        super().remove(req, now)
+        if req.finished and isinstance(self.predictor, RunningMeanPredictor):
+            self.predictor.observe(req)
+        forget = getattr(self.predictor, "forget", None)
+        if forget is not None:
+            forget(req)
+
+    def __len__(self) -> int:
+        return super().__len__() + len(self._pending)
+
+    def _due(self, running: list[Request]) -> list[Request]:
+        return [r for r in running if r.generated - int(r.annotations.get(PREDICTED_AT, 0)) >= self.window]
+
+    def _predict(self, reqs: list[Request]) -> None:
+        if not reqs:
+            return
+        preds = self.predictor.predict_remaining(reqs)
+        if len(preds) != len(reqs):
+            raise ValueError(f"predictor returned {len(preds)} predictions for {len(reqs)} requests")
+        self.prediction_calls += 1
+        self.predictions += len(reqs)
+        for req, pred in zip(reqs, preds, strict=True):
+            req.predicted_remaining = max(0.0, float(pred))
+            req.annotations[PREDICTED_AT] = req.generated
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Predict what is due in one batch; re-rank everything at a window boundary, else fill free slots."""
+        due = self._due(list(view.running))
+        new = list(self._pending.values())
+        self._predict(new + due)
+        self._pending.clear()
+        for req in new:
+            self._push(req, view.now)
+        self._sync_running(view)
+        now = view.now
+        running = sorted(self._running.values(), key=lambda r: self.key(r, now))
+        if due:  # window boundary: running requests compete with the queue again
+            for req in running:
+                del self._running[id(req)]
+                self._push(req, now)
+            running = []
+        run = list(running)
+        while len(run) < view.max_batch:
+            req = self._pop_queued()
+            if req is None:
+                break
+            run.append(req)
+        for req in run:
+            self._running[id(req)] = req
+        self._next_check = min(
+            (self.window - (r.generated - int(r.annotations.get(PREDICTED_AT, 0))) for r in run), default=None
+        )
+        return Decision(run=run, recheck_after_tokens=self.recheck_tokens())
+
+    def recheck_tokens(self) -> int | None:
+        """Decode iterations until the first running request reaches its window boundary."""
+        return None if self._next_check is None else max(1, self._next_check)

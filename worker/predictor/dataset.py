@@ -1,0 +1,123 @@
+"""Prompt/response data: loading with validation, split by prompt, ELIS step augmentation.
+
+Input: JSONL (optionally gzipped), one object per line with string ``prompt`` and ``response``;
+optional ``prompt_id`` (the split key; default: sha1 of the prompt), ``source`` and ``model``.
+Step augmentation (elis_andes_spec §A.3 step 5): for a response of L tokens and window K, steps
+k = 0..⌊(L−1)/K⌋; the input is the prompt plus the first K·k response tokens and the target is the
+remaining L − K·k tokens. Responses of 0 tokens give no step (nothing remains to predict).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import random
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One prompt and one model's response."""
+
+    prompt: str
+    response: str
+    group: str  # prompt id: rows with the same group never straddle the train/validation split
+    source: str = ""
+    model: str = ""
+
+
+def load_pairs(path: str | Path) -> list[Pair]:
+    """Read and validate a prompt/response JSONL(.gz) file; ValueError with the line on bad rows."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(
+            f"data file {path} does not exist: give a JSONL(.gz) with prompt and response fields"
+        )
+    opener = gzip.open if path.suffix == ".gz" else open
+    pairs: list[Pair] = []
+    with opener(path, "rt", encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with prompt and response")
+            for key in ("prompt", "response"):
+                if not isinstance(row.get(key), str):
+                    raise ValueError(
+                        f"{path}:{lineno}: field {key!r} must be a string (got {row.get(key)!r:.40})"
+                    )
+            group = row.get("prompt_id") or hashlib.sha1(row["prompt"].encode()).hexdigest()[:12]
+            pairs.append(
+                Pair(
+                    row["prompt"],
+                    row["response"],
+                    str(group),
+                    str(row.get("source", "")),
+                    str(row.get("model", "")),
+                )
+            )
+    if not pairs:
+        raise ValueError(f"{path}: no rows")
+    return pairs
+
+
+def is_validation(group: str, val_fraction: float) -> bool:
+    """Whether a prompt group falls in the validation split (stable hash of the id, not file order)."""
+    bucket = int(hashlib.sha1(group.encode()).hexdigest()[:8], 16) % 10_000
+    return bucket < val_fraction * 10_000
+
+
+def split_by_prompt(pairs: list[Pair], val_fraction: float) -> tuple[list[Pair], list[Pair]]:
+    """(train, validation): every row of a prompt lands on the same side."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    train = [p for p in pairs if not is_validation(p.group, val_fraction)]
+    val = [p for p in pairs if is_validation(p.group, val_fraction)]
+    return train, val
+
+
+def filter_sources(
+    pairs: list[Pair], exclude: tuple[str, ...] = (), only: tuple[str, ...] = ()
+) -> list[Pair]:
+    """Rows whose source contains none of ``exclude`` (and one of ``only`` when given)."""
+    kept = [p for p in pairs if not any(s in p.source for s in exclude)]
+    if only:
+        kept = [p for p in kept if any(s in p.source for s in only)]
+    return kept
+
+
+def sample_per_prompt(pairs: list[Pair], per_prompt: int | None, seed: int) -> list[Pair]:
+    """At most ``per_prompt`` rows of each prompt, drawn with ``seed`` (None: all rows)."""
+    if per_prompt is None:
+        return list(pairs)
+    if per_prompt < 1:
+        raise ValueError(f"rows per prompt must be >= 1, got {per_prompt}")
+    groups: dict[str, list[Pair]] = defaultdict(list)
+    for p in pairs:
+        groups[p.group].append(p)
+    rng = random.Random(seed)
+    out: list[Pair] = []
+    for group in sorted(groups):
+        rows = groups[group]
+        out.extend(rows if len(rows) <= per_prompt else rng.sample(rows, per_prompt))
+    return out
+
+
+def sample_rows(pairs: list[Pair], max_rows: int | None, seed: int) -> list[Pair]:
+    """At most ``max_rows`` rows drawn with ``seed`` (None: all), in file order."""
+    if max_rows is None or len(pairs) <= max_rows:
+        return list(pairs)
+    keep = sorted(random.Random(seed).sample(range(len(pairs)), max_rows))
+    return [pairs[i] for i in keep]
+
+
+def step_points(length: int, window: int) -> list[int]:
+    """Generated-token counts at which ELIS predicts: 0, K, 2K, ... while tokens remain."""
+    return [window * k for k in range((length - 1) // window + 1)] if length > 0 else []

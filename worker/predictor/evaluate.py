@@ -1,0 +1,106 @@
+"""Accuracy of a trained predictor on any prompt/response file, and its CPU inference latency."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tessera.worker.core.request import Request
+from tessera.worker.predictor.dataset import Pair, filter_sources, is_validation, load_pairs, sample_rows
+from tessera.worker.predictor.metrics import regression_metrics
+from tessera.worker.predictor.model import TextLengthPredictor
+from tessera.worker.predictor.samples import EmbeddingStore, StepSettings, build_samples
+
+
+def select_rows(
+    pairs: list[Pair], meta: dict, split: str, sources: tuple[str, ...], max_rows: int | None, seed: int
+) -> list[Pair]:
+    """Rows to evaluate: ``split`` "all", or "heldout" (the validation prompts of the artifact's split)."""
+    if split not in ("all", "heldout"):
+        raise ValueError(f"split must be 'all' or 'heldout', got {split!r}")
+    if split == "heldout":
+        frac = float(meta["split"]["val_fraction"])
+        pairs = [p for p in pairs if is_validation(p.group, frac)]
+    pairs = filter_sources(pairs, only=sources)
+    if not pairs:
+        raise ValueError("no rows left to evaluate after the split and source filters")
+    return sample_rows(pairs, max_rows, seed)
+
+
+def evaluate(
+    predictor: TextLengthPredictor,
+    data: str | Path,
+    split: str = "all",
+    sources: tuple[str, ...] = (),
+    max_rows: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """MAE, RMSE, R², Kendall τ over all re-prediction steps, the same under ``step0``, and MAE by step."""
+    pairs = select_rows(load_pairs(data), predictor.meta, split, sources, max_rows, seed)
+    steps = StepSettings(**predictor.meta["steps"])
+    samples, chunks = build_samples(pairs, predictor.served, predictor.encoder, steps)
+    store = EmbeddingStore(predictor.encoder)
+    store.ensure(chunks)
+    pred = predictor.head.predict_tokens(torch.from_numpy(store.features(samples))).numpy()
+    true = np.array([s.target for s in samples], dtype=np.float64)
+    step = np.array([s.step for s in samples])
+    result = regression_metrics(pred, true)
+    result["step0"] = regression_metrics(pred[step == 0], true[step == 0])
+    result["mae_by_step"] = {
+        str(k): float(np.abs(pred[step == k] - true[step == k]).mean())
+        for k in range(10)
+        if (step == k).any()
+    }
+    result["rows"] = len(pairs)
+    return result
+
+
+def measure_latency(
+    predictor: TextLengthPredictor, data: str | Path, batch: int = 16, repeats: int = 30, seed: int = 0
+) -> dict:
+    """p50/p90 wall time (ms) of ``predict_remaining`` on batches of ``batch`` requests.
+
+    ``window``: the steady state of ISRTF — each request was predicted at the previous window boundary
+    and now returns with one more window of text. ``step0``: first sight of new prompts.
+    """
+    pairs = load_pairs(data)
+    rng = random.Random(seed)
+    window = predictor.window
+    times: dict[str, list[float]] = {"window": [], "step0": []}
+    for rep in range(repeats + 1):  # the first repeat warms up torch
+        chosen = rng.sample(pairs, batch)
+        reqs = []
+        for i, pair in enumerate(chosen):
+            n = predictor.served.count(pair.response)
+            req = Request(
+                f"lat{rep}-{i}", 0.0, predictor.served.count(pair.prompt), n + 1, prompt_text=pair.prompt
+            )
+            req.response_text = pair.response
+            req.generated = window * rng.randint(0, max(0, (n - 1) // window - 1))
+            reqs.append(req)
+        t0 = time.perf_counter()
+        predictor.predict_remaining(reqs)
+        t1 = time.perf_counter()
+        for req in reqs:
+            req.generated += window
+        predictor.predict_remaining(reqs)
+        t2 = time.perf_counter()
+        if rep:
+            times["step0"].append((t1 - t0) * 1e3)
+            times["window"].append((t2 - t1) * 1e3)
+        for req in reqs:
+            predictor.forget(req)
+    return {
+        name: {
+            "p50_ms": statistics.median(v),
+            "p90_ms": float(np.percentile(v, 90)),
+            "batch": batch,
+            "repeats": repeats,
+        }
+        for name, v in times.items()
+    } | {"threads": torch.get_num_threads()}
