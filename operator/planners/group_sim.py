@@ -15,6 +15,7 @@ taken every ``chunk`` decode iterations, so cost grows with events, not tokens).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ Scheduler = Literal["db", "fcfs", "rr"]
 SHARING_OVERHEAD = 0.04  # ε_share: iteration time x (1 + ε) when several models share the group (§9.1)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Req:
     service: str
     arrival: float
@@ -40,6 +41,7 @@ class _Req:
     first_token: float | None = None
     finished: float | None = None
     budget: Budget | None = None
+    ver: int = 0  # bumped when the request leaves or re-enters the waiting heaps (lazy deletion)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,114 +125,150 @@ def simulate_group(
         key=lambda r: (r.arrival, r.seq),
     )
     result = GroupResult()
-    active: list[_Req] = []
+    names = [s.name for s in services]
+    waiting: dict[str, list[tuple[tuple, int, _Req]]] = {n: [] for n in names}  # lazy heaps by priority
+    starve: dict[str, list[tuple[float, int, int, _Req]]] = {n: [] for n in names}  # lazy heaps by last run
+    resident: dict[str, list[_Req]] = {n: [] for n in names}
+    n_active = 0
     used = 0.0
     nxt = 0
     now = 0.0
     rr_turn = 0
-    names = [s.name for s in services]
 
     def prio(r: _Req) -> tuple:
         if scheduler == "db":
             return (book.priority(r.service, r.budget), r.arrival, r.seq)
         return (r.arrival, r.seq)
 
-    while nxt < len(reqs) or active:
+    def enqueue(r: _Req) -> None:
+        # A waiting request's key is fixed: only running requests are charged.
+        r.ver += 1
+        heapq.heappush(waiting[r.service], (prio(r), r.ver, r))
+        if scheduler == "db":
+            heapq.heappush(starve[r.service], (r.budget.last_run, r.seq, r.ver, r))
+
+    def head(n: str) -> _Req | None:
+        h = waiting[n]
+        while h and (h[0][2].resident or h[0][2].finished is not None or h[0][1] != h[0][2].ver):
+            heapq.heappop(h)
+        return h[0][2] if h else None
+
+    def starved_head(n: str) -> _Req | None:
+        h = starve[n]
+        while h and (h[0][3].resident or h[0][3].finished is not None or h[0][2] != h[0][3].ver):
+            heapq.heappop(h)
+        return h[0][3] if h else None
+
+    def evict(target: float, keep: set) -> None:
+        """Recompute-preempt resident requests, largest O first, outside ``keep`` (spec §8 item 8)."""
+        nonlocal used
+        victims = sorted((r for n in names for r in resident[n] if r not in keep), key=prio, reverse=True)
+        for r in victims:
+            if used <= target:
+                break
+            resident[r.service].remove(r)
+            r.resident = False
+            used -= (r.prompt + r.generated) * kv_per_token[r.service]
+            result.preemptions += 1
+            enqueue(r)
+
+    while nxt < len(reqs) or n_active:
         while nxt < len(reqs) and reqs[nxt].arrival <= now:
             r = reqs[nxt]
             if scheduler == "db":
                 r.budget = book.start(r.service, r.arrival)
-            active.append(r)
+            enqueue(r)
+            n_active += 1
             nxt += 1
-        if not active:
+        if not n_active:
             now = reqs[nxt].arrival
             continue
         if now >= horizon:
             break
-        # --- pick the service and phase ---
+        # --- pick the service and phase (one model, one phase per iteration) ---
+        seed = None
         if scheduler == "rr":
-            live = {r.service for r in active}
-            while names[rr_turn % len(names)] not in live:
+            while True:
+                service = names[rr_turn % len(names)]
                 rr_turn += 1
-            service = names[rr_turn % len(names)]
-            rr_turn += 1
-            mine = sorted((r for r in active if r.service == service), key=prio)
-            seed = next((r for r in mine if not r.resident), mine[0])  # vLLM: prefill first
+                seed = head(service)  # vLLM order inside a service: prefill first
+                if seed is None and resident[service]:
+                    seed = min(resident[service], key=prio)
+                if seed is not None:
+                    break
         else:
-            seed = None
             if scheduler == "db":
-                starved = [r for r in active if book.starved(r.service, r.budget, now)]
-                if starved:
-                    seed = min(starved, key=lambda r: (r.budget.last_run, r.seq))
+                cands = [x for n in names if (x := starved_head(n)) is not None]
+                cands += [x for n in names for x in resident[n]]
+                cands = [x for x in cands if book.starved(x.service, x.budget, now)]
+                if cands:
+                    seed = min(cands, key=lambda x: (x.budget.last_run, x.seq))
             if seed is None:
-                seed = min(active, key=prio)
+                cands = [x for n in names if (x := head(n)) is not None]
+                cands += [min(resident[n], key=prio) for n in names if resident[n]]
+                seed = min(cands, key=prio)
             service = seed.service
-            mine = sorted((r for r in active if r.service == service), key=prio)
         kvt = kv_per_token[service]
         lat = by_name[service].latency
         if not seed.resident:
-            # prefill batch: the seed first, then the service's other non-resident requests in order
+            # prefill batch: the seed, then the service's other waiting requests in priority order
             batch, tokens = [], 0
-            for r in [seed, *(x for x in mine if not x.resident and x is not seed)]:
+            seed.ver += 1  # leaves the waiting heaps
+            r: _Req | None = seed
+            while r is not None:
                 ctx = r.prompt + r.generated
                 if batch and (tokens + ctx > token_budget or len(batch) >= max_batch):
                     break
                 if used + ctx * kvt > capacity * 0.99:
                     if batch:
                         break
-                    used = _evict(
-                        active,
-                        used,
-                        kv_per_token,
-                        capacity * 0.99 - ctx * kvt,
-                        prio,
-                        keep=seed,
-                        result=result,
-                    )
+                    evict(capacity * 0.99 - ctx * kvt, {seed})
                     if used + ctx * kvt > capacity * 0.99:
-                        break
+                        raise ValueError(
+                            f"a {seed.prompt}-token prompt of {service} does not fit the KV pool"
+                        )
                 batch.append(r)
+                r.resident = True
                 tokens += ctx
                 used += ctx * kvt
-            if not batch:
-                raise ValueError(f"a {seed.prompt}-token prompt of {service} does not fit the KV pool")
+                r = head(service)
             dt = lat.prefill(tp, tokens) * overhead
             now += dt
             result.iterations += 1
             for r in batch:
-                r.resident = True
+                resident[service].append(r)
                 if r.first_token is None:
                     r.first_token = now
                 if r.generated == 0:
                     r.generated = 1
+                    used += kvt
                 if r.budget is not None:
                     book.charge(r.service, r.budget, dt, now)
-            _finish_done(batch, active, now, kv_per_token)
-            used = sum((r.prompt + r.generated) * kv_per_token[r.service] for r in active if r.resident)
-            continue
-        batch = [r for r in mine if r.resident][:max_batch]
-        k = min(chunk, min(r.output - r.generated for r in batch))
-        need = sum(kvt * k for _ in batch)
-        if used + need > capacity:
-            used = _evict(
-                active, used, kv_per_token, capacity - need, prio, keep_set=set(batch), result=result
-            )
-            if used + need > capacity:  # still no room: shrink the batch from its low-priority end
+        else:
+            batch = sorted(resident[service], key=prio)[:max_batch]
+            k = min(chunk, min(r.output - r.generated for r in batch))
+            if used + kvt * k * len(batch) > capacity:
+                evict(capacity - kvt * k * len(batch), set(batch))
                 while len(batch) > 1 and used + kvt * k * len(batch) > capacity:
-                    batch.pop()
-        b = len(batch)
-        ctx = sum(r.prompt + r.generated for r in batch)
-        a = lat.decode_step(tp, b, ctx)
-        g = lat.decode_step(tp, b, ctx + b) - a
-        dt = (k * a + g * k * (k - 1) / 2) * overhead
-        now += dt
-        result.iterations += k
-        for r in batch:
-            r.generated += k
-            if r.budget is not None:
-                book.charge(r.service, r.budget, dt, now)
-        used += kvt * k * b
-        used -= _finish_done(batch, active, now, kv_per_token)
+                    batch.pop()  # still no room: shrink the batch from its low-priority end
+            b = len(batch)
+            ctx = sum(r.prompt + r.generated for r in batch)
+            a = lat.decode_step(tp, b, ctx)
+            g = lat.decode_step(tp, b, ctx + b) - a
+            dt = (k * a + g * k * (k - 1) / 2) * overhead
+            now += dt
+            result.iterations += k
+            for r in batch:
+                r.generated += k
+                if r.budget is not None:
+                    book.charge(r.service, r.budget, dt, now)
+            used += kvt * k * b
+        for r in [x for x in batch if x.generated >= x.output]:
+            r.finished = now
+            r.resident = False
+            resident[service].remove(r)
+            used -= (r.prompt + r.generated) * kvt
+            n_active -= 1
     for r in reqs:
         svc = stats[r.service].mean_exec_s
         slo = by_name[r.service].slo_scale * r.exec_ref
@@ -249,45 +287,3 @@ def simulate_group(
             )
         )
     return result
-
-
-def _finish_done(batch: list[_Req], active: list[_Req], now: float, kv_per_token: dict[str, float]) -> float:
-    """Finish requests that produced all their tokens; return the KV bytes they free."""
-    freed = 0.0
-    done = [r for r in batch if r.generated >= r.output]
-    for r in done:
-        r.finished = now
-        r.resident = False
-        freed += (r.prompt + r.generated) * kv_per_token[r.service]
-        active.remove(r)
-    return freed
-
-
-def _evict(
-    active: list[_Req],
-    used: float,
-    kv_per_token: dict[str, float],
-    target: float,
-    prio,
-    *,
-    result: GroupResult,
-    keep: _Req | None = None,
-    keep_set: set | None = None,
-) -> float:
-    """Recompute-preempt the lowest-priority resident requests (largest O first, spec §8 item 8) until
-    ``used <= target``; those outside ``keep_set`` go first."""
-    keep_set = keep_set or set()
-    victims = sorted(
-        (r for r in active if r.resident and r is not keep),
-        key=lambda r: (r not in keep_set, prio(r)),
-        reverse=True,
-    )
-    for r in victims:
-        if used <= target:
-            break
-        if r in keep_set:
-            continue
-        r.resident = False
-        used -= (r.prompt + r.generated) * kv_per_token[r.service]
-        result.preemptions += 1
-    return used
