@@ -48,7 +48,7 @@ class ISRTF(PriorityPolicy):
     """Shortest predicted remaining output first, re-predicted every ``window_tokens`` tokens."""
 
     name: ClassVar[str] = "isrtf"
-    preemptive: ClassVar[bool] = True
+    preemptive: bool = True  # per decision: True only at a window boundary (see schedule)
 
     def __init__(
         self,
@@ -114,26 +114,16 @@ class ISRTF(PriorityPolicy):
         self._pending.clear()
         for req in new:
             self._push(req, view.now)
-        self._sync_running(view)
-        now = view.now
-        running = sorted(self._running.values(), key=lambda r: self.key(r, now))
-        if due:  # window boundary: running requests compete with the queue again
-            for req in running:
-                del self._running[id(req)]
-                self._push(req, now)
-            running = []
-        run = list(running)
-        while len(run) < view.max_batch:
-            req = self._pop_queued()
-            if req is None:
-                break
-            run.append(req)
-        for req in run:
-            self._running[id(req)] = req
+        # The instance attribute shadows the class default for this decision only: the base class
+        # re-ranks running requests against the queue when preemptive, else only fills free slots.
+        self.preemptive = bool(due)
+        decision = super().schedule(view)
         self._next_check = min(
-            (self.window - (r.generated - int(r.annotations.get(PREDICTED_AT, 0))) for r in run), default=None
+            (self.window - (r.generated - int(r.annotations.get(PREDICTED_AT, 0))) for r in decision.run),
+            default=None,
         )
-        return Decision(run=run, recheck_after_tokens=self.recheck_tokens())
+        decision.recheck_after_tokens = self.recheck_tokens()
+        return decision
 
     def recheck_tokens(self) -> int | None:
         """Decode iterations until the first running request reaches its window boundary."""

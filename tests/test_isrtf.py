@@ -1,0 +1,141 @@
+"""ISRTF on hand-built queues: batched prediction at window boundaries, ordering, preemption, aging."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from tessera.worker.core import InstanceView, Phase, Request, StepProfile
+from tessera.worker.core.registry import make_policy
+from tessera.worker.policies.isrtf import ISRTF
+from tessera.worker.predictor import ConstantPredictor, RunningMeanPredictor
+
+PROFILE = StepProfile("t", 0.01, 0.0, 0.0, 0.01, 0.0, kv_capacity_tokens=100_000)
+
+
+class TableOracle:
+    """Test predictor: remaining = a per-request table value minus tokens generated; records calls."""
+
+    def __init__(self, totals: dict[str, float]) -> None:
+        self.totals = totals
+        self.calls: list[list[tuple[str, int]]] = []
+
+    def predict_remaining(self, requests: Sequence[Request]) -> list[float]:
+        self.calls.append([(r.id, r.generated) for r in requests])
+        return [self.totals[r.id] - r.generated for r in requests]
+
+
+def view(running: list[Request], now: float = 10.0, max_batch: int = 1) -> InstanceView:
+    return InstanceView(now, "i0", running, max_batch, PROFILE.kv_capacity_tokens, 0, PROFILE)
+
+
+def req(rid: str, arrival: float) -> Request:
+    return Request(rid, arrival, 10, 10_000)
+
+
+def run_ids(pol: ISRTF, running: list[Request], **kw: float) -> list[str]:
+    decision = pol.schedule(view(running, **kw))
+    for r in decision.run:
+        r.phase = Phase.RUNNING
+    return [r.id for r in decision.run]
+
+
+def test_orders_by_predicted_remaining_with_one_batched_prediction() -> None:
+    oracle = TableOracle({"a": 300, "b": 40, "c": 120})
+    pol = ISRTF(predictor=oracle)
+    for i, rid in enumerate("abc"):
+        pol.add(req(rid, float(i)), float(i))
+    assert oracle.calls == []  # nothing predicted before a decision
+    assert run_ids(pol, [], max_batch=2) == ["b", "c"]
+    assert len(oracle.calls) == 1 and sorted(r for r, _ in oracle.calls[0]) == ["a", "b", "c"]
+    assert len(pol) == 3
+
+
+def test_ties_go_to_earlier_arrival() -> None:
+    pol = ISRTF(predictor=ConstantPredictor(100))
+    late, early = req("late", 5.0), req("early", 1.0)
+    pol.add(late, 5.0)
+    pol.add(early, 5.0)
+    assert run_ids(pol, []) == ["early"]
+
+
+def test_repredicts_only_at_the_configured_step() -> None:
+    oracle = TableOracle({"x": 500})
+    pol = ISRTF(predictor=oracle, window_tokens=20)
+    x = req("x", 0.0)
+    pol.add(x, 0.0)
+    decision = pol.schedule(view([]))
+    x.phase = Phase.RUNNING
+    assert decision.recheck_after_tokens == 20
+    x.generated = 7  # an event mid-window (e.g. an arrival elsewhere): no re-prediction
+    decision = pol.schedule(view([x]))
+    assert len(oracle.calls) == 1
+    assert decision.recheck_after_tokens == 13  # the engine re-checks exactly at the boundary
+    x.generated = 20
+    pol.schedule(view([x]))
+    assert oracle.calls[-1] == [("x", 20)] and len(oracle.calls) == 2
+    assert x.predicted_remaining == 480
+
+
+def test_preempts_at_window_boundary_not_mid_window() -> None:
+    oracle = TableOracle({"long": 400, "short": 30})
+    pol = ISRTF(predictor=oracle, window_tokens=50)
+    long = req("long", 0.0)
+    pol.add(long, 0.0)
+    assert run_ids(pol, []) == ["long"]
+    long.generated = 10
+    pol.add(req("short", 1.0), 1.0)
+    # mid-window arrival: the running window is never interrupted
+    assert run_ids(pol, [long], now=1.0) == ["long"]
+    long.generated = 50
+    # boundary: 350 predicted remaining loses to 30
+    assert run_ids(pol, [long], now=2.0) == ["short"]
+
+
+def test_running_request_keeps_slot_when_still_shortest() -> None:
+    oracle = TableOracle({"a": 60, "b": 500})
+    pol = ISRTF(predictor=oracle, window_tokens=50)
+    a, b = req("a", 0.0), req("b", 0.0)
+    pol.add(a, 0.0)
+    pol.add(b, 0.0)
+    assert run_ids(pol, []) == ["a"]
+    a.generated = 50
+    assert run_ids(pol, [a]) == ["a"]  # 10 remaining beats 500
+
+
+def test_aging_guard_lets_an_old_long_request_win() -> None:
+    oracle = TableOracle({"old": 1000, "new": 100})
+    plain = ISRTF(predictor=oracle)
+    aged = ISRTF(predictor=oracle, aging_tokens_per_s=10.0)
+    for pol in (plain, aged):
+        pol.add(req("old", 0.0), 0.0)
+        pol.add(req("new", 200.0), 200.0)
+    assert run_ids(plain, [], now=200.0) == ["new"]
+    # old waited 200 s: 1000 - 10*200 < 100 - 0
+    assert run_ids(aged, [], now=200.0) == ["old"]
+
+
+def test_running_mean_fallback_learns_from_finished_requests() -> None:
+    pred = RunningMeanPredictor(prior=100, prior_weight=1)
+    pol = ISRTF(predictor=pred)
+    done = req("done", 0.0)
+    pol.add(done, 0.0)
+    pol.schedule(view([]))
+    done.generated, done.phase = 301, Phase.FINISHED
+    pol.remove(done, 5.0)
+    assert pred.mean("default") == pytest.approx(200.5)
+    fresh = req("fresh", 6.0)
+    fresh.generated = 50
+    assert pred.predict_remaining([fresh]) == [pytest.approx(150.5)]
+
+
+def test_registry_and_validation() -> None:
+    pol = make_policy("isrtf", predictor="constant", window_tokens=10)
+    assert isinstance(pol, ISRTF) and pol.window == 10
+    with pytest.raises(ValueError, match="window_tokens"):
+        make_policy("isrtf", predictor="constant", window_tokens=0)
+    with pytest.raises(ValueError, match="unknown predictor"):
+        ISRTF(predictor="magic")
+    with pytest.raises(ValueError, match="predict_remaining"):
+        ISRTF(predictor=object())  # type: ignore[arg-type]
