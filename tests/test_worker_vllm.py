@@ -184,10 +184,13 @@ def test_client_disconnect_aborts_in_vllm_within_1s(worker: WorkerProcess, vllm_
         "stream": True,
     }
     with httpx.stream("POST", f"{worker.url}/v1/completions", json=body, timeout=60) as resp:
+        # vLLM's gauge is refreshed by its stats loop: keep reading until it shows the request
+        seen = False
         for i, _ in enumerate(resp.iter_lines()):
-            if i > 6:
+            if i % 10 == 0 and _vllm_running(vllm_server) >= 1:
+                seen = True
                 break
-        assert _vllm_running(vllm_server) >= 1
+        assert seen, "vLLM never reported the request as running"
     closed = time.monotonic()
     while _vllm_running(vllm_server) > 0:
         assert time.monotonic() - closed < 1.0, "vLLM still runs the request 1 s after the client left"
