@@ -82,7 +82,11 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             )
             progress(1)
             real = asyncio.run(
-                replay(server.url, server.model_name, list(zip(arrivals, inp, out, strict=True)))
+                replay(
+                    server.url,
+                    server.model_name,
+                    [(float(a), int(p), int(o)) for a, p, o in zip(arrivals, inp, out, strict=True)],
+                )
             )
             progress(1)
     reqs = build_requests(arrivals, inp, out, np.random.default_rng(config.seed))
