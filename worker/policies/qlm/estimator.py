@@ -4,8 +4,9 @@ Inputs and where they come from:
 
 - per instance (engine profile, refreshed online): prefill time ``P``, decode time per
   iteration ``d`` at the batch the group's token mix allows, the KV token capacity
-  ``GPU``, the batch limit ``Bmax``, and the inefficiency factor ``eps`` measured
-  from observed history as ``eps = B_mean / (Theta_measured * d)`` (spec A6);
+  ``GPU``, the batch limit ``Bmax``, and the inefficiency factor ``eps``: seeded by
+  offline hardware profiling and refreshed from observed history as
+  ``eps = B_mean / (Theta_measured * d)`` (spec A6);
 - per group key (workload profile, refreshed online): mean input tokens and the
   mean and variance of output tokens, EWMA over completed requests, seeded offline.
 
@@ -18,6 +19,15 @@ Equations used (spec's concrete estimator):
 
 Paper correction: Eq. 15 prints ``Theta = B / (delta * eps)`` where delta is the
 decode time per token (the symbol clashes with the group multiplier); we write ``d``.
+
+``d`` is the profile's step time at the batch's *time-averaged* context. A request
+with ``O`` output tokens sits in the batch for ``O`` iterations, so the batch holds
+long requests more often than their share of arrivals (length-biased sampling): the
+mean number of tokens a running request has generated is the renewal mean age
+``E[O^2] / (2 mu_O) = (mu_O^2 + sigma_O^2) / (2 mu_O)``, not ``mu_O / 2``. With
+ShareGPT's spread (CV ~ 0.9) that is ~0.9 mu_O. ``eps`` is measured against the real
+step time, so ``d`` must model the same context or Theta is off by their ratio.
+
 All functions are pure: time comes in as an argument.
 """
 
@@ -37,7 +47,10 @@ class TokenStats:
     mu_in: float
     mu_out: float
     var_out: float
-    alpha: float = 0.05  # EWMA weight of one new observation
+    # EWMA weight of one completion. CHOICE: the EWMA mean's relative standard error is
+    # CV * sqrt(alpha / (2 - alpha)); output lengths have CV ~ 0.9 (ShareGPT), and an error in
+    # mu_O scales every waiting-time estimate, so alpha = 0.005 keeps it near 4% (0.05 gave 14%).
+    alpha: float = 0.005
 
     def __post_init__(self) -> None:
         if self.mu_in < 0 or self.mu_out <= 0 or self.var_out < 0:
@@ -99,9 +112,11 @@ class EngineRates:
         return max(1.0, min(self.max_batch, self.profile.kv_capacity_tokens / (stats.mu_in + stats.mu_out)))
 
     def decode_time(self, stats: TokenStats) -> float:
-        """d: decode iteration time at that batch, contexts half-way through their outputs."""
+        """d: decode iteration time at that batch, each running request at the time-averaged
+        context ``mu_I + E[O^2] / (2 mu_O)`` (length-biased; module docstring)."""
         batch = self.batch_for(stats)
-        return self.profile.decode_step(round(batch), round(batch * (stats.mu_in + stats.mu_out / 2)))
+        context = stats.mu_in + (stats.mu_out**2 + stats.var_out) / (2 * stats.mu_out)
+        return self.profile.decode_step(round(batch), round(batch * context))
 
     def prefill_time(self, stats: TokenStats) -> float:
         """P: prefill time of a mean prompt."""
@@ -223,12 +238,19 @@ class EpsMeter:
                 self._batch_time += prev_batch * dt
                 self._d_time += prev_d * dt
                 self._tokens += tokens_since_last
-                if self._time >= self.window_s and self._tokens > 0:
-                    b_mean = self._batch_time / self._time
-                    d_mean = self._d_time / self._time
-                    theta = self._tokens / self._time
-                    sample = max(1.0, b_mean / (theta * d_mean))
-                    self._time = self._batch_time = self._d_time = self._tokens = 0.0
+                if self._time >= self.window_s:
+                    sample = self.flush()
         self._last_t = now
         self._last_state = (batch, decode_step_s, saturated)
         return sample
+
+    def flush(self) -> float | None:
+        """Close the current window early: its eps sample (None if it saw no saturated output).
+        Offline profiling (spec A6) reads one sample over a whole profiling run this way."""
+        if self._time <= 0 or self._tokens <= 0:
+            return None
+        b_mean = self._batch_time / self._time
+        d_mean = self._d_time / self._time
+        theta = self._tokens / self._time
+        self._time = self._batch_time = self._d_time = self._tokens = 0.0
+        return max(1.0, b_mean / (theta * d_mean))

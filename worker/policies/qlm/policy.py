@@ -63,7 +63,7 @@ class QLMPolicy(Policy):
         slots_factor: float = 3.0,
         min_resolve_interval_s: float = 1.0,
         context_len: int = 4096,
-        stats_alpha: float = 0.05,
+        stats_alpha: float = 0.005,
         token_seeds: TokenSeeds | None = None,
         engine_reinit_s: float = 20.0,
         disk_to_cpu_bytes_per_s: float = 2e9,
@@ -71,6 +71,7 @@ class QLMPolicy(Policy):
         warm_start: bool = True,
         model_weights_bytes: Mapping[str, float] | None = None,
         eps_window_s: float = 20.0,
+        eps: float = 1.0,
         default_batch: int = 256,
     ) -> None:
         if delta_rg <= 0:
@@ -79,6 +80,8 @@ class QLMPolicy(Policy):
             raise ValueError(f"z (quantile multiplier) must be >= 0, got {z}")
         if evict_mode not in ("swap", "recompute"):
             raise ValueError(f"evict_mode must be 'swap' or 'recompute', got {evict_mode!r}")
+        if eps < 1:
+            raise ValueError(f"eps (offline-profiled inefficiency factor) must be >= 1, got {eps}")
         if min_resolve_interval_s < 0 or context_len < 1 or default_batch < 1:
             raise ValueError("min_resolve_interval_s >= 0, context_len >= 1 and default_batch >= 1 required")
         self.delta_rg = delta_rg
@@ -101,6 +104,7 @@ class QLMPolicy(Policy):
         self.vq = VirtualQueue("")
         self.stats: dict[GroupKey, TokenStats] = {}
         self._ttft_slo: dict[GroupKey, float] = {}  # interactive keys: their TTFT SLO (group size cap)
+        self.eps_seed = eps  # offline hardware profiling (spec A6); 1.0 without it, refreshed online
         self.rates: EngineRates | None = None
         self.eps_meter = EpsMeter(eps_window_s)
         self._running: dict[int, Request] = {}
@@ -214,9 +218,18 @@ class QLMPolicy(Policy):
         rates = self._rates()
         return self.tiers.costs.engine_reinit_s + rates.profile.model_load_time()
 
-    def residual(self, now: float) -> float:
-        """R_g (spec A12-9): 0 when the head group may evict the running work, else the expected
-        remaining tokens of running requests over the throughput."""
+    def residual(self, now: float, model: str | None = None) -> float:
+        """R_g (spec A12-9): how long running work delays the start of the next group (of ``model``;
+        default: the head group's). 0 when the head group may evict the running work.
+
+        Spec correction: A12-9 charges the expected remaining tokens of all running requests over
+        Theta, whatever the next group's model. With continuous batching a group of the loaded
+        model starts as soon as one slot frees, and later members start at the completion rate
+        that the drains W already count; a group of another model waits until the batch has
+        drained completely (then the swap). So R_g is the expected remaining decode time
+        (remaining tokens x eps x d) of the first running request to finish for the loaded model,
+        and of the last one for another model.
+        """
         head = self.vq.head_group()
         running = list(self._running.values())
         if not running:
@@ -224,11 +237,12 @@ class QLMPolicy(Policy):
         if self.eviction and head is not None and head.deadline() < min(r.slo_deadline for r in running):
             return 0.0
         rates = self._rates()
-        total = 0.0
+        remaining = []
         for req in running:
             stats = self.stats[group_key(req)]
-            total += max(stats.mu_out - req.generated, 1.0) / rates.theta(stats)
-        return total
+            remaining.append(max(stats.mu_out - req.generated, 1.0) * rates.eps * rates.decode_time(stats))
+        model = model if model is not None else (head.model if head is not None else self._active_model)
+        return min(remaining) if model is None or model == self._active_model else max(remaining)
 
     def queued(self, now: float, z: float | None = None) -> list[tuple[RequestGroup, QueuedGroup]]:
         """Groups with waiting requests, in VQ order, as the violation walk sees them."""
@@ -257,7 +271,7 @@ class QLMPolicy(Policy):
         pairs = self.queued(now)
         swap = self.swap_time() if self.rates is not None else 0.0
         if not pairs:
-            return self.residual(now) + (swap if self._active_model not in (None, model) else 0.0)
+            return self.residual(now, model) + (swap if self._active_model not in (None, model) else 0.0)
         last = pairs[-1][1]
         start = start_times([q for _, q in pairs], self._active_model, self.residual(now), swap)[-1]
         start += last.costs.drain
@@ -307,7 +321,7 @@ class QLMPolicy(Policy):
 
     def _refresh_rates(self, view: InstanceView) -> None:
         if self.rates is None:
-            self.rates = EngineRates(view.profile, view.max_batch)
+            self.rates = EngineRates(view.profile, view.max_batch, self.eps_seed)
         else:
             self.rates.profile = view.profile
             self.rates.max_batch = view.max_batch
