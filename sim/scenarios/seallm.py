@@ -13,7 +13,7 @@ Rows (same requests, seed and group simulator):
 Requests of a service are split over its replicas statically round-robin (spec §6 speed-up). The
 placement is computed once (no re-placement during the window). ``--set part=planner`` instead times
 the planner on 32 services over 64 GPUs and reports the greedy's gap to the exact MILP on a small case.
-Options (``--set``): services=16, gpus=32, minutes=10, warmup_minutes=2, slo_scale=5, part=serve|planner.
+Options (``--set``): services=16, gpus=32, minutes=5, warmup_minutes=2, slo_scale=5, part=serve|planner.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from tessera.operator.planners import (
 )
 from tessera.operator.planners.group_sim import RequestOutcome, Scheduler, service_stats, simulate_group
 from tessera.operator.planners.naming import group_name
+from tessera.operator.planners.placement import fits
 from tessera.operator.planners.types import GroupPlan, RoleCounts
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
 
@@ -127,9 +128,15 @@ def round_robin_plan(pool: PoolInput, services: Sequence[ServiceInput]) -> Place
     pairs = [
         tuple(sorted({services[i].name, services[(i + half) % len(services)].name})) for i in range(half)
     ]
+    by = {s.name: s for s in services}
     per = pool.max_gpus // len(pairs)
-    groups = tuple(GroupPlan(group_name(p, 1), p, 1, RoleCounts(interactive=per)) for p in pairs)
-    return PlacementPlan("round-robin", groups)
+    groups = []
+    for p in pairs:
+        tp = max(by[n].tp_min for n in p)
+        while not fits(pool, [by[n] for n in p], tp):  # two large models need a larger TP to share
+            tp *= 2
+        groups.append(GroupPlan(group_name(p, tp), p, tp, RoleCounts(interactive=max(1, per // tp))))
+    return PlacementPlan("round-robin", tuple(groups))
 
 
 def serve_plan(
@@ -207,7 +214,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         )
     n = int(_opt(config, "services", 16))
     gpus = int(_opt(config, "gpus", 32))
-    minutes = int(_opt(config, "minutes", 10))
+    minutes = int(_opt(config, "minutes", 5))
     warmup = int(_opt(config, "warmup_minutes", 2))
     rate = config.rate if config.rate is not None else 8.0
     slo_scale = _opt(config, "slo_scale", 5.0)
