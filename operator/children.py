@@ -41,6 +41,17 @@ LIVENESS_PATH = "/healthz"
 READINESS_PATH = "/readyz"
 METRICS_PATH = "/metrics"
 MODELS_DIR = "/models"
+# ServingPool annotation selecting the workers' engine: "vllm" (default) or "sim" (simulated engine,
+# no vLLM containers; the worker container takes the GPUs) for clusters without GPUs (e2e on kind).
+ENGINE_ANNOTATION = "tessera.dev/engine"
+
+
+def worker_engine(pool: ServingPool) -> str:
+    """The engine of a pool's workers, from its ``tessera.dev/engine`` annotation."""
+    engine = pool.metadata.annotations.get(ENGINE_ANNOTATION, "vllm")
+    if engine not in ("vllm", "sim"):
+        raise ChildError(f"annotation {ENGINE_ANNOTATION}={engine!r}: use 'vllm' or 'sim'")
+    return engine
 
 
 class ChildError(ValueError):
@@ -188,12 +199,11 @@ def worker_config(
                 )
         has_batch = any(classes[c.name].kind == "batch" for c in spec.request_classes)
         policies.append(spec.scheduling.resolved_policy(has_batch))
-        entry: dict[str, Any] = {
-            "name": spec.model.name,
-            "engine": "vllm",
-            "url": f"http://127.0.0.1:{VLLM_BASE_PORT + index}",
-            "defaultClass": spec.default_class_name,
-        }
+        entry: dict[str, Any] = {"name": spec.model.name, "engine": "sim"}
+        if worker_engine(pool) == "vllm":
+            entry = {"name": spec.model.name, "engine": "vllm",
+                     "url": f"http://127.0.0.1:{VLLM_BASE_PORT + index}"}  # fmt: skip
+        entry["defaultClass"] = spec.default_class_name
         if spec.model.max_model_length is not None:
             entry["maxModelLen"] = spec.model.max_model_length
         models.append(entry)
@@ -276,7 +286,7 @@ def _worker_container(pool: ServingPool) -> dict[str, Any]:
         "name": "worker",
         "image": pool.spec.images.worker,
         "imagePullPolicy": pool.spec.images.pull_policy,
-        "args": ["worker", "--engine", "vllm", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "args": ["worker", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -330,7 +340,9 @@ def stateful_set(
     volumes: list[dict[str, Any]] = [
         {"name": "worker-config", "configMap": {"name": config_map_name(pool.name, group.name)}}
     ]
-    for index, service_name in enumerate(group.services):
+    if worker_engine(pool) == "sim":  # no vLLM: the worker holds the instance's GPUs for scheduling
+        containers[0]["resources"] = _gpu_requests(pool, group, 0)
+    for index, service_name in enumerate(group.services if worker_engine(pool) == "vllm" else ()):
         container, volume = _vllm_container(pool, group, services[service_name], index)
         containers.append(container)
         if volume is not None:
