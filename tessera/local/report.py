@@ -26,6 +26,7 @@ def summarize_outcomes(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, 
     out["requests"] = len(outcomes)
     out["finished"] = len(finished)
     out["failed"] = len(outcomes) - len(finished)
+    out["output_tokens"] = sum(r.generated for r in finished)
     verdicts: dict[str, list[bool]] = defaultdict(list)
     for o in outcomes:
         met = slo_met(o.request) if o.ok else False
