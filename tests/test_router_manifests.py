@@ -33,7 +33,3 @@ def test_router_deployment_service_and_read_only_rbac() -> None:
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in rules)
     assert {res for r in rules for res in r["resources"]} == {"configmaps", "pods"}
     assert objs["ClusterRoleBinding"]["subjects"][0]["name"] == pod["serviceAccountName"]
-    # The router reads exactly what the discovery code lists.
-    from tessera.router.discovery import SELECTOR
-
-    assert "tessera.dev/group" in SELECTOR
