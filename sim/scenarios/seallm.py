@@ -84,7 +84,7 @@ def build_workload(
     rng = np.random.default_rng(seed)
     total = minutes + warmup
     rates = maf_like_counts(rng, n_services, total)
-    rates *= rate / (rates.sum() / (total * 60.0))
+    rates *= rate / (rates.sum() / total)  # rates are req/s per minute; mean total = rate
     services, window = [], {}
     for i in range(n_services):
         model = "13b" if i % 4 == 3 else "7b"
