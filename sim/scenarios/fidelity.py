@@ -86,6 +86,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                     server.url,
                     server.model_name,
                     [(float(a), int(p), int(o)) for a, p, o in zip(arrivals, inp, out, strict=True)],
+                    vocab=vocab,
                 )
             )
             progress(1)
