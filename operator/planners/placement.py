@@ -336,7 +336,10 @@ def plan_seallm(
         if {n for g in groups for n in g.services} != names:
             continue  # Eq. 3 violated: some service found no group
         if simulate and any(s.history for s in services):
-            est = simulate_performance(pool, services, groups)  # Alg. 1's SimulatePerformance(R, P)
+            try:
+                est = simulate_performance(pool, services, groups)  # Alg. 1's SimulatePerformance(R, P)
+            except ValueError:
+                continue  # a historical prompt does not fit some group's KV pool: candidate infeasible
         score = (est.slo_attainment, -est.norm_latency)
         if best is None or score > best[0]:
             best = (score, groups, est, cand)
