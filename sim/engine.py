@@ -189,6 +189,7 @@ class Instance:
             active_model=self.active_model,
             iteration=self.iterations,
             prefill_budget_tokens=None if self.config.chunked_prefill else self.config.budget,
+            swap_free_tokens=self._swap_room(),
         )
 
     # ---- entry points used by the cluster ---------------------------------------------------

@@ -143,7 +143,8 @@ def test_batch_size_search_bounds() -> None:
     reqs = [request(f"w{i}", 0.0, 99) for i in range(60)]  # l = 100 each -> B_max = 99 capped at 60 reqs
     for r in reqs:
         pol.add(r, 1.0)
-    st = pol._arrays(view([], 1.0, prof), [], reqs)
+    waiting = pol._table.active[: pol._table.size].copy()
+    st = pol._gather(view([], 1.0, prof), np.empty(0, dtype=int), waiting)
     sizes = pol._batch_sizes(view([], 1.0, prof, max_batch=50), st, 10_000.0, 99.0)
     assert sizes[0] == 18 and sizes[-1] == 50  # B_max: 100 fit in memory, capped by max_batch
     grid = AndesQoE(batch_grid_span=4, batch_grid_points=5)._batch_sizes(

@@ -57,6 +57,9 @@ class InstanceView:
     # Prefill tokens the engine admits in one iteration (vLLM's max_num_batched_tokens; None: unbounded).
     # Policies may use it, with kv_free_tokens, to avoid proposing admissions that cannot happen now.
     prefill_budget_tokens: int | None = None
+    # Host swap space left for preempted KV, in tokens (None: unknown or no limit). Andes prices a
+    # preemption as a swap only while it fits; past that the engine recomputes.
+    swap_free_tokens: int | None = None
 
     @property
     def kv_free_tokens(self) -> int:

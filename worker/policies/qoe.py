@@ -23,9 +23,8 @@ Every CHOICE of the spec is a constructor setting with the spec's default.
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -40,6 +39,7 @@ Solver = Literal["greedy", "lqsf", "dp"]
 Preemption = Literal["fastest", "recompute", "swap"]
 KvUnits = Literal["tokens", "blocks"]
 UntriggeredOrder = Literal["fcfs", "priority"]
+TriggerLatency = Literal["observed", "profile"]
 
 TIE_EPS = 1e-9  # objectives this close count as equal (spec §B.6)
 
@@ -86,14 +86,110 @@ def exact_pack(value: np.ndarray, weight: np.ndarray, capacity: int, batch: int)
     return best, np.array(chosen[::-1], dtype=int)
 
 
-# ---- the policy ---------------------------------------------------------------------------------
+# ---- per-request state kept between decisions ----------------------------------------------------
+
+_FLOAT_COLUMNS = ("arrival", "ideal_start", "speed", "prompt", "delivered", "last_consumption")
+_BOOL_COLUMNS = ("resident", "swapped", "active")
+
+
+class _Table:
+    """Per-request QoE state as arrays indexed by slot, kept between decisions.
+
+    A request's engine state (tokens, KV residence) changes only while it runs, or when it is
+    admitted or preempted, so a decision refreshes only the requests running now, those running
+    at the previous decision and those that decision proposed to run; waiting requests keep their
+    rows. A decision costs O(running) Python work plus O(N) array work.
+    """
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.reqs: list[Request | None] = [None] * capacity
+        self.trackers: list[ConsumptionTracker | None] = [None] * capacity
+        self.slot: dict[int, int] = {}  # id(request) -> row
+        self.size = 0  # rows ever used; rows at or past it are empty
+        self._free: list[int] = []
+        self.arrival = np.zeros(capacity)
+        self.ideal_start = np.zeros(capacity)
+        self.speed = np.ones(capacity)
+        self.prompt = np.zeros(capacity)
+        self.delivered = np.zeros(capacity)
+        self.last_consumption = np.full(capacity, -np.inf)
+        self.resident = np.zeros(capacity, dtype=bool)
+        self.swapped = np.zeros(capacity, dtype=bool)
+        self.active = np.zeros(capacity, dtype=bool)
+
+    def add(self, req: Request, params: QoEParams) -> None:
+        """Give ``req`` a row."""
+        if id(req) in self.slot:
+            return
+        if self._free:
+            s = self._free.pop()
+        else:
+            if self.size == len(self.reqs):
+                self._grow()
+            s = self.size
+            self.size += 1
+        self.slot[id(req)] = s
+        self.reqs[s] = req
+        self.trackers[s] = ConsumptionTracker(params.reading_speed_tps)
+        self.arrival[s] = req.arrival
+        self.ideal_start[s] = params.ideal_start
+        self.speed[s] = params.reading_speed_tps
+        self.prompt[s] = req.prompt_tokens
+        self.delivered[s] = 0.0
+        self.last_consumption[s] = -np.inf
+        self.active[s] = True
+        self.refresh((req,))
+
+    def remove(self, req: Request) -> None:
+        """Free ``req``'s row."""
+        s = self.slot.pop(id(req), None)
+        if s is None:
+            return
+        self.reqs[s] = None
+        self.trackers[s] = None
+        self.active[s] = False
+        self._free.append(s)
+
+    def refresh(self, reqs: Iterable[Request]) -> None:
+        """Read these requests' rows again (tokens delivered, consumption, KV residence); requests
+        without a row are skipped."""
+        rows, delivered, last, resident, swapped = [], [], [], [], []
+        slot, trackers = self.slot, self.trackers
+        for req in reqs:
+            s = slot.get(id(req))
+            if s is None:
+                continue
+            tracker = trackers[s]
+            assert tracker is not None
+            if req.generated != tracker.tokens:
+                tracker.update(req.tokens)
+            rows.append(s)
+            delivered.append(tracker.tokens)
+            last.append(tracker.last_consumption)
+            resident.append(req.kv_resident)
+            swapped.append(req.swapped)
+        self.delivered[rows] = delivered
+        self.last_consumption[rows] = last
+        self.resident[rows] = resident
+        self.swapped[rows] = swapped
+
+    def _grow(self) -> None:
+        old = len(self.reqs)
+        self.reqs.extend([None] * old)
+        self.trackers.extend([None] * old)
+        for name in (*_FLOAT_COLUMNS, *_BOOL_COLUMNS):
+            column = getattr(self, name)
+            grown = np.zeros(2 * old, dtype=column.dtype)
+            grown[:old] = column
+            setattr(self, name, grown)
 
 
 @dataclass(slots=True)
 class _Ongoing:
-    """Arrays over the ongoing requests of one decision, in tie-break order (running, then arrival)."""
+    """Arrays over the ongoing requests of one decision, in tie-break order (running, then
+    waiting; each by arrival)."""
 
-    reqs: list[Request]
+    rows: np.ndarray  # table rows
     running: np.ndarray  # bool
     weight: np.ndarray  # l_i in KV tokens
     context: np.ndarray  # P + n (tokens to re-prefill or swap)
@@ -101,7 +197,26 @@ class _Ongoing:
     speed: np.ndarray
     delivered: np.ndarray
     last_consumption: np.ndarray
+    resident: np.ndarray  # bool: KV on the instance
+    swapped: np.ndarray  # bool: KV in host memory
     resume_cost: np.ndarray  # s to (re)start each request: prefill, swap-in, or 0 if resident
+
+    def qoe_arrays(self, idx: np.ndarray | slice) -> tuple[np.ndarray, ...]:
+        """The per-request arguments of ``gains`` for the requests ``idx``."""
+        return self.ideal_start[idx], self.speed[idx], self.delivered[idx], self.last_consumption[idx]
+
+
+@dataclass(slots=True)
+class _Step:
+    """One admission the refiner considers: the request, the running requests evicted to make
+    room for it, and the stall both cause (s)."""
+
+    admit: int
+    victims: list[int]
+    cost: float
+
+
+# ---- the policy ---------------------------------------------------------------------------------
 
 
 class AndesQoE(Policy):
@@ -126,6 +241,8 @@ class AndesQoE(Policy):
         batch_grid_points: int = 32,
         untriggered_order: UntriggeredOrder = "fcfs",
         trigger_needs_waiting: bool = True,
+        trigger_latency: TriggerLatency = "observed",
+        observe_window_s: float = 2.0,
     ) -> None:
         """Settings (spec CHOICEs, defaults as the spec proposes):
 
@@ -138,6 +255,8 @@ class AndesQoE(Policy):
           also subtracts the victims' gains.
         - ``gain_includes_prefill``: delay a non-resident request's first new token by its restart cost.
         - ``preemption``: ``fastest`` of recompute and swap by profile (§B.12 #16), or one of them.
+          Swap is priced only while the instance's free swap space holds the victim; past that the
+          engine recomputes, and so does the price (no stall now, a prefill on resume).
         - ``kv_units``: the knapsack weight ``l_i``: ``tokens`` ``P + n + 1``, or ``blocks`` (whole KV
           blocks, REF-CODE). Default ``blocks``: the spec requires l to match M, and the engines
           account KV (and so M) in whole blocks.
@@ -145,6 +264,10 @@ class AndesQoE(Policy):
         - ``batch_grid_span``/``batch_grid_points``: above this B range, search a geometric grid.
         - ``untriggered_order``: ``fcfs`` (spec) or ``priority`` (REF-CODE: waiting by q/l).
         - ``trigger_needs_waiting``: trigger only with someone waiting (§B.6 CHOICE).
+        - ``trigger_latency``: what the compute-bound trigger compares with ``1/max r``: ``observed``
+          (paper §4.2: Andes "monitors token generation latency": the time per token the running
+          requests actually got over the last ``observe_window_s``, prefill stalls included) or
+          ``profile`` (the spec's ``TGL(B_cur)`` from the step profile, which misses stalls).
         """
         if not horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0 seconds, got {horizon_s}")
@@ -156,10 +279,13 @@ class AndesQoE(Policy):
         _check_choice("preemption", preemption, ("fastest", "recompute", "swap"))
         _check_choice("kv_units", kv_units, ("tokens", "blocks"))
         _check_choice("untriggered_order", untriggered_order, ("fcfs", "priority"))
+        _check_choice("trigger_latency", trigger_latency, ("observed", "profile"))
         if not 0 <= kv_reserve < 1:
             raise ValueError(f"kv_reserve must be in [0, 1), got {kv_reserve}")
         if batch_grid_span < 1 or batch_grid_points < 2:
             raise ValueError("batch_grid_span must be >= 1 and batch_grid_points >= 2")
+        if not observe_window_s > 0:
+            raise ValueError(f"observe_window_s must be > 0 seconds, got {observe_window_s}")
         self.horizon_s = float(horizon_s)
         self.kv_watermark = float(kv_watermark)
         self.quantum_iterations = int(quantum_iterations)
@@ -175,40 +301,63 @@ class AndesQoE(Policy):
         self.batch_grid_points = int(batch_grid_points)
         self.untriggered_order: UntriggeredOrder = untriggered_order
         self.trigger_needs_waiting = bool(trigger_needs_waiting)
-        self._reqs: dict[int, Request] = {}
-        self._params: dict[int, QoEParams] = {}
-        self._trackers: dict[int, ConsumptionTracker] = {}
+        self.trigger_latency: TriggerLatency = trigger_latency
+        self.observe_window_s = float(observe_window_s)
+        self._table = _Table()
+        self._touched: dict[int, Request] = {}  # running or proposed at the last decision
+        self._mark: tuple[float, dict[int, tuple[Request, int]]] | None = None  # latency window start
+        self.observed_latency_s: float | None = None  # s per token the running requests last got
         self.decisions = 0  # schedule calls
         self.solves = 0  # triggered decisions (solver runs)
 
     # ---- queue bookkeeping -------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
         """Track a new request."""
-        params = qoe_params(req)
-        self._reqs[id(req)] = req
-        self._params[id(req)] = params
-        self._trackers[id(req)] = ConsumptionTracker(params.reading_speed_tps)
+        self._table.add(req, qoe_params(req))
 
     def remove(self, req: Request, now: float) -> None:
         """Forget a finished or cancelled request."""
-        self._reqs.pop(id(req), None)
-        self._params.pop(id(req), None)
-        self._trackers.pop(id(req), None)
+        self._table.remove(req)
 
     def __len__(self) -> int:
-        return len(self._reqs)
+        return len(self._table.slot)
 
     # ---- decisions ---------------------------------------------------------------------------
     def schedule(self, view: InstanceView) -> Decision:
         """Untriggered: FCFS. Triggered: greedy QoE-gain packing over B, then the refiner."""
         self.decisions += 1
-        running = [r for r in view.running if id(r) in self._reqs]
-        running_ids = {id(r) for r in running}
-        waiting = [r for r in self._reqs.values() if id(r) not in running_ids and not r.finished]
-        if not self._triggered(view, running, waiting):
-            return self._fcfs(view, running, waiting)
-        self.solves += 1
-        return self._solve(view, running, waiting)
+        tab = self._table
+        running = [r for r in view.running if id(r) in tab.slot]
+        self._touched.update((id(r), r) for r in running)
+        tab.refresh(self._touched.values())
+        rows = np.fromiter((tab.slot[id(r)] for r in running), dtype=int, count=len(running))
+        is_running = np.zeros(tab.size, dtype=bool)
+        is_running[rows] = True
+        waiting = tab.active[: tab.size] & ~is_running
+        self._observe(view.now, running)
+        if self._triggered(view, rows, is_running, waiting):
+            self.solves += 1
+            decision = self._solve(view, self._gather(view, rows, waiting))
+        else:
+            decision = self._fcfs(view, rows, waiting)
+        self._touched = {id(r): r for r in (*running, *decision.run)}
+        return decision
+
+    def _observe(self, now: float, running: list[Request]) -> None:
+        """Measure the time per token the requests running through the last window got."""
+        mark = self._mark
+        if mark is not None and now - mark[0] < self.observe_window_s:
+            return
+        if mark is not None:
+            tokens, count = 0, 0
+            for r in running:
+                seen = mark[1].get(id(r))
+                if seen is not None and seen[0] is r:
+                    tokens += r.generated - seen[1]
+                    count += 1
+            if count:
+                self.observed_latency_s = (now - mark[0]) * count / tokens if tokens else math.inf
+        self._mark = (now, {id(r): (r, r.generated) for r in running})
 
     def _tgl(self, profile: StepProfile, batch: np.ndarray | int, mean_context: float) -> np.ndarray:
         """TGL(B): decode step time at batch B; the batch's context is taken as B·mean context
@@ -216,51 +365,66 @@ class AndesQoE(Policy):
         b = np.asarray(batch, dtype=float)
         return profile.decode_c0 + profile.decode_c1 * b + profile.decode_c2 * b * mean_context
 
-    def _triggered(self, view: InstanceView, running: Sequence[Request], waiting: Sequence[Request]) -> bool:
-        if self.trigger_needs_waiting and not waiting:
+    def _triggered(
+        self, view: InstanceView, rows: np.ndarray, is_running: np.ndarray, waiting: np.ndarray
+    ) -> bool:
+        if self.trigger_needs_waiting and not waiting.any():
             return False
         if view.kv_used_tokens > self.kv_watermark * view.kv_capacity_tokens:
             return True
-        if not running:
+        if not rows.size:
             return False
-        fastest_reader = max(self._params[id(r)].reading_speed_tps for r in (*running, *waiting))
-        context = sum(r.prompt_tokens + r.generated for r in running)
-        return view.profile.decode_step(len(running), context) > 1.0 / fastest_reader
+        tab = self._table
+        fastest_reader = float(tab.speed[: tab.size][is_running | waiting].max())
+        if self.trigger_latency == "observed" and self.observed_latency_s is not None:
+            latency = self.observed_latency_s
+        else:
+            context = int((tab.prompt[rows] + tab.delivered[rows]).sum())
+            latency = view.profile.decode_step(int(rows.size), context)
+        return latency > 1.0 / fastest_reader
 
-    def _fcfs(self, view: InstanceView, running: list[Request], waiting: list[Request]) -> Decision:
-        """vLLM's order: running keep their slots; swapped-out requests resume first, then arrivals."""
-        slots = max(0, view.max_batch - len(running))
-        if self.untriggered_order == "priority" and waiting and slots:
-            return self._solve(view, running, waiting, admit_only=True)
-        head = heapq.nsmallest(slots, waiting, key=lambda r: (not r.swapped, r.arrival)) if slots else []
-        run = sorted(running, key=lambda r: r.arrival) + head
-        return Decision(run=run, recheck_after_tokens=self.quantum_iterations)
+    def _fcfs(self, view: InstanceView, rows: np.ndarray, waiting: np.ndarray) -> Decision:
+        """vLLM's order: running keep their slots; swapped-out requests resume first, then arrivals.
+        The queue is proposed only up to the first request that cannot start now (KV, prefill
+        budget): the engine stops there anyway."""
+        tab = self._table
+        run = sorted((tab.reqs[s] for s in rows), key=lambda r: r.arrival)  # type: ignore[union-attr]
+        slots = max(0, view.max_batch - rows.size)
+        if not slots or not waiting.any():
+            return Decision(run=run, recheck_after_tokens=self.quantum_iterations)  # type: ignore[arg-type]
+        if self.untriggered_order == "priority":
+            return self._solve(view, self._gather(view, rows, waiting), admit_only=True)
+        w = np.flatnonzero(waiting)
+        head = w[np.lexsort((tab.arrival[w], ~tab.swapped[w]))[:slots]]
+        need = np.where(tab.resident[head], 0.0, tab.prompt[head] + tab.delivered[head] + 1.0)
+        count = int(np.searchsorted(np.cumsum(need), view.kv_free_tokens, side="right")) + 1
+        if view.prefill_budget_tokens is not None:
+            prefill = np.where(tab.swapped[head] | tab.resident[head], 0.0, need)
+            count = min(count, int(np.searchsorted(np.cumsum(prefill), view.prefill_budget_tokens)) + 1)
+        run += [tab.reqs[s] for s in head[:count]]
+        return Decision(run=run, recheck_after_tokens=self.quantum_iterations)  # type: ignore[arg-type]
 
-    def _arrays(self, view: InstanceView, running: list[Request], waiting: list[Request]) -> _Ongoing:
-        reqs = sorted(running, key=lambda r: r.arrival) + sorted(waiting, key=lambda r: r.arrival)
+    def _gather(self, view: InstanceView, rows: np.ndarray, waiting: np.ndarray) -> _Ongoing:
+        """The ongoing requests' arrays, running first, each group by arrival."""
+        tab = self._table
+        r = rows[np.argsort(tab.arrival[rows], kind="stable")]
+        w = np.flatnonzero(waiting)
+        w = w[np.argsort(tab.arrival[w], kind="stable")]
+        idx = np.concatenate([r, w])
         prof = view.profile
         block = prof.block_size
-        n_req = len(reqs)
-        context = np.fromiter((r.prompt_tokens + r.generated for r in reqs), dtype=float, count=n_req)
+        context = tab.prompt[idx] + tab.delivered[idx]
         # blocks: what the engine holds for the request's next step
         weight = (np.floor(context / block) + 1.0) * block if self.kv_units == "blocks" else context + 1.0
-        trackers = self._trackers
-        for r in reqs:
-            tracker = trackers[id(r)]
-            if r.generated != tracker.tokens:  # new tokens since the last look (engines keep both equal)
-                tracker.update(r.tokens)
-        params = [self._params[id(r)] for r in reqs]
-        ideal = np.fromiter((p.ideal_start for p in params), dtype=float, count=n_req)
-        speed = np.fromiter((p.reading_speed_tps for p in params), dtype=float, count=n_req)
-        delivered = np.fromiter((trackers[id(r)].tokens for r in reqs), dtype=float, count=n_req)
-        last = np.fromiter((trackers[id(r)].last_consumption for r in reqs), dtype=float, count=n_req)
-        resident = np.fromiter((r.kv_resident for r in reqs), dtype=bool, count=n_req)
-        swapped = np.fromiter((r.swapped for r in reqs), dtype=bool, count=n_req)
+        resident, swapped = tab.resident[idx], tab.swapped[idx]
         prefill = prof.prefill_p0 + prof.prefill_p1 * context
         resume = np.where(resident, 0.0, np.where(swapped, prof.kv_swap_time(1) * context, prefill))
-        is_running = np.zeros(n_req, dtype=bool)
-        is_running[: len(running)] = True
-        return _Ongoing(reqs, is_running, weight, context, ideal, speed, delivered, last, resume)
+        is_running = np.zeros(idx.size, dtype=bool)
+        is_running[: r.size] = True
+        return _Ongoing(
+            idx, is_running, weight, context, tab.ideal_start[idx], tab.speed[idx], tab.delivered[idx],
+            tab.last_consumption[idx], resident, swapped, resume,
+        )  # fmt: skip
 
     def _batch_sizes(
         self, view: InstanceView, st: _Ongoing, memory: float, mean_context: float
@@ -277,41 +441,37 @@ class AndesQoE(Policy):
         grid = np.round(np.geomspace(b_min, b_max, self.batch_grid_points)).astype(int)
         return np.unique(np.concatenate([grid, [b_min, b_max]]))
 
-    def _solve(
-        self, view: InstanceView, running: list[Request], waiting: list[Request], admit_only: bool = False
-    ) -> Decision:
+    def _solve(self, view: InstanceView, st: _Ongoing, admit_only: bool = False) -> Decision:
         now = view.now
-        st = self._arrays(view, running, waiting)
+        reqs = self._table.reqs
         memory = view.kv_capacity_tokens * (1.0 - self.kv_reserve)
         basis = st.context[st.running] if st.running.any() else st.context
         mean_context = float(basis.mean())
         sizes = self._batch_sizes(view, st, memory, mean_context)
         step = self._tgl(view.profile, sizes, mean_context)
         delay = np.where(st.running, 0.0, st.resume_cost) if self.gain_includes_prefill else 0.0
-        q = gains(now, self.horizon_s, step[:, None], st.ideal_start, st.speed, st.delivered,
-                  st.last_consumption, delay)  # fmt: skip
+        q = gains(now, self.horizon_s, step[:, None], *st.qoe_arrays(slice(None)), delay)
         priority = q if self.solver == "lqsf" else q / st.weight
         row, chosen = self._pack(q, priority, st, memory, sizes)
         batch, g = int(sizes[row]), float(step[row])
+        running_idx = np.flatnonzero(st.running)
         if admit_only:  # REF-CODE untriggered variant: fill free slots by priority, preempt nobody
             order = [i for i in np.argsort(-priority[row], kind="stable") if not st.running[i]]
-            slots = max(0, view.max_batch - len(running))
-            run = sorted(running, key=lambda r: r.arrival) + [st.reqs[i] for i in order[:slots]]
-            return Decision(run=run, recheck_after_tokens=self.quantum_iterations)
+            slots = max(0, view.max_batch - running_idx.size)
+            run = [reqs[st.rows[i]] for i in (*running_idx, *order[:slots])]
+            return Decision(run=run, recheck_after_tokens=self.quantum_iterations)  # type: ignore[arg-type]
         mode = self._preempt_mode(view.profile, st)
         if self.refiner:
-            admit, preempt = self._refine(
-                now, st, q[row], priority[row], chosen, memory, batch, g, mode, view
-            )
+            admit, preempt = self._refine(view, st, q[row], priority[row], chosen, memory, batch, g, mode)
         else:
-            admit = [i for i in chosen if not st.running[i]]
+            admit = [int(i) for i in chosen if not st.running[i]]
             taken = set(chosen.tolist())
-            preempt = [i for i in np.flatnonzero(st.running) if i not in taken]
+            preempt = [int(i) for i in running_idx if i not in taken]
         gone = set(preempt)
-        keep = [i for i in np.flatnonzero(st.running) if i not in gone]
-        members = sorted(keep + list(admit), key=lambda i: -priority[row][i])
+        keep = [int(i) for i in running_idx if i not in gone]
+        members = sorted(keep + admit, key=lambda i: -priority[row][i])
         return Decision(
-            run=[st.reqs[i] for i in members],
+            run=[reqs[st.rows[i]] for i in members],  # type: ignore[misc]
             preempt_mode=mode if preempt else None,
             recheck_after_tokens=self.quantum_iterations,
         )
@@ -321,25 +481,28 @@ class AndesQoE(Policy):
     ) -> tuple[int, np.ndarray]:
         """Best batch-size row and the request indices it serves (ties: fewer preemptions, larger B)."""
         n_running = int(st.running.sum())
-        best: tuple[float, int, int] | None = None
-        best_row, best_sel = 0, np.empty(0, dtype=int)
-        for row, batch in enumerate(sizes):
-            if self.solver == "dp":
+        if self.solver == "dp":
+            values, preemptions, selections = [], [], []
+            for row, batch in enumerate(sizes):
                 value, sel = exact_pack(q[row], st.weight, int(memory), int(batch))
-                if value == -np.inf:
-                    continue
-            else:
-                sel = greedy_pack(priority[row], st.weight, memory, int(batch))
-                value = float(q[row, sel].sum())
-            preemptions = n_running - int(st.running[sel].sum())
-            if (
-                best is None
-                or value > best[0] + TIE_EPS
-                or (abs(value - best[0]) <= TIE_EPS and (preemptions, -batch) < (best[1], -best[2]))
-            ):
-                best = (value, preemptions, int(batch))
-                best_row, best_sel = row, sel
-        return best_row, best_sel
+                values.append(value)
+                preemptions.append(n_running - int(st.running[sel].sum()))
+                selections.append(sel)
+            best = _best_row(np.array(values), np.array(preemptions), sizes)
+            return best, selections[best]
+        # Alg. 1 for every B at once: one stable sort per row, prefix sums for memory and value.
+        n = st.weight.size
+        order = np.argsort(-priority, axis=1, kind="stable")
+        fits = (np.cumsum(st.weight[order], axis=1) <= memory) & (np.arange(n) < sizes[:, None])
+        counts = np.where(fits.all(axis=1), n, np.argmin(fits, axis=1))
+        rows = np.arange(sizes.size)
+        last = np.maximum(counts - 1, 0)
+        values = np.where(
+            counts > 0, np.cumsum(np.take_along_axis(q, order, axis=1), axis=1)[rows, last], 0.0
+        )
+        kept = np.where(counts > 0, np.cumsum(st.running[order], axis=1)[rows, last], 0)
+        best = _best_row(values, n_running - kept, sizes)
+        return best, order[best, : counts[best]]
 
     def _preempt_mode(self, profile: StepProfile, st: _Ongoing) -> PreemptMode:
         """The cheaper of recompute (re-prefill on resume) and swap (out and in) for the running set."""
@@ -348,13 +511,13 @@ class AndesQoE(Policy):
         ctx = st.context[st.running]
         if ctx.size == 0:
             return "recompute"
-        recompute = float(sum(profile.prefill(int(c)) for c in ctx))
+        recompute = ctx.size * profile.prefill_p0 + profile.prefill_p1 * float(ctx.sum())
         swap = 2.0 * profile.kv_swap_time(int(ctx.sum()))
         return "swap" if swap < recompute else "recompute"
 
     def _refine(
         self,
-        now: float,
+        view: InstanceView,
         st: _Ongoing,
         q: np.ndarray,
         priority: np.ndarray,
@@ -363,69 +526,111 @@ class AndesQoE(Policy):
         batch: int,
         g: float,
         mode: PreemptMode,
-        view: InstanceView,
     ) -> tuple[list[int], list[int]]:
         """Overhead-aware refiner (§B.7): keep admissions while their gain beats the stall's loss.
 
         "Making room" covers both KV and the chosen batch size B* (the greedy solution fits
         both); the paper names only memory, but without the slot condition a compute-bound
-        decision could admit past B*.
+        decision could admit past B*. Admissions stop where the engine would stop this
+        iteration (prefill budget), so no request is evicted for an admission that cannot
+        happen now. The losses of all steps come from one vectorised ``gains`` call.
         """
-        selected = np.zeros(len(st.reqs), dtype=bool)
+        steps = self._refiner_steps(view, st, priority, chosen, memory, batch, mode)
+        if not steps:
+            return [], []
+        k_steps = len(steps)
+        running_idx = np.flatnonzero(st.running)
+        admitted = np.array([s.admit for s in steps])
+        members = np.concatenate([running_idx, admitted])
+        # step at which each member stops being ongoing (victims) or starts (admissions)
+        evicted_at = np.full(running_idx.size, k_steps)
+        position = {int(j): p for p, j in enumerate(running_idx)}
+        for k, s in enumerate(steps):
+            for v in s.victims:
+                evicted_at[position[v]] = k
+        ks = np.arange(k_steps)[:, None]
+        ongoing = np.concatenate([evicted_at[None, :] > ks, np.arange(k_steps)[None, :] < ks], axis=1)
+        costs = np.array([s.cost for s in steps])
+        arrays = st.qoe_arrays(members)
+        if self.refiner_cumulative:
+            spent = np.concatenate([[0.0], np.cumsum(costs)])
+            lost = gains(view.now, spent[:, None], g, *arrays)
+            stall = np.maximum(lost[1:] - lost[:-1], 0.0)
+        else:
+            stall = gains(view.now, costs[:, None], g, *arrays)
+        loss = (stall * ongoing).sum(axis=1)
+        if self.refiner_count_victim_gain:
+            loss += np.array([float(q[s.victims].sum()) for s in steps])
+        ok = q[admitted] - loss > 0
+        accepted = k_steps if ok.all() else int(np.argmin(ok))  # the first refusal cancels the rest
+        return [s.admit for s in steps[:accepted]], [v for s in steps[:accepted] for v in s.victims]
+
+    def _refiner_steps(
+        self,
+        view: InstanceView,
+        st: _Ongoing,
+        priority: np.ndarray,
+        chosen: np.ndarray,
+        memory: float,
+        batch: int,
+        mode: PreemptMode,
+    ) -> list[_Step]:
+        """Admissions in priority order, each with the fewest lowest-priority running requests
+        that make room for it, up to the first that cannot start now."""
+        prof = view.profile
+        selected = np.zeros(st.weight.size, dtype=bool)
         selected[chosen] = True
-        admit = sorted(np.flatnonzero(selected & ~st.running), key=lambda i: -priority[i])
-        pool = sorted(np.flatnonzero(~selected & st.running), key=lambda i: (priority[i], -i))
+        admit = np.flatnonzero(selected & ~st.running)
+        admit = admit[np.argsort(-priority[admit], kind="stable")]
+        pool = np.flatnonzero(~selected & st.running)
+        pool = pool[np.lexsort((-pool, priority[pool]))]  # lowest priority first, later arrival first
         free = memory - float(st.weight[st.running].sum())
-        ongoing = st.running.copy()
-        size = int(ongoing.sum())
-        spent = 0.0  # overhead accepted so far (s)
-        final_admit: list[int] = []
-        final_preempt: list[int] = []
+        size = int(st.running.sum())
+        budget = view.prefill_budget_tokens
+        prefill_tokens = 0.0
+        swap_free = math.inf if view.swap_free_tokens is None else float(view.swap_free_tokens)
+        next_victim = 0
+        steps: list[_Step] = []
         for a in admit:
+            a = int(a)
             victims: list[int] = []
-            while (free < st.weight[a] or size - len(victims) + 1 > batch) and pool:
-                v = pool.pop(0)
+            while (free < st.weight[a] or size - len(victims) + 1 > batch) and next_victim < pool.size:
+                v = int(pool[next_victim])
+                next_victim += 1
                 victims.append(v)
                 free += float(st.weight[v])
             if free < st.weight[a] or size - len(victims) + 1 > batch:
                 break  # no room even after evicting every candidate: nothing more can be admitted
-            cost = float(st.resume_cost[a]) + sum(
-                self._preempt_cost(view.profile, st, v, mode) for v in victims
-            )
-            keep = ongoing.copy()
-            keep[victims] = False
-            loss = self._stall_loss(now, st, keep, spent, cost, g)
-            if self.refiner_count_victim_gain:
-                loss += float(q[victims].sum())
-            if q[a] - loss > 0:
-                final_admit.append(a)
-                final_preempt.extend(victims)
-                free -= float(st.weight[a])
-                ongoing = keep
-                ongoing[a] = True
-                size = size - len(victims) + 1
-                spent += cost
-            else:
-                break  # the system tolerates no more overhead: cancel the remaining decisions
-        return final_admit, final_preempt
+            restart = not (st.resident[a] or st.swapped[a])
+            if (
+                restart
+                and budget is not None
+                and prefill_tokens > 0
+                and prefill_tokens + st.context[a] > budget
+            ):
+                break  # the engine prefills no more this iteration (vLLM's max_num_batched_tokens)
+            cost = float(st.resume_cost[a])
+            for v in victims:
+                # a swap stalls the batch while the KV moves out; once swap space is full the
+                # engine recomputes instead: no stall now, a prefill when it resumes
+                if mode == "swap" and st.delivered[v] > 0 and swap_free >= st.context[v]:
+                    swap_free -= float(st.context[v])
+                    cost += prof.kv_swap_time(int(st.context[v]))
+            steps.append(_Step(a, victims, cost))
+            free -= float(st.weight[a])
+            size += 1 - len(victims)
+            if restart:
+                prefill_tokens += float(st.context[a])
+        return steps
 
-    @staticmethod
-    def _preempt_cost(profile: StepProfile, st: _Ongoing, v: int, mode: PreemptMode) -> float:
-        return profile.kv_swap_time(int(st.context[v])) if mode == "swap" else 0.0
 
-    def _stall_loss(
-        self, now: float, st: _Ongoing, keep: np.ndarray, spent: float, cost: float, g: float
-    ) -> float:
-        """QoE the ongoing requests lose to a stall of ``cost`` s: ``L_j(x)``, the gain of serving j
-        for ``x`` s (0 when its pacer buffer covers the stall), summed."""
-        if not keep.any() or cost <= 0:
-            return 0.0
-        args = (st.ideal_start[keep], st.speed[keep], st.delivered[keep], st.last_consumption[keep])
-        after = gains(now, spent + cost, g, *args) if self.refiner_cumulative else gains(now, cost, g, *args)
-        if not self.refiner_cumulative or spent <= 0:
-            return float(after.sum())
-        before = gains(now, spent, g, *args)
-        return float(np.maximum(after - before, 0.0).sum())
+def _best_row(values: np.ndarray, preemptions: np.ndarray, sizes: np.ndarray) -> int:
+    """Row with the largest objective; within TIE_EPS of it, fewest preemptions, then largest B."""
+    best = float(values.max())
+    if best == -np.inf:
+        return 0
+    tied = np.flatnonzero(values >= best - TIE_EPS)
+    return int(tied[np.lexsort((-sizes[tied], preemptions[tied]))[0]])
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
