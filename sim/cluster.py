@@ -7,7 +7,9 @@ time) and controller ticks every ``interval_s``. Cost grows with events.
 Extension points (other engineers build on these):
 
 - ``Router``: ``route(req, view) -> Instance``. QLM's global scheduler assigns
-  requests to instance queues by subclassing it.
+  requests to instance queues by subclassing it. A router may return ``None`` to
+  hold the request in the cluster's global queue (``ClusterView.held``); a
+  controller hands it to an instance later with ``Dispatch`` (Chiron's batch queue).
 - ``Controller``: ``tick(view) -> list[Action]`` every ``interval_s`` of simulated
   time, given a ``ClusterView`` it must not mutate. Actions add instances (ready
   after the profile's cold start), drain or remove instances, set an instance's
@@ -20,7 +22,7 @@ import heapq
 import itertools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from tessera.sim.engine import EngineConfig, Instance
@@ -29,6 +31,7 @@ from tessera.worker.core.profile import StepProfile
 from tessera.worker.core.request import Request
 
 INF = float("inf")
+MAX_IDLE_TICKS = 10_000  # controller ticks with only held requests left before the run is declared stalled
 
 PolicyFactory = Callable[[], Policy]
 
@@ -40,6 +43,7 @@ class ClusterView:
     now: float
     instances: Sequence[Instance]  # alive (not retired), in creation order
     waiting_arrivals: int = 0  # requests not yet arrived
+    held: Collection[Request] = ()  # requests a router held in the global queue, in arrival order
 
     def serving(self, model: str) -> list[Instance]:
         """Instances that can serve ``model`` and accept new requests (ready or warming up)."""
@@ -52,8 +56,9 @@ class Router(ABC):
     name: str = "router"
 
     @abstractmethod
-    def route(self, req: Request, view: ClusterView) -> Instance:
-        """The instance ``req`` goes to (one of ``view.serving(req.model)``)."""
+    def route(self, req: Request, view: ClusterView) -> Instance | None:
+        """The instance ``req`` goes to (one of ``view.serving(req.model)``), or None to hold it in the
+        global queue until a controller dispatches it."""
 
 
 def _candidates(req: Request, view: ClusterView) -> list[Instance]:
@@ -140,7 +145,15 @@ class SetRole:
     role: str
 
 
-Action = AddInstance | DrainInstance | RemoveInstance | SetMaxBatch | SetRole
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Hand a request held in the global queue to an instance."""
+
+    request: Request
+    name: str
+
+
+Action = AddInstance | DrainInstance | RemoveInstance | SetMaxBatch | SetRole | Dispatch
 
 
 class Controller(ABC):
@@ -209,13 +222,14 @@ class Cluster:
         self._seq = itertools.count()
         self._names = itertools.count()
         self._pending: list[Request] = []  # removed instances' requests to route again
+        self._held: dict[Request, None] = {}  # the global queue: requests a router held, in order
         self.log: list[tuple[float, str, str]] = []
         for _ in range(config.instances):
             self.add_instance(role=config.role, cold=False)
 
     def view(self) -> ClusterView:
         """The current read-only view."""
-        return ClusterView(self.now, self.instances)
+        return ClusterView(self.now, self.instances, held=self._held.keys())
 
     def add_instance(
         self,
@@ -291,6 +305,13 @@ class Cluster:
                 self._reschedule(inst)
             elif isinstance(act, SetRole):
                 self._find(act.name).role = act.role
+            elif isinstance(act, Dispatch):
+                if act.request not in self._held:
+                    raise ValueError(f"controller dispatched request {act.request.id}, which is not held")
+                inst = self._find(act.name)
+                del self._held[act.request]
+                inst.add(act.request, self.now)
+                self._reschedule(inst)
             else:
                 raise TypeError(f"unknown controller action {act!r}")
         if self._pending:
@@ -300,6 +321,9 @@ class Cluster:
 
     def _route(self, req: Request) -> None:
         inst = self.router.route(req, self.view())
+        if inst is None:
+            self._held[req] = None
+            return
         inst.add(req, self.now)
         self._reschedule(inst)
 
@@ -325,13 +349,14 @@ class Cluster:
         ai = 0
         done_before = 0
         events = 0
+        idle_ticks = 0
         report_every = max(1, n // 200)
         while True:
             t_arr = arrivals[ai].arrival if ai < n else INF
             while heap and heap[0][2].heap_seq != heap[0][1]:
                 heapq.heappop(heap)  # stale entry
             t_inst = heap[0][0] if heap else INF
-            if ai >= n and not any(i.outstanding for i in self.instances):
+            if ai >= n and not self._held and not any(i.outstanding for i in self.instances):
                 break
             t = min(t_arr, t_inst, next_tick)
             if t == INF:
@@ -346,6 +371,15 @@ class Cluster:
                 actions = self.controller.tick(self.view()) if self.controller is not None else []
                 self.apply(actions)
                 next_tick += interval
+                if ai >= n and self._held and not any(i.outstanding for i in self.instances):
+                    idle_ticks += 1  # only held requests are left; a controller must dispatch them
+                    if idle_ticks > MAX_IDLE_TICKS:
+                        raise RuntimeError(
+                            f"simulation stalled at t={self.now:.3f}s: {len(self._held)} requests held in "
+                            f"the global queue and no controller dispatched any for {MAX_IDLE_TICKS} ticks"
+                        )
+                else:
+                    idle_ticks = 0
             elif t == t_arr:  # arrivals of an instant first, so they share the next iteration
                 self._route(arrivals[ai])
                 ai += 1
