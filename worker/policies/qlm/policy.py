@@ -60,7 +60,7 @@ class QLMPolicy(Policy):
         evict_mode: Literal["swap", "recompute"] = "swap",
         solver_time_limit_s: float = 5.0,
         mip_gap: float = 0.01,
-        slots_factor: float = 3.0,
+        slots_factor: float = 1.25,
         min_resolve_interval_s: float = 1.0,
         context_len: int = 4096,
         stats_alpha: float = 0.005,
