@@ -19,6 +19,7 @@ from tessera.worker.policies.qlm import QLMPolicy
 from tessera.worker.policies.qlm.baseline import SwapFCFS
 from tessera.worker.policies.qlm.estimator import (
     EngineRates,
+    EpsMeter,
     GroupCosts,
     QueuedGroup,
     TokenStats,
@@ -90,6 +91,24 @@ def test_theta_and_group_costs_hand_computed() -> None:
     assert c.completion == pytest.approx(c.last_wait + c.prefill + 300 * 1.25 * 0.01)  # O_max eps d
     capped = group_costs(16, stats, rates, 2.0, max_tokens=10_000, context_len=1000)
     assert capped.completion == pytest.approx(c.last_wait + c.prefill + 900 * 1.25 * 0.01)  # ctx - mu_I
+
+
+def test_decode_time_uses_the_length_biased_context_of_running_requests() -> None:
+    profile = StepProfile("c", 0.01, 0.0, 1e-6, 0.02, 0.001, kv_capacity_tokens=10_000)
+    stats = TokenStats(mu_in=100, mu_out=100, var_out=100**2)  # CV 1: mean age E[O^2]/(2 mu) = 100
+    rates = EngineRates(profile, max_batch=10)
+    # B = 10; each running request holds 100 prompt + 100 generated tokens on average (not 50).
+    assert rates.decode_time(stats) == pytest.approx(0.01 + 1e-6 * 10 * 200)
+
+
+def test_eps_meter_counts_only_saturated_time() -> None:
+    meter = EpsMeter(window_s=math.inf)
+    meter.observe(0.0, 0, batch=10, decode_step_s=0.01, saturated=True)
+    # 10 s saturated at batch 10, d = 0.01 s: 10 000 tokens at full speed; 5 000 seen -> eps = 2.
+    meter.observe(10.0, 5_000, batch=10, decode_step_s=0.01, saturated=False)
+    meter.observe(20.0, 123, batch=10, decode_step_s=0.01, saturated=True)  # idle interval: ignored
+    assert meter.flush() == pytest.approx(2.0)
+    assert meter.flush() is None  # the window was consumed
 
 
 def test_token_stats_ewma_moves_towards_observations() -> None:
@@ -179,6 +198,18 @@ def test_infeasible_falls_back_to_edf_and_keeps_every_group() -> None:
     assert plan.status == "edf-infeasible"
     assert sorted(g for o in plan.order.values() for g in o) == [0, 1, 2]
     assert plan.order["q0"] == [0, 2] and plan.order["q1"] == [1]  # own VQ, by slack
+
+
+def test_large_problems_skip_the_milp_and_keep_every_group_within_the_limit() -> None:
+    from tessera.sim.scenarios.qlm import synthetic_groups
+
+    groups, queues = synthetic_groups(200, 4, seed=0)
+    plan = solve(groups, queues, SolverSettings(time_limit_s=0.5))
+    assert plan.status in ("heuristic", "edf-timeout")  # above joint_max_binaries: no MILP claims
+    assert plan.solve_s < 0.5
+    assert sorted(g for o in plan.order.values() for g in o) == list(range(200))
+    if plan.status == "heuristic":
+        assert evaluate(plan.order, groups, queues)[1]
 
 
 def test_interactive_group_never_behind_a_swap_longer_than_its_slack() -> None:
