@@ -1,0 +1,891 @@
+"""Scenario ``chiron``: Chiron's hierarchical autoscaler vs a utilization-threshold autoscaler.
+
+Workload (qlm_chiron_spec B7 / App. A.2, scaled to this machine): interactive requests replay the
+Azure 2023 conversation trace (arrivals with their real burstiness and token counts, first
+``interactive_requests`` rows rescaled to ``interactive_rate``), interactive SLO TTFT 10 s and ITL
+200 ms; at ``batch_at`` a bulk of ``batch_requests`` batch requests arrives (lengths drawn with
+replacement from the same trace) that must finish within ``batch_deadline_s`` (ITL SLO 2 s). Both
+autoscalers get the same requests, seed, profile, instance bounds, initial instances and cold start.
+
+Rows:
+
+- ``chiron``: the local autoscaler (``ChironLocal``, batch size per instance from ITL-SLO and
+  throughput backpressure) on every instance and the global one (``chiron_decide``: interactive /
+  mixed / batch counts from IBP and BBP) every ``T_eval``; Chiron's routing (spec B3): interactive
+  requests fill interactive instances first, then mixed ones (evicting batch work there), else wait
+  at the head of the global queue; batch requests wait in the global queue (deadline groups, EDF)
+  and are pulled by batch instances and by the spare capacity of mixed instances.
+- ``chiron:defer=true`` (``--set defer_variant=true``): BBP counts a group only near its deadline
+  (spec B5.2 ``defer``; the spec asks to report both).
+- ``threshold:band=LO-HI``: the Llumnix / KPA-style baseline of spec B7: every 10 s, ±1 instance when
+  the mean KV-token utilization leaves [LO, HI]; static batch size (vLLM's max_num_seqs 256);
+  every request dispatched on arrival to the least-loaded instance, FCFS per instance. ``bands``
+  sweeps the band (default the spec's 0.4-0.8 only); every variant is reported. With
+  ``--set dispatch=pull`` requests wait in one global FCFS queue instead and instances pull them
+  (kinder to a scaler that cannot move queued work).
+
+Metrics: the contract's keys (slo_attainment, slo_attainment_by_class, gpu_seconds, TTFT ...) plus
+mean / peak instances, scaling actions, hysteresis (actions / scale-ups, spec B9-11) and the
+instance count over time (``instances_over_time``: [t, interactive, mixed, batch] every 10 s).
+
+Options (``--set``): interactive_requests (3000), interactive_rate (6.0), batch_requests (6000),
+batch_at (60), batch_deadline_s (1200), initial_instances (2), min_instances (1),
+max_instances (20), bands ("0.4-0.8"), dispatch ("arrival" | "pull"), defer_variant (false),
+eval_interval_s (5), dispatch_interval_s (1), over_provisioning (1/3), profile (a100-llama3-8b),
+cold_start_s (profile's), static_batch (256).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tessera.operator.planners.chiron import chiron_decide
+from tessera.operator.planners.threshold import ThresholdSettings, threshold_decide
+from tessera.operator.planners.types import (
+    ROLES,
+    AutoscalerState,
+    BatchGroup,
+    ChironSettings,
+    MetricsSnapshot,
+    RoleCounts,
+)
+from tessera.sim.cluster import (
+    Action,
+    AddInstance,
+    ClusterConfig,
+    ClusterView,
+    Controller,
+    Dispatch,
+    DrainInstance,
+    RemoveInstance,
+    Router,
+    SetRole,
+)
+from tessera.sim.engine import EngineConfig, Instance
+from tessera.sim.profiles import load_profile
+from tessera.sim.runner import AZURE_CONV, option, run_one
+from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
+from tessera.sim.traces import load_trace
+from tessera.sim.workloads import build_requests, scale_to_rate
+from tessera.worker.chiron_local import ChironLocal
+from tessera.worker.core.baselines import EDF, FCFS
+from tessera.worker.core.policy import Decision, InstanceView, Policy, PriorityPolicy
+from tessera.worker.core.profile import StepProfile
+from tessera.worker.core.request import Phase, Request, ServiceClass
+
+DESCRIPTION = (
+    "Chiron (local + global autoscaler) vs a utilization-threshold autoscaler, bursty interactive + batch"
+)
+
+# Spec B2 / B7 SLOs.
+INTERACTIVE_TTFT_S = 10.0
+INTERACTIVE_ITL_S = 0.2
+BATCH_ITL_S = 2.0
+BS_MAX = 8192  # spec B4
+BS_INITIAL = 256  # spec B4: vLLM default max_num_seqs
+TIMELINE_STEP_S = 10.0
+TARGET_POINTS = 0.30  # issue 8: attainment >= 30 points higher at similar GPU-seconds ...
+SIMILAR_GPU = 1.10  # ... "similar": within 10 % (CHOICE)
+TARGET_GPU_RATIO = 0.70  # ... or GPU-seconds <= 0.7x at equal (or better) attainment
+
+
+# ---- instance side: one queue per instance, optional local autoscaler -------------------------------
+class InstanceQueue(Policy):
+    """An instance's queue: an inner priority order, a batch-size cap and class counters.
+
+    With ``local`` (Chiron) the cap is the local autoscaler's batch size, driven at every decision
+    point (= every change of the running set, spec B4) with the inter-token gaps and tokens of the
+    window; interactive requests that find the batch full evict the latest batch requests (mixed
+    instances, spec B3 step 3; KV swapped to host). Without it the cap is the engine's static limit
+    and the inner order alone decides (no class-aware eviction: the baseline knows no classes).
+    """
+
+    def __init__(
+        self,
+        inner: PriorityPolicy,
+        local: ChironLocal | None = None,
+        on_finish: Callable[[Request], None] | None = None,
+    ) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.local = local
+        self.on_finish = on_finish
+        self.interactive = 0  # interactive requests held here (queued or running)
+        self.batch = 0
+        self.batch_tokens = 0  # batch output tokens produced here so far (as last observed)
+        self._seen: dict[Request, tuple[int, float]] = {}  # running request -> (tokens, last token time)
+        self._iteration = 0
+
+    def batch_size(self, static: int) -> int:
+        """The current batch-size cap (``static`` without a local autoscaler)."""
+        return self.local.batch_size() if self.local is not None else static
+
+    def add(self, req: Request, now: float) -> None:
+        """Queue a request."""
+        if req.service_class.kind == "batch":
+            self.batch += 1
+        else:
+            self.interactive += 1
+        self.inner.add(req, now)
+
+    def remove(self, req: Request, now: float) -> None:
+        """A request finished (or left with its instance)."""
+        if req.service_class.kind == "batch":
+            self.batch -= 1
+        else:
+            self.interactive -= 1
+        self.inner.remove(req, now)
+        self._account(req, now)
+        self._seen.pop(req, None)
+        if self.on_finish is not None and req.phase is Phase.FINISHED:
+            self.on_finish(req)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def _account(self, req: Request, now: float) -> tuple[int, float]:
+        """Tokens and gap time ``req`` added since it was last seen (0, 0 when new)."""
+        total = req.generated
+        prev = self._seen.get(req)
+        if total == 0:
+            return 0, 0.0
+        last = req.tokens.last_time()
+        self._seen[req] = (total, last)
+        if prev is None:
+            return 0, 0.0
+        tokens = total - prev[0]
+        if tokens > 0 and req.service_class.kind == "batch":
+            self.batch_tokens += tokens
+        return tokens, last - prev[1] if tokens > 0 else 0.0
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """The inner decision, capped at the batch size; interactive work evicts batch work."""
+        bs = view.max_batch
+        if self.local is not None:
+            tokens = gaps = 0
+            gap_sum = 0.0
+            for req in view.running:
+                n, g = self._account(req, view.now)
+                tokens += n
+                gaps += n
+                gap_sum += g
+            self.local.observe(
+                view.now,
+                tokens=tokens,
+                gap_sum=gap_sum,
+                gaps=gaps,
+                iterations=view.iteration - self._iteration,
+                running=len(view.running),
+            )
+            self._iteration = view.iteration
+            slo = None
+            if view.running:
+                has_int = any(r.service_class.kind != "batch" for r in view.running)
+                slo = INTERACTIVE_ITL_S if has_int or self.interactive else BATCH_ITL_S
+            bs = min(bs, self.local.update(view.now, slo))
+        if self.local is None or self.interactive == 0 or self.batch == 0:
+            return self.inner.schedule(replace(view, max_batch=bs))
+        # Room for queued interactive requests: let the inner order admit them, then evict batch
+        # requests from the end of the batch (the latest admitted) down to the cap.
+        int_running = sum(1 for r in view.running if r.service_class.kind != "batch")
+        extra = self.interactive - int_running
+        d = self.inner.schedule(replace(view, max_batch=bs + extra))
+        excess = len(d.run) - max(bs, sum(1 for r in d.run if r.service_class.kind != "batch"))
+        if excess <= 0:
+            return d
+        keep: list[Request] = []
+        for req in reversed(d.run):
+            if excess > 0 and req.service_class.kind == "batch":
+                excess -= 1
+                continue
+            keep.append(req)
+        keep.reverse()
+        return Decision(run=keep, preempt_mode="swap", recheck_after_tokens=d.recheck_after_tokens)
+
+
+def _queue(inst: Instance) -> InstanceQueue:
+    policy = inst.policy
+    assert isinstance(policy, InstanceQueue)
+    return policy
+
+
+def _kv_slots(inst: Instance, mean_context: float) -> int:
+    """Requests of ``mean_context`` tokens the instance's KV cache holds at once."""
+    return max(1, int(inst.profile.kv_capacity_tokens / max(1.0, mean_context)))
+
+
+# ---- cluster side: global queue, routers, controllers ---------------------------------------------
+@dataclass(slots=True)
+class RunningStats:
+    """Online mean / std (Welford) of batch output lengths (spec B5.2: μ_o, σ_o fitted online)."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+
+    def add(self, x: float) -> None:
+        """Add one observation."""
+        self.n += 1
+        d = x - self.mean
+        self.mean += d / self.n
+        self.m2 += d * (x - self.mean)
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation."""
+        return math.sqrt(self.m2 / self.n) if self.n > 1 else 0.0
+
+
+@dataclass(slots=True)
+class GlobalQueue:
+    """Requests held by the router: interactive first (FIFO), batch in deadline order (EDF over
+    groups, FCFS inside; a request routed back keeps its place by deadline and arrival)."""
+
+    group_s: float  # deadline bucket width of a batch group (spec B5.2: 0.01 x SLO)
+    interactive: deque[Request] = field(default_factory=deque)
+    batch: list[tuple[float, float, int, Request]] = field(default_factory=list)
+    groups: dict[int, int] = field(default_factory=dict)  # deadline bucket -> queued count
+    _seq: itertools.count = field(default_factory=itertools.count)
+
+    def push(self, req: Request) -> None:
+        """Hold a request."""
+        if req.service_class.kind != "batch":
+            self.interactive.append(req)
+            return
+        deadline = req.slo_deadline
+        heapq.heappush(self.batch, (deadline, req.arrival, next(self._seq), req))
+        bucket = int(deadline // self.group_s)
+        self.groups[bucket] = self.groups.get(bucket, 0) + 1
+
+    def pop_batch(self) -> Request:
+        """The next batch request (earliest deadline)."""
+        deadline, _, _, req = heapq.heappop(self.batch)
+        bucket = int(deadline // self.group_s)
+        self.groups[bucket] -= 1
+        if not self.groups[bucket]:
+            del self.groups[bucket]
+        return req
+
+    def batch_groups(self, margin_s: float) -> tuple[BatchGroup, ...]:
+        """Queued batch groups with their deadlines (bucket start, less ``margin_s`` for execution)."""
+        return tuple(
+            BatchGroup(count=c, deadline=b * self.group_s - margin_s) for b, c in sorted(self.groups.items())
+        )
+
+
+def _active(view: ClusterView) -> list[Instance]:
+    return [i for i in view.instances if not i.draining]
+
+
+def _has_room(inst: Instance, req: Request, bs: int) -> bool:
+    """Spec B3 "capacity": below the batch size and the KV admission test passes for the prompt."""
+    if inst.outstanding >= bs:
+        return False
+    free = (inst.capacity_blocks - inst.used_blocks) * inst.block
+    return free - int(inst.config.watermark * inst.capacity_blocks) * inst.block > req.prompt_tokens
+
+
+def chiron_pick(req: Request, view: ClusterView) -> Instance | None:
+    """Spec B3 routing of an interactive request, or None (wait at the head of the global queue)."""
+    ready = [i for i in _active(view) if i.ready_at <= view.now]
+    own = [i for i in ready if i.role == "interactive"]
+    mixed = [i for i in ready if i.role == "mixed"]
+    # 1. first-fit, most loaded first, among interactive instances with room
+    fits = [i for i in own if _has_room(i, req, _queue(i).batch_size(BS_INITIAL))]
+    if fits:
+        return max(fits, key=lambda i: i.outstanding)
+    # 2. mixed with room, preferring those already running interactive work (packing keeps IBP meaningful)
+    fits = [i for i in mixed if _has_room(i, req, _queue(i).batch_size(BS_INITIAL))]
+    if fits:
+        return max(fits, key=lambda i: (_queue(i).interactive > 0, i.outstanding))
+    # 3. mixed where evicting batch work frees a slot
+    evictable = [i for i in mixed if _queue(i).batch > 0]
+    if evictable:
+        return max(evictable, key=lambda i: (_queue(i).batch, -_queue(i).interactive))
+    return None
+
+
+class HoldingRouter(Router):
+    """Routes interactive requests by a pick function and holds the rest (and the unplaceable)."""
+
+    name = "global-queue"
+
+    def __init__(self, queue: GlobalQueue, pick: Callable[[Request, ClusterView], Instance | None]) -> None:
+        self.queue = queue
+        self.pick = pick
+
+    def route(self, req: Request, view: ClusterView) -> Instance | None:
+        """An instance for interactive requests with room now; otherwise hold it."""
+        inst = self.pick(req, view) if req.service_class.kind != "batch" else None
+        if inst is None:
+            self.queue.push(req)
+        return inst
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Instance counts over time and scaling actions (both autoscalers record the same way)."""
+
+    points: list[list[float]] = field(default_factory=list)  # [t, interactive, mixed, batch]
+    actions: int = 0
+    scale_ups: int = 0
+    reasons: list[str] = field(default_factory=list)
+    _next: float = 0.0
+
+    def record(self, view: ClusterView) -> None:
+        """Sample the alive instances every TIMELINE_STEP_S."""
+        if view.now + 1e-9 < self._next:
+            return
+        self._next = view.now + TIMELINE_STEP_S
+        counts = {"interactive": 0, "mixed": 0, "batch": 0}
+        for inst in view.instances:
+            role = inst.role if inst.role in counts else "interactive"
+            counts[role] += 1
+        self.points.append([round(view.now, 3), counts["interactive"], counts["mixed"], counts["batch"]])
+
+
+def _dispatch_batch(
+    queue: GlobalQueue, targets: Sequence[Instance], bs_of: Callable[[Instance], int], mean_context: float
+) -> list[Action]:
+    """Pull held batch requests into ``targets`` up to min(batch size, KV slots) outstanding each."""
+    actions: list[Action] = []
+    for inst in targets:
+        room = min(bs_of(inst), _kv_slots(inst, mean_context)) - inst.outstanding
+        while room > 0 and queue.batch:
+            actions.append(Dispatch(queue.pop_batch(), inst.name))
+            room -= 1
+        if not queue.batch:
+            break
+    return actions
+
+
+class ChironController(Controller):
+    """Dispatches the global queue every ``interval_s`` and runs ``chiron_decide`` every T_eval."""
+
+    def __init__(
+        self,
+        settings: ChironSettings,
+        queue: GlobalQueue,
+        stats: RunningStats,
+        *,
+        interval_s: float,
+        exec_margin_s: float,
+        mean_context: float,
+    ) -> None:
+        self.settings = settings
+        self.queue = queue
+        self.stats = stats
+        self.interval_s = interval_s
+        self.exec_margin_s = exec_margin_s
+        self.mean_context = mean_context
+        self.state = AutoscalerState()
+        self.timeline = Timeline()
+        self._next_eval = -math.inf
+        self._tokens_seen: dict[str, int] = {}  # instance -> its batch tokens at the previous evaluation
+        self._last_eval: float | None = None
+        self._batch_since: float | None = None
+
+    def tick(self, view: ClusterView) -> list[Action]:
+        """Scaling (every T_eval) and dispatch (every tick)."""
+        actions: list[Action] = []
+        if view.now >= self._next_eval:
+            self._next_eval = view.now + self.settings.eval_interval_s
+            actions += self._scale(view)
+        gone = {a.name for a in actions if isinstance(a, DrainInstance | RemoveInstance)}
+        actions += self._dispatch(view, removed=gone)
+        self.timeline.record(view)
+        return actions
+
+    def _dispatch(self, view: ClusterView, removed: set[str]) -> list[Action]:
+        actions: list[Action] = []
+        live = [i for i in _active(view) if i.ready_at <= view.now and i.name not in removed]
+        pending_int = self.queue.interactive
+        while pending_int:
+            inst = chiron_pick(pending_int[0], replace(view, instances=live))
+            if inst is None:
+                break
+            actions.append(Dispatch(pending_int.popleft(), inst.name))
+        batch_first = [i for i in live if i.role == "batch"]
+        # Mixed instances lend only spare capacity: none while interactive work waits.
+        spare = [i for i in live if i.role == "mixed"] if not pending_int else []
+        actions += _dispatch_batch(
+            self.queue, batch_first + spare, lambda i: _queue(i).batch_size(BS_INITIAL), self.mean_context
+        )
+        return actions
+
+    def _batch_rates(self, view: ClusterView, ready_batch: int) -> tuple[float | None, float | None]:
+        """(Θ_now, Θ_B): batch-token throughput of the cluster and per batch instance since the
+        previous evaluation (instances retired meanwhile drop out of the window)."""
+        total = on_batch = 0
+        seen = {}
+        for inst in view.instances:
+            now_tokens = _queue(inst).batch_tokens
+            seen[inst.name] = now_tokens
+            delta = now_tokens - self._tokens_seen.get(inst.name, 0)
+            total += delta
+            if inst.role == "batch":
+                on_batch += delta
+        self._tokens_seen = seen
+        prev, self._last_eval = self._last_eval, view.now
+        if prev is None or view.now <= prev:
+            return None, None
+        dt = view.now - prev
+        per = on_batch / dt / ready_batch if ready_batch and on_batch > 0 else None
+        # Until batch work has run for a whole window the rate says nothing (prefill, not decode).
+        measured = self._batch_since is not None and self._batch_since <= prev
+        return (total / dt if measured else None), per
+
+    def _scale(self, view: ClusterView) -> list[Action]:
+        now = view.now
+        insts = _active(view)
+        ready = [i for i in insts if i.ready_at <= now]
+        pending = [i for i in insts if i.ready_at > now]
+
+        def counts(xs: list[Instance]) -> RoleCounts:
+            return RoleCounts(
+                interactive=sum(1 for i in xs if i.role == "interactive"),
+                mixed=sum(1 for i in xs if i.role == "mixed"),
+                batch=sum(1 for i in xs if i.role == "batch"),
+            )
+
+        ready_counts, pending_counts = counts(ready), counts(pending)
+        batch_running = sum(_queue(i).batch for i in view.instances)
+        if (batch_running or self.queue.batch) and self._batch_since is None:
+            self._batch_since = now
+        elif not batch_running and not self.queue.batch:
+            self._batch_since = None
+        rate_now, per_instance = self._batch_rates(view, ready_counts.batch)
+        snapshot = MetricsSnapshot(
+            ready=ready_counts,
+            pending=pending_counts,
+            instances_with_interactive=sum(
+                1 for i in insts if i.role != "batch" and _queue(i).interactive > 0
+            ),
+            interactive_queued=len(self.queue.interactive),
+            batch_queue=self.queue.batch_groups(self.exec_margin_s),
+            batch_running=batch_running,
+            batch_tokens_per_s=rate_now,
+            batch_instance_tokens_per_s=per_instance,
+            mean_output_tokens=self.stats.mean,
+            std_output_tokens=self.stats.std,
+        )
+        decision = chiron_decide(snapshot, self.state, self.settings, now)
+        self.state = decision.state
+        self.timeline.reasons += [f"{now:.0f}s {r}" for r in decision.reasons]
+        return self._apply(decision.desired, insts, now)
+
+    def _apply(self, desired: RoleCounts, insts: list[Instance], now: float) -> list[Action]:
+        """Actions moving the live instances to ``desired`` (conversions first: they are free)."""
+        by_role: dict[str, list[Instance]] = {r: [i for i in insts if i.role == r] for r in ROLES}
+        actions: list[Action] = []
+        # Convert between interactive and mixed before launching or removing (no cold start).
+        for src, dst in (("mixed", "interactive"), ("interactive", "mixed")):
+            move = min(
+                len(by_role[src]) - desired.get(src),  # type: ignore[arg-type]
+                desired.get(dst) - len(by_role[dst]),  # type: ignore[arg-type]
+            )
+            for inst in sorted(by_role[src], key=lambda i: _queue(i).batch)[: max(0, move)]:
+                actions.append(SetRole(inst.name, dst))
+                by_role[src].remove(inst)
+                by_role[dst].append(inst)
+        for role in ("interactive", "mixed", "batch"):
+            have = by_role[role]
+            want = desired.get(role)  # type: ignore[arg-type]
+            if want > len(have):
+                actions += [AddInstance(role=role) for _ in range(want - len(have))]
+                self.timeline.scale_ups += 1
+                self.timeline.actions += 1
+            elif want < len(have):
+                # Pending launches go first, then the emptiest; instances with interactive work drain.
+                victims = sorted(
+                    have, key=lambda i: (i.ready_at <= now, _queue(i).interactive, i.outstanding)
+                )
+                for inst in victims[: len(have) - want]:
+                    if _queue(inst).interactive:
+                        actions.append(DrainInstance(inst.name))
+                    else:
+                        actions.append(RemoveInstance(inst.name))  # its batch work returns to the queue
+                self.timeline.actions += 1
+        return actions
+
+
+class ThresholdController(Controller):
+    """The baseline: ``threshold_decide`` on mean KV-token utilization; optional pull dispatch."""
+
+    def __init__(
+        self,
+        settings: ThresholdSettings,
+        queue: GlobalQueue | None,
+        *,
+        interval_s: float,
+        static_batch: int,
+        mean_context: float,
+    ) -> None:
+        self.settings = settings
+        self.queue = queue
+        self.interval_s = interval_s
+        self.static_batch = static_batch
+        self.mean_context = mean_context
+        self.timeline = Timeline()
+        self._next_eval = 0.0
+
+    def tick(self, view: ClusterView) -> list[Action]:
+        """Scale by the utilization rule; pull held requests (FCFS) when dispatching by pull."""
+        actions: list[Action] = []
+        insts = _active(view)
+        ready = [i for i in insts if i.ready_at <= view.now]
+        if view.now >= self._next_eval and ready:
+            util = float(np.mean([i.used_blocks / i.capacity_blocks for i in ready]))
+            d = threshold_decide(min(1.0, util), len(insts), self.settings, view.now, self._next_eval)
+            self._next_eval = d.next_eval
+            if d.desired > len(insts):
+                actions.append(AddInstance(role="default", max_batch=self.static_batch))
+                self.timeline.scale_ups += 1
+            elif d.desired < len(insts):
+                victim = min(insts, key=lambda i: (i.ready_at <= view.now, i.outstanding))
+                actions.append(DrainInstance(victim.name))
+            if d.desired != len(insts):
+                self.timeline.actions += 1
+                self.timeline.reasons.append(f"{view.now:.0f}s {d.reason}: {len(insts)} -> {d.desired}")
+        if self.queue is not None:
+            gone = {a.name for a in actions if isinstance(a, DrainInstance)}
+            live = sorted(
+                (i for i in ready if i.name not in gone), key=lambda i: i.outstanding
+            )  # least loaded first
+            actions += self._pull(live)
+        self.timeline.record(view)
+        return actions
+
+    def _pull(self, live: list[Instance]) -> list[Action]:
+        """FCFS over the whole held queue (interactive and batch alike, by arrival)."""
+        assert self.queue is not None
+        actions: list[Action] = []
+        q = self.queue
+        for inst in live:
+            room = min(self.static_batch, _kv_slots(inst, self.mean_context)) - inst.outstanding
+            while room > 0 and (q.interactive or q.batch):
+                if q.batch and (not q.interactive or q.batch[0][1] < q.interactive[0].arrival):
+                    req = q.pop_batch()
+                else:
+                    req = q.interactive.popleft()
+                actions.append(Dispatch(req, inst.name))
+                room -= 1
+        return actions
+
+
+class _PullEverything(Router):
+    """The pull variant's router: every request waits in one FCFS global queue."""
+
+    name = "global-fcfs"
+
+    def __init__(self, queue: GlobalQueue) -> None:
+        self.queue = queue
+
+    def route(self, req: Request, view: ClusterView) -> Instance | None:
+        """Hold ``req``."""
+        self.queue.push(req)
+        return None
+
+
+class _LeastLoaded(Router):
+    """Spec B7 baseline dispatch: every request on arrival to the least-loaded instance (ready
+    first; a starting one only when none is ready)."""
+
+    name = "least-loaded"
+
+    def route(self, req: Request, view: ClusterView) -> Instance | None:
+        """The least-loaded instance."""
+        cands = _active(view)
+        ready = [i for i in cands if i.ready_at <= view.now] or cands
+        return min(ready, key=lambda i: i.outstanding)
+
+
+# ---- workload ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The requests and what the autoscalers may know of them in advance (offline profiling)."""
+
+    requests: list[Request]
+    mean_output: float  # from a 500-request profiling sample of the trace (spec A6 / B5.2 seed)
+    std_output: float
+    mean_context: float  # prompt + output, same sample
+
+
+def build_workload(config: BenchConfig) -> Workload:
+    """Interactive requests replaying the trace plus one bulk arrival of batch requests."""
+    opts = config.options
+    n_int = option(opts, "interactive_requests", 3000, int)
+    rate = config.rate if config.rate is not None else option(opts, "interactive_rate", 6.0, float)
+    n_batch = option(opts, "batch_requests", 6000, int)
+    batch_at = option(opts, "batch_at", 60.0, float)
+    deadline = option(opts, "batch_deadline_s", 1200.0, float)
+    if n_int < 2 or n_batch < 0:
+        raise ValueError("--set interactive_requests must be >= 2 and batch_requests >= 0")
+    if batch_at < 0 or deadline <= 0:
+        raise ValueError("--set batch_at must be >= 0 and batch_deadline_s > 0")
+    rows = load_trace(config.trace or AZURE_CONV)
+    if len(rows) < n_int:
+        raise ValueError(f"the trace has {len(rows)} rows; --set interactive_requests={n_int} needs more")
+    rng = np.random.default_rng(config.seed)
+    head = rows[:n_int]
+    interactive = ServiceClass(
+        "interactive", "interactive", ttft_slo_s=INTERACTIVE_TTFT_S, itl_slo_s=INTERACTIVE_ITL_S
+    )
+    batch = ServiceClass("batch", "batch", deadline_s=deadline, itl_slo_s=BATCH_ITL_S)
+    arrivals = scale_to_rate([r.arrival for r in head], rate)
+    reqs = build_requests(
+        arrivals,
+        [max(1, r.input_tokens) for r in head],
+        [max(1, r.output_tokens) for r in head],
+        rng,
+        prefix="i",
+    )
+    for r in reqs:
+        r.service_class = interactive
+    if n_batch:
+        picks = rng.integers(0, len(rows), n_batch)
+        reqs += build_requests(
+            np.full(n_batch, batch_at),
+            [max(1, rows[i].input_tokens) for i in picks],
+            [max(1, rows[i].output_tokens) for i in picks],
+            rng,
+            prefix="b",
+        )
+        for r in reqs[n_int:]:
+            r.service_class = batch
+    sample = rows[: min(500, len(rows))]
+    outs = np.array([max(1, r.output_tokens) for r in sample], dtype=float)
+    ctx = np.array([max(1, r.input_tokens) for r in sample], dtype=float) + outs
+    return Workload(reqs, float(outs.mean()), float(outs.std()), float(ctx.mean()))
+
+
+def instance_tokens_per_s(profile: StepProfile, mean_prompt: float, mean_output: float, slots: int) -> float:
+    """Profile seed of Θ_B (spec B5.2): output tokens/s of one instance full of mean-sized requests
+    (each pays its prefill, then decodes in a batch of ``slots``)."""
+    step = profile.decode_step(slots, int(slots * (mean_prompt + mean_output / 2)))
+    per_request = profile.prefill(int(mean_prompt)) + mean_output * step / slots
+    return mean_output / per_request
+
+
+# ---- run --------------------------------------------------------------------------------------------
+def run(config: BenchConfig, progress: Progress) -> BenchReport:
+    """Run Chiron and the threshold variants on the same requests; checks against the target."""
+    opts = config.options
+    profile = load_profile(str(option(opts, "profile", "a100-llama3-8b", str)))
+    cold = option(opts, "cold_start_s", profile.cold_start_s, float)
+    profile = replace(profile, cold_start_s=cold)
+    initial = option(opts, "initial_instances", 2, int)
+    lo_inst = option(opts, "min_instances", 1, int)
+    hi_inst = option(opts, "max_instances", 20, int)
+    static_batch = option(opts, "static_batch", BS_INITIAL, int)
+    dispatch = str(option(opts, "dispatch", "arrival", str))
+    if dispatch not in ("arrival", "pull"):
+        raise ValueError(f"--set dispatch={dispatch!r}: choose arrival (spec B7) or pull")
+    if not 1 <= lo_inst <= initial <= hi_inst:
+        raise ValueError("--set needs 1 <= min_instances <= initial_instances <= max_instances")
+    if static_batch < 1:
+        raise ValueError("--set static_batch must be >= 1")
+    bands = _parse_bands(str(opts.get("bands", "0.4-0.8")))
+    tick = option(opts, "dispatch_interval_s", 1.0, float)
+    if tick <= 0:
+        raise ValueError("--set dispatch_interval_s must be > 0")
+    work = build_workload(config)
+    deadline = option(opts, "batch_deadline_s", 1200.0, float)
+    margin = option(opts, "batch_exec_margin_s", 60.0, float)
+    if margin < 0:
+        raise ValueError("--set batch_exec_margin_s must be >= 0")
+    mean_prompt = float(np.mean([r.prompt_tokens for r in work.requests[:500]]))
+    seed_theta = instance_tokens_per_s(
+        profile, mean_prompt, work.mean_output, max(1, int(profile.kv_capacity_tokens / work.mean_context))
+    )
+    settings = ChironSettings(
+        over_provisioning=option(opts, "over_provisioning", 1 / 3, float),
+        eval_interval_s=option(opts, "eval_interval_s", 5.0, float),
+        load_time_s=cold,
+        min_instances=lo_inst,
+        max_instances=hi_inst,
+        default_instance_tokens_per_s=seed_theta,
+        batch_slo_s=deadline,
+    )
+    variants: dict[str, Callable[[], tuple[Router, Controller, Callable[[], Policy]]]] = {
+        "chiron": lambda: _chiron_parts(settings, work, tick, deadline, margin),
+    }
+    if option(opts, "defer_variant", False, bool):
+        deferred = replace(settings, defer=True)
+        variants["chiron:defer=true"] = lambda: _chiron_parts(deferred, work, tick, deadline, margin)
+    for lo, hi in bands:
+        name = f"threshold:band={lo:g}-{hi:g}" + (":dispatch=pull" if dispatch == "pull" else "")
+        th = ThresholdSettings(interval_s=10.0, high=hi, low=lo, min_instances=lo_inst, max_instances=hi_inst)
+        variants[name] = lambda th=th: _threshold_parts(th, work, tick, static_batch, dispatch)
+    n = len(work.requests)
+    progress(0, total=n * len(variants))
+    rows: list[dict[str, Any]] = []
+    for name, build in variants.items():
+        router, controller, factory = build()
+        engine = EngineConfig(max_batch=BS_MAX if name.startswith("chiron") else static_batch)
+        role = "mixed" if name.startswith("chiron") else "default"
+        cluster = ClusterConfig(profiles={"default": profile}, instances=initial, engine=engine, role=role)
+        _, metrics = run_one(
+            work.requests, factory, cluster, router=router, controller=controller, progress=progress
+        )
+        rows.append({"policy": name, **metrics, **_scaling_metrics(controller, metrics)})
+    checks = _checks(rows)
+    cfg = {
+        **config.as_dict(),
+        "profile": profile.name,
+        "cold_start_s": cold,
+        "initial_instances": initial,
+        "min_instances": lo_inst,
+        "max_instances": hi_inst,
+        "static_batch": static_batch,
+        "batch_deadline_s": deadline,
+        "interactive_slo": {"ttft_s": INTERACTIVE_TTFT_S, "itl_s": INTERACTIVE_ITL_S},
+        "requests_by_class": {
+            k: sum(1 for r in work.requests if r.service_class.kind == k) for k in ("interactive", "batch")
+        },
+        "theta_b_seed_tokens_per_s": seed_theta,
+    }
+    return BenchReport("chiron", cfg, rows, checks)
+
+
+def _parse_bands(text: str) -> list[tuple[float, float]]:
+    """``"0.4-0.8,0.5-0.9"`` -> [(0.4, 0.8), (0.5, 0.9)], each 0 <= lo < hi <= 1."""
+    bands = []
+    for part in text.split(","):
+        lo_s, sep, hi_s = part.strip().partition("-")
+        try:
+            lo, hi = float(lo_s), float(hi_s)
+        except ValueError:
+            sep = ""
+        if not sep or not 0 <= lo < hi <= 1:
+            raise ValueError(f"--set bands={text!r}: give LO-HI pairs with 0 <= LO < HI <= 1, e.g. 0.4-0.8")
+        bands.append((lo, hi))
+    return bands
+
+
+def _chiron_parts(
+    settings: ChironSettings, work: Workload, tick: float, deadline: float, margin: float
+) -> tuple[Router, Controller, Callable[[], Policy]]:
+    queue = GlobalQueue(group_s=0.01 * deadline)
+    stats = RunningStats()
+    # Seed μ_o, σ_o from the offline profiling sample as 500 prior observations (QLM A6 style).
+    stats.n, stats.mean, stats.m2 = 500, work.mean_output, work.std_output**2 * 500
+
+    def finished(req: Request) -> None:
+        if req.service_class.kind == "batch":
+            stats.add(req.generated)
+
+    controller = ChironController(
+        settings,
+        queue,
+        stats,
+        interval_s=tick,
+        exec_margin_s=margin,
+        mean_context=work.mean_context,
+    )
+
+    def factory() -> Policy:
+        local = ChironLocal(min_batch=1, max_batch=BS_MAX, initial=BS_INITIAL)
+        return InstanceQueue(EDF(), local, on_finish=finished)
+
+    return HoldingRouter(queue, chiron_pick), controller, factory
+
+
+def _threshold_parts(
+    settings: ThresholdSettings, work: Workload, tick: float, static_batch: int, dispatch: str
+) -> tuple[Router, Controller, Callable[[], Policy]]:
+    queue = GlobalQueue(group_s=1.0) if dispatch == "pull" else None
+    controller = ThresholdController(
+        settings,
+        queue,
+        interval_s=tick if queue is not None else settings.interval_s,
+        static_batch=static_batch,
+        mean_context=work.mean_context,
+    )
+    router: Router = _PullEverything(queue) if queue is not None else _LeastLoaded()
+    return router, controller, lambda: InstanceQueue(FCFS())
+
+
+def _scaling_metrics(controller: Controller, metrics: dict[str, Any]) -> dict[str, Any]:
+    tl: Timeline = controller.timeline  # type: ignore[attr-defined]
+    totals = [p[1] + p[2] + p[3] for p in tl.points]
+    return {
+        "mean_instances": float(np.mean(totals)) if totals else None,
+        "peak_instances": max(totals) if totals else None,
+        "scaling_actions": tl.actions,
+        "scale_ups": tl.scale_ups,
+        "hysteresis": tl.actions / tl.scale_ups if tl.scale_ups else None,
+        "instances_over_time": tl.points,
+        "scaling_reasons": tl.reasons[:200],
+    }
+
+
+def _checks(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue 8's target against every threshold variant."""
+    chiron = next(r for r in rows if r["policy"] == "chiron")
+    out = []
+    for base in (r for r in rows if r["policy"].startswith("threshold")):
+        points = chiron["slo_attainment"] - base["slo_attainment"]
+        ratio = chiron["gpu_seconds"] / base["gpu_seconds"]
+        a = points >= TARGET_POINTS and ratio <= SIMILAR_GPU
+        b = ratio <= TARGET_GPU_RATIO and points >= 0
+        out.append(
+            f"chiron vs {base['policy']}: SLO attainment {chiron['slo_attainment']:.1%} vs "
+            f"{base['slo_attainment']:.1%} ({points * 100:+.1f} points), GPU-seconds {ratio:.2f}x "
+            f"(target: >= +30 points at <= {SIMILAR_GPU:.2f}x GPU-seconds, or <= {TARGET_GPU_RATIO:.2f}x "
+            f"GPU-seconds at equal or better attainment): {'PASS' if a or b else 'FAIL'}"
+        )
+    return out
+
+
+def plot(report: BenchReport, out_dir: Path) -> list[Path]:
+    """Instance count over time per row, and SLO attainment by class."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for row in report.results:
+        pts = np.asarray(row["instances_over_time"], dtype=float)
+        if len(pts):
+            ax.step(pts[:, 0], pts[:, 1:].sum(axis=1), where="post", label=row["policy"])
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("instances (GPUs)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    first = out_dir / "instances_over_time.png"
+    fig.tight_layout()
+    fig.savefig(first, dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = [r["policy"] for r in report.results]
+    classes = sorted({c for r in report.results for c in r.get("slo_attainment_by_class", {})})
+    width = 0.8 / max(1, len(classes) + 1)
+    for k, cls in enumerate(["all", *classes]):
+        vals = [
+            r["slo_attainment"] if cls == "all" else r.get("slo_attainment_by_class", {}).get(cls, 0.0)
+            for r in report.results
+        ]
+        ax.bar(np.arange(len(names)) + k * width, vals, width, label=cls)
+    ax.set_xticks(np.arange(len(names)) + width * len(classes) / 2, names, rotation=15, fontsize=8)
+    ax.set_ylabel("SLO attainment")
+    ax.legend()
+    second = out_dir / "slo_attainment.png"
+    fig.tight_layout()
+    fig.savefig(second, dpi=120)
+    plt.close(fig)
+    return [first, second]
+
+
+__all__ = ["DESCRIPTION", "plot", "run"]

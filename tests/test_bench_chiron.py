@@ -1,0 +1,152 @@
+"""`tessera bench chiron`: Chiron vs the utilization-threshold autoscaler, small interactive + batch runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tessera.sim.cluster import Cluster, ClusterConfig, Controller, Dispatch, Router
+from tessera.sim.engine import EngineConfig
+from tessera.sim.profiles import load_profile
+from tessera.sim.scenarios import BenchConfig
+from tessera.sim.scenarios import chiron as scenario
+from tessera.sim.workloads import build_requests
+from tessera.worker.chiron_local import ChironLocal
+from tessera.worker.core.baselines import EDF, FCFS
+from tessera.worker.core.request import ServiceClass
+
+SMALL = {
+    "interactive_requests": "200",
+    "interactive_rate": "4",
+    "batch_requests": "300",
+    "batch_at": "10",
+    "batch_deadline_s": "300",
+}
+
+
+def _noop(n: int = 1, total: int | None = None) -> None:
+    return None
+
+
+@pytest.fixture(scope="module")
+def report():
+    return scenario.run(BenchConfig("chiron", seed=3, options=dict(SMALL)), _noop)
+
+
+def test_rows_share_requests_and_report_scaling(report):
+    rows = {r["policy"]: r for r in report.results}
+    assert set(rows) == {"chiron", "threshold:band=0.4-0.8"}
+    assert report.config["requests_by_class"] == {"interactive": 200, "batch": 300}
+    for row in rows.values():
+        assert row["requests"] == 500
+        assert set(row["slo_attainment_by_class"]) == {"batch", "interactive"}
+        assert row["gpu_seconds"] > 0
+        assert row["instances_over_time"][0][0] == 0.0
+        assert row["peak_instances"] >= 1
+    # Chiron runs typed instances; the baseline one kind.
+    roles = {tuple(p[1:]) for p in rows["chiron"]["instances_over_time"]}
+    assert any(p[1] > 0 for p in roles)  # mixed instances exist
+    base_roles = {tuple(p[1:]) for p in rows["threshold:band=0.4-0.8"]["instances_over_time"]}
+    assert all(p[1] == p[2] == 0 for p in base_roles)
+    assert len(report.checks) == 1 and report.checks[0].endswith(("PASS", "FAIL"))
+
+
+def test_chiron_protects_interactive_requests_from_the_batch_bulk(report):
+    rows = {r["policy"]: r for r in report.results}
+    chiron, base = rows["chiron"], rows["threshold:band=0.4-0.8"]
+    # FCFS on arrival puts interactive requests behind the bulk; Chiron holds the bulk in its queue.
+    assert (
+        chiron["slo_attainment_by_class"]["interactive"]
+        > base["slo_attainment_by_class"]["interactive"] + 0.2
+    )
+
+
+def test_options_are_validated():
+    for bad, match in (
+        ({"bands": "0.8-0.4"}, "LO-HI"),
+        ({"dispatch": "teleport"}, "dispatch"),
+        ({"initial_instances": "30"}, "initial_instances"),
+        ({"interactive_requests": "1"}, "interactive_requests"),
+        ({"batch_deadline_s": "0"}, "batch_deadline_s"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            scenario.run(BenchConfig("chiron", options={**SMALL, **bad}), _noop)
+
+
+def test_instance_queue_evicts_batch_for_interactive_and_shrinks_batch():
+    """An interactive arrival on a mixed instance full of batch work evicts the latest batch request."""
+    profile = load_profile("a100-llama3-8b")
+    inter = ServiceClass("interactive", "interactive", ttft_slo_s=10, itl_slo_s=0.2)
+    batch = ServiceClass("batch", "batch", deadline_s=600, itl_slo_s=2.0)
+    rng = np.random.default_rng(0)
+    reqs = build_requests([0.0] * 4 + [1.0], [100] * 5, [400] * 5, rng)
+    for r in reqs[:4]:
+        r.service_class = batch
+    reqs[4].service_class = inter
+
+    class Fixed(Router):
+        def route(self, req, view):
+            return view.instances[0]
+
+    def factory():
+        return scenario.InstanceQueue(EDF(), ChironLocal(min_batch=1, max_batch=4, initial=4))
+
+    cluster = Cluster(ClusterConfig(profiles={"default": profile}, instances=1), factory, router=Fixed())
+    result = cluster.run(reqs)
+    assert reqs[4].preemptions == 0
+    assert sum(r.preemptions for r in reqs[:4]) >= 1  # a batch request gave way
+    assert result.requests[4].tokens.first_time() - 1.0 < 0.5  # interactive TTFT well under its SLO
+    # The baseline's queue knows no classes: FCFS and no eviction.
+    fcfs_reqs = build_requests([0.0] * 4 + [1.0], [100] * 5, [400] * 5, rng)
+    for r in fcfs_reqs[:4]:
+        r.service_class = batch
+    fcfs_reqs[4].service_class = inter
+    cluster = Cluster(
+        ClusterConfig(profiles={"default": profile}, instances=1, engine=EngineConfig(max_batch=4)),
+        lambda: scenario.InstanceQueue(FCFS()),
+        router=Fixed(),
+    )
+    cluster.run(fcfs_reqs)
+    assert sum(r.preemptions for r in fcfs_reqs) == 0
+    assert fcfs_reqs[4].tokens.first_time() > fcfs_reqs[0].tokens.first_time() + 1.0
+
+
+def test_cluster_holds_and_dispatches_requests():
+    """A router may hold requests; a controller dispatches them; held requests never dispatched stall."""
+    profile = load_profile("a100-llama3-8b")
+    reqs = build_requests([0.0, 0.5, 1.0], [50] * 3, [20] * 3, np.random.default_rng(0))
+
+    class Hold(Router):
+        def route(self, req, view):
+            return None
+
+    class Release(Controller):
+        interval_s = 2.0
+
+        def __init__(self):
+            self.seen = []
+
+        def tick(self, view):
+            self.seen.append(len(view.held))
+            return [Dispatch(r, view.instances[0].name) for r in list(view.held)] if view.now >= 4 else []
+
+    ctl = Release()
+    cluster = Cluster(
+        ClusterConfig(profiles={"default": profile}, instances=1), FCFS, router=Hold(), controller=ctl
+    )
+    cluster.run(reqs)
+    assert all(r.first_scheduled_at is not None and r.first_scheduled_at >= 4.0 for r in reqs)
+    assert ctl.seen[:3] == [0, 3, 3]  # the tick at t=0 comes before that instant's arrival
+
+    class Never(Controller):
+        interval_s = 1.0
+
+        def tick(self, view):
+            return []
+
+    stuck = build_requests([0.0], [50], [20], np.random.default_rng(0))
+    cluster = Cluster(
+        ClusterConfig(profiles={"default": profile}, instances=1), FCFS, router=Hold(), controller=Never()
+    )
+    with pytest.raises(RuntimeError, match="held"):
+        cluster.run(stuck)
