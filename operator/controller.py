@@ -33,6 +33,7 @@ from tessera.operator.pool_plan import (
     PoolDesired,
     Problem,
     desired_pool,
+    inputs_fingerprint,
     parse,
     parse_classes,
     pool_ref,
@@ -94,13 +95,23 @@ def _state_from_history(history: list[dict[str, Any]], group: str) -> Autoscaler
 class Controller:
     """Reconciles pools, services and classes of a cluster through a ``Kube`` adapter."""
 
-    def __init__(self, kube: Kube, emit: EventSink, metrics: MetricsSource | None = None) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        emit: EventSink,
+        metrics: MetricsSource | None = None,
+        resync_seconds: float = 60.0,
+    ) -> None:
         self.kube = kube
+        self.resync_seconds = resync_seconds
         self.emit = emit
         self.metrics = metrics
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._scalers: dict[tuple[str, str, str], _Scaler] = {}
+        # Digest of the inputs each pool was last planned from: replan only when they change.
+        self._fingerprints: dict[tuple[str, str], str] = {}
+        self._last_sync: dict[tuple[str, str], float] = {}
 
     def _lock(self, namespace: str, pool: str) -> threading.Lock:
         with self._locks_guard:
@@ -108,9 +119,20 @@ class Controller:
 
     # -- pools ---------------------------------------------------------------------------------------
 
+    def tick(self, namespace: str, name: str, now: float) -> None:
+        """The pool timer: run the autoscaler when Prometheus is configured, else resync now and then
+        (events drive the rest; a periodic pass repairs drift such as a hand-edited StatefulSet)."""
+        if (
+            self.metrics is None
+            and now - self._last_sync.get((namespace, name), -math.inf) < self.resync_seconds
+        ):
+            return
+        self.reconcile_pool(namespace, name, now, autoscale=self.metrics is not None)
+
     def reconcile_pool(self, namespace: str, name: str, now: float, autoscale: bool = False) -> None:
         """Bring one pool's children and status (and its services' status) in line with the specs."""
         with self._lock(namespace, name):
+            self._last_sync[(namespace, name)] = now
             body = self.kube.get_custom(POOLS, namespace, name)
             if body is None or body.get("metadata", {}).get("deletionTimestamp"):
                 return
@@ -118,7 +140,14 @@ class Controller:
             previous = st.plan_from_status(status.get("placement"))
             services = self.kube.list_custom(SERVICES, namespace)
             classes = self.kube.list_custom(CLASSES, namespace)
-            decided = desired_pool(body, services, classes, previous, now)
+            fingerprint = inputs_fingerprint(body, services, classes)
+            due = st.parse_time(status.get("nextPlacementTime"))
+            replan = (
+                self._fingerprints.get((namespace, name)) != fingerprint
+                or previous is None
+                or (due is not None and now >= due)
+            )
+            decided = desired_pool(body, services, classes, previous, now, replan=replan)
             if isinstance(decided, Problem):
                 self._report_invalid(POOLS, body, decided, now)
                 return
@@ -126,7 +155,8 @@ class Controller:
             if autoscale and decided.plan is not None and decided.pool.spec.autoscaling.enabled:
                 decided, history = self._autoscale(namespace, body, decided, history, now)
             self._apply(namespace, body, decided)
-            self._report_pool(namespace, body, decided, previous, history, now)
+            self._report_pool(namespace, body, decided, previous, history, now, replanned=replan)
+            self._fingerprints[(namespace, name)] = fingerprint
 
     def _apply(self, namespace: str, body: Mapping[str, Any], decided: PoolDesired) -> None:
         observed = self.kube.list_children(namespace, pool_labels(decided.pool.name))
@@ -213,6 +243,7 @@ class Controller:
         previous: PlacementPlan | None,
         history: list[dict[str, Any]],
         now: float,
+        replanned: bool,
     ) -> None:
         pool = decided.pool
         status = dict(body.get("status") or {})
@@ -439,6 +470,8 @@ class Controller:
                 self.kube.apply(namespace, action)
             for key in [k for k in self._scalers if k[:2] == (namespace, name)]:
                 del self._scalers[key]
+            self._fingerprints.pop((namespace, name), None)
+            self._last_sync.pop((namespace, name), None)
             return len(actions)
 
 

@@ -54,7 +54,7 @@ def build_registry(
 
     @kopf.timer(GROUP, VERSION, POOLS, interval=tick_seconds, registry=registry)
     def pool_tick(namespace: str, name: str, **_: Any) -> None:
-        controller.reconcile_pool(namespace, name, time.time(), autoscale=controller.metrics is not None)
+        controller.tick(namespace, name, time.time())
 
     @kopf.on.delete(GROUP, VERSION, POOLS, registry=registry)
     def pool_deleted(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:

@@ -6,6 +6,8 @@ operator should make true. No I/O and no clock: ``now`` is an argument.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -178,15 +180,45 @@ def spread(plan: PlacementPlan, total: int) -> tuple:
     )
 
 
+def inputs_fingerprint(
+    pool_body: Mapping[str, Any],
+    service_bodies: Iterable[Mapping[str, Any]],
+    class_bodies: Iterable[Mapping[str, Any]],
+) -> str:
+    """A digest of everything a pool's plan and children depend on: the pool's spec, the specs of the
+    LLMServices naming it and of the namespace's RequestClasses (objects being deleted left out)."""
+    pool = (pool_body.get("metadata") or {}).get("name")
+
+    def specs(bodies: Iterable[Mapping[str, Any]], keep: Any) -> list[Any]:
+        chosen = [b for b in bodies if keep(b) and not deleting(b)]
+        return sorted(
+            (
+                [(b.get("metadata") or {}).get("name"), (b.get("metadata") or {}).get("uid"), b.get("spec")]
+                for b in chosen
+            ),
+            key=lambda item: str(item[0]),
+        )
+
+    document = {
+        "pool": [(pool_body.get("metadata") or {}).get("uid"), pool_body.get("spec")],
+        "services": specs(service_bodies, lambda b: pool_ref(b) == pool),
+        "classes": specs(class_bodies, lambda b: True),
+    }
+    return hashlib.sha256(json.dumps(document, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def desired_pool(
     pool_body: Mapping[str, Any],
     service_bodies: Iterable[Mapping[str, Any]],
     class_bodies: Iterable[Mapping[str, Any]],
     previous: PlacementPlan | None,
     now: float,
+    replan: bool = True,
 ) -> PoolDesired | Problem:
     """Decide a pool: its valid services, the placement plan and the children it should own.
 
+    With ``replan`` false and a plan in effect, that plan stays (planning can be costly: SeaLLM
+    simulates); the caller replans when the inputs change or the re-placement interval is due.
     Returns a Problem (reason InvalidSpec) when the pool's own spec is invalid: nothing is created.
     When no placement exists, the plan in effect stays (``placement_problem`` says why).
     """
@@ -199,6 +231,9 @@ def desired_pool(
     classes, _ = parse_classes(class_bodies)
     services, rejected = pool_services(pool.name, service_bodies, classes)
     try:
+        if not replan and previous is not None:
+            children = desired_children(pool, previous.groups, services, classes, namespace)
+            return PoolDesired(pool, services, classes, rejected, previous, None, children)
         plan = plan_placement(
             pool_input(pool),
             service_inputs(services.values()),

@@ -1,0 +1,220 @@
+"""Run the Tessera operator (kopf) against KMock's Kubernetes emulator on loopback.
+
+The emulator keeps objects in memory and serves list / watch / get / create / patch / delete. It
+assigns no uid, so test objects carry their own. kopf runs cluster-wide (KMock 0.8 cannot answer the
+cluster-scoped namespace listing that namespaced mode needs) and logs in through a login handler that
+points at the emulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import attrs
+import kmock
+import kopf
+import yaml
+from kubernetes import client
+
+from tessera.api import GROUP, VERSION
+from tessera.operator.controller import Controller, MetricsSource
+from tessera.operator.handlers import build_registry, kopf_events
+from tessera.operator.kube import Kube
+
+VERBS = ["list", "watch", "get", "create", "update", "patch", "delete"]
+RESOURCES = {
+    f"{GROUP}/{VERSION}/servingpools": "ServingPool",
+    f"{GROUP}/{VERSION}/llmservices": "LLMService",
+    f"{GROUP}/{VERSION}/requestclasses": "RequestClass",
+    "apps/v1/statefulsets": "StatefulSet",
+    "v1/services": "Service",
+    "v1/configmaps": "ConfigMap",
+    "v1/events": "Event",
+    "v1/namespaces": "Namespace",
+    "apiextensions.k8s.io/v1/customresourcedefinitions": "CustomResourceDefinition",
+}
+PLURALS = {"ServingPool": "servingpools", "LLMService": "llmservices", "RequestClass": "requestclasses"}
+CLUSTER_SCOPED = {"Namespace", "CustomResourceDefinition"}
+CHILD_PATHS = {
+    "StatefulSet": "/apis/apps/v1/namespaces/{ns}/statefulsets",
+    "Service": "/api/v1/namespaces/{ns}/services",
+    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
+}
+
+
+def load_example(path: Path, namespace: str) -> list[dict[str, Any]]:
+    """The documents of an example file, put in ``namespace`` with a fresh uid each."""
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for doc in docs:
+        doc["metadata"]["namespace"] = namespace
+        doc["metadata"]["uid"] = str(uuid.uuid4())
+        # kopf guards its finalizer patches with a JSON-patch test of resourceVersion; the emulator
+        # keeps whatever is given (and never bumps it), which is enough for that test.
+        doc["metadata"]["resourceVersion"] = "1"
+    return docs
+
+
+def custom_path(body: dict[str, Any], name: str | None = None) -> str:
+    """API path of a Tessera object (its collection, or the object with ``name``)."""
+    ns = body["metadata"]["namespace"]
+    base = f"/apis/{GROUP}/{VERSION}/namespaces/{ns}/{PLURALS[body['kind']]}"
+    return f"{base}/{name}" if name else base
+
+
+@attrs.define(kw_only=True)
+class Emulator(kmock.KubernetesEmulator):
+    """KMock's emulator, plus names for objects created with only metadata.generateName (kopf's
+    events), which the emulator would otherwise store all under the same missing name."""
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        data = request.data
+        if request.action == kmock.action.CREATE and isinstance(data, dict):
+            meta = data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = f"{meta['generateName']}{uuid.uuid4().hex[:10]}"
+        return await super()._handle(request)
+
+
+@dataclass
+class Harness:
+    """An emulator with the operator running against it."""
+
+    emulator: Emulator
+    url: str
+    metrics: MetricsSource | None = None
+    tick_seconds: float = 1.0
+    _task: asyncio.Task | None = field(default=None, init=False)
+    _stop: asyncio.Event | None = field(default=None, init=False)
+
+    # -- the operator ---------------------------------------------------------------------------------
+
+    def controller(self) -> Controller:
+        """A fresh Controller talking to the emulator (fast retries)."""
+        configuration = client.Configuration()
+        configuration.host = self.url
+        kube = Kube(client.ApiClient(configuration), sleep=lambda s: time.sleep(min(s, 0.05)))
+        return Controller(kube, kopf_events, self.metrics)
+
+    async def start(self) -> None:
+        """Start a new operator (a fresh Controller and registry, as a restarted pod would)."""
+        registry = build_registry(self.controller(), self.tick_seconds)
+        url = self.url
+
+        @kopf.on.login(registry=registry)
+        def login(**_: Any) -> kopf.ConnectionInfo:
+            return kopf.ConnectionInfo(server=url, insecure=True)
+
+        @kopf.on.startup(registry=registry)
+        def fast(settings: kopf.OperatorSettings, **_: Any) -> None:
+            settings.watching.reconnect_backoff = 0.1
+            settings.queueing.idle_timeout = 0.1
+            settings.posting.level = 0
+            settings.execution.max_workers = 16
+
+        self._stop = asyncio.Event()
+        ready = asyncio.Event()
+        self._task = asyncio.create_task(
+            kopf.operator(
+                registry=registry,
+                clusterwide=True,
+                standalone=True,
+                stop_flag=self._stop,
+                ready_flag=ready,
+            )
+        )
+        await asyncio.wait_for(ready.wait(), 20)
+
+    async def stop(self) -> None:
+        """Stop the operator and wait until it is gone."""
+        if self._task is None or self._stop is None:
+            return
+        self._stop.set()
+        try:
+            await asyncio.wait_for(self._task, 30)
+        except (asyncio.CancelledError, TimeoutError):
+            self._task.cancel()
+        self._task = None
+
+    # -- the API --------------------------------------------------------------------------------------
+
+    async def create(self, body: dict[str, Any]) -> None:
+        """POST one Tessera object."""
+        response = await self.emulator.post(custom_path(body), json=body)
+        assert response.status in (200, 201), await response.text()
+
+    async def patch(self, body: dict[str, Any], changes: dict[str, Any]) -> None:
+        """Merge-patch one Tessera object."""
+        response = await self.emulator.patch(
+            custom_path(body, body["metadata"]["name"]),
+            json=changes,
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        assert response.status == 200, await response.text()
+
+    async def delete(self, body: dict[str, Any]) -> None:
+        """DELETE one Tessera object."""
+        response = await self.emulator.delete(custom_path(body, body["metadata"]["name"]))
+        assert response.status in (200, 202), await response.text()
+
+    async def get(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The stored state of a Tessera object; None when it is gone."""
+        response = await self.emulator.get(custom_path(body, body["metadata"]["name"]))
+        return await response.json() if response.status == 200 else None
+
+    async def children(self, namespace: str) -> dict[tuple[str, str], dict[str, Any]]:
+        """Every StatefulSet, Service and ConfigMap in ``namespace`` by (kind, name)."""
+        found = {}
+        for kind, path in CHILD_PATHS.items():
+            response = await self.emulator.get(path.format(ns=namespace))
+            for item in (await response.json()).get("items", []):
+                found[(kind, item["metadata"]["name"])] = item
+        return found
+
+    async def events(self, namespace: str) -> list[dict[str, Any]]:
+        """Every event posted in ``namespace``."""
+        response = await self.emulator.get(f"/api/v1/namespaces/{namespace}/events")
+        return (await response.json()).get("items", [])
+
+    async def eventually(self, check: Callable[[], Any], timeout: float = 15.0) -> Any:
+        """Poll the async ``check`` until it returns a truthy value; fail with its last value."""
+        deadline = time.monotonic() + timeout
+        value = None
+        while time.monotonic() < deadline:
+            value = await check()
+            if value:
+                return value
+            await asyncio.sleep(0.25)
+        raise AssertionError(f"condition not met within {timeout}s; last value: {value!r}")
+
+
+@contextlib.asynccontextmanager
+async def emulated_cluster(
+    metrics: MetricsSource | None = None, tick_seconds: float = 1.0
+) -> AsyncIterator[Harness]:
+    """An emulator on loopback with every resource the operator uses, and a running operator."""
+    async with Emulator() as emulator, kmock.Server(emulator) as server:
+        for path, kind in RESOURCES.items():
+            emulator.resources[path] = {
+                "kind": kind,
+                "namespaced": kind not in CLUSTER_SCOPED,
+                "verbs": VERBS,
+            }
+        harness = Harness(emulator, str(server.url).rstrip("/"), metrics, tick_seconds)
+        await harness.start()
+        try:
+            yield harness
+        finally:
+            await harness.stop()
+
+
+def copy_doc(doc: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of a document (tests mutate their copies)."""
+    return copy.deepcopy(doc)

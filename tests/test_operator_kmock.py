@@ -1,0 +1,258 @@
+"""The operator under kopf against KMock's Kubernetes emulator: children, rescaling, cleanup, invalid
+specs, restarts and API errors. One emulator and operator serve the module; each test uses its own
+namespace."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from kmock_harness import Harness, emulated_cluster, load_example
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+POOL, SERVICE, CLASS = "ServingPool", "LLMService", "RequestClass"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster():
+    async with emulated_cluster() as harness:
+        yield harness
+
+
+def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+async def apply_all(h: Harness, docs: list[dict[str, Any]]) -> None:
+    for doc in docs:
+        await h.create(doc)
+
+
+def expected_children(
+    pool: dict[str, Any], status: dict[str, Any], services: list[str]
+) -> set[tuple[str, str]]:
+    name = pool["metadata"]["name"]
+    expected = {("Service", s) for s in services}
+    for group in status["placement"]["groups"]:
+        obj = f"{name}-{group['name']}"
+        expected |= {("StatefulSet", obj), ("Service", obj), ("ConfigMap", f"{obj}-worker")}
+    return expected
+
+
+async def settled(h: Harness, pool: dict[str, Any], services: list[str]) -> tuple[dict, dict]:
+    """Wait until the pool's status has a plan and exactly its children exist; return both."""
+    namespace = pool["metadata"]["namespace"]
+
+    async def check():
+        body = await h.get(pool)
+        status = (body or {}).get("status") or {}
+        if not status.get("placement", {}).get("groups"):
+            return None
+        children = await h.children(namespace)
+        if set(children) != expected_children(pool, status, services):
+            return None
+        return status, children
+
+    return await h.eventually(check)
+
+
+def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in status.get("conditions", []) if c["type"] == type_)
+
+
+def writes(h: Harness, namespace: str) -> list[str]:
+    """Every create / patch / delete the emulator has served in ``namespace`` (events excluded)."""
+    return [
+        f"{r.method} {r.url.path}"
+        for r in h.emulator
+        if str(r.method).upper() in ("POST", "PATCH", "PUT", "DELETE")
+        and f"/namespaces/{namespace}/" in r.url.path
+        and "/events" not in r.url.path
+    ]
+
+
+@pytest.mark.parametrize("example", ["quickstart.yaml", "multi-model.yaml"])
+async def test_example_creates_exactly_the_expected_children(cluster: Harness, example: str) -> None:
+    namespace = "ex-" + example.split(".")[0]
+    docs = load_example(EXAMPLES / example, namespace)
+    await apply_all(cluster, docs)
+    pool = of_kind(docs, POOL)[0]
+    services = {s["metadata"]["name"]: s for s in of_kind(docs, SERVICE)}
+    status, children = await settled(cluster, pool, sorted(services))
+
+    placed = {s for g in status["placement"]["groups"] for s in g["services"]}
+    assert placed == set(services)
+    assert condition(status, "Placed")["status"] == "True"
+    assert condition(status, "Invalid")["status"] == "False"
+    spec = pool["spec"]
+    for (kind, name), obj in children.items():
+        owner = obj["metadata"]["ownerReferences"][0]
+        expected_owner = services[name] if (kind == "Service" and name in services) else pool
+        assert owner["uid"] == expected_owner["metadata"]["uid"]
+        assert owner["kind"] == expected_owner["kind"] and owner["controller"] is True
+        if kind != "StatefulSet":
+            continue
+        group = next(g for g in status["placement"]["groups"] if name.endswith(g["name"]))
+        assert obj["spec"]["replicas"] == sum(group["replicas"].values())
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == spec["nodeSelector"]
+        assert [t["key"] for t in pod["tolerations"]] == [t["key"] for t in spec["tolerations"]]
+        vllm = [c for c in pod["containers"] if c["name"].startswith("vllm-")]
+        assert len(vllm) == len(group["services"])
+        assert vllm[0]["resources"]["limits"]["nvidia.com/gpu"] == str(group["tensorParallelSize"])
+        assert obj["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+
+    async def all_events():
+        reasons = [e.get("reason") for e in await cluster.events(namespace)]
+        return "Placed" in reasons and reasons.count("Created") == len(children)
+
+    await cluster.eventually(all_events)
+    for name, service in services.items():
+        body = await cluster.eventually(
+            lambda service=service: _with_status(cluster, service, "endpoint"),
+        )
+        assert body["status"]["endpoint"] == f"http://{name}.{namespace}.svc:80"
+        assert condition(body["status"], "Placed")["status"] == "True"
+
+
+async def _with_status(h: Harness, doc: dict[str, Any], field: str) -> dict[str, Any] | None:
+    body = await h.get(doc)
+    return body if body and field in (body.get("status") or {}) else None
+
+
+async def test_second_reconcile_changes_nothing(cluster: Harness) -> None:
+    namespace = "idem"
+    docs = load_example(EXAMPLES / "quickstart.yaml", namespace)
+    await apply_all(cluster, docs)
+    pool = of_kind(docs, POOL)[0]
+    await settled(cluster, pool, ["llama-8b"])
+    await asyncio.sleep(1.5)  # let the handlers triggered by the creation finish
+    before = writes(cluster, namespace)
+    # Two more full passes, one by a fresh controller (nothing remembered): no write at all.
+    for controller in (cluster.controller(), cluster.controller()):
+        await asyncio.to_thread(controller.reconcile_pool, namespace, "h100-pool", time.time())
+        await asyncio.to_thread(controller.reconcile_pool, namespace, "h100-pool", time.time())
+    assert writes(cluster, namespace)[len(before) :] == []
+
+
+async def test_changing_pool_bounds_rescales(cluster: Harness) -> None:
+    namespace = "rescale"
+    docs = load_example(EXAMPLES / "quickstart.yaml", namespace)
+    await apply_all(cluster, docs)
+    pool = of_kind(docs, POOL)[0]
+    status, _ = await settled(cluster, pool, ["llama-8b"])
+    sts = f"h100-pool-{status['placement']['groups'][0]['name']}"
+    assert (await cluster.children(namespace))[("StatefulSet", sts)]["spec"]["replicas"] == 4
+
+    await cluster.patch(pool, {"spec": {"instances": {"min": 1, "max": 2}}})
+
+    async def rescaled():
+        children = await cluster.children(namespace)
+        return children[("StatefulSet", sts)]["spec"]["replicas"] == 2
+
+    await cluster.eventually(rescaled)
+    body = await cluster.eventually(lambda: _replicas_are(cluster, pool, 2))
+    assert body["status"]["placement"]["groups"][0]["replicas"]["interactive"] == 2
+
+
+async def _replicas_are(h: Harness, doc: dict[str, Any], n: int) -> dict[str, Any] | None:
+    body = await h.get(doc)
+    return body if body and (body.get("status") or {}).get("replicas") == n else None
+
+
+async def test_deleting_the_pool_cleans_up(cluster: Harness) -> None:
+    namespace = "cleanup"
+    docs = load_example(EXAMPLES / "quickstart.yaml", namespace)
+    await apply_all(cluster, docs)
+    pool = of_kind(docs, POOL)[0]
+    await settled(cluster, pool, ["llama-8b"])
+
+    await cluster.delete(pool)
+
+    async def gone():
+        return not await cluster.children(namespace) and await cluster.get(pool) is None
+
+    await cluster.eventually(gone)
+
+
+async def test_invalid_pool_sets_invalid_condition_and_event_and_creates_nothing(cluster: Harness) -> None:
+    namespace = "invalid"
+    docs = load_example(EXAMPLES / "quickstart.yaml", namespace)
+    pool = of_kind(docs, POOL)[0]
+    pool["spec"]["instances"] = {"min": 3, "max": 1}
+    await apply_all(cluster, docs)
+
+    async def invalid():
+        body = await cluster.get(pool)
+        conditions = (body or {}).get("status", {}).get("conditions", [])
+        return next((c for c in conditions if c["type"] == "Invalid" and c["status"] == "True"), None)
+
+    found = await cluster.eventually(invalid)
+    assert found["reason"] == "InvalidSpec"
+    assert "instances" in found["message"] and "min" in found["message"]
+    events = await cluster.events(namespace)
+    assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events)
+    await asyncio.sleep(1.0)  # several timer ticks: still nothing
+    assert await cluster.children(namespace) == {}
+
+
+async def test_invalid_service_is_reported_and_left_out(cluster: Harness) -> None:
+    namespace = "badsvc"
+    docs = load_example(EXAMPLES / "quickstart.yaml", namespace)
+    service = of_kind(docs, SERVICE)[0]
+    service["spec"]["requestClasses"] = []  # at least one class is required
+    await apply_all(cluster, docs)
+
+    async def invalid():
+        body = await cluster.get(service)
+        conditions = (body or {}).get("status", {}).get("conditions", [])
+        return next((c for c in conditions if c["type"] == "Invalid" and c["status"] == "True"), None)
+
+    found = await cluster.eventually(invalid)
+    assert "requestClasses" in found["message"]
+    assert not any(kind == "StatefulSet" for kind, _ in await cluster.children(namespace))
+
+
+async def test_restarted_operator_resumes_without_duplicating_children(cluster: Harness) -> None:
+    namespace = "restart"
+    docs = load_example(EXAMPLES / "quickstart.yaml", namespace)
+    await apply_all(cluster, docs)
+    pool = of_kind(docs, POOL)[0]
+    _, children = await settled(cluster, pool, ["llama-8b"])
+    await asyncio.sleep(1.0)
+    before = writes(cluster, namespace)
+
+    await cluster.stop()
+    await cluster.start()
+    await asyncio.sleep(2.0)  # resume handlers and timer ticks of the new operator
+
+    assert set(await cluster.children(namespace)) == set(children)
+    new_writes = writes(cluster, namespace)[len(before) :]
+    assert not [w for w in new_writes if w.startswith("POST")]
+    assert not [w for w in new_writes if any(k in w for k in ("statefulsets", "configmaps", "/services/"))]
+
+
+async def test_api_errors_and_conflicts_are_retried(cluster: Harness) -> None:
+    namespace = "flaky"
+    sts_path = f"/apis/apps/v1/namespaces/{namespace}/statefulsets"
+    cm_path = f"/api/v1/namespaces/{namespace}/configmaps"
+    # The first StatefulSet create fails with 500 after the emulator stored it (a lost response): the
+    # retry meets 409 AlreadyExists and patches. The first ConfigMap create is throttled (429).
+    cluster.emulator[f"post {sts_path}"][:1] << 500
+    cluster.emulator[f"post {cm_path}"][:1] << 429
+    docs = load_example(EXAMPLES / "quickstart.yaml", namespace)
+    await apply_all(cluster, docs)
+    pool = of_kind(docs, POOL)[0]
+    status, children = await settled(cluster, pool, ["llama-8b"])
+
+    assert len([k for k in children if k[0] == "StatefulSet"]) == 1
+    posts = [w for w in writes(cluster, namespace) if w == f"POST {sts_path}"]
+    assert len(posts) >= 2  # the failed attempt and its retry
+    assert condition(status, "Placed")["status"] == "True"
