@@ -69,7 +69,7 @@ def test_memory_pressure_preempts_the_buffered_long_request_for_new_ones() -> No
     # Paper Fig. 8: R1 holds the most memory and has buffered tokens far ahead of its reader,
     # so it is preempted to admit the newcomers; with zero overheads the refiner agrees.
     prof = profile(kv=1000)
-    pol = AndesQoE()
+    pol = AndesQoE(preemption_cap="none")
     now = 20.0
     r1 = run(request("r1", 0.0, 700), 1.0, 200, 0.02)  # 200 tokens = 40 s of reading buffered
     r2 = run(request("r2", 15.0, 100), 16.0, 20, 0.05)
@@ -111,7 +111,7 @@ def test_zero_overhead_refiner_accepts_every_greedy_decision() -> None:
             running.append(run(request(f"r{i}", float(rng.uniform(0, 40)), int(rng.integers(50, 300))),
                                float(rng.uniform(40, 45)), n, float(rng.uniform(0.01, 0.05))))  # fmt: skip
         waiting = [request(f"w{i}", float(rng.uniform(40, 50)), int(rng.integers(50, 400))) for i in range(5)]
-        a, b = AndesQoE(), AndesQoE(refiner=False)
+        a, b = AndesQoE(preemption_cap="none"), AndesQoE(refiner=False, preemption_cap="none")
         for pol in (a, b):
             for r in (*running, *waiting):
                 pol.add(r, now)
@@ -198,10 +198,112 @@ def test_dp_policy_runs_on_small_case(kv: int, expected: set[str]) -> None:
     # r (l = 351) has 50 tokens buffered, to 11 s of reading; w (l = 51) waits. Both fit in 500;
     # in 400 the exact solver serves w and lets r's buffer carry it.
     prof = profile(kv=kv)
-    pol = AndesQoE(solver="dp")
+    pol = AndesQoE(solver="dp", preemption_cap="none")
     running = [run(request("r", 0.0, 300), 1.0, 50, 0.02)]
     waiting = [request("w", 9.0, 50)]
     for r in (*running, *waiting):
         pol.add(r, 10.0)
     d = pol.schedule(InstanceView(10.0, "i0", running, 8, kv, kv - 10, prof))
     assert {r.id for r in d.run} == expected
+
+
+def memory_pressure_case(cap: str, newcomer_arrival: float) -> set[str]:
+    """The Fig. 8 case of the test above, under a preemption cap setting."""
+    prof = profile(kv=1000)
+    pol = AndesQoE(preemption_cap=cap)  # type: ignore[arg-type]
+    r1 = run(request("r1", 0.0, 700), 1.0, 200, 0.02)
+    r2 = run(request("r2", 15.0, 100), 16.0, 20, 0.05)
+    newcomers = [request(f"n{i}", newcomer_arrival, 120) for i in range(2)]
+    for r in (r1, r2, *newcomers):
+        pol.add(r, 20.0)
+    return {r.id for r in pol.schedule(view([r1, r2], 20.0, prof)).run}
+
+
+def test_refcode_cap_blocks_preemption_when_the_least_slack_is_below_one_overhead() -> None:
+    # Newcomers that arrived at 19.0 have slack 19 + 1 - 20 = 0 s: the 10th-percentile slack buys
+    # no preemption (REF-CODE cap); arriving at 19.9 they have 0.9 s, which buys several.
+    assert "r1" in memory_pressure_case("refcode", 19.0)
+    assert "r1" not in memory_pressure_case("refcode", 19.9)
+    assert "r1" not in memory_pressure_case("none", 19.0)
+
+
+def swap_case(swap_free: int | None) -> set[str]:
+    """A buffered request must make room for a newcomer; seven young requests run on the ideal
+    pace (no buffer), so any stall costs them QoE. The victim's swap-out is the only stall
+    (prefill is free in this profile)."""
+    prof = StepProfile("t", 0.02, 0.0, 0.0, 0.0, 0.0, kv_capacity_tokens=1100, block_size=1,
+                       kv_bytes_per_token=25_000_000, host_link_bytes_per_s=25e9)  # fmt: skip
+    pol = AndesQoE(preemption_cap="none", preemption="swap")
+    buffered = run(request("b", 0.0, 700), 1.0, 200, 0.02)  # swap-out: 900 tokens x 1 ms = 0.9 s
+    tight = [run(request(f"t{i}", 18.0, 10), 19.0, 6, 0.2) for i in range(7)]  # next due at 20.2 s
+    newcomer = request("n", 19.5, 150)
+    running = [buffered, *tight]
+    for r in (*running, newcomer):
+        pol.add(r, 20.0)
+    used = sum(r.prompt_tokens + r.generated + 1 for r in running)
+    v = InstanceView(20.0, "i0", running, 9, 1100, used, prof, swap_free_tokens=swap_free)
+    return {r.id for r in pol.schedule(v).run} - {r.id for r in tight}
+
+
+def test_preemption_priced_as_recompute_once_swap_space_is_full() -> None:
+    # With swap room the 0.9 s swap-out stalls "t" and the refiner refuses; without room the engine
+    # would recompute (no stall now), so the admission goes ahead.
+    assert swap_case(swap_free=10_000) == {"b"}
+    assert swap_case(swap_free=100) == {"n"}
+
+
+def test_admissions_stop_at_the_prefill_budget() -> None:
+    # Plenty of KV and slots, but the engine prefills at most 300 tokens per iteration (the first
+    # request always starts): the decision proposes no more than that.
+    prof = profile(kv=10_000)
+    pol = AndesQoE(preemption_cap="none", kv_watermark=0.01)
+    running = [run(request("r", 0.0, 100), 1.0, 10, 0.02)]
+    waiting = [request(f"w{i}", 9.0 + i / 10, 200) for i in range(4)]
+    for r in (*running, *waiting):
+        pol.add(r, 10.0)
+    v = InstanceView(10.0, "i0", running, 8, 10_000, 9_000, prof, prefill_budget_tokens=300)
+    d = pol.schedule(v)
+    assert pol.solves == 1
+    assert len([r for r in d.run if r.id.startswith("w")]) == 1
+
+
+def test_kept_arrays_match_a_fresh_policy_after_the_engine_moves_on() -> None:
+    # Decisions refresh only requests that ran or were proposed; a fresh policy reads everything.
+    prof = profile(kv=100_000)
+    pol = AndesQoE()
+    reqs = [request(f"q{i}", float(i), 50 + i) for i in range(6)]
+    for r in reqs:
+        pol.add(r, 6.0)
+    pol.schedule(view([], 6.0, prof, max_batch=3))
+    for r in reqs[:3]:  # the engine admitted three and decoded them
+        run(r, 7.0, 20, 0.05)
+    pol.schedule(view(reqs[:3], 8.0, prof, max_batch=3))
+    reqs[0].phase, reqs[0].kv_resident = Phase.PREEMPTED, False  # preempted by the engine
+    pol.schedule(view(reqs[1:3], 9.0, prof, max_batch=3))
+    fresh = AndesQoE()
+    for r in reqs:
+        fresh.add(r, 9.0)
+    a, b = pol._table, fresh._table
+    for r in reqs:
+        i, j = a.slot[id(r)], b.slot[id(r)]
+        for column in ("delivered", "last_consumption", "resident", "swapped", "ideal_start", "prompt"):
+            assert getattr(a, column)[i] == getattr(b, column)[j], (r.id, column)
+
+
+def test_observed_latency_triggers_when_stalls_slow_the_tokens() -> None:
+    # The profile says 20 ms per token, but the running requests got one token per second
+    # (prefill stalls): the observed trigger fires, the profile trigger does not.
+    prof = profile(kv=100_000)
+    fired = {}
+    for mode in ("observed", "profile"):
+        pol = AndesQoE(trigger_latency=mode)  # type: ignore[arg-type]
+        r = run(request("r", 0.0, 10), 1.0, 5, 0.02)
+        w = request("w", 0.5, 10)
+        for x in (r, w):
+            pol.add(x, 1.0)
+        pol.schedule(view([r], 2.0, prof))
+        r.tokens.append_run(4.5, 2, 1.0)
+        r.generated = 7
+        pol.schedule(view([r], 6.0, prof))
+        fired[mode] = pol.solves
+    assert fired == {"observed": 1, "profile": 0}

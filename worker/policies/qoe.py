@@ -40,6 +40,10 @@ Preemption = Literal["fastest", "recompute", "swap"]
 KvUnits = Literal["tokens", "blocks"]
 UntriggeredOrder = Literal["fcfs", "priority"]
 TriggerLatency = Literal["observed", "profile"]
+PreemptionCap = Literal["none", "refcode"]
+
+# REF-CODE's flat preemption overhead per context token (elis_andes_spec §0.3, §B.7): 3/90000 s.
+REFCODE_UNIT_OVERHEAD_S = 3.0 / 90000.0
 
 TIE_EPS = 1e-9  # objectives this close count as equal (spec §B.6)
 
@@ -243,6 +247,7 @@ class AndesQoE(Policy):
         trigger_needs_waiting: bool = True,
         trigger_latency: TriggerLatency = "observed",
         observe_window_s: float = 2.0,
+        preemption_cap: PreemptionCap = "refcode",
     ) -> None:
         """Settings (spec CHOICEs, defaults as the spec proposes):
 
@@ -268,6 +273,14 @@ class AndesQoE(Policy):
           (paper §4.2: Andes "monitors token generation latency": the time per token the running
           requests actually got over the last ``observe_window_s``, prefill stalls included) or
           ``profile`` (the spec's ``TGL(B_cur)`` from the step profile, which misses stalls).
+        - ``preemption_cap``: ``refcode`` caps the preemptions of one decision at
+          ``floor(slack_p10 / (3/90000 s · mean context))`` (§B.7 REF-CODE frequency control; none
+          when the 10th-percentile slack ``T* + n/r - (t - arrival)`` is below one preemption's
+          overhead), or ``none`` (the spec's default). Default ``refcode``, against the spec: the
+          refiner prices a stall only by the QoE the ongoing requests lose within it, which is
+          nothing when they all hold buffers, so without a cap the policy swaps buffered requests
+          in and out every quantum, by recompute once swap space is full, and the re-prefills
+          starve decoding (``tessera bench andes --set workload=bursty --set qoe.preemption_cap=none``).
         """
         if not horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0 seconds, got {horizon_s}")
@@ -280,6 +293,7 @@ class AndesQoE(Policy):
         _check_choice("kv_units", kv_units, ("tokens", "blocks"))
         _check_choice("untriggered_order", untriggered_order, ("fcfs", "priority"))
         _check_choice("trigger_latency", trigger_latency, ("observed", "profile"))
+        _check_choice("preemption_cap", preemption_cap, ("none", "refcode"))
         if not 0 <= kv_reserve < 1:
             raise ValueError(f"kv_reserve must be in [0, 1), got {kv_reserve}")
         if batch_grid_span < 1 or batch_grid_points < 2:
@@ -303,6 +317,7 @@ class AndesQoE(Policy):
         self.trigger_needs_waiting = bool(trigger_needs_waiting)
         self.trigger_latency: TriggerLatency = trigger_latency
         self.observe_window_s = float(observe_window_s)
+        self.preemption_cap: PreemptionCap = preemption_cap
         self._table = _Table()
         self._touched: dict[int, Request] = {}  # running or proposed at the last decision
         self._mark: tuple[float, dict[int, tuple[Request, int]]] | None = None  # latency window start
@@ -589,6 +604,7 @@ class AndesQoE(Policy):
         budget = view.prefill_budget_tokens
         prefill_tokens = 0.0
         swap_free = math.inf if view.swap_free_tokens is None else float(view.swap_free_tokens)
+        cap = self._preemption_cap(view.now, st)
         next_victim = 0
         steps: list[_Step] = []
         for a in admit:
@@ -601,6 +617,8 @@ class AndesQoE(Policy):
                 free += float(st.weight[v])
             if free < st.weight[a] or size - len(victims) + 1 > batch:
                 break  # no room even after evicting every candidate: nothing more can be admitted
+            if next_victim > cap:
+                break  # REF-CODE's cap on preemptions per decision
             restart = not (st.resident[a] or st.swapped[a])
             if (
                 restart
@@ -622,6 +640,14 @@ class AndesQoE(Policy):
             if restart:
                 prefill_tokens += float(st.context[a])
         return steps
+
+    def _preemption_cap(self, now: float, st: _Ongoing) -> float:
+        """Most preemptions one decision may make (inf without a cap)."""
+        if self.preemption_cap == "none":
+            return math.inf
+        slack = st.ideal_start + st.delivered / st.speed - now  # REF-CODE: arrival + T* + n/r - t
+        unit = REFCODE_UNIT_OVERHEAD_S * float(st.context.mean())
+        return max(0.0, math.floor(float(np.percentile(slack, 10)) / unit))
 
 
 def _best_row(values: np.ndarray, preemptions: np.ndarray, sizes: np.ndarray) -> int:
