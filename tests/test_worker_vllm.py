@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -92,9 +92,10 @@ def _complete(url: str, **body: object) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=payload, timeout=120)
 
 
-def _vllm_running(vllm: VLLMServer) -> float:
+def _vllm_generated(vllm: VLLMServer) -> float:
+    """vLLM's generated-token counter (its running-requests gauge is not live on this CPU build)."""
     text = httpx.get(f"{vllm.url}/metrics", timeout=5).text
-    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total")]
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
@@ -176,25 +177,17 @@ def test_queue_full_is_429_with_retry_after_and_accepted_requests_complete(worke
 
 
 def test_client_disconnect_aborts_in_vllm_within_1s(worker: WorkerProcess, vllm_server: VLLMServer) -> None:
-    body = {
-        "model": TINY_MODEL_NAME,
-        "prompt": [0, 4, 4],
-        "max_tokens": 480,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = {"model": TINY_MODEL_NAME, "prompt": [0, 4], "max_tokens": 480, "ignore_eos": True, "stream": True}
+    before = _vllm_generated(vllm_server)
     with httpx.stream("POST", f"{worker.url}/v1/completions", json=body, timeout=60) as resp:
-        # vLLM's gauge is refreshed by its stats loop: keep reading until it shows the request
-        seen = False
         for i, _ in enumerate(resp.iter_lines()):
-            if i % 10 == 0 and _vllm_running(vllm_server) >= 1:
-                seen = True
+            if i > 20:
                 break
-        assert seen, "vLLM never reported the request as running"
-    closed = time.monotonic()
-    while _vllm_running(vllm_server) > 0:
-        assert time.monotonic() - closed < 1.0, "vLLM still runs the request 1 s after the client left"
-        time.sleep(0.05)
+    time.sleep(1.0)  # the abort must have reached vLLM by now
+    after_1s = _vllm_generated(vllm_server)
+    time.sleep(1.0)
+    assert _vllm_generated(vllm_server) == after_1s, "vLLM still generates 1 s after the client left"
+    assert after_1s - before < 480
 
 
 def test_admin_reload_changes_policy_without_restart(worker: WorkerProcess, vllm_server: VLLMServer) -> None:
@@ -215,6 +208,7 @@ def test_preempted_twice_resumes_with_identical_token_ids(vllm_server: VLLMServe
     from tessera.worker.config import AutoscaleSpec, BatchBounds, ProfileSpec
     from tessera.worker.core.registry import make_policy
     from tessera.worker.core.request import Request
+    from tessera.worker.engines.base import EngineJob, TokenDelta
     from tessera.worker.engines.vllm import VLLMEngine
     from tessera.worker.metrics import WorkerMetrics
     from tessera.worker.scheduler import Job, ModelScheduler
@@ -225,8 +219,25 @@ def test_preempted_twice_resumes_with_identical_token_ids(vllm_server: VLLMServe
     reference = _complete(vllm_server.url, prompt=prompt, max_tokens=n, return_token_ids=True, **sampling)
     expected = reference.json()["choices"][0]["token_ids"]
 
-    async def run() -> Job:
-        engine = VLLMEngine(TINY_MODEL_NAME, vllm_server.url, TINY_MAX_MODEL_LEN)
+    cuts = [15, 35]
+
+    class CuttingEngine(VLLMEngine):
+        """Preempts the job when it reaches each cut, as a policy's Decision would."""
+
+        async def stream(self, engine_job: EngineJob) -> AsyncIterator[TokenDelta]:
+            async for delta in super().stream(engine_job):
+                yield delta
+                if cuts and job.req.generated >= cuts[0]:
+                    cuts.pop(0)
+                    sched._preempt(job, sched.clock())
+                    sched._wake.set()
+
+    engine = CuttingEngine(TINY_MODEL_NAME, vllm_server.url, TINY_MAX_MODEL_LEN)
+    sched: ModelScheduler
+    job = Job(Request("r", 0.0, len(prompt), n), prompt, sampling)
+
+    async def run() -> None:
+        nonlocal sched
         sched = ModelScheduler(
             engine,
             make_policy("fcfs"),
@@ -238,20 +249,12 @@ def test_preempted_twice_resumes_with_identical_token_ids(vllm_server: VLLMServe
             metrics=WorkerMetrics(),
         )
         await sched.start()
-        job = Job(Request("r", 0.0, len(prompt), n), prompt, sampling)
         sched.submit(job)
-        for cut in (15, 35):
-            while job.req.generated < cut:
-                await asyncio.sleep(0.005)
-            sched._preempt(job, sched.clock())  # what a policy's Decision does to a displaced request
-            await asyncio.sleep(0.05)
-            sched._wake.set()
         await asyncio.wait_for(job.done.wait(), 60)
         await sched.stop()
         await engine.close()
-        return job
 
-    job = asyncio.run(run())
+    asyncio.run(run())
     assert job.streams == 3 and job.req.preemptions == 2
     assert job.output_ids == expected
 
@@ -276,6 +279,27 @@ def test_sigterm_finishes_inflight_and_exits_0(vllm_server: VLLMServer, tmp_path
     assert proc.proc.wait(timeout=30) == 0
 
 
+def test_schemathesis_finds_no_5xx(worker: WorkerProcess) -> None:
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+
+    # schemathesis' pytest plugin does not load under pytest 9: drive its strategies with hypothesis
+    schema = schemathesis.openapi.from_url(f"{worker.url}/openapi.json")
+    operations = 0
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+        def check(case: schemathesis.Case) -> None:
+            case.call_and_validate(checks=[not_a_server_error])
+
+        check()
+        operations += 1
+    assert operations >= 7
+
+
 def test_zz_vllm_death_gives_503_not_ready_then_recovers(
     worker: WorkerProcess, vllm_server: VLLMServer
 ) -> None:
@@ -284,7 +308,9 @@ def test_zz_vllm_death_gives_503_not_ready_then_recovers(
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(timeout=60) as client:
             call = asyncio.create_task(client.post(f"{worker.url}/v1/completions", json=body))
-            while _vllm_running(vllm_server) < 1:
+            start, deadline = _vllm_generated(vllm_server), time.monotonic() + 60
+            while _vllm_generated(vllm_server) < start + 5:  # the request is generating in vLLM
+                assert time.monotonic() < deadline, "the request never started in vLLM"
                 await asyncio.sleep(0.05)
             vllm_server.kill()
             return await call

@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
         def handle_exit(self, sig: int, frame: object) -> None:
             worker.draining = True  # /ready fails at once; new requests get 503
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            # uvicorn re-raises captured signals after its graceful shutdown, which would end the
+            # process by SIGTERM; a drained worker exits 0 instead.
+            self._captured_signals.clear()
 
     server = _Server(
         uvicorn.Config(
