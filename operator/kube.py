@@ -37,10 +37,10 @@ def backoff_delays(attempts: int, base_s: float = 0.2, cap_s: float = 5.0) -> li
     return [min(cap_s, base_s * 2**i) for i in range(max(0, attempts - 1))]
 
 
-def is_transient(error: BaseException) -> bool:
+def is_transient(error: BaseException, statuses: frozenset[int] = RETRY_STATUSES) -> bool:
     """Whether an API call that raised ``error`` is worth retrying."""
     if isinstance(error, client.ApiException):
-        return error.status in RETRY_STATUSES
+        return error.status in statuses
     return isinstance(error, urllib3.exceptions.HTTPError | ConnectionError)
 
 
@@ -59,13 +59,13 @@ class Kube:
         self.attempts = attempts
         self.sleep = sleep
 
-    def _retry(self, what: str, call: Callable[[], T]) -> T:
+    def _retry(self, what: str, call: Callable[[], T], statuses: frozenset[int] = RETRY_STATUSES) -> T:
         delays = backoff_delays(self.attempts)
         for attempt in range(self.attempts):
             try:
                 return call()
             except Exception as error:
-                if not is_transient(error) or attempt == len(delays):
+                if not is_transient(error, statuses) or attempt == len(delays):
                     raise
                 status = getattr(error, "status", type(error).__name__)
                 log.warning("%s failed (%s), retry %d in %.1fs", what, status, attempt + 1, delays[attempt])
@@ -117,7 +117,12 @@ class Kube:
         if action.verb == "create":
             call = self._child_call(action.kind, "create")
             try:
-                self._retry(what, lambda: call(namespace=namespace, body=body, _preload_content=False))
+                # 409 here is AlreadyExists, not a conflict to wait out: patch instead.
+                self._retry(
+                    what,
+                    lambda: call(namespace=namespace, body=body, _preload_content=False),
+                    RETRY_STATUSES - {409},
+                )
                 return
             except client.ApiException as error:
                 if error.status != 409:

@@ -146,6 +146,10 @@ def carry_counts(pool: ServingPool, new: PlacementPlan, previous: PlacementPlan 
     apply. With autoscaling off, ``instances.desired`` (when set) is spread over the groups.
     """
     spec = pool.spec
+    # The planners size groups by the GPU budget and services' minimums; the pool's instances.min is
+    # the operator's to hold (CHOICE: extra instances go to the groups in proportion, as interactive).
+    if new.groups and sum(g.replicas.total for g in new.groups) < spec.instances.min:
+        new = replace(new, groups=spread(new, spec.instances.min))
     if not spec.autoscaling.enabled:
         if spec.instances.desired is None or not new.groups:
             return new

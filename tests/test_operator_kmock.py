@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-
 from kmock_harness import Harness, emulated_cluster, load_example
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]

@@ -1,0 +1,273 @@
+"""Unit tests of the operator's pure parts: child builders, the diff, status bookkeeping, the pool
+decision, Prometheus result parsing and the kube adapter's retries."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+
+from tessera.operator.kube import Kube, backoff_delays
+from tessera.operator.metrics_source import (
+    attainment_from_results,
+    group_queries,
+    role_of,
+    snapshot_from_results,
+)
+from tessera.operator.planners import GroupPlan, RoleCounts
+from tessera.operator.pool_plan import INVALID_SPEC, Problem, desired_pool, inputs_fingerprint
+from tessera.operator.reconcile import Action, contains, plan_actions
+from tessera.operator.status import append_history, plan_from_status, plan_to_status, set_condition
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def example(name: str) -> dict[str, list[dict[str, Any]]]:
+    docs = [d for d in yaml.safe_load_all((EXAMPLES / name).read_text()) if d]
+    for i, doc in enumerate(docs):
+        doc["metadata"].update(namespace="ns", uid=f"uid-{i}")
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    return by_kind
+
+
+def decide(docs: dict[str, list[dict[str, Any]]], **kwargs: Any):
+    return desired_pool(
+        docs["ServingPool"][0],
+        docs["LLMService"],
+        docs["RequestClass"],
+        kwargs.pop("previous", None),
+        0.0,
+        **kwargs,
+    )
+
+
+# -- children ---------------------------------------------------------------------------------------
+
+
+def test_quickstart_children_carry_owner_gpu_requests_scheduling_and_config() -> None:
+    docs = example("quickstart.yaml")
+    decided = decide(docs)
+    kinds = sorted((c["kind"], c["metadata"]["name"]) for c in decided.children)
+    group = decided.plan.groups[0].name
+    assert kinds == [
+        ("ConfigMap", f"h100-pool-{group}-worker"),
+        ("Service", f"h100-pool-{group}"),
+        ("Service", "llama-8b"),
+        ("StatefulSet", f"h100-pool-{group}"),
+    ]
+    sts = next(c for c in decided.children if c["kind"] == "StatefulSet")
+    assert sts["metadata"]["ownerReferences"][0]["uid"] == docs["ServingPool"][0]["metadata"]["uid"]
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    vllm = pod["containers"][1]
+    assert vllm["resources"]["requests"] == {"nvidia.com/gpu": "1"}
+    assert "--enable-prefix-caching" in vllm["args"] and "--max-model-len" in vllm["args"]
+    endpoint = next(c for c in decided.children if c["metadata"]["name"] == "llama-8b")
+    assert endpoint["metadata"]["ownerReferences"][0]["uid"] == docs["LLMService"][0]["metadata"]["uid"]
+    assert endpoint["spec"]["selector"] == {
+        "tessera.dev/pool": "h100-pool",
+        "serves.tessera.dev/llama-8b": "true",
+    }
+    assert sts["spec"]["template"]["metadata"]["labels"]["serves.tessera.dev/llama-8b"] == "true"
+    config = next(c for c in decided.children if c["kind"] == "ConfigMap")
+    worker = yaml.safe_load(config["data"]["worker.json"])
+    assert worker["scheduling"]["policy"] == "qlm"  # auto with a batch class
+    assert set(worker["classes"]) == {"chat", "offline"}
+
+
+def test_child_without_owner_uid_is_refused() -> None:
+    docs = example("quickstart.yaml")
+    del docs["ServingPool"][0]["metadata"]["uid"]
+    decided = decide(docs)
+    assert decided.children == [] and "uid" in decided.placement_problem
+
+
+# -- diff -------------------------------------------------------------------------------------------
+
+
+def test_contains_ignores_server_fields_but_not_changes() -> None:
+    desired = {"spec": {"replicas": 2, "ports": [{"port": 80}]}}
+    observed = {"spec": {"replicas": 2, "ports": [{"port": 80, "protocol": "TCP"}]}, "status": {"x": 1}}
+    assert contains(observed, desired)
+    assert not contains({"spec": {"replicas": 3, "ports": [{"port": 80}]}}, desired)
+    assert not contains({"spec": {"replicas": "2", "ports": [{"port": 80}]}}, desired)
+    assert not contains({"spec": {"replicas": 2, "ports": [{"port": 80}, {"port": 81}]}}, desired)
+
+
+def test_plan_actions_creates_patches_deletes_and_second_pass_is_empty() -> None:
+    decided = decide(example("quickstart.yaml"))
+    first = plan_actions(decided.children, [])
+    assert [a.verb for a in first] == ["create"] * 4
+    assert first[0].kind == "ConfigMap" and first[-1].kind == "StatefulSet"
+    observed = copy.deepcopy(decided.children)
+    for obj in observed:
+        obj["metadata"]["resourceVersion"] = "7"  # server-set fields do not matter
+    assert plan_actions(decided.children, observed) == []
+    sts = next(o for o in observed if o["kind"] == "StatefulSet")
+    sts["spec"]["replicas"] = 1
+    stray = {"kind": "ConfigMap", "metadata": {"name": "old"}}
+    actions = plan_actions(decided.children, [*observed, stray])
+    assert [(a.verb, a.kind) for a in actions] == [("patch", "StatefulSet"), ("delete", "ConfigMap")]
+
+
+# -- status -----------------------------------------------------------------------------------------
+
+
+def test_condition_transition_time_moves_only_on_status_change() -> None:
+    conditions = set_condition([], "Ready", False, "NotYet", "0/1", now=100.0)
+    same = set_condition(conditions, "Ready", False, "NotYet", "0/1 still", now=200.0)
+    assert same[0]["lastTransitionTime"] == conditions[0]["lastTransitionTime"]
+    flipped = set_condition(same, "Ready", True, "Ok", "1/1", now=300.0)
+    assert (
+        flipped[0]["lastTransitionTime"] != same[0]["lastTransitionTime"] and flipped[0]["status"] == "True"
+    )
+
+
+def test_scaling_history_is_capped_oldest_first() -> None:
+    history = append_history([{"i": i} for i in range(5)], [{"i": 5}, {"i": 6}], limit=4)
+    assert [h["i"] for h in history] == [3, 4, 5, 6]
+
+
+def test_plan_round_trips_through_status() -> None:
+    plan = decide(example("multi-model.yaml")).plan
+    assert plan_from_status(plan_to_status(plan, {})).groups == plan.groups
+    assert plan_from_status({"strategy": "x", "groups": [{"services": []}]}) is None
+
+
+# -- pool decisions ---------------------------------------------------------------------------------
+
+
+def test_invalid_pool_is_a_problem_and_nothing_is_built() -> None:
+    docs = example("quickstart.yaml")
+    docs["ServingPool"][0]["spec"]["instances"] = {"min": 3, "max": 1}
+    result = decide(docs)
+    assert isinstance(result, Problem) and result.reason == INVALID_SPEC and "min" in result.message
+
+
+def test_service_with_missing_class_is_rejected_not_placed() -> None:
+    docs = example("multi-model.yaml")
+    docs["RequestClass"] = [c for c in docs["RequestClass"] if c["metadata"]["name"] != "assistant"]
+    decided = decide(docs)
+    assert set(decided.rejected) == {"mistral-7b", "qwen-7b"}
+    assert {s for g in decided.plan.groups for s in g.services} == {"llama-8b"}
+
+
+def test_autoscaled_counts_survive_a_replan_within_bounds_and_bounds_win() -> None:
+    docs = example("quickstart.yaml")
+    plan = decide(docs).plan
+    scaled = type(plan)(
+        strategy=plan.strategy,
+        groups=tuple(
+            type(g)(g.name, g.services, g.tp, RoleCounts(interactive=1, mixed=1)) for g in plan.groups
+        ),
+    )
+    kept = decide(docs, previous=scaled).plan
+    assert kept.groups[0].replicas == RoleCounts(interactive=1, mixed=1)
+    docs["ServingPool"][0]["spec"]["instances"] = {"min": 3, "max": 4}
+    assert decide(docs, previous=scaled).plan.groups[0].replicas.total == 3
+
+
+def test_fingerprint_changes_with_specs_only() -> None:
+    docs = example("quickstart.yaml")
+    before = inputs_fingerprint(docs["ServingPool"][0], docs["LLMService"], docs["RequestClass"])
+    docs["ServingPool"][0]["status"] = {"replicas": 9}
+    assert inputs_fingerprint(docs["ServingPool"][0], docs["LLMService"], docs["RequestClass"]) == before
+    docs["LLMService"][0]["spec"]["replicas"]["max"] = 3
+    assert inputs_fingerprint(docs["ServingPool"][0], docs["LLMService"], docs["RequestClass"]) != before
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+
+def _sample(value: float, **labels: str) -> dict[str, Any]:
+    return {"metric": labels, "value": [0, str(value)]}
+
+
+def test_roles_follow_pod_ordinals() -> None:
+    roles = RoleCounts(interactive=2, mixed=1, batch=1)
+    assert [role_of(i, roles) for i in range(5)] == ["interactive", "interactive", "mixed", "batch", None]
+
+
+def test_snapshot_from_prometheus_results() -> None:
+    group = GroupPlan("g", ("svc",), 1, RoleCounts(interactive=2, mixed=1))
+    queries = group_queries("ns", "p", "g", {"chat": "interactive", "offline": "batch"}, "2m")
+    assert 'class=~"chat"' in queries["interactive_inflight"] and 'group="g"' in queries["up"]
+    results = {
+        "up": [_sample(1, pod="p-g-0"), _sample(1, pod="p-g-1"), _sample(0, pod="p-g-2")],
+        "interactive_inflight": [_sample(3, pod="p-g-0"), _sample(0, pod="p-g-1")],
+        "interactive_queued": [_sample(2)],
+        "batch_queued": [_sample(40, **{"class": "offline"})],
+        "batch_running": [_sample(5)],
+        "batch_tokens": [_sample(0)],
+    }
+    snap = snapshot_from_results(results, group, {"offline": 600.0}, now=1000.0)
+    assert snap.ready == RoleCounts(interactive=2) and snap.pending == RoleCounts(mixed=1)
+    assert snap.instances_with_interactive == 1 and snap.interactive_queued == 2
+    assert snap.batch_queue[0].count == 40 and snap.batch_queue[0].deadline == 1600.0
+    assert snap.batch_running == 5 and snap.batch_tokens_per_s is None
+    assert snapshot_from_results({"up": []}, group, {}, 0.0) is None
+
+
+def test_attainment_from_prometheus_results() -> None:
+    rows = attainment_from_results(
+        {
+            "met": [_sample(9, **{"class": "chat"})],
+            "missed": [_sample(1, **{"class": "chat"}), _sample(0, **{"class": "idle"})],
+            "p99_ttft": [_sample(0.8, **{"class": "chat"})],
+            "itl_sum": [_sample(2.0, **{"class": "chat"})],
+            "itl_count": [_sample(40, **{"class": "chat"})],
+        }
+    )
+    assert rows == [
+        {"name": "chat", "attainment": 0.9, "requests": 10, "p99TtftSeconds": 0.8, "meanItlSeconds": 0.05}
+    ]
+
+
+# -- kube adapter -----------------------------------------------------------------------------------
+
+
+def test_backoff_is_exponential_and_capped() -> None:
+    assert backoff_delays(6, base_s=0.5, cap_s=3.0) == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+class _Flaky:
+    """Raises the given API errors in turn, then succeeds."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        self.statuses = statuses
+        self.calls = 0
+
+    def __call__(self, **_: Any) -> Any:
+        self.calls += 1
+        if self.statuses:
+            raise client.ApiException(status=self.statuses.pop(0))
+        return type("R", (), {"data": b"{}"})()
+
+
+@pytest.mark.parametrize("statuses", [[409], [429, 503], [500, 500, 500]])
+def test_transient_errors_are_retried(statuses: list[int]) -> None:
+    sleeps: list[float] = []
+    kube = Kube(client.ApiClient(), attempts=5, sleep=sleeps.append)
+    flaky = _Flaky(list(statuses))
+    kube.core.patch_namespaced_config_map = flaky
+    kube.patch_child("ns", "ConfigMap", "c", {"data": {}})
+    assert flaky.calls == len(statuses) + 1 and len(sleeps) == len(statuses)
+
+
+def test_permanent_errors_raise_and_create_conflict_becomes_patch() -> None:
+    kube = Kube(client.ApiClient(), attempts=3, sleep=lambda _: None)
+    kube.core.patch_namespaced_config_map = _Flaky([422])
+    with pytest.raises(client.ApiException):
+        kube.patch_child("ns", "ConfigMap", "c", {})
+    kube.core.create_namespaced_config_map = _Flaky([409])
+    patched = _Flaky([])
+    kube.core.patch_namespaced_config_map = patched
+    kube.apply("ns", Action("create", "ConfigMap", "c", {"metadata": {"name": "c"}}))
+    assert patched.calls == 1
