@@ -307,3 +307,12 @@ def test_observed_latency_triggers_when_stalls_slow_the_tokens() -> None:
         pol.schedule(view([r], 6.0, prof))
         fired[mode] = pol.solves
     assert fired == {"observed": 1, "profile": 0}
+
+
+def test_mean_tds_is_the_per_request_speed_averaged() -> None:
+    from tessera.sim.scenarios.andes import mean_tds
+
+    fast = run(request("f", 0.0, 10), 1.0, 11, 0.1)  # 10 tokens over 1 s: 10 tok/s
+    slow = run(request("s", 0.0, 10), 1.0, 3, 1.0)  # 2 tokens over 2 s: 1 tok/s
+    single = run(request("o", 0.0, 10), 1.0, 1, 0.0)  # one token: no speed
+    assert mean_tds([fast, slow, single]) == pytest.approx(5.5)  # not 1 / mean ITL (= 1.82)
