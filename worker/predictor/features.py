@@ -7,7 +7,9 @@ pooling chunk means, and lets the predictor cost one short chunk per request per
 
 Layout (CHOICE, recorded in the artifact's metadata): prompt embedding ⊕ token-weighted mean of the
 answer chunks ⊕ the latest answer chunk ⊕ [log1p(generated)/8, generated/1000, log1p(prompt)/8,
-1 if nothing generated yet]. The counts are explicit because the encoder sees truncated text.
+1 if nothing generated yet, distinct-token ratio of the latest chunk and of the last 4 chunks]. The
+counts are explicit because the encoder sees truncated text; the distinct ratios flag degenerate
+loops, which run until the token cap and make most of the long tail of remaining lengths.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-N_SCALARS = 4
+N_SCALARS = 6
 
 
 def feature_dim(embed_dim: int) -> int:
@@ -38,12 +40,25 @@ def answer_spans(n_ids: int, chunk_tokens: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_tokens, n_ids)) for s in range(0, n_ids, chunk_tokens)]
 
 
+def distinct_ratio(ids: Sequence[int]) -> float:
+    """Share of distinct tokens in ``ids`` (1.0 for an empty sequence): low for repetitive loops."""
+    return len(set(ids)) / len(ids) if len(ids) else 1.0
+
+
+def repetition_stats(answer_ids: Sequence[int], chunk_tokens: int) -> tuple[float, float]:
+    """Distinct-token ratios of the latest chunk and of the last four chunks of the answer so far."""
+    n = len(answer_ids)
+    last = answer_ids[(max(0, n - 1) // chunk_tokens) * chunk_tokens :] if n else answer_ids
+    return distinct_ratio(last), distinct_ratio(answer_ids[max(0, n - 4 * chunk_tokens) :])
+
+
 def build_features(
     prompt_emb: np.ndarray,
     chunk_embs: np.ndarray,
     chunk_lens: Sequence[int],
     generated: int,
     prompt_tokens: int,
+    repetition: tuple[float, float] = (1.0, 1.0),
 ) -> np.ndarray:
     """One feature vector (float32) from a prompt embedding and its answer chunks (k × dim, may be 0 rows)."""
     dim = prompt_emb.shape[0]
@@ -54,7 +69,13 @@ def build_features(
     else:
         mean = last = np.zeros(dim, dtype=np.float32)
     scalars = np.array(
-        [np.log1p(generated) / 8.0, generated / 1000.0, np.log1p(prompt_tokens) / 8.0, float(generated == 0)],
+        [
+            np.log1p(generated) / 8.0,
+            generated / 1000.0,
+            np.log1p(prompt_tokens) / 8.0,
+            float(generated == 0),
+            *repetition,
+        ],
         dtype=np.float32,
     )
     return np.concatenate([prompt_emb, mean, last, scalars]).astype(np.float32)

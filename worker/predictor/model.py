@@ -20,7 +20,7 @@ import torch
 
 from tessera.worker.core.request import Request
 from tessera.worker.predictor.encoder import ChunkEncoder
-from tessera.worker.predictor.features import answer_spans, build_features, prompt_chunk
+from tessera.worker.predictor.features import answer_spans, build_features, prompt_chunk, repetition_stats
 from tessera.worker.predictor.head import LengthHead
 from tessera.worker.predictor.tokens import TokenCounter, token_counter
 from tessera.worker.predictor.train import DEFAULT_ARTIFACT_DIR, HEAD_FILE, META_FILE
@@ -123,7 +123,10 @@ class TextLengthPredictor:
                     entry.full_chunks.append(embs[k])
             lens = [e - s for s, e in spans]
             stack = np.stack(embs) if embs else np.zeros((0, self.encoder.dim), dtype=np.float32)
-            feats.append(build_features(entry.prompt_emb, stack, lens, req.generated, entry.prompt_tokens))
+            rep = repetition_stats(answer_ids[i], self.chunk_tokens)
+            feats.append(
+                build_features(entry.prompt_emb, stack, lens, req.generated, entry.prompt_tokens, rep)
+            )
         preds = self.head.predict_tokens(torch.from_numpy(np.stack(feats)))
         return [float(p) for p in preds]
 

@@ -16,7 +16,13 @@ import numpy as np
 
 from tessera.worker.predictor.dataset import Pair, step_points
 from tessera.worker.predictor.encoder import ChunkEncoder
-from tessera.worker.predictor.features import answer_spans, build_features, feature_dim, prompt_chunk
+from tessera.worker.predictor.features import (
+    answer_spans,
+    build_features,
+    feature_dim,
+    prompt_chunk,
+    repetition_stats,
+)
 from tessera.worker.predictor.tokens import TokenCounter
 
 CACHE_DIR = Path("/tmp/tessera-predictor-cache")
@@ -39,6 +45,7 @@ class Sample:
     prompt_key: bytes
     chunk_keys: list[bytes] = field(default_factory=list)
     chunk_lens: list[int] = field(default_factory=list)
+    repetition: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +81,7 @@ def build_samples(
             else:
                 ans = encoder.ids([pair.response[: resp.offsets[generated - 1][1]]])[0]
             sample = Sample(row, k, generated, len(p_served), len(resp.ids) - generated, pkey)
+            sample.repetition = repetition_stats(ans, settings.chunk_tokens)
             for start, end in answer_spans(len(ans), settings.chunk_tokens):
                 piece = ans[start:end]
                 key = chunk_key(piece)
@@ -128,6 +136,6 @@ class EmbeddingStore:
         for i, s in enumerate(samples):
             embs = np.stack([self.vectors[k] for k in s.chunk_keys]) if s.chunk_keys else empty
             out[i] = build_features(
-                self.vectors[s.prompt_key], embs, s.chunk_lens, s.generated, s.prompt_tokens
+                self.vectors[s.prompt_key], embs, s.chunk_lens, s.generated, s.prompt_tokens, s.repetition
             )
         return out

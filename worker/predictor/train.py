@@ -98,7 +98,7 @@ def train(cfg: TrainConfig) -> dict:
             loss = loss_fn(head(x_tr[idx]), y_tr[idx] / head.target_scale)
             loss.backward()
             opt.step()
-            total += float(loss) * len(idx)
+            total += float(loss.detach()) * len(idx)
         head.eval()
         val = regression_metrics(head.predict_tokens(x_va).numpy(), y_va)
         _log(
