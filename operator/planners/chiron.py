@@ -232,7 +232,10 @@ def chiron_decide(
     for role in ("interactive", "mixed", "batch"):
         if desired.get(role) > current.get(role):
             last_up[role] = now
-    if desired != current:
+    # Only interactive/mixed changes restart the scale-down stabilisation: retiring idle batch instances
+    # says nothing about interactive load (before this fix, a batch retirement held interactive
+    # over-provisioning for another full cooldown).
+    if (desired.interactive, desired.mixed) != (current.interactive, current.mixed):
         last_scaling = now
     new_state = replace(
         state,

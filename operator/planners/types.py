@@ -278,7 +278,7 @@ class AutoscalerState:
 
     low_evaluations: int = 0  # consecutive evaluations with IBP below the band
     last_scale_up: dict[str, float] = field(default_factory=dict)  # role -> time
-    last_scaling: float | None = None  # time of the latest change of any role
+    last_scaling: float | None = None  # time of the latest change of the interactive or mixed count
     instance_tokens_per_s: float | None = None  # EWMA of Θ_B
     last_batch_launch_backpressure: int = 0  # BBP when batch instances were last launched
 
