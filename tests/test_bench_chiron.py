@@ -150,3 +150,20 @@ def test_cluster_holds_and_dispatches_requests():
     )
     with pytest.raises(RuntimeError, match="held"):
         cluster.run(stuck)
+
+
+def test_batch_retirement_does_not_restart_the_interactive_cooldown():
+    """Planner fix: retiring idle batch instances is not an interactive scaling event."""
+    from tessera.operator.planners.chiron import chiron_decide
+    from tessera.operator.planners.types import AutoscalerState, ChironSettings, MetricsSnapshot, RoleCounts
+
+    settings = ChironSettings(scale_down_cooldown_s=100.0, scale_down_evaluations=1)
+    state = AutoscalerState(last_scaling=0.0)
+    idle = MetricsSnapshot(ready=RoleCounts(interactive=1, mixed=5, batch=2), instances_with_interactive=1)
+    d = chiron_decide(idle, state, settings, now=50.0)
+    assert d.desired.batch == 0 and d.desired.mixed == 5  # batch retired; interactive still cooling down
+    assert d.state.last_scaling == 0.0
+    d = chiron_decide(
+        MetricsSnapshot(ready=d.desired, instances_with_interactive=1), d.state, settings, now=101.0
+    )
+    assert d.desired.mixed < 5  # the cooldown ran from t=0, not from the batch retirement at t=50

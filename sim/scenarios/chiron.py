@@ -20,17 +20,19 @@ Rows:
 - ``threshold:band=LO-HI``: the Llumnix / KPA-style baseline of spec B7: every 10 s, ±1 instance when
   the mean KV-token utilization leaves [LO, HI]; static batch size (vLLM's max_num_seqs 256);
   every request dispatched on arrival to the least-loaded instance, FCFS per instance. ``bands``
-  sweeps the band (default the spec's 0.4-0.8 only); every variant is reported. With
-  ``--set dispatch=pull`` requests wait in one global FCFS queue instead and instances pull them
-  (kinder to a scaler that cannot move queued work).
+  sweeps the band (default the spec's 0.4-0.8 only); every variant is reported.
+- ``threshold:band=LO-HI:dispatch=pull``: the same, but requests wait in one global FCFS queue and
+  instances pull them up to the static batch size (kinder to a scaler that cannot move queued work,
+  as Llumnix's migration would). ``--set dispatch=arrival`` or ``pull`` keeps one of the two.
 
 Metrics: the contract's keys (slo_attainment, slo_attainment_by_class, gpu_seconds, TTFT ...) plus
-mean / peak instances, scaling actions, hysteresis (actions / scale-ups, spec B9-11) and the
-instance count over time (``instances_over_time``: [t, interactive, mixed, batch] every 10 s).
+mean / peak instances, scaling actions, hysteresis (actions / scale-ups, spec B9-11), the
+instance count over time (``instances_over_time``: [t, interactive, mixed, batch] every 10 s) and
+the mean batch size by role over time (``batch_size_over_time``, same roles).
 
 Options (``--set``): interactive_requests (3000), interactive_rate (6.0), batch_requests (6000),
 batch_at (60), batch_deadline_s (1200), initial_instances (2), min_instances (1),
-max_instances (20), bands ("0.4-0.8"), dispatch ("arrival" | "pull"), defer_variant (false),
+max_instances (20), bands ("0.4-0.8"), dispatch ("arrival,pull"), defer_variant (false),
 eval_interval_s (5), dispatch_interval_s (1), over_provisioning (1/3), profile (a100-llama3-8b),
 cold_start_s (profile's), static_batch (256).
 """
@@ -336,6 +338,7 @@ class Timeline:
     """Instance counts over time and scaling actions (both autoscalers record the same way)."""
 
     points: list[list[float]] = field(default_factory=list)  # [t, interactive, mixed, batch]
+    batch_sizes: list[list[float | None]] = field(default_factory=list)  # [t, mean BS of each role]
     actions: int = 0
     scale_ups: int = 0
     reasons: list[str] = field(default_factory=list)
@@ -346,11 +349,13 @@ class Timeline:
         if view.now + 1e-9 < self._next:
             return
         self._next = view.now + TIMELINE_STEP_S
-        counts = {"interactive": 0, "mixed": 0, "batch": 0}
+        counts: dict[str, list[int]] = {"interactive": [], "mixed": [], "batch": []}
         for inst in view.instances:
             role = inst.role if inst.role in counts else "interactive"
-            counts[role] += 1
-        self.points.append([round(view.now, 3), counts["interactive"], counts["mixed"], counts["batch"]])
+            counts[role].append(_queue(inst).batch_size(inst.max_batch))
+        t = round(view.now, 3)
+        self.points.append([t, *(len(v) for v in counts.values())])
+        self.batch_sizes.append([t, *(round(float(np.mean(v)), 1) if v else None for v in counts.values())])
 
 
 def _dispatch_batch(
@@ -464,6 +469,11 @@ class ChironController(Controller):
         elif not batch_running and not self.queue.batch:
             self._batch_since = None
         rate_now, per_instance = self._batch_rates(view, ready_counts.batch)
+        if rate_now is None and (batch_running or self.queue.batch):
+            # Not measured yet: batch instances plus mixed ones without interactive work, at the Θ_B seed.
+            spare = sum(1 for i in ready if i.role == "mixed" and not _queue(i).interactive)
+            theta_b = self.state.instance_tokens_per_s or self.settings.default_instance_tokens_per_s
+            rate_now = (ready_counts.batch + spare) * theta_b
         snapshot = MetricsSnapshot(
             ready=ready_counts,
             pending=pending_counts,
@@ -571,7 +581,9 @@ class ThresholdController(Controller):
         actions: list[Action] = []
         q = self.queue
         for inst in live:
-            room = min(self.static_batch, _kv_slots(inst, self.mean_context)) - inst.outstanding
+            room = (
+                self.static_batch - inst.outstanding
+            )  # vLLM takes up to max_num_seqs; KV sorts out the rest
             while room > 0 and (q.interactive or q.batch):
                 if q.batch and (not q.interactive or q.batch[0][1] < q.interactive[0].arrival):
                     req = q.pop_batch()
@@ -687,9 +699,11 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     lo_inst = option(opts, "min_instances", 1, int)
     hi_inst = option(opts, "max_instances", 20, int)
     static_batch = option(opts, "static_batch", BS_INITIAL, int)
-    dispatch = str(option(opts, "dispatch", "arrival", str))
-    if dispatch not in ("arrival", "pull"):
-        raise ValueError(f"--set dispatch={dispatch!r}: choose arrival (spec B7) or pull")
+    dispatches = str(option(opts, "dispatch", "arrival,pull", str)).split(",")
+    if not dispatches or any(d not in ("arrival", "pull") for d in dispatches):
+        raise ValueError(
+            f"--set dispatch={opts.get('dispatch')!r}: arrival (spec B7), pull, or both comma-separated"
+        )
     if not 1 <= lo_inst <= initial <= hi_inst:
         raise ValueError("--set needs 1 <= min_instances <= initial_instances <= max_instances")
     if static_batch < 1:
@@ -722,10 +736,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     if option(opts, "defer_variant", False, bool):
         deferred = replace(settings, defer=True)
         variants["chiron:defer=true"] = lambda: _chiron_parts(deferred, work, tick, deadline, margin)
-    for lo, hi in bands:
+    for (lo, hi), dispatch in itertools.product(bands, dispatches):
         name = f"threshold:band={lo:g}-{hi:g}" + (":dispatch=pull" if dispatch == "pull" else "")
         th = ThresholdSettings(interval_s=10.0, high=hi, low=lo, min_instances=lo_inst, max_instances=hi_inst)
-        variants[name] = lambda th=th: _threshold_parts(th, work, tick, static_batch, dispatch)
+        variants[name] = lambda th=th, d=dispatch: _threshold_parts(th, work, tick, static_batch, d)
     n = len(work.requests)
     progress(0, total=n * len(variants))
     rows: list[dict[str, Any]] = []
@@ -825,6 +839,7 @@ def _scaling_metrics(controller: Controller, metrics: dict[str, Any]) -> dict[st
         "scale_ups": tl.scale_ups,
         "hysteresis": tl.actions / tl.scale_ups if tl.scale_ups else None,
         "instances_over_time": tl.points,
+        "batch_size_over_time": tl.batch_sizes,
         "scaling_reasons": tl.reasons[:200],
     }
 
