@@ -14,7 +14,7 @@ from tessera.worker.core.request import Request
 from tessera.worker.predictor.dataset import Pair, filter_sources, is_validation, load_pairs, sample_rows
 from tessera.worker.predictor.metrics import regression_metrics
 from tessera.worker.predictor.model import TextLengthPredictor
-from tessera.worker.predictor.samples import EmbeddingStore, StepSettings, build_samples
+from tessera.worker.predictor.samples import CACHE_DIR, EmbeddingStore, StepSettings, build_samples
 
 
 def select_rows(
@@ -39,12 +39,13 @@ def evaluate(
     sources: tuple[str, ...] = (),
     max_rows: int | None = None,
     seed: int = 0,
+    cache_dir: Path | None = CACHE_DIR,
 ) -> dict:
     """MAE, RMSE, R², Kendall τ over all re-prediction steps, the same under ``step0``, and MAE by step."""
     pairs = select_rows(load_pairs(data), predictor.meta, split, sources, max_rows, seed)
     steps = StepSettings(**predictor.meta["steps"])
     samples, chunks = build_samples(pairs, predictor.served, predictor.encoder, steps)
-    store = EmbeddingStore(predictor.encoder)
+    store = EmbeddingStore(predictor.encoder, cache_dir)
     store.ensure(chunks)
     pred = predictor.head.predict_tokens(torch.from_numpy(store.features(samples))).numpy()
     true = np.array([s.target for s in samples], dtype=np.float64)

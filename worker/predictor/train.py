@@ -21,7 +21,7 @@ from tessera.worker.predictor.encoder import ChunkEncoder
 from tessera.worker.predictor.features import feature_dim
 from tessera.worker.predictor.head import LengthHead
 from tessera.worker.predictor.metrics import regression_metrics
-from tessera.worker.predictor.samples import EmbeddingStore, StepSettings, build_samples
+from tessera.worker.predictor.samples import CACHE_DIR, EmbeddingStore, StepSettings, build_samples
 from tessera.worker.predictor.tokens import TokenCounter
 
 HEAD_FILE = "head.pt"
@@ -52,6 +52,7 @@ class TrainConfig:
     loss: str = "mse"  # "mse" or "huber"
     seed: int = 0
     threads: int | None = None
+    cache_dir: str | None = str(CACHE_DIR)  # frozen-encoder embeddings cache (None: in memory only)
 
 
 def _log(msg: str) -> None:
@@ -71,7 +72,7 @@ def train(cfg: TrainConfig) -> dict:
     train_pairs = sample_per_prompt(train_pairs, cfg.rows_per_prompt, cfg.seed)
     val_pairs = sample_per_prompt(val_pairs, cfg.val_rows_per_prompt, cfg.seed + 1)
     _log(f"encoder {encoder.signature()}; rows train {len(train_pairs)}, validation {len(val_pairs)}")
-    store = EmbeddingStore(encoder)
+    store = EmbeddingStore(encoder, Path(cfg.cache_dir) if cfg.cache_dir else None)
     tr_samples, tr_chunks = build_samples(train_pairs, served, encoder, cfg.steps)
     va_samples, va_chunks = build_samples(val_pairs, served, encoder, cfg.steps)
     _log(f"step samples train {len(tr_samples)}, validation {len(va_samples)}")

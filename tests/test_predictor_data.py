@@ -1,0 +1,91 @@
+"""Tokenizer helpers, data loading/validation, prompt-level split and ELIS step augmentation."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tessera.worker.predictor import count_tokens, prefix_text
+from tessera.worker.predictor.dataset import load_pairs, split_by_prompt, step_points
+from tessera.worker.predictor.features import answer_spans, distinct_ratio, prompt_chunk
+from tessera.worker.predictor.metrics import regression_metrics
+from tessera.worker.predictor.tokens import TokenCounter
+
+TEXT = "Broadway actors: Hugh Jackman, Audra McDonald and Neil Patrick Harris started on stage."
+
+
+def test_prefix_text_has_exactly_n_tokens() -> None:
+    total = count_tokens(TEXT)
+    assert total > 10
+    for n in (1, 5, total - 1):
+        cut = prefix_text(TEXT, n)
+        assert TEXT.startswith(cut)
+        assert count_tokens(cut) == n
+    assert prefix_text(TEXT, 0) == ""
+    assert prefix_text(TEXT, total + 10) == TEXT
+
+
+def test_tokenizer_path_errors_say_what_to_pass(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        TokenCounter.from_path(tmp_path)
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    with gzip.open(path, "wt") as fh:
+        for row in rows:
+            fh.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
+
+
+def test_load_pairs_validates_rows_with_line_numbers(tmp_path: Path) -> None:
+    bad = write_jsonl(tmp_path / "a.jsonl.gz", [{"prompt": "p", "response": "r"}, "{not json"])
+    with pytest.raises(ValueError, match=r"a\.jsonl\.gz:2: not valid JSON"):
+        load_pairs(bad)
+    missing = write_jsonl(tmp_path / "b.jsonl.gz", [{"prompt": "p", "response": 3}])
+    with pytest.raises(ValueError, match=r":1: field 'response' must be a string"):
+        load_pairs(missing)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_pairs(tmp_path / "nope.jsonl")
+
+
+def test_split_is_by_prompt_never_by_row(tmp_path: Path) -> None:
+    rows = [
+        {"prompt_id": f"p{i}", "prompt": f"q{i}", "response": f"a{j}"} for i in range(200) for j in range(5)
+    ]
+    pairs = load_pairs(write_jsonl(tmp_path / "d.jsonl.gz", rows))
+    train, val = split_by_prompt(pairs, 0.2)
+    assert {p.group for p in train}.isdisjoint({p.group for p in val})
+    assert len(train) + len(val) == len(pairs)
+    assert 0.1 < len(val) / len(pairs) < 0.3
+    # without prompt_id the prompt text groups rows
+    anon = load_pairs(write_jsonl(tmp_path / "e.jsonl.gz", [{"prompt": "same", "response": "x"}] * 2))
+    assert anon[0].group == anon[1].group
+
+
+def test_step_points_follow_elis_rule() -> None:
+    assert step_points(0, 50) == []
+    assert step_points(1, 50) == [0]
+    assert step_points(50, 50) == [0]
+    assert step_points(51, 50) == [0, 50]
+    assert step_points(120, 50) == [0, 50, 100]
+
+
+def test_chunking_helpers() -> None:
+    assert answer_spans(120, 50) == [(0, 50), (50, 100), (100, 120)]
+    ids = list(range(300))
+    kept = prompt_chunk(ids, 128)
+    assert len(kept) == 128 and kept[:64] == ids[:64] and kept[-64:] == ids[-64:]
+    assert distinct_ratio([1, 1, 1, 1]) == 0.25 and distinct_ratio([]) == 1.0
+
+
+def test_metrics_perfect_and_reversed() -> None:
+    true = np.array([10.0, 50.0, 100.0, 400.0])
+    perfect = regression_metrics(true, true)
+    assert perfect["r2"] == 1.0 and perfect["mae"] == 0.0 and perfect["kendall_tau"] == pytest.approx(1.0)
+    assert regression_metrics(true[::-1].copy(), true)["kendall_tau"] == pytest.approx(-1.0)
+    with pytest.raises(ValueError):
+        regression_metrics(np.array([]), np.array([]))

@@ -1,0 +1,126 @@
+"""The trained-predictor path end to end on a tiny artifact: train, load, predict (shape, determinism,
+incremental re-prediction equals the batch features of training/evaluation), and the shipped head."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tessera.worker.core import Request
+from tessera.worker.predictor.dataset import load_pairs
+from tessera.worker.predictor.model import TextLengthPredictor
+from tessera.worker.predictor.samples import EmbeddingStore, StepSettings, build_samples
+from tessera.worker.predictor.train import DEFAULT_ARTIFACT_DIR, HEAD_FILE, TrainConfig, train
+
+WORDS = (
+    ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma"]
+)
+
+
+def make_data(path: Path, n: int = 24) -> Path:
+    rng = np.random.default_rng(0)
+    with gzip.open(path, "wt") as fh:
+        for i in range(n):
+            length = int(rng.integers(5, 180))
+            response = " ".join(WORDS[j % len(WORDS)] for j in rng.integers(0, 100, length))
+            row = {
+                "prompt_id": f"p{i % 8}",
+                "prompt": f"Write {length} words about topic {i % 8}.",
+                "response": response,
+            }
+            fh.write(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("predictor")
+    data = make_data(tmp / "data.jsonl.gz")
+    cfg = TrainConfig(
+        data=str(data),
+        out=str(tmp / "art"),
+        encoder="minilm",
+        encoder_layers=0,
+        quantize=False,
+        rows_per_prompt=None,
+        val_rows_per_prompt=None,
+        val_fraction=0.3,
+        hidden=32,
+        depth=3,
+        epochs=2,
+        batch_size=8,
+        threads=1,
+        cache_dir=None,
+    )
+    meta = train(cfg)
+    assert meta["feature_dim"] == 3 * 384 + 6 and meta["best_epoch"] in (1, 2)
+    return tmp / "art", data
+
+
+def requests_from(data: Path, generated: int) -> list[Request]:
+    reqs = []
+    for i, pair in enumerate(load_pairs(data)[:6]):
+        req = Request(f"r{i}", 0.0, 12, 1000, prompt_text=pair.prompt)
+        req.response_text = pair.response
+        req.generated = generated
+        reqs.append(req)
+    return reqs
+
+
+def test_predictions_have_shape_and_are_deterministic(artifact: tuple[Path, Path]) -> None:
+    art, data = artifact
+    first = TextLengthPredictor(art, threads=1).predict_remaining(requests_from(data, 0))
+    second = TextLengthPredictor(art, threads=1).predict_remaining(requests_from(data, 0))
+    assert len(first) == 6 and all(isinstance(x, float) and x >= 0.0 for x in first)
+    assert first == second
+    assert TextLengthPredictor(art).predict_remaining([]) == []
+
+
+def test_incremental_prediction_embeds_only_new_chunks_and_matches_batch_features(
+    artifact: tuple[Path, Path],
+) -> None:
+    art, data = artifact
+    pred = TextLengthPredictor(art, threads=1)
+    reqs = requests_from(data, 0)
+    pred.predict_remaining(reqs)
+    assert pred.chunks_embedded == 6  # prompts only
+    for r in reqs:
+        r.generated = 50
+    online = pred.predict_remaining(reqs)
+    assert pred.chunks_embedded == 12  # one new answer chunk per request
+    # the same steps through the training/evaluation feature path give the same predictions
+    samples, chunks = build_samples(
+        load_pairs(data)[:6], pred.served, pred.encoder, StepSettings(**pred.meta["steps"])
+    )
+    store = EmbeddingStore(pred.encoder, cache_dir=None)
+    store.ensure(chunks, log=False)
+    at50 = [s for s in samples if s.generated == 50]
+    batch = pred.head.predict_tokens(torch.from_numpy(store.features(at50))).numpy()
+    online_at50 = [online[s.row] for s in at50]
+    assert np.allclose(batch, online_at50, rtol=1e-4, atol=1e-3)
+
+
+def test_request_without_prompt_text_is_rejected(artifact: tuple[Path, Path]) -> None:
+    pred = TextLengthPredictor(artifact[0])
+    with pytest.raises(ValueError, match="prompt text"):
+        pred.predict_remaining([Request("x", 0.0, 5, 10)])
+
+
+def test_missing_artifact_says_how_to_train(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="predictor train"):
+        TextLengthPredictor(tmp_path)
+
+
+def test_shipped_head_is_small_and_loads() -> None:
+    head = DEFAULT_ARTIFACT_DIR / HEAD_FILE
+    assert head.is_file(), "the trained head ships with the package"
+    assert head.stat().st_size <= 10 * 2**20
+    pred = TextLengthPredictor()
+    req = Request("s", 0.0, 10, 500, prompt_text="List three famous Broadway actors.")
+    req.response_text = "1. Hugh Jackman\n2. Audra McDonald\n3. Idina Menzel"
+    assert pred.predict_remaining([req])[0] >= 0.0
