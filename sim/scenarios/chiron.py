@@ -24,6 +24,8 @@ Rows:
 - ``threshold:band=LO-HI:dispatch=pull``: the same, but requests wait in one global FCFS queue and
   instances pull them up to the static batch size (kinder to a scaler that cannot move queued work,
   as Llumnix's migration would). ``--set dispatch=arrival`` or ``pull`` keeps one of the two.
+- ``...:util=demand`` (``--set utilization=kv,demand``): utilization counts the prompts of waiting
+  requests too (Llumnix's virtual usage), so a backlog triggers scale-ups.
 
 Metrics: the contract's keys (slo_attainment, slo_attainment_by_class, gpu_seconds, TTFT ...) plus
 mean / peak instances, scaling actions, hysteresis (actions / scale-ups, spec B9-11), the
@@ -32,7 +34,7 @@ the mean batch size by role over time (``batch_size_over_time``, same roles).
 
 Options (``--set``): interactive_requests (3000), interactive_rate (6.0), batch_requests (6000),
 batch_at (60), batch_deadline_s (1200), initial_instances (2), min_instances (1),
-max_instances (20), bands ("0.4-0.8"), dispatch ("arrival,pull"), defer_variant (false),
+max_instances (20), bands ("0.4-0.8"), dispatch ("arrival,pull"), utilization ("kv"), defer_variant (false),
 eval_interval_s (5), dispatch_interval_s (1), over_provisioning (1/3), profile (a100-llama3-8b),
 cold_start_s (profile's), static_batch (256).
 """
@@ -538,13 +540,13 @@ class ThresholdController(Controller):
         *,
         interval_s: float,
         static_batch: int,
-        mean_context: float,
+        demand: bool = False,
     ) -> None:
         self.settings = settings
         self.queue = queue
         self.interval_s = interval_s
         self.static_batch = static_batch
-        self.mean_context = mean_context
+        self.demand = demand
         self.timeline = Timeline()
         self._next_eval = 0.0
 
@@ -554,7 +556,7 @@ class ThresholdController(Controller):
         insts = _active(view)
         ready = [i for i in insts if i.ready_at <= view.now]
         if view.now >= self._next_eval and ready:
-            util = float(np.mean([i.used_blocks / i.capacity_blocks for i in ready]))
+            util = self._utilization(ready, view)
             d = threshold_decide(min(1.0, util), len(insts), self.settings, view.now, self._next_eval)
             self._next_eval = d.next_eval
             if d.desired > len(insts):
@@ -574,6 +576,19 @@ class ThresholdController(Controller):
             actions += self._pull(live)
         self.timeline.record(view)
         return actions
+
+    def _utilization(self, ready: list[Instance], view: ClusterView) -> float:
+        """Mean KV-token utilization of the ready instances (spec B7). With ``demand`` the prompts of
+        requests waiting (on the instance or in the global queue) count too, as Llumnix's virtual
+        usage does, so a backlog reads as load even when the static batch size caps the KV in use."""
+        used = [i.used_blocks * i.block for i in ready]
+        cap = [i.capacity_blocks * i.block for i in ready]
+        if self.demand:
+            for k, inst in enumerate(ready):
+                used[k] += sum(r.prompt_tokens for r in inst.assigned if not r.kv_resident)
+            held = sum(r.prompt_tokens for r in view.held)
+            used = [u + held / len(ready) for u in used]
+        return float(np.mean([min(1.0, u / c) for u, c in zip(used, cap, strict=True)]))
 
     def _pull(self, live: list[Instance]) -> list[Action]:
         """FCFS over the whole held queue (interactive and batch alike, by arrival)."""
@@ -736,10 +751,16 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     if option(opts, "defer_variant", False, bool):
         deferred = replace(settings, defer=True)
         variants["chiron:defer=true"] = lambda: _chiron_parts(deferred, work, tick, deadline, margin)
-    for (lo, hi), dispatch in itertools.product(bands, dispatches):
+    utils = str(option(opts, "utilization", "kv", str)).split(",")
+    if not utils or any(u not in ("kv", "demand") for u in utils):
+        raise ValueError(f"--set utilization={opts.get('utilization')!r}: kv (spec B7), demand, or both")
+    for (lo, hi), dispatch, util in itertools.product(bands, dispatches, utils):
         name = f"threshold:band={lo:g}-{hi:g}" + (":dispatch=pull" if dispatch == "pull" else "")
+        name += ":util=demand" if util == "demand" else ""
         th = ThresholdSettings(interval_s=10.0, high=hi, low=lo, min_instances=lo_inst, max_instances=hi_inst)
-        variants[name] = lambda th=th, d=dispatch: _threshold_parts(th, work, tick, static_batch, d)
+        variants[name] = lambda th=th, d=dispatch, u=util: _threshold_parts(
+            th, work, tick, static_batch, d, u == "demand"
+        )
     n = len(work.requests)
     progress(0, total=n * len(variants))
     rows: list[dict[str, Any]] = []
@@ -815,7 +836,7 @@ def _chiron_parts(
 
 
 def _threshold_parts(
-    settings: ThresholdSettings, work: Workload, tick: float, static_batch: int, dispatch: str
+    settings: ThresholdSettings, work: Workload, tick: float, static_batch: int, dispatch: str, demand: bool
 ) -> tuple[Router, Controller, Callable[[], Policy]]:
     queue = GlobalQueue(group_s=1.0) if dispatch == "pull" else None
     controller = ThresholdController(
@@ -823,7 +844,7 @@ def _threshold_parts(
         queue,
         interval_s=tick if queue is not None else settings.interval_s,
         static_batch=static_batch,
-        mean_context=work.mean_context,
+        demand=demand,
     )
     router: Router = _PullEverything(queue) if queue is not None else _LeastLoaded()
     return router, controller, lambda: InstanceQueue(FCFS())
