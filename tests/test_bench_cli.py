@@ -35,9 +35,21 @@ def test_baseline_json_shape(tmp_path, capsys):
         for key in ("mean_ttft_s", "p99_ttft_s", "mean_itl_s", "mean_jct_s", "p99_jct_s", "throughput_rps"):
             assert row[key] > 0
         assert 0 <= row["slo_attainment"] <= 1
+        assert set(row["slo_attainment_by_class"]) == {"interactive", "batch"}
         assert row["gpu_seconds"] > 0
     assert len(csv.read_text().splitlines()) == 1 + 4 * 40
     assert "PASS" in capsys.readouterr().out or doc["checks"]
+
+
+def test_baseline_edf_differs_from_fcfs_under_overload(tmp_path):
+    """With a class mix, EDF serves interactive requests (short TTFT deadline) ahead of batch work."""
+    out = tmp_path / "r.json"
+    rc = main(["bench", "baseline", "--set", "requests=300", "--load", "1.5", "--json", str(out)])
+    assert rc == 0
+    rows = {r["policy"].split(":")[0]: r for r in json.loads(out.read_text())["results"]}
+    fcfs, edf = rows["fcfs"]["slo_attainment_by_class"], rows["edf"]["slo_attainment_by_class"]
+    assert edf["interactive"] > fcfs["interactive"]
+    assert rows["edf"]["mean_ttft_s"] != rows["fcfs"]["mean_ttft_s"]
 
 
 def test_unknown_scenario_and_bad_set(capsys):

@@ -71,6 +71,7 @@ TABLE_KEYS = (
     "p99_jct_s",
     "normalized_latency_mean",
     "slo_attainment",
+    "slo_attainment_by_class",
     "avg_qoe",
     "throughput_rps",
     "gpu_seconds",
