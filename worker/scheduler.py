@@ -285,16 +285,23 @@ class ModelScheduler:
             gen = self.engine.stream(engine_job)
             try:
                 async for delta in gen:
+                    # A preempted stream's cancellation lands at its next real suspension; tokens
+                    # already buffered before that belong to no one (the resumed stream redoes them).
+                    if job.task is not asyncio.current_task():
+                        return
                     self._on_tokens(job, delta)
                     finish = delta.finish_reason or finish
             finally:
                 await gen.aclose()
         except EngineError as exc:
+            if job.task is not asyncio.current_task():
+                return
             if isinstance(exc, EngineUnavailable):
                 self._engine_down()
             self._end(job, None, exc)
             return
-        self._end(job, finish or "stop", None)
+        if job.task is asyncio.current_task():
+            self._end(job, finish or "stop", None)
 
     def _on_tokens(self, job: Job, delta: TokenDelta) -> None:
         n = len(delta.token_ids)
