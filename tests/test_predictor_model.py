@@ -17,9 +17,26 @@ from tessera.worker.predictor.model import TextLengthPredictor
 from tessera.worker.predictor.samples import EmbeddingStore, StepSettings, build_samples
 from tessera.worker.predictor.train import DEFAULT_ARTIFACT_DIR, HEAD_FILE, TrainConfig, train
 
-WORDS = (
-    ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu", "nu", "xi", "omicron", "pi", "rho", "sigma"]
-)
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+]
 
 
 def make_data(path: Path, n: int = 24) -> Path:
