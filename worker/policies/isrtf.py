@@ -15,13 +15,16 @@ the first running request reaches its boundary, instead of ELIS' batch-synchrono
 Aging guard (spec §A.4 #8a, off by default): the key becomes ŷ − ``aging_tokens_per_s`` · age, where
 age = now − arrival. Subtracting the common ``now`` leaves ŷ + a·arrival, so keys stay fixed while a
 request waits and the heap order stays valid.
+
+Displaced requests keep their KV while memory allows (spec §A.4 #6, ``preempt_mode="keep"``; the
+engine recompute-evicts under pressure); ``"recompute"`` is the spec's ``recompute_always``.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from tessera.worker.core.policy import Decision, InstanceView, PriorityPolicy
+from tessera.worker.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
 from tessera.worker.core.request import Request
 from tessera.worker.predictor.fallbacks import ConstantPredictor, LengthPredictor, RunningMeanPredictor
 
@@ -55,13 +58,17 @@ class ISRTF(PriorityPolicy):
         predictor: LengthPredictor | str = "text",
         window_tokens: int = 50,
         aging_tokens_per_s: float = 0.0,
+        preempt_mode: PreemptMode = "keep",
     ) -> None:
         super().__init__()
         if window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
         if aging_tokens_per_s < 0:
             raise ValueError(f"aging_tokens_per_s must be >= 0 (0 = off), got {aging_tokens_per_s}")
+        if preempt_mode not in ("recompute", "swap", "keep"):
+            raise ValueError(f"preempt_mode must be recompute, swap or keep, got {preempt_mode!r}")
         self.predictor = _make_predictor(predictor)
+        self.preempt_mode: PreemptMode = preempt_mode
         self.window = window_tokens
         self.aging = aging_tokens_per_s
         self._pending: dict[int, Request] = {}  # arrived, not yet predicted
@@ -123,6 +130,7 @@ class ISRTF(PriorityPolicy):
             default=None,
         )
         decision.recheck_after_tokens = self.recheck_tokens()
+        decision.preempt_mode = self.preempt_mode
         return decision
 
     def recheck_tokens(self) -> int | None:
