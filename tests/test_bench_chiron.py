@@ -30,12 +30,19 @@ def _noop(n: int = 1, total: int | None = None) -> None:
 
 @pytest.fixture(scope="module")
 def report():
-    return scenario.run(BenchConfig("chiron", seed=3, options=dict(SMALL)), _noop)
+    return scenario.run(BenchConfig("chiron", seed=3, options={**SMALL, "utilization": "kv,demand"}), _noop)
 
 
 def test_rows_share_requests_and_report_scaling(report):
     rows = {r["policy"]: r for r in report.results}
-    assert set(rows) == {"chiron", "threshold:band=0.4-0.8"}
+    base = "threshold:band=0.4-0.8"
+    assert set(rows) == {
+        "chiron",
+        base,
+        f"{base}:dispatch=pull",
+        f"{base}:util=demand",
+        f"{base}:dispatch=pull:util=demand",
+    }
     assert report.config["requests_by_class"] == {"interactive": 200, "batch": 300}
     for row in rows.values():
         assert row["requests"] == 500
@@ -48,7 +55,18 @@ def test_rows_share_requests_and_report_scaling(report):
     assert any(p[1] > 0 for p in roles)  # mixed instances exist
     base_roles = {tuple(p[1:]) for p in rows["threshold:band=0.4-0.8"]["instances_over_time"]}
     assert all(p[1] == p[2] == 0 for p in base_roles)
-    assert len(report.checks) == 1 and report.checks[0].endswith(("PASS", "FAIL"))
+    assert len(report.checks) == 4 and all(c.endswith(("PASS", "FAIL")) for c in report.checks)
+
+
+def test_demand_utilization_sees_the_backlog(report):
+    """Counting waiting prompts (Llumnix virtual usage) makes the baseline scale up for the bulk."""
+    rows = {r["policy"]: r for r in report.results}
+    kv, demand = (
+        rows["threshold:band=0.4-0.8:dispatch=pull"],
+        rows["threshold:band=0.4-0.8:dispatch=pull:util=demand"],
+    )
+    assert demand["peak_instances"] > kv["peak_instances"]
+    assert demand["gpu_seconds"] > kv["gpu_seconds"]
 
 
 def test_chiron_protects_interactive_requests_from_the_batch_bulk(report):
