@@ -73,8 +73,12 @@ def build_workload(
 def _predictor(kind: str) -> Any:
     if kind == "text":
         from tessera.worker.predictor.model import TextLengthPredictor
+        from tessera.worker.predictor.samples import EmbeddingStore
 
-        return TextLengthPredictor()
+        predictor = TextLengthPredictor()
+        # Every policy and batch size replays the same texts: embed each chunk once per bench run.
+        predictor.store = EmbeddingStore(predictor.encoder, cache_dir=None)
+        return predictor
     from tessera.worker.policies.isrtf import _make_predictor
 
     return _make_predictor(kind)

@@ -124,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
             )
             meta = train(cfg)
             _print_metrics("validation", meta["validation"])
-            print(
-                f"train time {meta['seconds']['total']:.0f} s (embedding {meta['seconds']['embedding']:.0f} s)"
-            )
+            print("train time {total:.0f} s (embedding {embedding:.0f} s)".format(**meta["seconds"]))
             return 0
         from tessera.worker.predictor.evaluate import evaluate, measure_latency
         from tessera.worker.predictor.model import TextLengthPredictor
@@ -141,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
             for name in ("window", "step0"):
                 lat = result["latency"][name]
                 print(
-                    f"latency {name:<6} batch {lat['batch']}: p50 {lat['p50_ms']:.1f} ms, p90 {lat['p90_ms']:.1f} ms"
+                    "latency {name:<6} batch {batch}: p50 {p50_ms:.1f} ms, p90 {p90_ms:.1f} ms".format(
+                        name=name, **lat
+                    )
                 )
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -8,6 +8,8 @@ as buffers; the output is in units of ``target_scale`` tokens for well-condition
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -21,7 +23,7 @@ class LengthHead(nn.Module):
             raise ValueError(f"head depth must be >= 2 layers, got {depth}")
         dims = [in_dim] + [hidden] * (depth - 1)
         layers: list[nn.Module] = []
-        for a, b in zip(dims[:-1], dims[1:], strict=True):
+        for a, b in itertools.pairwise(dims):
             layers += [nn.Linear(a, b), nn.ReLU()]
         layers.append(nn.Linear(hidden, 1))  # no activation after the last layer (spec CHOICE)
         self.net = nn.Sequential(*layers)

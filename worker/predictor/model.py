@@ -22,6 +22,7 @@ from tessera.worker.core.request import Request
 from tessera.worker.predictor.encoder import ChunkEncoder
 from tessera.worker.predictor.features import answer_spans, build_features, prompt_chunk, repetition_stats
 from tessera.worker.predictor.head import LengthHead
+from tessera.worker.predictor.samples import EmbeddingStore, chunk_key
 from tessera.worker.predictor.tokens import TokenCounter, token_counter
 from tessera.worker.predictor.train import DEFAULT_ARTIFACT_DIR, HEAD_FILE, META_FILE
 
@@ -51,6 +52,7 @@ class TextLengthPredictor:
         threads: int | None = None,
         cache_size: int = 8192,
         encoder: ChunkEncoder | None = None,
+        store: EmbeddingStore | None = None,
     ) -> None:
         self.meta = load_metadata(artifact_dir)
         spec = "minilm" if self.meta["encoder"] == "all-MiniLM-L6-v2" else self.meta["encoder"]
@@ -76,6 +78,9 @@ class TextLengthPredictor:
         self.cache_size = cache_size
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self.chunks_embedded = 0  # total encoder inputs so far (prompts + answer chunks)
+        # Optional content-addressed store shared across runs (replaying the same texts, e.g. the same
+        # trace under several policies, embeds each chunk once); None: every new chunk is embedded.
+        self.store = store
 
     def forget(self, req: Request) -> None:
         """Drop a finished request's cached embeddings."""
@@ -105,8 +110,7 @@ class TextLengthPredictor:
             first = min(cached, len(spans))
             plan.append((spans, first))
             jobs.extend(answer_ids[i][s:e] for s, e in spans[first:])
-        vecs = self.encoder.embed(jobs) if jobs else np.zeros((0, self.encoder.dim), dtype=np.float32)
-        self.chunks_embedded += len(jobs)
+        vecs = self._embed(jobs)
         for j, i in enumerate(new_prompts):
             self._store(requests[i].id, _Entry(vecs[j], requests[i].prompt_tokens))
         cursor = len(new_prompts)
@@ -129,6 +133,22 @@ class TextLengthPredictor:
             )
         preds = self.head.predict_tokens(torch.from_numpy(np.stack(feats)))
         return [float(p) for p in preds]
+
+    def _embed(self, jobs: list[list[int]]) -> np.ndarray:
+        """Embeddings of ``jobs`` in one encoder pass; chunks in the shared store are not re-embedded."""
+        out = np.zeros((len(jobs), self.encoder.dim), dtype=np.float32)
+        keys = [chunk_key(ids) for ids in jobs] if self.store is not None else []
+        todo = [j for j in range(len(jobs)) if self.store is None or keys[j] not in self.store.vectors]
+        if todo:
+            out[todo] = self.encoder.embed([jobs[j] for j in todo])
+            self.chunks_embedded += len(todo)
+        if self.store is not None:
+            for j, key in enumerate(keys):
+                if key in self.store.vectors:
+                    out[j] = self.store.vectors[key]
+                else:
+                    self.store.vectors[key] = out[j]
+        return out
 
     def _store(self, key: str, entry: _Entry) -> None:
         self._cache[key] = entry

@@ -102,9 +102,8 @@ def train(cfg: TrainConfig) -> dict:
             total += float(loss.detach()) * len(idx)
         head.eval()
         val = regression_metrics(head.predict_tokens(x_va).numpy(), y_va)
-        _log(
-            f"epoch {epoch}: train loss {total / len(perm):.4f}, val R² {val['r2']:.3f}, τ {val['kendall_tau']:.3f}"
-        )
+        r2, tau = val["r2"], val["kendall_tau"]
+        _log(f"epoch {epoch}: train loss {total / len(perm):.4f}, val R² {r2:.3f}, τ {tau:.3f}")
         if best is None or val["r2"] > best[0]:
             best = (val["r2"], {k: v.clone() for k, v in head.state_dict().items()}, epoch, val)
     assert best is not None
@@ -138,7 +137,6 @@ def train(cfg: TrainConfig) -> dict:
         "seconds": {"embedding": t_embedded - t_start, "total": time.perf_counter() - t_start},
     }
     (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    _log(
-        f"wrote {out / HEAD_FILE} (best epoch {best[2]}, val R² {best[0]:.3f}) in {meta['seconds']['total']:.0f} s"
-    )
+    took = meta["seconds"]["total"]
+    _log(f"wrote {out / HEAD_FILE} (best epoch {best[2]}, val R² {best[0]:.3f}) in {took:.0f} s")
     return meta
