@@ -29,6 +29,7 @@ Spec: elis_andes_spec.md §0.2, qlm_chiron_spec.md part C, seallm_spec.md §9.1.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -39,6 +40,9 @@ from tessera.worker.core.request import Phase, Request
 from tessera.worker.core.timeline import RunLog
 
 INF = float("inf")
+# C-level accessors: per-event passes over the batch stay out of the interpreter loop.
+_prompt_of = operator.attrgetter("prompt_tokens")
+_generated_of = operator.attrgetter("generated")
 
 
 @dataclass(slots=True)
@@ -129,7 +133,7 @@ class Instance:
         self.running: list[Request] = []  # in the batch, in admission order
         self.paused_kv: list[Request] = []  # preempted with KV kept
         self._prefill_left: dict[Request, int] = {}  # running requests still prefilling -> tokens left
-        self._last_rank: dict[int, int] = {}  # id(req) -> position in the latest Decision.run
+        self._last_run: list[Request] = []  # the latest Decision.run (its order picks KV victims)
         self._recheck_after: int | None = None
         self._recheck_at: float | None = None
         self._overhead = 0.0  # swap transfers to charge before the next iteration
@@ -283,12 +287,14 @@ class Instance:
             return True
         self._recheck_after = d.recheck_after_tokens
         self._recheck_at = d.recheck_at
-        rank = dict(zip(map(id, d.run), range(len(d.run)), strict=True))
-        self._last_rank = rank
+        self._last_run = d.run
+        run_ids = set(map(id, d.run))
         mode = d.preempt_mode or self.config.preempt_mode
-        if len(rank) < len(self.running) or not rank.keys() >= set(map(id, self.running)):
-            for req in [r for r in self.running if id(r) not in rank]:
+        if not run_ids.issuperset(map(id, self.running)):
+            for req in [r for r in self.running if id(r) not in run_ids]:
                 self._preempt(req, mode, now, engine=False)
+        if len(self.running) >= self.max_batch or len(run_ids) == len(self.running):
+            return False  # batch full, or nothing new to admit: skip the admission pass
         cap = self.capacity_blocks
         reserve = int(self.config.watermark * cap)
         block = self.profile.block_size
@@ -421,8 +427,8 @@ class Instance:
                 self.seg = _Segment("wait", now, self._recheck_at)
             return
         context = self._decoding_context()
-        target = self._target
-        k = min([target[r] - r.generated for r in self.running])
+        running = self.running
+        k = min(map(operator.sub, map(self._target.__getitem__, running), map(_generated_of, running)))
         if self._recheck_after is not None:
             k = min(k, max(1, self._recheck_after))
         k = self._kv_iterations(decoding, k)
@@ -439,7 +445,8 @@ class Instance:
         pl = self._prefill_left
         if pl:
             return sum(r.prompt_tokens + r.generated for r in self.running if r not in pl)
-        return sum(r.prompt_tokens + r.generated for r in self.running)
+        running = self.running
+        return sum(map(_prompt_of, running)) + sum(map(_generated_of, running))
 
     def _kv_iterations(self, decoding: int, k: int) -> int:
         """``k`` capped at the decode iterations that fit before a request needs a block that is not free.
@@ -502,11 +509,14 @@ class Instance:
     def _commit_prefill(self, seg: _Segment, now: float) -> None:
         self.iterations += 1
         block = self.profile.block_size
+        done = []
         if seg.decodes:  # mixed iteration: every decoding request got a token at its end
             self.log.append_run(now, 1, 0.0, 0.0)
             for r in self.running:
                 if r not in self._prefill_left:
                     self._advance_one(r, block)
+                    if r.generated >= self._target[r]:
+                        done.append(r)
         for req, take in seg.chunks:
             left = self._prefill_left.get(req)
             if left is None:
@@ -518,7 +528,9 @@ class Instance:
             req.tokens.append(now)
             self._advance_one(req, block)
             req.tokens.attach(self.log)
-        for r in [r for r in self.running if r.generated >= r.target_output_tokens]:
+            if req.generated >= self._target[req]:
+                done.append(req)
+        for r in done:
             self._finish(r, now)
 
     def _advance_one(self, r: Request, block: int) -> None:
@@ -547,6 +559,6 @@ class Instance:
             if self.paused_kv:
                 self._preempt(self.paused_kv[-1], "recompute", now, engine=True)
                 continue
-            rank = self._last_rank
+            rank = dict(zip(map(id, self._last_run), range(len(self._last_run)), strict=True))
             victim = max(self.running, key=lambda r: rank.get(id(r), -1))
             self._preempt(victim, self.config.preempt_mode, now, engine=True)

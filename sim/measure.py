@@ -4,9 +4,17 @@ Prompts are sent as token-id lists (``/v1/completions`` accepts them), so prompt
 exact whatever the tokenizer; every prompt is fresh random ids, so prefix caching cannot hit.
 Outputs use ``ignore_eos`` with ``max_tokens`` = the wanted length (a vLLM extension).
 
-- Prefill: TTFT of ``max_tokens=1`` requests, one at a time, at several prompt lengths.
-- Decode: ``b`` concurrent streams at several ``b``; the median gap between streamed chunks in
-  the middle of the streams is the step time at batch ``b`` with the batch's mean context.
+What the simulator needs from a vLLM V1 server (one engine step mixes decodes and prompt chunks
+under the ``max_num_batched_tokens`` budget; its time grows with the sequences in the batch, their
+context and the prompt tokens it computes):
+
+- Decode: ``b`` concurrent streams at several ``b`` (up to the server's ``max_num_seqs``) and at
+  two prompt lengths, so the per-sequence and the per-context-token slopes can both be fitted;
+  the median gap between streamed chunks in the middle of the streams is the step time at batch
+  ``b`` with the batch's mean context.
+- Prefill: TTFT of ``max_tokens=1`` requests, one at a time, at several prompt lengths. Its slope
+  is the per-prompt-token step cost; its intercept is one step's fixed cost plus the serving
+  path's per-request overhead (``tessera.sim.profiles.fit_profile`` separates the two).
 """
 
 from __future__ import annotations
@@ -78,7 +86,7 @@ async def measure(
     vocab: int = 1000,
     prompt_lengths: Sequence[int] = (16, 128, 256, 512, 1024),
     batches: Sequence[int] = (1, 2, 4, 8, 16),
-    decode_prompt: int = 64,
+    decode_prompts: Sequence[int] = (32, 512),
     decode_tokens: int = 96,
     repeats: int = 3,
     seed: int = 0,
@@ -94,23 +102,33 @@ async def measure(
                 for _ in range(repeats)
             ]
             m.prefill.append((n, statistics.median(samples)))
-        for b in batches:
-            results = await asyncio.gather(
-                *(
-                    stream_completion(client, url, model, _prompt(rng, decode_prompt, vocab), decode_tokens)
-                    for _ in range(b)
-                )
-            )
-            gaps: list[float] = []
-            lo, hi = decode_tokens // 4, 3 * decode_tokens // 4  # steady middle: every stream decoding
-            for r in results:
-                gaps += [
-                    b2 - a2
-                    for a2, b2 in zip(r.chunk_times[lo:hi], r.chunk_times[lo + 1 : hi + 1], strict=False)
-                ]
-            context = b * (decode_prompt + decode_tokens // 2)
-            m.decode.append((b, context, statistics.median(gaps)))
+        for prompt in decode_prompts:
+            for b in batches:
+                m.decode.append(await _decode_step(client, url, model, rng, vocab, b, prompt, decode_tokens))
     return m
+
+
+async def _decode_step(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    rng: random.Random,
+    vocab: int,
+    batch: int,
+    prompt: int,
+    tokens: int,
+) -> tuple[int, int, float]:
+    """``(batch, context tokens, step seconds)`` of ``batch`` concurrent streams in steady decoding."""
+    results = await asyncio.gather(
+        *(stream_completion(client, url, model, _prompt(rng, prompt, vocab), tokens) for _ in range(batch))
+    )
+    gaps: list[float] = []
+    lo, hi = tokens // 4, 3 * tokens // 4  # steady middle: every stream decoding
+    for r in results:
+        gaps += [
+            b2 - a2 for a2, b2 in zip(r.chunk_times[lo:hi], r.chunk_times[lo + 1 : hi + 1], strict=False)
+        ]
+    return batch, batch * (prompt + tokens // 2), statistics.median(gaps)
 
 
 async def replay(

@@ -108,7 +108,7 @@ def profile_from_dict(data: dict, origin: str = "profile") -> StepProfile:
     if required:
         raise ValueError(f"{origin}: missing profile fields {required}")
     profile = StepProfile(**data)
-    for name in ("decode_c0", "decode_c1", "decode_c2", "prefill_p0", "prefill_p1"):
+    for name in ("decode_c0", "decode_c1", "decode_c2", "prefill_p0", "prefill_p1", "request_overhead_s"):
         value = getattr(profile, name)
         if not isinstance(value, int | float) or value < 0:
             raise ValueError(f"{origin}: {name} must be a number >= 0, got {value!r}")
@@ -157,6 +157,14 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def fit_profile(m: Measurements, name: str, **fixed: object) -> StepProfile:
     """Least-squares fit (non-negative) of the linear prefill and decode models.
 
+    Decode samples give ``c0 + c1·B + c2·context``. Prefill samples are TTFTs of lone requests,
+    ``I + p1·tokens``; the intercept ``I`` holds one engine step's fixed cost *and* the serving
+    path's per-request overhead. A vLLM V1 step is one kind of iteration whatever it computes,
+    so its fixed cost is the decode fit's ``c0 + c1`` (one sequence): ``prefill_p0`` gets that
+    and ``request_overhead_s`` the rest of ``I`` (none when ``I`` is smaller). Charging the whole
+    intercept to every prefill step made mixed iterations free of it and lone prefills far too
+    slow (issue 3: 67.5 ms "prefill" fixed cost, nearly all of it the HTTP/API path).
+
     ``fixed`` sets the remaining StepProfile fields (kv_capacity_tokens is required).
     """
     if len(m.prefill) < 2:
@@ -169,12 +177,14 @@ def fit_profile(m: Measurements, name: str, **fixed: object) -> StepProfile:
     p0, p1 = _nnls(np.column_stack([np.ones(len(pre)), pre[:, 0]]), pre[:, 1])
     dec = np.asarray(m.decode, dtype=float)
     c0, c1, c2 = _nnls(np.column_stack([np.ones(len(dec)), dec[:, 0], dec[:, 1]]), dec[:, 2])
+    step_fixed = float(c0 + c1)
     return StepProfile(
         name=name,
         decode_c0=float(c0),
         decode_c1=float(c1),
         decode_c2=float(c2),
-        prefill_p0=float(p0),
+        prefill_p0=min(float(p0), step_fixed),
         prefill_p1=float(p1),
+        request_overhead_s=max(0.0, float(p0) - step_fixed),
         **fixed,  # type: ignore[arg-type]
     )

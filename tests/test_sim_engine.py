@@ -178,3 +178,17 @@ def test_chunked_prefill_budget_spreads_a_long_prompt():
     # three prefill-only iterations of 512, 512 and 176 tokens
     expected = 3 * 0.1 + 0.001 * 1200
     assert reqs[0].finished_at == pytest.approx(expected)
+
+
+def test_request_overhead_delays_entry_but_counts_from_arrival():
+    """A profile's per-request serving overhead is paid once, before the engine sees the request."""
+    from dataclasses import replace
+
+    prof = replace(PROF, request_overhead_s=0.05)
+    plain = [Request("a", 0.0, 10, 100, true_output_tokens=3)]
+    slow = copy_requests(plain)
+    simulate(plain, max_batch=8)
+    simulate(slow, profile=prof, max_batch=8)
+    assert slow[0].first_token_at - slow[0].arrival == pytest.approx(plain[0].first_token_at + 0.05)
+    assert slow[0].finished_at == pytest.approx(plain[0].finished_at + 0.05)
+    assert slow[0].arrival == 0.0

@@ -176,12 +176,12 @@ class PriorityPolicy(Policy):
                 if rid not in now_running and entry.req.phase is not Phase.FINISHED:
                     del self._running[rid]
                     self._push(entry.req, view.now)
-        for rid, req in now_running.items():
-            if rid not in self._running:
-                # A fresh entry: the queued one may still sit in the heap (lazy deletion) and must not change.
-                old = self._queued.pop(rid, None)
-                key = old.key if old is not None else self.key(req, view.now)
-                self._running[rid] = _Entry(key, next(self._seq), req)
+        for rid in now_running.keys() - self._running.keys():  # set difference at C speed, not a batch loop
+            req = now_running[rid]
+            # A fresh entry: the queued one may still sit in the heap (lazy deletion) and must not change.
+            old = self._queued.pop(rid, None)
+            key = old.key if old is not None else self.key(req, view.now)
+            self._running[rid] = _Entry(key, next(self._seq), req)
 
     def schedule(self, view: InstanceView) -> Decision:
         """Keep or re-rank the running set, then fill free slots from the queue in key order."""
@@ -199,7 +199,7 @@ class PriorityPolicy(Policy):
                 heapq.heappush(self._heap, entry)
             self._running.clear()
             entries = []
-        run = [entry.req for entry in entries]
+        run = list(map(_entry_req, entries))
         former = entries if self.preemptive else []
         # Admission room: the engine stops at the first request that does not fit, so popping
         # further than the free KV tokens and the prefill budget allow would only churn the heap.
@@ -238,3 +238,4 @@ class PriorityPolicy(Policy):
 
 
 _entry_order = operator.attrgetter("key", "seq")
+_entry_req = operator.attrgetter("req")

@@ -4,6 +4,11 @@ Used by the simulator to advance time and by policies that estimate service
 (Andes' TGL(B), QLM's waiting-time estimator). Decode step time follows the
 linear model of the specs (elis_andes_spec §0.3, qlm_chiron_spec part C):
 ``c0 + c1*B + c2*context_tokens``; prefill ``p0 + p1*tokens``.
+
+``request_overhead_s`` is latency a request spends outside engine iterations on
+the serving path (HTTP, validation, IPC to the engine, detokenising and
+streaming back); measured profiles of a real server carry it, the roofline
+tables leave it 0. The simulator charges it once per request, on entry.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class StepProfile:
     cold_start_s: float = 30.0  # new instance until ready (image pull excluded)
     gpus: int = 1  # GPUs of one instance (tensor-parallel degree); GPU-seconds count these
     source: str = ""  # where the numbers come from
+    request_overhead_s: float = 0.0  # per-request serving-path latency outside engine steps
 
     def decode_step(self, batch: int, context_tokens: int) -> float:
         """Time of one decode iteration for ``batch`` sequences holding ``context_tokens`` in total."""

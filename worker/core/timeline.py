@@ -132,11 +132,15 @@ class TokenTimeline:
     def times(self) -> np.ndarray:
         """All delivery times as a float array (O(tokens); for metrics at the end, not hot paths)."""
         self._sync()
-        parts = []
-        for run, count in enumerate(self.counts):
-            k = np.arange(count, dtype=float)
-            parts.append(self.t_first[run] + k * self.intervals[run] + self.growths[run] * k * (k - 1) / 2)
-        return np.concatenate(parts) if parts else np.empty(0)
+        if not self.counts:
+            return np.empty(0)
+        counts = np.asarray(self.counts)
+        run_of = np.repeat(np.arange(len(counts)), counts)  # one vectorised pass, not one per run
+        k = np.arange(self._total, dtype=float) - np.repeat(np.cumsum(counts) - counts, counts)
+        t0 = np.asarray(self.t_first)[run_of]
+        return (
+            t0 + k * np.asarray(self.intervals)[run_of] + np.asarray(self.growths)[run_of] * k * (k - 1) / 2
+        )
 
     def runs(self) -> list[tuple[float, int, float, float]]:
         """The runs as ``(t_first, count, interval, growth)`` tuples."""
