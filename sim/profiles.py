@@ -117,6 +117,16 @@ def profile_from_dict(data: dict, origin: str = "profile") -> StepProfile:
     return profile
 
 
+def describe_profile(profile: StepProfile) -> str:
+    """One line with a profile's coefficients in ms / us, for reports."""
+    return (
+        f"decode {profile.decode_c0 * 1e3:.3f} ms + {profile.decode_c1 * 1e3:.4f} ms/seq + "
+        f"{profile.decode_c2 * 1e6:.4f} us/ctx-token; prefill {profile.prefill_p0 * 1e3:.3f} ms + "
+        f"{profile.prefill_p1 * 1e6:.3f} us/token; "
+        f"per-request overhead {profile.request_overhead_s * 1e3:.2f} ms"
+    )
+
+
 def load_profile(spec: str) -> StepProfile:
     """A named profile or a JSON file written by ``tessera profile``."""
     if spec in PROFILES:

@@ -1,22 +1,34 @@
 """Scenario ``fidelity``: the simulator against real vLLM on this machine (issue 3, item 7).
 
 1. Build the offline tiny random-weight Llama and start a real vLLM OpenAI server on it.
-2. Measure it with ``tessera profile``'s logic and fit a step profile.
+2. Measure it with ``tessera profile``'s logic and fit a step profile (decode slopes over
+   concurrency 1..max_num_seqs at two prompt lengths; prefill slope; per-request API overhead).
 3. Replay the same ``requests`` (default 200) through the real server (async streaming client)
-   and through the simulator with the fitted profile (FCFS, the server's max_num_seqs as batch
-   size, its KV capacity, chunked prefill with the server's token budget: vLLM V1 always chunks).
+   and through the simulator with the fitted profile, configured as the server's engine is:
+   vLLM 0.32 runs the V1 engine (``enable_chunked_prefill=True`` in its logged config; async
+   scheduling is off on CPU). Every V1 step schedules the running requests first (one decode
+   token each, or their next prompt chunk), then admits waiting requests FCFS while the token
+   budget ``max_num_batched_tokens`` (2048: vLLM's CPU default for the API server) and
+   ``max_num_seqs`` allow; prompts longer than the budget left are chunked. That is the
+   simulator's ``chunked_prefill`` engine with ``token_budget`` = the server's budget and
+   ``max_batch`` = its max_num_seqs.
 4. Report mean JCT and mean TTFT of both and their relative error (target within 15%).
 
-Arrivals: the Azure conversation trace's first rows, rescaled to ``rate`` (default 4 req/s);
-lengths scaled down to fit the tiny model (``input/in_div`` clipped to [4, 1024], ``output/out_div``
-clipped to [1, 512]; defaults 4 and 2).
-Options: requests (200), rate (4.0), max_num_seqs (16), kv_cache_gib (1), token_budget (2048).
+Arrivals: the Azure conversation trace's first rows, rescaled to ``rate``. By default the rate is
+``load`` (0.7) × the capacity the simulator predicts with the fitted profile for these requests,
+so the server is busy enough for queueing and batching to matter (the point of fidelity; an idle
+server only shows its idle latency). Lengths are scaled down to fit the tiny model
+(``input/in_div`` clipped to [4, 1024], ``output/out_div`` clipped to [1, 512]; defaults 4 and 2).
+The machine is shared: the load average before and after the replay is reported, because other
+processes' load slows the real server and not the simulator.
+Options: requests (200), load (0.7), max_num_seqs (16), kv_cache_gib (1), token_budget (2048).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -24,8 +36,10 @@ import numpy as np
 
 from tessera.sim.cluster import ClusterConfig
 from tessera.sim.engine import EngineConfig
+from tessera.sim.profiles import describe_profile, profile_to_dict
 from tessera.sim.runner import AZURE_CONV, option, run_one
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
+from tessera.sim.scenarios._common import saturation_rate
 from tessera.sim.traces import load_trace
 from tessera.sim.workloads import build_requests, scale_to_rate
 from tessera.worker.core.registry import make_policy
@@ -41,6 +55,20 @@ def _kv_bytes_per_token(model_dir: Path) -> int:
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4  # float32
 
 
+def other_vllm_servers(own_pid: int | None = None) -> int:
+    """vLLM OpenAI servers running on this machine besides ``own_pid`` (from /proc; 0 where unreadable)."""
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == own_pid:
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        count += b"vllm.entrypoints.openai.api_server" in cmdline
+    return count
+
+
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
     """Real and simulated replay of the same requests."""
     from tessera.commands.profile import measure_and_fit
@@ -50,14 +78,15 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
 
     opts = config.options
     n = option(opts, "requests", 200, int)
-    rate = config.rate if config.rate is not None else option(opts, "rate", 4.0, float)
+    load = config.load if config.load is not None else option(opts, "load", 0.7, float)
+    if load <= 0:
+        raise ValueError(f"load must be > 0, got {load}")
     seqs = option(opts, "max_num_seqs", 16, int)
     gib = option(opts, "kv_cache_gib", 1, int)
     budget = option(opts, "token_budget", 2048, int)
     in_div = option(opts, "in_div", 4.0, float)
     out_div = option(opts, "out_div", 2.0, float)
     rows = load_trace(config.trace or AZURE_CONV)[:n]
-    arrivals = scale_to_rate([r.arrival for r in rows], rate)
     inp = np.clip(np.round(np.array([r.input_tokens for r in rows]) / in_div), 4, 1024).astype(int)
     out = np.clip(np.round(np.array([r.output_tokens for r in rows]) / out_div), 1, 512).astype(int)
     progress(0, total=4)
@@ -78,9 +107,19 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             server.start()
             progress(1)
             profile, _ = measure_and_fit(
-                server.url, server.model_name, "tiny-cpu", kv_tokens, 16, vocab, seqs
+                server.url, server.model_name, "tiny-cpu", kv_tokens, 16, vocab, seqs, server.max_model_len
             )
+            engine = EngineConfig(max_batch=seqs, chunked_prefill=True, token_budget=budget)
+            cluster = ClusterConfig({"default": profile}, 1, engine)
+            if config.rate is not None:
+                rate = config.rate
+            else:
+                probe = build_requests(np.zeros(n), inp, out, np.random.default_rng(config.seed))
+                rate = load * saturation_rate(probe, cluster)
+            arrivals = scale_to_rate([r.arrival for r in rows], rate)
             progress(1)
+            load_before = os.getloadavg()[0]
+            others = other_vllm_servers(server.pid)
             real = asyncio.run(
                 replay(
                     server.url,
@@ -89,14 +128,13 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                     vocab=vocab,
                 )
             )
+            load_after = os.getloadavg()[0]
             progress(1)
     reqs = build_requests(arrivals, inp, out, np.random.default_rng(config.seed))
-    cluster = ClusterConfig(
-        {"default": profile}, 1, EngineConfig(max_batch=seqs, chunked_prefill=True, token_budget=budget)
-    )
     _, sim = run_one(reqs, lambda: make_policy("fcfs"), cluster)
     real_jct = float(np.mean([r.jct for r in real]))
     real_ttft = float(np.mean([r.ttft for r in real]))
+    real_itl = [(r.jct - r.ttft) / (r.tokens - 1) for r in real if r.tokens > 1]
     jct_err = abs(sim["mean_jct_s"] - real_jct) / real_jct
     ttft_err = abs(sim["mean_ttft_s"] - real_ttft) / real_ttft
     results = [
@@ -106,6 +144,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             "mean_jct_s": real_jct,
             "mean_ttft_s": real_ttft,
             "p99_jct_s": float(np.percentile([r.jct for r in real], 99)),
+            "p99_ttft_s": float(np.percentile([r.ttft for r in real], 99)),
+            "mean_itl_s": float(np.mean(real_itl)) if real_itl else None,
+            "throughput_rps": n / float(np.max(arrivals + np.array([r.jct for r in real])) - arrivals[0]),
         },
         {"policy": "fcfs:engine=sim", **sim},
     ]
@@ -114,14 +155,20 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         f"(target <= 15%): {'PASS' if jct_err <= 0.15 else 'FAIL'}",
         f"mean TTFT: real {real_ttft:.3f}s, sim {sim['mean_ttft_s']:.3f}s, error {ttft_err:.1%} "
         f"(target <= 15%): {'PASS' if ttft_err <= 0.15 else 'FAIL'}",
-        f"fitted profile: decode {profile.decode_c0 * 1e3:.2f} ms + {profile.decode_c1 * 1e3:.3f} ms/seq + "
-        f"{profile.decode_c2 * 1e6:.3f} us/ctx; prefill {profile.prefill_p0 * 1e3:.2f} ms + "
-        f"{profile.prefill_p1 * 1e6:.2f} us/token",
+        f"fitted profile: {describe_profile(profile)}",
+        f"offered rate {rate:.2f} req/s (load {load:g} of the simulated capacity unless --rate); "
+        f"load average {load_before:.2f} before, {load_after:.2f} after the replay "
+        f"on {os.cpu_count()} cores; "
+        f"{others} other vLLM server(s) running when the replay started",
     ]
     cfg = {
         **config.as_dict(),
         "requests": n,
         "rate": rate,
+        "load_avg_before": load_before,
+        "load_avg_after": load_after,
+        "other_vllm_servers": others,
+        "profile": profile_to_dict(profile),
         "max_num_seqs": seqs,
         "kv_tokens": kv_tokens,
         "token_budget": budget,
