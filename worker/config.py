@@ -92,6 +92,15 @@ class ModelEntry(ApiModel):
         default=65536, description="KV cache size in tokens (what policies see as capacity)."
     )
     profile: ProfileSpec = Field(default_factory=ProfileSpec, description="Step-time model.")
+    sleep_mode: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description=(
+            "Model swapping by sleep / wake-up (tessera.worker.swap). auto: where the engine reports "
+            "support (vLLM: /server_info says enable_sleep_mode; the sim engine reports none); on: "
+            "required (vLLM started with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1, CUDA/ROCm "
+            "only; the sim engine simulates it); off: the model stays resident."
+        ),
+    )
 
     @model_validator(mode="after")
     def _engine_source(self) -> ModelEntry:

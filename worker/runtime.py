@@ -1,10 +1,11 @@
 """The worker: configuration -> engines and schedulers, class resolution, hot reload, readiness.
 
 Several models per pod, each with its own engine (one vLLM server each) and scheduler. Model
-swapping: where the platform supports vLLM's sleep mode (CUDA/ROCm, server started with
-``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``) an idle model can be put to sleep through
-the engine's ``sleep``/``wake_up``; vLLM 0.32 on CPU has no sleep mode, so there (the documented
-fallback) every model stays resident and no swap happens.
+swapping (``tessera.worker.swap.ModelSwapper``): where the platform supports vLLM's sleep mode
+(CUDA/ROCm, server started with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``) the
+sleep-capable models share the accelerator one at a time and a policy's ``Decision.load_model``
+swaps them through the engines' ``sleep``/``wake_up``; vLLM 0.32 on CPU has no sleep mode, so there
+(the documented fallback) every model stays resident and no swap happens.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tessera.worker.core.request import ServiceClass
 from tessera.worker.engines.base import Engine
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.scheduler import ModelScheduler
+from tessera.worker.swap import ModelSwapper
 
 
 class UnknownClass(ValueError):
@@ -32,6 +34,10 @@ def _policy(config: WorkerConfig) -> Policy:
 
 def _class_limits(config: WorkerConfig) -> dict[str, int | None]:
     return {name: spec.queue.max_queued for name, spec in config.classes.items()}
+
+
+def _class_queue_times(config: WorkerConfig) -> dict[str, float | None]:
+    return {name: spec.queue.max_queue_time_seconds for name, spec in config.classes.items()}
 
 
 class Worker:
@@ -51,6 +57,7 @@ class Worker:
         self.schedulers: dict[str, ModelScheduler] = {}
         self.classes = self._service_classes(config)
         self.draining = False
+        self.swapper: ModelSwapper | None = None
         self._servers: list[object] = []  # vLLM servers this worker launched itself
 
     @staticmethod
@@ -58,12 +65,16 @@ class Worker:
         return {name: spec.to_service_class(name) for name, spec in config.classes.items()}
 
     async def start(self) -> None:
-        """Create engines (launching vLLM where asked), then start the schedulers."""
+        """Create engines (launching vLLM where asked), put all but one swappable model to sleep,
+        then start the schedulers."""
         for entry in self.config.models:
             if entry.name not in self.engines:
                 self.engines[entry.name] = await self._make_engine(entry)
+            await self.engines[entry.name].start()
+        self.swapper = ModelSwapper(self.engines, self.metrics)
+        await self.swapper.start()
+        for entry in self.config.models:
             engine = self.engines[entry.name]
-            await engine.start()
             self.schedulers[entry.name] = ModelScheduler(
                 engine,
                 _policy(self.config),
@@ -72,7 +83,9 @@ class Worker:
                 autoscale=self.config.scheduling.autoscale,
                 max_queued=self.config.scheduling.max_queued,
                 class_limits=_class_limits(self.config),
+                class_queue_times=_class_queue_times(self.config),
                 metrics=self.metrics,
+                swapper=self.swapper,
             )
             await self.schedulers[entry.name].start()
 
@@ -84,6 +97,7 @@ class Worker:
                 entry.name,
                 entry.profile.to_profile(entry.name, entry.kv_capacity_tokens),
                 entry.max_model_len,
+                supports_sleep=entry.sleep_mode == "on",
             )
         from tessera.worker.engines.vllm import VLLMEngine
 
@@ -98,12 +112,14 @@ class Worker:
                 max_num_seqs=entry.launch.max_num_seqs,
                 kv_cache_gib=entry.launch.kv_cache_gib,
                 dtype=entry.launch.dtype,
+                enable_sleep_mode=entry.sleep_mode == "on",
+                dev_mode=entry.sleep_mode == "on",
             )
             self._servers.append(server)
             await asyncio.to_thread(server.start)
             url = server.url
         assert url is not None  # the configuration guarantees url or launch
-        return VLLMEngine(entry.name, url, entry.max_model_len)
+        return VLLMEngine(entry.name, url, entry.max_model_len, sleep_mode=entry.sleep_mode)
 
     async def stop(self) -> None:
         """Stop schedulers and engines, and any vLLM server launched here."""
@@ -143,8 +159,8 @@ class Worker:
                     "this worker was started without a configuration file; send one in the body"
                 )
             new = load_config(self.config_path)
-        old_models = [(m.name, m.engine, m.url, m.launch) for m in self.config.models]
-        new_models = [(m.name, m.engine, m.url, m.launch) for m in new.models]
+        old_models = [(m.name, m.engine, m.url, m.launch, m.sleep_mode) for m in self.config.models]
+        new_models = [(m.name, m.engine, m.url, m.launch, m.sleep_mode) for m in new.models]
         if old_models != new_models:
             raise ConfigError("the model list cannot change without a restart; restart the worker pod")
         policies = {name: _policy(new) for name in self.schedulers}  # fail before changing anything
@@ -157,5 +173,6 @@ class Worker:
                 autoscale=new.scheduling.autoscale,
                 max_queued=new.scheduling.max_queued,
                 class_limits=_class_limits(new),
+                class_queue_times=_class_queue_times(new),
             )
         return new

@@ -12,6 +12,11 @@ completion, a cancellation, a recheck the policy asked for, the engine coming ba
   a resumed request is submitted as prompt ids + the ids it generated so far, with the remaining
   ``max_tokens``, so its output continues exactly (greedy decoding gives identical ids).
 
+Classes may bound the queue time (``queue.maxQueueTimeSeconds``): a request that has not started
+by then ends with ``QueueTimeout`` (HTTP 429, Retry-After), never silently. ``Decision.load_model``
+goes to the pod's ``ModelSwapper`` (sleep / wake-up; see ``tessera.worker.swap``); while another
+model holds the accelerator this scheduler admits nothing and its queue waits.
+
 Chiron's local autoscaler (``ChironLocal``) moves the batch size at changes of the running set.
 If the engine fails, in-flight requests end with the engine's error (HTTP 503), queued ones stay
 queued, nothing is admitted until a health probe sees the engine back.
@@ -21,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import math
 import time
 from collections import Counter, deque
@@ -30,14 +37,26 @@ from typing import Any
 
 from tessera.worker.chiron_local import ChironLocal
 from tessera.worker.config import AutoscaleSpec, BatchBounds
-from tessera.worker.core.policy import InstanceView, Policy
+from tessera.worker.core.policy import Decision, InstanceView, Policy
 from tessera.worker.core.profile import StepProfile
 from tessera.worker.core.qoe import request_qoe
 from tessera.worker.core.request import Phase, Request, ServiceClass
 from tessera.worker.engines.base import Engine, EngineError, EngineJob, EngineUnavailable, TokenDelta
 from tessera.worker.metrics import WorkerMetrics
+from tessera.worker.swap import ModelSwapper
 
 PROBE_INTERVAL_S = 0.5
+
+
+class QueueTimeout(EngineError):
+    """The request waited longer than its class's ``queue.maxQueueTimeSeconds`` without starting."""
+
+    status = 429
+    code = "queue_timeout"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class QueueFull(Exception):
@@ -86,6 +105,8 @@ class ModelScheduler:
         max_queued: int,
         class_limits: dict[str, int | None],
         metrics: WorkerMetrics,
+        class_queue_times: dict[str, float | None] | None = None,
+        swapper: ModelSwapper | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
@@ -95,6 +116,8 @@ class ModelScheduler:
         self.clock = clock
         self.max_queued = max_queued
         self.class_limits = class_limits
+        self.class_queue_times = class_queue_times or {}
+        self.swapper = swapper
         self.autoscale = autoscale
         self.chiron = ChironLocal(
             batch.min, batch.max, batch.start, autoscale.alpha, autoscale.min_iterations,
@@ -114,7 +137,12 @@ class ModelScheduler:
         self._iters = 0.0  # decode iterations since the last decision (estimated from tokens)
         self._chiron_iters = 0.0
         self._completions: deque[float] = deque(maxlen=64)
+        # (expiry, seq, job) of requests whose class bounds the queue time; lazily cleaned
+        self._expiries: list[tuple[float, int, Job]] = []
+        self._seq = itertools.count()
         metrics.batch_size.labels(engine.model).set(self.max_batch)
+        if swapper is not None:
+            swapper.register(engine.model, lambda: len(self.inflight), self._wake.set)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -159,6 +187,9 @@ class ModelScheduler:
         self.jobs[job.req] = job
         self._live[cls] += 1
         self.policy.add(job.req, now)
+        max_wait = self.class_queue_times.get(cls)
+        if max_wait is not None:
+            heapq.heappush(self._expiries, (now + max_wait, next(self._seq), job))
         self._gauges(cls)
         self._wake.set()
 
@@ -177,14 +208,18 @@ class ModelScheduler:
         autoscale: AutoscaleSpec,
         max_queued: int,
         class_limits: dict[str, int | None],
+        class_queue_times: dict[str, float | None] | None = None,
     ) -> None:
-        """Switch policy and bounds in place; every held request moves to the new policy."""
+        """Switch policy and bounds in place; every held request moves to the new policy.
+
+        A changed queue-time bound applies to requests that arrive after the change."""
         now = self.clock()
         for req in self.jobs:
             policy.add(req, now)
         self.policy = policy
         self.max_queued = max_queued
         self.class_limits = class_limits
+        self.class_queue_times = class_queue_times or {}
         self.autoscale = autoscale
         self.chiron.set_bounds(batch.min, batch.max)
         self.chiron.alpha = autoscale.alpha
@@ -199,15 +234,33 @@ class ModelScheduler:
 
     async def _run(self) -> None:
         while True:
-            timeout = None if self._recheck_at is None else max(0.0, self._recheck_at - self.clock())
+            expiry = self._expiries[0][0] if self._expiries else None
+            due = [t for t in (self._recheck_at, expiry) if t is not None]
+            timeout = max(0.0, min(due) - self.clock()) if due else None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
             self.decide()
 
+    def _expire(self, now: float) -> None:
+        """End requests that waited past their class's maximum queue time without starting."""
+        while self._expiries and self._expiries[0][0] <= now:
+            _, _, job = heapq.heappop(self._expiries)
+            req = job.req
+            if job.done.is_set() or req.first_scheduled_at is not None:
+                continue  # finished, cancelled or started in time
+            limit = self.class_queue_times.get(job.class_name)
+            self._end(job, None, QueueTimeout(
+                f"request {req.id} waited {now - req.arrival:.3f} s in the queue of model "
+                f"{self.engine.model} without starting, past class {job.class_name}'s maximum queue time "
+                f"of {limit} s; retry later, or raise queue.maxQueueTimeSeconds",
+                self._retry_after(self.waiting + 1)))  # fmt: skip
+
     def decide(self) -> None:
         """One decision point: ask the policy and apply its answer."""
         now = self.clock()
+        if self._expiries:
+            self._expire(now)
         if self.autoscale.enabled:
             self._autoscale(now)
         running = [job.req for job in self.inflight]
@@ -219,6 +272,7 @@ class ModelScheduler:
             kv_capacity_tokens=self.profile.kv_capacity_tokens,
             kv_used_tokens=sum(r.context_tokens for r in running),
             profile=self.profile,
+            active_model=None if self.swapper is None else self.swapper.active_for(self.engine.model),
         )
         t0 = time.perf_counter()
         decision = self.policy.schedule(view)
@@ -230,6 +284,8 @@ class ModelScheduler:
         for job in list(self.inflight):
             if id(job.req) not in chosen:
                 self._preempt(job, now)
+        if self.swapper is not None and not self._swap_allows(decision):
+            return
         if not self.engine_ok:
             return
         for req in decision.run:
@@ -239,6 +295,21 @@ class ModelScheduler:
             if len(self.inflight) >= self.max_batch:
                 break
             self._launch(job, now)
+
+    def _swap_allows(self, decision: Decision) -> bool:
+        """Pass a load request on; False while this model may not admit (asleep or draining)."""
+        swapper = self.swapper
+        assert swapper is not None
+        model = self.engine.model
+        if decision.load_model is not None:
+            swapper.request(decision.load_model)
+        if swapper.may_admit(model):
+            swapper.poke()
+            return True
+        if any(self.jobs.get(r) not in self.inflight for r in decision.run):
+            swapper.request(model)  # work waits while the model sleeps: ask for it (any policy)
+        swapper.poke()
+        return False
 
     def _autoscale(self, now: float) -> None:
         slo = min((self._itl_slo(job.req.service_class) for job in self.inflight), default=None)
@@ -371,6 +442,8 @@ class ModelScheduler:
         if error is None and finish_reason != "cancelled":
             self._completions.append(now)
             self._record_finished(job, now)
+        elif isinstance(error, QueueTimeout):
+            self.metrics.rejected.labels(self.engine.model, cls, "queue_timeout").inc()
         elif error is not None:
             self.metrics.failed.labels(self.engine.model, cls).inc()
         self._gauges(cls)

@@ -43,10 +43,16 @@ class _Stream:
 class SimEngine(Engine):
     """A simulated engine serving ``model`` at the speed of ``profile``."""
 
-    def __init__(self, model: str, profile: StepProfile, max_model_len: int) -> None:
+    def __init__(
+        self, model: str, profile: StepProfile, max_model_len: int, *, supports_sleep: bool = False
+    ) -> None:
         self.model = model
         self.profile = profile
         self.max_model_len = max_model_len
+        self.supports_sleep = supports_sleep
+        self.asleep = False
+        self.sleep_calls = 0
+        self.wake_calls = 0
         self._streams: dict[_Stream, None] = {}
         self._loop: asyncio.Task[None] | None = None
         self._work = asyncio.Event()
@@ -67,6 +73,21 @@ class SimEngine(Engine):
         """Whether the simulated engine is up."""
         return self.up
 
+    async def sleep(self) -> None:
+        """Drop the (simulated) weights; only with ``supports_sleep``."""
+        if not self.supports_sleep:
+            await super().sleep()
+        self.asleep = True
+        self.sleep_calls += 1
+
+    async def wake_up(self) -> None:
+        """Reload the weights: takes the profile's model load time (weights / host link)."""
+        if not self.supports_sleep:
+            await super().wake_up()
+        await asyncio.sleep(self.profile.model_load_time())
+        self.asleep = False
+        self.wake_calls += 1
+
     async def tokenize(self, text: str) -> list[int]:
         """One token per UTF-8 byte (shifted past the special ids 0-2), after a BOS of 0."""
         return [0, *(b + 3 for b in text.encode())]
@@ -78,6 +99,8 @@ class SimEngine(Engine):
 
     async def stream(self, job: EngineJob) -> AsyncIterator[TokenDelta]:
         """Join the batch and yield one token per iteration until ``max_tokens``."""
+        if self.asleep:
+            raise EngineRejected(f"the model {self.model} is asleep; wake it up before submitting")
         if len(job.prompt_ids) + job.max_tokens > self.max_model_len:
             raise EngineRejected(
                 f"prompt ({len(job.prompt_ids)} tokens) plus max_tokens ({job.max_tokens}) exceeds "

@@ -6,7 +6,10 @@
   prompt + generated ids (vLLM's prefix cache makes the re-prefill cheap);
 - preempts by closing the stream: vLLM aborts a request whose client went away;
 - sleep / wake-up through ``/sleep`` and ``/wake_up`` where the server was started with
-  ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (CUDA/ROCm only in vLLM 0.32).
+  ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (CUDA/ROCm only in vLLM 0.32). With
+  ``sleep_mode="auto"`` the adapter asks the server at start: dev mode serves ``/server_info``, whose
+  ``vllm_config.model_config.enable_sleep_mode`` says whether sleep works; without dev mode (404)
+  the endpoints are absent and the model stays resident.
 """
 
 from __future__ import annotations
@@ -27,12 +30,38 @@ _TIMEOUT = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
 class VLLMEngine(Engine):
     """One model on one vLLM server at ``url`` (base URL, without ``/v1``)."""
 
-    def __init__(self, model: str, url: str, max_model_len: int, *, supports_sleep: bool = False) -> None:
+    def __init__(self, model: str, url: str, max_model_len: int, *, sleep_mode: str = "auto") -> None:
+        if sleep_mode not in ("auto", "on", "off"):
+            raise ValueError(f"sleep_mode must be auto, on or off, got {sleep_mode!r}")
         self.model = model
         self.url = url.rstrip("/")
         self.max_model_len = max_model_len
-        self.supports_sleep = supports_sleep
+        self.sleep_mode = sleep_mode
+        self.supports_sleep = False  # decided in start()
         self._client: httpx.AsyncClient | None = None
+
+    async def start(self) -> None:
+        """Find out whether the server can sleep (``sleep_mode`` auto / on); on: fail without it."""
+        if self.sleep_mode == "off":
+            return
+        self.supports_sleep = await self._server_sleep_mode()
+        if self.sleep_mode == "on" and not self.supports_sleep:
+            raise EngineUnavailable(
+                f"sleepMode is on for {self.model}, but its vLLM server at {self.url} has no sleep mode: "
+                "start it with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1 (CUDA/ROCm only), or set "
+                "sleepMode to auto or off"
+            )
+
+    async def _server_sleep_mode(self) -> bool:
+        try:
+            resp = await self.client.get("/server_info", params={"config_format": "json"}, timeout=30.0)
+        except httpx.HTTPError:
+            return False
+        if resp.status_code != 200:
+            return False  # no dev mode: no /sleep either
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+            return bool(resp.json()["vllm_config"]["model_config"]["enable_sleep_mode"])
+        return False
 
     @property
     def client(self) -> httpx.AsyncClient:

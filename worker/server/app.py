@@ -237,7 +237,9 @@ async def _serve(
         sched.cancel(job)
         return Response(status_code=499)
     if first is None and job.error is not None:
-        raise ApiError(job.error.status, str(job.error), code=job.error.code)
+        retry = getattr(job.error, "retry_after_s", None)  # QueueTimeout: when to try again
+        raise ApiError(job.error.status, str(job.error), code=job.error.code,
+                       headers={"Retry-After": str(retry)} if retry else None)  # fmt: skip
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

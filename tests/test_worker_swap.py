@@ -1,0 +1,215 @@
+"""Model swapping (Decision.load_model -> ModelSwapper -> engine sleep / wake-up) and the
+per-class maximum queue time, on a fake adapter and on the simulated engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from tessera.worker.config import AutoscaleSpec, BatchBounds, ProfileSpec, parse_config
+from tessera.worker.core.baselines import FCFS
+from tessera.worker.core.policy import Decision, InstanceView
+from tessera.worker.core.profile import StepProfile
+from tessera.worker.core.registry import make_policy
+from tessera.worker.core.request import Request, ServiceClass
+from tessera.worker.engines.base import Engine, EngineJob, TokenDelta
+from tessera.worker.engines.sim_realtime import SimEngine
+from tessera.worker.metrics import WorkerMetrics
+from tessera.worker.runtime import Worker
+from tessera.worker.scheduler import Job, ModelScheduler, QueueTimeout
+from tessera.worker.server.app import create_app
+from tessera.worker.swap import ModelSwapper
+
+
+class FakeEngine(Engine):
+    """Records sleep / wake-up calls; a stream yields one token per 5 ms and fails if asleep."""
+
+    def __init__(self, model: str, *, supports_sleep: bool) -> None:
+        self.model = model
+        self.max_model_len = 4096
+        self.supports_sleep = supports_sleep
+        self.asleep = False
+        self.calls: list[str] = []
+        self.streamed: list[str] = []
+
+    async def healthy(self) -> bool:
+        return True
+
+    async def tokenize(self, text: str) -> list[int]:
+        return [1]
+
+    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return [1]
+
+    async def stream(self, job: EngineJob) -> AsyncIterator[TokenDelta]:
+        assert not self.asleep, f"{self.model}: stream submitted while asleep"
+        self.streamed.append(job.request_id)
+        for i in range(job.max_tokens):
+            await asyncio.sleep(0.005)
+            yield TokenDelta([7], "x", "length" if i == job.max_tokens - 1 else None)
+
+    async def sleep(self) -> None:
+        self.calls.append("sleep")
+        self.asleep = True
+
+    async def wake_up(self) -> None:
+        self.calls.append("wake")
+        self.asleep = False
+
+
+class AskToLoad(FCFS):
+    """QLM's swap rule in miniature: with work queued and another model loaded, ask for a swap."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__()
+        self.model = model
+        self.asked = 0
+
+    def schedule(self, view: InstanceView) -> Decision:
+        decision = super().schedule(view)
+        if view.active_model not in (None, self.model) and decision.run:
+            self.asked += 1
+            return Decision(run=[], load_model=self.model)
+        return decision
+
+
+def _scheduler(engine: Engine, policy: Any, swapper: ModelSwapper | None, **kw: Any) -> ModelScheduler:
+    return ModelScheduler(
+        engine,
+        policy,
+        profile=ProfileSpec().to_profile(engine.model, 10**6),
+        batch=BatchBounds(max=kw.pop("batch", 4)),
+        autoscale=AutoscaleSpec(),
+        max_queued=100,
+        class_limits={},
+        metrics=swapper.metrics if swapper is not None else WorkerMetrics(),
+        swapper=swapper,
+        **kw,
+    )
+
+
+def _job(rid: str, n: int, model: str) -> Job:
+    return Job(Request(rid, 0.0, 1, n, model=model), [1], {})
+
+
+async def _pair(engines: dict[str, Engine], policies: dict[str, Any]) -> tuple[ModelSwapper, dict]:
+    swapper = ModelSwapper(engines, WorkerMetrics())
+    await swapper.start()
+    scheds = {m: _scheduler(e, policies[m], swapper) for m, e in engines.items()}
+    for s in scheds.values():
+        await s.start()
+    return swapper, scheds
+
+
+async def test_load_model_sleeps_the_active_model_after_it_drains_then_wakes_the_other() -> None:
+    a, b = FakeEngine("a", supports_sleep=True), FakeEngine("b", supports_sleep=True)
+    pol_b = AskToLoad("b")
+    swapper, scheds = await _pair({"a": a, "b": b}, {"a": AskToLoad("a"), "b": pol_b})
+    assert swapper.active == "a" and b.calls == ["sleep"]  # all but one start asleep
+    long_a = _job("a1", 40, "a")
+    scheds["a"].submit(long_a)
+    await asyncio.sleep(0.02)
+    job_b = _job("b1", 3, "b")
+    scheds["b"].submit(job_b)  # b's policy asks to load b: a drains first, then the swap
+    await asyncio.wait_for(job_b.done.wait(), 5)
+    assert pol_b.asked >= 1
+    assert job_b.error is None and job_b.req.generated == 3
+    assert long_a.done.is_set() and long_a.req.generated == 40  # drained, not cut short
+    assert job_b.req.first_token_at > long_a.req.finished_at
+    assert a.calls == ["sleep"] and b.calls == ["sleep", "wake"]
+    assert swapper.active == "b" and swapper.swaps == 1
+    assert 'tessera_swaps_total{model="b"} 1.0' in swapper.metrics.exposition().decode()
+    # a job for the sleeping model waits in its queue and runs after the swap back
+    job_a = _job("a2", 2, "a")
+    scheds["a"].submit(job_a)
+    await asyncio.wait_for(job_a.done.wait(), 5)
+    assert job_a.error is None and swapper.active == "a" and a.calls == ["sleep", "wake"]
+    for s in scheds.values():
+        await s.stop()
+
+
+async def test_models_without_sleep_stay_resident_and_ignore_load_requests() -> None:
+    a, b = FakeEngine("a", supports_sleep=False), FakeEngine("b", supports_sleep=False)
+    swapper, scheds = await _pair({"a": a, "b": b}, {"a": FCFS(), "b": FCFS()})
+    assert swapper.swappable == frozenset() and swapper.active_for("a") is None
+    swapper.request("b")  # the documented fallback: a no-op
+    jobs = [_job("a1", 20, "a"), _job("b1", 20, "b")]
+    scheds["a"].submit(jobs[0])
+    scheds["b"].submit(jobs[1])
+    await asyncio.wait_for(asyncio.gather(*(j.done.wait() for j in jobs)), 5)
+    # both ran at the same time: each started before the other finished
+    assert jobs[0].req.first_token_at < jobs[1].req.finished_at
+    assert jobs[1].req.first_token_at < jobs[0].req.finished_at
+    assert a.calls == [] and b.calls == [] and swapper.swaps == 0
+    for s in scheds.values():
+        await s.stop()
+
+
+async def test_fcfs_on_sleep_capable_sim_engines_swaps_with_the_profile_load_time() -> None:
+    profile = StepProfile(
+        name="m", decode_c0=0.002, decode_c1=0.0, decode_c2=0.0, prefill_p0=0.001, prefill_p1=0.0,
+        kv_capacity_tokens=10**6, weights_bytes=50_000_000, host_link_bytes_per_s=1e9,
+    )  # fmt: skip
+    engines = {m: SimEngine(m, profile, 4096, supports_sleep=True) for m in ("x", "y")}
+    for e in engines.values():
+        await e.start()
+    swapper, scheds = await _pair(engines, {"x": make_policy("fcfs"), "y": make_policy("fcfs")})
+    job = _job("y1", 5, "y")
+    scheds["y"].submit(job)  # FCFS never asks: the scheduler asks for its sleeping model itself
+    await asyncio.wait_for(job.done.wait(), 5)
+    assert job.error is None and job.req.generated == 5
+    assert engines["x"].sleep_calls == 1 and engines["y"].wake_calls == 1 and swapper.active == "y"
+    assert job.req.first_token_at - job.req.arrival >= profile.model_load_time()  # 50 ms load
+    for s in scheds.values():
+        await s.stop()
+    for e in engines.values():
+        await e.close()
+
+
+async def test_request_past_its_class_queue_time_ends_with_queue_timeout() -> None:
+    engine = FakeEngine("m", supports_sleep=False)
+    chat = ServiceClass("chat", ttft_slo_s=1)
+    sched = _scheduler(engine, FCFS(), None, batch=1, class_queue_times={"chat": 0.05})
+    await sched.start()
+    first = Job(Request("r1", 0.0, 1, 40, service_class=chat), [1], {})
+    waiting = Job(Request("r2", 0.0, 1, 2, service_class=chat), [1], {})
+    sched.submit(first)
+    sched.submit(waiting)
+    await asyncio.wait_for(waiting.done.wait(), 2)
+    assert isinstance(waiting.error, QueueTimeout) and "maximum queue time" in str(waiting.error)
+    assert waiting.req.generated == 0 and not first.done.is_set()  # the running one is untouched
+    assert waiting.req.finished_at - waiting.req.arrival < 0.1 + 0.05  # woke at the expiry, not later
+    assert waiting.req not in sched.jobs and len(sched.policy) == 1
+    await asyncio.wait_for(first.done.wait(), 2)
+    assert first.error is None
+    await sched.stop()
+
+
+async def test_queue_timeout_is_a_429_with_retry_after_over_http() -> None:
+    config = parse_config(
+        {
+            "models": [{"name": "m", "engine": "sim", "maxModelLen": 256}],
+            "classes": {"chat": {"slo": {"ttftSeconds": 1}, "queue": {"maxQueueTimeSeconds": 0.05}}},
+            "scheduling": {"batch": {"max": 1}},
+        }
+    )
+    worker = Worker(config)
+    app = create_app(worker, manage_worker=False)
+    await worker.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            body = {"model": "m", "prompt": [1], "max_tokens": 60}
+            r1, r2 = await asyncio.gather(
+                c.post("/v1/completions", json=body), c.post("/v1/completions", json=body)
+            )
+        codes = sorted([r1.status_code, r2.status_code])
+        assert codes == [200, 429], (r1.text, r2.text)
+        late = r1 if r1.status_code == 429 else r2
+        assert late.json()["error"]["code"] == "queue_timeout" and int(late.headers["Retry-After"]) >= 1
+        metrics = worker.metrics.exposition().decode()
+        assert 'reason="queue_timeout"} 1.0' in metrics
+    finally:
+        await worker.stop()
