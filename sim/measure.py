@@ -6,15 +6,22 @@ Outputs use ``ignore_eos`` with ``max_tokens`` = the wanted length (a vLLM exten
 
 What the simulator needs from a vLLM V1 server (one engine step mixes decodes and prompt chunks
 under the ``max_num_batched_tokens`` budget; its time grows with the sequences in the batch, their
-context and the prompt tokens it computes):
+context and the prompt tokens it computes), read from the server's own Prometheus histograms
+(``/metrics``: sums and counts before and after each probe give exact means). They are
+timestamped inside the server (the engine core stamps every step's outputs), so they do not
+depend on when a client process gets a core: on a loaded 2-core machine a streaming client reads
+dozens of tokens in one burst, and client-side gaps between chunks were mostly 10-20 us with
+seconds-long stalls in between, which says nothing about the engine.
 
 - Decode: ``b`` concurrent streams at several ``b`` (up to the server's ``max_num_seqs``) and at
   two prompt lengths, so the per-sequence and the per-context-token slopes can both be fitted;
-  the median gap between streamed chunks in the middle of the streams is the step time at batch
-  ``b`` with the batch's mean context.
-- Prefill: TTFT of ``max_tokens=1`` requests, one at a time, at several prompt lengths. Its slope
-  is the per-prompt-token step cost; its intercept is one step's fixed cost plus the serving
-  path's per-request overhead (``tessera.sim.profiles.fit_profile`` separates the two).
+  the step time at batch ``b`` is the mean of ``vllm:inter_token_latency_seconds`` over the run.
+- Prefill: lone ``max_tokens=1`` requests at several prompt lengths; the step time is
+  ``vllm:request_prefill_time_seconds`` (scheduled to first token), and the serving path's
+  per-request overhead is ``vllm:time_to_first_token_seconds`` (arrival at the API server to
+  first token) minus it.
+- Replay: client-side times of every request, and the server-side means of TTFT and end-to-end
+  latency over the replay.
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ from dataclasses import dataclass
 import httpx
 
 from tessera.sim.profiles import Measurements
+
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+E2E = "vllm:e2e_request_latency_seconds"
+PREFILL = "vllm:request_prefill_time_seconds"
+HISTOGRAMS = (TTFT, ITL, E2E, PREFILL)
 
 
 @dataclass(slots=True)
@@ -91,17 +104,20 @@ async def measure(
     repeats: int = 3,
     seed: int = 0,
 ) -> Measurements:
-    """Prefill and decode samples from the server at ``url``."""
+    """Prefill, overhead and decode samples from the server at ``url`` (its own metrics)."""
     rng = random.Random(seed)
     m = Measurements()
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
         await stream_completion(client, url, model, _prompt(rng, 8, vocab), 4)  # warm-up
         for n in prompt_lengths:
-            samples = [
-                (await stream_completion(client, url, model, _prompt(rng, n, vocab), 1)).ttft
-                for _ in range(repeats)
-            ]
-            m.prefill.append((n, statistics.median(samples)))
+            steps = []
+            for _ in range(repeats):
+                before = await scrape(client, url)
+                await stream_completion(client, url, model, _prompt(rng, n, vocab), 1)
+                delta = await scrape_delta(client, url, before, TTFT, 1)
+                steps.append(delta.mean(PREFILL))
+                m.overhead.append(delta.mean(TTFT) - delta.mean(PREFILL))
+            m.prefill.append((n, statistics.median(steps)))
         for prompt in decode_prompts:
             for b in batches:
                 m.decode.append(await _decode_step(client, url, model, rng, vocab, b, prompt, decode_tokens))
@@ -118,28 +134,97 @@ async def _decode_step(
     prompt: int,
     tokens: int,
 ) -> tuple[int, int, float]:
-    """``(batch, context tokens, step seconds)`` of ``batch`` concurrent streams in steady decoding."""
-    results = await asyncio.gather(
+    """``(batch, mean context tokens, step seconds)`` of ``batch`` concurrent streams decoding."""
+    before = await scrape(client, url)
+    await asyncio.gather(
         *(stream_completion(client, url, model, _prompt(rng, prompt, vocab), tokens) for _ in range(batch))
     )
-    gaps: list[float] = []
-    lo, hi = tokens // 4, 3 * tokens // 4  # steady middle: every stream decoding
-    for r in results:
-        gaps += [
-            b2 - a2 for a2, b2 in zip(r.chunk_times[lo:hi], r.chunk_times[lo + 1 : hi + 1], strict=False)
-        ]
-    return batch, batch * (prompt + tokens // 2), statistics.median(gaps)
+    delta = await scrape_delta(client, url, before, E2E, batch)
+    return batch, batch * (prompt + tokens // 2), delta.mean(ITL)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsDelta:
+    """Change of the server's histogram sums and counts between two scrapes."""
+
+    sums: dict[str, float]
+    counts: dict[str, float]
+
+    def mean(self, name: str) -> float:
+        """Mean of the observations ``name`` gained between the scrapes."""
+        count = self.counts.get(name, 0.0)
+        if count <= 0:
+            raise RuntimeError(f"the server recorded no {name} observation during the probe")
+        return self.sums[name] / count
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, tuple[float, float]]:
+    """``{histogram: (sum, count)}`` of vLLM's latency histograms (summed over label sets)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = await client.get(f"{url}/metrics")
+    if resp.status_code != 200:
+        raise RuntimeError(f"{url}/metrics answered HTTP {resp.status_code}; tessera needs vLLM's metrics")
+    out: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(resp.text):
+        # The parser strips "_seconds"-style suffixes only for some types; match on the sample names.
+        for sample in family.samples:
+            for name in HISTOGRAMS:
+                if sample.name in (f"{name}_sum", f"{name}_count"):
+                    total, count = out.get(name, (0.0, 0.0))
+                    if sample.name.endswith("_sum"):
+                        total += sample.value
+                    else:
+                        count += sample.value
+                    out[name] = (total, count)
+    missing = [n for n in HISTOGRAMS if n not in out]
+    if missing:
+        raise RuntimeError(
+            f"{url}/metrics lacks {missing}: measuring needs a vLLM (V1) server with its metrics on "
+            "(do not pass --disable-log-stats)"
+        )
+    return out
+
+
+async def scrape_delta(
+    client: httpx.AsyncClient,
+    url: str,
+    before: dict[str, tuple[float, float]],
+    until: str,
+    count: int,
+    timeout_s: float = 10.0,
+) -> MetricsDelta:
+    """Scrape again until ``until`` gained ``count`` observations (the server records them just after
+    the last chunk goes out), and return the change since ``before``."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        after = await scrape(client, url)
+        if after[until][1] - before[until][1] >= count or time.perf_counter() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    return MetricsDelta(
+        {k: after[k][0] - before[k][0] for k in after}, {k: after[k][1] - before[k][1] for k in after}
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """A replay's client-side timings (one per request, in order) and the server's own view of it."""
+
+    requests: list[StreamResult]
+    server: MetricsDelta  # the server's histograms over the replay (means of TTFT, E2E, ITL)
 
 
 async def replay(
     url: str, model: str, requests: Sequence[tuple[float, int, int]], *, vocab: int = 1000, seed: int = 0
-) -> list[StreamResult]:
+) -> ReplayResult:
     """Send ``(arrival_s, prompt_tokens, output_tokens)`` requests at their arrival times; time each."""
     rng = random.Random(seed)
     prompts = [_prompt(rng, p, vocab) for _, p, _ in requests]
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=1000)
     ) as client:
+        before = await scrape(client, url)
         start = time.perf_counter()
 
         async def one(i: int) -> StreamResult:
@@ -149,4 +234,6 @@ async def replay(
                 await asyncio.sleep(delay)
             return await stream_completion(client, url, model, prompts[i], out)
 
-        return list(await asyncio.gather(*(one(i) for i in range(len(requests)))))
+        results = list(await asyncio.gather(*(one(i) for i in range(len(requests)))))
+        server = await scrape_delta(client, url, before, E2E, len(requests))
+    return ReplayResult(results, server)

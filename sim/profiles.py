@@ -152,10 +152,11 @@ def save_profile(profile: StepProfile, path: Path) -> None:
 class Measurements:
     """Timings measured on a real engine."""
 
-    prefill: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, seconds)
+    prefill: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, step seconds)
     decode: list[tuple[int, int, float]] = field(
         default_factory=list
     )  # (batch, context tokens, step seconds)
+    overhead: list[float] = field(default_factory=list)  # per-request serving-path seconds, outside steps
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -167,13 +168,11 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def fit_profile(m: Measurements, name: str, **fixed: object) -> StepProfile:
     """Least-squares fit (non-negative) of the linear prefill and decode models.
 
-    Decode samples give ``c0 + c1·B + c2·context``. Prefill samples are TTFTs of lone requests,
-    ``I + p1·tokens``; the intercept ``I`` holds one engine step's fixed cost *and* the serving
-    path's per-request overhead. A vLLM V1 step is one kind of iteration whatever it computes,
-    so its fixed cost is the decode fit's ``c0 + c1`` (one sequence): ``prefill_p0`` gets that
-    and ``request_overhead_s`` the rest of ``I`` (none when ``I`` is smaller). Charging the whole
-    intercept to every prefill step made mixed iterations free of it and lone prefills far too
-    slow (issue 3: 67.5 ms "prefill" fixed cost, nearly all of it the HTTP/API path).
+    Decode samples give ``c0 + c1·B + c2·context``; prefill samples (engine-side step times of
+    lone prompts) ``p0 + p1·tokens``; ``request_overhead_s`` is the median of the overhead samples
+    (0 without any). Treating a client's TTFT intercept as prefill work, as an earlier version
+    did, charged ~60 ms of HTTP/API path to every lone prefill step and none to requests whose
+    prompts rode in mixed iterations (issue 3).
 
     ``fixed`` sets the remaining StepProfile fields (kv_capacity_tokens is required).
     """
@@ -187,14 +186,14 @@ def fit_profile(m: Measurements, name: str, **fixed: object) -> StepProfile:
     p0, p1 = _nnls(np.column_stack([np.ones(len(pre)), pre[:, 0]]), pre[:, 1])
     dec = np.asarray(m.decode, dtype=float)
     c0, c1, c2 = _nnls(np.column_stack([np.ones(len(dec)), dec[:, 0], dec[:, 1]]), dec[:, 2])
-    step_fixed = float(c0 + c1)
+    overhead = max(0.0, float(np.median(m.overhead))) if m.overhead else 0.0
     return StepProfile(
         name=name,
         decode_c0=float(c0),
         decode_c1=float(c1),
         decode_c2=float(c2),
-        prefill_p0=min(float(p0), step_fixed),
+        prefill_p0=float(p0),
         prefill_p1=float(p1),
-        request_overhead_s=max(0.0, float(p0) - step_fixed),
+        request_overhead_s=overhead,
         **fixed,  # type: ignore[arg-type]
     )

@@ -37,24 +37,19 @@ def test_fit_recovers_linear_model_from_noisy_samples():
     assert p.decode_c0 == pytest.approx(0.003, rel=0.05)
     assert p.decode_c1 == pytest.approx(4e-4, rel=0.05)
     assert p.decode_c2 == pytest.approx(1e-6, rel=0.1)
-    # The TTFT intercept (4 ms) is one step's fixed cost (c0 + c1 = 3.4 ms) plus serving overhead.
-    assert p.prefill_p0 == pytest.approx(0.0034, rel=0.05)
-    assert p.request_overhead_s == pytest.approx(0.0006, rel=0.2)
+    assert p.prefill_p0 == pytest.approx(0.004, rel=0.05)
+    assert p.request_overhead_s == 0.0  # no overhead samples
 
 
-def test_fit_splits_api_overhead_from_the_step_cost():
-    """A 60 ms TTFT intercept over a 5 ms step is 55 ms of per-request overhead, not prefill work."""
-    m = Measurements(prefill=[(n, 0.060 + 8e-5 * n) for n in (16, 256, 1024)])
-    m.decode = [(b, b * 300, 0.004 + 1e-4 * b + 1e-7 * b * 300) for b in (1, 4, 16)]
-    m.decode += [(b, b * 600, 0.004 + 1e-4 * b + 1e-7 * b * 600) for b in (1, 4, 16)]
+def test_fit_takes_the_median_overhead_and_clips_negative_noise():
+    m = Measurements(prefill=[(n, 0.005 + 8e-5 * n) for n in (16, 256, 1024)])
+    m.decode = [(b, b * c, 0.004 + 1e-4 * b + 1e-7 * b * c) for b in (1, 4, 16) for c in (300, 600)]
+    m.overhead = [0.050, 0.055, 0.2, 0.052]
     p = fit_profile(m, "fit", kv_capacity_tokens=8192)
-    assert p.prefill_p0 == pytest.approx(0.0041, rel=0.01)
-    assert p.request_overhead_s == pytest.approx(0.0559, rel=0.01)
-    # An intercept below the step cost leaves no overhead and keeps the measured intercept.
-    m.prefill = [(n, 0.002 + 8e-5 * n) for n in (16, 256, 1024)]
-    p = fit_profile(m, "fit", kv_capacity_tokens=8192)
-    assert p.request_overhead_s == 0.0
-    assert p.prefill_p0 == pytest.approx(0.002, rel=0.01)
+    assert p.request_overhead_s == pytest.approx(0.0535)
+    assert p.prefill_p0 == pytest.approx(0.005) and p.prefill_p1 == pytest.approx(8e-5)
+    m.overhead = [-0.001, -0.002]
+    assert fit_profile(m, "fit", kv_capacity_tokens=8192).request_overhead_s == 0.0
 
 
 def test_fit_needs_enough_points():

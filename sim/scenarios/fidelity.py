@@ -13,6 +13,11 @@
    simulator's ``chunked_prefill`` engine with ``token_budget`` = the server's budget and
    ``max_batch`` = its max_num_seqs.
 4. Report mean JCT and mean TTFT of both and their relative error (target within 15%).
+   The target is checked on the server's own means (vLLM's ``vllm:e2e_request_latency_seconds``
+   and ``vllm:time_to_first_token_seconds`` histograms over the replay: arrival at the API
+   server to last / first token). The client's means are reported too, but the client shares
+   the 2 loaded cores with the server and reads streamed tokens late and in bursts, which is a
+   property of this machine, not of the engine the simulator models.
 
 Arrivals: the Azure conversation trace's first rows, rescaled to ``rate``. By default the rate is
 ``load`` (0.7) × the capacity the simulator predicts with the fitted profile for these requests,
@@ -36,6 +41,7 @@ import numpy as np
 
 from tessera.sim.cluster import ClusterConfig
 from tessera.sim.engine import EngineConfig
+from tessera.sim.measure import E2E, ITL, TTFT
 from tessera.sim.profiles import describe_profile, profile_to_dict
 from tessera.sim.runner import AZURE_CONV, option, run_one
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
@@ -53,6 +59,12 @@ def _kv_bytes_per_token(model_dir: Path) -> int:
     kv_heads = cfg.get("num_key_value_heads", heads)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4  # float32
+
+
+def _error_check(what: str, real: float, sim: float, *, target: bool = True) -> str:
+    err = abs(sim - real) / real
+    verdict = f"(target <= 15%): {'PASS' if err <= 0.15 else 'FAIL'}" if target else ""
+    return f"{what}: real {real:.3f}s, sim {sim:.3f}s, error {err:.1%} {verdict}".rstrip()
 
 
 def other_vllm_servers(own_pid: int | None = None) -> int:
@@ -120,7 +132,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             progress(1)
             load_before = os.getloadavg()[0]
             others = other_vllm_servers(server.pid)
-            real = asyncio.run(
+            replayed = asyncio.run(
                 replay(
                     server.url,
                     server.model_name,
@@ -132,29 +144,30 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             progress(1)
     reqs = build_requests(arrivals, inp, out, np.random.default_rng(config.seed))
     _, sim = run_one(reqs, lambda: make_policy("fcfs"), cluster)
-    real_jct = float(np.mean([r.jct for r in real]))
-    real_ttft = float(np.mean([r.ttft for r in real]))
-    real_itl = [(r.jct - r.ttft) / (r.tokens - 1) for r in real if r.tokens > 1]
-    jct_err = abs(sim["mean_jct_s"] - real_jct) / real_jct
-    ttft_err = abs(sim["mean_ttft_s"] - real_ttft) / real_ttft
+    client = replayed.requests
+    server_jct, server_ttft = replayed.server.mean(E2E), replayed.server.mean(TTFT)
+    client_jct = float(np.mean([r.jct for r in client]))
+    client_ttft = float(np.mean([r.ttft for r in client]))
     results = [
         {
             "policy": "fcfs:engine=vllm",
             "requests": n,
-            "mean_jct_s": real_jct,
-            "mean_ttft_s": real_ttft,
-            "p99_jct_s": float(np.percentile([r.jct for r in real], 99)),
-            "p99_ttft_s": float(np.percentile([r.ttft for r in real], 99)),
-            "mean_itl_s": float(np.mean(real_itl)) if real_itl else None,
-            "throughput_rps": n / float(np.max(arrivals + np.array([r.jct for r in real])) - arrivals[0]),
+            "mean_jct_s": server_jct,
+            "mean_ttft_s": server_ttft,
+            "mean_itl_s": replayed.server.mean(ITL),
+            "client_mean_jct_s": client_jct,
+            "client_mean_ttft_s": client_ttft,
+            "p99_jct_s": float(np.percentile([r.jct for r in client], 99)),
+            "p99_ttft_s": float(np.percentile([r.ttft for r in client], 99)),
+            "throughput_rps": n / float(np.max(arrivals + np.array([r.jct for r in client])) - arrivals[0]),
         },
         {"policy": "fcfs:engine=sim", **sim},
     ]
     checks = [
-        f"mean JCT: real {real_jct:.3f}s, sim {sim['mean_jct_s']:.3f}s, error {jct_err:.1%} "
-        f"(target <= 15%): {'PASS' if jct_err <= 0.15 else 'FAIL'}",
-        f"mean TTFT: real {real_ttft:.3f}s, sim {sim['mean_ttft_s']:.3f}s, error {ttft_err:.1%} "
-        f"(target <= 15%): {'PASS' if ttft_err <= 0.15 else 'FAIL'}",
+        _error_check("mean JCT (server-side)", server_jct, sim["mean_jct_s"]),
+        _error_check("mean TTFT (server-side)", server_ttft, sim["mean_ttft_s"]),
+        _error_check("mean JCT (client-side, informative)", client_jct, sim["mean_jct_s"], target=False),
+        _error_check("mean TTFT (client-side, informative)", client_ttft, sim["mean_ttft_s"], target=False),
         f"fitted profile: {describe_profile(profile)}",
         f"offered rate {rate:.2f} req/s (load {load:g} of the simulated capacity unless --rate); "
         f"load average {load_before:.2f} before, {load_after:.2f} after the replay "
