@@ -170,6 +170,9 @@ class PriorityPolicy(Policy):
 
     def _sync_running(self, view: InstanceView) -> None:
         """Requests the engine preempted on its own go back to the queue with a fresh key."""
+        mine = self._running
+        if len(view.running) == len(mine) and all(map(mine.__contains__, map(id, view.running))):
+            return  # the same set as after the last decision (the common case): nothing to sync
         now_running = dict(zip(map(id, view.running), view.running, strict=True))
         if len(now_running) != len(self._running) or not now_running.keys() >= self._running.keys():
             for rid, entry in list(self._running.items()):
