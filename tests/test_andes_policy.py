@@ -316,3 +316,25 @@ def test_mean_tds_is_the_per_request_speed_averaged() -> None:
     slow = run(request("s", 0.0, 10), 1.0, 3, 1.0)  # 2 tokens over 2 s: 1 tok/s
     single = run(request("o", 0.0, 10), 1.0, 1, 0.0)  # one token: no speed
     assert mean_tds([fast, slow, single]) == pytest.approx(5.5)  # not 1 / mean ITL (= 1.82)
+
+
+def waste_case(charge_waste: bool) -> set[str]:
+    """Fig. 8 again, but resuming the buffered victim r1 later costs a 8.5 s re-prefill, and ten
+    large requests wait far past their TTFT target (too big to be picked). The running r2 has
+    8 s of tokens buffered, so the newcomer's 1.2 s prefill stall costs the running set nothing."""
+    prof = profile(kv=1000, p1=0.01)
+    pol = AndesQoE(preemption_cap="none", preemption="recompute", refiner_waste_loss=charge_waste)
+    r1 = run(request("r1", 0.0, 650), 1.0, 200, 0.02)  # l = 851, 40 s of reading buffered
+    r2 = run(request("r2", 15.0, 40), 16.0, 60, 0.02)  # consumed until 28 s
+    newcomer = request("n", 19.0, 120)
+    crowd = [request(f"c{i}", 0.0, 800) for i in range(10)]
+    for r in (r1, r2, newcomer, *crowd):
+        pol.add(r, 20.0)
+    return {r.id for r in pol.schedule(view([r1, r2], 20.0, prof)).run}
+
+
+def test_refiner_charges_wasted_work_to_the_waiting_requests() -> None:
+    # Without the charge the swap of r1 for the newcomer looks free (nobody running stalls); with
+    # it, the 8.5 s of re-prefill delays ten late waiting requests by more than the admission gains.
+    assert waste_case(charge_waste=False) == {"n", "r2"}
+    assert waste_case(charge_waste=True) == {"r1", "r2"}

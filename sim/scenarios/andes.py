@@ -25,6 +25,11 @@ bounds the batch as in the paper's setting; ``swap_gib`` (16: vLLM's 4 GiB per G
 of host swap space. Rate search brackets: ``rate_lo`` 1, ``rate_hi`` 4 req/s. Rows carry
 ``mean_tds_tps``, the spec's per-request TDS ``(n-1)/(D_n - D_1)`` averaged.
 Andes settings pass through as ``qoe.<name>=value`` (e.g. ``--set qoe.horizon_s=5``).
+
+Seeds (spec C, determinism: 3 seeds per point, compare means): the bursty and azure workloads run
+``seeds`` (3) seeds, ``--seed`` and the next ones. The rate is one for all seeds, found on the
+seed-mean FCFS QoE; rows are per seed (``...,seed=N``) and the seed mean (``...,mean``), and the
+targets are checked on the means, with per-seed lines for information.
 """
 
 from __future__ import annotations
@@ -175,19 +180,19 @@ def _silent(n: int = 1, total: int | None = None) -> None:
     return None
 
 
-def fcfs_qoe(reqs: list[Request], cluster: ClusterConfig) -> float:
-    """Average QoE of FCFS on ``reqs``."""
-    row = run_policies(reqs, {"fcfs": lambda: make_policy("fcfs")}, cluster, _silent)[0]
-    return float(row["avg_qoe"])
+def fcfs_qoe(sets: list[list[Request]], cluster: ClusterConfig) -> float:
+    """Average QoE of FCFS, averaged over the request sets (one per seed)."""
+    rows = [run_policies(reqs, {"fcfs": lambda: make_policy("fcfs")}, cluster, _silent)[0] for reqs in sets]
+    return float(np.mean([row["avg_qoe"] for row in rows]))
 
 
 def calibrate(
     make: Any, cluster: ClusterConfig, lo: float, hi: float, target: float, steps: int, below: bool
 ) -> tuple[float, float]:
-    """Bisection on rate for FCFS's average QoE: the rate where it crosses ``target``.
+    """Bisection on rate for FCFS's seed-mean average QoE: the rate where it crosses ``target``.
 
-    ``make(rate)`` builds the requests. ``below``: return a rate whose QoE is just below
-    the target (else the bracket end closest to it). Returns (rate, FCFS QoE there)."""
+    ``make(rate)`` builds the request sets (one per seed). ``below``: return a rate whose QoE is
+    just below the target (else the bracket end closest to it). Returns (rate, FCFS QoE there)."""
     q_lo, q_hi = fcfs_qoe(make(lo), cluster), fcfs_qoe(make(hi), cluster)
     if not q_lo > target > q_hi:
         raise ValueError(
@@ -221,6 +226,37 @@ def compare(
         done, metrics = run_one(reqs, factory, cluster, progress=progress)
         rows.append({"policy": name, **metrics, "mean_tds_tps": mean_tds(done)})
     return rows
+
+
+def compare_seeds(
+    sets: dict[int, list[Request]],
+    label: str,
+    cluster: ClusterConfig,
+    opts: dict[str, Any],
+    progress: Progress,
+) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], dict[str, Any]]]]:
+    """``compare`` on each seed's requests, then the seed-mean rows. Returns all rows (per seed,
+    then the means) and the (fcfs, qoe) pairs: per seed, the mean pair last."""
+    rows: list[dict[str, Any]] = []
+    pairs = []
+    for seed, reqs in sets.items():
+        got = compare(reqs, f"{label},seed={seed}", cluster, opts, progress)
+        rows += got
+        pairs.append((got[0], got[1]))
+    means = (mean_row([p[0] for p in pairs], f"fcfs:{label},mean"),
+             mean_row([p[1] for p in pairs], f"qoe:{label},mean"))  # fmt: skip
+    return rows + list(means), [*pairs, means]
+
+
+def mean_row(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The mean over ``rows`` of every metric that is a number in all of them."""
+    keys = [k for k, v in rows[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    out: dict[str, Any] = {"policy": name, "seeds": len(rows)}
+    for key in keys:
+        values = [row.get(key) for row in rows]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            out[key] = float(np.mean(values))
+    return out
 
 
 def mean_tds(reqs: list[Request]) -> float | None:
@@ -334,39 +370,44 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         raise ValueError(f"--set workload={workload!r}: expected both, all, {', '.join(WORKLOADS)}")
     cluster = andes_cluster(opts)
     steps = option(opts, "calibrate_steps", 5, int)
+    n_seeds = option(opts, "seeds", 3, int)
+    if n_seeds < 1:
+        raise ValueError(f"--set seeds={n_seeds}: must be >= 1 (the spec asks for 3 per point)")
+    seeds = list(range(config.seed, config.seed + n_seeds))
     rows: list[dict[str, Any]] = []
     cfg: dict[str, Any] = {**config.as_dict(), "profile": next(iter(cluster.profiles.values())).name,
                            "max_batch": cluster.engine.max_batch}  # fmt: skip
     checks: list[str] = []
+    cfg["seeds"] = seeds
     if "bursty" in chosen:
-        make = lambda r: bursty_requests(r, opts, config.seed)  # noqa: E731
+        make = lambda r: [bursty_requests(r, opts, s) for s in seeds]  # noqa: E731
         rate = config.rate
         if rate is None:
             lo, hi = option(opts, "rate_lo", 1.0, float), option(opts, "rate_hi", 4.0, float)
             rate, _ = calibrate(
                 make, cluster, lo, hi, option(opts, "fcfs_qoe_bursty", 0.5, float), steps, below=True
             )
-        reqs = make(rate)
+        sets = dict(zip(seeds, make(rate), strict=True))
         cfg["bursty_rate"] = rate
-        cfg["bursty_requests"] = len(reqs)
-        got = compare(reqs, f"bursty,rate={rate:.3g}", cluster, opts, progress)
+        cfg["bursty_requests"] = {s: len(r) for s, r in sets.items()}
+        got, pairs = compare_seeds(sets, f"bursty,rate={rate:.3g}", cluster, opts, progress)
         rows += got
-        checks += bursty_checks(got[0], got[1])
+        checks += seed_checks(pairs, seeds, bursty_checks)
     if "azure" in chosen:
-        base = azure_requests(config, opts)
-        make = lambda r: with_rate(base, r)  # noqa: E731
+        bases = [azure_requests(replace(config, seed=s), opts) for s in seeds]
+        make = lambda r: [with_rate(base, r) for base in bases]  # noqa: E731
         rate = config.rate
         if rate is None:
             lo, hi = option(opts, "rate_lo", 1.0, float), option(opts, "rate_hi", 4.0, float)
             rate, _ = calibrate(
                 make, cluster, lo, hi, option(opts, "fcfs_qoe_azure", 0.85, float), steps, below=False
             )
-        reqs = make(rate)
+        sets = dict(zip(seeds, make(rate), strict=True))
         cfg["azure_rate"] = rate
-        cfg["azure_requests"] = len(reqs)
-        got = compare(reqs, f"azure,rate={rate:.3g}", cluster, opts, progress)
+        cfg["azure_requests"] = len(next(iter(sets.values())))
+        got, pairs = compare_seeds(sets, f"azure,rate={rate:.3g}", cluster, opts, progress)
         rows += got
-        checks += azure_checks(got[0], got[1])
+        checks += seed_checks(pairs, seeds, azure_checks)
     if "solver" in chosen:
         got = solver_rows(opts, config.seed)
         rows += got
@@ -376,6 +417,21 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
 
 def _check(text: str, ok: bool) -> str:
     return f"{text}: {'PASS' if ok else 'FAIL'}"
+
+
+def seed_checks(
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]], seeds: list[int], check: Any
+) -> list[str]:
+    """The targets on the seed means (the verdict), then per seed for information."""
+    *per_seed, means = pairs
+    out = [f"mean of seeds {seeds[0]}..{seeds[-1]}: {line}" for line in check(*means)]
+    if len(per_seed) > 1:
+        out += [
+            f"  seed {seed}: {line}"
+            for seed, pair in zip(seeds, per_seed, strict=True)
+            for line in check(*pair)
+        ]
+    return out
 
 
 def bursty_checks(fcfs: dict[str, Any], qoe: dict[str, Any]) -> list[str]:

@@ -213,11 +213,13 @@ class _Ongoing:
 @dataclass(slots=True)
 class _Step:
     """One admission the refiner considers: the request, the running requests evicted to make
-    room for it, and the stall both cause (s)."""
+    room for it, the stall both cause (s), and the engine time the evictions waste (s: the
+    victims' re-prefill, or their KV moved out and back in)."""
 
     admit: int
     victims: list[int]
     cost: float
+    waste: float = 0.0
 
 
 # ---- the policy ---------------------------------------------------------------------------------
@@ -237,6 +239,7 @@ class AndesQoE(Policy):
         refiner: bool = True,
         refiner_cumulative: bool = True,
         refiner_count_victim_gain: bool = False,
+        refiner_waste_loss: bool = True,
         gain_includes_prefill: bool = False,
         preemption: Preemption = "fastest",
         kv_units: KvUnits = "blocks",
@@ -257,7 +260,12 @@ class AndesQoE(Policy):
         - ``solver``: ``greedy`` (Alg. 1), ``lqsf`` (priority = gain, the LQSF baseline), ``dp`` (exact).
         - ``refiner``: apply the overhead-aware refiner (§B.7); ``refiner_cumulative`` charges each
           admission the loss on top of the overhead already accepted; ``refiner_count_victim_gain``
-          also subtracts the victims' gains.
+          also subtracts the victims' gains. ``refiner_waste_loss`` (correction of the spec, on by
+          default) also charges each admission the QoE the *waiting* requests lose because its
+          preemptions add engine work (the victims' re-prefill, or their KV swapped out and in)
+          that delays everyone queued: the paper sums the loss over all ongoing requests, which
+          it defines as waiting and running (§4.1, §4.3); the spec's formalisation (§B.7) keeps
+          only the running ones, so a stall looked free whenever they all had buffers.
         - ``gain_includes_prefill``: delay a non-resident request's first new token by its restart cost.
         - ``preemption``: ``fastest`` of recompute and swap by profile (§B.12 #16), or one of them.
           Swap is priced only while the instance's free swap space holds the victim; past that the
@@ -307,6 +315,7 @@ class AndesQoE(Policy):
         self.refiner = bool(refiner)
         self.refiner_cumulative = bool(refiner_cumulative)
         self.refiner_count_victim_gain = bool(refiner_count_victim_gain)
+        self.refiner_waste_loss = bool(refiner_waste_loss)
         self.gain_includes_prefill = bool(gain_includes_prefill)
         self.preemption: Preemption = preemption
         self.kv_units: KvUnits = kv_units
@@ -576,9 +585,29 @@ class AndesQoE(Policy):
         loss = (stall * ongoing).sum(axis=1)
         if self.refiner_count_victim_gain:
             loss += np.array([float(q[s.victims].sum()) for s in steps])
+        if self.refiner_waste_loss:
+            loss += self._waste_loss(view.now, st, steps, admitted, g)
         ok = q[admitted] - loss > 0
         accepted = k_steps if ok.all() else int(np.argmin(ok))  # the first refusal cancels the rest
         return [s.admit for s in steps[:accepted]], [v for s in steps[:accepted] for v in s.victims]
+
+    def _waste_loss(
+        self, now: float, st: _Ongoing, steps: list[_Step], admitted: np.ndarray, g: float
+    ) -> np.ndarray:
+        """Per step, the QoE the waiting requests lose because the step's preemptions add engine
+        work: each waiting request's gain over the horizon shrinks when its service starts later
+        by the work wasted so far (cumulative, like the running requests' stall loss). A request
+        this decision admits counts as waiting until its own step."""
+        waste = np.array([s.waste for s in steps])
+        if not waste.any():
+            return np.zeros(waste.size)
+        wait = np.flatnonzero(~st.running)
+        admitted_at = np.full(wait.size, waste.size)
+        admitted_at[np.searchsorted(wait, admitted)] = np.arange(admitted.size)
+        spent = np.concatenate([[0.0], np.cumsum(waste)])
+        shifted = gains(now, self.horizon_s, g, *st.qoe_arrays(wait), start_delay=spent[:, None])
+        lost = np.maximum(shifted[:-1] - shifted[1:], 0.0)
+        return (lost * (admitted_at[None, :] > np.arange(waste.size)[:, None])).sum(axis=1)
 
     def _refiner_steps(
         self,
@@ -627,14 +656,18 @@ class AndesQoE(Policy):
                 and prefill_tokens + st.context[a] > budget
             ):
                 break  # the engine prefills no more this iteration (vLLM's max_num_batched_tokens)
-            cost = float(st.resume_cost[a])
+            cost, waste = float(st.resume_cost[a]), 0.0
             for v in victims:
                 # a swap stalls the batch while the KV moves out; once swap space is full the
                 # engine recomputes instead: no stall now, a prefill when it resumes
-                if mode == "swap" and st.delivered[v] > 0 and swap_free >= st.context[v]:
-                    swap_free -= float(st.context[v])
-                    cost += prof.kv_swap_time(int(st.context[v]))
-            steps.append(_Step(a, victims, cost))
+                context = int(st.context[v])
+                if mode == "swap" and st.delivered[v] > 0 and swap_free >= context:
+                    swap_free -= context
+                    cost += prof.kv_swap_time(context)
+                    waste += 2.0 * prof.kv_swap_time(context)
+                else:
+                    waste += prof.prefill(context)
+            steps.append(_Step(a, victims, cost, waste))
             free -= float(st.weight[a])
             size += 1 - len(victims)
             if restart:
