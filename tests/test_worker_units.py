@@ -180,3 +180,45 @@ async def test_pacing_releases_tokens_at_reading_speed() -> None:
         assert elapsed >= 5 / 20 - 0.01
     finally:
         await worker.stop()
+
+
+async def test_true_length_hint_is_benchmark_only_and_feeds_the_oracle() -> None:
+    hdr = "X-Tessera-True-Output-Tokens"
+    base = {
+        "models": [{"name": "m", "engine": "sim", "maxModelLen": 256}],
+        "classes": {"c": {"slo": {"ttftSeconds": 1}}},
+    }
+    with pytest.raises(ConfigError, match="benchHints"):
+        parse_config({**base, "scheduling": {"policy": "srtf-oracle"}})
+    worker = Worker(parse_config(base))
+    app = create_app(worker, manage_worker=False)
+    await worker.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": [1]}, headers={hdr: "5"})
+            assert r.status_code == 400 and "benchmark-only" in r.json()["error"]["message"]
+    finally:
+        await worker.stop()
+    oracle = {**base, "scheduling": {"policy": "srtf-oracle", "benchHints": True, "batch": {"max": 1}}}
+    worker = Worker(parse_config(oracle))
+    app = create_app(worker, manage_worker=False)
+    await worker.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": [1]})
+            assert r.status_code == 400 and hdr in r.json()["error"]["message"]
+            bad = await c.post("/v1/completions", json={"model": "m", "prompt": [1]}, headers={hdr: "-2"})
+            assert bad.status_code == 400 and "whole number" in bad.json()["error"]["message"]
+
+            async def one(n: int, delay: float) -> float:
+                await asyncio.sleep(delay)
+                body = {"model": "m", "prompt": [1], "max_tokens": n}
+                resp = await c.post("/v1/completions", json=body, headers={hdr: str(n)})
+                assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == n
+                return time.monotonic()
+
+            # the long one is admitted first; the short one, shorter by its true length, overtakes it
+            long_done, short_done = await asyncio.gather(one(200, 0.0), one(3, 0.05))
+            assert short_done < long_done
+    finally:
+        await worker.stop()

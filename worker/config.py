@@ -36,6 +36,8 @@ from tessera.api.request_class import DEFAULT_CLASS_HEADER, RequestClassSpec
 from tessera.worker.core.profile import StepProfile
 
 Positive = Annotated[float, Field(gt=0)]
+# Benchmark-only request header: the request's true output length (scheduling.benchHints).
+BENCH_TRUE_LENGTH_HEADER = "X-Tessera-True-Output-Tokens"
 
 
 class ConfigError(ValueError):
@@ -152,13 +154,25 @@ class SchedulingSpec(ApiModel):
     max_queued: Annotated[int, Field(ge=1)] = Field(
         default=10000, description="Most requests waiting per model; beyond: HTTP 429."
     )
+    bench_hints: bool = Field(
+        default=False,
+        description=(
+            "BENCHMARKS ONLY, off in production: accept the true output length of a request in the "
+            f"{BENCH_TRUE_LENGTH_HEADER} header (oracle policies such as srtf-oracle need it)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _policy_known(self) -> SchedulingSpec:
-        from tessera.worker.core.registry import POLICIES
+        from tessera.worker.core.registry import POLICIES, policy_class
 
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known policies: {', '.join(sorted(POLICIES))}")
+        if not self.bench_hints and policy_class(self.policy).oracle:
+            raise ValueError(
+                f"policy {self.policy!r} reads true output lengths, which only a benchmark knows: set "
+                f"scheduling.benchHints: true and send {BENCH_TRUE_LENGTH_HEADER} with every request"
+            )
         return self
 
 

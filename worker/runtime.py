@@ -131,6 +131,10 @@ class Worker:
         for server in self._servers:
             await asyncio.to_thread(server.stop)  # type: ignore[attr-defined]
 
+    def schedulers_need_true_length(self) -> bool:
+        """Whether the policy is an oracle (reads ``Request.true_output_tokens``: benchmarks only)."""
+        return any(s.policy.oracle for s in self.schedulers.values())
+
     def ready(self) -> bool:
         """Ready for traffic: not draining and every engine healthy."""
         return not self.draining and all(s.engine_ok for s in self.schedulers.values())

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from tessera.worker.config import BENCH_TRUE_LENGTH_HEADER
 from tessera.worker.engines.vllm_process import free_port
 
 
@@ -104,17 +105,26 @@ async def stream_one(
 
 
 async def replay(
-    url: str, model: str, plan: list[tuple[float, list[int], int, str]], extra: dict[str, Any] | None = None
+    url: str,
+    model: str,
+    plan: list[tuple[float, list[int] | str, int, str]],
+    extra: dict[str, Any] | None = None,
+    *,
+    true_lengths: bool = False,
 ) -> list[StreamStat]:
-    """Send ``(at_s, prompt_ids, max_tokens, class)`` requests at their times; all streamed."""
+    """Send ``(at_s, prompt ids or text, max_tokens, class)`` requests at their times; all streamed.
+
+    ``true_lengths`` adds the benchmark-only true-length header (the worker needs benchHints)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         start = time.perf_counter()
 
-        async def one(at: float, prompt: list[int], n: int, klass: str) -> StreamStat:
+        async def one(at: float, prompt: list[int] | str, n: int, klass: str) -> StreamStat:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             body = {"model": model, "prompt": prompt, "max_tokens": n, "ignore_eos": True, **(extra or {})}
-            headers = {"X-Tessera-Class": klass} if klass else None
+            headers = {"X-Tessera-Class": klass} if klass else {}
+            if true_lengths:
+                headers[BENCH_TRUE_LENGTH_HEADER] = str(n)
             return await stream_one(client, url, body, headers)
 
         return list(await asyncio.gather(*(one(*p) for p in plan)))

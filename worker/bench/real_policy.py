@@ -1,23 +1,35 @@
-"""Scenario ``real-policy``: scheduling policies through the worker on real vLLM (issue 7).
+"""Scenario ``real-policy``: scheduling policies through the worker on real vLLM, next to the
+simulator on the same requests (issue 7).
 
-One vLLM server on the offline tiny model; for each policy a `tessera worker` with that policy and
-a small batch bound (``batch``, default 4) so that requests queue. Two workloads, the same for
-every policy (seeded):
+One vLLM server on the offline tiny model; for each policy a `tessera worker` with that policy and a
+small batch bound (``batch``, default 4) so that requests queue. The random-weight model's output
+length is set exactly by ``max_tokens`` with ``ignore_eos``, so every length is known. Two workloads,
+the same for every policy (seeded):
 
-- ``mixed``: ``requests`` (60) with mixed output lengths (80% short 8-32 tokens, 20% long
-  200-400 tokens), Poisson arrivals at ``rate`` req/s (default 6, above the capacity at this batch
-  bound); rows ``POLICY:mixed`` with mean / p99 JCT. Target: ISRTF mean JCT below FCFS.
-- ``burst``: ``burst`` (40) requests at once, 64-160 tokens, interactive class with reading
-  speed 20 tokens/s and T* 1 s; rows ``POLICY:burst`` with average Andes QoE computed from the
-  token arrival times the client saw. Target: QoE policy above FCFS.
+- ``mixed``: ``requests`` (60) held-out AlpacaEval prompts (text, cut to ``prompt_chars``) whose output
+  length is their reference response's length in tokens / 2, clipped to 4..400 (mixed: a long
+  tail), Poisson arrivals at ``load`` (1.3) x the simulator's capacity for these requests; rows
+  ``POLICY:mixed``. Target: ISRTF mean JCT below FCFS.
+- ``burst``: ``burst`` (40) requests at once, 64-160 tokens, interactive class with reading speed
+  20 tokens/s and T* 1 s; rows ``POLICY:burst`` with the average Andes QoE computed from the token
+  arrival times the client saw. Target: QoE policy above FCFS.
 
-Policies not available in this build are reported as such (a check line), not silently skipped.
-Options (``--set``): requests, rate, batch, burst, policies (fcfs,isrtf,qoe).
+Policies: ``fcfs``, ``isrtf`` (the ELIS predictor ``predictor``: ``text`` when its trained artifact is
+installed, else the ``running-mean`` fallback; the row says which), ``srtf-oracle`` (ISRTF with the
+true length: the bench sends it in the benchmark-only ``X-Tessera-True-Output-Tokens`` header, which
+the worker accepts only with ``scheduling.benchHints``), ``qoe``.
+
+The simulator side: a step profile fitted on the same server (``tessera profile``'s measurement),
+then every policy through ``tessera.sim`` on the same requests with the same batch bound; rows
+``POLICY:WORKLOAD:sim``. The check lines put the real ratio to FCFS next to the simulated one.
+Options (``--set``): requests, load, batch, burst, prompt_chars, predictor, policies, sim (1/0).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
 import tempfile
 from pathlib import Path
@@ -25,26 +37,41 @@ from typing import Any
 
 import numpy as np
 
-from tessera.sim.runner import option
+from tessera.sim.runner import SHARED_DATA, option
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
 
-DESCRIPTION = "policies through the worker on real vLLM (tiny model): mixed-length JCT and burst QoE"
+DESCRIPTION = "policies through the worker on real vLLM (tiny model) vs the simulator: JCT and burst QoE"
 READING_TPS = 20.0
 TTFT_TARGET_S = 1.0
+BUDGET_TOKENS = 2048  # vLLM --max-num-batched-tokens, and the simulator's token budget
+ALPACA_TEXT = SHARED_DATA / "alpacaeval_responses_text.jsonl.gz"
+WINDOW_TOKENS = 50  # ELIS' window: ISRTF and the oracle re-rank every 50 tokens
 
 
-def _plans(config: BenchConfig, requests: int, rate: float, burst: int) -> dict[str, list[Any]]:
-    rng = random.Random(config.seed)
-    t = 0.0
-    mixed = []
-    for _ in range(requests):
-        t += rng.expovariate(rate)
-        n = rng.randint(200, 400) if rng.random() < 0.2 else rng.randint(8, 32)
-        mixed.append((t, [rng.randrange(3, 900) for _ in range(rng.randint(8, 48))], n, "batch"))
-    bursty = [
-        (0.0, [rng.randrange(3, 900) for _ in range(16)], rng.randint(64, 160), "chat") for _ in range(burst)
-    ]
-    return {"mixed": mixed, "burst": bursty}
+def _default_predictor() -> str:
+    from tessera.worker.predictor.train import DEFAULT_ARTIFACT_DIR, META_FILE
+
+    return "text" if (DEFAULT_ARTIFACT_DIR / META_FILE).exists() else "running-mean"
+
+
+def _mixed(seed: int, n: int, prompt_chars: int, counter: Any) -> list[dict[str, Any]]:
+    """Prompt text, prompt tokens (tiny tokenizer, with BOS) and output length of ``n`` requests."""
+    from tessera.worker.predictor.dataset import load_pairs, sample_rows
+    from tessera.worker.predictor.tokens import token_counter
+
+    pairs = load_pairs(ALPACA_TEXT)
+    if len(pairs) < n:
+        raise ValueError(f"--set requests={n}: {ALPACA_TEXT} has only {len(pairs)} rows")
+    rows = sample_rows(pairs, n, seed)
+    random.Random(seed).shuffle(rows)
+    reference = token_counter(None)
+    out = []
+    for pair in rows:
+        text = pair.prompt[:prompt_chars]
+        length = int(np.clip(round(reference.count(pair.response) / 2), 4, 400))
+        out.append({"text": text, "prompt_tokens": counter.count(text) + 1, "out": length,
+                    "response": pair.response})  # fmt: skip
+    return out
 
 
 def _qoe(stat: Any) -> float:
@@ -54,22 +81,116 @@ def _qoe(stat: Any) -> float:
     return float(qoe_from_delivery(np.array(stat.times), params))
 
 
+def _row(name: str, stats: list[Any]) -> dict[str, Any]:
+    jcts = np.array([s.jct for s in stats])
+    qoes = np.array([_qoe(s) for s in stats])
+    return {
+        "policy": name,
+        "requests": len(stats),
+        "mean_jct_s": float(jcts.mean()),
+        "p99_jct_s": float(np.percentile(jcts, 99)),
+        "mean_ttft_s": float(np.mean([s.ttft for s in stats])),
+        "avg_qoe": float(qoes.mean()),
+        "qoe_ge_095_share": float(np.mean(qoes >= 0.95)),
+        "output_tokens": int(sum(s.tokens for s in stats)),
+    }
+
+
+def _worker_config(url: str, policy: str, batch: int, predictor: str) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    if policy == "isrtf":
+        settings = {"predictor": predictor, "window_tokens": WINDOW_TOKENS}
+    elif policy == "srtf-oracle":
+        settings = {"recheck_tokens": WINDOW_TOKENS}
+    return {
+        "models": [{"name": "tiny", "url": url, "maxModelLen": 1024, "defaultClass": "chat"}],
+        "classes": {
+            "chat": {
+                "slo": {"ttftSeconds": TTFT_TARGET_S},
+                "qoe": {"readingSpeedTokensPerSecond": READING_TPS, "ttftTargetSeconds": TTFT_TARGET_S},
+            },
+            "batch": {"kind": "batch", "slo": {"deadlineSeconds": 600}},
+        },
+        "scheduling": {
+            "policy": policy,
+            "settings": settings,
+            "batch": {"min": 1, "max": batch},
+            "benchHints": True,  # the oracle row's true-length header; never in production
+        },
+    }
+
+
+def _sim_requests(plans: dict[str, list[Any]], mixed: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    from tessera.worker.core.request import Request, ServiceClass
+
+    chat = ServiceClass(
+        "chat", ttft_slo_s=TTFT_TARGET_S, reading_speed_tps=READING_TPS, ttft_target_s=TTFT_TARGET_S
+    )
+    batch = ServiceClass("batch", "batch", deadline_s=600)
+    out: dict[str, list[Any]] = {}
+    for workload, plan in plans.items():
+        reqs = []
+        for i, (at, prompt, n, klass) in enumerate(plan):
+            text = prompt if isinstance(prompt, str) else None
+            reqs.append(Request(
+                f"{workload}{i}", at, mixed[i]["prompt_tokens"] if text else len(prompt), n,
+                service_class=chat if klass == "chat" else batch, true_output_tokens=n, prompt_text=text,
+                response_text=mixed[i]["response"] if text else None,
+            ))  # fmt: skip
+        out[workload] = reqs
+    return out
+
+
+def _sim_policy(name: str, predictor: Any) -> Any:
+    from tessera.worker.core.registry import make_policy
+
+    if name == "isrtf":
+        return make_policy("isrtf", predictor=predictor, window_tokens=WINDOW_TOKENS)
+    if name == "srtf-oracle":
+        return make_policy("srtf-oracle", recheck_tokens=WINDOW_TOKENS)
+    return make_policy(name)
+
+
+def _fit_cluster(server: Any, model_dir: Path, batch: int) -> Any:
+    from tessera.commands.profile import measure_and_fit
+    from tessera.sim.cluster import ClusterConfig
+    from tessera.sim.engine import EngineConfig
+    from tessera.sim.scenarios.fidelity import _kv_bytes_per_token
+
+    vocab = min(1000, int(json.loads((model_dir / "config.json").read_text())["vocab_size"]))
+    kv_tokens = (1 << 30) // _kv_bytes_per_token(model_dir)
+    profile, _ = measure_and_fit(
+        server.url, server.model_name, "tiny-cpu", kv_tokens, 16, vocab, batch, server.max_model_len
+    )
+    engine = EngineConfig(max_batch=batch, chunked_prefill=True, token_budget=BUDGET_TOKENS)
+    return ClusterConfig({"default": profile}, 1, engine)
+
+
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
-    """Every policy on the same two workloads through the worker."""
+    """Every policy on the same two workloads through the worker, then through the simulator."""
+    from tessera.sim.runner import run_one
+    from tessera.sim.scenarios._common import saturation_rate
+    from tessera.sim.scenarios.elis import _predictor
     from tessera.worker.bench._harness import WorkerChild, replay
     from tessera.worker.core.registry import policy_class
     from tessera.worker.engines.tiny_model import build_tiny_model
     from tessera.worker.engines.vllm_process import VLLMServer
+    from tessera.worker.predictor.tokens import TokenCounter
 
     opts = config.options
     requests = option(opts, "requests", 60, int)
-    rate = config.rate if config.rate is not None else option(opts, "rate", 6.0, float)
+    load = config.load if config.load is not None else option(opts, "load", 1.3, float)
     batch = option(opts, "batch", 4, int)
     burst = option(opts, "burst", 40, int)
-    names = [p for p in str(option(opts, "policies", "fcfs,isrtf,qoe", str)).split(",") if p]
-    if requests < 1 or burst < 1 or batch < 1 or rate <= 0:
-        raise ValueError("--set requests, burst and batch must be >= 1 and the rate > 0")
-    checks: list[str] = []
+    prompt_chars = option(opts, "prompt_chars", 400, int)
+    predictor_kind = str(option(opts, "predictor", _default_predictor(), str))
+    with_sim = bool(option(opts, "sim", 1, int))
+    names = [p for p in str(option(opts, "policies", "fcfs,isrtf,srtf-oracle,qoe", str)).split(",") if p]
+    if requests < 1 or burst < 1 or batch < 1 or prompt_chars < 1 or load <= 0:
+        raise ValueError("--set requests, burst, batch and prompt_chars must be >= 1, and the load > 0")
+    if config.rate is not None and config.rate <= 0:
+        raise ValueError(f"--rate must be > 0, got {config.rate}")
+    checks: list[str] = [f"isrtf predictor: {predictor_kind}"]
     usable = []
     for name in names:
         try:
@@ -77,62 +198,80 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             usable.append(name)
         except ValueError as exc:
             checks.append(f"{name}: not measured ({exc})")
-    plans = _plans(config, requests, rate, burst)
+    rng = random.Random(config.seed)
     results: list[dict[str, Any]] = []
-    progress(0, total=1 + 2 * len(usable))
+    progress(0, total=3 + 2 * len(usable))
+    load_avg: list[float] = []
     with tempfile.TemporaryDirectory(prefix="tessera-real-policy-") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
-        with VLLMServer(model_dir, served_model_name="tiny", max_model_len=1024, max_num_seqs=64) as server:
+        mixed = _mixed(config.seed, requests, prompt_chars, TokenCounter.from_path(model_dir))
+        server = VLLMServer(
+            model_dir, served_model_name="tiny", max_model_len=1024, max_num_seqs=64,
+            extra_args=["--max-num-batched-tokens", str(BUDGET_TOKENS)],
+        )  # fmt: skip
+        with server:
             progress(1)
+            cluster = _fit_cluster(server, model_dir, batch)
+            progress(1)
+            probe = _sim_requests({"mixed": [(0.0, m["text"], m["out"], "batch") for m in mixed]}, mixed)
+            capacity = saturation_rate(probe["mixed"], cluster)
+            rate = config.rate if config.rate is not None else load * capacity
+            t, plan_mixed = 0.0, []
+            for m in mixed:
+                t += rng.expovariate(rate)
+                plan_mixed.append((t, m["text"], m["out"], "batch"))
+            plan_burst = [
+                (0.0, [rng.randrange(3, 900) for _ in range(16)], rng.randint(64, 160), "chat")
+                for _ in range(burst)
+            ]
+            plans = {"mixed": plan_mixed, "burst": plan_burst}
             for name in usable:
-                worker_config = {
-                    "models": [
-                        {"name": "tiny", "url": server.url, "maxModelLen": 1024, "defaultClass": "chat"}
-                    ],
-                    "classes": {
-                        "chat": {
-                            "slo": {"ttftSeconds": TTFT_TARGET_S},
-                            "qoe": {
-                                "readingSpeedTokensPerSecond": READING_TPS,
-                                "ttftTargetSeconds": TTFT_TARGET_S,
-                            },
-                        },
-                        "batch": {"kind": "batch", "slo": {"deadlineSeconds": 600}},
-                    },
-                    "scheduling": {"policy": name, "batch": {"min": 1, "max": batch}},
-                }
-                worker = WorkerChild(worker_config, Path(tmp))
+                worker = WorkerChild(_worker_config(server.url, name, batch, predictor_kind), Path(tmp))
                 try:
                     for workload, plan in plans.items():
-                        stats = asyncio.run(replay(worker.url, "tiny", plan))
-                        jcts = np.array([s.jct for s in stats])
-                        qoes = np.array([_qoe(s) for s in stats])
-                        results.append(
-                            {
-                                "policy": f"{name}:{workload}",
-                                "requests": len(stats),
-                                "mean_jct_s": float(jcts.mean()),
-                                "p99_jct_s": float(np.percentile(jcts, 99)),
-                                "mean_ttft_s": float(np.mean([s.ttft for s in stats])),
-                                "avg_qoe": float(qoes.mean()),
-                                "qoe_ge_095_share": float(np.mean(qoes >= 0.95)),
-                            }
-                        )
+                        load_avg.append(os.getloadavg()[0])
+                        hints = name == "srtf-oracle"
+                        stats = asyncio.run(replay(worker.url, "tiny", plan, true_lengths=hints))
+                        results.append(_row(f"{name}:{workload}", stats))
                         progress(1)
                 finally:
                     worker.stop()
-    rows = {r["policy"]: r for r in results}
-    base_mixed, base_burst = rows.get("fcfs:mixed"), rows.get("fcfs:burst")
-    for name in usable:
-        if name == "fcfs" or base_mixed is None or base_burst is None:
-            continue
-        jct_ratio = rows[f"{name}:mixed"]["mean_jct_s"] / base_mixed["mean_jct_s"]
-        qoe_ratio = rows[f"{name}:burst"]["avg_qoe"] / max(base_burst["avg_qoe"], 1e-9)
-        line = f"{name}: mean JCT {jct_ratio:.3f}x fcfs (mixed), avg QoE {qoe_ratio:.3f}x fcfs (burst)"
-        if name == "isrtf":
-            line += f"; target JCT < fcfs: {'PASS' if jct_ratio < 1 else 'FAIL'}"
-        if name == "qoe":
-            line += f"; target QoE > fcfs: {'PASS' if qoe_ratio > 1 else 'FAIL'}"
-        checks.append(line)
-    cfg = {**config.as_dict(), "requests": requests, "rate": rate, "batch": batch, "burst": burst}
+    if with_sim:
+        predictor = _predictor(predictor_kind) if "isrtf" in usable else None
+        for workload, reqs in _sim_requests(plans, mixed).items():
+            for name in usable:
+                _, metrics = run_one(reqs, lambda n=name: _sim_policy(n, predictor), cluster)
+                results.append({"policy": f"{name}:{workload}:sim", **metrics})
+        progress(1)
+    checks += _ratio_checks(results, usable, with_sim)
+    checks.append(f"load average (1 min) during the real runs: {min(load_avg):.1f}-{max(load_avg):.1f}")
+    cfg = {
+        **config.as_dict(), "requests": requests, "load": load, "rate": rate, "sim_capacity_rps": capacity,
+        "batch": batch, "burst": burst, "prompt_chars": prompt_chars, "predictor": predictor_kind,
+        "window_tokens": WINDOW_TOKENS, "profile": cluster.profiles["default"].name,
+    }  # fmt: skip
     return BenchReport("real-policy", cfg, results, checks)
+
+
+def _ratio_checks(results: list[dict[str, Any]], usable: list[str], with_sim: bool) -> list[str]:
+    rows = {r["policy"]: r for r in results}
+    lines = []
+    for name in usable:
+        if name == "fcfs" or "fcfs:mixed" not in rows:
+            continue
+        parts = []
+        for suffix in ("", ":sim") if with_sim else ("",):
+            jct = rows[f"{name}:mixed{suffix}"]["mean_jct_s"] / rows[f"fcfs:mixed{suffix}"]["mean_jct_s"]
+            qoe = rows[f"{name}:burst{suffix}"]["avg_qoe"] / max(rows[f"fcfs:burst{suffix}"]["avg_qoe"], 1e-9)
+            parts.append((jct, qoe))
+        line = f"{name} vs fcfs: mean JCT (mixed) real {parts[0][0]:.3f}x"
+        line += f", sim {parts[1][0]:.3f}x" if with_sim else ""
+        line += f"; avg QoE (burst) real {parts[0][1]:.3f}x" + (
+            f", sim {parts[1][1]:.3f}x" if with_sim else ""
+        )
+        if name in ("isrtf", "srtf-oracle"):
+            line += f"; target JCT < fcfs: {'PASS' if parts[0][0] < 1 else 'FAIL'}"
+        if name == "qoe":
+            line += f"; target QoE > fcfs: {'PASS' if parts[0][1] > 1 else 'FAIL'}"
+        lines.append(line)
+    return lines

@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tessera.worker.config import ConfigError, parse_config
+from tessera.worker.config import BENCH_TRUE_LENGTH_HEADER, ConfigError, parse_config
 from tessera.worker.core.request import Request
 from tessera.worker.engines.base import EngineError, TokenDelta
 from tessera.worker.runtime import UnknownClass, Worker
@@ -225,6 +225,7 @@ async def _serve(
         if isinstance(body, CompletionRequest) and isinstance(body.prompt, str)
         else None,
     )
+    req.true_output_tokens = _true_length_hint(worker, http)
     job = Job(req, prompt_ids, body.sampling())
     try:
         sched.submit(job)
@@ -277,6 +278,22 @@ async def _serve(
 
 
 _DISCONNECTED = object()
+
+
+def _true_length_hint(worker: Worker, http: HttpRequest) -> int | None:
+    """The benchmark-only true output length header (``scheduling.benchHints``), validated."""
+    header = BENCH_TRUE_LENGTH_HEADER
+    value = http.headers.get(header)
+    if value is None:
+        if worker.schedulers_need_true_length():
+            raise ApiError(400, f"the policy reads true output lengths: send {header}", param=header)
+        return None
+    if not worker.config.scheduling.bench_hints:
+        message = f"{header} is a benchmark-only hint, off here (scheduling.benchHints); remove the header"
+        raise ApiError(400, message, param=header)
+    if not value.isdigit() or int(value) < 1:
+        raise ApiError(400, f"{header} must be a whole number of tokens >= 1, got {value!r}", param=header)
+    return int(value)
 
 
 async def _next_event(job: Job, http: HttpRequest) -> Any:
