@@ -49,7 +49,7 @@ from tessera.sim.scenarios._common import with_rate
 from tessera.sim.traces import load_trace
 from tessera.sim.workloads import build_requests, requests_from_trace
 from tessera.worker.core.policy import InstanceView
-from tessera.worker.core.qoe import gains
+from tessera.worker.core.qoe import gains, qoe_params
 from tessera.worker.core.registry import make_policy
 from tessera.worker.core.request import Phase, Request, ServiceClass
 from tessera.worker.policies.qoe import AndesQoE, exact_pack, greedy_pack
@@ -142,6 +142,36 @@ def _with_classes(reqs: list[Request], opts: dict[str, Any], rng: np.random.Gene
     ):
         req.service_class = cls
     return reqs
+
+
+def burst_qoe_bound(reqs: list[Request], opts: dict[str, Any], cluster: ClusterConfig) -> tuple[float, int]:
+    """An upper bound on any policy's average QoE over ``reqs`` (cyclic burst), from capacity.
+
+    The burst's work is each arrival's prefill (``p1`` per prompt token; the fixed step cost
+    left out) plus its decode at the per-token cost of the largest batch the KV holds (mean
+    context). Serving the cheapest first, the requests past the burst's length cannot get a
+    first token before the burst ends; grant them that (then reading pace) and every other
+    request a perfect QoE. Returns (bound, requests deferred past the burst)."""
+    prof = next(iter(cluster.profiles.values()))
+    duration = option(opts, "duration_s", 1200.0, float)
+    fraction = option(opts, "burst_fraction", 0.35, float)
+    start, end = (1 - fraction) / 2 * duration, (1 + fraction) / 2 * duration
+    burst = [r for r in reqs if start <= r.arrival < end]
+    if not burst:
+        return 1.0, 0
+    context = float(np.mean([r.prompt_tokens + r.target_output_tokens / 2 for r in reqs]))
+    batch = max(1, min(cluster.engine.max_batch, int(prof.kv_capacity_tokens // context)))
+    per_token = prof.decode_step(batch, int(batch * context)) / batch
+    work = np.array([prof.prefill_p1 * r.prompt_tokens + per_token * r.target_output_tokens for r in burst])
+    order = np.argsort(work, kind="stable")
+    fit = int(np.searchsorted(np.cumsum(work[order]), end - start, side="right"))
+    lost = 0.0
+    for i in order[fit:]:
+        params = qoe_params(burst[i])
+        tail = (burst[i].target_output_tokens - 1) / (2 * params.reading_speed_tps)
+        wait = max(0.0, end - params.ideal_start)
+        lost += wait / (wait + tail) if wait + tail > 0 else 0.0  # 1 - QoE of "late by wait, then on pace"
+    return 1.0 - lost / len(reqs), int(order.size - fit)
 
 
 # ---- policies and runs --------------------------------------------------------------------------
@@ -393,6 +423,13 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         got, pairs = compare_seeds(sets, f"bursty,rate={rate:.3g}", cluster, opts, progress)
         rows += got
         checks += seed_checks(pairs, seeds, bursty_checks)
+        bounds = {s: burst_qoe_bound(r, opts, cluster) for s, r in sets.items()}
+        cfg["bursty_qoe_bound"] = {s: b for s, (b, _) in bounds.items()}
+        checks += [
+            f"  seed {s}: capacity bound on any policy's avg QoE {b:.3f} ({n} burst arrivals cannot "
+            "start before the burst ends)"
+            for s, (b, n) in bounds.items()
+        ]
     if "azure" in chosen:
         bases = [azure_requests(replace(config, seed=s), opts) for s in seeds]
         make = lambda r: [with_rate(base, r) for base in bases]  # noqa: E731
