@@ -118,7 +118,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         with server:
             server.start()
             progress(1)
-            profile, _ = measure_and_fit(
+            profile, samples = measure_and_fit(
                 server.url, server.model_name, "tiny-cpu", kv_tokens, 16, vocab, seqs, server.max_model_len
             )
             engine = EngineConfig(max_batch=seqs, chunked_prefill=True, token_budget=budget)
@@ -182,6 +182,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "load_avg_after": load_after,
         "other_vllm_servers": others,
         "profile": profile_to_dict(profile),
+        "samples": {"prefill": samples.prefill, "decode": samples.decode, "overhead": samples.overhead},
         "max_num_seqs": seqs,
         "kv_tokens": kv_tokens,
         "token_budget": budget,
