@@ -1,0 +1,78 @@
+"""Reading vLLM's Prometheus histograms (no server: a mock transport answers /metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tessera.sim.measure import E2E, ITL, PREFILL, TTFT, scrape, scrape_delta
+
+METRICS = """# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="tiny"} {n}
+vllm:time_to_first_token_seconds_count{engine="0",model_name="tiny"} {n}
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="tiny"} {ttft}
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_count{engine="0",model_name="tiny"} {itl_n}
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="tiny"} {itl}
+vllm:inter_token_latency_seconds_count{engine="1",model_name="tiny"} 1.0
+vllm:inter_token_latency_seconds_sum{engine="1",model_name="tiny"} 0.5
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="tiny"} {n}
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="tiny"} {e2e}
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_count{engine="0",model_name="tiny"} {n}
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} {prefill}
+"""
+
+
+def _client(states: list[dict]) -> httpx.AsyncClient:
+    calls = iter(states)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        state = next(calls)
+        text = METRICS
+        for key, value in state.items():
+            text = text.replace("{" + key + "}", str(value))
+        return httpx.Response(200, text=text)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+def test_scrape_sums_label_sets_and_delta_gives_means():
+    first = {"n": 2.0, "ttft": 0.4, "itl_n": 10.0, "itl": 0.1, "e2e": 3.0, "prefill": 0.05}
+    later = {"n": 4.0, "ttft": 1.0, "itl_n": 30.0, "itl": 0.5, "e2e": 7.0, "prefill": 0.09}
+
+    async def go():
+        async with _client([first, first, later]) as client:
+            before = await scrape(client, "http://x")
+            assert before[ITL] == pytest.approx((0.6, 11.0))  # engine 0 + engine 1
+            # The first re-scrape has no new E2E observation yet: scrape_delta waits for it.
+            return await scrape_delta(client, "http://x", before, E2E, 2, timeout_s=5)
+
+    delta = asyncio.run(go())
+    assert delta.mean(TTFT) == pytest.approx(0.3)
+    assert delta.mean(E2E) == pytest.approx(2.0)
+    assert delta.mean(ITL) == pytest.approx(0.02)
+    assert delta.mean(PREFILL) == pytest.approx(0.02)
+
+
+def test_scrape_names_missing_metrics_and_empty_delta_raises():
+    async def go(text: str):
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=text))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await scrape(client, "http://x")
+
+    with pytest.raises(RuntimeError, match="disable-log-stats"):
+        asyncio.run(go("# nothing here\n"))
+    state = {"n": 1.0, "ttft": 0.1, "itl_n": 1.0, "itl": 0.1, "e2e": 1.0, "prefill": 0.1}
+
+    async def same():
+        async with _client([state, state]) as client:
+            before = await scrape(client, "http://x")
+            return await scrape_delta(client, "http://x", before, E2E, 0)
+
+    with pytest.raises(RuntimeError, match="no vllm:time_to_first_token_seconds"):
+        asyncio.run(same()).mean(TTFT)
