@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import attrs
 import kmock
 import kopf
@@ -89,6 +90,7 @@ class Harness:
 
     emulator: Emulator
     url: str
+    session: aiohttp.ClientSession
     metrics: MetricsSource | None = None
     tick_seconds: float = 1.0
     _task: asyncio.Task | None = field(default=None, init=False)
@@ -147,13 +149,13 @@ class Harness:
 
     async def create(self, body: dict[str, Any]) -> None:
         """POST one Tessera object."""
-        response = await self.emulator.post(custom_path(body), json=body)
+        response = await self.session.post(self.url + custom_path(body), json=body)
         assert response.status in (200, 201), await response.text()
 
     async def patch(self, body: dict[str, Any], changes: dict[str, Any]) -> None:
         """Merge-patch one Tessera object."""
-        response = await self.emulator.patch(
-            custom_path(body, body["metadata"]["name"]),
+        response = await self.session.patch(
+            self.url + custom_path(body, body["metadata"]["name"]),
             json=changes,
             headers={"Content-Type": "application/merge-patch+json"},
         )
@@ -161,26 +163,26 @@ class Harness:
 
     async def delete(self, body: dict[str, Any]) -> None:
         """DELETE one Tessera object."""
-        response = await self.emulator.delete(custom_path(body, body["metadata"]["name"]))
+        response = await self.session.delete(self.url + custom_path(body, body["metadata"]["name"]))
         assert response.status in (200, 202), await response.text()
 
     async def get(self, body: dict[str, Any]) -> dict[str, Any] | None:
         """The stored state of a Tessera object; None when it is gone."""
-        response = await self.emulator.get(custom_path(body, body["metadata"]["name"]))
+        response = await self.session.get(self.url + custom_path(body, body["metadata"]["name"]))
         return await response.json() if response.status == 200 else None
 
     async def children(self, namespace: str) -> dict[tuple[str, str], dict[str, Any]]:
         """Every StatefulSet, Service and ConfigMap in ``namespace`` by (kind, name)."""
         found = {}
         for kind, path in CHILD_PATHS.items():
-            response = await self.emulator.get(path.format(ns=namespace))
+            response = await self.session.get(self.url + path.format(ns=namespace))
             for item in (await response.json()).get("items", []):
                 found[(kind, item["metadata"]["name"])] = item
         return found
 
     async def events(self, namespace: str) -> list[dict[str, Any]]:
         """Every event posted in ``namespace``."""
-        response = await self.emulator.get(f"/api/v1/namespaces/{namespace}/events")
+        response = await self.session.get(self.url + f"/api/v1/namespaces/{namespace}/events")
         return (await response.json()).get("items", [])
 
     async def eventually(self, check: Callable[[], Any], timeout: float = 15.0) -> Any:
@@ -207,12 +209,14 @@ async def emulated_cluster(
                 "namespaced": kind not in CLUSTER_SCOPED,
                 "verbs": VERBS,
             }
-        harness = Harness(emulator, str(server.url).rstrip("/"), metrics, tick_seconds)
-        await harness.start()
-        try:
-            yield harness
-        finally:
-            await harness.stop()
+        # The tests' own HTTP session: kopf's shutdown closes the emulator's bundled client.
+        async with aiohttp.ClientSession() as session:
+            harness = Harness(emulator, str(server.url).rstrip("/"), session, metrics, tick_seconds)
+            await harness.start()
+            try:
+                yield harness
+            finally:
+                await harness.stop()
 
 
 def copy_doc(doc: dict[str, Any]) -> dict[str, Any]:
