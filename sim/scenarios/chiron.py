@@ -1,42 +1,50 @@
 """Scenario ``chiron``: Chiron's hierarchical autoscaler vs a utilization-threshold autoscaler.
 
-Workload (qlm_chiron_spec B7 / App. A.2, scaled to this machine): interactive requests replay the
-Azure 2023 conversation trace (arrivals with their real burstiness and token counts, first
-``interactive_requests`` rows rescaled to ``interactive_rate``), interactive SLO TTFT 10 s and ITL
-200 ms; at ``batch_at`` a bulk of ``batch_requests`` batch requests arrives (lengths drawn with
-replacement from the same trace) that must finish within ``batch_deadline_s`` (ITL SLO 2 s). Both
-autoscalers get the same requests, seed, profile, instance bounds, initial instances and cold start.
+Workload (qlm_chiron_spec B7 / App. A.2, scaled to this machine): interactive requests (SLO TTFT 10 s,
+ITL 200 ms) arrive by the trace's own timestamps rescaled to ``interactive_rate`` (default: Azure 2023
+conversation trace), or by a Gamma process of CV ``interactive_cv`` (A.2: CV 4), or Poisson (W_B);
+at ``batch_at`` a bulk of ``batch_requests`` batch requests arrives that must finish within
+``batch_deadline_s`` (ITL SLO 2 s). Token lengths come from the trace (real Azure counts) or from the
+spec's lognormal ShareGPT fit (``lengths=sharegpt``; the paper's dataset, not available here). Every
+row gets the same requests, seed, profile, instance bounds, initial instances and cold start.
 
 Rows:
 
 - ``chiron``: the local autoscaler (``ChironLocal``, batch size per instance from ITL-SLO and
   throughput backpressure) on every instance and the global one (``chiron_decide``: interactive /
-  mixed / batch counts from IBP and BBP) every ``T_eval``; Chiron's routing (spec B3): interactive
-  requests fill interactive instances first, then mixed ones (evicting batch work there), else wait
-  at the head of the global queue; batch requests wait in the global queue (deadline groups, EDF)
-  and are pulled by batch instances and by the spare capacity of mixed instances.
+  mixed / batch counts from IBP and BBP) every ``T_eval`` and at once when interactive requests wait;
+  Chiron's routing (spec B3): interactive requests fill interactive instances first, then mixed ones
+  (evicting batch work there), else wait at the head of the global queue; batch requests wait in the
+  global queue (deadline groups, EDF) and are pulled by batch instances and by the spare capacity of
+  mixed instances.
 - ``chiron:defer=true`` (``--set defer_variant=true``): BBP counts a group only near its deadline
   (spec B5.2 ``defer``; the spec asks to report both).
-- ``threshold:band=LO-HI``: the Llumnix / KPA-style baseline of spec B7: every 10 s, ±1 instance when
-  the mean KV-token utilization leaves [LO, HI]; static batch size (vLLM's max_num_seqs 256);
-  every request dispatched on arrival to the least-loaded instance, FCFS per instance. ``bands``
-  sweeps the band (default the spec's 0.4-0.8 only); every variant is reported.
-- ``threshold:band=LO-HI:dispatch=pull``: the same, but requests wait in one global FCFS queue and
-  instances pull them up to the static batch size (kinder to a scaler that cannot move queued work,
-  as Llumnix's migration would). ``--set dispatch=arrival`` or ``pull`` keeps one of the two.
-- ``...:util=demand`` (``--set utilization=kv,demand``): utilization counts the prompts of waiting
-  requests too (Llumnix's virtual usage), so a backlog triggers scale-ups.
+- ``threshold:band=LO-HI``: the Llumnix-style baseline of spec B7: every 10 s, ±1 instance when the
+  mean utilization leaves [LO, HI]; static batch size (vLLM's max_num_seqs 256); every request
+  dispatched on arrival to the least-loaded instance, FCFS per instance. ``bands`` sweeps the band
+  (the paper's "Llumnix (tuned)" is the best of a per-workload sweep: the checks name it).
+- ``...:dispatch=pull``: requests wait in one global FCFS queue and instances pull them up to the
+  static batch size (as Llumnix's migration would move queued work to new instances);
+  ``...:dispatch=pull-priority``: the same with interactive requests ahead of batch ones (isolates
+  the autoscaling from head-of-line blocking). ``--set dispatch=`` picks any of the three.
+- utilization (``--set utilization=demand,kv``): ``demand`` (default) is Llumnix's scaling load: KV
+  in use plus the blocks of all waiting requests' prompts (``num_blocks_all_waiting_requests`` in
+  Llumnix's instance info), so a backlog reads as load and the scaler climbs to the cap as the
+  paper describes (A.2). ``kv`` (``...:util=kv``) is spec B7's literal KV-token utilization, which
+  under a static batch size of 256 rarely crosses 0.8 and never scales for a queued bulk; the spec's
+  reading is a fix we note (B7 is a [C] choice) and the row is kept for comparison.
 
 Metrics: the contract's keys (slo_attainment, slo_attainment_by_class, gpu_seconds, TTFT ...) plus
 mean / peak instances, scaling actions, hysteresis (actions / scale-ups, spec B9-11), the
 instance count over time (``instances_over_time``: [t, interactive, mixed, batch] every 10 s) and
 the mean batch size by role over time (``batch_size_over_time``, same roles).
 
-Options (``--set``): interactive_requests (3000), interactive_rate (6.0), batch_requests (6000),
-batch_at (60), batch_deadline_s (1200), initial_instances (2), min_instances (1),
-max_instances (20), bands ("0.4-0.8"), dispatch ("arrival,pull"), utilization ("kv"), defer_variant (false),
-eval_interval_s (5), dispatch_interval_s (1), over_provisioning (1/3), profile (a100-llama3-8b),
-cold_start_s (profile's), static_batch (256).
+Options (``--set``): interactive_requests (3000), interactive_rate (6.0), interactive_arrivals
+(trace | gamma | poisson), interactive_cv (4), lengths (trace | sharegpt), batch_requests (6000),
+batch_at (60), batch_deadline_s (1200), initial_instances (2), min_instances (1), max_instances (20),
+bands ("0.4-0.8"), dispatch ("arrival,pull"), utilization ("demand"), defer_variant (false),
+eval_interval_s (5), dispatch_interval_s (1), over_provisioning (1/3), prefill_backlog_s (1.0),
+profile (a100-llama3-8b), cold_start_s (profile's), static_batch (256).
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +88,14 @@ from tessera.sim.profiles import load_profile
 from tessera.sim.runner import AZURE_CONV, option, run_one
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
 from tessera.sim.traces import load_trace
-from tessera.sim.workloads import build_requests, scale_to_rate
+from tessera.sim.workloads import (
+    build_requests,
+    gamma_arrivals,
+    gamma_for_rate,
+    poisson_arrivals,
+    scale_to_rate,
+    sharegpt_lengths,
+)
 from tessera.worker.chiron_local import ChironLocal
 from tessera.worker.core.baselines import EDF, FCFS
 from tessera.worker.core.policy import Decision, InstanceView, Policy, PriorityPolicy
@@ -100,6 +116,13 @@ TIMELINE_STEP_S = 10.0
 TARGET_POINTS = 0.30  # issue 8: attainment >= 30 points higher at similar GPU-seconds ...
 SIMILAR_GPU = 1.10  # ... "similar": within 10 % (CHOICE)
 TARGET_GPU_RATIO = 0.70  # ... or GPU-seconds <= 0.7x at equal (or better) attainment
+# CHOICE (spec B3 "capacity", paper footnote 3 "zero-queuing"): an instance takes an interactive
+# request while the prefill work already waiting there is under this many seconds (or fits the next
+# iteration's token budget), 10% of the 10 s TTFT SLO.
+PREFILL_BACKLOG_S = 1.0
+ARRIVAL_KINDS = ("trace", "gamma", "poisson")
+LENGTH_SOURCES = ("trace", "sharegpt")
+DISPATCH_MODES = ("arrival", "pull", "pull-priority")
 
 
 # ---- instance side: one queue per instance, optional local autoscaler -------------------------------
@@ -124,6 +147,7 @@ class InstanceQueue(Policy):
         self.local = local
         self.on_finish = on_finish
         self.interactive = 0  # interactive requests held here (queued or running)
+        self.int_waiting: dict[Request, None] = {}  # interactive requests here not yet started
         self.batch = 0
         self.batch_tokens = 0  # batch output tokens produced here so far (as last observed)
         self._seen: dict[Request, tuple[int, float]] = {}  # running request -> (tokens, last token time)
@@ -139,6 +163,7 @@ class InstanceQueue(Policy):
             self.batch += 1
         else:
             self.interactive += 1
+            self.int_waiting[req] = None
         self.inner.add(req, now)
 
     def remove(self, req: Request, now: float) -> None:
@@ -147,6 +172,7 @@ class InstanceQueue(Policy):
             self.batch -= 1
         else:
             self.interactive -= 1
+            self.int_waiting.pop(req, None)
         self.inner.remove(req, now)
         self._account(req, now)
         self._seen.pop(req, None)
@@ -170,6 +196,12 @@ class InstanceQueue(Policy):
         if tokens > 0 and req.service_class.kind == "batch":
             self.batch_tokens += tokens
         return tokens, last - prev[1] if tokens > 0 else 0.0
+
+    def waiting_interactive_tokens(self) -> int:
+        """Prompt tokens of the interactive requests routed here that have not started yet."""
+        for req in [r for r in self.int_waiting if r.first_scheduled_at is not None]:
+            del self.int_waiting[req]
+        return sum(r.prompt_tokens for r in self.int_waiting)
 
     def schedule(self, view: InstanceView) -> Decision:
         """The inner decision, capped at the batch size; interactive work evicts batch work."""
@@ -290,29 +322,52 @@ def _active(view: ClusterView) -> list[Instance]:
     return [i for i in view.instances if not i.draining]
 
 
-def _has_room(inst: Instance, req: Request, bs: int) -> bool:
-    """Spec B3 "capacity": below the batch size and the KV admission test passes for the prompt."""
+def _prefill_fits(inst: Instance, req: Request, waiting: int, backlog_s: float) -> bool:
+    """The prompt's prefill starts within ``backlog_s`` of prefill work already waiting there, or with
+    the next iteration (its token budget); a lone prompt always fits."""
+    if waiting == 0 or waiting + req.prompt_tokens <= inst.config.budget:
+        return True
+    return inst.profile.prefill(waiting + req.prompt_tokens) <= backlog_s
+
+
+def _has_room(inst: Instance, req: Request, bs: int, backlog_s: float) -> bool:
+    """Spec B3 "capacity" for a zero-queuing interactive request (paper footnote 3): below the batch
+    size, the KV admission test passes for the prompt, and the request's prefill fits the next
+    iteration's token budget. The KV and prefill tests count the interactive requests already routed
+    here that have not started: without that, a burst arriving before the next iteration passed the
+    test on the same free KV again and again, and most-loaded-first routing piled hundreds of prompts
+    on one instance (TTFT of tens of seconds behind its prefill queue)."""
     if inst.outstanding >= bs:
         return False
-    free = (inst.capacity_blocks - inst.used_blocks) * inst.block
+    waiting = _queue(inst).waiting_interactive_tokens()
+    if not _prefill_fits(inst, req, waiting, backlog_s):
+        return False
+    free = (inst.capacity_blocks - inst.used_blocks) * inst.block - waiting
     return free - int(inst.config.watermark * inst.capacity_blocks) * inst.block > req.prompt_tokens
 
 
-def chiron_pick(req: Request, view: ClusterView) -> Instance | None:
-    """Spec B3 routing of an interactive request, or None (wait at the head of the global queue)."""
+def chiron_pick(req: Request, view: ClusterView, backlog_s: float = PREFILL_BACKLOG_S) -> Instance | None:
+    """Spec B3 routing of an interactive request, or None (wait at the head of the global queue).
+
+    ``backlog_s``: the prefill work (seconds) already waiting on an instance below which it still
+    counts as having room (zero-queuing, relaxed so that a burst packs onto few instances)."""
     ready = [i for i in _active(view) if i.ready_at <= view.now]
     own = [i for i in ready if i.role == "interactive"]
     mixed = [i for i in ready if i.role == "mixed"]
     # 1. first-fit, most loaded first, among interactive instances with room
-    fits = [i for i in own if _has_room(i, req, _queue(i).batch_size(BS_INITIAL))]
+    fits = [i for i in own if _has_room(i, req, _queue(i).batch_size(BS_INITIAL), backlog_s)]
     if fits:
         return max(fits, key=lambda i: i.outstanding)
     # 2. mixed with room, preferring those already running interactive work (packing keeps IBP meaningful)
-    fits = [i for i in mixed if _has_room(i, req, _queue(i).batch_size(BS_INITIAL))]
+    fits = [i for i in mixed if _has_room(i, req, _queue(i).batch_size(BS_INITIAL), backlog_s)]
     if fits:
         return max(fits, key=lambda i: (_queue(i).interactive > 0, i.outstanding))
     # 3. mixed where evicting batch work frees a slot
-    evictable = [i for i in mixed if _queue(i).batch > 0]
+    evictable = [
+        i
+        for i in mixed
+        if _queue(i).batch > 0 and _prefill_fits(i, req, _queue(i).waiting_interactive_tokens(), backlog_s)
+    ]
     if evictable:
         return max(evictable, key=lambda i: (_queue(i).batch, -_queue(i).interactive))
     return None
@@ -387,6 +442,7 @@ class ChironController(Controller):
         interval_s: float,
         exec_margin_s: float,
         mean_context: float,
+        backlog_s: float = PREFILL_BACKLOG_S,
     ) -> None:
         self.settings = settings
         self.queue = queue
@@ -394,6 +450,7 @@ class ChironController(Controller):
         self.interval_s = interval_s
         self.exec_margin_s = exec_margin_s
         self.mean_context = mean_context
+        self.backlog_s = backlog_s
         self.state = AutoscalerState()
         self.timeline = Timeline()
         self._next_eval = -math.inf
@@ -404,7 +461,9 @@ class ChironController(Controller):
     def tick(self, view: ClusterView) -> list[Action]:
         """Scaling (every T_eval) and dispatch (every tick)."""
         actions: list[Action] = []
-        if view.now >= self._next_eval:
+        # Every T_eval, and at once when interactive requests wait in the global queue (spec B5.1:
+        # an interactive request reaching routing step 4 triggers an evaluation).
+        if view.now >= self._next_eval or self.queue.interactive:
             self._next_eval = view.now + self.settings.eval_interval_s
             actions += self._scale(view)
         gone = {a.name for a in actions if isinstance(a, DrainInstance | RemoveInstance)}
@@ -417,7 +476,7 @@ class ChironController(Controller):
         live = [i for i in _active(view) if i.ready_at <= view.now and i.name not in removed]
         pending_int = self.queue.interactive
         while pending_int:
-            inst = chiron_pick(pending_int[0], replace(view, instances=live))
+            inst = chiron_pick(pending_int[0], replace(view, instances=live), self.backlog_s)
             if inst is None:
                 break
             actions.append(Dispatch(pending_int.popleft(), inst.name))
@@ -541,12 +600,14 @@ class ThresholdController(Controller):
         interval_s: float,
         static_batch: int,
         demand: bool = False,
+        priority: bool = False,
     ) -> None:
         self.settings = settings
         self.queue = queue
         self.interval_s = interval_s
         self.static_batch = static_batch
         self.demand = demand
+        self.priority = priority
         self.timeline = Timeline()
         self._next_eval = 0.0
 
@@ -591,7 +652,8 @@ class ThresholdController(Controller):
         return float(np.mean([min(1.0, u / c) for u, c in zip(used, cap, strict=True)]))
 
     def _pull(self, live: list[Instance]) -> list[Action]:
-        """FCFS over the whole held queue (interactive and batch alike, by arrival)."""
+        """FCFS over the whole held queue (interactive and batch alike, by arrival); with
+        ``priority`` every held interactive request goes before any batch one."""
         assert self.queue is not None
         actions: list[Action] = []
         q = self.queue
@@ -600,7 +662,9 @@ class ThresholdController(Controller):
                 self.static_batch - inst.outstanding
             )  # vLLM takes up to max_num_seqs; KV sorts out the rest
             while room > 0 and (q.interactive or q.batch):
-                if q.batch and (not q.interactive or q.batch[0][1] < q.interactive[0].arrival):
+                if q.batch and (
+                    not q.interactive or (not self.priority and q.batch[0][1] < q.interactive[0].arrival)
+                ):
                     req = q.pop_batch()
                 else:
                     req = q.interactive.popleft()
@@ -648,10 +712,14 @@ class Workload:
 
 
 def build_workload(config: BenchConfig) -> Workload:
-    """Interactive requests replaying the trace plus one bulk arrival of batch requests."""
+    """Interactive requests (trace replay, Gamma or Poisson arrivals) plus one bulk arrival of batch
+    requests; token lengths from the trace or the spec's ShareGPT fit (the paper's dataset)."""
     opts = config.options
     n_int = option(opts, "interactive_requests", 3000, int)
     rate = config.rate if config.rate is not None else option(opts, "interactive_rate", 6.0, float)
+    arrival_kind = option(opts, "interactive_arrivals", "trace", str)
+    cv = option(opts, "interactive_cv", 4.0, float)
+    lengths = option(opts, "lengths", "trace", str)
     n_batch = option(opts, "batch_requests", 6000, int)
     batch_at = option(opts, "batch_at", 60.0, float)
     deadline = option(opts, "batch_deadline_s", 1200.0, float)
@@ -659,39 +727,49 @@ def build_workload(config: BenchConfig) -> Workload:
         raise ValueError("--set interactive_requests must be >= 2 and batch_requests >= 0")
     if batch_at < 0 or deadline <= 0:
         raise ValueError("--set batch_at must be >= 0 and batch_deadline_s > 0")
+    if arrival_kind not in ARRIVAL_KINDS:
+        raise ValueError(
+            f"--set interactive_arrivals={arrival_kind!r}: one of {', '.join(ARRIVAL_KINDS)} "
+            "(trace: the trace's own timestamps rescaled to the rate; gamma: CV from interactive_cv)"
+        )
+    if lengths not in LENGTH_SOURCES:
+        raise ValueError(f"--set lengths={lengths!r}: one of {', '.join(LENGTH_SOURCES)}")
+    if cv <= 0:
+        raise ValueError("--set interactive_cv must be > 0")
     rows = load_trace(config.trace or AZURE_CONV)
-    if len(rows) < n_int:
+    if arrival_kind == "trace" and len(rows) < n_int:
         raise ValueError(f"the trace has {len(rows)} rows; --set interactive_requests={n_int} needs more")
     rng = np.random.default_rng(config.seed)
-    head = rows[:n_int]
     interactive = ServiceClass(
         "interactive", "interactive", ttft_slo_s=INTERACTIVE_TTFT_S, itl_slo_s=INTERACTIVE_ITL_S
     )
     batch = ServiceClass("batch", "batch", deadline_s=deadline, itl_slo_s=BATCH_ITL_S)
-    arrivals = scale_to_rate([r.arrival for r in head], rate)
-    reqs = build_requests(
-        arrivals,
-        [max(1, r.input_tokens) for r in head],
-        [max(1, r.output_tokens) for r in head],
-        rng,
-        prefix="i",
-    )
+
+    def draw_lengths(n: int, head: bool) -> tuple[list[int], list[int]]:
+        if lengths == "sharegpt":
+            inp, out = sharegpt_lengths(n, rng)
+            return [int(x) for x in inp], [int(x) for x in out]
+        picks = range(n) if head else rng.integers(0, len(rows), n)
+        return [max(1, rows[i].input_tokens) for i in picks], [max(1, rows[i].output_tokens) for i in picks]
+
+    if arrival_kind == "trace":
+        arrivals = scale_to_rate([r.arrival for r in rows[:n_int]], rate)
+    elif arrival_kind == "gamma":
+        arrivals = gamma_arrivals(n_int, *gamma_for_rate(rate, cv), rng)
+    else:
+        arrivals = poisson_arrivals(n_int, rate, rng)
+    reqs = build_requests(arrivals, *draw_lengths(n_int, arrival_kind == "trace"), rng, prefix="i")
     for r in reqs:
         r.service_class = interactive
     if n_batch:
-        picks = rng.integers(0, len(rows), n_batch)
-        reqs += build_requests(
-            np.full(n_batch, batch_at),
-            [max(1, rows[i].input_tokens) for i in picks],
-            [max(1, rows[i].output_tokens) for i in picks],
-            rng,
-            prefix="b",
-        )
+        reqs += build_requests(np.full(n_batch, batch_at), *draw_lengths(n_batch, False), rng, prefix="b")
         for r in reqs[n_int:]:
             r.service_class = batch
-    sample = rows[: min(500, len(rows))]
-    outs = np.array([max(1, r.output_tokens) for r in sample], dtype=float)
-    ctx = np.array([max(1, r.input_tokens) for r in sample], dtype=float) + outs
+    # What offline profiling of the service's history gives (spec A6 / B5.2 seed): a 500-request sample
+    # of the same length source.
+    outs_l, ins_l = ([r.true_output_tokens for r in reqs[:500]], [r.prompt_tokens for r in reqs[:500]])
+    outs = np.array(outs_l, dtype=float)
+    ctx = np.array(ins_l, dtype=float) + outs
     return Workload(reqs, float(outs.mean()), float(outs.std()), float(ctx.mean()))
 
 
@@ -715,9 +793,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     hi_inst = option(opts, "max_instances", 20, int)
     static_batch = option(opts, "static_batch", BS_INITIAL, int)
     dispatches = str(option(opts, "dispatch", "arrival,pull", str)).split(",")
-    if not dispatches or any(d not in ("arrival", "pull") for d in dispatches):
+    if not dispatches or any(d not in DISPATCH_MODES for d in dispatches):
         raise ValueError(
-            f"--set dispatch={opts.get('dispatch')!r}: arrival (spec B7), pull, or both comma-separated"
+            f"--set dispatch={opts.get('dispatch')!r}: comma-separated among {', '.join(DISPATCH_MODES)} "
+            "(arrival: spec B7)"
         )
     if not 1 <= lo_inst <= initial <= hi_inst:
         raise ValueError("--set needs 1 <= min_instances <= initial_instances <= max_instances")
@@ -732,6 +811,11 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     margin = option(opts, "batch_exec_margin_s", 60.0, float)
     if margin < 0:
         raise ValueError("--set batch_exec_margin_s must be >= 0")
+    backlog = option(opts, "prefill_backlog_s", PREFILL_BACKLOG_S, float)
+    if backlog < 0:
+        raise ValueError(
+            "--set prefill_backlog_s must be >= 0 (seconds of waiting prefill an instance may hold)"
+        )
     mean_prompt = float(np.mean([r.prompt_tokens for r in work.requests[:500]]))
     seed_theta = instance_tokens_per_s(
         profile, mean_prompt, work.mean_output, max(1, int(profile.kv_capacity_tokens / work.mean_context))
@@ -746,17 +830,19 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         batch_slo_s=deadline,
     )
     variants: dict[str, Callable[[], tuple[Router, Controller, Callable[[], Policy]]]] = {
-        "chiron": lambda: _chiron_parts(settings, work, tick, deadline, margin),
+        "chiron": lambda: _chiron_parts(settings, work, tick, deadline, margin, backlog),
     }
     if option(opts, "defer_variant", False, bool):
         deferred = replace(settings, defer=True)
-        variants["chiron:defer=true"] = lambda: _chiron_parts(deferred, work, tick, deadline, margin)
-    utils = str(option(opts, "utilization", "kv", str)).split(",")
+        variants["chiron:defer=true"] = lambda: _chiron_parts(deferred, work, tick, deadline, margin, backlog)
+    utils = str(option(opts, "utilization", "demand", str)).split(",")
     if not utils or any(u not in ("kv", "demand") for u in utils):
-        raise ValueError(f"--set utilization={opts.get('utilization')!r}: kv (spec B7), demand, or both")
+        raise ValueError(
+            f"--set utilization={opts.get('utilization')!r}: demand (Llumnix), kv (spec B7), or both"
+        )
     for (lo, hi), dispatch, util in itertools.product(bands, dispatches, utils):
-        name = f"threshold:band={lo:g}-{hi:g}" + (":dispatch=pull" if dispatch == "pull" else "")
-        name += ":util=demand" if util == "demand" else ""
+        name = f"threshold:band={lo:g}-{hi:g}" + (f":dispatch={dispatch}" if dispatch != "arrival" else "")
+        name += ":util=kv" if util == "kv" else ""
         th = ThresholdSettings(interval_s=10.0, high=hi, low=lo, min_instances=lo_inst, max_instances=hi_inst)
         variants[name] = lambda th=th, d=dispatch, u=util: _threshold_parts(
             th, work, tick, static_batch, d, u == "demand"
@@ -783,6 +869,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "max_instances": hi_inst,
         "static_batch": static_batch,
         "batch_deadline_s": deadline,
+        "prefill_backlog_s": backlog,
         "interactive_slo": {"ttft_s": INTERACTIVE_TTFT_S, "itl_s": INTERACTIVE_ITL_S},
         "requests_by_class": {
             k: sum(1 for r in work.requests if r.service_class.kind == k) for k in ("interactive", "batch")
@@ -808,7 +895,7 @@ def _parse_bands(text: str) -> list[tuple[float, float]]:
 
 
 def _chiron_parts(
-    settings: ChironSettings, work: Workload, tick: float, deadline: float, margin: float
+    settings: ChironSettings, work: Workload, tick: float, deadline: float, margin: float, backlog_s: float
 ) -> tuple[Router, Controller, Callable[[], Policy]]:
     queue = GlobalQueue(group_s=0.01 * deadline)
     stats = RunningStats()
@@ -826,25 +913,27 @@ def _chiron_parts(
         interval_s=tick,
         exec_margin_s=margin,
         mean_context=work.mean_context,
+        backlog_s=backlog_s,
     )
 
     def factory() -> Policy:
         local = ChironLocal(min_batch=1, max_batch=BS_MAX, initial=BS_INITIAL)
         return InstanceQueue(EDF(), local, on_finish=finished)
 
-    return HoldingRouter(queue, chiron_pick), controller, factory
+    return HoldingRouter(queue, partial(chiron_pick, backlog_s=backlog_s)), controller, factory
 
 
 def _threshold_parts(
     settings: ThresholdSettings, work: Workload, tick: float, static_batch: int, dispatch: str, demand: bool
 ) -> tuple[Router, Controller, Callable[[], Policy]]:
-    queue = GlobalQueue(group_s=1.0) if dispatch == "pull" else None
+    queue = GlobalQueue(group_s=1.0) if dispatch != "arrival" else None
     controller = ThresholdController(
         settings,
         queue,
         interval_s=tick if queue is not None else settings.interval_s,
         static_batch=static_batch,
         demand=demand,
+        priority=dispatch == "pull-priority",
     )
     router: Router = _PullEverything(queue) if queue is not None else _LeastLoaded()
     return router, controller, lambda: InstanceQueue(FCFS())
@@ -866,21 +955,31 @@ def _scaling_metrics(controller: Controller, metrics: dict[str, Any]) -> dict[st
 
 
 def _checks(rows: list[dict[str, Any]]) -> list[str]:
-    """Issue 8's target against every threshold variant."""
+    """Issue 8's target against every threshold variant, then against the best of them.
+
+    The paper's "Llumnix (tuned)" is the per-workload configuration that maximizes SLO attainment
+    (B7), so the last line compares Chiron with the variant of highest attainment (ties: fewest
+    GPU-seconds) among those run."""
     chiron = next(r for r in rows if r["policy"] == "chiron")
-    out = []
-    for base in (r for r in rows if r["policy"].startswith("threshold")):
-        points = chiron["slo_attainment"] - base["slo_attainment"]
-        ratio = chiron["gpu_seconds"] / base["gpu_seconds"]
-        a = points >= TARGET_POINTS and ratio <= SIMILAR_GPU
-        b = ratio <= TARGET_GPU_RATIO and points >= 0
-        out.append(
-            f"chiron vs {base['policy']}: SLO attainment {chiron['slo_attainment']:.1%} vs "
-            f"{base['slo_attainment']:.1%} ({points * 100:+.1f} points), GPU-seconds {ratio:.2f}x "
-            f"(target: >= +30 points at <= {SIMILAR_GPU:.2f}x GPU-seconds, or <= {TARGET_GPU_RATIO:.2f}x "
-            f"GPU-seconds at equal or better attainment): {'PASS' if a or b else 'FAIL'}"
-        )
+    bases = [r for r in rows if r["policy"].startswith("threshold")]
+    out = [_check_line(chiron, base, base["policy"]) for base in bases]
+    if len(bases) > 1:
+        best = max(bases, key=lambda r: (r["slo_attainment"], -r["gpu_seconds"]))
+        out.append(_check_line(chiron, best, f"the best threshold variant (tuned: {best['policy']})"))
     return out
+
+
+def _check_line(chiron: dict[str, Any], base: dict[str, Any], label: str) -> str:
+    points = chiron["slo_attainment"] - base["slo_attainment"]
+    ratio = chiron["gpu_seconds"] / base["gpu_seconds"]
+    a = points >= TARGET_POINTS and ratio <= SIMILAR_GPU
+    b = ratio <= TARGET_GPU_RATIO and points >= 0
+    return (
+        f"chiron vs {label}: SLO attainment {chiron['slo_attainment']:.1%} vs "
+        f"{base['slo_attainment']:.1%} ({points * 100:+.1f} points), GPU-seconds {ratio:.2f}x "
+        f"(target: >= +30 points at <= {SIMILAR_GPU:.2f}x GPU-seconds, or <= {TARGET_GPU_RATIO:.2f}x "
+        f"GPU-seconds at equal or better attainment): {'PASS' if a or b else 'FAIL'}"
+    )
 
 
 def plot(report: BenchReport, out_dir: Path) -> list[Path]:
