@@ -43,6 +43,7 @@ ITL = "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 PREFILL = "vllm:request_prefill_time_seconds"
 HISTOGRAMS = (TTFT, ITL, E2E, PREFILL)
+POLL_S = 0.05  # /metrics polling period while decode streams run
 
 
 @dataclass(slots=True)
@@ -149,37 +150,31 @@ async def _decode_step(
 ) -> tuple[int, int, float]:
     """``(batch, mean context tokens, step seconds)`` of ``batch`` concurrent streams decoding.
 
-    The server's inter-token latencies are summed between two scrapes taken once every stream
-    has an eighth, and then half, of its tokens (as the client sees them; the engine is ahead):
-    the window holds steady decode steps only, not the first steps where the prompts' prefill
-    chunks ride along (at batch 16 with long prompts those inflated the mean by ~20%).
+    The server's inter-token latency histogram is polled while the streams run. The step time
+    is its mean over a steady window: from the poll where an eighth of the run's inter-token
+    observations are in to the last poll before seven eighths, which leaves out the first
+    steps, where the prompts' prefill chunks ride along (at batch 16 with long prompts they
+    inflated the mean by ~20%). Client-side progress cannot place the window: on a loaded
+    machine the client reads a whole stream in a few bursts. Too few polls: the whole run.
     """
-    seen = [0] * batch
-    marks = [asyncio.Event(), asyncio.Event()]
-
-    def progress(i: int, n: int) -> None:
-        seen[i] = n
-        low = min(seen)
-        if low >= tokens // 8:
-            marks[0].set()
-        if low >= tokens // 2:
-            marks[1].set()
-
-    streams = [
-        asyncio.create_task(
-            stream_completion(
-                client, url, model, _prompt(rng, prompt, vocab), tokens, lambda n, i=i: progress(i, n)
-            )
-        )
-        for i in range(batch)
-    ]
-    await marks[0].wait()
-    start = await scrape(client, url)
-    await marks[1].wait()
-    end = await scrape(client, url)
-    await asyncio.gather(*streams)
-    delta = MetricsDelta({k: end[k][0] - start[k][0] for k in end}, {k: end[k][1] - start[k][1] for k in end})
-    return batch, batch * (prompt + 5 * tokens // 16), delta.mean(ITL)
+    before = await scrape(client, url)
+    streams = asyncio.gather(
+        *(stream_completion(client, url, model, _prompt(rng, prompt, vocab), tokens) for _ in range(batch))
+    )
+    polls: list[tuple[float, float]] = []  # (ITL count, ITL sum) since ``before``
+    while not streams.done():
+        now = await scrape(client, url)
+        polls.append((now[ITL][1] - before[ITL][1], now[ITL][0] - before[ITL][0]))
+        await asyncio.sleep(POLL_S)
+    await streams
+    total = batch * (tokens - 1)
+    inside = [p for p in polls if total / 8 <= p[0] <= 7 * total / 8]
+    if len(inside) >= 2 and inside[-1][0] - inside[0][0] >= batch:
+        (c0, s0), (c1, s1) = inside[0], inside[-1]
+        step = (s1 - s0) / (c1 - c0)
+    else:
+        step = (await scrape_delta(client, url, before, E2E, batch)).mean(ITL)
+    return batch, batch * (prompt + tokens // 2), step
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-DECODE_TOKENS = 128  # tokens per decode stream; steps between 1/8 and 1/2 of them are timed
+DECODE_TOKENS = 128  # tokens per decode stream; the steady middle of the run is timed
 LONG_DECODE_PROMPT = 512  # the second decode series' prompt (separates per-context from per-sequence cost)
 
 
