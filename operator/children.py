@@ -37,9 +37,14 @@ ENDPOINT_PORT = 80
 CONFIG_KEY = "worker.json"
 PLACEMENT_KEY = "placement.json"
 CONFIG_DIR = "/etc/tessera"
-LIVENESS_PATH = "/healthz"
-READINESS_PATH = "/readyz"
+# Routes of the worker app (tessera.worker.server.app); a test checks the app really serves them.
+LIVENESS_PATH = "/health"
+READINESS_PATH = "/ready"
 METRICS_PATH = "/metrics"
+# How long in-flight requests may finish after SIGTERM (`tessera worker --grace-seconds`); the pod's
+# terminationGracePeriodSeconds adds a margin so that the kubelet's SIGKILL never cuts the drain short.
+WORKER_GRACE_SECONDS = 30
+TERMINATION_MARGIN_SECONDS = 10
 MODELS_DIR = "/models"
 # ServingPool annotation selecting the workers' engine: "vllm" (default) or "sim" (simulated engine,
 # no vLLM containers; the worker container takes the GPUs) for clusters without GPUs (e2e on kind).
@@ -280,13 +285,28 @@ def headless_service(pool: ServingPool, group: GroupPlan, namespace: str) -> dic
     }
 
 
+def worker_args() -> list[str]:
+    """Arguments of the worker container (the image's entrypoint is ``tessera``)."""
+    return [
+        "worker",
+        "--config",
+        f"{CONFIG_DIR}/{CONFIG_KEY}",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(WORKER_PORT),
+        "--grace-seconds",
+        str(WORKER_GRACE_SECONDS),
+    ]
+
+
 def _worker_container(pool: ServingPool) -> dict[str, Any]:
     probe = {"httpGet": {"path": LIVENESS_PATH, "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
     return {
         "name": "worker",
         "image": pool.spec.images.worker,
         "imagePullPolicy": pool.spec.images.pull_policy,
-        "args": ["worker", "--config", f"{CONFIG_DIR}/{CONFIG_KEY}"],
+        "args": worker_args(),
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -347,7 +367,11 @@ def stateful_set(
         containers.append(container)
         if volume is not None:
             volumes.append(volume)
-    pod_spec: dict[str, Any] = {"containers": containers, "volumes": volumes}
+    pod_spec: dict[str, Any] = {
+        "containers": containers,
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS + TERMINATION_MARGIN_SECONDS,
+    }
     if pool.spec.node_selector:
         pod_spec["nodeSelector"] = dict(pool.spec.node_selector)
     if pool.spec.tolerations:
