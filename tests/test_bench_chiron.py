@@ -267,3 +267,29 @@ def test_workload_arrival_processes_and_lengths():
     ):
         with pytest.raises(ValueError, match=match):
             scenario.build_workload(BenchConfig("chiron", options={**SMALL, **bad}))
+
+
+def test_spike_p99_reads_the_arrival_history():
+    steady = np.arange(0, 600, 0.1)  # 10 req/s
+    assert scenario.spike_p99(steady, 30.0) == pytest.approx(1.0, abs=0.01)
+    # 10 req/s, then 30 req/s in every other 30 s window: consecutive windows differ by 3x.
+    bursty = np.concatenate([np.arange(k * 30, k * 30 + 30, 0.1 if k % 2 else 1 / 30) for k in range(20)])
+    assert scenario.spike_p99(bursty, 30.0) == pytest.approx(3.0, rel=0.05)
+    with pytest.raises(ValueError, match="3 windows"):
+        scenario.spike_p99(np.arange(0, 40, 1.0), 30.0)
+
+
+def test_history_over_provisioning_variant_is_reported_and_checked():
+    opts = {
+        **SMALL,
+        "interactive_requests": "600",
+        "interactive_arrivals": "poisson",
+        "op_history_variant": "true",
+        "dispatch": "arrival",
+    }
+    rep = scenario.run(BenchConfig("chiron", seed=2, options=opts), _noop)
+    theta = rep.config["over_provisioning_from_history"]
+    assert 1 / 3 < theta <= 1.0  # Poisson arrivals spike far less than 3x
+    names = [r["policy"] for r in rep.results]
+    assert f"chiron:op={theta:.2f}" in names
+    assert any(c.startswith(f"chiron:op={theta:.2f} vs threshold") for c in rep.checks)

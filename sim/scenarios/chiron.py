@@ -43,6 +43,8 @@ Options (``--set``): interactive_requests (3000), interactive_rate (6.0), intera
 (trace | gamma | poisson), interactive_cv (4), lengths (trace | sharegpt), batch_requests (6000),
 batch_at (60), batch_deadline_s (1200), initial_instances (2), min_instances (1), max_instances (20),
 bands ("0.4-0.8"), dispatch ("arrival,pull"), utilization ("demand"), defer_variant (false),
+op_history_variant (false: adds ``chiron:op=X`` with Θ_op = 1 / p99 arrival spike of the history over
+windows of the load time, paper §5.2; the history is the whole trace, or another draw of the process),
 eval_interval_s (5), dispatch_interval_s (1), over_provisioning (1/3), prefill_backlog_s (1.0),
 profile (a100-llama3-8b), cold_start_s (profile's), static_batch (256).
 """
@@ -709,6 +711,7 @@ class Workload:
     mean_output: float  # from a 500-request profiling sample of the trace (spec A6 / B5.2 seed)
     std_output: float
     mean_context: float  # prompt + output, same sample
+    history: np.ndarray  # interactive arrival times of the service's past (for Θ_op from spikes)
 
 
 def build_workload(config: BenchConfig) -> Workload:
@@ -754,10 +757,16 @@ def build_workload(config: BenchConfig) -> Workload:
 
     if arrival_kind == "trace":
         arrivals = scale_to_rate([r.arrival for r in rows[:n_int]], rate)
-    elif arrival_kind == "gamma":
-        arrivals = gamma_arrivals(n_int, *gamma_for_rate(rate, cv), rng)
+        history = scale_to_rate([r.arrival for r in rows], rate)  # the whole trace is the history
     else:
-        arrivals = poisson_arrivals(n_int, rate, rng)
+        # The history is another draw of the same process (its own RNG: the workload stays the same).
+        past = np.random.default_rng([config.seed, 1])
+        if arrival_kind == "gamma":
+            arrivals = gamma_arrivals(n_int, *gamma_for_rate(rate, cv), rng)
+            history = gamma_arrivals(n_int, *gamma_for_rate(rate, cv), past)
+        else:
+            arrivals = poisson_arrivals(n_int, rate, rng)
+            history = poisson_arrivals(n_int, rate, past)
     reqs = build_requests(arrivals, *draw_lengths(n_int, arrival_kind == "trace"), rng, prefix="i")
     for r in reqs:
         r.service_class = interactive
@@ -770,7 +779,23 @@ def build_workload(config: BenchConfig) -> Workload:
     outs_l, ins_l = ([r.true_output_tokens for r in reqs[:500]], [r.prompt_tokens for r in reqs[:500]])
     outs = np.array(outs_l, dtype=float)
     ctx = np.array(ins_l, dtype=float) + outs
-    return Workload(reqs, float(outs.mean()), float(outs.std()), float(ctx.mean()))
+    return Workload(reqs, float(outs.mean()), float(outs.std()), float(ctx.mean()), history)
+
+
+def spike_p99(arrivals: Sequence[float] | np.ndarray, window_s: float) -> float:
+    """The paper's request spike (§2.3): the ratio of arrival counts in consecutive windows as long as
+    the model load time; its 99th percentile over ``arrivals`` (windows after an empty one skipped)."""
+    if window_s <= 0:
+        raise ValueError("the spike window (model load time) must be > 0 s")
+    arr = np.asarray(arrivals, dtype=float)
+    counts = np.bincount(((arr - arr.min()) // window_s).astype(int)).astype(float)
+    prev, nxt = counts[:-1], counts[1:]
+    ratios = nxt[prev > 0] / prev[prev > 0]
+    if len(ratios) < 2:
+        raise ValueError(
+            f"the arrival history spans under 3 windows of {window_s:g} s; it cannot give a spike"
+        )
+    return float(np.percentile(ratios, 99))
 
 
 def instance_tokens_per_s(profile: StepProfile, mean_prompt: float, mean_output: float, slots: int) -> float:
@@ -832,6 +857,15 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     variants: dict[str, Callable[[], tuple[Router, Controller, Callable[[], Policy]]]] = {
         "chiron": lambda: _chiron_parts(settings, work, tick, deadline, margin, backlog),
     }
+    theta_history = None
+    if option(opts, "op_history_variant", False, bool):
+        # Spec B5.1 / paper §5.2: Θ_op = 1 / (p99 arrival spike of the history); kept above the band.
+        spike = spike_p99(work.history, cold)
+        theta_history = min(1.0, max(settings.band + 0.01, 1.0 / spike))
+        hist = replace(settings, over_provisioning=theta_history)
+        variants[f"chiron:op={theta_history:.2f}"] = lambda: _chiron_parts(
+            hist, work, tick, deadline, margin, backlog
+        )
     if option(opts, "defer_variant", False, bool):
         deferred = replace(settings, defer=True)
         variants["chiron:defer=true"] = lambda: _chiron_parts(deferred, work, tick, deadline, margin, backlog)
@@ -875,6 +909,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             k: sum(1 for r in work.requests if r.service_class.kind == k) for k in ("interactive", "batch")
         },
         "theta_b_seed_tokens_per_s": seed_theta,
+        "over_provisioning_from_history": theta_history,
     }
     return BenchReport("chiron", cfg, rows, checks)
 
@@ -963,9 +998,13 @@ def _checks(rows: list[dict[str, Any]]) -> list[str]:
     chiron = next(r for r in rows if r["policy"] == "chiron")
     bases = [r for r in rows if r["policy"].startswith("threshold")]
     out = [_check_line(chiron, base, base["policy"]) for base in bases]
+    best = max(bases, key=lambda r: (r["slo_attainment"], -r["gpu_seconds"]))
     if len(bases) > 1:
-        best = max(bases, key=lambda r: (r["slo_attainment"], -r["gpu_seconds"]))
         out.append(_check_line(chiron, best, f"the best threshold variant (tuned: {best['policy']})"))
+    # Chiron variants (defer, Θ_op from history) against the spec's baseline and the best one.
+    for other in (r for r in rows if r["policy"].startswith("chiron:")):
+        for base in {id(b): b for b in (bases[0], best)}.values():
+            out.append(_check_line(other, base, base["policy"]))
     return out
 
 
@@ -975,7 +1014,7 @@ def _check_line(chiron: dict[str, Any], base: dict[str, Any], label: str) -> str
     a = points >= TARGET_POINTS and ratio <= SIMILAR_GPU
     b = ratio <= TARGET_GPU_RATIO and points >= 0
     return (
-        f"chiron vs {label}: SLO attainment {chiron['slo_attainment']:.1%} vs "
+        f"{chiron['policy']} vs {label}: SLO attainment {chiron['slo_attainment']:.1%} vs "
         f"{base['slo_attainment']:.1%} ({points * 100:+.1f} points), GPU-seconds {ratio:.2f}x "
         f"(target: >= +30 points at <= {SIMILAR_GPU:.2f}x GPU-seconds, or <= {TARGET_GPU_RATIO:.2f}x "
         f"GPU-seconds at equal or better attainment): {'PASS' if a or b else 'FAIL'}"
