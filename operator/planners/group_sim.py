@@ -232,7 +232,7 @@ class GroupEngine:
         """Run decisions that start before ``t``; returns the requests that finished."""
         done: list[SimRequest] = []
         while self.active and self.now < t:
-            done.extend(self.step())
+            done.extend(self.step(t))
         return done
 
     def evacuate(self) -> list[SimRequest]:
@@ -269,10 +269,22 @@ class GroupEngine:
             cands += [x for n in names for x in res[n]]
             cands = [x for x in cands if self.book.starved(x.service, x.budget, self.now)]
             if cands:
-                return min(cands, key=lambda x: (x.budget.last_run, x.seq))
+                return self._admissible(min(cands, key=lambda x: (x.budget.last_run, x.seq)))
         cands = [x for n in names if (x := self._head(n)) is not None]
         cands += [min(res[n], key=self._prio) for n in names if res[n]]
-        return min(cands, key=self._prio)
+        return self._admissible(min(cands, key=self._prio))
+
+    def _admissible(self, seed: SimRequest) -> SimRequest:
+        """``seed``, or the first resident request when ``seed`` is a prefill that does not fit the free
+        KV slots: prefills are admitted only into free slots (spec §8 item 8); evicting residents for a
+        prefill would let requests whose priorities cross evict each other without end."""
+        if seed.resident:
+            return seed
+        need = (seed.prompt + seed.generated) * self.kv_per_token[seed.service]
+        if self.used + need <= self.capacity * PREFILL_WATERMARK:
+            return seed
+        running = [r for n in self.names for r in self._resident[n]]
+        return min(running, key=self._prio) if running else seed
 
     def _vllm_seed(self, names: Iterable[str]) -> SimRequest | None:
         """vLLM order over ``names``: the oldest waiting request if its prompt fits (or nothing runs),
@@ -287,9 +299,35 @@ class GroupEngine:
                 return seed
         return min(running, key=self._prio) if running else None
 
-    def step(self) -> list[SimRequest]:
-        """One scheduling decision and its iteration (a prefill, or ``chunk`` decodes); returns finished
-        requests."""
+    def _decode_run(self, batch: list[SimRequest], until: float) -> int:
+        """How many decode iterations to run before the next decision. Decisions can only change at a
+        finish, at a submission (``until``), when the free KV runs out, and under DB when a running budget
+        runs out or a waiting request starves (running budgets only shrink, so the batch keeps winning
+        until then); ``rr`` alternates services every ``chunk`` iterations."""
+        k = min(r.output - r.generated for r in batch)
+        others = len(batch) < self.active
+        if self.scheduler == "rr" and others:
+            return min(k, self.chunk)
+        span = until - self.now
+        if self.scheduler == "db" and others:
+            span = min(span, min(r.budget.left for r in batch))
+            running = set(batch)
+            for r in self._members:
+                wait = r.budget.last_run + self.book.stats[r.service].starvation_s - self.now
+                if r not in running and wait > 0:  # an already-starved one changes nothing over time
+                    span = min(span, wait)
+        if math.isfinite(span):
+            step0 = self.overhead * self.by_name[batch[0].service].latency.decode_step(self.tp, len(batch), 0)
+            k = min(k, max(1, math.ceil(span / step0)))
+        grow = self.kv_per_token[batch[0].service] * len(batch)
+        if self.used + grow * k > self.capacity:
+            k = max(1, min(k, int((self.capacity - self.used) / grow)))
+        return k
+
+    def step(self, until: float = math.inf) -> list[SimRequest]:
+        """One scheduling decision and its iteration (a prefill, or up to ``chunk`` decodes); returns the
+        finished requests. Decodes run on in closed form until the next time a decision can differ
+        (``_decode_run``); ``until`` is the next time something may be submitted."""
         seed = self._pick_seed()
         service = seed.service
         kvt = self.kv_per_token[service]
@@ -333,7 +371,7 @@ class GroupEngine:
                     self.book.charge(r.service, r.budget, dt, self.now)
         else:
             batch = sorted(res, key=self._prio)[: self.max_batch]
-            k = min(self.chunk, min(r.output - r.generated for r in batch))
+            k = self._decode_run(batch, until)
             if self.used + kvt * k * len(batch) > cap:
                 self._evict(cap - kvt * k * len(batch), set(batch))
                 while len(batch) > 1 and self.used + kvt * k * len(batch) > cap:

@@ -11,7 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tessera.operator.planners.group_sim import SHARING_OVERHEAD
+from tessera.operator.planners.cluster_sim import serve
+from tessera.operator.planners.group_sim import SHARING_OVERHEAD, service_stats
 from tessera.operator.planners.naming import group_name
 from tessera.operator.planners.types import (
     GroupPlan,
@@ -21,6 +22,7 @@ from tessera.operator.planners.types import (
     RoleCounts,
     ServiceInput,
 )
+from tessera.worker.policies.seallm import ServiceStats
 
 
 class PlacementError(ValueError):
@@ -313,36 +315,45 @@ def plan_seallm(
     previous: PlacementPlan | None = None,
     keep_margin: float = 0.005,
     simulate: bool = True,
+    stats: dict[str, ServiceStats] | None = None,
 ) -> PlacementPlan:
     """SeaLLM Alg. 1 over every stage-1 candidate; the best by (estimated SLO attainment, then L_N).
 
     The greedy steps use the analytic estimator (fast SimulateUI); with ``simulate`` and a history, each
-    candidate's final plan is scored by replaying the services' history through the group simulator
-    under DB scheduling (the paper's SimulatePerformance), which gives M_est.
+    candidate's final plan is scored by replaying the services' history through the simulated cluster
+    (group engines under DB scheduling, the dispatcher; the paper's SimulatePerformance), which gives
+    M_est. ``stats`` are the services' L̂_s / Var_s (the service monitor's); default: from the history.
 
     Least churn (CHOICE): if ``previous`` still places every service and the best new plan is not better
-    by more than ``keep_margin`` attainment (or 2 % L_N at equal attainment), the previous plan stays."""
+    by more than ``keep_margin`` attainment (or 2 % L_N at equal attainment), both scored the same way,
+    the previous plan stays."""
     validate_services(pool, services)
     if not services:
         return PlacementPlan(strategy="seallm", groups=())
     names = {s.name for s in services}
+    simulate = simulate and any(s.history for s in services)
+
+    def score(groups: list[Group]) -> Estimate:
+        if simulate:
+            return simulate_performance(pool, services, groups, stats)  # Alg. 1's SimulatePerformance
+        return estimate(services, groups)
+
     best: tuple[tuple[float, float], list[Group], Estimate, Candidate] | None = None
     for cand in candidates(pool):
         try:
             groups = generate_groups(pool, services, cand.tp)
         except PlacementError:
             continue
-        est = greedy_allocate(pool, services, groups, cand.k_max)
+        greedy_allocate(pool, services, groups, cand.k_max)
         if {n for g in groups for n in g.services} != names:
             continue  # Eq. 3 violated: some service found no group
-        if simulate and any(s.history for s in services):
-            try:
-                est = simulate_performance(pool, services, groups)  # Alg. 1's SimulatePerformance(R, P)
-            except ValueError:
-                continue  # a historical prompt does not fit some group's KV pool: candidate infeasible
-        score = (est.slo_attainment, -est.norm_latency)
-        if best is None or score > best[0]:
-            best = (score, groups, est, cand)
+        try:
+            est = score(groups)
+        except ValueError:
+            continue  # a historical prompt does not fit some group's KV pool: candidate infeasible
+        key = (est.slo_attainment, -est.norm_latency)
+        if best is None or key > best[0]:
+            best = (key, groups, est, cand)
     if best is None:
         raise PlacementError(
             f"pool {pool.name!r} ({pool.max_gpus} GPUs) cannot place all {len(services)} services; "
@@ -353,7 +364,10 @@ def plan_seallm(
     if previous is not None and {n for g in previous.groups for n in g.services} == names:
         prev_groups = groups_of_plan(previous)
         if sum(g.tp for g in prev_groups) <= pool.max_gpus:
-            prev = estimate(services, prev_groups)
+            try:
+                prev = score(prev_groups)
+            except ValueError:
+                return plan  # the previous plan cannot serve the new history at all
             better = est.slo_attainment > prev.slo_attainment + keep_margin or (
                 est.slo_attainment >= prev.slo_attainment - 1e-12
                 and est.norm_latency < 0.98 * prev.norm_latency
@@ -364,41 +378,29 @@ def plan_seallm(
 
 
 def simulate_performance(
-    pool: PoolInput, services: Sequence[ServiceInput], groups: Sequence[Group]
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    groups: Sequence[Group],
+    stats: dict[str, ServiceStats] | None = None,
 ) -> Estimate:
-    """Replay every service's history on ``groups`` with the group simulator (DB scheduling); requests of
-    a service are split round-robin over its groups (spec §6 speed-up)."""
-    from tessera.operator.planners.group_sim import service_stats, simulate_group
-
-    by_name = {s.name: s for s in services}
-    stats = service_stats(services)
+    """Replay every service's history on ``groups`` through the simulated cluster (DB scheduling, the
+    dispatcher), censoring what is left at twice the history's span plus a minute."""
+    stats = stats or service_stats(services)
     t0 = min((h.arrival for s in services for h in s.history), default=0.0)
     t1 = max((h.arrival for s in services for h in s.history), default=0.0)
-    hosts: dict[str, list[int]] = {}
-    for i, g in enumerate(groups):
-        for n in g.services:
-            hosts.setdefault(n, []).append(i)
-    load: list[list] = [[] for _ in groups]
-    for s in services:
-        for j, h in enumerate(s.history):
-            load[hosts[s.name][j % len(hosts[s.name])]].append(
-                (s.name, HistoryRequest(h.arrival - t0, h.prompt_tokens, h.output_tokens))
-            )
-    met = norm = 0.0
-    count = 0
-    per_service: dict[str, list[float]] = {}
-    for g, reqs in zip(groups, load, strict=True):
-        if not reqs:
-            continue
-        res = simulate_group(
-            pool, [by_name[n] for n in g.services], g.tp, reqs, horizon=2 * (t1 - t0) + 60.0, stats=stats
-        )
-        for o in res.outcomes:
-            met += o.slo_met
-            norm += o.norm_latency
-            count += 1
-            per_service.setdefault(o.service, []).append(float(not o.slo_met))
-    if count == 0:
+    reqs = [
+        (s.name, HistoryRequest(h.arrival - t0, h.prompt_tokens, h.output_tokens))
+        for s in services
+        for h in s.history
+    ]
+    if not reqs:
         return estimate(services, groups)
-    unserved = {n: sum(v) for n, v in per_service.items()}
-    return Estimate(met / count, norm / count, unserved, 0.0)
+    plan = to_plan("seallm", groups, None)
+    outcomes, _ = serve(pool, services, plan, reqs, stats=stats, scheduler="db", horizon=2 * (t1 - t0) + 60.0)
+    per_service: dict[str, float] = {}
+    for o in outcomes:
+        per_service[o.service] = per_service.get(o.service, 0.0) + (not o.slo_met)
+    n = len(outcomes)
+    return Estimate(
+        sum(o.slo_met for o in outcomes) / n, sum(o.norm_latency for o in outcomes) / n, per_service, 0.0
+    )

@@ -1,19 +1,35 @@
 """`tessera bench seallm`: SeaLLM placement + DB scheduling vs dedicated GPUs and round-robin sharing.
 
-Workload (seallm_spec §9.3, PROPOSALs): 16 services, each a model (7B-class or 13B-class, spec part C
-profiles) with a ShareGPT-like (short prompt, long output) or LongBench-like (long prompt, short output)
-length profile; arrivals from a synthetic MAF-like trace (64 functions, lognormal base rates, per-minute
-jitter and bursts, functions round-robin to services), scaled to ``--rate`` (default 8 req/s).
+Workload (seallm_spec §9.3, PROPOSALs): a pool of requests, half ShareGPT-like (short prompt, long output)
+and half LongBench-like (long prompt, short output), with lognormal lengths at the Tab. 1 means; K-means
+over standardised (log(1+in), log(1+out)) splits it into 16 clusters, and each cluster with a randomly
+chosen model (Llama2-7B, OPT-6.7B-like 7B, Llama2-13B) is one service, whose requests sample lengths
+from its cluster. Arrivals come from a synthetic MAF-like trace (64 functions, lognormal base rates,
+per-minute jitter and bursts, functions round-robin to services), scaled to ``--rate`` (default 20 req/s).
+A warm-up window of ``I_0`` before the evaluation window is the initial placement's history. L̂_s and
+Var_s (weights, normalisers, budgets) are fixed per service from all its requests (spec §9.1), the same
+for every row.
 
-Rows (same requests, seed and group simulator):
-- ``seallm``: SeaLLM placement planned on a warm-up window of history, DB scheduling, unified KV;
-- ``dedicated``: one group per service, GPUs split evenly, FCFS (SeaLLM's vLLM baseline);
-- ``round-robin``: every GPU shared by two services assigned round-robin, services alternate iterations.
+Rows (same requests, seed, group engines and dispatcher — every instance is a ``GroupEngine`` of
+``tessera.operator.planners.group_sim``, fed by the fewest-outstanding-requests dispatcher of
+``cluster_sim``; the tessera.sim engine is not used, because it cannot hold several models with KV kept
+across switches):
+- ``seallm``: Alg. 1 placement on the warm-up history, then re-placement at every interval boundary on
+  the last interval's history, the interval adapted by Eq. 8 from M_est vs M_real, rolled out with the
+  least churn (unchanged groups keep serving; changed groups stall for the weight load; their requests
+  migrate and recompute their KV); DB scheduling; unified KV cache; temporal sharing;
+- ``seallm:fixed``: the initial placement kept for the whole window (the paper's SeaLLM-A ablation);
+- ``dedicated``: the vLLM baseline of spec §9.5: GPUs split evenly, one instance per service with TP
+  equal to its share (never below tp_min), vLLM continuous batching (prefill first, FCFS);
+- ``dedicated:replicas``: the same share as replicas of tp_min GPUs (the operator's dedicated plan);
+- ``round-robin``: services paired round-robin, each pair on its even share of GPUs, services alternate
+  iterations (vLLM order inside a service).
 
-Requests of a service are split over its replicas statically round-robin (spec §6 speed-up). The
-placement is computed once (no re-placement during the window). ``--set part=planner`` instead times
-the planner on 32 services over 64 GPUs and reports the greedy's gap to the exact MILP on a small case.
-Options (``--set``): services=16, gpus=32, minutes=5, warmup_minutes=2, slo_scale=5, part=serve|planner.
+Every row serves until every request has finished (no censoring; ``unfinished`` is always 0).
+Options (``--set``): services=16, gpus=32, minutes=20, interval_minutes=5 (I_0 and the warm-up),
+min_interval_minutes=1, max_interval_minutes=30, beta=0.1, slo_scale=5, rates=R1,R2,... (a sweep; one
+row per system and rate), part=serve|planner. ``--set part=planner`` instead times the planner on 32
+services over 64 GPUs and reports the greedy's gap to the exact MILP on a small case.
 """
 
 from __future__ import annotations
@@ -21,34 +37,44 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from tessera.operator.planners import (
     HistoryRequest,
+    IntervalMetrics,
+    IntervalSettings,
     LatencyModel,
     PlacementPlan,
     PoolInput,
     ServiceInput,
+    next_replacement_interval,
     plan_placement,
+    rollout_diff,
 )
-from tessera.operator.planners.group_sim import RequestOutcome, Scheduler, service_stats, simulate_group
+from tessera.operator.planners.cluster_sim import ClusterSim, serve
+from tessera.operator.planners.group_sim import RequestOutcome, Scheduler, stats_of
 from tessera.operator.planners.naming import group_name
-from tessera.operator.planners.placement import fits
+from tessera.operator.planners.placement import fits, plan_seallm
 from tessera.operator.planners.types import GroupPlan, RoleCounts
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
+from tessera.worker.policies.seallm import ServiceStats
 
 DESCRIPTION = "SeaLLM placement + DB scheduling vs dedicated GPUs and round-robin sharing (16 services)"
 GIB = 2**30
 
-# Spec part C (A100/A800-class) linear step models: c0, c1, c2 (per context token), p0, p1 (per prompt token).
+# Spec part C (A100/A800-class) linear step models: c0, c1, c2 (per context token), p0, p1 (per prompt token),
+# fp16 weights (bytes) and KV bytes per token at TP 1 (spec §8 item 1).
 MODELS: dict[str, tuple[LatencyModel, int, int]] = {
-    "7b": (LatencyModel(0.0075, 2e-5, 6.6e-8, 0.005, 8e-5), int(13.5e9), 512 * 1024),
-    "13b": (LatencyModel(0.013, 2e-5, 4e-7, 0.008, 1.4e-4), int(26e9), 800 * 1024),
+    "llama2-7b": (LatencyModel(0.0075, 2e-5, 6.6e-8, 0.005, 8e-5), int(13.5e9), 512 * 1024),
+    "opt-6.7b": (LatencyModel(0.0075, 2e-5, 6.6e-8, 0.005, 8e-5), int(13.4e9), 512 * 1024),
+    "llama2-13b": (LatencyModel(0.013, 2e-5, 4e-7, 0.008, 1.4e-4), int(26e9), 800 * 1024),
 }
 # (mean prompt, cv prompt, mean output, cv output) — Tab. 1 means, spec §9.3 CVs.
 PROFILES = {"sharegpt": (73.0, 1.0, 427.0, 1.0), "longbench": (13187.0, 0.5, 21.0, 1.0)}
+POOL_REQUESTS = 4000  # size of the length pool that K-means splits into services
 
 
 def _lognormal(rng: np.random.Generator, mean: float, cv: float, n: int) -> np.ndarray:
@@ -77,49 +103,126 @@ def maf_like_counts(
     return rates
 
 
+def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iterations: int = 50) -> np.ndarray:
+    """Cluster labels of the rows of ``x`` (Lloyd's algorithm, k-means++ seeding)."""
+    centers = [x[rng.integers(len(x))]]
+    for _ in range(1, k):
+        d = np.min([((x - c) ** 2).sum(1) for c in centers], axis=0)
+        centers.append(x[rng.choice(len(x), p=d / d.sum())])
+    c = np.array(centers)
+    labels = np.zeros(len(x), dtype=int)
+    for _ in range(iterations):
+        labels = ((x[:, None, :] - c[None]) ** 2).sum(2).argmin(1)
+        new = np.array([x[labels == j].mean(0) if (labels == j).any() else c[j] for j in range(k)])
+        if np.allclose(new, c):
+            break
+        c = new
+    return labels
+
+
+def length_clusters(rng: np.random.Generator, n_services: int) -> list[np.ndarray]:
+    """Spec §9.3: K-means of a 50/50 ShareGPT-like / LongBench-like pool by standardised
+    (log(1+in), log(1+out)); one (prompt, output) array per cluster, largest mean execution first is
+    not implied (clusters come in label order)."""
+    half = POOL_REQUESTS // 2
+    parts = []
+    for profile in ("sharegpt", "longbench"):
+        mp, cvp, mo, cvo = PROFILES[profile]
+        parts.append(np.stack([_lognormal(rng, mp, cvp, half), _lognormal(rng, mo, cvo, half)], 1))
+    pool = np.concatenate(parts)
+    feats = np.log1p(pool.astype(float))
+    feats = (feats - feats.mean(0)) / feats.std(0)
+    labels = kmeans(feats, n_services, rng)
+    clusters = [pool[labels == j] for j in range(n_services)]
+    return [c if len(c) else pool[:1] for c in clusters]
+
+
 def build_workload(
     seed: int, n_services: int, rate: float, minutes: int, warmup: int, slo_scale: float
 ) -> tuple[list[ServiceInput], dict[str, list[HistoryRequest]]]:
-    """Services (with warm-up history) and the requests of the evaluation window (times from 0)."""
+    """Services (with warm-up history, arrivals before 0) and the evaluation window's requests (from 0)."""
     rng = np.random.default_rng(seed)
+    clusters = length_clusters(rng, n_services)
     total = minutes + warmup
     rates = maf_like_counts(rng, n_services, total)
     rates *= rate / (rates.sum() / total)  # rates are req/s per minute; mean total = rate
+    model_names = sorted(MODELS)
     services, window = [], {}
     for i in range(n_services):
-        model = "13b" if i % 4 == 3 else "7b"
-        profile = "longbench" if i % 2 else "sharegpt"
+        model = model_names[int(rng.integers(len(model_names)))]
         lm, weights, kvb = MODELS[model]
-        mp, cvp, mo, cvo = PROFILES[profile]
         arrivals = []
         for m in range(total):
             n = rng.poisson(rates[i, m] * 60.0)
             arrivals.extend(sorted(60.0 * m + rng.uniform(0, 60.0, n)))
-        n = len(arrivals)
-        prompts = _lognormal(rng, mp, cvp, n)
-        outputs = _lognormal(rng, mo, cvo, n)
+        cluster = clusters[i]
+        picks = cluster[rng.integers(len(cluster), size=len(arrivals))]
         reqs = [
             HistoryRequest(float(a) - warmup * 60.0, int(p), int(o))
-            for a, p, o in zip(arrivals, prompts, outputs, strict=True)
+            for a, (p, o) in zip(arrivals, picks, strict=True)
         ]
         hist = tuple(r for r in reqs if r.arrival < 0)
-        name = f"{profile}-{model}-{i:02d}"
+        name = f"s{i:02d}-{model}-in{int(np.mean(cluster[:, 0]))}-out{int(np.mean(cluster[:, 1]))}"
         services.append(
-            ServiceInput(
-                name=name,
-                weights_bytes=weights,
-                kv_bytes_per_token=kvb,
-                latency=lm,
-                request_rate=len(hist) / (warmup * 60.0),
-                mean_prompt_tokens=float(np.mean([h.prompt_tokens for h in hist])) if hist else mp,
-                mean_output_tokens=float(np.mean([h.output_tokens for h in hist])) if hist else mo,
-                p99_context_tokens=int(mp * 3 + mo * 3),
-                slo_scale=slo_scale,
-                history=hist,
+            with_history(
+                ServiceInput(
+                    name=name,
+                    weights_bytes=weights,
+                    kv_bytes_per_token=kvb,
+                    latency=lm,
+                    mean_prompt_tokens=float(cluster[:, 0].mean()),
+                    mean_output_tokens=float(cluster[:, 1].mean()),
+                    p99_context_tokens=int(np.percentile(cluster.sum(1), 99)),
+                    slo_scale=slo_scale,
+                ),
+                hist,
+                warmup * 60.0,
             )
         )
         window[name] = [r for r in reqs if r.arrival >= 0]
     return services, window
+
+
+def with_history(s: ServiceInput, history: Sequence[HistoryRequest], span_s: float) -> ServiceInput:
+    """``s`` with a new history window (the monitor's view): rate and mean lengths from it."""
+    hist = tuple(history)
+    if not hist:
+        return replace(s, history=(), request_rate=0.0)
+    return replace(
+        s,
+        history=hist,
+        request_rate=len(hist) / span_s,
+        mean_prompt_tokens=float(np.mean([h.prompt_tokens for h in hist])),
+        mean_output_tokens=float(np.mean([h.output_tokens for h in hist])),
+    )
+
+
+def fixed_stats(
+    services: Sequence[ServiceInput], window: dict[str, list[HistoryRequest]]
+) -> dict[str, ServiceStats]:
+    """L̂_s, Var_s from every request of the service (warm-up and window): its profile (spec §9.1)."""
+    return {
+        s.name: stats_of(s, [(h.prompt_tokens, h.output_tokens) for h in (*s.history, *window[s.name])])
+        for s in services
+    }
+
+
+def dedicated_plan(pool: PoolInput, services: Sequence[ServiceInput], *, replicas: bool) -> PlacementPlan:
+    """vLLM baseline (spec §9.5, §12-20): GPUs split evenly; one instance per service with TP equal to its
+    share (a power of two, never below tp_min), or (``replicas``) the share as replicas of tp_min GPUs."""
+    share = pool.max_gpus // len(services)
+    groups = []
+    for s in services:
+        if replicas:
+            tp, n = s.tp_min, max(1, share // s.tp_min)
+        else:
+            tp = max(s.tp_min, 2 ** int(math.log2(max(1, min(share, pool.gpus_per_node)))))
+            n = 1
+        groups.append(GroupPlan(group_name((s.name,), tp), (s.name,), tp, RoleCounts(interactive=n)))
+    plan = PlacementPlan("dedicated", tuple(groups))
+    if plan.gpus > pool.max_gpus:
+        raise ValueError(f"dedicated layout needs {plan.gpus} GPUs but the pool has {pool.max_gpus}")
+    return plan
 
 
 def round_robin_plan(pool: PoolInput, services: Sequence[ServiceInput]) -> PlacementPlan:
@@ -139,54 +242,106 @@ def round_robin_plan(pool: PoolInput, services: Sequence[ServiceInput]) -> Place
     return PlacementPlan("round-robin", tuple(groups))
 
 
-def serve_plan(
+def interval_metrics(outcomes: Sequence[RequestOutcome]) -> IntervalMetrics | None:
+    """M of one interval (SLO attainment, mean L_N); None without requests."""
+    if not outcomes:
+        return None
+    n = len(outcomes)
+    return IntervalMetrics(sum(o.slo_met for o in outcomes) / n, sum(o.norm_latency for o in outcomes) / n)
+
+
+def serve_adaptive(
     pool: PoolInput,
     services: Sequence[ServiceInput],
-    plan: PlacementPlan,
     window: dict[str, list[HistoryRequest]],
-    scheduler: Scheduler,
-    horizon: float,
-) -> list[RequestOutcome]:
-    """Simulate every instance of ``plan``; a service's requests go round-robin over its instances."""
-    by = {s.name: s for s in services}
-    stats = service_stats(services)
-    instances: list[tuple[GroupPlan, list[tuple[str, HistoryRequest]]]] = []
-    slots: dict[str, list[int]] = {}
-    for gp in plan.groups:
-        for _ in range(gp.replicas.total):
-            for n in gp.services:
-                slots.setdefault(n, []).append(len(instances))
-            instances.append((gp, []))
-    for name, reqs in window.items():
-        for i, r in enumerate(reqs):
-            instances[slots[name][i % len(slots[name])]][1].append((name, r))
-    outcomes: list[RequestOutcome] = []
-    for gp, reqs in instances:
-        res = simulate_group(
-            pool, [by[n] for n in gp.services], gp.tp, reqs, scheduler=scheduler, horizon=horizon, stats=stats
+    stats: dict[str, ServiceStats],
+    settings: IntervalSettings,
+    *,
+    adaptive: bool = True,
+) -> tuple[list[RequestOutcome], ClusterSim, PlacementPlan, list[dict[str, Any]]]:
+    """SeaLLM's timeline (spec §7): P_0 from the warm-up history; at every boundary T_{t+1} = T_t + I_t,
+    M_real of the interval (requests that arrived in it, censored at the boundary), I_{t+1} by Eq. 8 from
+    M_est, then P_{t+1} = Alg. 1 on the interval's history, rolled out with the least churn. After the
+    window the last plan serves until every request has finished. Returns outcomes, the cluster, the
+    initial plan and one log entry per boundary."""
+    plan = plan_seallm(pool, services, now=0.0, stats=stats)
+    first = plan
+    sim = ClusterSim(pool, services, stats, "db")
+    sim.apply(plan, 0.0, stall=False)
+    arrivals = sorted(((h.arrival, n, h) for n, reqs in window.items() for h in reqs), key=lambda x: x[0])
+    log: list[dict[str, Any]] = []
+    start, interval, i = 0.0, settings.initial_s, 0
+    while True:
+        boundary = start + interval if adaptive else math.inf
+        while i < len(arrivals) and arrivals[i][0] < boundary:
+            sim.submit(arrivals[i][1], arrivals[i][2])
+            i += 1
+        if i >= len(arrivals):
+            break
+        sim.advance(boundary)
+        batch = [r for r in sim.requests if r.arrival >= start]
+        measured = interval_metrics(sim.outcomes(boundary, batch))
+        estimated = (
+            IntervalMetrics(plan.estimated_slo_attainment, plan.estimated_norm_latency)
+            if plan.estimated_slo_attainment is not None and plan.estimated_norm_latency is not None
+            else None
         )
-        outcomes.extend(res.outcomes)
-    return outcomes
+        nxt = next_replacement_interval(interval, estimated, measured, settings)
+        hist = {n: [] for n in window}
+        for r in batch:
+            hist[r.service].append(HistoryRequest(r.arrival, r.prompt, r.output))
+        current = [with_history(s, hist[s.name], interval) for s in services]
+        t = time.perf_counter()
+        new = plan_seallm(pool, current, now=boundary, previous=plan, stats=stats)
+        plan_wall = time.perf_counter() - t
+        diff = rollout_diff(plan, new)
+        churn = sim.apply(new, boundary)
+        log.append(
+            {
+                "boundary_s": round(boundary, 1),
+                "interval_s": round(interval, 1),
+                "next_interval_s": round(nxt, 1),
+                "m_est": None
+                if estimated is None
+                else [round(estimated.slo_attainment, 3), round(estimated.norm_latency, 2)],
+                "m_real": None
+                if measured is None
+                else [round(measured.slo_attainment, 3), round(measured.norm_latency, 2)],
+                "groups_kept": len(diff.keep),
+                "groups_created": len(diff.create),
+                "groups_deleted": len(diff.delete),
+                "instances_started": churn.started,
+                "instances_stopped": churn.stopped,
+                "requests_migrated": churn.migrated,
+                "plan_wall_s": round(plan_wall, 2),
+            }
+        )
+        plan, start, interval = new, boundary, nxt
+    sim.advance(math.inf)
+    finish = max((r.finished or 0.0 for r in sim.requests), default=0.0)
+    return sim.outcomes(finish), sim, first, log
 
 
-def metrics(outcomes: Sequence[RequestOutcome], gpus: int, horizon: float) -> dict[str, Any]:
-    """Contract metrics of one row."""
+def metrics(outcomes: Sequence[RequestOutcome], gpus: int) -> dict[str, Any]:
+    """Contract metrics of one row (every request counted; censored ones would count as SLO misses)."""
     lat = np.array([o.latency for o in outcomes])
     ttft = [o.ttft for o in outcomes if o.ttft is not None]
     by_service: dict[str, list[bool]] = {}
     for o in outcomes:
         by_service.setdefault(o.service, []).append(o.slo_met)
+    makespan = max(o.arrival + o.latency for o in outcomes)
     return {
         "normalized_latency_mean": float(np.mean([o.norm_latency for o in outcomes])),
         "p99_latency_s": float(np.percentile(lat, 99)),
         "mean_jct_s": float(lat.mean()),
+        "p99_jct_s": float(np.percentile(lat, 99)),
         "mean_ttft_s": float(np.mean(ttft)) if ttft else None,
         "slo_attainment": float(np.mean([o.slo_met for o in outcomes])),
         "slo_attainment_by_class": {k: float(np.mean(v)) for k, v in sorted(by_service.items())},
         "min_service_slo_attainment": float(min(np.mean(v) for v in by_service.values())),
         "unfinished": int(sum(not o.finished for o in outcomes)),
         "requests": len(outcomes),
-        "gpu_seconds": gpus * horizon,
+        "gpu_seconds": gpus * makespan,
     }
 
 
@@ -201,6 +356,21 @@ def _opt(config: BenchConfig, key: str, default: float) -> float:
     return out
 
 
+def _rates(config: BenchConfig) -> list[float]:
+    text = config.options.get("rates")
+    if text is None:
+        return [config.rate if config.rate is not None else 20.0]
+    if config.rate is not None:
+        raise ValueError("give either --rate or --set rates=..., not both")
+    try:
+        rates = [float(x) for x in str(text).split(",")]
+    except ValueError as exc:
+        raise ValueError(f"--set rates= must be numbers separated by commas, got {text!r}") from exc
+    if not rates or min(rates) <= 0:
+        raise ValueError(f"--set rates= must be > 0, got {text!r}")
+    return rates
+
+
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
     """Run the scenario (serving comparison, or the planner timing with ``--set part=planner``)."""
     part = str(config.options.get("part", "serve"))
@@ -212,51 +382,88 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         raise ValueError(
             "bench seallm builds its MAF-like multi-service trace; --trace is not supported here"
         )
+    known = {
+        "part",
+        "services",
+        "gpus",
+        "minutes",
+        "interval_minutes",
+        "min_interval_minutes",
+        "max_interval_minutes",
+        "beta",
+        "slo_scale",
+        "rates",
+    }
+    unknown = sorted(set(config.options) - known)
+    if unknown:
+        raise ValueError(f"unknown --set options {unknown}; known: {sorted(known)}")
     n = int(_opt(config, "services", 16))
     gpus = int(_opt(config, "gpus", 32))
-    minutes = int(_opt(config, "minutes", 5))
-    warmup = int(_opt(config, "warmup_minutes", 2))
-    rate = config.rate if config.rate is not None else 8.0
+    minutes = int(_opt(config, "minutes", 20))
+    i0 = _opt(config, "interval_minutes", 5.0)
+    settings = IntervalSettings(
+        initial_s=i0 * 60.0,
+        min_s=_opt(config, "min_interval_minutes", 1.0) * 60.0,
+        max_s=_opt(config, "max_interval_minutes", 30.0) * 60.0,
+        beta=_opt(config, "beta", 0.1),
+    )
     slo_scale = _opt(config, "slo_scale", 5.0)
-    services, window = build_workload(config.seed, n, rate, minutes, warmup, slo_scale)
+    rates = _rates(config)
     pool = PoolInput("bench", "A800", 80 * GIB, gpus)
-    horizon = minutes * 60.0 * 3  # drain time after the window; requests left then are censored
-    progress(0, total=3)
-    rows = []
-    t = time.perf_counter()
-    seallm_plan = plan_placement(pool, services, strategy="seallm", now=0.0)
-    plan_s = time.perf_counter() - t
-    setups: list[tuple[str, PlacementPlan, Scheduler]] = [
-        ("seallm", seallm_plan, "db"),
-        ("dedicated", plan_placement(pool, services, strategy="dedicated", now=0.0), "fcfs"),
-        ("round-robin", round_robin_plan(pool, services), "rr"),
-    ]
-    for name, plan, sched in setups:
-        t = time.perf_counter()
-        out = serve_plan(pool, services, plan, window, sched, horizon)
-        row = {"policy": name, **metrics(out, plan.gpus, minutes * 60.0), "wall_s": time.perf_counter() - t}
-        row["groups"] = len(plan.groups)
-        if name == "seallm":
-            row["plan_wall_s"] = plan_s
-            row["plan"] = [f"{'+'.join(g.services)} x{g.replicas.total} tp{g.tp}" for g in plan.groups]
-        rows.append(row)
-        progress(1)
-    best = min(rows[1:], key=lambda r: r["normalized_latency_mean"])
-    best_slo = max(r["slo_attainment"] for r in rows[1:])
-    s = rows[0]
-    ratio = best["normalized_latency_mean"] / s["normalized_latency_mean"]
-    checks = [
-        f"seallm mean normalized latency {ratio:.2f}x lower than the better baseline ({best['policy']}) "
-        f"(target >= 3x): {'PASS' if ratio >= 3 else 'FAIL'}",
-        f"seallm SLO attainment {s['slo_attainment']:.3f} vs best baseline {best_slo:.3f} (target higher): "
-        f"{'PASS' if s['slo_attainment'] > best_slo else 'FAIL'}",
-    ]
+    rows: list[dict[str, Any]] = []
+    checks: list[str] = []
+    progress(0, total=5 * len(rates))
+    for rate in rates:
+        services, window = build_workload(config.seed, n, rate, minutes, max(1, math.ceil(i0)), slo_scale)
+        stats = fixed_stats(services, window)
+        reqs = [(name, h) for name, hs in window.items() for h in hs]
+        suffix = "" if len(rates) == 1 else f":rate={rate:g}"
+        batch: list[dict[str, Any]] = []
+        for name in ("seallm", "seallm:fixed"):
+            t = time.perf_counter()
+            out, sim, first, log = serve_adaptive(
+                pool, services, window, stats, settings, adaptive=name == "seallm"
+            )
+            row = {"policy": name + suffix, **metrics(out, gpus), "wall_s": time.perf_counter() - t}
+            row.update(preemptions=sim.preemptions, requests_migrated=sim.migrated)
+            row["initial_plan"] = [
+                f"{'+'.join(g.services)} x{g.replicas.total} tp{g.tp}" for g in first.groups
+            ]
+            if name == "seallm":
+                row["replacements"] = log
+            batch.append(row)
+            progress(1)
+        setups: list[tuple[str, PlacementPlan, Scheduler]] = [
+            ("dedicated", dedicated_plan(pool, services, replicas=False), "vllm"),
+            ("dedicated:replicas", dedicated_plan(pool, services, replicas=True), "vllm"),
+            ("round-robin", round_robin_plan(pool, services), "rr"),
+        ]
+        for name, plan, sched in setups:
+            t = time.perf_counter()
+            out, sim = serve(pool, services, plan, reqs, stats=stats, scheduler=sched)
+            row = {"policy": name + suffix, **metrics(out, plan.gpus), "wall_s": time.perf_counter() - t}
+            row.update(preemptions=sim.preemptions, groups=len(plan.groups))
+            batch.append(row)
+            progress(1)
+        rows.extend(batch)
+        s, baselines = batch[0], batch[2:]
+        best = min(baselines, key=lambda r: r["normalized_latency_mean"])
+        best_slo = max(r["slo_attainment"] for r in baselines)
+        ratio = best["normalized_latency_mean"] / s["normalized_latency_mean"]
+        at = f" at {rate:g} req/s"
+        checks += [
+            f"seallm mean normalized latency {ratio:.2f}x lower than the better baseline "
+            f"({best['policy']}){at} (target >= 3x): {'PASS' if ratio >= 3 else 'FAIL'}",
+            f"seallm SLO attainment {s['slo_attainment']:.3f} vs best baseline {best_slo:.3f}{at} "
+            f"(target higher): {'PASS' if s['slo_attainment'] > best_slo else 'FAIL'}",
+        ]
     cfg = {
         **config.as_dict(),
         "services": n,
         "gpus": gpus,
         "minutes": minutes,
-        "rate": rate,
+        "rates": rates,
+        "interval_minutes": i0,
         "slo_scale": slo_scale,
     }
     return BenchReport("seallm", cfg, rows, checks)

@@ -1,0 +1,121 @@
+"""SeaLLM cluster simulation: dispatcher, least-churn roll-out with migration and switch stall,
+run-to-completion, vLLM prefill priority, closed-form decode runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tessera.operator.planners import (
+    GroupPlan,
+    HistoryRequest,
+    LatencyModel,
+    PlacementPlan,
+    PoolInput,
+    RoleCounts,
+    ServiceInput,
+)
+from tessera.operator.planners.cluster_sim import ClusterSim, SwitchCost, serve
+from tessera.operator.planners.group_sim import GroupEngine, make_request, stats_of
+
+GIB = 2**30
+LM = LatencyModel(0.01, 1e-4, 1e-7, 0.005, 1e-4)
+POOL = PoolInput("p", "A800", 80 * GIB, 8)
+
+
+def svc(name: str, weights: int = 14 * GIB) -> ServiceInput:
+    return ServiceInput(name, weights, 512 * 1024, LM, mean_prompt_tokens=100, mean_output_tokens=50)
+
+
+A, B = svc("a"), svc("b")
+STATS = {s.name: stats_of(s, []) for s in (A, B)}
+
+
+def group(services: tuple[str, ...], n: int, tp: int = 1) -> GroupPlan:
+    return GroupPlan("-".join(services) + f"-{tp}", services, tp, RoleCounts(interactive=n))
+
+
+def test_isolated_request_takes_exactly_its_execution_time():
+    eng = GroupEngine(POOL, [A], 1, stats=STATS, scheduler="db")
+    r = make_request(A, HistoryRequest(2.0, 300, 97), 0)
+    eng.submit(r)
+    eng.run_until(math.inf)
+    assert r.finished - r.arrival == pytest.approx(LM.exec_time(1, 300, 97), rel=1e-12)
+    # the same with a decision forced at every submission horizon (closed-form runs cut at `until`)
+    eng2 = GroupEngine(POOL, [A], 1, stats=STATS, scheduler="db")
+    r2 = make_request(A, HistoryRequest(2.0, 300, 97), 0)
+    eng2.submit(r2)
+    for t in (2.1, 2.2, 2.35, 2.5):
+        eng2.run_until(t)
+    eng2.run_until(math.inf)
+    assert r2.finished == pytest.approx(r.finished, rel=1e-9)
+
+
+def test_dispatcher_picks_fewest_outstanding_then_lowest_instance():
+    sim = ClusterSim(POOL, [A], STATS, "db")
+    sim.apply(PlacementPlan("x", (group(("a",), 3),)), 0.0, stall=False)
+    placed = []
+    for _ in range(4):
+        r = sim.submit("a", HistoryRequest(0.0, 100, 10_000))
+        placed.append(next(k for k, inst in enumerate(sim.instances) if r in inst.engine._members))
+    assert placed == [0, 1, 2, 0]
+    assert [i.engine.outstanding for i in sim.instances] == [2, 1, 1]
+
+
+def test_rollout_keeps_unchanged_groups_and_migrates_the_rest_with_progress():
+    sim = ClusterSim(POOL, [A, B], STATS, "db", switch=SwitchCost(20e9, 5.0))
+    sim.apply(PlacementPlan("x", (group(("a",), 1), group(("b",), 1))), 0.0, stall=False)
+    ra = sim.submit("a", HistoryRequest(0.0, 100, 5000))
+    rb = sim.submit("b", HistoryRequest(0.0, 100, 5000))
+    sim.advance(10.0)
+    kept_engine = sim.instances[0].engine
+    gen_b, budget_b = rb.generated, rb.budget
+    assert gen_b > 1
+    churn = sim.apply(PlacementPlan("y", (group(("a",), 1), group(("a", "b"), 1))), 10.0)
+    assert (churn.kept, churn.started, churn.stopped, churn.migrated) == (1, 1, 1, 1)
+    assert sim.instances[0].engine is kept_engine and ra in kept_engine._members  # untouched
+    new = sim.instances[1]
+    stall = (A.weights_bytes + B.weights_bytes) / 1 / 20e9 + 5.0
+    assert new.ready_at == pytest.approx(10.0 + stall)
+    assert rb in new.engine._members and rb.generated == gen_b and rb.budget is budget_b
+    assert not rb.resident  # its KV is recomputed on the new group
+    sim.advance(math.inf)
+    assert rb.finished is not None and ra.finished is not None
+    assert rb.finished > 10.0 + stall
+    # a new "a" request prefers the ready instance even though the new one holds as many requests
+    assert sim.migrated == 1
+
+
+def test_serve_finishes_every_request_and_censors_only_with_a_horizon():
+    plan = PlacementPlan("x", (group(("a", "b"), 2),))
+    reqs = [(n, HistoryRequest(0.1 * i, 2000, 400)) for i in range(60) for n in ("a", "b")]
+    out, _ = serve(POOL, [A, B], plan, reqs, stats=STATS, scheduler="db")
+    assert len(out) == 120 and all(o.finished for o in out)
+    cut, _ = serve(POOL, [A, B], plan, reqs, stats=STATS, scheduler="db", horizon=3.0)
+    assert len(cut) == 120
+    unfinished = [o for o in cut if not o.finished]
+    assert unfinished and all(not o.slo_met and o.latency > 3.0 - o.arrival for o in unfinished)
+
+
+def test_vllm_prefills_new_arrivals_at_once_fcfs_waits():
+    ttft = {}
+    for sched in ("vllm", "fcfs"):
+        eng = GroupEngine(POOL, [A], 1, stats=STATS, scheduler=sched)
+        first = make_request(A, HistoryRequest(0.0, 100, 2000), 0)
+        late = make_request(A, HistoryRequest(1.0, 100, 10), 1)
+        eng.submit(first)
+        eng.run_until(1.0)
+        eng.submit(late)
+        eng.run_until(math.inf)
+        ttft[sched] = late.first_token - late.arrival
+    assert ttft["vllm"] < 0.1 < ttft["fcfs"]
+
+
+def test_unknown_scheduler_and_unhosted_service_are_rejected():
+    with pytest.raises(ValueError, match="unknown group scheduler"):
+        GroupEngine(POOL, [A], 1, stats=STATS, scheduler="lifo")  # type: ignore[arg-type]
+    sim = ClusterSim(POOL, [A, B], STATS, "db")
+    sim.apply(PlacementPlan("x", (group(("a",), 1),)), 0.0, stall=False)
+    with pytest.raises(ValueError, match="no instance hosts service 'b'"):
+        sim.submit("b", HistoryRequest(0.0, 10, 10))
