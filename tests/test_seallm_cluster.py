@@ -119,3 +119,47 @@ def test_unknown_scheduler_and_unhosted_service_are_rejected():
     sim.apply(PlacementPlan("x", (group(("a",), 1),)), 0.0, stall=False)
     with pytest.raises(ValueError, match="no instance hosts service 'b'"):
         sim.submit("b", HistoryRequest(0.0, 10, 10))
+
+
+def _hist_service(name: str, arrivals: list[float]) -> ServiceInput:
+    hist = tuple(HistoryRequest(a, 100, 50) for a in arrivals)
+    return ServiceInput(
+        name, 14 * GIB, 512 * 1024, LM, mean_prompt_tokens=100, mean_output_tokens=50, history=hist
+    )
+
+
+def test_estimator_counts_bursts_and_has_no_violation_floor_at_no_load():
+    from tessera.operator.planners.placement import Group, estimate
+
+    flat = _hist_service("a", [i * 0.5 for i in range(600)])  # 2 req/s for 5 min
+    burst = _hist_service("a", [240 + i * 0.1 for i in range(600)])  # the same count within the last minute
+    one = [Group(0, 1, services=["a"])]
+    assert estimate([burst], one).unserved["a"] > 10 * estimate([flat], one).unserved["a"]
+    idle = _hist_service("a", [0.0, 299.0])
+    assert estimate([idle], one).unserved["a"] < 0.01
+    unplaced = estimate([flat], [Group(0, 1)])
+    assert unplaced.unserved["a"] >= 600 and unplaced.slo_attainment == 0.0
+
+
+def test_bench_scenario_small_run_counts_every_request_and_replans():
+    from tessera.sim.scenarios import BenchConfig
+    from tessera.sim.scenarios.seallm import run
+
+    opts = {"services": 4, "gpus": 8, "minutes": 4, "interval_minutes": 1}
+    report = run(BenchConfig("seallm", rate=2.0, seed=1, options=opts), lambda *a, **k: None)
+    rows = {r["policy"]: r for r in report.results}
+    assert set(rows) == {"seallm", "seallm:fixed", "dedicated", "dedicated:replicas", "round-robin"}
+    counts = {r["requests"] for r in rows.values()}
+    assert len(counts) == 1 and all(r["unfinished"] == 0 for r in rows.values())
+    log = rows["seallm"]["replacements"]
+    assert len(log) >= 2
+    for entry in log:  # Eq. 8: the next interval is x0.9 or x1.1 (or clamped to [1, 30] min)
+        ratio = entry["next_interval_s"] / entry["interval_s"]
+        assert (
+            ratio == pytest.approx(0.9, abs=0.01)
+            or ratio == pytest.approx(1.1, abs=0.01)
+            or (entry["next_interval_s"] in (60.0, 1800.0))
+        )
+    assert len(report.checks) == 2
+    with pytest.raises(ValueError, match="unknown --set options"):
+        run(BenchConfig("seallm", options={"minute": 3}), lambda *a, **k: None)

@@ -132,14 +132,14 @@ class Estimate:
     max_utilization: float
 
 
-def candidates(pool: PoolInput) -> list[Candidate]:
+def candidates(pool: PoolInput, k_choices: Sequence[int] = (1, 2)) -> list[Candidate]:
     """GetParallelismConfig: TP sizes {p ≤ node size, powers of two} × K_max ∈ {1, pool's K_max ≤ 2}."""
     tps = []
     p = pool.min_gpus_per_instance
     while p <= min(pool.gpus_per_node, pool.max_gpus):
         tps.append(p)
         p *= 2
-    ks = sorted({1, min(2, pool.max_services_per_group)})
+    ks = sorted({min(k, pool.max_services_per_group) for k in k_choices})
     return [Candidate(tp, k) for tp in tps for k in ks]
 
 
@@ -181,56 +181,84 @@ def request_work(s: ServiceInput, tp: int) -> float:
     return s.latency.prefill(tp, prompt) + (out - 1) * step / TYPICAL_BATCH
 
 
+BIN_S = 60.0  # CHOICE: the estimator sees the history's per-minute rates, so bursts count (MAF is per minute)
+
+
+def rate_bins(s: ServiceInput, window_s: float) -> list[float]:
+    """λ_s per ``BIN_S`` bin of the history (req/s); one bin of the mean rate without history."""
+    if not s.history:
+        return [service_rate(s)]
+    t0 = s.history[0].arrival
+    t1 = max(s.history[-1].arrival, t0 + window_s)
+    n = max(1, math.ceil((t1 - t0) / BIN_S))
+    counts = [0] * n
+    for h in s.history:
+        counts[min(n - 1, int((h.arrival - t0) // BIN_S))] += 1
+    return [c / BIN_S for c in counts]
+
+
 def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s: float = 300.0) -> Estimate:
-    """Analytic SimulateUI: each group is a processor-sharing server; requests of a service are split
-    evenly over its groups. A request's latency is exponential with mean ``exec/(1−ρ)`` (M/M/1-PS), so
-    P(L > SLO) = exp(−SLO·(1−ρ)/exec); an overloaded group (ρ ≥ 1) violates every request. Unplaced
-    services violate every request (at least one, so that Eq. 3 places them first)."""
+    """Analytic SimulateUI (CHOICE: a queueing estimate instead of the paper's DES per greedy step, so a
+    16-32-service search stays within seconds on a small CPU). Each group is one server; a service's
+    requests split evenly over its groups; time runs in per-minute bins of the history so bursts count.
+    In a bin of utilisation ρ < 1 a request waits longer than its SLO slack ``(slo_scale − 1)·exec``
+    with probability ``ρ·exp(−(1−ρ)·slack/exec)`` (M/M/1 waiting time; zero at no load), and its mean
+    latency is ``exec·(1 + ρ/(1−ρ))``; in an overloaded bin (ρ ≥ 1) every request violates.
+    UI_s = violations + α·mean L_N (Eq. 6). Unplaced services violate every request."""
     by_name = {s.name: s for s in services}
     hosts: dict[str, list[Group]] = {}
     for g in groups:
         for n in g.services:
             hosts.setdefault(n, []).append(g)
-    rho: dict[int, float] = {}
+    bins = {s.name: rate_bins(s, window_s) for s in services}
+    n_bins = max(len(v) for v in bins.values())
+    rho: dict[int, list[float]] = {}
     for g in groups:
-        load = sum(
-            service_rate(by_name[n]) / len(hosts[n]) * request_work(by_name[n], g.tp) for n in g.services
-        )
-        rho[g.index] = load * (1 + SHARING_OVERHEAD if len(g.services) > 1 else 1.0)
+        share = 1 + SHARING_OVERHEAD if len(g.services) > 1 else 1.0
+        rho[g.index] = [
+            share
+            * sum(
+                (bins[n][m] if m < len(bins[n]) else 0.0) / len(hosts[n]) * request_work(by_name[n], g.tp)
+                for n in g.services
+            )
+            for m in range(n_bins)
+        ]
     unserved: dict[str, float] = {}
-    total_rate = viol_rate = norm_sum = 0.0
+    total = viol_total = norm_total = 0.0
     for s in services:
-        lam = service_rate(s)
         ref = s.mean_exec_s()
         placed = hosts.get(s.name, [])
+        count = sum(bins[s.name]) * BIN_S
         if not placed:
-            unserved[s.name] = max(1.0, lam * window_s) + ALPHA * 1e6
-            total_rate += lam
-            viol_rate += lam
-            norm_sum += lam * 1e6
+            unserved[s.name] = max(1.0, count) + ALPHA * 1e6
+            total += count
+            viol_total += count
+            norm_total += count * 1e6
             continue
-        p_viol = norm = 0.0
-        for g in placed:
-            exec_g = s.mean_exec_s(g.tp)
-            r = rho[g.index]
-            if r >= 1:
-                p_viol += 1.0
-                norm += window_s / ref
-            else:
-                mean_l = exec_g / (1 - r)
-                p_viol += math.exp(-s.slo_scale * ref / mean_l)
-                norm += mean_l / ref
-        p_viol /= len(placed)
-        norm /= len(placed)
-        unserved[s.name] = lam * window_s * p_viol + ALPHA * norm
-        total_rate += lam
-        viol_rate += lam * p_viol
-        norm_sum += lam * norm
-    if total_rate > 0:
-        slo, ln = 1 - viol_rate / total_rate, norm_sum / total_rate
+        viol = norm = 0.0
+        for m, lam in enumerate(bins[s.name]):
+            for g in placed:
+                k = lam * BIN_S / len(placed)
+                exec_g = s.mean_exec_s(g.tp)
+                r = rho[g.index][m]
+                if r >= 1:
+                    viol += k
+                    norm += k * window_s / ref
+                else:
+                    slack = max(0.0, s.slo_scale * ref - exec_g)
+                    viol += k * r * math.exp(-(1 - r) * slack / exec_g)
+                    norm += k * exec_g / (1 - r) / ref
+        mean_norm = norm / count if count else 1.0
+        unserved[s.name] = viol + ALPHA * mean_norm
+        total += count
+        viol_total += viol
+        norm_total += norm
+    if total > 0:
+        slo, ln = 1 - viol_total / total, norm_total / total
     else:
         slo, ln = 1.0, 1.0
-    return Estimate(slo, ln, unserved, max(rho.values(), default=0.0))
+    util = max((max(v) for v in rho.values()), default=0.0)
+    return Estimate(slo, ln, unserved, util)
 
 
 def can_allocate(
@@ -316,6 +344,7 @@ def plan_seallm(
     keep_margin: float = 0.005,
     simulate: bool = True,
     stats: dict[str, ServiceStats] | None = None,
+    k_choices: Sequence[int] = (1, 2),
 ) -> PlacementPlan:
     """SeaLLM Alg. 1 over every stage-1 candidate; the best by (estimated SLO attainment, then L_N).
 
@@ -323,6 +352,7 @@ def plan_seallm(
     candidate's final plan is scored by replaying the services' history through the simulated cluster
     (group engines under DB scheduling, the dispatcher; the paper's SimulatePerformance), which gives
     M_est. ``stats`` are the services' L̂_s / Var_s (the service monitor's); default: from the history.
+    ``k_choices``: the K_max values of the candidate set (spec §6.1 INFERRED reading: {1, 2}).
 
     Least churn (CHOICE): if ``previous`` still places every service and the best new plan is not better
     by more than ``keep_margin`` attainment (or 2 % L_N at equal attainment), both scored the same way,
@@ -339,7 +369,7 @@ def plan_seallm(
         return estimate(services, groups)
 
     best: tuple[tuple[float, float], list[Group], Estimate, Candidate] | None = None
-    for cand in candidates(pool):
+    for cand in candidates(pool, k_choices):
         try:
             groups = generate_groups(pool, services, cand.tp)
         except PlacementError:

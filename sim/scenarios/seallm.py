@@ -143,13 +143,15 @@ def build_workload(
     """Services (with warm-up history, arrivals before 0) and the evaluation window's requests (from 0)."""
     rng = np.random.default_rng(seed)
     clusters = length_clusters(rng, n_services)
+    model_names = sorted(MODELS)
+    models = [model_names[int(i)] for i in rng.integers(len(model_names), size=n_services)]  # before
+    # any rate-dependent draw, so a rate sweep keeps the same services
     total = minutes + warmup
     rates = maf_like_counts(rng, n_services, total)
     rates *= rate / (rates.sum() / total)  # rates are req/s per minute; mean total = rate
-    model_names = sorted(MODELS)
     services, window = [], {}
     for i in range(n_services):
-        model = model_names[int(rng.integers(len(model_names)))]
+        model = models[i]
         lm, weights, kvb = MODELS[model]
         arrivals = []
         for m in range(total):
