@@ -69,6 +69,13 @@ class MetricsSource(Protocol):
 
 
 @dataclass
+class _Waiting:
+    """A reconcile of one pool waiting for the pool's lock (later calls join it)."""
+
+    autoscale: bool
+
+
+@dataclass
 class _Scaler:
     """Autoscaler memory of one group (rebuilt from the scaling history after a restart)."""
 
@@ -108,6 +115,7 @@ class Controller:
         self.metrics = metrics
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self._waiting: dict[tuple[str, str], _Waiting] = {}
         self._scalers: dict[tuple[str, str, str], _Scaler] = {}
         # Digest of the inputs each pool was last planned from: replan only when they change.
         self._fingerprints: dict[tuple[str, str], str] = {}
@@ -130,39 +138,61 @@ class Controller:
         self.reconcile_pool(namespace, name, now, autoscale=self.metrics is not None)
 
     def reconcile_pool(self, namespace: str, name: str, now: float, autoscale: bool = False) -> None:
-        """Bring one pool's children and status (and its services' status) in line with the specs."""
-        with self._lock(namespace, name):
-            self._last_sync[(namespace, name)] = now
-            body = self.kube.get_custom(POOLS, namespace, name)
-            if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-                return
-            status = dict(body.get("status") or {})
-            previous = st.plan_from_status(status.get("placement"))
-            services = self.kube.list_custom(SERVICES, namespace)
-            classes = self.kube.list_custom(CLASSES, namespace)
-            fingerprint = inputs_fingerprint(body, services, classes)
-            due = st.parse_time(status.get("nextPlacementTime"))
-            replan = (
-                self._fingerprints.get((namespace, name)) != fingerprint
-                or previous is None
-                or (due is not None and now >= due)
-            )
-            decided = desired_pool(body, services, classes, previous, now, replan=replan)
-            if isinstance(decided, Problem):
-                self._report_invalid(POOLS, body, decided, now)
-                return
-            history = list(status.get("scalingHistory") or [])
-            if autoscale and decided.plan is not None and decided.pool.spec.autoscaling.enabled:
-                decided, history = self._autoscale(namespace, body, decided, history, now)
-            self._apply(namespace, body, decided)
-            self._report_pool(namespace, body, decided, previous, history, now, replanned=replan)
-            self._fingerprints[(namespace, name)] = fingerprint
+        """Bring one pool's children and status (and its services' status) in line with the specs.
 
-    def _apply(self, namespace: str, body: Mapping[str, Any], decided: PoolDesired) -> None:
+        Calls that arrive while another call for the same pool waits for the pool's lock return at
+        once: the waiting call reads the cluster only after it gets the lock, so it sees their changes
+        too (a burst of service and class events costs two passes, not one per event). An autoscaling
+        call hands its autoscaling over to the waiting one.
+        """
+        key = (namespace, name)
+        with self._locks_guard:
+            waiting = self._waiting.get(key)
+            if waiting is not None:
+                waiting.autoscale |= autoscale
+                return
+            waiting = self._waiting[key] = _Waiting(autoscale)
+        with self._lock(namespace, name):
+            with self._locks_guard:
+                del self._waiting[key]
+            self._reconcile_locked(namespace, name, now, waiting.autoscale)
+
+    def _reconcile_locked(self, namespace: str, name: str, now: float, autoscale: bool) -> None:
+        """One reconcile pass of a pool; the caller holds the pool's lock."""
+        self._last_sync[(namespace, name)] = now
+        body = self.kube.get_custom(POOLS, namespace, name)
+        if body is None or body.get("metadata", {}).get("deletionTimestamp"):
+            return
+        status = dict(body.get("status") or {})
+        previous = st.plan_from_status(status.get("placement"))
+        services = self.kube.list_custom(SERVICES, namespace)
+        classes = self.kube.list_custom(CLASSES, namespace)
+        fingerprint = inputs_fingerprint(body, services, classes)
+        due = st.parse_time(status.get("nextPlacementTime"))
+        replan = (
+            self._fingerprints.get((namespace, name)) != fingerprint
+            or previous is None
+            or (due is not None and now >= due)
+        )
+        decided = desired_pool(body, services, classes, previous, now, replan=replan)
+        if isinstance(decided, Problem):
+            self._report_invalid(POOLS, body, decided, now)
+            return
+        history = list(status.get("scalingHistory") or [])
+        if autoscale and decided.plan is not None and decided.pool.spec.autoscaling.enabled:
+            decided, history = self._autoscale(namespace, body, decided, history, now)
+        observed = self._apply(namespace, body, decided)
+        self._report_pool(namespace, body, services, observed, decided, previous, history, now)
+        self._fingerprints[(namespace, name)] = fingerprint
+
+    def _apply(self, namespace: str, body: Mapping[str, Any], decided: PoolDesired) -> list[dict[str, Any]]:
+        """Apply the pool's children; returns the children observed before (their status is what the
+        report reads: objects created or patched now have no newer status yet)."""
         observed = self.kube.list_children(namespace, pool_labels(decided.pool.name))
         for action in plan_actions(decided.children, observed):
             self.kube.apply(namespace, action)
             self.emit(body, "Normal", action.verb.capitalize() + "d", f"{action.kind} {action.name}")
+        return observed
 
     def _autoscale(
         self,
@@ -239,16 +269,16 @@ class Controller:
         self,
         namespace: str,
         body: Mapping[str, Any],
+        service_bodies: list[dict[str, Any]],
+        observed: list[dict[str, Any]],
         decided: PoolDesired,
         previous: PlacementPlan | None,
         history: list[dict[str, Any]],
         now: float,
-        replanned: bool,
     ) -> None:
         pool = decided.pool
         status = dict(body.get("status") or {})
         conditions = list(status.get("conditions") or [])
-        observed = self.kube.list_children(namespace, pool_labels(pool.name))
         ready = {
             (o["metadata"].get("labels") or {}).get("tessera.dev/group", ""): int(
                 (o.get("status") or {}).get("readyReplicas") or 0
@@ -322,16 +352,17 @@ class Controller:
             new_status["observedGeneration"] = generation
         if _changed(status, new_status):
             self.kube.patch_status(POOLS, namespace, pool.name, new_status)
-        self._report_services(namespace, decided, ready, now)
+        self._report_services(namespace, service_bodies, decided, ready, now)
 
     def _report_services(
-        self, namespace: str, decided: PoolDesired, ready: Mapping[str, int], now: float
+        self,
+        namespace: str,
+        service_bodies: list[dict[str, Any]],
+        decided: PoolDesired,
+        ready: Mapping[str, int],
+        now: float,
     ) -> None:
-        bodies = {
-            b["metadata"]["name"]: b
-            for b in self.kube.list_custom(SERVICES, namespace)
-            if pool_ref(b) == decided.pool.name
-        }
+        bodies = {b["metadata"]["name"]: b for b in service_bodies if pool_ref(b) == decided.pool.name}
         for name, problem in decided.rejected.items():
             if name in bodies:
                 self._report_service_problem(bodies[name], problem, now)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -93,8 +94,8 @@ class Harness:
     session: aiohttp.ClientSession
     metrics: MetricsSource | None = None
     tick_seconds: float = 1.0
-    _task: asyncio.Task | None = field(default=None, init=False)
-    _stop: asyncio.Event | None = field(default=None, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+    _stop: threading.Event | None = field(default=None, init=False)
 
     # -- the operator ---------------------------------------------------------------------------------
 
@@ -118,32 +119,48 @@ class Harness:
         def fast(settings: kopf.OperatorSettings, **_: Any) -> None:
             settings.watching.reconnect_backoff = 0.1
             settings.queueing.idle_timeout = 0.1
+            # On stop, kopf gives each object's event queue this long to drain (default 2 s) before
+            # cancelling: a test stops after its checks passed, nothing queued matters any more.
+            settings.queueing.exit_timeout = 0.1
             settings.posting.level = 0
             settings.execution.max_workers = 16
 
-        self._stop = asyncio.Event()
-        ready = asyncio.Event()
-        self._task = asyncio.create_task(
-            kopf.operator(
-                registry=registry,
-                clusterwide=True,
-                standalone=True,
-                stop_flag=self._stop,
-                ready_flag=ready,
-            )
-        )
-        await asyncio.wait_for(ready.wait(), 20)
+        # kopf runs in its own thread and event loop. On stop, kopf waits up to 5 s for every task of
+        # its loop that it did not start itself to finish ("hung" tasks), then cancels them. Sharing
+        # the tests' loop, those included the emulator's server-side watch handlers, which never end
+        # on their own: 5-10 s per operator stop. Its own loop holds only kopf's tasks.
+        self._stop = threading.Event()
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def serve() -> None:
+            try:
+                asyncio.run(
+                    kopf.operator(
+                        registry=registry,
+                        clusterwide=True,
+                        standalone=True,
+                        stop_flag=self._stop,
+                        ready_flag=ready,
+                    )
+                )
+            except BaseException as error:  # reported by start() when it never became ready
+                failure.append(error)
+
+        self._thread = threading.Thread(target=serve, name="kopf-operator", daemon=True)
+        self._thread.start()
+        if not await asyncio.to_thread(ready.wait, 20):
+            raise RuntimeError(f"kopf did not become ready within 20 s: {failure!r}")
 
     async def stop(self) -> None:
         """Stop the operator and wait until it is gone."""
-        if self._task is None or self._stop is None:
+        if self._thread is None or self._stop is None:
             return
         self._stop.set()
-        try:
-            await asyncio.wait_for(self._task, 30)
-        except (asyncio.CancelledError, TimeoutError):
-            self._task.cancel()
-        self._task = None
+        await asyncio.to_thread(self._thread.join, 30)
+        if self._thread.is_alive():
+            raise RuntimeError("kopf did not stop within 30 s")
+        self._thread = None
 
     # -- the API --------------------------------------------------------------------------------------
 

@@ -271,3 +271,37 @@ def test_permanent_errors_raise_and_create_conflict_becomes_patch() -> None:
     kube.core.patch_namespaced_config_map = patched
     kube.apply("ns", Action("create", "ConfigMap", "c", {"metadata": {"name": "c"}}))
     assert patched.calls == 1
+
+
+def test_reconciles_arriving_while_one_waits_join_it() -> None:
+    """A burst of triggers for one pool costs the running pass plus one more, which autoscales if
+    any joined call asked for it."""
+    import threading
+
+    from tessera.operator.controller import Controller
+
+    started, release = threading.Event(), threading.Event()
+    passes: list[tuple[str, bool]] = []
+
+    class Recording(Controller):
+        def _reconcile_locked(self, namespace: str, name: str, now: float, autoscale: bool) -> None:
+            passes.append((name, autoscale))
+            if len(passes) == 1:
+                started.set()
+                assert release.wait(5)
+
+    controller = Recording(kube=None, emit=lambda *_: None)  # type: ignore[arg-type]
+    first = threading.Thread(target=controller.reconcile_pool, args=("ns", "p", 0.0))
+    first.start()
+    assert started.wait(5)
+    waiter = threading.Thread(target=controller.reconcile_pool, args=("ns", "p", 1.0))
+    waiter.start()
+    while ("ns", "p") not in controller._waiting:  # the second call now waits for the lock
+        threading.Event().wait(0.01)
+    controller.reconcile_pool("ns", "p", 2.0)  # joins the waiting call: returns at once
+    controller.reconcile_pool("ns", "p", 3.0, autoscale=True)
+    controller.reconcile_pool("ns", "other", 3.0)  # another pool is not held up
+    release.set()
+    first.join(5)
+    waiter.join(5)
+    assert passes == [("p", False), ("other", False), ("p", True)]
