@@ -139,6 +139,8 @@ class ModelScheduler:
         self._completions: deque[float] = deque(maxlen=64)
         # (expiry, seq, job) of requests whose class bounds the queue time; lazily cleaned
         self._expiries: list[tuple[float, int, Job]] = []
+        self._itl_hist: dict[str, Any] = {}  # per class: the ITL histogram child
+        self._decision_hist = metrics.decision_time.labels(engine.model)
         self._seq = itertools.count()
         metrics.batch_size.labels(engine.model).set(self.max_batch)
         if swapper is not None:
@@ -276,7 +278,7 @@ class ModelScheduler:
         )
         t0 = time.perf_counter()
         decision = self.policy.schedule(view)
-        self.metrics.decision_time.labels(self.engine.model).observe(time.perf_counter() - t0)
+        self._decision_hist.observe(time.perf_counter() - t0)
         self._recheck_tokens = decision.recheck_after_tokens
         self._recheck_at = decision.recheck_at
         self._iters = 0.0
@@ -388,7 +390,10 @@ class ModelScheduler:
             self.metrics.ttft.labels(*labels).observe(now - req.arrival)
         else:
             gap_sum, gaps = now - job.last_token_at, n
-            self.metrics.itl.labels(*labels).observe(gap_sum)
+            itl = self._itl_hist.get(job.class_name)
+            if itl is None:  # a labels() lookup per token costs more than the rest of this method
+                itl = self._itl_hist[job.class_name] = self.metrics.itl.labels(*labels)
+            itl.observe(gap_sum)
         for _ in range(n):
             req.tokens.append(now)
         req.generated += n

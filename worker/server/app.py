@@ -347,11 +347,27 @@ async def _sse(
             yield item
             item = await job.events.get()
 
-    source: AsyncIterator[TokenDelta] = deltas()
-    if worker.config.scheduling.pacing:
+    async def coalesced() -> AsyncIterator[TokenDelta]:
+        # Deltas that piled up while this stream waited for the event loop leave as one SSE
+        # event: under load the relay's cost per event (JSON, ASGI send) otherwise delays every
+        # stream's tokens, first tokens included. Without a backlog nothing is held back.
+        item: TokenDelta | None = first
+        while item is not None:
+            more = job.events
+            while not more.empty() and item.finish_reason is None:
+                nxt = more.get_nowait()
+                if nxt is None:
+                    more.put_nowait(None)  # the end stays queued: yield what we have first
+                    break
+                item = TokenDelta(item.token_ids + nxt.token_ids, item.text + nxt.text, nxt.finish_reason)
+            yield item
+            item = await job.events.get()
+
+    source: AsyncIterator[TokenDelta] = coalesced()
+    if worker.config.scheduling.pacing:  # the pacer releases tokens one delta at a time
         from tessera.worker.pacer import TokenPacer, pace
 
-        source = pace(source, TokenPacer.for_request(job.req), time.monotonic)
+        source = pace(deltas(), TokenPacer.for_request(job.req), time.monotonic)
     try:
         if chat:
             yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
