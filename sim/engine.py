@@ -8,7 +8,14 @@ Spec: elis_andes_spec.md §0.2, qlm_chiron_spec.md part C, seallm_spec.md §9.1.
 - Without chunked prefill, admitting requests triggers a prefill-only iteration
   (bounded by the prefill token budget); the first token appears at its end.
   With chunked prefill each iteration carries every decode plus prompt chunks up
-  to the token budget (decodes first, Sarathi-Serve).
+  to the token budget (decodes first, Sarathi-Serve). This is how vLLM V1 (0.32)
+  schedules: running requests first, then waiting ones FCFS while
+  ``max_num_batched_tokens`` and ``max_num_seqs`` allow, prompts chunked to fit;
+  a step costs ``decode_step(decodes, context) + p1 * chunk tokens`` (one fixed
+  cost per step), a prefill-only step ``p0 + p1 * tokens``.
+- A profile's ``request_overhead_s`` (serving path outside steps) delays each
+  request's entry into its instance (the cluster charges it; metrics count from
+  arrival).
 - Decode iterations give each running request one token. Between events the
   engine advances a *run* of k decode iterations in closed form: the step time
   grows linearly with the batch's context, so the run's token times are an
