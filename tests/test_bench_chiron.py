@@ -16,6 +16,7 @@ from tessera.worker.core.baselines import EDF, FCFS
 from tessera.worker.core.request import ServiceClass
 
 SMALL = {
+    "interactive_arrivals": "trace",
     "interactive_requests": "200",
     "interactive_rate": "4",
     "batch_requests": "300",

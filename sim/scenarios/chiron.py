@@ -39,10 +39,14 @@ mean / peak instances, scaling actions, hysteresis (actions / scale-ups, spec B9
 instance count over time (``instances_over_time``: [t, interactive, mixed, batch] every 10 s) and
 the mean batch size by role over time (``batch_size_over_time``, same roles).
 
-Options (``--set``): interactive_requests (3000), interactive_rate (6.0), interactive_arrivals
-(trace | gamma | poisson), interactive_cv (4), lengths (trace | sharegpt), batch_requests (6000),
-batch_at (60), batch_deadline_s (1200), initial_instances (2), min_instances (1), max_instances (20),
-bands ("0.4-0.8"), dispatch ("arrival,pull"), utilization ("demand"), defer_variant (false),
+Defaults are App. A.2 scaled down about 5x in GPUs and 6x in time so that a run takes minutes:
+interactive Gamma CV 4 at 10 req/s for 700 s (A.2: 30 req/s), a bulk of 30,000 batch requests at
+t = 60 s with a 600 s deadline (A.2: 1M at 5 min, 1 h), a cap of 25 instances (A.2: 50 GPUs).
+
+Options (``--set``): interactive_requests (7000), interactive_rate (10), interactive_arrivals
+(gamma | poisson | trace), interactive_cv (4), lengths (trace | sharegpt), batch_requests (30000),
+batch_at (60), batch_deadline_s (600), initial_instances (2), min_instances (1), max_instances (25),
+bands ("0.4-0.8"), dispatch ("arrival,pull,pull-priority"), utilization ("demand"), defer_variant (false),
 op_history_variant (false: adds ``chiron:op=X`` with Θ_op = 1 / p99 arrival spike of the history over
 windows of the load time, paper §5.2; the history is the whole trace, or another draw of the process),
 eval_interval_s (5), dispatch_interval_s (1), over_provisioning (1/3), prefill_backlog_s (1.0),
@@ -641,17 +645,20 @@ class ThresholdController(Controller):
         return actions
 
     def _utilization(self, ready: list[Instance], view: ClusterView) -> float:
-        """Mean KV-token utilization of the ready instances (spec B7). With ``demand`` the prompts of
-        requests waiting (on the instance or in the global queue) count too, as Llumnix's virtual
-        usage does, so a backlog reads as load even when the static batch size caps the KV in use."""
-        used = [i.used_blocks * i.block for i in ready]
-        cap = [i.capacity_blocks * i.block for i in ready]
+        """KV-token utilization of the ready instances taken together (spec B7; Llumnix's AvgLoad sums
+        the instances' blocks before dividing). With ``demand`` the prompts of requests waiting (on the
+        instances or in the global queue) count too, as Llumnix's scaling load does, so a backlog reads
+        as load even when the static batch size caps the KV in use. Capped at 1.
+
+        Before this fix, ``demand`` averaged per-instance values each capped at 1: a backlog stuck on
+        the first instances read as 1.0 there and the new, empty instances pulled the mean under the
+        band, so the scaler stopped at a handful of instances instead of climbing to the cap."""
+        used = sum(i.used_blocks * i.block for i in ready)
+        cap = sum(i.capacity_blocks * i.block for i in ready)
         if self.demand:
-            for k, inst in enumerate(ready):
-                used[k] += sum(r.prompt_tokens for r in inst.assigned if not r.kv_resident)
-            held = sum(r.prompt_tokens for r in view.held)
-            used = [u + held / len(ready) for u in used]
-        return float(np.mean([min(1.0, u / c) for u, c in zip(used, cap, strict=True)]))
+            used += sum(r.prompt_tokens for i in ready for r in i.assigned if not r.kv_resident)
+            used += sum(r.prompt_tokens for r in view.held)
+        return min(1.0, used / cap)
 
     def _pull(self, live: list[Instance]) -> list[Action]:
         """FCFS over the whole held queue (interactive and batch alike, by arrival); with
@@ -718,14 +725,14 @@ def build_workload(config: BenchConfig) -> Workload:
     """Interactive requests (trace replay, Gamma or Poisson arrivals) plus one bulk arrival of batch
     requests; token lengths from the trace or the spec's ShareGPT fit (the paper's dataset)."""
     opts = config.options
-    n_int = option(opts, "interactive_requests", 3000, int)
-    rate = config.rate if config.rate is not None else option(opts, "interactive_rate", 6.0, float)
-    arrival_kind = option(opts, "interactive_arrivals", "trace", str)
+    n_int = option(opts, "interactive_requests", 7000, int)
+    rate = config.rate if config.rate is not None else option(opts, "interactive_rate", 10.0, float)
+    arrival_kind = option(opts, "interactive_arrivals", "gamma", str)
     cv = option(opts, "interactive_cv", 4.0, float)
     lengths = option(opts, "lengths", "trace", str)
-    n_batch = option(opts, "batch_requests", 6000, int)
+    n_batch = option(opts, "batch_requests", 30000, int)
     batch_at = option(opts, "batch_at", 60.0, float)
-    deadline = option(opts, "batch_deadline_s", 1200.0, float)
+    deadline = option(opts, "batch_deadline_s", 600.0, float)
     if n_int < 2 or n_batch < 0:
         raise ValueError("--set interactive_requests must be >= 2 and batch_requests >= 0")
     if batch_at < 0 or deadline <= 0:
@@ -815,9 +822,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     profile = replace(profile, cold_start_s=cold)
     initial = option(opts, "initial_instances", 2, int)
     lo_inst = option(opts, "min_instances", 1, int)
-    hi_inst = option(opts, "max_instances", 20, int)
+    hi_inst = option(opts, "max_instances", 25, int)
     static_batch = option(opts, "static_batch", BS_INITIAL, int)
-    dispatches = str(option(opts, "dispatch", "arrival,pull", str)).split(",")
+    dispatches = str(option(opts, "dispatch", "arrival,pull,pull-priority", str)).split(",")
     if not dispatches or any(d not in DISPATCH_MODES for d in dispatches):
         raise ValueError(
             f"--set dispatch={opts.get('dispatch')!r}: comma-separated among {', '.join(DISPATCH_MODES)} "
@@ -832,7 +839,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     if tick <= 0:
         raise ValueError("--set dispatch_interval_s must be > 0")
     work = build_workload(config)
-    deadline = option(opts, "batch_deadline_s", 1200.0, float)
+    deadline = option(opts, "batch_deadline_s", 600.0, float)
     margin = option(opts, "batch_exec_margin_s", 60.0, float)
     if margin < 0:
         raise ValueError("--set batch_exec_margin_s must be >= 0")
