@@ -294,3 +294,21 @@ def test_history_over_provisioning_variant_is_reported_and_checked():
     names = [r["policy"] for r in rep.results]
     assert f"chiron:op={theta:.2f}" in names
     assert any(c.startswith(f"chiron:op={theta:.2f} vs threshold") for c in rep.checks)
+
+
+def test_demand_utilization_sums_instances_before_dividing():
+    """Llumnix's AvgLoad: a backlog queued on one instance keeps the cluster's load high even when newly
+    added instances are empty (a mean of per-instance values capped at 1 read 0.5 here and stopped)."""
+    from tessera.operator.planners.threshold import ThresholdSettings
+
+    profile = load_profile("a100-llama3-8b")
+    cluster = Cluster(ClusterConfig(profiles={"default": profile}, instances=2), FCFS)
+    backlog = build_requests([0.0] * 600, [2000] * 600, [10] * 600, np.random.default_rng(0))
+    for r in backlog:
+        cluster.instances[0].add(r, 0.0)  # waiting prompts: 1.2M tokens, 2 x 419k of KV
+    ctl = scenario.ThresholdController(
+        ThresholdSettings(), None, interval_s=10.0, static_batch=256, demand=True
+    )
+    assert ctl._utilization(cluster.instances, cluster.view()) == 1.0
+    kv_only = scenario.ThresholdController(ThresholdSettings(), None, interval_s=10.0, static_batch=256)
+    assert kv_only._utilization(cluster.instances, cluster.view()) < 0.05  # nothing resident yet
