@@ -9,7 +9,9 @@ Real-engine fixtures (use them from ``@pytest.mark.integration`` tests only):
 - ``vllm_server`` (session, lazy): ONE real vLLM OpenAI server (``VLLMServer``) on the tiny
   model, started by the first test that asks for it (about 40-110 s on a 2-core CPU) and stopped
   at the end of the session. Served model name ``TINY_MODEL_NAME`` ("tiny"), ``--max-model-len``
-  ``TINY_MAX_MODEL_LEN`` (512), ``--max-num-seqs`` 64, prefix caching on, 1 GiB of CPU KV cache.
+  ``TINY_MAX_MODEL_LEN`` (512), ``--max-num-seqs`` 64, prefix caching on, 1 GiB of CPU KV cache,
+  ``--enforce-eager``: on this CPU the torch.compile warm-up is about 70 s of a 135 s start under
+  load (the server log's "init engine ... took"); tests check behaviour, not speed.
   Use ``vllm_server.url`` (no ``/v1``). A test that kills it must bring it back on the same port
   before it ends (``vllm_server.launch(); vllm_server.wait_healthy()``).
 
@@ -47,6 +49,7 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         max_model_len=TINY_MAX_MODEL_LEN,
         max_num_seqs=64,
         kv_cache_gib=1,
+        extra_args=["--enforce-eager"],
         log_path=tmp_path_factory.mktemp("vllm-log") / "vllm.log",
     )
     try:

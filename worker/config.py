@@ -86,6 +86,15 @@ class ModelEntry(ApiModel):
         default=None, pattern=r"^https?://", description="Base URL of the model's vLLM server (no /v1)."
     )
     launch: LaunchSpec | None = Field(default=None, description="Start vLLM here instead of using url.")
+    tokenizer: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "Directory of the model's tokenizer (the files vLLM serves): the worker tokenizes text "
+            "itself instead of a /tokenize round trip per request; unset: /tokenize, or launch.modelDir "
+            "when vLLM is launched here."
+        ),
+    )
     max_model_len: Annotated[int, Field(ge=16)] = Field(default=2048, description="Context length in tokens.")
     default_class: str | None = Field(
         default=None, description="Class of requests without a class header; unset: the first class."

@@ -102,7 +102,9 @@ class Worker:
         from tessera.worker.engines.vllm import VLLMEngine
 
         url = entry.url
+        tokenizer = entry.tokenizer
         if entry.launch is not None:
+            tokenizer = tokenizer or entry.launch.model_dir
             from tessera.worker.engines.vllm_process import VLLMServer
 
             server = VLLMServer(
@@ -119,7 +121,9 @@ class Worker:
             await asyncio.to_thread(server.start)
             url = server.url
         assert url is not None  # the configuration guarantees url or launch
-        return VLLMEngine(entry.name, url, entry.max_model_len, sleep_mode=entry.sleep_mode)
+        return VLLMEngine(
+            entry.name, url, entry.max_model_len, sleep_mode=entry.sleep_mode, tokenizer=tokenizer
+        )
 
     async def stop(self) -> None:
         """Stop schedulers and engines, and any vLLM server launched here."""
@@ -163,8 +167,11 @@ class Worker:
                     "this worker was started without a configuration file; send one in the body"
                 )
             new = load_config(self.config_path)
-        old_models = [(m.name, m.engine, m.url, m.launch, m.sleep_mode) for m in self.config.models]
-        new_models = [(m.name, m.engine, m.url, m.launch, m.sleep_mode) for m in new.models]
+
+        def fixed(config: WorkerConfig) -> list[tuple]:
+            return [(m.name, m.engine, m.url, m.launch, m.sleep_mode, m.tokenizer) for m in config.models]
+
+        old_models, new_models = fixed(self.config), fixed(new)
         if old_models != new_models:
             raise ConfigError("the model list cannot change without a restart; restart the worker pod")
         policies = {name: _policy(new) for name in self.schedulers}  # fail before changing anything

@@ -18,6 +18,7 @@ decisions (200), policies (fcfs,isrtf,qoe,qlm), max_num_seqs (64).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import statistics
 import tempfile
@@ -32,6 +33,12 @@ from tessera.sim.runner import option
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
 
 DESCRIPTION = "worker in front of real vLLM vs vLLM directly (tiny model, 32 streams) + decision time"
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _burst_row(name: str, rounds: list[list[Any]]) -> dict[str, Any]:
@@ -142,6 +149,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     progress(0, total=2 * rounds + len(policies) + 1)
     direct: list[list[Any]] = []
     proxied: list[list[Any]] = []
+    worker_cpu: list[float] = []
+    load_avg: list[float] = []
     with tempfile.TemporaryDirectory(prefix="tessera-overhead-") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
         with VLLMServer(model_dir, served_model_name="tiny", max_model_len=1024, max_num_seqs=seqs) as server:
@@ -160,9 +169,12 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                         (0.0, [rng.randrange(3, 900) for _ in range(prompt_tokens)], max_tokens, "")
                         for _ in range(streams)
                     ]
+                    load_avg.append(os.getloadavg()[0])
                     direct.append(asyncio.run(replay(server.url, "tiny", plan)))
                     progress(1)
+                    cpu0 = _cpu_seconds(worker.proc.pid)
                     proxied.append(asyncio.run(replay(worker.url, "tiny", plan)))
+                    worker_cpu.append(_cpu_seconds(worker.proc.pid) - cpu0)
                     progress(1)
             finally:
                 worker.stop()
@@ -170,8 +182,13 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     worker_row = _burst_row("worker", proxied)
     ratio = worker_row["output_tokens_per_s"] / vllm_row["output_tokens_per_s"]
     added_ms = (worker_row["p50_ttft_s"] - vllm_row["p50_ttft_s"]) * 1e3
+    # Load-independent: the worker's own CPU time per request (all of its work for one request).
+    worker_row["worker_cpu_s_per_request"] = statistics.median(worker_cpu) / streams
     results = [vllm_row, worker_row]
     checks = [
+        f"load average (1 min) during the bursts: {min(load_avg):.1f}-{max(load_avg):.1f} on "
+        f"{os.cpu_count()} CPUs; worker CPU {worker_row['worker_cpu_s_per_request'] * 1e3:.2f} ms per "
+        f"request ({max_tokens} tokens)",
         f"throughput worker/vllm {ratio:.3f} (target >= 0.95): {'PASS' if ratio >= 0.95 else 'FAIL'}",
         f"added TTFT p50 {added_ms:.2f} ms (target <= 5 ms): {'PASS' if added_ms <= 5 else 'FAIL'}",
     ]

@@ -1,6 +1,9 @@
 """The ``vllm`` engine adapter: a stock vLLM OpenAI server, driven over HTTP.
 
-- tokenizes through the server's ``/tokenize`` (chat through the model's chat template there);
+- tokenizes through the server's ``/tokenize`` (chat through the model's chat template there), or,
+  given ``tokenizer`` (the model directory vLLM loads), locally with the same Hugging Face tokenizer
+  and the same rules as vLLM's ``/tokenize`` (completions: special tokens added; chat: the template
+  renders them), which saves an HTTP round trip through vLLM's busy event loop per request;
 - submits prompt token ids to ``/v1/completions`` with ``stream`` and ``return_token_ids``, so the
   worker knows every generated id and can resume a preempted request exactly from
   prompt + generated ids (vLLM's prefix cache makes the re-prefill cheap);
@@ -40,7 +43,15 @@ _ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 class VLLMEngine(Engine):
     """One model on one vLLM server at ``url`` (base URL, without ``/v1``)."""
 
-    def __init__(self, model: str, url: str, max_model_len: int, *, sleep_mode: str = "auto") -> None:
+    def __init__(
+        self,
+        model: str,
+        url: str,
+        max_model_len: int,
+        *,
+        sleep_mode: str = "auto",
+        tokenizer: str | None = None,
+    ) -> None:
         if sleep_mode not in ("auto", "on", "off"):
             raise ValueError(f"sleep_mode must be auto, on or off, got {sleep_mode!r}")
         self.model = model
@@ -48,10 +59,15 @@ class VLLMEngine(Engine):
         self.max_model_len = max_model_len
         self.sleep_mode = sleep_mode
         self.supports_sleep = False  # decided in start()
+        self.tokenizer_path = tokenizer
+        self._tokenizer: Any = None  # a transformers tokenizer, loaded in start()
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        """Find out whether the server can sleep (``sleep_mode`` auto / on); on: fail without it."""
+        """Load the local tokenizer if one is set; find out whether the server can sleep
+        (``sleep_mode`` auto / on; on: fail without it)."""
+        if self.tokenizer_path is not None and self._tokenizer is None:
+            self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.tokenizer_path, self.model)
         if self.sleep_mode == "off":
             return
         self.supports_sleep = await self._server_sleep_mode()
@@ -105,10 +121,22 @@ class VLLMEngine(Engine):
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` with the model's special tokens."""
+        if self._tokenizer is not None:
+            return list(self._tokenizer.encode(text, add_special_tokens=True))
         return await self._tokenize({"model": self.model, "prompt": text})
 
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template, ready for the assistant's turn."""
+        if self._tokenizer is not None:
+            try:
+                text = self._tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as exc:  # jinja errors: the template rejects these messages
+                raise EngineRejected(
+                    f"the chat template of {self.model} rejected the messages: {exc}"
+                ) from exc
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
         return await self._tokenize(
             {"model": self.model, "messages": messages, "add_generation_prompt": True}
         )
@@ -182,6 +210,19 @@ class VLLMEngine(Engine):
         except _ERRORS as exc:
             raise EngineUnavailable(f"vLLM for {self.model} is unreachable: {exc!r}") from exc
         _raise_for_status(status, text, self.model)
+
+
+def _load_tokenizer(path: str, model: str) -> Any:
+    """The Hugging Face tokenizer in ``path`` (the files vLLM loads for ``model``)."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, ImportError) as exc:
+        raise EngineRejected(
+            f"cannot load the tokenizer of {model} from {path}: {exc}; fix models[].tokenizer or unset "
+            "it to tokenize through vLLM's /tokenize"
+        ) from exc
 
 
 def _raise_for_status(status: int, text: str, model: str) -> None:
