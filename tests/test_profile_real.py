@@ -11,8 +11,9 @@ from tessera.sim.profiles import load_profile
 
 
 @pytest.mark.integration
-def test_profile_measures_and_fits_the_real_server(vllm_server, tmp_path, capsys):
+def test_profile_measures_and_fits_the_real_server(vllm_server, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "tiny.json"
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
     rc = main(
         [
             "profile",
@@ -26,6 +27,8 @@ def test_profile_measures_and_fits_the_real_server(vllm_server, tmp_path, capsys
             str(out),
             "--name",
             "tiny-cpu",
+            "--vocab",
+            str(vocab),
         ]
     )
     assert rc == 0, capsys.readouterr().err
