@@ -311,11 +311,14 @@ class GroupEngine:
         span = until - self.now
         if self.scheduler == "db" and others:
             span = min(span, min(r.budget.left for r in batch))
+            # The earliest starvation among the others: heads of the waiting heaps (by last run) and the
+            # residents left out. Once one is starved, later ones cannot change the seed (longest wait).
             running = set(batch)
-            for r in self._members:
-                wait = r.budget.last_run + self.book.stats[r.service].starvation_s - self.now
-                if r not in running and wait > 0:  # an already-starved one changes nothing over time
-                    span = min(span, wait)
+            outside = [h for n in self.names if (h := self._starved_head(n)) is not None]
+            outside += [r for n in self.names for r in self._resident[n] if r not in running]
+            waits = [r.budget.last_run + self.book.stats[r.service].starvation_s - self.now for r in outside]
+            if waits and min(waits) > 0:
+                span = min(span, min(waits))
         if math.isfinite(span):
             step0 = self.overhead * self.by_name[batch[0].service].latency.decode_step(self.tp, len(batch), 0)
             k = min(k, max(1, math.ceil(span / step0)))
