@@ -120,6 +120,8 @@ class Controller:
         # Digest of the inputs each pool was last planned from: replan only when they change.
         self._fingerprints: dict[tuple[str, str], str] = {}
         self._last_sync: dict[tuple[str, str], float] = {}
+        # When each pool's next autoscaler evaluation is due (the earliest of its groups).
+        self._autoscale_due: dict[tuple[str, str], float] = {}
 
     def _lock(self, namespace: str, pool: str) -> threading.Lock:
         with self._locks_guard:
@@ -128,14 +130,14 @@ class Controller:
     # -- pools ---------------------------------------------------------------------------------------
 
     def tick(self, namespace: str, name: str, now: float) -> None:
-        """The pool timer: run the autoscaler when Prometheus is configured, else resync now and then
-        (events drive the rest; a periodic pass repairs drift such as a hand-edited StatefulSet)."""
-        if (
-            self.metrics is None
-            and now - self._last_sync.get((namespace, name), -math.inf) < self.resync_seconds
-        ):
-            return
-        self.reconcile_pool(namespace, name, now, autoscale=self.metrics is not None)
+        """The pool timer: a pass when the autoscaler (with Prometheus configured) is due, and a resync
+        now and then (events drive the rest; a periodic pass repairs drift such as a hand-edited
+        StatefulSet). Ticks in between cost no API call."""
+        key = (namespace, name)
+        resync = now - self._last_sync.get(key, -math.inf) >= self.resync_seconds
+        autoscale = self.metrics is not None
+        if resync or (autoscale and now >= self._autoscale_due.get(key, -math.inf)):
+            self.reconcile_pool(namespace, name, now, autoscale=autoscale)
 
     def reconcile_pool(self, namespace: str, name: str, now: float, autoscale: bool = False) -> None:
         """Bring one pool's children and status (and its services' status) in line with the specs.
@@ -181,6 +183,8 @@ class Controller:
         history = list(status.get("scalingHistory") or [])
         if autoscale and decided.plan is not None and decided.pool.spec.autoscaling.enabled:
             decided, history = self._autoscale(namespace, body, decided, history, now)
+        elif autoscale:  # nothing to autoscale: the resync (and events) will look again
+            self._autoscale_due[(namespace, name)] = math.inf
         observed = self._apply(namespace, body, decided)
         self._report_pool(namespace, body, services, observed, decided, previous, history, now)
         self._fingerprints[(namespace, name)] = fingerprint
@@ -208,10 +212,18 @@ class Controller:
         budget = pool.spec.instances.max * pool.spec.gpu.per_instance
         groups: list[GroupPlan] = []
         entries: list[dict[str, Any]] = []
+        interval = pool.spec.autoscaling.interval_seconds
+        # A group without a measurement yet (last_eval -inf) keeps the pool due at every tick.
+        scalers = [
+            self._scalers.setdefault(
+                (namespace, pool.name, g.name), _Scaler(_state_from_history(history, g.name))
+            )
+            for g in decided.plan.groups
+        ]
         for group in decided.plan.groups:
             key = (namespace, pool.name, group.name)
-            scaler = self._scalers.setdefault(key, _Scaler(_state_from_history(history, group.name)))
-            if now - scaler.last_eval < pool.spec.autoscaling.interval_seconds:
+            scaler = self._scalers[key]
+            if now - scaler.last_eval < interval:
                 groups.append(group)
                 continue
             accepted = {c.name for s in group.services for c in decided.services[s].spec.request_classes}
@@ -239,6 +251,9 @@ class Controller:
                 )
                 group = replace(group, replicas=decision.desired)
             groups.append(group)
+        self._autoscale_due[(namespace, pool.name)] = min(
+            (s.last_eval + interval for s in scalers), default=math.inf
+        )
         plan = replace(decided.plan, groups=tuple(groups))
         children = decided.children
         if entries:
@@ -503,6 +518,7 @@ class Controller:
                 del self._scalers[key]
             self._fingerprints.pop((namespace, name), None)
             self._last_sync.pop((namespace, name), None)
+            self._autoscale_due.pop((namespace, name), None)
             return len(actions)
 
 
