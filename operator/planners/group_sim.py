@@ -204,11 +204,15 @@ class GroupEngine:
         for r in victims:
             if self.used <= target:
                 break
-            self._resident[r.service].remove(r)
-            r.resident = False
-            self.used -= (r.prompt + r.generated) * self.kv_per_token[r.service]
-            self.preemptions += 1
-            self._enqueue(r)
+            self._preempt(r)
+
+    def _preempt(self, r: SimRequest) -> None:
+        """Free ``r``'s KV and queue it again with its progress (recompute preemption)."""
+        self._resident[r.service].remove(r)
+        r.resident = False
+        self.used -= (r.prompt + r.generated) * self.kv_per_token[r.service]
+        self.preemptions += 1
+        self._enqueue(r)
 
     # --- public interface ---
     @property
@@ -275,7 +279,7 @@ class GroupEngine:
         return self._admissible(min(cands, key=self._prio))
 
     def _admissible(self, seed: SimRequest) -> SimRequest:
-        """``seed``, or the first resident request when ``seed`` is a prefill that does not fit the free
+        """``seed``, or a resident request to decode when ``seed`` is a prefill that does not fit the free
         KV slots: prefills are admitted only into free slots (spec §8 item 8); evicting residents for a
         prefill would let requests whose priorities cross evict each other without end."""
         if seed.resident:
@@ -283,7 +287,9 @@ class GroupEngine:
         need = (seed.prompt + seed.generated) * self.kv_per_token[seed.service]
         if self.used + need <= self.capacity * PREFILL_WATERMARK:
             return seed
-        running = [r for n in self.names for r in self._resident[n]]
+        # Decode the seed's own service when it has residents (their finishes free the slots the seed
+        # needs), else the best resident of any service.
+        running = self._resident[seed.service] or [r for n in self.names for r in self._resident[n]]
         return min(running, key=self._prio) if running else seed
 
     def _vllm_seed(self, names: Iterable[str]) -> SimRequest | None:
@@ -312,12 +318,16 @@ class GroupEngine:
         if self.scheduler == "db" and others:
             span = min(span, min(r.budget.left for r in batch))
             # The earliest starvation among the others: heads of the waiting heaps (by last run) and the
-            # residents left out. Once one is starved, later ones cannot change the seed (longest wait).
+            # residents left out.
             running = set(batch)
             outside = [h for n in self.names if (h := self._starved_head(n)) is not None]
             outside += [r for n in self.names for r in self._resident[n] if r not in running]
             waits = [r.budget.last_run + self.book.stats[r.service].starvation_s - self.now for r in outside]
-            if waits and min(waits) > 0:
+            if waits and min(waits) <= 0:
+                # Someone is starved: this batch may have been picked for starvation (or as the fallback
+                # of a starved prefill that does not fit), which running clears, so decide again soon.
+                return min(k, self.chunk)
+            if waits:
                 span = min(span, min(waits))
         if math.isfinite(span):
             step0 = self.overhead * self.by_name[batch[0].service].latency.decode_step(self.tp, len(batch), 0)
@@ -378,7 +388,9 @@ class GroupEngine:
             if self.used + kvt * k * len(batch) > cap:
                 self._evict(cap - kvt * k * len(batch), set(batch))
                 while len(batch) > 1 and self.used + kvt * k * len(batch) > cap:
-                    batch.pop()  # still no room: shrink the batch from its low-priority end
+                    # still no room: preempt (recompute) from the batch's low-priority end (spec §8.8);
+                    # merely leaving it out would keep its KV and starve the pool
+                    self._preempt(batch.pop())
             b = len(batch)
             ctx = sum(r.prompt + r.generated for r in batch)
             a = lat.decode_step(self.tp, b, ctx)
