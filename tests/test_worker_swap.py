@@ -213,3 +213,22 @@ async def test_queue_timeout_is_a_429_with_retry_after_over_http() -> None:
         assert 'reason="queue_timeout"} 1.0' in metrics
     finally:
         await worker.stop()
+
+
+async def test_a_failing_decision_does_not_end_the_scheduling_loop() -> None:
+    class FailsOnce(FCFS):
+        failed = False
+
+        def schedule(self, view: InstanceView) -> Decision:
+            if not self.failed:
+                self.failed = True
+                raise KeyError("predictor cache")
+            return super().schedule(view)
+
+    sched = _scheduler(FakeEngine("m", supports_sleep=False), FailsOnce(), None)
+    await sched.start()
+    job = _job("r", 3, "m")
+    sched.submit(job)  # the first decision raises; the loop retries and serves the request
+    await asyncio.wait_for(job.done.wait(), 3)
+    assert job.error is None and job.req.generated == 3
+    await sched.stop()

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import logging
 import math
 import time
 from collections import Counter, deque
@@ -46,6 +47,7 @@ from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.swap import ModelSwapper
 
 PROBE_INTERVAL_S = 0.5
+log = logging.getLogger(__name__)
 
 
 class QueueTimeout(EngineError):
@@ -242,7 +244,12 @@ class ModelScheduler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
-            self.decide()
+            try:
+                self.decide()
+            except Exception:  # a failing policy must not end the loop: every request would hang
+                log.exception("scheduling decision of model %s failed; retrying at the next event",
+                              self.engine.model)  # fmt: skip
+                self._recheck_at = self.clock() + PROBE_INTERVAL_S
 
     def _expire(self, now: float) -> None:
         """End requests that waited past their class's maximum queue time without starting."""
