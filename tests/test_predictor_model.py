@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tessera.worker.core import Request
+from tessera.worker.predictor import count_tokens
 from tessera.worker.predictor.dataset import load_pairs
 from tessera.worker.predictor.model import TextLengthPredictor
 from tessera.worker.predictor.samples import EmbeddingStore, StepSettings, build_samples
@@ -82,7 +83,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def requests_from(data: Path, generated: int) -> list[Request]:
     reqs = []
     for i, pair in enumerate(load_pairs(data)[:6]):
-        req = Request(f"r{i}", 0.0, 12, 1000, prompt_text=pair.prompt)
+        req = Request(f"r{i}", 0.0, count_tokens(pair.prompt), 1000, prompt_text=pair.prompt)
         req.response_text = pair.response
         req.generated = generated
         reqs.append(req)

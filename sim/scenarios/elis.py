@@ -75,7 +75,7 @@ def _predictor(kind: str) -> Any:
         from tessera.worker.predictor.model import TextLengthPredictor
         from tessera.worker.predictor.samples import EmbeddingStore
 
-        predictor = TextLengthPredictor()
+        predictor = TextLengthPredictor(threads=1)  # one thread: the simulator is single-threaded
         # Every policy and batch size replays the same texts: embed each chunk once per bench run.
         predictor.store = EmbeddingStore(predictor.encoder, cache_dir=None)
         return predictor
