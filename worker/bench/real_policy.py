@@ -10,7 +10,8 @@ the same for every policy (seeded):
   length is their reference response's length in tokens / 2, clipped to 4..400 (mixed: a long
   tail), Poisson arrivals at ``load`` (1.3) x the simulator's capacity for these requests; rows
   ``POLICY:mixed``. Target: ISRTF mean JCT below FCFS.
-- ``burst``: ``burst`` (40) requests at once, 64-160 tokens, interactive class with reading speed
+- ``burst``: ``burst`` (40) requests at once (other AlpacaEval prompts, cut to 64 characters),
+  64-160 tokens, interactive class with reading speed
   20 tokens/s and T* 1 s; rows ``POLICY:burst`` with the average Andes QoE computed from the token
   arrival times the client saw. Target: QoE policy above FCFS.
 
@@ -120,7 +121,7 @@ def _worker_config(url: str, policy: str, batch: int, predictor: str) -> dict[st
     }
 
 
-def _sim_requests(plans: dict[str, list[Any]], mixed: list[dict[str, Any]]) -> dict[str, list[Any]]:
+def _sim_requests(plans: dict[str, list[Any]], rows: dict[str, list[dict[str, Any]]]) -> dict[str, list[Any]]:
     from tessera.worker.core.request import Request, ServiceClass
 
     chat = ServiceClass(
@@ -131,11 +132,11 @@ def _sim_requests(plans: dict[str, list[Any]], mixed: list[dict[str, Any]]) -> d
     for workload, plan in plans.items():
         reqs = []
         for i, (at, prompt, n, klass) in enumerate(plan):
-            text = prompt if isinstance(prompt, str) else None
+            row = rows[workload][i]
+            cls = chat if klass == "chat" else batch
             reqs.append(Request(
-                f"{workload}{i}", at, mixed[i]["prompt_tokens"] if text else len(prompt), n,
-                service_class=chat if klass == "chat" else batch, true_output_tokens=n, prompt_text=text,
-                response_text=mixed[i]["response"] if text else None,
+                f"{workload}{i}", at, row["prompt_tokens"], n, service_class=cls, true_output_tokens=n,
+                prompt_text=prompt, response_text=row["response"],
             ))  # fmt: skip
         out[workload] = reqs
     return out
@@ -204,7 +205,11 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     load_avg: list[float] = []
     with tempfile.TemporaryDirectory(prefix="tessera-real-policy-") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
-        mixed = _mixed(config.seed, requests, prompt_chars, TokenCounter.from_path(model_dir))
+        counter = TokenCounter.from_path(model_dir)
+        rows = _mixed(config.seed, requests + burst, prompt_chars, counter)
+        mixed, extra = rows[:requests], rows[requests:]
+        for m in extra:  # burst prompts are short
+            m["prompt_tokens"] = counter.count(m["text"][:64]) + 1
         server = VLLMServer(
             model_dir, served_model_name="tiny", max_model_len=1024, max_num_seqs=64,
             extra_args=["--max-num-batched-tokens", str(BUDGET_TOKENS)],
@@ -213,17 +218,16 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             progress(1)
             cluster = _fit_cluster(server, model_dir, batch)
             progress(1)
-            probe = _sim_requests({"mixed": [(0.0, m["text"], m["out"], "batch") for m in mixed]}, mixed)
+            probe = _sim_requests(
+                {"mixed": [(0.0, m["text"], m["out"], "batch") for m in mixed]}, {"mixed": mixed}
+            )
             capacity = saturation_rate(probe["mixed"], cluster)
             rate = config.rate if config.rate is not None else load * capacity
             t, plan_mixed = 0.0, []
             for m in mixed:
                 t += rng.expovariate(rate)
                 plan_mixed.append((t, m["text"], m["out"], "batch"))
-            plan_burst = [
-                (0.0, [rng.randrange(3, 900) for _ in range(16)], rng.randint(64, 160), "chat")
-                for _ in range(burst)
-            ]
+            plan_burst = [(0.0, m["text"][:64], rng.randint(64, 160), "chat") for m in extra]
             plans = {"mixed": plan_mixed, "burst": plan_burst}
             for name in usable:
                 worker = WorkerChild(_worker_config(server.url, name, batch, predictor_kind), Path(tmp))
@@ -238,7 +242,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                     worker.stop()
     if with_sim:
         predictor = _predictor(predictor_kind) if "isrtf" in usable else None
-        for workload, reqs in _sim_requests(plans, mixed).items():
+        for workload, reqs in _sim_requests(plans, {"mixed": mixed, "burst": extra}).items():
             for name in usable:
                 _, metrics = run_one(reqs, lambda n=name: _sim_policy(n, predictor), cluster)
                 results.append({"policy": f"{name}:{workload}:sim", **metrics})
