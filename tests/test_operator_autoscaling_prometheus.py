@@ -3,8 +3,9 @@ processes in sim-engine mode, and the operator under kopf (against KMock's emula
 group's StatefulSet from what Prometheus measures — the production path: kopf timer ->
 ``Controller.tick`` -> ``PrometheusMetrics.snapshot`` -> ``chiron_decide`` -> StatefulSet replicas.
 
-The workers run the very configuration the operator wrote into the group's ConfigMap. Their scrape
-targets carry the labels the manifests' relabelling gives them (namespace, pod, pool, group).
+The workers run the very configuration the operator wrote into the group's ConfigMap. Prometheus runs
+the manifests' scrape job (``manifests/monitoring/prometheus-scrape-config.yaml``), whose relabelling
+turns the pods' discovery labels into the ones the operator queries (namespace, pod, pool, group).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -41,7 +43,9 @@ pytestmark = [
     pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (make sysdeps)"),
 ]
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+SCRAPE_JOB = ROOT / "manifests" / "monitoring" / "prometheus-scrape-config.yaml"
 NAMESPACE, POOL = "autoscale", "h100-pool"
 SCRAPE_S = 1.0
 INTERVAL_S = 2.0  # spec.autoscaling.intervalSeconds (Chiron T_eval)
@@ -75,22 +79,44 @@ def pool_docs() -> list[dict[str, Any]]:
     return docs
 
 
+def meta_labels(sts: dict[str, Any], ordinal: int) -> dict[str, str]:
+    """What Kubernetes pod discovery labels the worker port of the StatefulSet's pod ``ordinal`` with."""
+    template = sts["spec"]["template"]
+    worker = next(c for c in template["spec"]["containers"] if c["name"] == "worker")
+
+    def sanitized(name: str) -> str:
+        return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+    return {
+        "__meta_kubernetes_namespace": sts["metadata"]["namespace"],
+        "__meta_kubernetes_pod_name": f"{sts['metadata']['name']}-{ordinal}",
+        "__meta_kubernetes_pod_container_port_name": worker["ports"][0]["name"],
+        **{
+            f"__meta_kubernetes_pod_label_{sanitized(k)}": v
+            for k, v in template["metadata"]["labels"].items()
+        },
+        **{
+            f"__meta_kubernetes_pod_annotation_{sanitized(k)}": v
+            for k, v in template["metadata"]["annotations"].items()
+        },
+    }
+
+
 class Prometheus:
     """A Prometheus server on loopback scraping, every second, the targets of ``set_targets``."""
 
     def __init__(self, port: int, tmp: Path) -> None:
-        # File-based discovery: Prometheus starts before the workers exist and picks up the target
-        # file as soon as it is written (it watches the file).
+        # The manifests' scrape job with its relabelling, discovering targets from a file instead of
+        # the Kubernetes API: Prometheus starts before the workers exist and picks the file up as
+        # soon as it is written (it watches it). Targets carry the __meta_kubernetes_* labels that
+        # Kubernetes discovery would give the operator's pods.
+        (job,) = yaml.safe_load(SCRAPE_JOB.read_text())
+        del job["kubernetes_sd_configs"]
         self.targets = tmp / "targets.json"
+        job |= {"scrape_timeout": "900ms", "file_sd_configs": [{"files": [str(self.targets)]}]}
         config = {
             "global": {"scrape_interval": f"{SCRAPE_S:g}s", "evaluation_interval": f"{SCRAPE_S:g}s"},
-            "scrape_configs": [
-                {
-                    "job_name": "tessera-workers",
-                    "scrape_timeout": "900ms",
-                    "file_sd_configs": [{"files": [str(self.targets)]}],
-                }
-            ],
+            "scrape_configs": [job],
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.url = f"http://127.0.0.1:{port}"
@@ -265,13 +291,8 @@ async def test_load_step_scales_up_within_an_interval_and_down_after_the_cooldow
     try:
         prom_ready = asyncio.create_task(asyncio.to_thread(prom.wait_ready))
         workers += await asyncio.gather(*(asyncio.to_thread(WorkerChild, config, tmp_path) for _ in range(2)))
-        targets = [
-            (
-                f"127.0.0.1:{w.port}",
-                {"namespace": NAMESPACE, "pod": f"{sts}-{i}", "pool": POOL, "group": group},
-            )
-            for i, w in enumerate(workers)
-        ]
+        statefulset = children[("StatefulSet", sts)]
+        targets = [(f"127.0.0.1:{w.port}", meta_labels(statefulset, i)) for i, w in enumerate(workers)]
         phases["workers up"] = time.time()
         await prom_ready
         prom.set_targets(targets)

@@ -128,3 +128,59 @@ def test_unknown_engine_annotation_is_reported_with_the_choices_and_builds_nothi
     decided = _decided("tgi")
     assert decided.children == []
     assert "use 'vllm' or 'sim'" in (decided.placement_problem or "")
+
+
+def _meta_name(prefix: str, key: str) -> str:
+    """Prometheus' discovery label for a Kubernetes label or annotation key."""
+    return prefix + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+
+
+def _queried_labels() -> set[str]:
+    """The target labels the operator's Prometheus queries select on, plus ``pod``, whose ordinal
+    gives a scraped worker its Chiron role (``snapshot_from_results``)."""
+    from tessera.operator.metrics_source import group_queries
+
+    up = group_queries("ns", "pool", "group", {}, "2m")["up"]
+    return set(re.findall(r'(\w+)="', up)) | {"pod"}
+
+
+def test_service_monitor_relabels_the_labels_the_operator_queries_from_the_headless_service() -> None:
+    decided = _decided()
+    monitor = yaml.safe_load((ROOT / "manifests" / "monitoring" / "servicemonitor.yaml").read_text())
+    (endpoint,) = monitor["spec"]["endpoints"]
+    sources = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+    assert set(sources) == _queried_labels() == {"namespace", "pod", "pool", "group"}
+    headless = next(
+        c for c in decided.children if c["kind"] == "Service" and c["spec"].get("clusterIP") == "None"
+    )
+    service_labels = {
+        _meta_name("__meta_kubernetes_service_label_", k) for k in headless["metadata"]["labels"]
+    }
+    assert sources["pool"][0] in service_labels and sources["group"][0] in service_labels
+    assert sources["namespace"] == ["__meta_kubernetes_namespace"]
+    assert sources["pod"] == ["__meta_kubernetes_pod_name"]
+    assert endpoint["port"] in {p["name"] for p in headless["spec"]["ports"]}
+
+
+def test_plain_prometheus_job_relabels_the_labels_the_operator_queries_from_the_pods() -> None:
+    decided = _decided()
+    (job,) = yaml.safe_load((ROOT / "manifests" / "monitoring" / "prometheus-scrape-config.yaml").read_text())
+    rules = job["relabel_configs"]
+    targets = {r["target_label"]: r["source_labels"] for r in rules if "target_label" in r}
+    assert _queried_labels() <= set(targets)
+    template = _child(decided, "StatefulSet")["spec"]["template"]
+    pod_meta = {
+        _meta_name("__meta_kubernetes_pod_label_", k): v for k, v in template["metadata"]["labels"].items()
+    }
+    pod_meta |= {
+        _meta_name("__meta_kubernetes_pod_annotation_", k): v
+        for k, v in template["metadata"]["annotations"].items()
+    }
+    pod_meta["__meta_kubernetes_pod_container_port_name"] = _worker_container(decided)["ports"][0]["name"]
+    for label in ("pool", "group"):
+        assert targets[label][0] in pod_meta
+    # Every keep rule lets the worker's port through.
+    for rule in (r for r in rules if r.get("action") == "keep"):
+        (source,) = rule["source_labels"]
+        assert re.fullmatch(rule["regex"], pod_meta[source]), rule
+    assert pod_meta[targets["__metrics_path__"][0]] == "/metrics"
