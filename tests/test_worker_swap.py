@@ -232,3 +232,47 @@ async def test_a_failing_decision_does_not_end_the_scheduling_loop() -> None:
     await asyncio.wait_for(job.done.wait(), 3)
     assert job.error is None and job.req.generated == 3
     await sched.stop()
+
+
+async def test_stop_string_across_a_preemption_is_matched_and_no_text_is_lost() -> None:
+    from tessera.worker.engines.sim_realtime import next_token
+
+    prompt, ctx, texts = [4, 2], [4, 2], []
+    for _ in range(12):
+        ctx.append(next_token(ctx))
+        texts.append(f" t{ctx[-1]}")
+    stop = texts[5][-2:] + texts[6][:3]  # straddles tokens 6 and 7: the cut falls between them
+    expected = "".join(texts)[: "".join(texts).index(stop)]
+    profile = ProfileSpec(decode_c0=0.001, decode_c1=0.0, prefill_p0=0.001, prefill_p1=0.0).to_profile(
+        "m", 10**6
+    )
+
+    async def run(cut_after: int | None) -> Job:
+        class CuttingEngine(SimEngine):
+            async def stream(self, engine_job: EngineJob) -> AsyncIterator[TokenDelta]:
+                async for delta in super().stream(engine_job):
+                    yield delta
+                    if cut_after is not None and job.req.generated == cut_after and job.streams == 1:
+                        sched._preempt(job, sched.clock())  # as a policy's Decision would
+                        sched._wake.set()
+
+        engine = CuttingEngine("m", profile, 4096)
+        await engine.start()
+        sched = _scheduler(engine, FCFS(), None)
+        await sched.start()
+        job = Job(Request("r", 0.0, 2, 12), list(prompt), {"stop": ["never", stop]})
+        sched.submit(job)
+        await asyncio.wait_for(job.done.wait(), 5)
+        await sched.stop()
+        await engine.close()
+        return job
+
+    for cut in (None, 6):
+        job = await run(cut)
+        got = []
+        while not job.events.empty():
+            item = job.events.get_nowait()
+            if item is not None:
+                got.append(item.text)
+        assert "".join(got) == expected and job.finish_reason == "stop", (cut, got)
+        assert job.streams == (1 if cut is None else 2)

@@ -86,6 +86,16 @@ class Job:
     last_token_at: float | None = None
     engine_finish: str | None = None  # finish reason the engine sent (kept if preempted just after)
     first_prediction: float | None = None
+    stops: tuple[str, ...] = ()  # stop strings, matched here (see __post_init__)
+    held: str = ""  # text withheld from the client: it may be the start of a stop string
+
+    def __post_init__(self) -> None:
+        # Stop strings are matched by the worker over the whole output, not by the engine: an
+        # engine sees only its own stream, so a stop string that straddles a preemption would be
+        # missed, and vLLM withholds the text that may start one, which an abort would lose.
+        stop = self.sampling.pop("stop", None)
+        if stop:
+            self.stops = (stop,) if isinstance(stop, str) else tuple(stop)
 
     @property
     def class_name(self) -> str:
@@ -407,7 +417,13 @@ class ModelScheduler:
         job.output_ids.extend(delta.token_ids)
         job.last_token_at = now
         job.engine_finish = delta.finish_reason
+        stopped = False
+        if job.stops and req.generated >= job.sampling.get("min_tokens", 0):
+            delta, stopped = _match_stops(job, delta)
         job.events.put_nowait(delta)
+        if stopped:  # ends the job; its stream closes (aborted in the engine) at its next step
+            self._end(job, "stop", None)
+            return
         iters = n / max(1, len(self.inflight))
         self._iters += iters
         if self.autoscale.enabled:
@@ -518,3 +534,21 @@ class ModelScheduler:
             if rate > 0:
                 return min(60, max(1, math.ceil(excess / rate)))
         return 1
+
+
+def _match_stops(job: Job, delta: TokenDelta) -> tuple[TokenDelta, bool]:
+    """The delta's text with vLLM's stop-string rules applied over the whole output: text up to
+    (excluding) the first stop string, and whether one was found; the last ``len(stop) - 1``
+    characters are withheld until they cannot start a stop string (flushed at the end)."""
+    text = job.held + delta.text
+    hits = [i for i in (text.find(s) for s in job.stops) if i >= 0]
+    if hits:
+        job.held = ""
+        return TokenDelta(delta.token_ids, text[: min(hits)], "stop"), True
+    if delta.finish_reason is not None:
+        job.held = ""
+        return TokenDelta(delta.token_ids, text, delta.finish_reason), False
+    keep = max(len(s) for s in job.stops) - 1
+    cut = max(0, len(text) - keep)
+    job.held = text[cut:]
+    return TokenDelta(delta.token_ids, text[:cut], None), False
