@@ -13,6 +13,7 @@ queue (or is aborted in the engine) within ``DISCONNECT_POLL_S``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -247,14 +248,18 @@ async def _serve(
         events = _sse(worker, job, first, rid, created, chat=chat, include_usage=include_usage,
                       token_ids=body.return_token_ids)  # fmt: skip
         return StreamingResponse(events, media_type="text/event-stream")
-    deltas: list[TokenDelta] = [first] if isinstance(first, TokenDelta) else []
-    while first is not None:
-        first = await _next_event(job, http)
-        if first is _DISCONNECTED:
+    # Not streamed: wait for the end (checking for a disconnect), not for every token.
+    while not job.done.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.done.wait(), DISCONNECT_POLL_S)
+        if not job.done.is_set() and await http.is_disconnected():
             sched.cancel(job)
             return Response(status_code=499)
-        if isinstance(first, TokenDelta):
-            deltas.append(first)
+    deltas: list[TokenDelta] = [first] if isinstance(first, TokenDelta) else []
+    while not job.events.empty():
+        item = job.events.get_nowait()
+        if item is not None:
+            deltas.append(item)
     if job.error is not None:
         raise ApiError(job.error.status, str(job.error), code=job.error.code)
     text = "".join(d.text for d in deltas)
