@@ -160,6 +160,6 @@ def test_bench_scenario_small_run_counts_every_request_and_replans():
             or ratio == pytest.approx(1.1, abs=0.01)
             or (entry["next_interval_s"] in (60.0, 1800.0))
         )
-    assert len(report.checks) == 2
+    assert len(report.checks) == 3
     with pytest.raises(ValueError, match="unknown --set options"):
         run(BenchConfig("seallm", options={"minute": 3}), lambda *a, **k: None)

@@ -458,6 +458,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             f"({best['policy']}){at} (target >= 3x): {'PASS' if ratio >= 3 else 'FAIL'}",
             f"seallm SLO attainment {s['slo_attainment']:.3f} vs best baseline {best_slo:.3f}{at} "
             f"(target higher): {'PASS' if s['slo_attainment'] > best_slo else 'FAIL'}",
+            f"(ablation) seallm:fixed mean normalized latency "
+            f"{best['normalized_latency_mean'] / batch[1]['normalized_latency_mean']:.2f}x lower than the "
+            f"better baseline, SLO attainment {batch[1]['slo_attainment']:.3f}{at}",
         ]
     cfg = {
         **config.as_dict(),
