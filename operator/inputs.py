@@ -1,23 +1,58 @@
 """Map the API models (ServingPool, LLMService) onto the planners' plain inputs.
 
 The planners need numbers the custom resources do not carry (iteration-time model, KV bytes per
-token). Until measured profiles are wired in, a service gets the default profile below: an 8B-class
-model on one H100-class GPU (CHOICE, documented; placement only uses it to weigh services with
-traffic, which the operator does not feed yet).
+token). They come from the simulator's named profiles (``tessera.sim.profiles.PROFILES``), chosen by
+the pool's GPU type and the model's size (``named_profile``). Where none matches, the fallback is
+``FALLBACK_PROFILE``, the 8B-class model on one H100 (CHOICE, documented: the most common serving
+setup; placement only uses the latency model to weigh services with traffic).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from tessera.api import LLMService, ServingPool, parse_quantity
 from tessera.operator.planners import ChironSettings, LatencyModel, PoolInput, ServiceInput
+from tessera.sim.profiles import PROFILES
+from tessera.worker.core.profile import StepProfile
 
-DEFAULT_LATENCY = LatencyModel(
-    decode_c0=0.006, decode_c1=0.00005, decode_c2=1e-7, prefill_p0=0.005, prefill_p1=0.00005
-)
-DEFAULT_KV_BYTES_PER_TOKEN = 131072  # Llama-3-8B: 2 x 32 layers x 8 KV heads x 128 dims x 2 bytes
-DEFAULT_WEIGHTS_BYTES = 16 * 2**30  # used when weightsSize is unset
+FALLBACK_PROFILE = "h100-llama3-8b"
+# Named profiles by GPU family and model size in billions of parameters.
+PROFILE_BY_GPU_AND_SIZE: dict[str, dict[float, str]] = {
+    "a100": {8: "a100-llama3-8b", 13: "a100-vicuna-13b", 70: "a100-llama-70b-tp4"},
+    "h100": {8: "h100-llama3-8b", 13: "h100-vicuna-13b", 70: "h100-llama-70b-tp4"},
+}
+# A model matches a profile's size within this relative distance (7B and 8B both match 8B).
+SIZE_TOLERANCE = 0.25
+_BYTES_PER_PARAMETER = {"auto": 2, "float16": 2, "bfloat16": 2, "float32": 4}
+_SIZE_IN_NAME = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)[bB](?![a-zA-Z])")
+
+
+def gpu_family(gpu_type: str) -> str | None:
+    """The profile family of a GPU type ("H100", "h100-80gb", "NVIDIA-A100-SXM4" ...), None if unknown."""
+    lowered = gpu_type.lower()
+    return next((family for family in PROFILE_BY_GPU_AND_SIZE if family in lowered), None)
+
+
+def model_billions(service: LLMService) -> float | None:
+    """The model's size in billions of parameters: from ``weightsSize`` and the dtype, else from a
+    size in its name ("Llama-3.1-8B-Instruct"); None when neither says."""
+    model = service.spec.model
+    if model.weights_size:
+        return parse_quantity(model.weights_size) / _BYTES_PER_PARAMETER[model.dtype] / 1e9
+    found = _SIZE_IN_NAME.search(model.name)
+    return float(found.group(1)) if found else None
+
+
+def named_profile(pool: ServingPool, service: LLMService) -> StepProfile | None:
+    """The simulator profile for this GPU type and model size, None when none matches."""
+    family = gpu_family(pool.spec.gpu.type)
+    billions = model_billions(service)
+    if family is None or billions is None:
+        return None
+    size, name = min(PROFILE_BY_GPU_AND_SIZE[family].items(), key=lambda item: abs(item[0] - billions))
+    return PROFILES[name] if abs(billions - size) <= SIZE_TOLERANCE * size else None
 
 
 def pool_input(pool: ServingPool) -> PoolInput:
@@ -37,24 +72,38 @@ def pool_input(pool: ServingPool) -> PoolInput:
     )
 
 
-def service_input(service: LLMService) -> ServiceInput:
-    """The planners' view of an LLMService."""
+def service_profile(pool: ServingPool, service: LLMService) -> StepProfile:
+    """The step-time profile the planners use for ``service`` on ``pool``'s GPUs (matched, else the
+    fallback)."""
+    return named_profile(pool, service) or PROFILES[FALLBACK_PROFILE]
+
+
+def service_input(pool: ServingPool, service: LLMService) -> ServiceInput:
+    """The planners' view of an LLMService placed on ``pool``."""
     model = service.spec.model
-    weights = parse_quantity(model.weights_size) if model.weights_size else DEFAULT_WEIGHTS_BYTES
+    profile = service_profile(pool, service)
+    weights = parse_quantity(model.weights_size) if model.weights_size else profile.weights_bytes
     return ServiceInput(
         name=service.name,
         weights_bytes=int(weights),
-        kv_bytes_per_token=DEFAULT_KV_BYTES_PER_TOKEN,
-        latency=DEFAULT_LATENCY,
+        kv_bytes_per_token=profile.kv_bytes_per_token,
+        latency=LatencyModel(
+            decode_c0=profile.decode_c0,
+            decode_c1=profile.decode_c1,
+            decode_c2=profile.decode_c2,
+            prefill_p0=profile.prefill_p0,
+            prefill_p1=profile.prefill_p1,
+            tp_ref=profile.gpus,  # the profile was measured at this TP size
+        ),
         tp_min=model.tensor_parallel_size,
         min_replicas=service.spec.replicas.min,
         p99_context_tokens=model.max_model_length or 4096,
     )
 
 
-def service_inputs(services: Iterable[LLMService]) -> list[ServiceInput]:
+def service_inputs(pool: ServingPool, services: Iterable[LLMService]) -> list[ServiceInput]:
     """Planner inputs of several services, sorted by name (plans must not depend on listing order)."""
-    return [service_input(s) for s in sorted(services, key=lambda s: s.name)]
+    return [service_input(pool, s) for s in sorted(services, key=lambda s: s.name)]
 
 
 def chiron_settings(pool: ServingPool, max_instances: int) -> ChironSettings:

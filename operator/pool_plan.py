@@ -240,7 +240,7 @@ def desired_pool(
             return PoolDesired(pool, services, classes, rejected, previous, None, children)
         plan = plan_placement(
             pool_input(pool),
-            service_inputs(services.values()),
+            service_inputs(pool, services.values()),
             strategy=pool.spec.placement.strategy,
             now=now,
             previous=previous,

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from tessera.api import parse_quantity
 from tessera.operator.kube import Kube, backoff_delays
 from tessera.operator.metrics_source import (
     attainment_from_results,
@@ -305,3 +306,49 @@ def test_reconciles_arriving_while_one_waits_join_it() -> None:
     first.join(5)
     waiter.join(5)
     assert passes == [("p", False), ("other", False), ("p", True)]
+
+
+# -- planner inputs -------------------------------------------------------------------------------
+
+
+def _pool_and_service(gpu: str, model: dict[str, Any]) -> tuple[Any, Any]:
+    from tessera.operator.pool_plan import parse
+
+    docs = example("quickstart.yaml")
+    pool = copy.deepcopy(docs["ServingPool"][0])
+    pool["spec"]["gpu"]["type"] = gpu
+    service = copy.deepcopy(docs["LLMService"][0])
+    service["spec"]["model"] = model
+    return parse(pool), parse(service)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "model", "expected"),
+    [
+        ("H100", {"name": "meta-llama/Llama-3.1-8B-Instruct", "weightsSize": "16Gi"}, "h100-llama3-8b"),
+        ("NVIDIA-A100-SXM4-80GB", {"name": "lmsys/vicuna-13b-v1.5"}, "a100-vicuna-13b"),
+        ("h100-80gb", {"name": "Qwen/Qwen2.5-7B-Instruct"}, "h100-llama3-8b"),
+        ("H100", {"name": "big", "weightsSize": "140G", "tensorParallelSize": 4}, "h100-llama-70b-tp4"),
+        ("L4", {"name": "meta-llama/Llama-3.1-8B-Instruct"}, None),  # no L4 profile
+        ("H100", {"name": "meta-llama/Llama-3.2-3B-Instruct"}, None),  # no 3B profile
+        ("H100", {"name": "my-model"}, None),  # size unknown
+    ],
+)
+def test_planner_inputs_use_the_matching_sim_profile_else_the_fallback(
+    gpu: str, model: dict[str, Any], expected: str | None
+) -> None:
+    from tessera.operator.inputs import FALLBACK_PROFILE, named_profile, service_input
+    from tessera.sim.profiles import PROFILES
+
+    pool, service = _pool_and_service(gpu, model)
+    matched = named_profile(pool, service)
+    assert (matched.name if matched else None) == expected
+    profile = PROFILES[expected or FALLBACK_PROFILE]
+    planned = service_input(pool, service)
+    assert planned.latency.decode_c0 == profile.decode_c0
+    assert planned.latency.prefill_p1 == profile.prefill_p1
+    assert planned.latency.tp_ref == profile.gpus
+    assert planned.kv_bytes_per_token == profile.kv_bytes_per_token
+    # Weights: the service's own size when given, else the profile's.
+    size = service.spec.model.weights_size
+    assert planned.weights_bytes == (int(parse_quantity(size)) if size else profile.weights_bytes)
