@@ -22,7 +22,10 @@ Rows:
 - ``threshold:band=LO-HI``: the Llumnix-style baseline of spec B7: every 10 s, ±1 instance when the
   mean utilization leaves [LO, HI]; static batch size (vLLM's max_num_seqs 256); every request
   dispatched on arrival to the least-loaded instance, FCFS per instance. ``bands`` sweeps the band
-  (the paper's "Llumnix (tuned)" is the best of a per-workload sweep: the checks name it).
+  (the paper's "Llumnix (tuned)" is the best of a per-workload sweep: the checks name it). Without
+  queueing or migration a bulk stays on the instances that existed when it arrived, so this row
+  climbs to the cap and still serves the bulk at the speed of a few instances: the pull rows are
+  the fair comparison.
 - ``...:dispatch=pull``: requests wait in one global FCFS queue and instances pull them up to the
   static batch size (as Llumnix's migration would move queued work to new instances);
   ``...:dispatch=pull-priority``: the same with interactive requests ahead of batch ones (isolates
