@@ -48,25 +48,31 @@ def _open_text(path: Path) -> io.TextIOBase:
     return path.open(encoding="utf-8", newline="")
 
 
+def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, object) pairs of a JSON-lines file, optionally gzipped; blank lines skipped.
+
+    Raises ValueError naming the file and line for invalid JSON or a line that is not an object.
+    """
+    with _open_text(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object per line")
+            yield lineno, rec
+
+
 def _records(path: Path) -> Iterator[tuple[int, dict]]:
     """(line number, record) pairs."""
-    is_jsonl = ".jsonl" in path.name or ".ndjson" in path.name or path.name.endswith(".json")
+    if ".jsonl" in path.name or ".ndjson" in path.name or path.name.endswith(".json"):
+        yield from read_jsonl(path)
+        return
     with _open_text(path) as fh:
-        if is_jsonl:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-                if not isinstance(rec, dict):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object per line")
-                yield lineno, rec
-        else:
-            reader = csv.DictReader(fh)
-            for lineno, rec in enumerate(reader, 2):
-                yield lineno, rec
+        yield from enumerate(csv.DictReader(fh), 2)
 
 
 def _pick(columns: list[str], options: tuple[str, ...]) -> str | None:

@@ -9,15 +9,13 @@ seeded by the caller's ``numpy.random.Generator``.
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tessera.sim.traces import TraceRow
+from tessera.sim.traces import TraceRow, read_jsonl
 from tessera.worker.core.request import Request, ServiceClass
 
 
@@ -124,21 +122,13 @@ def load_prompt_responses(path: Path | str, limit: int | None = None) -> list[tu
     path = Path(path)
     if not path.exists():
         raise ValueError(f"prompt/response file {path} does not exist")
-    opener = gzip.open if path.suffix == ".gz" else open
     pairs = []
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(rec.get("prompt"), str) or not isinstance(rec.get("response"), str):
-                raise ValueError(f"{path}:{lineno}: needs string fields 'prompt' and 'response'")
-            pairs.append((rec["prompt"], rec["response"]))
-            if limit is not None and len(pairs) >= limit:
-                break
+    for lineno, rec in read_jsonl(path):
+        if not isinstance(rec.get("prompt"), str) or not isinstance(rec.get("response"), str):
+            raise ValueError(f"{path}:{lineno}: needs string fields 'prompt' and 'response'")
+        pairs.append((rec["prompt"], rec["response"]))
+        if limit is not None and len(pairs) >= limit:
+            break
     return pairs
 
 
