@@ -786,9 +786,9 @@ def build_workload(config: BenchConfig) -> Workload:
             r.service_class = batch
     # What offline profiling of the service's history gives (spec A6 / B5.2 seed): a 500-request sample
     # of the same length source.
-    outs_l, ins_l = ([r.true_output_tokens for r in reqs[:500]], [r.prompt_tokens for r in reqs[:500]])
-    outs = np.array(outs_l, dtype=float)
-    ctx = np.array(ins_l, dtype=float) + outs
+    sample = reqs[:500]
+    outs = np.array([r.true_output_tokens for r in sample], dtype=float)
+    ctx = np.array([r.prompt_tokens for r in sample], dtype=float) + outs
     return Workload(reqs, float(outs.mean()), float(outs.std()), float(ctx.mean()), history)
 
 
