@@ -32,6 +32,20 @@ class WorkerMetrics:
         self.ttft = Histogram(
             "tessera_ttft_seconds", "Time to first token.", MC, buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.queue_wait = Histogram(
+            "tessera_queue_wait_seconds",
+            "Arrival at the scheduler to the first submission to the engine.",
+            MC,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.engine_ttft = Histogram(
+            "tessera_engine_ttft_seconds",
+            "First submission to the engine to its first token (the engine TTFT the worker sees).",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram(
             "tessera_itl_seconds", "Inter-token latency.", MC, buckets=_ITL_BUCKETS, registry=r
         )

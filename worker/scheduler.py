@@ -153,6 +153,7 @@ class ModelScheduler:
         self._expiries: list[tuple[float, int, Job]] = []
         self._itl_hist: dict[str, Any] = {}  # per class: the ITL histogram child
         self._decision_hist = metrics.decision_time.labels(engine.model)
+        self._engine_ttft_hist = metrics.engine_ttft.labels(engine.model)
         self._seq = itertools.count()
         metrics.batch_size.labels(engine.model).set(self.max_batch)
         if swapper is not None:
@@ -357,6 +358,7 @@ class ModelScheduler:
         if req.first_scheduled_at is None:
             req.first_scheduled_at = now
             job.first_prediction = req.predicted_remaining
+            self.metrics.queue_wait.labels(self.engine.model, job.class_name).observe(now - req.arrival)
         self.inflight[job] = None
         self._running[job.class_name] += 1
         self._gauges(job.class_name)
@@ -405,6 +407,8 @@ class ModelScheduler:
         gap_sum, gaps = 0.0, 0
         if job.last_token_at is None:
             self.metrics.ttft.labels(*labels).observe(now - req.arrival)
+            if req.first_scheduled_at is not None:
+                self._engine_ttft_hist.observe(now - req.first_scheduled_at)
         else:
             gap_sum, gaps = now - job.last_token_at, n
             itl = self._itl_hist.get(job.class_name)

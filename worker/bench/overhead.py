@@ -41,6 +41,28 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+_PHASES = {
+    "tessera_ttft_seconds": "worker_mean_ttft_s",  # arrival at the scheduler -> first token from vLLM
+    "tessera_queue_wait_seconds": "worker_mean_queue_wait_s",  # arrival -> submitted to vLLM
+    "tessera_engine_ttft_seconds": "worker_mean_engine_ttft_s",  # submitted -> first token from vLLM
+}
+
+
+def _phase_sums(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the worker's latency histograms, all labels together, from its /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {name: (0.0, 0.0) for name in _PHASES}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            base, _, kind = sample.name.rpartition("_")
+            if base in out and kind in ("sum", "count"):
+                total, count = out[base]
+                out[base] = (total + sample.value, count) if kind == "sum" else (total, count + sample.value)
+    return out
+
+
 def _burst_row(name: str, rounds: list[list[Any]]) -> dict[str, Any]:
     thr, p50s, means, jcts = [], [], [], []
     for stats in rounds:
@@ -164,6 +186,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 warm = [(0.0, [0, 5, 6], 8, "")] * 4
                 asyncio.run(replay(server.url, "tiny", warm))
                 asyncio.run(replay(worker.url, "tiny", warm))
+                phases0 = _phase_sums(worker.url)
                 for _ in range(rounds):
                     plan = [
                         (0.0, [rng.randrange(3, 900) for _ in range(prompt_tokens)], max_tokens, "")
@@ -176,6 +199,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                     proxied.append(asyncio.run(replay(worker.url, "tiny", plan)))
                     worker_cpu.append(_cpu_seconds(worker.proc.pid) - cpu0)
                     progress(1)
+                phases1 = _phase_sums(worker.url)
             finally:
                 worker.stop()
     vllm_row = _burst_row("vllm", direct)
@@ -184,11 +208,20 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     added_ms = (worker_row["p50_ttft_s"] - vllm_row["p50_ttft_s"]) * 1e3
     # Load-independent: the worker's own CPU time per request (all of its work for one request).
     worker_row["worker_cpu_s_per_request"] = statistics.median(worker_cpu) / streams
+    # Where the worker's TTFT goes (means over the measured bursts; the client's TTFT adds HTTP in/out).
+    for metric, key in _PHASES.items():
+        (s0, c0), (s1, c1) = phases0[metric], phases1[metric]
+        worker_row[key] = (s1 - s0) / max(c1 - c0, 1.0)
     results = [vllm_row, worker_row]
     checks = [
         f"load average (1 min) during the bursts: {min(load_avg):.1f}-{max(load_avg):.1f} on "
         f"{os.cpu_count()} CPUs; worker CPU {worker_row['worker_cpu_s_per_request'] * 1e3:.2f} ms per "
         f"request ({max_tokens} tokens)",
+        f"worker TTFT split (means): queue {worker_row['worker_mean_queue_wait_s'] * 1e3:.1f} ms + vLLM "
+        f"{worker_row['worker_mean_engine_ttft_s'] * 1e3:.1f} ms = "
+        f"{worker_row['worker_mean_ttft_s'] * 1e3:.1f} ms in the worker; client-side mean TTFT "
+        f"{worker_row['mean_ttft_s'] * 1e3:.1f} ms via the worker, "
+        f"{vllm_row['mean_ttft_s'] * 1e3:.1f} ms direct",
         f"throughput worker/vllm {ratio:.3f} (target >= 0.95): {'PASS' if ratio >= 0.95 else 'FAIL'}",
         f"added TTFT p50 {added_ms:.2f} ms (target <= 5 ms): {'PASS' if added_ms <= 5 else 'FAIL'}",
     ]
