@@ -119,37 +119,42 @@ class Harness:
         def fast(settings: kopf.OperatorSettings, **_: Any) -> None:
             settings.watching.reconnect_backoff = 0.1
             settings.queueing.idle_timeout = 0.1
-            # On stop, kopf gives each object's event queue this long to drain (default 2 s) before
-            # cancelling: a test stops after its checks passed, nothing queued matters any more.
-            settings.queueing.exit_timeout = 0.1
+            # Stopped by cancellation (see start): no SIGKILL timer for a stop that is not graceful.
+            settings.process.ultimate_exiting_timeout = None
             settings.posting.level = 0
             settings.execution.max_workers = 16
 
-        # kopf runs in its own thread and event loop. On stop, kopf waits up to 5 s for every task of
-        # its loop that it did not start itself to finish ("hung" tasks), then cancels them. Sharing
-        # the tests' loop, those included the emulator's server-side watch handlers, which never end
-        # on their own: 5-10 s per operator stop. Its own loop holds only kopf's tasks.
+        # kopf runs in its own thread and event loop, and is stopped by cancelling it. Two waits of
+        # kopf's graceful stop (the stop_flag) made every test's teardown take 5-10 s: (1) it waits up
+        # to 5 s for every task of its loop that it did not start itself; sharing the tests' loop,
+        # those were the emulator's server-side watch handlers, which never end on their own; (2) an
+        # event still processed while stopping can start a pool timer after the daemon killer has
+        # gone, which then ticks until that 5 s wait runs out. Its own loop holds only kopf's tasks;
+        # on cancellation kopf cancels its leftover tasks at once.
         self._stop = threading.Event()
         ready = threading.Event()
         failure: list[BaseException] = []
+        stop = self._stop
+
+        async def operate() -> None:
+            task = asyncio.create_task(
+                kopf.operator(registry=registry, clusterwide=True, standalone=True, ready_flag=ready)
+            )
+            await asyncio.to_thread(stop.wait)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
         def serve() -> None:
             try:
-                asyncio.run(
-                    kopf.operator(
-                        registry=registry,
-                        clusterwide=True,
-                        standalone=True,
-                        stop_flag=self._stop,
-                        ready_flag=ready,
-                    )
-                )
+                asyncio.run(operate())
             except BaseException as error:  # reported by start() when it never became ready
                 failure.append(error)
 
         self._thread = threading.Thread(target=serve, name="kopf-operator", daemon=True)
         self._thread.start()
         if not await asyncio.to_thread(ready.wait, 20):
+            stop.set()
             raise RuntimeError(f"kopf did not become ready within 20 s: {failure!r}")
 
     async def stop(self) -> None:
