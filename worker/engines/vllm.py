@@ -38,6 +38,11 @@ from tessera.worker.engines.base import Engine, EngineJob, EngineRejected, Engin
 # Generation streams may last minutes: no read timeout; a dead server closes the socket instead.
 _STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
 _ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+# A pooled connection the server closed while idle fails on first use; the request never reached
+# the server, so it is sent again once on a fresh connection. The pool also drops idle connections
+# before vLLM does (its uvicorn keep-alive, VLLM_HTTP_TIMEOUT_KEEP_ALIVE, is 5 s by default).
+_STALE = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
+_KEEPALIVE_S = 4.0
 
 
 class VLLMEngine(Engine):
@@ -94,7 +99,7 @@ class VLLMEngine(Engine):
         """The HTTP session (created on first use, in the running event loop)."""
         if self._session is None or self._session.closed:
             # No connection limit (the scheduler bounds the streams); keep-alive for every one.
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE_S)
             self._session = aiohttp.ClientSession(
                 base_url=self.url, connector=connector, timeout=_STREAM_TIMEOUT, auto_decompress=False
             )
@@ -106,10 +111,16 @@ class VLLMEngine(Engine):
             await self._session.close()
             self._session = None
 
+    async def _send(self, method: str, path: str, **kw: Any) -> aiohttp.ClientResponse:
+        """Send a request (its response headers read), once more if a stale pooled connection failed."""
+        try:
+            return await self.session.request(method, path, **kw)
+        except _STALE:
+            return await self.session.request(method, path, **kw)
+
     async def _request(self, method: str, path: str, timeout_s: float, **kw: Any) -> tuple[int, str]:
-        async with self.session.request(
-            method, path, timeout=aiohttp.ClientTimeout(total=timeout_s), **kw
-        ) as resp:
+        resp = await self._send(method, path, timeout=aiohttp.ClientTimeout(total=timeout_s), **kw)
+        async with resp:
             return resp.status, await resp.text(errors="replace")
 
     async def healthy(self) -> bool:
@@ -162,7 +173,7 @@ class VLLMEngine(Engine):
         }
         finished = False
         try:
-            async with self.session.post("/v1/completions", json=body) as resp:
+            async with await self._send("POST", "/v1/completions", json=body) as resp:
                 if resp.status != 200:
                     _raise_for_status(resp.status, await resp.text(errors="replace"), self.model)
                 try:
