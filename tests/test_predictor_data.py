@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tessera.worker.predictor import count_tokens, prefix_text
-from tessera.worker.predictor.dataset import load_pairs, split_by_prompt, step_points
+from tessera.worker.predictor.dataset import load_pairs, log_iqr_bounds, split_by_prompt, step_points
 from tessera.worker.predictor.features import answer_spans, distinct_ratio, prompt_chunk
 from tessera.worker.predictor.metrics import regression_metrics
 from tessera.worker.predictor.tokens import TokenCounter
@@ -89,3 +89,12 @@ def test_metrics_perfect_and_reversed() -> None:
     assert regression_metrics(true[::-1].copy(), true)["kendall_tau"] == pytest.approx(-1.0)
     with pytest.raises(ValueError):
         regression_metrics(np.array([]), np.array([]))
+
+
+def test_log_iqr_bounds_drop_only_extreme_lengths() -> None:
+    lengths = [100, 150, 200, 250, 300, 350, 400] * 10 + [2, 20_000]
+    lo, hi = log_iqr_bounds(lengths)
+    assert lo > 2 and hi < 20_000
+    assert all(lo <= n <= hi for n in (100, 400))
+    with pytest.raises(ValueError, match="no lengths"):
+        log_iqr_bounds([])

@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tr.add_argument("--epochs", type=_positive_int, default=8)
     tr.add_argument("--batch-size", type=_positive_int, default=256)
     tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    tr.add_argument(
+        "--keep-outliers",
+        action="store_true",
+        help="train on every row (default: drop responses outside 1.5 IQR of log length, as ELIS)",
+    )
     tr.add_argument("--hidden", type=_positive_int, default=512)
     tr.add_argument("--depth", type=_positive_int, default=8)
     tr.add_argument("--loss", choices=("mse", "huber"), default="mse")
@@ -100,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "train":
             from tessera.worker.predictor.train import TrainConfig, train
 
+            if args.weight_decay < 0:
+                raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
             if not 0.0 < args.val_fraction < 1.0:
                 raise ValueError(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
             cfg = TrainConfig(
@@ -119,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
                 epochs=args.epochs,
                 batch_size=args.batch_size,
                 lr=args.lr,
+                weight_decay=args.weight_decay,
+                clean_outliers=not args.keep_outliers,
                 loss=args.loss,
                 seed=args.seed,
                 threads=args.threads,

@@ -17,6 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class Pair:
@@ -116,6 +118,14 @@ def sample_rows(pairs: list[Pair], max_rows: int | None, seed: int) -> list[Pair
         return list(pairs)
     keep = sorted(random.Random(seed).sample(range(len(pairs)), max_rows))
     return [pairs[i] for i in keep]
+
+
+def log_iqr_bounds(lengths: list[int], k: float = 1.5) -> tuple[float, float]:
+    """ELIS' outlier rule (spec §A.3 step 4): keep lengths within ``k``·IQR of the quartiles of log length."""
+    if not lengths:
+        raise ValueError("no lengths to compute outlier bounds from")
+    q1, q3 = np.percentile(np.log(np.maximum(np.asarray(lengths, dtype=np.float64), 1.0)), [25, 75])
+    return float(np.exp(q1 - k * (q3 - q1))), float(np.exp(q3 + k * (q3 - q1)))
 
 
 def step_points(length: int, window: int) -> list[int]:

@@ -19,7 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tessera.worker.predictor.dataset import filter_sources, load_pairs, sample_per_prompt, split_by_prompt
+from tessera.worker.predictor.dataset import (
+    filter_sources,
+    load_pairs,
+    log_iqr_bounds,
+    sample_per_prompt,
+    split_by_prompt,
+)
 from tessera.worker.predictor.encoder import ChunkEncoder
 from tessera.worker.predictor.features import feature_dim
 from tessera.worker.predictor.head import LengthHead
@@ -52,6 +58,8 @@ class TrainConfig:
     epochs: int = 8
     batch_size: int = 256
     lr: float = 1e-3
+    weight_decay: float = 0.01  # AdamW's default
+    clean_outliers: bool = True  # ELIS' log-IQR rule on response length, training rows only
     loss: str = "mse"  # "mse" or "huber"
     seed: int = 0
     threads: int | None = None
@@ -78,6 +86,16 @@ def train(cfg: TrainConfig) -> dict:
     store = EmbeddingStore(encoder, Path(cfg.cache_dir) if cfg.cache_dir else None)
     tr_samples, tr_chunks = build_samples(train_pairs, served, encoder, cfg.steps)
     va_samples, va_chunks = build_samples(val_pairs, served, encoder, cfg.steps)
+    bounds = None
+    if cfg.clean_outliers:
+        # Training rows only: validation keeps every row, so its metrics are on unfiltered data.
+        length = {s.row: s.generated + s.target for s in tr_samples}
+        bounds = log_iqr_bounds(list(length.values()))
+        tr_samples = [s for s in tr_samples if bounds[0] <= length[s.row] <= bounds[1]]
+        dropped = len(length) - len({s.row for s in tr_samples})
+        _log(
+            f"outlier rule: kept responses of {bounds[0]:.0f}..{bounds[1]:.0f} tokens, dropped {dropped} rows"
+        )
     _log(f"step samples train {len(tr_samples)}, validation {len(va_samples)}")
     store.ensure({**tr_chunks, **va_chunks})
     t_embedded = time.perf_counter()
@@ -88,7 +106,7 @@ def train(cfg: TrainConfig) -> dict:
 
     head = LengthHead(feature_dim(encoder.dim), cfg.hidden, cfg.depth)
     head.set_normalisation(x_tr)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     loss_fn = torch.nn.MSELoss() if cfg.loss == "mse" else torch.nn.HuberLoss(delta=1.0)
     gen = torch.Generator().manual_seed(cfg.seed)
     best: tuple[float, dict, int, dict] | None = None
@@ -135,6 +153,7 @@ def train(cfg: TrainConfig) -> dict:
         "config": {k: v for k, v in asdict(cfg).items() if k not in ("steps",)},
         "rows": {"train": len(train_pairs), "validation": len(val_pairs)},
         "samples": {"train": len(tr_samples), "validation": len(va_samples)},
+        "outlier_bounds_tokens": bounds,
         "best_epoch": best[2],
         "validation": best[3],
         "seconds": {"embedding": t_embedded - t_start, "total": time.perf_counter() - t_start},
