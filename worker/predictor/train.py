@@ -5,7 +5,14 @@ best-validation checkpoint). CHOICE for this machine's CPU budget (2 shared core
 spec's lr 1e-4 / batch 16 / 16 epochs become lr 1e-3 / batch 256 / 8 epochs (same sample count per
 epoch, far fewer optimiser steps), and ``rows_per_prompt`` caps the responses used per training
 prompt (8 of AlpacaEval's 51; the frozen-encoder pass dominates the cost); validation uses
-``val_rows_per_prompt``. These defaults reproduce the shipped head.
+``val_rows_per_prompt``. Cleaning (PAPER §4.2, spec §A.3 step 4): training rows whose response
+length lies outside 1.5 IQR of the log lengths are dropped (``clean_outliers``); validation keeps
+every row. The shipped head: these defaults with ``loss="huber"`` and ``epochs=4``.
+
+Why the accuracy stays low on AlpacaEval (measured, see the issue-4 report): the same prompt is
+answered by 51 models of very different verbosity and the model is not an input, so even the
+(model, step) mean explains ~11% of held-out variance; ridge and gradient boosting on the same
+features reach R² ≤ 0.08 and τ ≤ 0.28, the level of this head.
 """
 
 from __future__ import annotations
