@@ -20,6 +20,10 @@ installed, else the ``running-mean`` fallback; the row says which), ``srtf-oracl
 true length: the bench sends it in the benchmark-only ``X-Tessera-True-Output-Tokens`` header, which
 the worker accepts only with ``scheduling.benchHints``), ``qoe``.
 
+Known cost the simulator does not charge: the text predictor runs inside the scheduling decision,
+on the worker's event loop (0.2-0.7 s per batched call on the 2-core CI CPU, MiniLM on CPU), which
+stalls admission and token relay for every stream while it runs.
+
 The simulator side: a step profile fitted on the same server (``tessera profile``'s measurement),
 then every policy through ``tessera.sim`` on the same requests with the same batch bound; rows
 ``POLICY:WORKLOAD:sim``. The check lines put the real ratio to FCFS next to the simulated one.
