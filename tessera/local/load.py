@@ -195,7 +195,7 @@ async def send_one(
                   max_tokens=item.max_tokens, model=item.model, service_class=info.service_class)  # fmt: skip
     outcome = Outcome(item, req)
     body = {"model": item.model, "prompt": prompt_ids(item.prompt_tokens), "max_tokens": item.max_tokens,
-            "stream": True, "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+            "stream": True, "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}  # fmt: skip
     try:
         async with client.stream("POST", f"{endpoint}/v1/completions", json=body,
                                  headers={class_header: info.header_value}) as resp:  # fmt: skip
@@ -214,7 +214,10 @@ async def send_one(
                     break
                 for choice in chunk.get("choices", []):
                     if choice.get("finish_reason") is None:
-                        req.tokens.append(clock() - t0)
+                        # One SSE event may carry several tokens (the worker coalesces a backlog):
+                        # count them by their ids, all delivered now.
+                        n = len(choice.get("token_ids") or ()) or 1
+                        req.tokens.append_run(clock() - t0, n)
                     else:
                         finish = choice["finish_reason"]
     except httpx.HTTPError as exc:
