@@ -9,15 +9,15 @@ remaining L − K·k tokens. Responses of 0 tokens give no step (nothing remains
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import json
 import random
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from tessera.sim.traces import read_jsonl
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,33 +38,22 @@ def load_pairs(path: str | Path) -> list[Pair]:
         raise ValueError(
             f"data file {path} does not exist: give a JSONL(.gz) with prompt and response fields"
         )
-    opener = gzip.open if path.suffix == ".gz" else open
     pairs: list[Pair] = []
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with prompt and response")
-            for key in ("prompt", "response"):
-                if not isinstance(row.get(key), str):
-                    raise ValueError(
-                        f"{path}:{lineno}: field {key!r} must be a string (got {row.get(key)!r:.40})"
-                    )
-            group = row.get("prompt_id") or hashlib.sha1(row["prompt"].encode()).hexdigest()[:12]
-            pairs.append(
-                Pair(
-                    row["prompt"],
-                    row["response"],
-                    str(group),
-                    str(row.get("source", "")),
-                    str(row.get("model", "")),
-                )
+    for lineno, row in read_jsonl(path):
+        for key in ("prompt", "response"):
+            if not isinstance(row.get(key), str):
+                got = f"{row.get(key)!r:.40}"
+                raise ValueError(f"{path}:{lineno}: field {key!r} must be a string (got {got})")
+        group = row.get("prompt_id") or hashlib.sha1(row["prompt"].encode()).hexdigest()[:12]
+        pairs.append(
+            Pair(
+                row["prompt"],
+                row["response"],
+                str(group),
+                str(row.get("source", "")),
+                str(row.get("model", "")),
             )
+        )
     if not pairs:
         raise ValueError(f"{path}: no rows")
     return pairs
