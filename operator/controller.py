@@ -237,7 +237,9 @@ class Controller:
                 continue
             scaler.last_eval = now
             others = sum(g.gpus for g in decided.plan.groups if g.name != group.name)
-            settings = chiron_settings(pool, (budget - others) // group.tp)
+            # The group may not outgrow the pool's GPU budget nor any hosted service's replicas.max.
+            cap = min(decided.services[s].spec.replicas.max for s in group.services)
+            settings = chiron_settings(pool, min((budget - others) // group.tp, cap))
             decision = chiron_decide(snapshot, scaler.state, settings, now)
             scaler.state = decision.state
             if decision.changed(group.replicas):

@@ -97,6 +97,7 @@ def service_input(pool: ServingPool, service: LLMService) -> ServiceInput:
         ),
         tp_min=model.tensor_parallel_size,
         min_replicas=service.spec.replicas.min,
+        max_replicas=service.spec.replicas.max,
         p99_context_tokens=model.max_model_length or 4096,
     )
 

@@ -74,10 +74,13 @@ def plan_dedicated(pool: PoolInput, services: Sequence[ServiceInput]) -> Placeme
             f"(one instance each at tp_min); raise instances.max or remove services"
         )
     share = pool.max_gpus // len(services)
-    replicas = {s.name: max(max(1, s.min_replicas), share // tps[s.name]) for s in services}
+    replicas = {
+        s.name: min(max(max(1, s.min_replicas), share // tps[s.name]), s.replica_cap()) for s in services
+    }
+    replicas = {n: int(r) for n, r in replicas.items()}
     left = pool.max_gpus - sum(tps[n] * r for n, r in replicas.items())
     while True:
-        candidates = [s for s in services if tps[s.name] <= left]
+        candidates = [s for s in services if tps[s.name] <= left and replicas[s.name] < s.replica_cap()]
         if not candidates:
             break
         best = max(candidates, key=lambda s: (s.request_rate * s.mean_exec_s() / replicas[s.name], s.name))
@@ -290,7 +293,10 @@ def greedy_allocate(
         )
         # Unplaced services first: Eq. 3 must hold, and their violations are as total as an overloaded
         # group's (the paper gives a new service its minimum dedicated GPUs before anything else).
-        order_s = sorted(services, key=lambda s: (s.name in hosts, -est.unserved[s.name], s.name))
+        order_s = sorted(
+            (s for s in services if hosts.get(s.name, 0) < s.replica_cap()),  # LLMService replicas.max
+            key=lambda s: (s.name in hosts, -est.unserved[s.name], s.name),
+        )
         placed = False
         for g in order_g:
             for s in order_s:
@@ -391,7 +397,11 @@ def plan_seallm(
         )
     _, groups, est, cand = best
     plan = to_plan("seallm", groups, est, (f"tp={cand.tp}", f"k_max={cand.k_max}"))
-    if previous is not None and {n for g in previous.groups for n in g.services} == names:
+    if (
+        previous is not None
+        and {n for g in previous.groups for n in g.services} == names
+        and within_replica_caps(previous, services)
+    ):
         prev_groups = groups_of_plan(previous)
         if sum(g.tp for g in prev_groups) <= pool.max_gpus:
             try:
@@ -405,6 +415,15 @@ def plan_seallm(
             if not better:
                 return to_plan("seallm", prev_groups, prev, ("kept previous plan: new one not better",))
     return plan
+
+
+def within_replica_caps(plan: PlacementPlan, services: Sequence[ServiceInput]) -> bool:
+    """Whether no service is hosted by more instances than its ``max_replicas``."""
+    hosts: dict[str, int] = {}
+    for g in plan.groups:
+        for n in g.services:
+            hosts[n] = hosts.get(n, 0) + g.replicas.total
+    return all(hosts.get(s.name, 0) <= s.replica_cap() for s in services)
 
 
 def simulate_performance(

@@ -118,6 +118,7 @@ class ServiceInput:
     slo_scale: float = 5.0  # SLO_r = slo_scale x exec_ref(r) (SeaLLM §9.4)
     history: tuple[HistoryRequest, ...] = ()
     min_replicas: int = 1
+    max_replicas: int | None = None  # most instances hosting the service (LLMService replicas.max)
 
     def __post_init__(self) -> None:
         if self.tp_min < 1 or self.tp_min & (self.tp_min - 1):
@@ -128,6 +129,15 @@ class ServiceInput:
             raise ValueError(f"service {self.name!r}: request_rate must be >= 0")
         if self.slo_scale <= 0:
             raise ValueError(f"service {self.name!r}: slo_scale must be > 0")
+        if self.max_replicas is not None and self.max_replicas < max(1, self.min_replicas):
+            raise ValueError(
+                f"service {self.name!r}: max_replicas {self.max_replicas} is below min_replicas "
+                f"{self.min_replicas} (and at least 1)"
+            )
+
+    def replica_cap(self) -> float:
+        """Most instances that may host the service (inf when unbounded)."""
+        return float("inf") if self.max_replicas is None else self.max_replicas
 
     def mean_exec_s(self, tp: int | None = None) -> float:
         """Isolated execution time of a mean-length request at ``tp`` (default: the reference tp_min)."""
