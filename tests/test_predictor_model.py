@@ -142,3 +142,13 @@ def test_shipped_head_is_small_and_loads() -> None:
     req = Request("s", 0.0, 10, 500, prompt_text="List three famous Broadway actors.")
     req.response_text = "1. Hugh Jackman\n2. Audra McDonald\n3. Idina Menzel"
     assert pred.predict_remaining([req])[0] >= 0.0
+
+
+def test_a_call_with_more_requests_than_the_cache_holds_predicts_all(artifact: tuple[Path, Path]) -> None:
+    # Storing the new prompts evicts older cache entries; the call must still use its own.
+    art, data = artifact
+    small = TextLengthPredictor(art, threads=1, cache_size=2)
+    big = TextLengthPredictor(art, threads=1)
+    reqs = requests_from(data, 0)
+    small.predict_remaining(reqs[:1])  # one cached entry that the next call's new prompts evict
+    assert small.predict_remaining(reqs) == big.predict_remaining(requests_from(data, 0))

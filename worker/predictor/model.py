@@ -100,24 +100,28 @@ class TextLengthPredictor:
             self.served.prefix(r.response_text or "", r.generated) if r.generated else "" for r in requests
         ]
         answer_ids = self.encoder.ids(texts)
-        new_prompts = [i for i, r in enumerate(requests) if r.id not in self._cache]
+        # This call's entries, held here: storing new prompts may evict cached ones (LRU bound).
+        entries = {r.id: self._cache[r.id] for r in requests if r.id in self._cache}
+        new_prompts = [i for i, r in enumerate(requests) if r.id not in entries]
         prompt_pieces = self.encoder.ids([requests[i].prompt_text or "" for i in new_prompts])
         jobs: list[list[int]] = [prompt_chunk(ids, self.prompt_max_tokens) for ids in prompt_pieces]
         plan: list[tuple[list[tuple[int, int]], int]] = []  # per request: spans, first span to embed
         for i, req in enumerate(requests):
             spans = answer_spans(len(answer_ids[i]), self.chunk_tokens)
-            cached = len(self._cache[req.id].full_chunks) if req.id in self._cache else 0
+            cached = len(entries[req.id].full_chunks) if req.id in entries else 0
             first = min(cached, len(spans))
             plan.append((spans, first))
             jobs.extend(answer_ids[i][s:e] for s, e in spans[first:])
         vecs = self._embed(jobs)
         for j, i in enumerate(new_prompts):
-            self._store(requests[i].id, _Entry(vecs[j], requests[i].prompt_tokens))
+            entries[requests[i].id] = _Entry(vecs[j], requests[i].prompt_tokens)
+            self._store(requests[i].id, entries[requests[i].id])
         cursor = len(new_prompts)
         feats = []
         for i, req in enumerate(requests):
-            entry = self._cache[req.id]
-            self._cache.move_to_end(req.id)
+            entry = entries[req.id]
+            if req.id in self._cache:
+                self._cache.move_to_end(req.id)
             spans, first = plan[i]
             fresh = vecs[cursor : cursor + len(spans) - first]
             cursor += len(spans) - first
