@@ -37,6 +37,40 @@ SCENARIOS: dict[str, str] = {
 Progress = Callable[..., None]
 
 
+class Options(dict[str, Any]):
+    """``--set`` options that remember which keys the scenario looked at.
+
+    After a run, keys nobody read are reported as an error: an option that changes nothing must not
+    pass silently (a typo such as ``--set reqests=500`` would otherwise run the default).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``dict.get``, recording the look-up."""
+        self.read.add(key)
+        return super().get(key, default)
+
+    def items(self):  # type: ignore[override]
+        """``dict.items``; a scenario that iterates its options has seen every key."""
+        self.read.update(self.keys())
+        return super().items()
+
+    def unused(self) -> list[str]:
+        """Keys given but never looked at."""
+        return sorted(set(self.keys()) - self.read)
+
+
 @dataclass(slots=True)
 class BenchConfig:
     """The benchmark contract's common flags, validated by the CLI."""

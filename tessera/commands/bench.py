@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from tessera.sim.scenarios import BenchConfig
+    from tessera.sim.scenarios import BenchConfig, Options
 
     err = Console(stderr=True)
     if args.scenario not in SCENARIOS:
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         json_path=args.json_path,
         plot_dir=args.plot_dir,
         requests_csv=args.requests_csv,
-        options=options,
+        options=Options(options),
     )
     with Progress(
         TextColumn(f"[bold]{args.scenario}"),
@@ -161,4 +161,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             for path in plot(report, args.plot_dir):
                 out.print(f"plot: {path}")
+    unused = config.options.unused()
+    if unused:
+        err.print(
+            f"tessera bench {args.scenario}: --set {', '.join(unused)} had no effect: not an option of "
+            "this scenario (or not used by the parts that ran); check the spelling in its docstring"
+        )
+        return 2
     return 0

@@ -1,0 +1,22 @@
+"""`tessera bench --set`: an option that no scenario code reads is an error, not a silent default."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.cli import main
+from tessera.sim.scenarios import Options
+
+
+def test_options_record_what_was_read() -> None:
+    opts = Options({"requests": "5", "typo": "1", "seen": "x"})
+    assert opts.get("requests") == "5" and "seen" in opts
+    assert opts.unused() == ["typo"]
+    list(opts.items())  # iterating means every key was looked at
+    assert opts.unused() == []
+
+
+def test_unknown_set_key_fails_after_the_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "baseline", "--set", "requests=60", "--set", "reqests=60"]) == 2
+    assert "--set reqests had no effect" in " ".join(capsys.readouterr().err.split())
+    assert main(["bench", "baseline", "--set", "requests=60"]) == 0
