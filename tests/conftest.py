@@ -9,7 +9,8 @@ Real-engine fixtures (use them from ``@pytest.mark.integration`` tests only):
 - ``vllm_server`` (session, lazy): ONE real vLLM OpenAI server (``VLLMServer``) on the tiny
   model, started by the first test that asks for it (about 40-110 s on a 2-core CPU) and stopped
   at the end of the session. Served model name ``TINY_MODEL_NAME`` ("tiny"), ``--max-model-len``
-  ``TINY_MAX_MODEL_LEN`` (512), ``--max-num-seqs`` 64, prefix caching on, 1 GiB of CPU KV cache,
+  ``TINY_MAX_MODEL_LEN`` (2048, the model's positions: long enough that a request outlives an
+  abort on a quiet machine), ``--max-num-seqs`` 64, prefix caching on, 1 GiB of CPU KV cache,
   ``--enforce-eager``: on this CPU the torch.compile warm-up is about 70 s of a 135 s start under
   load (the server log's "init engine ... took"); tests check behaviour, not speed.
   Use ``vllm_server.url`` (no ``/v1``). A test that kills it must bring it back on the same port
@@ -29,7 +30,7 @@ import pytest
 from tessera.worker.engines.vllm_process import VLLMServer
 
 TINY_MODEL_NAME = "tiny"
-TINY_MAX_MODEL_LEN = 512
+TINY_MAX_MODEL_LEN = 2048
 
 
 @pytest.fixture(scope="session")

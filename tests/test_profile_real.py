@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import TINY_MAX_MODEL_LEN
 
 from tessera.cli import main
 from tessera.sim.profiles import load_profile
@@ -36,8 +37,9 @@ def test_profile_measures_and_fits_the_real_server(vllm_server, tiny_model_dir, 
     assert profile.name == "tiny-cpu" and profile.kv_capacity_tokens == 65536
     printed = capsys.readouterr().out.splitlines()
     samples = json.loads(printed[0])
-    # /v1/models reports max_model_len 512: prompts stay below it; batches 1, 2, 4 at two prompt lengths.
-    assert [n for n, _ in samples["prefill"]] == [16, 128, 256]
+    # prompts stay below the max_model_len that /v1/models reports; batches 1, 2, 4 at two prompt lengths.
+    expected = [n for n in (16, 128, 256, 512, 1024) if n < TINY_MAX_MODEL_LEN]
+    assert [n for n, _ in samples["prefill"]] == expected
     assert sorted({b for b, _, _ in samples["decode"]}) == [1, 2, 4]
     assert len(samples["decode"]) == 6
     # A step of the tiny model takes between 0.1 ms and 1 s here, and longer prompts cost more.
