@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,7 +17,8 @@ import httpx
 import pytest
 from conftest import TINY_MAX_MODEL_LEN, TINY_MODEL_NAME
 
-from tessera.worker.engines.vllm_process import VLLMServer, free_port
+from tessera.worker.bench._harness import WorkerChild
+from tessera.worker.engines.vllm_process import VLLMServer
 
 pytestmark = pytest.mark.integration
 ADMIN_TOKEN = "test-admin-token"
@@ -45,44 +43,14 @@ def _config(vllm_url: str, *, batch_max: int = 8) -> dict:
     }
 
 
-class WorkerProcess:
-    """`tessera worker` as a child process on a free port."""
-
-    def __init__(self, config: dict, tmp: Path, grace_s: float = 30.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        path = tmp / f"worker-{self.port}.json"
-        path.write_text(json.dumps(config))
-        self.log = tmp / f"worker-{self.port}.log"
-        env = {**os.environ, "TESSERA_ADMIN_TOKEN": ADMIN_TOKEN}
-        cmd = [sys.executable, "-m", "tessera", "worker", "--config", str(path), "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--grace-seconds", str(grace_s)]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"worker not ready:\n{self.log.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_worker(config: dict, tmp: Path, grace_s: float = 30.0) -> WorkerChild:
+    """`tessera worker` as a child process on a free port, with the admin token set."""
+    return WorkerChild(config, tmp, env={"TESSERA_ADMIN_TOKEN": ADMIN_TOKEN}, grace_s=grace_s)
 
 
 @pytest.fixture(scope="module")
-def worker(vllm_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    proc = WorkerProcess(_config(vllm_server.url), tmp_path_factory.mktemp("worker"))
+def worker(vllm_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerChild]:
+    proc = start_worker(_config(vllm_server.url), tmp_path_factory.mktemp("worker"))
     yield proc
     proc.stop()
 
@@ -99,7 +67,7 @@ def _vllm_generated(vllm: VLLMServer) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
-def test_completion_chat_and_stream(worker: WorkerProcess) -> None:
+def test_completion_chat_and_stream(worker: WorkerChild) -> None:
     r = _complete(worker.url, max_tokens=6, ignore_eos=True, return_token_ids=True, temperature=0)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -146,7 +114,7 @@ def test_completion_chat_and_stream(worker: WorkerProcess) -> None:
     ],
 )
 def test_bad_input_is_a_4xx_with_an_openai_error(
-    worker: WorkerProcess, payload: bytes, headers: dict, status: int, needle: str
+    worker: WorkerChild, payload: bytes, headers: dict, status: int, needle: str
 ) -> None:
     r = httpx.post(
         f"{worker.url}/v1/completions",
@@ -159,7 +127,7 @@ def test_bad_input_is_a_4xx_with_an_openai_error(
     assert needle in error["message"] and error["type"]
 
 
-def test_queue_full_is_429_with_retry_after_and_accepted_requests_complete(worker: WorkerProcess) -> None:
+def test_queue_full_is_429_with_retry_after_and_accepted_requests_complete(worker: WorkerChild) -> None:
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
             body = {"model": TINY_MODEL_NAME, "prompt": [0, 9, 9], "max_tokens": 40, "ignore_eos": True}
@@ -181,7 +149,7 @@ def test_queue_full_is_429_with_retry_after_and_accepted_requests_complete(worke
             assert r.json()["usage"]["completion_tokens"] == 40  # nothing accepted is cut short
 
 
-def test_client_disconnect_aborts_in_vllm_within_1s(worker: WorkerProcess, vllm_server: VLLMServer) -> None:
+def test_client_disconnect_aborts_in_vllm_within_1s(worker: WorkerChild, vllm_server: VLLMServer) -> None:
     # Nearly the whole context: on a quiet machine 480 tokens finished before the abort arrived.
     max_tokens = TINY_MAX_MODEL_LEN - 8
     body = {"model": TINY_MODEL_NAME, "prompt": [0, 4], "max_tokens": max_tokens, "ignore_eos": True}
@@ -198,7 +166,7 @@ def test_client_disconnect_aborts_in_vllm_within_1s(worker: WorkerProcess, vllm_
     assert after_1s - before < max_tokens
 
 
-def test_admin_reload_changes_policy_without_restart(worker: WorkerProcess, vllm_server: VLLMServer) -> None:
+def test_admin_reload_changes_policy_without_restart(worker: WorkerChild, vllm_server: VLLMServer) -> None:
     new = _config(vllm_server.url, batch_max=4)
     new["scheduling"]["policy"] = "edf"
     url = f"{worker.url}/admin/reload"
@@ -299,7 +267,7 @@ def test_local_tokenizer_gives_the_ids_of_vllms_tokenize(
 
 
 def test_sigterm_finishes_inflight_and_exits_0(vllm_server: VLLMServer, tmp_path: Path) -> None:
-    proc = WorkerProcess(_config(vllm_server.url), tmp_path, grace_s=30)
+    proc = start_worker(_config(vllm_server.url), tmp_path, grace_s=30)
     body = {"model": TINY_MODEL_NAME, "prompt": [0, 3], "max_tokens": 200, "ignore_eos": True}
     result: dict[str, httpx.Response] = {}
 
@@ -327,7 +295,7 @@ def test_schemathesis_finds_no_5xx(vllm_server: VLLMServer, tmp_path: Path) -> N
     # is the rest of the context); longer asks get the worker's 400 without reaching vLLM.
     config = _config(vllm_server.url)
     config["models"][0]["maxModelLen"] = 64
-    worker = WorkerProcess(config, tmp_path)
+    worker = start_worker(config, tmp_path)
     operations = 0
     try:
         # schemathesis' pytest plugin does not load under pytest 9: drive its strategies with hypothesis
@@ -348,7 +316,7 @@ def test_schemathesis_finds_no_5xx(vllm_server: VLLMServer, tmp_path: Path) -> N
 
 
 def test_zz_vllm_death_gives_503_not_ready_then_recovers(
-    worker: WorkerProcess, vllm_server: VLLMServer
+    worker: WorkerChild, vllm_server: VLLMServer
 ) -> None:
     body = {"model": TINY_MODEL_NAME, "prompt": [0, 8], "max_tokens": 480, "ignore_eos": True}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,16 +21,28 @@ from tessera.worker.engines.vllm_process import free_port
 class WorkerChild:
     """`tessera worker --config FILE` on a free loopback port, until ``stop``."""
 
-    def __init__(self, config: dict[str, Any], tmp: Path) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        tmp: Path,
+        *,
+        env: dict[str, str] | None = None,
+        grace_s: float | None = None,
+    ) -> None:
+        """Start the worker and wait until ``/ready``; ``env`` is added to this process's environment,
+        ``grace_s`` sets the SIGTERM drain (the worker's default when None)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = tmp / f"worker-{self.port}.json"
         path.write_text(json.dumps(config))
         self.log = tmp / f"worker-{self.port}.log"
         cmd = [sys.executable, "-m", "tessera", "worker", "--config", str(path), "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port)]
+        if grace_s is not None:
+            cmd += ["--grace-seconds", str(grace_s)]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [*cmd, "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT
+                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
             )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
