@@ -52,19 +52,22 @@ from __future__ import annotations
 import itertools
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array
+import pulp
 
 from tessera.worker.policies.qlm.estimator import GroupCosts, QueuedGroup, start_times
 
 # optimal / feasible: from the MILP; heuristic: the warm-start order, feasible, and the MILP found
 # nothing better in time; edf-*: no feasible plan found (EDF fallback, spec A7).
-PlanStatus = Literal["optimal", "feasible", "heuristic", "edf-timeout", "edf-infeasible", "trivial"]
+PlanStatus = Literal[
+    "optimal", "window-optimal", "feasible", "heuristic", "edf-timeout", "edf-infeasible", "trivial"
+]
+_MIN_CBC_S = 0.05  # CBC's time limit when the deadline has already passed: it returns the MIP start
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,7 @@ class Plan:
     objective: float | None = None  # sum of group waiting times (seconds) when solved
     solve_s: float = 0.0  # wall time of building and solving
     notes: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # build_s, write_s, solve_s when CBC ran
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +119,10 @@ class SolverSettings:
     mip_gap: float = 0.01
     slots_factor: float = 1.25  # L = min(N_q, ceil(slots_factor * N / |G|) + 2); module docstring
     tail_aware: bool = True  # compare start + W_last + P with the slack (spec A12-8)
-    # Largest joint model (binaries x[g, q, r]) solved as one MILP; beyond it the assignment is
-    # list scheduling and each VQ's order is its own MILP (module docstring, "Decomposition").
+    # Largest joint model (binaries x[g, q, r]) solved as one MILP; beyond it the rolling-horizon
+    # MILP over the first ``window_groups`` groups of the heuristic plan (0: the heuristic plan).
     joint_max_binaries: int = 1000
+    window_groups: int = 24
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:
@@ -128,6 +133,10 @@ class SolverSettings:
             raise ValueError(f"slots_factor must be >= 1, got {self.slots_factor}")
         if self.joint_max_binaries < 1:
             raise ValueError(f"joint_max_binaries must be >= 1, got {self.joint_max_binaries}")
+        if self.window_groups < 0:
+            raise ValueError(
+                f"window_groups must be >= 0 (0: no MILP above joint_max_binaries), got {self.window_groups}"
+            )
 
 
 def _queued(group: GroupSpec, vq: str) -> QueuedGroup:
@@ -266,23 +275,54 @@ def _smith_blocks(
     return order
 
 
+@dataclass(frozen=True, slots=True)
+class _VQColumns:
+    """Where one VQ's variables sit in the column vector."""
+
+    name: str
+    hosted: np.ndarray  # group indices this VQ can host
+    x: np.ndarray  # x[a, r]: hosted group a in slot r (slot r has r groups behind it)
+    t: np.ndarray  # t[r]: model switch right before slot r
+    u: np.ndarray  # u[r]: the group ahead's completion beyond its drain, paid on a switch (E)
+    wt: np.ndarray  # wt[r]: start of the group in slot r (F)
+    boundary: tuple[int, int] | None  # (t_b, u_b): switch into the fixed tail behind the window
+
+
 @dataclass(slots=True)
 class _Model:
-    """The MILP in matrix form plus the maps back to groups and slots."""
+    """The MILP as coefficient triplets plus the maps back to groups and slots."""
 
     c: np.ndarray
-    integrality: np.ndarray
-    upper: np.ndarray
-    rows: LinearConstraint
-    x_slot: list[tuple[str, np.ndarray, int]]  # per VQ: name, hosted group indices, slots L
+    binary: np.ndarray  # bool per column
+    rows: np.ndarray
+    cols: np.ndarray
+    vals: np.ndarray
+    lo: np.ndarray  # row bounds (lo == hi: equality)
+    hi: np.ndarray
+    vqs: list[_VQColumns]
 
 
-def _build(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: SolverSettings) -> _Model:
-    """The tail-indexed slot model (module docstring; spec A7 (A)-(I)) as sparse matrices.
+@dataclass(frozen=True, slots=True)
+class _Tail:
+    """The fixed groups behind a VQ's window (rolling horizon, module docstring)."""
 
-    Columns per VQ: x[a, r] (hosted group a in slot r, a-major), then t[r], u[r], wt[r]. Slot r
-    has r groups behind it; r + 1 is the slot ahead.
+    count: int  # k: groups behind the window, each delayed by everything in it
+    model: str  # model of the first tail group (a switch into it costs S + C - W)
+    latest_start: float  # min over the tail of slack - tail - offset from the tail's first start
+
+
+def _build(
+    groups: Sequence[GroupSpec],
+    queues: Sequence[QueueSpec],
+    settings: SolverSettings,
+    tails: Mapping[str, _Tail] | None = None,
+) -> _Model:
+    """The tail-indexed slot model (module docstring; spec A7 (A)-(I)) as coefficient triplets.
+
+    Columns per VQ: x[a, r] (hosted group a in slot r, a-major), then t[r], u[r], wt[r], and with
+    a fixed tail behind the VQ t_b, u_b. Slot r has r groups behind it; r + 1 is the slot ahead.
     """
+    tails = tails or {}
     n_groups = len(groups)
     slots_cap = math.ceil(settings.slots_factor * n_groups / len(queues)) + 2
     rows_i: list[np.ndarray] = []
@@ -291,18 +331,20 @@ def _build(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: S
     lo: list[np.ndarray] = []
     hi: list[np.ndarray] = []
     c_parts: list[np.ndarray] = []
-    int_parts: list[np.ndarray] = []
-    ub_parts: list[np.ndarray] = []
+    bin_parts: list[np.ndarray] = []
     n_rows = n_groups  # rows 0..N-1: (A) each group in exactly one slot
     n_cols = 0
-    x_slot = []
+    vqs: list[_VQColumns] = []
     assign_cols: list[np.ndarray] = []
     assign_rows: list[np.ndarray] = []
 
-    def add(r: np.ndarray, c: np.ndarray, v: np.ndarray) -> None:
-        rows_i.append(np.asarray(r, dtype=np.int64).ravel())
-        cols_i.append(np.asarray(c, dtype=np.int64).ravel())
-        vals.append(np.asarray(v, dtype=float).ravel())
+    def add(
+        r: np.ndarray | Sequence[int], c: np.ndarray | Sequence[int], v: np.ndarray | Sequence[float]
+    ) -> None:
+        cols = np.asarray(c, dtype=np.int64).ravel()
+        rows_i.append(np.broadcast_to(np.asarray(r, dtype=np.int64).ravel(), cols.shape))
+        cols_i.append(cols)
+        vals.append(np.broadcast_to(np.asarray(v, dtype=float).ravel(), cols.shape))
 
     def new_rows(k: int, low: float | np.ndarray, high: float | np.ndarray) -> np.ndarray:
         nonlocal n_rows
@@ -328,22 +370,29 @@ def _build(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: S
         model_of = [groups[gi].model for gi in hosted]
         max_cw = float(cw.max())
         big = q.residual + drain.sum() + n_a * (q.swap_s + max_cw) + float(tail.max())
+        tail_q = tails.get(q.name)
+        k = tail_q.count if tail_q is not None else 0
         base = n_cols
         x = base + np.arange(n_a * n_l).reshape(n_a, n_l)  # x[a, r]
         t = base + n_a * n_l + np.arange(n_l)
         u = t + n_l
         wt = u + n_l
         n_cols = int(wt[-1]) + 1
-        x_slot.append((q.name, hosted, n_l))
+        boundary = (n_cols, n_cols + 1) if k else None
+        vqs.append(_VQColumns(q.name, hosted, x, t, u, wt, boundary))
         slot = np.arange(n_l)
         c_parts += [
-            (drain[:, None] * slot[None, :] + q.residual).ravel(),  # (I): drain delays the r behind
-            (slot + 1) * q.swap_s,  # a swap into slot r delays r + 1 groups
-            (slot + 1).astype(float),  # so does the drain before it
+            # (I): a drain delays the r behind it in the model and the k of a fixed tail
+            (drain[:, None] * (slot[None, :] + k) + q.residual).ravel(),
+            (slot + 1 + k) * q.swap_s,  # a swap into slot r delays r + 1 groups (+ the tail)
+            (slot + 1 + k).astype(float),  # so does the drain before it
             np.zeros(n_l),
         ]
-        int_parts += [np.ones(n_a * n_l), np.ones(n_l), np.zeros(n_l), np.zeros(n_l)]
-        ub_parts += [np.ones(n_a * n_l), np.ones(n_l), np.full(n_l, np.inf), np.full(n_l, np.inf)]
+        bin_parts += [np.ones(n_a * n_l, bool), np.ones(n_l, bool), np.zeros(2 * n_l, bool)]
+        if boundary is not None:
+            n_cols += 2
+            c_parts.append(np.array([k * q.swap_s, float(k)]))
+            bin_parts.append(np.array([True, False]))
         assign_cols.append(x.ravel())
         assign_rows.append(np.repeat(hosted, n_l))
         ones = np.ones(n_a)
@@ -381,29 +430,143 @@ def _build(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: S
         rh = new_rows(n_l, -np.inf, big)
         add(rh, wt, np.ones(n_l))
         add(np.tile(rh, n_a), x, np.tile((tail - slack + big)[:, None], (1, n_l)))
+        if boundary is not None and tail_q is not None:
+            # The fixed tail starts at e = wt[0] + W(slot 0) + S t_b + u_b (slot 0 is the window's
+            # last group; an empty window leaves wt[0] = R) and every tail group meets its SLO.
+            t_b, u_b = boundary
+            off = np.array([mo != tail_q.model for mo in model_of], dtype=float)
+            from_loaded = float(q.loaded_model is not None and q.loaded_model != tail_q.model)
+            # (D) t_b >= from_loaded (1 - occ[0]) + sum over other-model groups of x[a, 0]
+            rdb = new_rows(1, from_loaded, np.inf)
+            add(rdb, [t_b], [1.0])
+            add(np.repeat(rdb, n_a), x[:, 0], from_loaded - off)
+            # (E) u_b >= (C - W of slot 0) - max_cw (1 - t_b)
+            reb = new_rows(1, -max_cw, np.inf)
+            add(reb, [u_b, t_b], [1.0, -max_cw])
+            add(np.repeat(reb, n_a), x[:, 0], -cw)
+            # (H) e <= the tail's latest start
+            rhb = new_rows(1, -np.inf, tail_q.latest_start)
+            add(rhb, [wt[0], t_b, u_b], [1.0, q.swap_s, 1.0])
+            add(np.repeat(rhb, n_a), x[:, 0], drain)
     cols = np.concatenate(assign_cols)
     add(np.concatenate(assign_rows), cols, np.ones(cols.size))
     lo.insert(0, np.ones(n_groups))
     hi.insert(0, np.ones(n_groups))
-    matrix = coo_array(
-        (np.concatenate(vals), (np.concatenate(rows_i), np.concatenate(cols_i))), shape=(n_rows, n_cols)
-    ).tocsr()
     return _Model(
         c=np.concatenate(c_parts),
-        integrality=np.concatenate(int_parts),
-        upper=np.concatenate(ub_parts),
-        rows=LinearConstraint(matrix, np.concatenate(lo), np.concatenate(hi)),
-        x_slot=x_slot,
+        binary=np.concatenate(bin_parts),
+        rows=np.concatenate(rows_i),
+        cols=np.concatenate(cols_i),
+        vals=np.concatenate(vals),
+        lo=np.concatenate(lo),
+        hi=np.concatenate(hi),
+        vqs=vqs,
     )
+
+
+class _TimedProblem(pulp.LpProblem):
+    """An LpProblem that records how long PuLP takes to write its MPS file for CBC, and then gives
+    CBC only the time left before ``deadline`` (PuLP reads ``timeLimit`` after writing the file),
+    so the solver's time limit bounds build + write + solve."""
+
+    write_s = 0.0
+    deadline = math.inf
+    cbc: pulp.LpSolver | None = None
+
+    def writeMPS(self, *args: object, **kwargs: object) -> object:
+        started = time.perf_counter()
+        out = super().writeMPS(*args, **kwargs)
+        self.write_s += time.perf_counter() - started
+        if self.cbc is not None:
+            self.cbc.timeLimit = max(self.deadline - time.perf_counter(), _MIN_CBC_S)
+        return out
+
+
+def _to_pulp(model: _Model) -> tuple[_TimedProblem, list[pulp.LpVariable]]:
+    """The triplets as a PuLP problem: one pass over the nonzeros, rows from sorted slices."""
+    prob = _TimedProblem("qlm", pulp.LpMinimize)
+    variables = [
+        prob.add_variable(f"v{j}", 0, 1, pulp.LpBinary) if is_bin else prob.add_variable(f"v{j}", 0)
+        for j, is_bin in enumerate(model.binary.tolist())
+    ]
+    nz = np.flatnonzero(model.c)
+    prob.setObjective(
+        pulp.LpAffineExpression(
+            [(variables[j], v) for j, v in zip(nz.tolist(), model.c[nz].tolist(), strict=True)]
+        )
+    )
+    order = np.argsort(model.rows, kind="stable")
+    row_vars = [variables[j] for j in model.cols[order].tolist()]
+    row_vals = model.vals[order].tolist()
+    bounds = np.searchsorted(model.rows[order], np.arange(model.lo.size + 1)).tolist()
+    for i, (low, high) in enumerate(zip(model.lo.tolist(), model.hi.tolist(), strict=True)):
+        start, end = bounds[i], bounds[i + 1]
+        expr = pulp.LpAffineExpression(list(zip(row_vars[start:end], row_vals[start:end], strict=True)))
+        if low == high:
+            sense, rhs = pulp.LpConstraintEQ, low
+        elif math.isinf(low):
+            sense, rhs = pulp.LpConstraintLE, high
+        else:  # no row has two finite bounds that differ (see _build)
+            sense, rhs = pulp.LpConstraintGE, low
+        prob.addConstraint(pulp.LpConstraint(expr, sense, rhs=rhs), f"r{i}")
+    return prob, variables
+
+
+def _start_values(
+    model: _Model,
+    order: Mapping[str, Sequence[int]],
+    groups: Sequence[GroupSpec],
+    queues: Sequence[QueueSpec],
+    tails: Mapping[str, _Tail],
+) -> np.ndarray | None:
+    """Column values of ``order`` (the MIP start), or None if it does not fit the model's slots."""
+    values = np.zeros(model.c.size)
+    index = {g.id: gi for gi, g in enumerate(groups)}
+    by_name = {q.name: q for q in queues}
+    for cols in model.vqs:
+        q = by_name[cols.name]
+        ids = list(order.get(cols.name, []))
+        n_l = cols.t.size
+        if len(ids) > n_l:
+            return None
+        row_of = {gi: a for a, gi in enumerate(cols.hosted.tolist())}
+        start = q.residual
+        prev: GroupSpec | None = None
+        for pos, gid in enumerate(ids):
+            g = groups[index[gid]]
+            r = len(ids) - 1 - pos  # groups behind it
+            switch = (prev is not None and g.model != prev.model) or (
+                prev is None and q.loaded_model is not None and g.model != q.loaded_model
+            )
+            if prev is not None:
+                start += prev.costs[q.name].drain
+            if switch:
+                u = prev.costs[q.name].completion - prev.costs[q.name].drain if prev is not None else 0.0
+                start += q.swap_s + u
+                values[cols.t[r]], values[cols.u[r]] = 1.0, u
+            values[cols.x[row_of[index[gid]], r]] = 1.0
+            values[cols.wt[r]] = start
+            prev = g
+        values[cols.wt[len(ids) :]] = q.residual  # empty slots ahead of the head: wt = R
+        if cols.boundary is not None:
+            before = prev.model if prev is not None else q.loaded_model
+            if before is not None and before != tails[cols.name].model:
+                values[cols.boundary[0]] = 1.0
+                if prev is not None:
+                    values[cols.boundary[1]] = prev.costs[q.name].completion - prev.costs[q.name].drain
+    return values
 
 
 def solve(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: SolverSettings) -> Plan:
     """Order and assign ``groups`` over ``queues`` minimising total waiting time with every SLO met.
 
-    The time limit bounds everything: the heuristic, the model build and HiGHS (which gets the
-    time left). Returns the MILP's plan when it is at least as good as the heuristic's feasible
-    plan, else the heuristic's; EDF when neither is feasible (``edf-infeasible`` when HiGHS proved
-    the model infeasible, ``edf-timeout`` otherwise).
+    Up to ``joint_max_binaries`` the joint MILP; above it the rolling-horizon MILP over the
+    ``window_groups`` head groups of the heuristic plan with the rest fixed behind them (module
+    docstring). The time limit bounds everything: the heuristic, the model build, PuLP's file
+    and CBC (which gets the time left). The heuristic plan is CBC's MIP start; the returned plan
+    is CBC's when it is at least as good as the heuristic's feasible plan, else the heuristic's;
+    EDF when neither is feasible (``edf-infeasible`` when CBC proved the joint model infeasible,
+    ``edf-timeout`` otherwise). ``Plan.phases`` holds the seconds spent building, writing, solving.
     """
     started = time.perf_counter()
     names = [q.name for q in queues]
@@ -426,46 +589,112 @@ def solve(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: So
         if warm_ok:
             return Plan(warm.order, "optimal", warm_total, time.perf_counter() - started, ["smith"])
         return _fallback(groups, queues, "edf-infeasible", started, "Smith's rule: no feasible order")
+    phases: dict[str, float] = {}
 
     def best_of_incumbents(note: str) -> Plan:
         if warm_ok:
-            return Plan(warm.order, "heuristic", warm_total, time.perf_counter() - started, [note])
-        return _fallback(groups, queues, "edf-timeout", started, note)
+            return Plan(warm.order, "heuristic", warm_total, time.perf_counter() - started, [note], phases)
+        plan = _fallback(groups, queues, "edf-timeout", started, note)
+        plan.phases = phases
+        return plan
 
-    if _binaries(groups, queues, settings) > settings.joint_max_binaries:
+    joint = _binaries(groups, queues, settings) <= settings.joint_max_binaries
+    if not joint and settings.window_groups == 0:
         return best_of_incumbents(f"above joint_max_binaries={settings.joint_max_binaries}: no MILP")
-    model = _build(groups, queues, settings)
-    left = settings.time_limit_s - (time.perf_counter() - started)
-    if left <= 0:
-        return best_of_incumbents("time limit spent building the model")
-    res = milp(
-        model.c,
-        integrality=model.integrality,
-        bounds=Bounds(np.zeros(model.c.size), model.upper),
-        constraints=model.rows,
-        options={"time_limit": left, "mip_rel_gap": settings.mip_gap, "disp": False},
+    window, tail_order, tails = (
+        (list(groups), {}, {}) if joint else _window(warm.order, groups, queues, settings)
     )
-    if res.x is None:
-        if res.status == 2 and warm_ok:  # infeasible within L slots, yet the heuristic plan is feasible
-            return best_of_incumbents("MILP infeasible within its slots")
-        if res.status == 2:
-            return _fallback(groups, queues, "edf-infeasible", started, f"HiGHS: {res.message}")
-        return best_of_incumbents(f"HiGHS: {res.message}")
-    order = {n: [] for n in names}
-    offset = 0
-    for name, hosted, n_l in model.x_slot:
-        block = res.x[offset : offset + hosted.size * n_l].reshape(hosted.size, n_l)
-        a_idx, r_idx = np.nonzero(block > 0.5)
-        order[name] = [
-            groups[hosted[a]].id for a, _ in sorted(zip(a_idx, r_idx, strict=True), key=lambda e: -e[1])
-        ]
-        offset += hosted.size * n_l + 3 * n_l
+    head_order = {n: warm.order[n][: len(warm.order[n]) - len(tail_order.get(n, []))] for n in names}
+    model = _build(window, queues, settings, tails)
+    prob, variables = _to_pulp(model)
+    start = _start_values(model, head_order, window, queues, tails) if warm_ok else None
+    if start is not None:
+        for var, value in zip(variables, start.tolist(), strict=True):
+            var.setInitialValue(value)
+    phases["build_s"] = time.perf_counter() - started
+    if phases["build_s"] >= settings.time_limit_s:
+        return best_of_incumbents("time limit spent building the model")
+    with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled-CBC class; we want that binary
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cbc = pulp.PULP_CBC_CMD(
+            msg=False, gapRel=settings.mip_gap, warmStart=start is not None, timeMode="elapsed"
+        )
+    prob.cbc, prob.deadline = cbc, started + settings.time_limit_s
+    solve_started = time.perf_counter()
+    prob.solve(cbc)
+    phases["write_s"] = prob.write_s
+    phases["solve_s"] = time.perf_counter() - solve_started - prob.write_s
+    scope = "joint" if joint else f"window of {len(window)} head groups"
+    if prob.sol_status == pulp.LpSolutionInfeasible or prob.status == pulp.LpStatusInfeasible:
+        if warm_ok or not joint:  # infeasible within L slots (or this window), not proven for all
+            return best_of_incumbents(f"CBC: {scope} MILP infeasible")
+        plan = _fallback(groups, queues, "edf-infeasible", started, "CBC: infeasible")
+        plan.phases = phases
+        return plan
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return best_of_incumbents(f"CBC ({scope}): {pulp.LpSolution[prob.sol_status]}")
+    values = np.array([v.varValue or 0.0 for v in variables])
+    order = {n: list(tail_order.get(n, [])) for n in names}
+    for cols in model.vqs:
+        a_idx, r_idx = np.nonzero(values[cols.x] > 0.5)
+        head = sorted(zip(a_idx.tolist(), r_idx.tolist(), strict=True), key=lambda e: -e[1])
+        order[cols.name] = [window[cols.hosted[a]].id for a, _ in head] + order[cols.name]
     total, ok = evaluate(order, groups, queues, settings.tail_aware)
     if warm_ok and (not ok or warm_total < total - 1e-6):
-        return best_of_incumbents("heuristic plan better than the MILP incumbent")
-    status: PlanStatus = "optimal" if res.status == 0 else "feasible"
-    notes = [f"HiGHS gap {res.mip_gap:.4f}"] if res.mip_gap is not None else []
-    return Plan(order, status, total, time.perf_counter() - started, notes)
+        return best_of_incumbents(f"heuristic plan better than the {scope} MILP incumbent")
+    proven = prob.sol_status == pulp.LpSolutionOptimal
+    if proven:
+        status: PlanStatus = "optimal" if joint else "window-optimal"
+    elif warm_ok and total >= warm_total - 1e-6:
+        status = "heuristic"  # CBC's incumbent is the MIP start: it found nothing better in time
+    else:
+        status = "feasible"
+    note = f"CBC {scope}: {pulp.LpSolution[prob.sol_status]}"
+    return Plan(order, status, total, time.perf_counter() - started, [note], phases)
+
+
+def _window(
+    order: Mapping[str, Sequence[int]],
+    groups: Sequence[GroupSpec],
+    queues: Sequence[QueueSpec],
+    settings: SolverSettings,
+) -> tuple[list[GroupSpec], dict[str, list[int]], dict[str, _Tail]]:
+    """Split ``order`` into a window of ``window_groups`` groups (those that miss their SLO in
+    ``order``, tightest slack first, then those that start first) and the fixed tail of each VQ
+    (the rest, in ``order``): the window's groups, the tail orders and their summaries."""
+    by_id = {g.id: g for g in groups}
+    entries, late = [], []
+    for q in queues:
+        ids = list(order.get(q.name, []))
+        starts = start_times([_queued(by_id[i], q.name) for i in ids], q.loaded_model, q.residual, q.swap_s)
+        for pos, (gid, start) in enumerate(zip(ids, starts, strict=True)):
+            entries.append((start, pos, q.name, gid))
+            g = by_id[gid]
+            if start + (g.costs[q.name].tail if settings.tail_aware else 0.0) > g.slack + 1e-6:
+                late.append((g.slack, gid))
+    head = [gid for _, gid in sorted(late)[: settings.window_groups]]
+    chosen = set(head)
+    for *_, gid in sorted(entries):
+        if len(head) >= settings.window_groups:
+            break
+        if gid not in chosen:
+            head.append(gid)
+            chosen.add(gid)
+    tail_order: dict[str, list[int]] = {}
+    tails: dict[str, _Tail] = {}
+    for q in queues:
+        rest = [gid for gid in order.get(q.name, []) if gid not in chosen]
+        if not rest:
+            continue
+        seq = [_queued(by_id[i], q.name) for i in rest]
+        offsets = start_times(seq, seq[0].model, 0.0, q.swap_s)  # from the tail's first start
+        latest = min(
+            g.slack - (g.costs.tail if settings.tail_aware else 0.0) - off
+            for g, off in zip(seq, offsets, strict=True)
+        )
+        tail_order[q.name] = rest
+        tails[q.name] = _Tail(len(rest), seq[0].model, latest)
+    return [g for g in groups if g.id in chosen], tail_order, tails
 
 
 def _binaries(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: SolverSettings) -> int:
