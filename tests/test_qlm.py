@@ -29,7 +29,15 @@ from tessera.worker.policies.qlm.estimator import (
 )
 from tessera.worker.policies.qlm.groups import Grouper, VirtualQueue
 from tessera.worker.policies.qlm.lso import ModelTiers, TierCosts, eviction_victims
-from tessera.worker.policies.qlm.milp import GroupSpec, QueueSpec, SolverSettings, evaluate, solve
+from tessera.worker.policies.qlm.milp import (
+    GroupSpec,
+    QueueSpec,
+    SolverSettings,
+    _window,
+    evaluate,
+    heuristic_plan,
+    solve,
+)
 from tessera.worker.policies.qlm.router import QLMRouter
 
 INTER = ServiceClass("interactive", "interactive", ttft_slo_s=20.0)
@@ -200,16 +208,91 @@ def test_infeasible_falls_back_to_edf_and_keeps_every_group() -> None:
     assert plan.order["q0"] == [0, 2] and plan.order["q1"] == [1]  # own VQ, by slack
 
 
-def test_large_problems_skip_the_milp_and_keep_every_group_within_the_limit() -> None:
+def _placed(plan) -> list[int]:  # type: ignore[no-untyped-def]
+    return sorted(g for o in plan.order.values() for g in o)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_milp_matches_brute_force_on_three_queues(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    groups, queues = _random_case(rng, n=5, n_queues=3, models=3)
+    best = _brute_force(groups, queues)
+    plan = solve(groups, queues, SolverSettings(time_limit_s=20, mip_gap=0.0, slots_factor=10))
+    assert best is not None  # slacks of 15-60 s leave room on three VQs
+    assert plan.status == "optimal"
+    assert plan.objective == pytest.approx(best, rel=1e-6, abs=1e-6)
+    assert set(plan.phases) == {"build_s", "write_s", "solve_s"}
+
+
+def test_tiny_time_limit_falls_back_without_losing_a_group() -> None:
     from tessera.sim.scenarios.qlm import synthetic_groups
 
-    groups, queues = synthetic_groups(200, 4, seed=0)
-    plan = solve(groups, queues, SolverSettings(time_limit_s=0.5))
-    assert plan.status in ("heuristic", "edf-timeout")  # above joint_max_binaries: no MILP claims
+    groups, queues = synthetic_groups(24, 4, seed=0)
+    plan = solve(groups, queues, SolverSettings(time_limit_s=1e-3))
+    assert plan.status in ("heuristic", "edf-timeout")  # no MILP answer claimed
+    assert _placed(plan) == list(range(24))
     assert plan.solve_s < 0.5
-    assert sorted(g for o in plan.order.values() for g in o) == list(range(200))
-    if plan.status == "heuristic":
-        assert evaluate(plan.order, groups, queues)[1]
+
+
+def test_warm_start_returned_when_cbc_finds_nothing_better() -> None:
+    from tessera.sim.scenarios.qlm import synthetic_groups
+
+    groups, queues = synthetic_groups(100, 4, seed=0)
+    # The joint model (13.6k binaries) forced: CBC's root alone takes most of the limit.
+    plan = solve(groups, queues, SolverSettings(time_limit_s=1.5, joint_max_binaries=10**9))
+    warm = heuristic_plan(groups, queues)
+    assert plan.status == "heuristic"
+    assert plan.order == warm.order
+    assert plan.objective == pytest.approx(evaluate(warm.order, groups, queues)[0])
+    assert plan.solve_s < 1.5 + 0.3  # the limit bounds build, write and CBC (killed at the deadline)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_window_milp_is_optimal_over_the_window_with_the_tail_fixed(seed: int) -> None:
+    rng = np.random.default_rng(200 + seed)
+    groups, queues = _random_case(rng, n=7, n_queues=2, models=2)
+    settings = SolverSettings(time_limit_s=20, mip_gap=0.0, joint_max_binaries=1, window_groups=3)
+    plan = solve(groups, queues, settings)
+    warm = heuristic_plan(groups, queues)
+    window, tail_order, _ = _window(warm.order, groups, queues, settings)
+    names = [q.name for q in queues]
+    best = None  # brute force: every placement of the window's groups ahead of the fixed tails
+    for assign in itertools.product(names, repeat=len(window)):
+        per = {n: [g.id for g, q in zip(window, assign, strict=True) if q == n] for n in names}
+        for orders in itertools.product(*(itertools.permutations(per[n]) for n in names)):
+            order = {n: list(o) + tail_order.get(n, []) for n, o in zip(names, orders, strict=True)}
+            total, ok = evaluate(order, groups, queues)
+            if ok and (best is None or total < best):
+                best = total
+    assert _placed(plan) == list(range(7))
+    if best is None:
+        assert plan.status in ("heuristic", "edf-timeout")
+    else:
+        assert plan.status == "window-optimal"
+        assert plan.objective == pytest.approx(best, rel=1e-6, abs=1e-6)
+
+
+def test_window_covering_every_group_is_the_joint_optimum() -> None:
+    rng = np.random.default_rng(3)
+    groups, queues = _random_case(rng, n=5, n_queues=2, models=2)
+    best = _brute_force(groups, queues)
+    plan = solve(
+        groups, queues, SolverSettings(mip_gap=0.0, slots_factor=10, joint_max_binaries=1, window_groups=5)
+    )
+    assert best is not None
+    assert plan.status == "window-optimal"
+    assert plan.objective == pytest.approx(best, rel=1e-6, abs=1e-6)
+
+
+def test_hundred_groups_use_the_window_milp_and_keep_every_group() -> None:
+    from tessera.sim.scenarios.qlm import synthetic_groups
+
+    groups, queues = synthetic_groups(100, 4, seed=3)  # the heuristic plan misses one SLO here
+    assert not evaluate(heuristic_plan(groups, queues).order, groups, queues)[1]
+    plan = solve(groups, queues, SolverSettings(time_limit_s=5.0))
+    assert plan.status in ("window-optimal", "feasible")  # the late group is in the window
+    assert _placed(plan) == list(range(100))
+    assert evaluate(plan.order, groups, queues)[1]
 
 
 def test_interactive_group_never_behind_a_swap_longer_than_its_slack() -> None:
