@@ -16,21 +16,25 @@ Parts (``--set part=NAME``, default ``all``):
   tiers); FCFS with per-request swapping (least-loaded routing) vs QLM (QLM router).
 - ``eviction``: a saturated instance of long batch requests; interactive bursts of
   ``burst`` requests; median interactive wait with and without eviction.
-- ``solver``: synthetic 24 and 100 groups over 4 VQs (2 models, interactive + batch):
-  solve-time p50 over seeds, statuses, and the gap of the plan to a lower bound (SPT
-  round-robin without SLOs and swaps); then 200 groups with a 0.5 s limit, with the
-  default size control and forced into one joint MILP: the fallback (heuristic plan,
-  or EDF if it is infeasible) engages and every group is still placed.
+- ``solver``: synthetic 24 and 100 groups over 4 VQs (2 models, interactive + batch), PuLP +
+  CBC: solve-time p50 over seeds (and its build / MPS write / CBC parts), statuses, how often
+  the plan beats the heuristic (CBC's MIP start), and the gap of the plan to a lower bound (SPT
+  round-robin without SLOs and swaps). 100 groups run with the default size control (the
+  rolling-horizon window MILP) and forced into the joint MILP. Then 200 groups with a 0.5 s
+  limit, default and joint-forced: the fallback (heuristic plan, or EDF if it is infeasible)
+  engages and every group is still placed.
 
 Options: part, requests, load, interactive_share, max_batch, seeds, time_limit, snapshot_s, burst.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import statistics
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -47,7 +51,14 @@ from tessera.worker.core.request import Request, ServiceClass
 from tessera.worker.policies.qlm import QLMPolicy
 from tessera.worker.policies.qlm.baseline import SwapFCFS
 from tessera.worker.policies.qlm.estimator import GroupCosts
-from tessera.worker.policies.qlm.milp import GroupSpec, QueueSpec, SolverSettings, solve
+from tessera.worker.policies.qlm.milp import (
+    GroupSpec,
+    QueueSpec,
+    SolverSettings,
+    evaluate,
+    heuristic_plan,
+    solve,
+)
 from tessera.worker.policies.qlm.router import QLMRouter
 
 DESCRIPTION = "QLM: RWT estimator R², SLO attainment, multi-model swapping, eviction, MILP solver time"
@@ -378,45 +389,69 @@ def _spt_bound(groups: list[GroupSpec], n_queues: int) -> float:
     return sum(d * (i // n_queues) for i, d in enumerate(drains))
 
 
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _solver_rows(
+    n_groups: int, seeds: int, first_seed: int, settings: SolverSettings, name: str
+) -> dict[str, Any]:
+    """Solve ``seeds`` synthetic cases of ``n_groups`` over 4 VQs; one report row."""
+    times, statuses, gaps, better, phases = [], [], [], 0, {"build_s": [], "write_s": [], "solve_s": []}
+    for s in range(seeds):
+        groups, queues = synthetic_groups(n_groups, 4, first_seed + s)
+        plan = solve(groups, queues, settings)
+        warm_total, warm_ok = evaluate(heuristic_plan(groups, queues).order, groups, queues)
+        times.append(plan.solve_s)
+        statuses.append(plan.status)
+        for key, value in plan.phases.items():
+            phases[key].append(value)
+        if plan.objective is not None and (not warm_ok or plan.objective < warm_total - 1e-6):
+            better += 1
+        bound = _spt_bound(groups, len(queues))
+        gaps.append((plan.objective - bound) / plan.objective if plan.objective else float("nan"))
+    counts = Counter(statuses)
+    return _row(
+        f"qlm:solver:groups={n_groups},vqs=4,{name}",
+        {},
+        solve_p50_s=statistics.median(times),
+        solve_max_s=max(times),
+        build_p50_s=_median_or_none(phases["build_s"]),
+        write_p50_s=_median_or_none(phases["write_s"]),
+        cbc_p50_s=_median_or_none(phases["solve_s"]),
+        statuses=", ".join(f"{k} x{v}" for k, v in sorted(counts.items())),
+        better_than_heuristic=f"{better}/{seeds}",
+        gap_to_spt_bound_p50=statistics.median(gaps),
+        time_limit_s=settings.time_limit_s,
+    )
+
+
 def _part_solver(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
     opts = config.options
     seeds = option(opts, "seeds", 5, int)
     limit = option(opts, "time_limit", 5.0, float)
-    rows, p50s = [], {}
-    # 24 groups: the joint MILP's regime (below joint_max_binaries); 100: the size-controlled plan.
-    for n_groups in (24, 100):
-        times, statuses, gaps = [], [], []
-        for s in range(seeds):
-            groups, queues = synthetic_groups(n_groups, 4, config.seed + s)
-            plan = solve(groups, queues, SolverSettings(time_limit_s=limit))
-            times.append(plan.solve_s)
-            statuses.append(plan.status)
-            bound = _spt_bound(groups, len(queues))
-            gaps.append((plan.objective - bound) / plan.objective if plan.objective else float("nan"))
-        p50s[n_groups] = statistics.median(times)
-        rows.append(
-            _row(
-                f"qlm:solver:groups={n_groups},vqs=4",
-                {},
-                solve_p50_s=p50s[n_groups],
-                solve_max_s=max(times),
-                statuses=",".join(statuses),
-                gap_to_spt_bound_p50=statistics.median(gaps),
-                time_limit_s=limit,
-            )
-        )
-    # Beyond the limits: 200 groups, 0.5 s. With the default size control no MILP is built; forced
-    # into one joint MILP (52k binaries) HiGHS gets the time left after the build. Both must place
-    # every group; the wall time shows how well the limit holds.
+    default = SolverSettings(time_limit_s=limit)
+    joint = SolverSettings(time_limit_s=limit, joint_max_binaries=10**9)
+    # 24 groups: the joint MILP (below joint_max_binaries); 100: the rolling-horizon window MILP
+    # by default, and the joint 100-group MILP forced, to show why the window is the default.
+    rows = [
+        _solver_rows(24, seeds, config.seed, default, "default"),
+        _solver_rows(100, seeds, config.seed, default, "default"),
+        _solver_rows(100, seeds, config.seed, joint, "joint-forced"),
+    ]
+    # Beyond the limits: 200 groups, 0.5 s. Default: the window MILP; forced into one joint MILP
+    # (52k binaries) the build or CBC hits the limit and the fallback (heuristic plan, or EDF if
+    # it is infeasible) must engage. Both must place every group within the limit.
     beyond = []
-    for name, cap in (("default", SolverSettings().joint_max_binaries), ("joint-forced", 10**9)):
+    for name, settings in (("default", default), ("joint-forced", joint)):
         groups, queues = synthetic_groups(200, 4, config.seed)
         t0 = time.perf_counter()
-        plan = solve(groups, queues, SolverSettings(time_limit_s=0.5, joint_max_binaries=cap))
+        plan = solve(groups, queues, dataclasses.replace(settings, time_limit_s=0.5))
         wall = time.perf_counter() - t0
-        placed = sorted(gid for order in plan.order.values() for gid in order)
-        lossless = placed == sorted(g.id for g in groups)
-        beyond.append((name, plan.status, wall, lossless))
+        lossless = sorted(gid for order in plan.order.values() for gid in order) == sorted(
+            g.id for g in groups
+        )
+        beyond.append((name, plan.status, wall, lossless, plan.notes))
         rows.append(
             _row(
                 f"qlm:solver:groups=200,vqs=4,limit=0.5s,{name}",
@@ -424,15 +459,20 @@ def _part_solver(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
                 status=plan.status,
                 wall_s=wall,
                 all_groups_placed=lossless,
+                note="; ".join(plan.notes),
             )
         )
+    p50 = rows[1]["solve_p50_s"]
     checks = [
-        f"solver: p50 {p50s[100]:.3f}s for 100 groups over 4 VQs (target <= 1 s): "
-        f"{'PASS' if p50s[100] <= 1.0 else 'FAIL'} (statuses {rows[1]['statuses']}: above "
-        "joint_max_binaries the plan is the heuristic, not a MILP optimum)",
+        f"solver: p50 {p50:.3f}s for 100 groups over 4 VQs (target <= 1 s): "
+        f"{'PASS' if p50 <= 1.0 else 'FAIL'} "
+        f"(statuses {rows[1]['statuses']}; window-optimal = the MILP optimum over the "
+        f"{default.window_groups} head groups with the rest fixed behind them, not a joint optimum; "
+        f"joint 100-group MILP forced: {rows[2]['statuses']} in p50 {rows[2]['solve_p50_s']:.2f}s)",
     ]
-    for name, status, wall, lossless in beyond:
-        ok = lossless and status not in ("optimal", "feasible") and wall <= 0.75
+    for name, status, wall, lossless, _ in beyond:
+        fallback_ok = name != "joint-forced" or status in ("heuristic", "edf-timeout")
+        ok = lossless and fallback_ok and wall <= 0.75
         checks.append(
             f"solver: 200 groups, 0.5 s limit ({name}) -> {status} in {wall:.2f}s (limit held within "
             f"0.25 s: {wall <= 0.75}), every group placed: {lossless}: {'PASS' if ok else 'FAIL'}"
