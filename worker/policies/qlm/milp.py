@@ -1,6 +1,6 @@
 """QLM's global scheduler: the MILP that orders and assigns request groups to virtual queues
-(qlm_chiron_spec A7; paper Eq. 6-13), solved with HiGHS (``scipy.optimize.milp``), with EDF as the
-fallback.
+(qlm_chiron_spec A7; paper Eq. 6-13), modelled with PuLP and solved by its bundled CBC, with EDF
+as the fallback.
 
 We use the spec's corrected linear model (A7 "Recommended linear model"):
 
@@ -15,7 +15,7 @@ We use the spec's corrected linear model (A7 "Recommended linear model"):
   recursively (F), ``wt_j = wt_{j-1} + W(slot j-1) + S t_j + u_j``, which is the same
   sum with O(positions) instead of O(positions^2) terms.
 - Eq. 13 sums over ``i`` in print; it is the sum over slots. Since the sum of SLOs is
-  constant it is the total waiting time of the groups (I), under hard SLOs (H).
+  constant it is the total waiting time of the groups (I), under hard SLOs (H, big-M).
 
 Size and speed (changes from the spec's settings, same model):
 
@@ -27,22 +27,38 @@ Size and speed (changes from the spec's settings, same model):
   round-robin is optimal for P||sum C_j: every VQ holds floor or ceil of N/|G| groups);
   deadlines and model affinity unbalance it, which the 25% headroom allows. It is an
   approximation only when an optimal plan needs a VQ longer than L (then we return the
-  best plan within L); with L >= N_q it is exact. At factor 3, 100 groups on 4 VQs took
-  ~31k binaries and CBC found no incumbent within 5 s.
-- The constraint matrix is built with numpy and handed to HiGHS in-process (no LP file), and
-  the time limit bounds build plus solve: HiGHS gets what is left after the build.
-- HiGHS takes no warm start, so the warm-start order (``heuristic_plan``) is kept as an
-  incumbent: the better feasible plan of the two is returned; EDF only when neither is
-  feasible (spec A7: "accept the best feasible incumbent at timeout").
-- Size control (an approximation above ``joint_max_binaries``): even at factor 1.25 the joint
-  model of 100 groups on 4 VQs (13.6k binaries) finds no incumbent in HiGHS within 5 s,
-  because the big-M rows (E, H) leave the relaxation weak. Above the threshold no MILP is
-  built; the plan is ``heuristic_plan``: swap-aware SPT list scheduling for the assignment
-  (optimal for total wait on identical VQs without deadlines or swaps, P||sum C_j) and, per
-  VQ, one block per model in the best block order with Smith's rule inside (exact for a
-  single-model VQ). Its status says ``heuristic``, never ``optimal``. Below the threshold
-  (about 24 groups on 4 VQs; measured mostly < 0.5 s) the joint MILP is solved exactly (the
-  brute-force tests).
+  best plan within L); with L >= N_q it is exact.
+- The model is assembled as numpy coefficient triplets and turned into PuLP rows in one pass
+  (``LpAffineExpression`` from prepared pairs); PuLP writes the MPS file and the MIP start and
+  reads CBC's solution (``_run_cbc``). ``Plan.phases`` holds build, write and CBC seconds.
+- MIP start: ``heuristic_plan`` (below) is handed to CBC as its incumbent, so CBC always has
+  one; a plan CBC returns that is no better than it has status ``heuristic``.
+- Time limit: it bounds the heuristic, the build, the write and CBC. CBC gets 90% of what is
+  left after the write as its own ``-sec`` limit and is killed at the deadline (CBC checks its
+  limit only between search steps; we measured 1.7 s over a 5 s limit). At the limit the best
+  feasible incumbent wins (spec A7); EDF when there is none or the joint model is infeasible.
+
+Size control: the joint MILP up to ``joint_max_binaries`` x[g, q, r] binaries (1000: 24 groups
+on 4 VQs; measured p50 0.1 s, optimal). Above it a rolling-horizon MILP (``window_groups``, 24):
+
+- Why: the joint model of 100 groups on 4 VQs (13.6k binaries, 122k nonzeros) takes CBC about
+  0.5 s for the root LP and 3 s of probing; with the heuristic as MIP start it found nothing
+  better in 60 s (root bound 2.6% below it; with cuts off, 8,600 nodes without an
+  improvement), and build + write alone take 0.3-0.7 s. Pinning each group to the heuristic's
+  VQ (ordering only, 2.5k binaries) did not prove optimality within 5 s on 2 of 3 seeds either.
+- What: the window is the groups that miss their SLO in the heuristic plan (tightest slack
+  first) plus the groups that start first, ``window_groups`` in all; every VQ keeps the rest
+  of its heuristic order as a fixed tail behind the window. The window MILP is the same model
+  over the window's groups, with three exact terms for the tail of k groups: every drain, swap
+  and C - W in the window delays k more groups (objective coefficients r + k instead of r); a
+  switch into the tail's first model is charged like any other (D, E on a boundary slot); and
+  the tail's start must leave every tail group its SLO (H on the tail's latest start). Its
+  optimum is the best plan that keeps the tails fixed (brute-force test); status
+  ``window-optimal`` (never ``optimal``: the tails are not optimised). ``window_groups = 0``
+  returns the heuristic plan above the threshold instead.
+- The heuristic: swap-aware SPT list scheduling for the assignment (optimal for total wait on
+  identical VQs without deadlines or swaps, P||sum C_j) and, per VQ, one block per model in the
+  best block order with Smith's rule inside (exact for a single-model VQ).
 
 Pure: inputs are numbers, no clock except the solver's own time limit.
 """
@@ -65,8 +81,10 @@ import pulp
 
 from tessera.worker.policies.qlm.estimator import GroupCosts, QueuedGroup, start_times
 
-# optimal / feasible: from the MILP; heuristic: the warm-start order, feasible, and the MILP found
-# nothing better in time; edf-*: no feasible plan found (EDF fallback, spec A7).
+# optimal / feasible: from the joint MILP (proven within the gap / not proven); window-optimal: the
+# rolling-horizon MILP's optimum with the tails fixed (module docstring); heuristic: the warm-start
+# order, feasible, and CBC found nothing better in time; edf-*: no feasible plan found (EDF
+# fallback, spec A7); trivial: nothing to solve.
 PlanStatus = Literal[
     "optimal", "window-optimal", "feasible", "heuristic", "edf-timeout", "edf-infeasible", "trivial"
 ]
