@@ -660,7 +660,8 @@ def solve(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: So
     window, tail_order, tails = (
         (list(groups), {}, {}) if joint else _window(warm.order, groups, queues, settings)
     )
-    head_order = {n: warm.order[n][: len(warm.order[n]) - len(tail_order.get(n, []))] for n in names}
+    in_window = {g.id for g in window}
+    head_order = {n: [gid for gid in warm.order[n] if gid in in_window] for n in names}
     model = _build(window, queues, settings, tails)
     built = _to_pulp(model, started + settings.time_limit_s)
     if built is None:
