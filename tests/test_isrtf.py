@@ -124,10 +124,37 @@ def test_running_mean_fallback_learns_from_finished_requests() -> None:
     pol.schedule(view([]))
     done.generated, done.phase = 301, Phase.FINISHED
     pol.remove(done, 5.0)
-    assert pred.mean("default") == pytest.approx(200.5)
     fresh = req("fresh", 6.0)
+    pol.add(fresh, 6.0)
+    pol.schedule(view([]))  # a finished request reaches the predictor at the next prediction
+    assert pred.mean("default") == pytest.approx(200.5)
+    assert fresh.predicted_remaining == pytest.approx(200.5)
     fresh.generated = 50
     assert pred.predict_remaining([fresh]) == [pytest.approx(150.5)]
+
+
+def test_predicting_ahead_then_scheduling_predicts_once_and_still_preempts_at_the_boundary() -> None:
+    """The worker's path: predictions_due + predict (on a thread), then schedule."""
+    oracle = TableOracle({"long": 500, "short": 60})
+    pol = ISRTF(predictor=oracle, window_tokens=50)
+    long = req("long", 0.0)
+    pol.add(long, 0.0)
+    assert pol.predictions_due([]) == [long]
+    pol.predict(pol.predictions_due([]))
+    assert run_ids(pol, []) == ["long"]
+    assert len(oracle.calls) == 1  # schedule did not predict again
+    short = req("short", 1.0)
+    pol.add(short, 1.0)
+    assert run_ids(pol, [long]) == ["long"]  # mid-window: the newcomer only fills free slots
+    long.generated = 50  # window boundary: predicted ahead (450 left), then re-ranked: short wins
+    due = pol.predictions_due([long])
+    assert due == [long]
+    taken_at = long.generated
+    pol.predict(due)
+    long.generated = 53  # tokens streamed while the prediction ran on its thread
+    assert run_ids(pol, [long]) == ["short"]
+    assert len(oracle.calls) == 3  # arrival of short (in schedule), long ahead; nothing else
+    assert long.annotations["isrtf_predicted_at"] == taken_at  # next window counts from the input
 
 
 def test_registry_and_validation() -> None:

@@ -33,6 +33,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +156,7 @@ class ModelScheduler:
         self._decision_hist = metrics.decision_time.labels(engine.model)
         self._engine_ttft_hist = metrics.engine_ttft.labels(engine.model)
         self._seq = itertools.count()
+        self._predictor_thread: ThreadPoolExecutor | None = None  # created on the first prediction
         metrics.batch_size.labels(engine.model).set(self.max_batch)
         if swapper is not None:
             swapper.register(engine.model, lambda: len(self.inflight), self._wake.set)
@@ -177,6 +179,8 @@ class ModelScheduler:
                     await task
         for job in list(self.jobs.values()):
             self._end(job, None, EngineUnavailable("the worker is shutting down"))
+        if self._predictor_thread is not None:
+            self._predictor_thread.shutdown(wait=False, cancel_futures=True)
         await asyncio.sleep(0)
 
     @property
@@ -255,12 +259,31 @@ class ModelScheduler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
+            await self._predict_ahead()
             try:
                 self.decide()
             except Exception:  # a failing policy must not end the loop: every request would hang
                 log.exception("scheduling decision of model %s failed; retrying at the next event",
                               self.engine.model)  # fmt: skip
                 self._recheck_at = self.clock() + PROBE_INTERVAL_S
+
+    async def _predict_ahead(self) -> None:
+        """Run the policy's due predictions (ISRTF's text predictor: tens to hundreds of ms on a
+        CPU) on a thread, so streams keep flowing meanwhile; ``decide`` then predicts only what
+        became due in the meantime. Policies without ``predictions_due`` skip this."""
+        policy = self.policy
+        due = getattr(policy, "predictions_due", None)
+        if due is None:
+            return
+        reqs = due([job.req for job in self.inflight])
+        if not reqs:
+            return
+        if self._predictor_thread is None:
+            self._predictor_thread = ThreadPoolExecutor(1, thread_name_prefix=f"predict-{self.engine.model}")
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._predictor_thread, policy.predict, reqs)
+        except Exception:  # decide() predicts what is still due, and logs if that fails too
+            log.exception("predicting ahead for model %s failed", self.engine.model)
 
     def _expire(self, now: float) -> None:
         """End requests that waited past their class's maximum queue time without starting."""
@@ -418,6 +441,8 @@ class ModelScheduler:
         for _ in range(n):
             req.tokens.append(now)
         req.generated += n
+        if delta.text:  # the text so far: length predictors re-predict from it (ELIS)
+            req.response_text = (req.response_text or "") + delta.text
         job.output_ids.extend(delta.token_ids)
         job.last_token_at = now
         job.engine_finish = delta.finish_reason

@@ -20,6 +20,10 @@ Protocol (the same for the simulator and the real-vLLM worker):
    short (admission or decode) the engine drops that KV first (they resume by
    recompute). ``InstanceView.prefill_budget_tokens`` (additive, optional) tells how
    many prefill tokens the engine admits per iteration.
+6. Optional, for policies with expensive predictions (ISRTF): ``predictions_due(running)``
+   and ``predict(requests)``. The worker runs ``predict`` on a thread before ``schedule``
+   so its event loop keeps streaming; the simulator never calls them (``schedule``
+   predicts whatever is still due itself).
 
 Policies never mutate requests' engine state (phase, generated, KV flags); they
 may write ``predicted_remaining`` and ``annotations``.

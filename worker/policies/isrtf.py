@@ -16,12 +16,22 @@ Aging guard (spec §A.4 #8a, off by default): the key becomes ŷ − ``aging_tok
 age = now − arrival. Subtracting the common ``now`` leaves ŷ + a·arrival, so keys stay fixed while a
 request waits and the heap order stays valid.
 
+Predicting off the caller's thread (the worker): ``predictions_due(running)`` lists what the next
+decision would predict and ``predict(requests)`` predicts them, so an adapter can run the expensive
+text predictor on another thread while its event loop keeps streaming, then call ``schedule``, which
+predicts only what is still due. The simulator just calls ``schedule``. A request's window counts
+from the tokens it had when its prediction's input was taken, and finished requests are handed to
+the predictor (``observe``/``forget``) at the next prediction, on the predicting thread, so the
+predictor is only ever used by one thread at a time.
+
 Displaced requests keep their KV while memory allows (spec §A.4 #6, ``preempt_mode="keep"``; the
 engine recompute-evicts under pressure); ``"recompute"`` is the spec's ``recompute_always``.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Sequence
 from typing import ClassVar
 
 from tessera.worker.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
@@ -71,7 +81,9 @@ class ISRTF(PriorityPolicy):
         self.preempt_mode: PreemptMode = preempt_mode
         self.window = window_tokens
         self.aging = aging_tokens_per_s
-        self._pending: dict[int, Request] = {}  # arrived, not yet predicted
+        self._pending: dict[int, Request] = {}  # arrived, not yet pushed (predicted at the next decision)
+        self._finished: deque[Request] = deque()  # removed, not yet handed to the predictor
+        self._rerank = False  # a request was re-predicted at its window boundary since the last decision
         self._next_check: int | None = None
         self.prediction_calls = 0  # batched predict_remaining calls so far
         self.predictions = 0  # requests predicted so far
@@ -89,11 +101,16 @@ class ISRTF(PriorityPolicy):
         """Forget a request; finished lengths feed predictors that learn from them."""
         self._pending.pop(id(req), None)
         super().remove(req, now)
-        if req.finished and isinstance(self.predictor, RunningMeanPredictor):
-            self.predictor.observe(req)
+        self._finished.append(req)  # deque append/popleft are thread-safe: a prediction may be running
+
+    def _hand_over_finished(self) -> None:
         forget = getattr(self.predictor, "forget", None)
-        if forget is not None:
-            forget(req)
+        while self._finished:
+            req = self._finished.popleft()
+            if req.finished and isinstance(self.predictor, RunningMeanPredictor):
+                self.predictor.observe(req)
+            if forget is not None:
+                forget(req)
 
     def __len__(self) -> int:
         return super().__len__() + len(self._pending)
@@ -101,29 +118,39 @@ class ISRTF(PriorityPolicy):
     def _due(self, running: list[Request]) -> list[Request]:
         return [r for r in running if r.generated - int(r.annotations.get(PREDICTED_AT, 0)) >= self.window]
 
-    def _predict(self, reqs: list[Request]) -> None:
+    def predictions_due(self, running: Sequence[Request]) -> list[Request]:
+        """Requests the next decision would predict: new arrivals not predicted yet, and running
+        requests at their window boundary."""
+        new = [r for r in self._pending.values() if PREDICTED_AT not in r.annotations]
+        return new + self._due(list(running))
+
+    def predict(self, reqs: Sequence[Request]) -> None:
+        """Predict ``reqs`` in one batched call (safe on another thread than the decisions')."""
+        self._hand_over_finished()
         if not reqs:
             return
-        preds = self.predictor.predict_remaining(reqs)
+        at = [r.generated for r in reqs]  # the predictor's input: tokens streamed so far
+        preds = self.predictor.predict_remaining(list(reqs))
         if len(preds) != len(reqs):
             raise ValueError(f"predictor returned {len(preds)} predictions for {len(reqs)} requests")
         self.prediction_calls += 1
         self.predictions += len(reqs)
-        for req, pred in zip(reqs, preds, strict=True):
+        self._rerank |= any(PREDICTED_AT in r.annotations for r in reqs)
+        for req, pred, generated in zip(reqs, preds, at, strict=True):
             req.predicted_remaining = max(0.0, float(pred))
-            req.annotations[PREDICTED_AT] = req.generated
+            req.annotations[PREDICTED_AT] = generated
 
     def schedule(self, view: InstanceView) -> Decision:
         """Predict what is due in one batch; re-rank everything at a window boundary, else fill free slots."""
         due = self._due(list(view.running))
         new = list(self._pending.values())
-        self._predict(new + due)
+        self.predict([r for r in new if PREDICTED_AT not in r.annotations] + due)
         self._pending.clear()
         for req in new:
             self._push(req, view.now)
         # The instance attribute shadows the class default for this decision only: the base class
         # re-ranks running requests against the queue when preemptive, else only fills free slots.
-        self.preemptive = bool(due)
+        self.preemptive, self._rerank = self._rerank, False
         decision = super().schedule(view)
         self._next_check = min(
             (self.window - (r.generated - int(r.annotations.get(PREDICTED_AT, 0))) for r in decision.run),
