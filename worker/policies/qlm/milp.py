@@ -35,8 +35,11 @@ Size and speed (changes from the spec's settings, same model):
   one; a plan CBC returns that is no better than it has status ``heuristic``.
 - Time limit: it bounds the heuristic, the build, the write and CBC. CBC gets 90% of what is
   left after the write as its own ``-sec`` limit and is killed at the deadline (CBC checks its
-  limit only between search steps; we measured 1.7 s over a 5 s limit). At the limit the best
-  feasible incumbent wins (spec A7); EDF when there is none or the joint model is infeasible.
+  limit only between search steps; we measured 1.7 s over a 5 s limit). PuLP's MPS write cannot
+  be interrupted, so CBC is skipped when the time left is under 3x the row-building time (the
+  write took 2-2.5x; 200 groups forced into one joint model ran 1.9 s over a 0.5 s limit
+  without this). At the limit the best feasible incumbent wins (spec A7); EDF when there is
+  none or the joint model is infeasible.
 
 Size control: the joint MILP up to ``joint_max_binaries`` x[g, q, r] binaries (1000: 24 groups
 on 4 VQs; measured p50 0.1 s, optimal). Above it a rolling-horizon MILP (``window_groups``, 24):
@@ -89,6 +92,7 @@ PlanStatus = Literal[
     "optimal", "window-optimal", "feasible", "heuristic", "edf-timeout", "edf-infeasible", "trivial"
 ]
 _MIN_CBC_S = 0.01  # smallest -sec handed to CBC
+_WRITE_PER_BUILD = 3.0  # time left needed per second of PuLP row building (the write takes ~2-2.5x)
 _CBC_SHARE = 0.9  # of the time left that CBC's own limit gets; the rest lets it write its solution
 
 
@@ -663,6 +667,7 @@ def solve(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: So
     in_window = {g.id for g in window}
     head_order = {n: [gid for gid in warm.order[n] if gid in in_window] for n in names}
     model = _build(window, queues, settings, tails)
+    to_pulp_started = time.perf_counter()
     built = _to_pulp(model, started + settings.time_limit_s)
     if built is None:
         phases["build_s"] = time.perf_counter() - started
@@ -673,8 +678,9 @@ def solve(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: So
         for var, value in zip(variables, start.tolist(), strict=True):
             var.setInitialValue(value)
     phases["build_s"] = time.perf_counter() - started
-    if phases["build_s"] >= settings.time_limit_s:
-        return best_of_incumbents("time limit spent building the model")
+    # PuLP's MPS write cannot be interrupted; it takes 2-2.5x as long as building the PuLP rows.
+    if settings.time_limit_s - phases["build_s"] < _WRITE_PER_BUILD * (time.perf_counter() - to_pulp_started):
+        return best_of_incumbents("time limit too short to write the model for CBC")
     solved = _run_cbc(prob, settings.mip_gap, start is not None, started + settings.time_limit_s, phases)
     scope = "joint" if joint else f"window of {len(window)} head groups"
     if solved is None:
