@@ -42,7 +42,10 @@ TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 PREFILL = "vllm:request_prefill_time_seconds"
-HISTOGRAMS = (TTFT, ITL, E2E, PREFILL)
+QUEUE = "vllm:request_queue_time_seconds"
+DECODE = "vllm:request_decode_time_seconds"
+GENERATED = "vllm:request_generation_tokens"
+HISTOGRAMS = (TTFT, ITL, E2E, PREFILL, QUEUE, DECODE, GENERATED)
 POLL_S = 0.2  # /metrics polling period while decode streams run (rendering it costs the server CPU)
 
 
@@ -193,6 +196,13 @@ class MetricsDelta:
             raise RuntimeError(f"the server recorded no {name} observation during the probe")
         return self.sums[name] / count
 
+    def decode_seconds_per_token(self) -> float:
+        """Decode time (first to last token) per token after the first, over the requests recorded."""
+        tokens = self.sums.get(GENERATED, 0.0) - self.counts.get(GENERATED, 0.0)
+        if tokens <= 0:
+            raise RuntimeError("the server recorded no decode step during the probe")
+        return self.sums[DECODE] / tokens
+
 
 async def scrape(client: httpx.AsyncClient, url: str) -> dict[str, tuple[float, float]]:
     """``{histogram: (sum, count)}`` of vLLM's latency histograms (summed over label sets)."""
@@ -248,7 +258,7 @@ class ReplayResult:
     """A replay's client-side timings (one per request, in order) and the server's own view of it."""
 
     requests: list[StreamResult]
-    server: MetricsDelta  # the server's histograms over the replay (means of TTFT, E2E, ITL)
+    server: MetricsDelta  # the server's histograms over the replay (TTFT, E2E, ITL and the phases)
 
 
 async def replay(

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from tessera.sim.measure import E2E, ITL, PREFILL, TTFT, scrape, scrape_delta
+from tessera.sim.measure import E2E, ITL, PREFILL, QUEUE, TTFT, scrape, scrape_delta
 
 METRICS = """# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
@@ -25,6 +25,15 @@ vllm:e2e_request_latency_seconds_sum{engine="0",model_name="tiny"} {e2e}
 # TYPE vllm:request_prefill_time_seconds histogram
 vllm:request_prefill_time_seconds_count{engine="0",model_name="tiny"} {n}
 vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} {prefill}
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_count{engine="0",model_name="tiny"} {n}
+vllm:request_queue_time_seconds_sum{engine="0",model_name="tiny"} {queue}
+# TYPE vllm:request_decode_time_seconds histogram
+vllm:request_decode_time_seconds_count{engine="0",model_name="tiny"} {n}
+vllm:request_decode_time_seconds_sum{engine="0",model_name="tiny"} {decode}
+# TYPE vllm:request_generation_tokens histogram
+vllm:request_generation_tokens_count{engine="0",model_name="tiny"} {n}
+vllm:request_generation_tokens_sum{engine="0",model_name="tiny"} {generated}
 """
 
 
@@ -43,7 +52,9 @@ def _client(states: list[dict]) -> httpx.AsyncClient:
 
 def test_scrape_sums_label_sets_and_delta_gives_means():
     first = {"n": 2.0, "ttft": 0.4, "itl_n": 10.0, "itl": 0.1, "e2e": 3.0, "prefill": 0.05}
+    first |= {"queue": 0.2, "decode": 1.0, "generated": 40.0}
     later = {"n": 4.0, "ttft": 1.0, "itl_n": 30.0, "itl": 0.5, "e2e": 7.0, "prefill": 0.09}
+    later |= {"queue": 0.5, "decode": 2.2, "generated": 102.0}
 
     async def go():
         async with _client([first, first, later]) as client:
@@ -57,6 +68,9 @@ def test_scrape_sums_label_sets_and_delta_gives_means():
     assert delta.mean(E2E) == pytest.approx(2.0)
     assert delta.mean(ITL) == pytest.approx(0.02)
     assert delta.mean(PREFILL) == pytest.approx(0.02)
+    assert delta.mean(QUEUE) == pytest.approx(0.15)
+    # two requests, 62 tokens: 60 decode steps took 1.2 s
+    assert delta.decode_seconds_per_token() == pytest.approx(0.02)
 
 
 def test_scrape_names_missing_metrics_and_empty_delta_raises():
@@ -68,11 +82,15 @@ def test_scrape_names_missing_metrics_and_empty_delta_raises():
     with pytest.raises(RuntimeError, match="disable-log-stats"):
         asyncio.run(go("# nothing here\n"))
     state = {"n": 1.0, "ttft": 0.1, "itl_n": 1.0, "itl": 0.1, "e2e": 1.0, "prefill": 0.1}
+    state |= {"queue": 0.1, "decode": 0.1, "generated": 5.0}
 
     async def same():
         async with _client([state, state]) as client:
             before = await scrape(client, "http://x")
             return await scrape_delta(client, "http://x", before, E2E, 0)
 
+    empty = asyncio.run(same())
     with pytest.raises(RuntimeError, match="no vllm:time_to_first_token_seconds"):
-        asyncio.run(same()).mean(TTFT)
+        empty.mean(TTFT)
+    with pytest.raises(RuntimeError, match="no decode step"):
+        empty.decode_seconds_per_token()

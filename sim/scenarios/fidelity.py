@@ -21,14 +21,22 @@
    the 2 loaded cores with the server and reads streamed tokens late and in bursts, which is a
    property of this machine, not of the engine the simulator models.
 
-Arrivals: the Azure conversation trace's first rows, rescaled to ``rate``. By default the rate is
+Arrivals (``arrivals``): ``trace`` (default), the Azure conversation trace's first rows, rescaled
+to ``rate``; or ``burst``, every request at time 0, which compares the engine's capacity (makespan,
+throughput) without the queueing that makes mean TTFT at high load swing with small capacity
+errors. For ``trace`` the rate is ``--rate``, or by default
 ``load`` (0.7) × the capacity the simulator predicts with the fitted profile for these requests,
 so the server is busy enough for queueing and batching to matter (the point of fidelity; an idle
 server only shows its idle latency). Lengths are scaled down to fit the tiny model
 (``input/in_div`` clipped to [4, 1024], ``output/out_div`` clipped to [1, 512]; defaults 4 and 2).
 The machine is shared: the load average before and after the replay is reported, because other
 processes' load slows the real server and not the simulator.
-Options: requests (200), load (0.7), max_num_seqs (16), kv_cache_gib (1), token_budget (2048).
+Besides the targets, the report splits a request's time into the server's own phases (vLLM's
+queue, prefill and decode histograms: queue = arrival at the engine to scheduled, prefill =
+scheduled to first token, decode = first to last token) next to the simulator's, to show where
+a gap comes from.
+Options: requests (200), load (0.7), arrivals (trace), max_num_seqs (16), kv_cache_gib (1),
+token_budget (2048), in_div (4), out_div (2).
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import numpy as np
 
 from tessera.sim.cluster import ClusterConfig
 from tessera.sim.engine import EngineConfig
-from tessera.sim.measure import E2E, ITL, TTFT
+from tessera.sim.measure import E2E, ITL, PREFILL, QUEUE, TTFT, MetricsDelta
 from tessera.sim.profiles import Measurements, describe_profile, fit_profile, profile_to_dict
 from tessera.sim.runner import AZURE_CONV, option, run_one
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
@@ -67,6 +75,19 @@ def _error_check(what: str, real: float, sim: float, *, target: bool = True) -> 
     err = abs(sim - real) / real
     verdict = f"(target <= 15%): {'PASS' if err <= 0.15 else 'FAIL'}" if target else ""
     return f"{what}: real {real:.3f}s, sim {sim:.3f}s, error {err:.1%} {verdict}".rstrip()
+
+
+def _phases(server: MetricsDelta, simulated: list) -> str:
+    """The server's mean queue, prefill and decode-per-token times next to the simulator's."""
+    queue = float(np.mean([r.first_scheduled_at - r.arrival for r in simulated]))
+    prefill = float(np.mean([r.first_token_at - r.first_scheduled_at for r in simulated]))
+    decoded = [r for r in simulated if r.generated > 1]
+    decode = sum(r.finished_at - r.first_token_at for r in decoded) / sum(r.generated - 1 for r in decoded)
+    return (
+        f"phases, real vs sim (informative): queue {server.mean(QUEUE):.3f} vs {queue:.3f} s, "
+        f"prefill {server.mean(PREFILL) * 1e3:.1f} vs {prefill * 1e3:.1f} ms, "
+        f"decode {server.decode_seconds_per_token() * 1e3:.2f} vs {decode * 1e3:.2f} ms/token"
+    )
 
 
 def other_vllm_servers(own_pid: int | None = None) -> int:
@@ -99,6 +120,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     gib = option(opts, "kv_cache_gib", 1, int)
     budget = option(opts, "token_budget", 2048, int)
     in_div = option(opts, "in_div", 4.0, float)
+    pattern = option(opts, "arrivals", "trace", str)
+    if pattern not in ("trace", "burst"):
+        raise ValueError(f"--set arrivals must be trace or burst, got {pattern!r}")
     out_div = option(opts, "out_div", 2.0, float)
     rows = load_trace(config.trace or AZURE_CONV)[:n]
     inp = np.clip(np.round(np.array([r.input_tokens for r in rows]) / in_div), 4, 1024).astype(int)
@@ -133,12 +157,15 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             before, samples_before = measure_and_fit(*fit_args)
             engine = EngineConfig(max_batch=seqs, chunked_prefill=True, token_budget=budget)
             cluster = ClusterConfig({"default": before}, 1, engine)
-            if config.rate is not None:
-                rate = config.rate
+            if pattern == "burst":
+                rate, arrivals = None, np.zeros(n)
             else:
-                probe = build_requests(np.zeros(n), inp, out, np.random.default_rng(config.seed))
-                rate = load * saturation_rate(probe, cluster)
-            arrivals = scale_to_rate([r.arrival for r in rows], rate)
+                if config.rate is not None:
+                    rate = config.rate
+                else:
+                    probe = build_requests(np.zeros(n), inp, out, np.random.default_rng(config.seed))
+                    rate = load * saturation_rate(probe, cluster)
+                arrivals = scale_to_rate([r.arrival for r in rows], rate)
             progress(1)
             load_before = os.getloadavg()[0]
             others = other_vllm_servers(server.pid)
@@ -168,8 +195,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     step_before, step_after = before.decode_step(probe_b, probe_ctx), after.decode_step(probe_b, probe_ctx)
     drift = abs(step_after - step_before) / step_before
     reqs = build_requests(arrivals, inp, out, np.random.default_rng(config.seed))
-    _, sim = run_one(reqs, lambda: make_policy("fcfs"), cluster)
+    simulated, sim = run_one(reqs, lambda: make_policy("fcfs"), cluster)
     client = replayed.requests
+    real_span = float(np.max(arrivals + np.array([r.jct for r in client])) - arrivals[0])
     server_jct, server_ttft = replayed.server.mean(E2E), replayed.server.mean(TTFT)
     client_jct = float(np.mean([r.jct for r in client]))
     client_ttft = float(np.mean([r.ttft for r in client]))
@@ -184,7 +212,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             "client_mean_ttft_s": client_ttft,
             "p99_jct_s": float(np.percentile([r.jct for r in client], 99)),
             "p99_ttft_s": float(np.percentile([r.ttft for r in client], 99)),
-            "throughput_rps": n / float(np.max(arrivals + np.array([r.jct for r in client])) - arrivals[0]),
+            "throughput_rps": n / real_span,
         },
         {"policy": "fcfs:engine=sim", **sim},
     ]
@@ -193,11 +221,17 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         _error_check("mean TTFT (server-side)", server_ttft, sim["mean_ttft_s"]),
         _error_check("mean JCT (client-side, informative)", client_jct, sim["mean_jct_s"], target=False),
         _error_check("mean TTFT (client-side, informative)", client_ttft, sim["mean_ttft_s"], target=False),
+        _phases(replayed.server, simulated),
         f"fitted profile (samples before + after the replay): {describe_profile(profile)}",
         f"profile drift: a decode step at batch {probe_b} with {probe_ctx} context tokens fits to "
         f"{step_before * 1e3:.2f} ms before and {step_after * 1e3:.2f} ms after the replay ({drift:.0%}); "
         "when that exceeds the 15% target, this machine's load, not the simulator, decides the errors",
-        f"offered rate {rate:.2f} req/s (load {load:g} of the simulated capacity unless --rate); "
+        (
+            f"offered rate {rate:.2f} req/s (load {load:g} of the simulated capacity unless --rate); "
+            if pattern == "trace"
+            else f"all {n} requests at time 0 (arrivals=burst); "
+        )
+        + f"makespan real {real_span:.2f} s, sim {max(r.finished_at for r in simulated):.2f} s; "
         f"load average {load_before:.2f} before, {load_after:.2f} after the replay "
         f"on {os.cpu_count()} cores; "
         f"{others} other vLLM server(s) running when the replay started",
@@ -205,6 +239,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     cfg = {
         **config.as_dict(),
         "requests": n,
+        "arrivals": pattern,
         "rate": rate,
         "load_avg_before": load_before,
         "load_avg_after": load_after,
