@@ -15,19 +15,23 @@ the same for every policy (seeded):
   20 tokens/s and T* 1 s; rows ``POLICY:burst`` with the average Andes QoE computed from the token
   arrival times the client saw. Target: QoE policy above FCFS.
 
+Each policy has its own worker; ``rounds`` (3) rounds run every policy on both workloads in turn,
+so the 2-core machine's drifting load hits all policies alike. Rows are per-field medians over the
+rounds; the checks give the median of the per-round (paired) ratios to FCFS and list each round's.
+
 Policies: ``fcfs``, ``isrtf`` (the ELIS predictor ``predictor``: ``text`` when its trained artifact is
 installed, else the ``running-mean`` fallback; the row says which), ``srtf-oracle`` (ISRTF with the
 true length: the bench sends it in the benchmark-only ``X-Tessera-True-Output-Tokens`` header, which
 the worker accepts only with ``scheduling.benchHints``), ``qoe``.
 
-Known cost the simulator does not charge: the text predictor runs inside the scheduling decision,
-on the worker's event loop (0.2-0.7 s per batched call on the 2-core CI CPU, MiniLM on CPU), which
-stalls admission and token relay for every stream while it runs.
+Known cost the simulator does not charge: the text predictor (MiniLM on CPU, 0.2-0.7 s per batched
+call on the 2-core CI CPU) runs on a thread of the worker before each decision, so tokens keep
+streaming meanwhile, but it takes CPU from vLLM on the same two cores and delays the decision.
 
 The simulator side: a step profile fitted on the same server (``tessera profile``'s measurement),
 then every policy through ``tessera.sim`` on the same requests with the same batch bound; rows
 ``POLICY:WORKLOAD:sim``. The check lines put the real ratio to FCFS next to the simulated one.
-Options (``--set``): requests, load, batch, burst, prompt_chars, predictor, policies, sim (1/0).
+Options (``--set``): requests, load, batch, burst, prompt_chars, predictor, policies, rounds, sim (1/0).
 """
 
 from __future__ import annotations
@@ -191,8 +195,11 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     predictor_kind = str(option(opts, "predictor", _default_predictor(), str))
     with_sim = bool(option(opts, "sim", 1, int))
     names = [p for p in str(option(opts, "policies", "fcfs,isrtf,srtf-oracle,qoe", str)).split(",") if p]
-    if requests < 1 or burst < 1 or batch < 1 or prompt_chars < 1 or load <= 0:
-        raise ValueError("--set requests, burst, batch and prompt_chars must be >= 1, and the load > 0")
+    rounds = option(opts, "rounds", 3, int)
+    if min(requests, burst, batch, prompt_chars, rounds) < 1 or load <= 0:
+        raise ValueError(
+            "--set requests, burst, batch, prompt_chars and rounds must be >= 1, and the load > 0"
+        )
     if config.rate is not None and config.rate <= 0:
         raise ValueError(f"--rate must be > 0, got {config.rate}")
     checks: list[str] = [f"isrtf predictor: {predictor_kind}"]
@@ -205,7 +212,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             checks.append(f"{name}: not measured ({exc})")
     rng = random.Random(config.seed)
     results: list[dict[str, Any]] = []
-    progress(0, total=3 + 2 * len(usable))
+    per_round: dict[str, list[dict[str, Any]]] = {}  # "POLICY:WORKLOAD" -> its row in each round
+    progress(0, total=3 + 2 * len(usable) * rounds)
     load_avg: list[float] = []
     with tempfile.TemporaryDirectory(prefix="tessera-real-policy-") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
@@ -233,17 +241,28 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 plan_mixed.append((t, m["text"], m["out"], "batch"))
             plan_burst = [(0.0, m["text"][:64], rng.randint(64, 160), "chat") for m in extra]
             plans = {"mixed": plan_mixed, "burst": plan_burst}
-            for name in usable:
-                worker = WorkerChild(_worker_config(server.url, name, batch, predictor_kind), Path(tmp))
-                try:
-                    for workload, plan in plans.items():
-                        load_avg.append(os.getloadavg()[0])
-                        hints = name == "srtf-oracle"
-                        stats = asyncio.run(replay(worker.url, "tiny", plan, true_lengths=hints))
-                        results.append(_row(f"{name}:{workload}", stats))
-                        progress(1)
-                finally:
+            workers: dict[str, Any] = {}
+            try:
+                for name in usable:
+                    workers[name] = WorkerChild(
+                        _worker_config(server.url, name, batch, predictor_kind), Path(tmp)
+                    )
+                # Rounds interleave the policies, so the machine's drifting load hits them alike;
+                # each round's ratio to FCFS is paired (same minutes of the machine).
+                for _ in range(rounds):
+                    for name in usable:
+                        for workload, plan in plans.items():
+                            load_avg.append(os.getloadavg()[0])
+                            hints = name == "srtf-oracle"
+                            stats = asyncio.run(replay(workers[name].url, "tiny", plan, true_lengths=hints))
+                            per_round.setdefault(f"{name}:{workload}", []).append(
+                                _row(f"{name}:{workload}", stats)
+                            )
+                            progress(1)
+            finally:
+                for worker in workers.values():
                     worker.stop()
+            results += [_median_row(name, rows_) for name, rows_ in per_round.items()]
     if with_sim:
         predictor = _predictor(predictor_kind) if "isrtf" in usable else None
         for workload, reqs in _sim_requests(plans, {"mixed": mixed, "burst": extra}).items():
@@ -251,35 +270,64 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 _, metrics = run_one(reqs, lambda n=name: _sim_policy(n, predictor), cluster)
                 results.append({"policy": f"{name}:{workload}:sim", **metrics})
         progress(1)
-    checks += _ratio_checks(results, usable, with_sim)
+    checks += _ratio_checks(results, per_round, usable, with_sim)
     checks.append(f"load average (1 min) during the real runs: {min(load_avg):.1f}-{max(load_avg):.1f}")
     cfg = {
         **config.as_dict(), "requests": requests, "load": load, "rate": rate, "sim_capacity_rps": capacity,
         "batch": batch, "burst": burst, "prompt_chars": prompt_chars, "predictor": predictor_kind,
+        "rounds": rounds,
         "window_tokens": WINDOW_TOKENS, "profile": cluster.profiles["default"].name,
     }  # fmt: skip
     return BenchReport("real-policy", cfg, results, checks)
 
 
-def _ratio_checks(results: list[dict[str, Any]], usable: list[str], with_sim: bool) -> list[str]:
-    rows = {r["policy"]: r for r in results}
+def _median_row(name: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-field medians of one policy's rows over the rounds."""
+    out: dict[str, Any] = {"policy": name, "rounds": len(rows)}
+    for key, value in rows[0].items():
+        if key != "policy":
+            out[key] = float(np.median([r[key] for r in rows])) if isinstance(value, float) else value
+    return out
+
+
+def _sim_ratio(sim: dict[str, dict[str, Any]], name: str, workload: str, key: str) -> float:
+    return float(sim[f"{name}:{workload}:sim"][key]) / max(float(sim[f"fcfs:{workload}:sim"][key]), 1e-9)
+
+
+def _ratio_checks(
+    results: list[dict[str, Any]],
+    per_round: dict[str, list[dict[str, Any]]],
+    usable: list[str],
+    with_sim: bool,
+) -> list[str]:
+    """Real: the median over rounds of each round's paired ratio to FCFS (per-round ratios listed);
+    simulated: the one deterministic ratio."""
+    sim = {r["policy"]: r for r in results if r["policy"].endswith(":sim")}
     lines = []
+    if "fcfs:mixed" not in per_round:
+        return lines
     for name in usable:
-        if name == "fcfs" or "fcfs:mixed" not in rows:
+        if name == "fcfs":
             continue
-        parts = []
-        for suffix in ("", ":sim") if with_sim else ("",):
-            jct = rows[f"{name}:mixed{suffix}"]["mean_jct_s"] / rows[f"fcfs:mixed{suffix}"]["mean_jct_s"]
-            qoe = rows[f"{name}:burst{suffix}"]["avg_qoe"] / max(rows[f"fcfs:burst{suffix}"]["avg_qoe"], 1e-9)
-            parts.append((jct, qoe))
-        line = f"{name} vs fcfs: mean JCT (mixed) real {parts[0][0]:.3f}x"
-        line += f", sim {parts[1][0]:.3f}x" if with_sim else ""
-        line += f"; avg QoE (burst) real {parts[0][1]:.3f}x" + (
-            f", sim {parts[1][1]:.3f}x" if with_sim else ""
-        )
+        jcts = [
+            mine["mean_jct_s"] / base["mean_jct_s"]
+            for mine, base in zip(per_round[f"{name}:mixed"], per_round["fcfs:mixed"], strict=True)
+        ]
+        qoes = [
+            mine["avg_qoe"] / max(base["avg_qoe"], 1e-9)
+            for mine, base in zip(per_round[f"{name}:burst"], per_round["fcfs:burst"], strict=True)
+        ]
+        jct, qoe = float(np.median(jcts)), float(np.median(qoes))
+        listed = ", ".join(f"{r:.2f}" for r in jcts)
+        line = f"{name} vs fcfs: mean JCT (mixed) real {jct:.3f}x (rounds: {listed})"
+        if with_sim:
+            line += f", sim {_sim_ratio(sim, name, 'mixed', 'mean_jct_s'):.3f}x"
+        line += f"; avg QoE (burst) real {qoe:.3f}x (rounds: {', '.join(f'{r:.2f}' for r in qoes)})"
+        if with_sim:
+            line += f", sim {_sim_ratio(sim, name, 'burst', 'avg_qoe'):.3f}x"
         if name in ("isrtf", "srtf-oracle"):
-            line += f"; target JCT < fcfs: {'PASS' if parts[0][0] < 1 else 'FAIL'}"
+            line += f"; target JCT < fcfs: {'PASS' if jct < 1 else 'FAIL'}"
         if name == "qoe":
-            line += f"; target QoE > fcfs: {'PASS' if parts[0][1] > 1 else 'FAIL'}"
+            line += f"; target QoE > fcfs: {'PASS' if qoe > 1 else 'FAIL'}"
         lines.append(line)
     return lines
