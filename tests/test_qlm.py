@@ -13,6 +13,7 @@ from tessera.sim.engine import EngineConfig
 from tessera.sim.profiles import load_profile
 from tessera.sim.runner import run_one
 from tessera.sim.workloads import Mix, build_requests
+from tessera.worker.core.policy import Decision, InstanceView
 from tessera.worker.core.profile import StepProfile
 from tessera.worker.core.request import Request, ServiceClass
 from tessera.worker.policies.qlm import QLMPolicy
@@ -396,3 +397,48 @@ def test_grouping_and_load_balancing_cut_model_swaps() -> None:
     assert qlm["swaps"] <= 2 * len(models)
     assert naive["swaps"] > 5 * qlm["swaps"]
     assert qlm["throughput_rps"] > 2 * naive["throughput_rps"]
+
+
+class _PrepareFirst:
+    """Drives a policy as the worker does: ``prepare``'s work (run inline here) before every
+    ``schedule``; counts the solves that went that way."""
+
+    def __init__(self, inner: QLMPolicy) -> None:
+        self.inner = inner
+        self.works = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def schedule(self, view: InstanceView) -> Decision:
+        work = self.inner.prepare(view)
+        if work is not None:
+            work()
+            self.works += 1
+        return self.inner.schedule(view)
+
+
+def test_milp_solved_ahead_of_the_decision_is_installed_and_meets_the_slo() -> None:
+    """The worker's path: the MILP runs in ``prepare``'s work (off the event loop there) and the
+    next ``schedule`` installs its plan; no solve happens inside ``schedule``."""
+    rng = np.random.default_rng(1)
+    batch = build_requests(
+        np.zeros(200), [200] * 200, [400] * 200, rng, Mix(classes=((BATCH, 1.0),)), prefix="b"
+    )
+    inter = build_requests(
+        np.full(8, 2.0), [100] * 8, [50] * 8, rng, Mix(classes=((INTER, 1.0),)), prefix="i"
+    )
+    made: list[_PrepareFirst] = []
+
+    def factory() -> _PrepareFirst:
+        made.append(_PrepareFirst(QLMPolicy(eviction=False)))
+        return made[-1]
+
+    reqs, _ = run_one(batch + inter, factory, _cluster())  # type: ignore[arg-type]
+    assert max(r.first_token_at - r.arrival for r in reqs if r.id.startswith("i")) < 20.0
+    (policy,) = made
+    assert policy.works >= 1
+    assert policy.inner.counters["solves"] == policy.works  # every plan came from prepare's work

@@ -156,7 +156,7 @@ class ModelScheduler:
         self._decision_hist = metrics.decision_time.labels(engine.model)
         self._engine_ttft_hist = metrics.engine_ttft.labels(engine.model)
         self._seq = itertools.count()
-        self._predictor_thread: ThreadPoolExecutor | None = None  # created on the first prediction
+        self._work_thread: ThreadPoolExecutor | None = None  # the policy's work ahead of decisions
         metrics.batch_size.labels(engine.model).set(self.max_batch)
         if swapper is not None:
             swapper.register(engine.model, lambda: len(self.inflight), self._wake.set)
@@ -179,8 +179,8 @@ class ModelScheduler:
                     await task
         for job in list(self.jobs.values()):
             self._end(job, None, EngineUnavailable("the worker is shutting down"))
-        if self._predictor_thread is not None:
-            self._predictor_thread.shutdown(wait=False, cancel_futures=True)
+        if self._work_thread is not None:
+            self._work_thread.shutdown(wait=False, cancel_futures=True)
         await asyncio.sleep(0)
 
     @property
@@ -259,7 +259,7 @@ class ModelScheduler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
-            await self._predict_ahead()
+            await self._prepare()
             try:
                 self.decide()
             except Exception:  # a failing policy must not end the loop: every request would hang
@@ -267,23 +267,22 @@ class ModelScheduler:
                               self.engine.model)  # fmt: skip
                 self._recheck_at = self.clock() + PROBE_INTERVAL_S
 
-    async def _predict_ahead(self) -> None:
-        """Run the policy's due predictions (ISRTF's text predictor: tens to hundreds of ms on a
-        CPU) on a thread, so streams keep flowing meanwhile; ``decide`` then predicts only what
-        became due in the meantime. Policies without ``predictions_due`` skip this."""
-        policy = self.policy
-        due = getattr(policy, "predictions_due", None)
-        if due is None:
+    async def _prepare(self) -> None:
+        """Run the policy's expensive work for the coming decision (ISRTF's text predictor, QLM's
+        MILP: tens of ms to seconds on a CPU) on a thread, so streams keep flowing meanwhile
+        (Policy protocol item 6). Policies without ``prepare`` skip this."""
+        prepare = getattr(self.policy, "prepare", None)
+        if prepare is None:
             return
-        reqs = due([job.req for job in self.inflight])
-        if not reqs:
+        work = prepare(self._view(self.clock()))
+        if work is None:
             return
-        if self._predictor_thread is None:
-            self._predictor_thread = ThreadPoolExecutor(1, thread_name_prefix=f"predict-{self.engine.model}")
+        if self._work_thread is None:
+            self._work_thread = ThreadPoolExecutor(1, thread_name_prefix=f"policy-{self.engine.model}")
         try:
-            await asyncio.get_running_loop().run_in_executor(self._predictor_thread, policy.predict, reqs)
-        except Exception:  # decide() predicts what is still due, and logs if that fails too
-            log.exception("predicting ahead for model %s failed", self.engine.model)
+            await asyncio.get_running_loop().run_in_executor(self._work_thread, work)
+        except Exception:  # decide() does what is still due itself, and logs if that fails too
+            log.exception("policy work ahead of a decision for model %s failed", self.engine.model)
 
     def _expire(self, now: float) -> None:
         """End requests that waited past their class's maximum queue time without starting."""
@@ -306,19 +305,8 @@ class ModelScheduler:
             self._expire(now)
         if self.autoscale.enabled:
             self._autoscale(now)
-        running = [job.req for job in self.inflight]
-        view = InstanceView(
-            now=now,
-            instance=self.engine.model,
-            running=running,
-            max_batch=self.max_batch,
-            kv_capacity_tokens=self.profile.kv_capacity_tokens,
-            kv_used_tokens=sum(r.context_tokens for r in running),
-            profile=self.profile,
-            active_model=None if self.swapper is None else self.swapper.active_for(self.engine.model),
-        )
         t0 = time.perf_counter()
-        decision = self.policy.schedule(view)
+        decision = self.policy.schedule(self._view(now))
         self._decision_hist.observe(time.perf_counter() - t0)
         self._recheck_tokens = decision.recheck_after_tokens
         self._recheck_at = decision.recheck_at
@@ -338,6 +326,19 @@ class ModelScheduler:
             if len(self.inflight) >= self.max_batch:
                 break
             self._launch(job, now)
+
+    def _view(self, now: float) -> InstanceView:
+        running = [job.req for job in self.inflight]
+        return InstanceView(
+            now=now,
+            instance=self.engine.model,
+            running=running,
+            max_batch=self.max_batch,
+            kv_capacity_tokens=self.profile.kv_capacity_tokens,
+            kv_used_tokens=sum(r.context_tokens for r in running),
+            profile=self.profile,
+            active_model=None if self.swapper is None else self.swapper.active_for(self.engine.model),
+        )
 
     def _swap_allows(self, decision: Decision) -> bool:
         """Pass a load request on; False while this model may not admit (asleep or draining)."""

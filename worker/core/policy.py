@@ -20,10 +20,11 @@ Protocol (the same for the simulator and the real-vLLM worker):
    short (admission or decode) the engine drops that KV first (they resume by
    recompute). ``InstanceView.prefill_budget_tokens`` (additive, optional) tells how
    many prefill tokens the engine admits per iteration.
-6. Optional, for policies with expensive predictions (ISRTF): ``predictions_due(running)``
-   and ``predict(requests)``. The worker runs ``predict`` on a thread before ``schedule``
-   so its event loop keeps streaming; the simulator never calls them (``schedule``
-   predicts whatever is still due itself).
+6. Optional, for policies with expensive work (ISRTF's predictor, QLM's MILP):
+   ``prepare(view)`` returns a callable or None. The worker calls ``prepare`` before
+   ``schedule`` and runs the callable on a thread, so its event loop keeps streaming; the
+   callable may only touch the policy's own state and numbers taken in ``prepare``. The
+   simulator never calls it: ``schedule`` does whatever work is still due itself.
 
 Policies never mutate requests' engine state (phase, generated, KV flags); they
 may write ``predicted_remaining`` and ``annotations``.

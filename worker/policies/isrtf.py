@@ -16,10 +16,10 @@ Aging guard (spec §A.4 #8a, off by default): the key becomes ŷ − ``aging_tok
 age = now − arrival. Subtracting the common ``now`` leaves ŷ + a·arrival, so keys stay fixed while a
 request waits and the heap order stays valid.
 
-Predicting off the caller's thread (the worker): ``predictions_due(running)`` lists what the next
-decision would predict and ``predict(requests)`` predicts them, so an adapter can run the expensive
-text predictor on another thread while its event loop keeps streaming, then call ``schedule``, which
-predicts only what is still due. The simulator just calls ``schedule``. A request's window counts
+Predicting off the caller's thread (the worker): ``prepare(view)`` returns the batched prediction of
+what the next decision would predict (``predictions_due``) as work for another thread, so the worker's
+event loop keeps streaming while the text predictor runs; ``schedule`` then predicts only what is
+still due. The simulator just calls ``schedule``. A request's window counts
 from the tokens it had when its prediction's input was taken, and finished requests are handed to
 the predictor (``observe``/``forget``) at the next prediction, on the predicting thread, so the
 predictor is only ever used by one thread at a time.
@@ -31,7 +31,7 @@ engine recompute-evicts under pressure); ``"recompute"`` is the spec's ``recompu
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from tessera.worker.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
@@ -123,6 +123,11 @@ class ISRTF(PriorityPolicy):
         requests at their window boundary."""
         new = [r for r in self._pending.values() if PREDICTED_AT not in r.annotations]
         return new + self._due(list(running))
+
+    def prepare(self, view: InstanceView) -> Callable[[], None] | None:
+        """The due predictions as work for another thread (Policy protocol item 6)."""
+        due = self.predictions_due(view.running)
+        return (lambda: self.predict(due)) if due else None
 
     def predict(self, reqs: Sequence[Request]) -> None:
         """Predict ``reqs`` in one batched call (safe on another thread than the decisions')."""

@@ -20,7 +20,7 @@ Assumes one GPU-resident model per instance (a swap flushes the KV cache), as th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar, Literal
 
 from tessera.worker.core.policy import Decision, InstanceView, Policy
@@ -37,7 +37,7 @@ from tessera.worker.policies.qlm.estimator import (
 )
 from tessera.worker.policies.qlm.groups import Grouper, GroupKey, RequestGroup, VirtualQueue, group_key
 from tessera.worker.policies.qlm.lso import ModelTiers, SwapGate, TierCosts, eviction_victims
-from tessera.worker.policies.qlm.milp import GroupSpec, QueueSpec, SolverSettings, solve
+from tessera.worker.policies.qlm.milp import GroupSpec, Plan, QueueSpec, SolverSettings, solve
 
 TokenSeeds = Mapping[
     tuple[str, str], tuple[float, float, float]
@@ -113,6 +113,10 @@ class QLMPolicy(Policy):
         self._check_due = False
         self._last_solve = -math.inf
         self._reordered_head: RequestGroup | None = None  # head placed by the scheduler: evict, swap now
+        # A plan solved off the decision's thread (``prepare``), with its groups by id; the next
+        # ``schedule`` installs it.
+        self._solved: tuple[Plan, dict[int, RequestGroup]] | None = None
+        self._solving = False
         self.gate = SwapGate(self.tiers)
         self._active_model: str | None = None
         self.counters: dict[str, float] = {"solves": 0, "fallbacks": 0, "evicted": 0, "model_swaps": 0}
@@ -148,15 +152,15 @@ class QLMPolicy(Policy):
     def schedule(self, view: InstanceView) -> Decision:
         """Sync, maybe reorder, then swap / evict / pull (module docstring)."""
         now = view.now
-        self.vq.name = view.instance
-        self._refresh_rates(view)
-        self._sync(view)
-        self._active_model = view.active_model
+        self._observe(view)
         closed = self.gate.closed_until(view.active_model, now)
         if closed is not None:
             return Decision(run=[], recheck_at=closed)
         recheck_at = None
-        if self.reorder and self._check_due:
+        solved, self._solved = self._solved, None
+        if solved is not None:
+            self._install(*solved)
+        if self.reorder and self._check_due and not self._solving:
             recheck_at = self._maybe_reorder(view)
         head = self.vq.head_group()
         position = {id(g): pos for pos, g in enumerate(self.vq.groups)}
@@ -319,6 +323,13 @@ class QLMPolicy(Policy):
             limit = min(limit, math.floor(0.5 * slo * self.rates.theta(stats) / stats.mu_out))
         return max(1, int(limit))
 
+    def _observe(self, view: InstanceView) -> None:
+        """Take in the engine's view (rates, batch entries and exits, eps); idempotent per view."""
+        self.vq.name = view.instance
+        self._refresh_rates(view)
+        self._sync(view)
+        self._active_model = view.active_model
+
     def _refresh_rates(self, view: InstanceView) -> None:
         if self.rates is None:
             self.rates = EngineRates(view.profile, view.max_batch, self.eps_seed)
@@ -351,8 +362,34 @@ class QLMPolicy(Policy):
         if sample is not None:
             rates.eps = rates.eps + self.eps_meter.alpha * (sample - rates.eps)
 
-    def _maybe_reorder(self, view: InstanceView) -> float | None:
-        """Violation check; solve when one is predicted. Returns a re-check time when debounced."""
+    def prepare(self, view: InstanceView) -> Callable[[], None] | None:
+        """The MILP solve as work for another thread (the worker's; Policy protocol item 6), when
+        a violation is predicted and the debounce allows; the next ``schedule`` installs its plan.
+        The work reads only the numbers taken here, so the queue may change meanwhile."""
+        if not (self.reorder and self._check_due) or self._solving or self._solved is not None:
+            return None
+        self._observe(view)
+        if self.gate.closed_until(view.active_model, view.now) is not None:
+            return None
+        problem = self._reorder_problem(view)
+        if isinstance(problem, float) or problem is None:
+            return None  # no violation, or debounced: ``schedule`` says when to look again
+        groups, queues, by_id = problem
+        self._solving = True
+
+        def work() -> None:
+            try:
+                self._solved = (solve(groups, queues, self.solver), by_id)
+            finally:
+                self._solving = False
+
+        return work
+
+    def _reorder_problem(
+        self, view: InstanceView
+    ) -> tuple[list[GroupSpec], list[QueueSpec], dict[int, RequestGroup]] | float | None:
+        """The MILP's input when the estimator predicts a violation (spec A7 trigger); a re-check
+        time while debounced; None when no violation is predicted."""
         now = view.now
         pairs = self.queued(now)
         residual = self.residual(now)
@@ -370,19 +407,36 @@ class QLMPolicy(Policy):
         groups = [
             GroupSpec(g.id, g.model, q.slack, {self.vq.name: q.costs}, current=self.vq.name) for g, q in pairs
         ]
-        plan = solve(groups, [QueueSpec(self.vq.name, view.active_model, residual, swap)], self.solver)
+        queues = [QueueSpec(self.vq.name, view.active_model, residual, swap)]
+        return groups, queues, {g.id: g for g, _ in pairs}
+
+    def _maybe_reorder(self, view: InstanceView) -> float | None:
+        """Violation check; solve when one is predicted. Returns a re-check time when debounced."""
+        problem = self._reorder_problem(view)
+        if isinstance(problem, float) or problem is None:
+            return problem
+        groups, queues, by_id = problem
+        self._install(solve(groups, queues, self.solver), by_id)
+        return None
+
+    def _install(self, plan: Plan, by_id: Mapping[int, RequestGroup]) -> None:
+        """Put the plan's order in the virtual queue. Groups that finished since the solve are
+        skipped; groups formed since then keep their place after the plan's (a plan solved on
+        another thread may be a little stale)."""
         self.counters["solves"] += 1
         self.solve_times.append(plan.solve_s)
         if plan.status.startswith("edf"):
             self.counters["fallbacks"] += 1
         old_head = self.vq.head_group()
-        by_id = {g.id: g for g, _ in pairs}
+        live = {id(g) for g in self.vq.groups if g.n_pending}
+        ordered = [by_id[gid] for gid in plan.order[self.vq.name] if id(by_id[gid]) in live]
+        placed = {id(g) for g in ordered}
         started = [g for g in self.vq.groups if not g.n_pending]
-        self.vq.replace(started + [by_id[gid] for gid in plan.order[self.vq.name]])
+        newer = [g for g in self.vq.groups if g.n_pending and id(g) not in placed]
+        self.vq.replace(started + ordered + newer)
         new_head = self.vq.head_group()
         if new_head is not old_head:
             self._reordered_head = new_head
-        return None
 
     def _swap_to(self, head: RequestGroup, view: InstanceView) -> Decision:
         """Model swap LSO: load the head group's model (running requests are flushed by the engine)."""
