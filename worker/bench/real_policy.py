@@ -153,10 +153,14 @@ def _sim_requests(plans: dict[str, list[Any]], rows: dict[str, list[dict[str, An
 def _sim_policy(name: str, predictor: Any) -> Any:
     from tessera.worker.core.registry import make_policy
 
+    # The worker preempts by aborting the vLLM stream and resubmitting prompt + generated ids
+    # (recompute), so the simulator prices preemption the same way, not with the KV kept.
     if name == "isrtf":
-        return make_policy("isrtf", predictor=predictor, window_tokens=WINDOW_TOKENS)
+        return make_policy(
+            "isrtf", predictor=predictor, window_tokens=WINDOW_TOKENS, preempt_mode="recompute"
+        )
     if name == "srtf-oracle":
-        return make_policy("srtf-oracle", recheck_tokens=WINDOW_TOKENS)
+        return make_policy("srtf-oracle", recheck_tokens=WINDOW_TOKENS, preempt_mode="recompute")
     return make_policy(name)
 
 
