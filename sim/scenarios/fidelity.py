@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -51,6 +50,7 @@ import numpy as np
 
 from tessera.sim.cluster import ClusterConfig
 from tessera.sim.engine import EngineConfig
+from tessera.sim.machine import MachineWatch
 from tessera.sim.measure import E2E, ITL, PREFILL, QUEUE, TTFT, MetricsDelta
 from tessera.sim.profiles import Measurements, describe_profile, fit_profile, profile_to_dict
 from tessera.sim.runner import AZURE_CONV, option, run_one
@@ -167,17 +167,17 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                     rate = load * saturation_rate(probe, cluster)
                 arrivals = scale_to_rate([r.arrival for r in rows], rate)
             progress(1)
-            load_before = os.getloadavg()[0]
             others = other_vllm_servers(server.pid)
-            replayed = asyncio.run(
-                replay(
-                    server.url,
-                    server.model_name,
-                    [(float(a), int(p), int(o)) for a, p, o in zip(arrivals, inp, out, strict=True)],
-                    vocab=vocab,
+            with MachineWatch() as watch:
+                replayed = asyncio.run(
+                    replay(
+                        server.url,
+                        server.model_name,
+                        [(float(a), int(p), int(o)) for a, p, o in zip(arrivals, inp, out, strict=True)],
+                        vocab=vocab,
+                    )
                 )
-            )
-            load_after = os.getloadavg()[0]
+            stalls = watch.stalls()
             after, samples_after = measure_and_fit(*fit_args)
             progress(1)
     # The machine's other load drifts within minutes: the simulator gets the profile fitted on the
@@ -232,8 +232,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             else f"all {n} requests at time 0 (arrivals=burst); "
         )
         + f"makespan real {real_span:.2f} s, sim {max(r.finished_at for r in simulated):.2f} s; "
-        f"load average {load_before:.2f} before, {load_after:.2f} after the replay "
-        f"on {os.cpu_count()} cores; "
+        f"{watch.describe_load()} during the replay; stalls of the bench process (the machine "
+        f"stopped it for >= 0.1 s): {stalls.describe()}; "
         f"{others} other vLLM server(s) running when the replay started",
     ]
     cfg = {
@@ -241,8 +241,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "requests": n,
         "arrivals": pattern,
         "rate": rate,
-        "load_avg_before": load_before,
-        "load_avg_after": load_after,
+        "load_avg_range": list(watch.load_range()),
+        "stalls": stalls.count,
+        "stalled_s": stalls.total_s,
+        "longest_stall_s": stalls.longest_s,
         "other_vllm_servers": others,
         "profile": profile_to_dict(profile),
         "samples": {"prefill": samples.prefill, "decode": samples.decode, "overhead": samples.overhead},

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import tempfile
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from tessera.sim.machine import MachineWatch
 from tessera.sim.runner import SHARED_DATA, option
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
 
@@ -218,7 +218,6 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     results: list[dict[str, Any]] = []
     per_round: dict[str, list[dict[str, Any]]] = {}  # "POLICY:WORKLOAD" -> its row in each round
     progress(0, total=3 + 2 * len(usable) * rounds)
-    load_avg: list[float] = []
     with tempfile.TemporaryDirectory(prefix="tessera-real-policy-") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")
         counter = TokenCounter.from_path(model_dir)
@@ -230,7 +229,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             model_dir, served_model_name="tiny", max_model_len=1024, max_num_seqs=64,
             extra_args=["--max-num-batched-tokens", str(BUDGET_TOKENS)],
         )  # fmt: skip
-        with server:
+        with server, MachineWatch() as watch:
             progress(1)
             cluster = _fit_cluster(server, model_dir, batch)
             progress(1)
@@ -256,12 +255,12 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 for _ in range(rounds):
                     for name in usable:
                         for workload, plan in plans.items():
-                            load_avg.append(os.getloadavg()[0])
                             hints = name == "srtf-oracle"
+                            mark = watch.span()
                             stats = asyncio.run(replay(workers[name].url, "tiny", plan, true_lengths=hints))
-                            per_round.setdefault(f"{name}:{workload}", []).append(
-                                _row(f"{name}:{workload}", stats)
-                            )
+                            row = _row(f"{name}:{workload}", stats)
+                            row["stalled_s"] = watch.stalls(mark).total_s  # the machine stopped us
+                            per_round.setdefault(f"{name}:{workload}", []).append(row)
                             progress(1)
             finally:
                 for worker in workers.values():
@@ -275,7 +274,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 results.append({"policy": f"{name}:{workload}:sim", **metrics})
         progress(1)
     checks += _ratio_checks(results, per_round, usable, with_sim)
-    checks.append(f"load average (1 min) during the real runs: {min(load_avg):.1f}-{max(load_avg):.1f}")
+    checks.append(f"{watch.describe_load()} during the real runs; stalls: {watch.stalls().describe()}")
     cfg = {
         **config.as_dict(), "requests": requests, "load": load, "rate": rate, "sim_capacity_rps": capacity,
         "batch": batch, "burst": burst, "prompt_chars": prompt_chars, "predictor": predictor_kind,
