@@ -9,6 +9,7 @@ For small problems; the greedy (``placement.py``) is the default.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,9 +53,9 @@ def solve_partition(
     S = range(len(services))
     B = range(len(groups))
     ok = {(s, b): groups[b].tp >= services[s].tp_min for s in S for b in B}
-    x = {(s, b): pulp.LpVariable(f"x_{s}_{b}", cat="Binary") for s in S for b in B if ok[s, b]}
-    f = {(s, b): pulp.LpVariable(f"f_{s}_{b}", 0, 1) for s in S for b in B if ok[s, b]}
-    u = pulp.LpVariable("U", lowBound=0)
+    x = {(s, b): prob.add_variable(f"x_{s}_{b}", 0, 1, pulp.LpBinary) for s in S for b in B if ok[s, b]}
+    f = {(s, b): prob.add_variable(f"f_{s}_{b}", 0, 1) for s in S for b in B if ok[s, b]}
+    u = prob.add_variable("U", 0)
     prob += u + EPSILON * pulp.lpSum(x.values())
     for s in S:
         if not any(ok[s, b] for b in B):
@@ -83,7 +84,10 @@ def solve_partition(
         prob += (
             pulp.lpSum(f[s, b] * service_rate(services[s]) * request_work(services[s], tp) for s in on_b) <= u
         )
-    status = prob.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
+    with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled-CBC class; we want its binary
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+    status = prob.solve(cbc)
     name = pulp.LpStatus[status]
     if name != "Optimal":
         raise PlacementError(f"placement MILP is {name}: the partition cannot host every service")
