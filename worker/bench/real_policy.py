@@ -274,7 +274,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 results.append({"policy": f"{name}:{workload}:sim", **metrics})
         progress(1)
     checks += _ratio_checks(results, per_round, usable, with_sim)
-    checks.append(f"{watch.describe_load()} during the real runs; stalls: {watch.stalls().describe()}")
+    checks.append(
+        f"{watch.describe_load()} during the real runs (profile fit included); "
+        f"stalls of the bench process: {watch.stalls().describe()}"
+    )
     cfg = {
         **config.as_dict(), "requests": requests, "load": load, "rate": rate, "sim_capacity_rps": capacity,
         "batch": batch, "burst": burst, "prompt_chars": prompt_chars, "predictor": predictor_kind,
