@@ -9,7 +9,6 @@ For small problems; the greedy (``placement.py``) is the default.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from tessera.operator.planners.placement import (
     to_plan,
 )
 from tessera.operator.planners.types import PlacementPlan, PoolInput, ServiceInput
+from tessera.worker.policies.qlm.milp import bundled_cbc
 
 EPSILON = 1e-4
 
@@ -84,10 +84,7 @@ def solve_partition(
         prob += (
             pulp.lpSum(f[s, b] * service_rate(services[s]) * request_work(services[s], tp) for s in on_b) <= u
         )
-    with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled-CBC class; we want its binary
-        warnings.simplefilter("ignore", DeprecationWarning)
-        cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
-    status = prob.solve(cbc)
+    status = prob.solve(bundled_cbc(timeLimit=time_limit_s))
     name = pulp.LpStatus[status]
     if name != "Optimal":
         raise PlacementError(f"placement MILP is {name}: the partition cannot host every service")

@@ -490,6 +490,15 @@ def _build(
     )
 
 
+def bundled_cbc(**options: object) -> pulp.PULP_CBC_CMD:
+    """PuLP's command for the CBC binary bundled with PuLP (quiet), with ``options`` such as
+    ``timeLimit``. PuLP 3.3 deprecates this class in favour of a separately installed CBC; we want
+    the bundled binary (nothing else to install), so that one warning is silenced here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(msg=False, **options)
+
+
 def _run_cbc(
     prob: pulp.LpProblem, mip_gap: float, warm_start: bool, deadline: float, phases: dict[str, float]
 ) -> tuple[int, int] | None:
@@ -502,9 +511,7 @@ def _run_cbc(
     a 5 s limit at 40 groups). CBC gets ``_CBC_SHARE`` of the time left after the write, so it
     normally stops by itself with its incumbent.
     """
-    with warnings.catch_warnings():  # PuLP 3.3 deprecates the bundled-CBC class; we want its binary
-        warnings.simplefilter("ignore", DeprecationWarning)
-        cbc = pulp.PULP_CBC_CMD(msg=False, warmStart=warm_start)
+    cbc = bundled_cbc(warmStart=warm_start)
     with tempfile.TemporaryDirectory(prefix="qlm-cbc-") as tmp:
         mps, mst, sol = (os.path.join(tmp, f"model.{ext}") for ext in ("mps", "mst", "sol"))
         started = time.perf_counter()
