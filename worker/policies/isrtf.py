@@ -147,9 +147,8 @@ class ISRTF(PriorityPolicy):
 
     def schedule(self, view: InstanceView) -> Decision:
         """Predict what is due in one batch; re-rank everything at a window boundary, else fill free slots."""
-        due = self._due(list(view.running))
+        self.predict(self.predictions_due(view.running))
         new = list(self._pending.values())
-        self.predict([r for r in new if PREDICTED_AT not in r.annotations] + due)
         self._pending.clear()
         for req in new:
             self._push(req, view.now)
