@@ -62,17 +62,20 @@ def _complete(url: str, **body: object) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=payload, timeout=120)
 
 
+def _metric_sum(url: str, prefix: str) -> float:
+    """The sum of the samples in ``url``/metrics whose line starts with ``prefix`` (all labels)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(prefix))
+
+
 def _vllm_generated(vllm: VLLMServer) -> float:
     """vLLM's generated-token counter (its running-requests gauge is not live on this CPU build)."""
-    text = httpx.get(f"{vllm.url}/metrics", timeout=5).text
-    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:generation_tokens_total")]
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+    return _metric_sum(vllm.url, "vllm:generation_tokens_total")
 
 
 def _worker_inflight(worker: WorkerChild) -> float:
     """The worker's requests running in the engine (``tessera_inflight``, all models)."""
-    text = httpx.get(f"{worker.url}/metrics", timeout=5).text
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("tessera_inflight{"))
+    return _metric_sum(worker.url, "tessera_inflight{")
 
 
 def test_completion_chat_and_stream(worker: WorkerChild) -> None:

@@ -78,10 +78,9 @@ def _burst(stats: list[Any]) -> dict[str, float]:
     }
 
 
-def _burst_row(name: str, rounds: list[list[Any]]) -> dict[str, Any]:
+def _burst_row(name: str, requests: int, bursts: list[dict[str, float]]) -> dict[str, Any]:
     """Per-field medians over the rounds' bursts."""
-    bursts = [_burst(stats) for stats in rounds]
-    row: dict[str, Any] = {"policy": name, "requests": sum(len(r) for r in rounds)}
+    row: dict[str, Any] = {"policy": name, "requests": requests}
     return row | {key: statistics.median(b[key] for b in bursts) for key in bursts[0]}
 
 
@@ -208,10 +207,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 phases1 = _phase_sums(worker.url)
             finally:
                 worker.stop()
-    vllm_row = _burst_row("vllm", direct)
-    worker_row = _burst_row("worker", proxied)
-    # Paired per round (the same minutes of the machine), then the median over rounds.
     pairs = [(_burst(d), _burst(w)) for d, w in zip(direct, proxied, strict=True)]
+    vllm_row = _burst_row("vllm", sum(map(len, direct)), [d for d, _ in pairs])
+    worker_row = _burst_row("worker", sum(map(len, proxied)), [w for _, w in pairs])
+    # Paired per round (the same minutes of the machine), then the median over rounds.
     ratios = [w["output_tokens_per_s"] / d["output_tokens_per_s"] for d, w in pairs]
     added = [(w["p50_ttft_s"] - d["p50_ttft_s"]) * 1e3 for d, w in pairs]
     ratio, added_ms = statistics.median(ratios), statistics.median(added)
