@@ -27,6 +27,10 @@ def test_prefix_text_has_exactly_n_tokens() -> None:
         assert count_tokens(cut) == n
     assert prefix_text(TEXT, 0) == ""
     assert prefix_text(TEXT, total + 10) == TEXT
+    counter = TokenCounter.from_path(None)
+    cut = counter.first_tokens([TEXT, "", TEXT], [5, 3, total + 1])
+    assert cut[0] == (counter.ids(TEXT)[:5], prefix_text(TEXT, 5))
+    assert cut[1] == ([], "") and cut[2] == (counter.ids(TEXT), TEXT)
 
 
 def test_tokenizer_path_errors_say_what_to_pass(tmp_path: Path) -> None:
@@ -64,6 +68,11 @@ def test_split_is_by_prompt_never_by_row(tmp_path: Path) -> None:
     # without prompt_id the prompt text groups rows
     anon = load_pairs(write_jsonl(tmp_path / "e.jsonl.gz", [{"prompt": "same", "response": "x"}] * 2))
     assert anon[0].group == anon[1].group
+    # a salted split (the dev split inside the training prompts) is drawn independently of the first
+    rest, dev = split_by_prompt(train, 0.2, salt="#dev")
+    assert {p.group for p in rest}.isdisjoint({p.group for p in dev})
+    assert len(rest) + len(dev) == len(train) and 0.1 < len(dev) / len(train) < 0.3
+    assert {p.group for p in dev} != {p.group for p in split_by_prompt(train, 0.2)[1]}
 
 
 def test_step_points_follow_elis_rule() -> None:

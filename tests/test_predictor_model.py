@@ -68,8 +68,10 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         rows_per_prompt=None,
         val_rows_per_prompt=None,
         val_fraction=0.3,
+        dev_fraction=0.3,
         hidden=32,
         depth=3,
+        dropout=0.2,
         epochs=2,
         batch_size=8,
         threads=1,
@@ -77,6 +79,9 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     )
     meta = train(cfg)
     assert meta["feature_dim"] == 3 * 384 + 6 and meta["best_epoch"] in (1, 2)
+    # the epoch is picked on dev prompts; validation prompts are only scored
+    assert meta["rows"]["dev"] > 0 and meta["samples"]["dev"] > 0 and meta["dropout"] == 0.2
+    assert meta["dev"] != meta["validation"]
     return tmp / "art", data
 
 

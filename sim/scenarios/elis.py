@@ -11,7 +11,8 @@ Rows: ``fcfs:batch=B``, ``isrtf:batch=B``, ``isrtf:batch=B,aging=A`` (the starva
 ``srtf-oracle:batch=B``.
 
 Options (``--set``): requests (400), batches ("1,2,4"), data (AlpacaEval text), predictor (text |
-running-mean | constant), window (50), aging (tokens/s of credit per second of age; default: one
+running-mean | constant), artifact (a trained head's folder for ``text``; default the shipped one),
+window (50), aging (tokens/s of credit per second of age; default: one
 token per single-stream decode step of the profile), and the cluster options of
 ``tessera.sim.runner.CLUSTER_OPTIONS``.
 """
@@ -70,12 +71,14 @@ def build_workload(
     return reqs
 
 
-def _predictor(kind: str) -> Any:
+def _predictor(kind: str, artifact: str | None) -> Any:
+    if artifact is not None and kind != "text":
+        raise ValueError(f"--set artifact applies to predictor=text only, not predictor={kind}")
     if kind == "text":
         from tessera.worker.predictor.model import TextLengthPredictor
         from tessera.worker.predictor.samples import EmbeddingStore
 
-        predictor = TextLengthPredictor(threads=1)  # one thread: the simulator is single-threaded
+        predictor = TextLengthPredictor(artifact, threads=1)  # one thread: the simulator is single-threaded
         # Every policy and batch size replays the same texts: embed each chunk once per bench run.
         predictor.store = EmbeddingStore(predictor.encoder, cache_dir=None)
         return predictor
@@ -105,7 +108,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     window = option(opts, "window", 50, int)
     kind = option(opts, "predictor", "text", str)
     data = Path(option(opts, "data", str(ALPACA_TEXT), str))
-    predictor = _predictor(kind)
+    artifact = opts.get("artifact")
+    predictor = _predictor(kind, None if artifact is None else str(artifact))
     val_fraction = predictor.meta["split"]["val_fraction"] if kind == "text" else None
     base = build_workload(data, n, config.seed, val_fraction, predictor)
     if kind == "text":
@@ -150,6 +154,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "batches": batches,
         "window": window,
         "predictor": kind,
+        "artifact": artifact,
         "data": str(data),
         "aging_tokens_per_s": aging_used,
         "capacity_rps": capacities,

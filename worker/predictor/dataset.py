@@ -59,18 +59,19 @@ def load_pairs(path: str | Path) -> list[Pair]:
     return pairs
 
 
-def is_validation(group: str, val_fraction: float) -> bool:
-    """Whether a prompt group falls in the validation split (stable hash of the id, not file order)."""
-    bucket = int(hashlib.sha1(group.encode()).hexdigest()[:8], 16) % 10_000
+def is_validation(group: str, val_fraction: float, salt: str = "") -> bool:
+    """Whether a prompt group falls in the validation split (stable hash of the id, not file order);
+    another ``salt`` draws an independent split (the dev split inside the training prompts)."""
+    bucket = int(hashlib.sha1((group + salt).encode()).hexdigest()[:8], 16) % 10_000
     return bucket < val_fraction * 10_000
 
 
-def split_by_prompt(pairs: list[Pair], val_fraction: float) -> tuple[list[Pair], list[Pair]]:
+def split_by_prompt(pairs: list[Pair], val_fraction: float, salt: str = "") -> tuple[list[Pair], list[Pair]]:
     """(train, validation): every row of a prompt lands on the same side."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    train = [p for p in pairs if not is_validation(p.group, val_fraction)]
-    val = [p for p in pairs if is_validation(p.group, val_fraction)]
+    train = [p for p in pairs if not is_validation(p.group, val_fraction, salt)]
+    val = [p for p in pairs if is_validation(p.group, val_fraction, salt)]
     return train, val
 
 

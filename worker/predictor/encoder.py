@@ -8,6 +8,12 @@ a BGE model already in the local Hugging Face cache; else all-MiniLM-L6-v2 from 
 Settings (CPU cost): ``num_layers`` keeps only the first transformer layers (None: all; 0: the
 embedding layer alone, a static bag of token embeddings), ``quantize`` applies int8 dynamic
 quantisation to the Linear layers, ``threads`` sets torch's intra-op threads.
+
+CHOICE: the shipped head uses 0 layers. Measured here (2 threads, int8 where layers > 0), a batch of
+16 answer chunks of 50 tokens takes p50 70 ms with all 6 MiniLM layers, 27 ms with 2, 16 ms with 1
+and 2 ms with 0; 16 prompts of up to 128 tokens 190 / 71 / 36 / 3 ms. ELIS' 11 ms is on a GPU. On
+AlpacaEval's held-out prompts the static embeddings also rank remaining lengths better over all
+steps (train.py has the figures), so the transformer layers buy nothing the target measures.
 """
 
 from __future__ import annotations

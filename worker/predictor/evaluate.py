@@ -64,36 +64,42 @@ def evaluate(
 def measure_latency(
     predictor: TextLengthPredictor, data: str | Path, batch: int = 16, repeats: int = 30, seed: int = 0
 ) -> dict:
-    """p50/p90 wall time (ms) of ``predict_remaining`` on batches of ``batch`` requests.
+    """p50/p90 wall time (ms) of ``predict_remaining`` on batches of ``batch`` requests, three cases.
 
-    ``window``: the steady state of ISRTF — each request was predicted at the previous window boundary
-    and now returns with one more window of text. ``step0``: first sight of new prompts.
+    ``arrival``: new requests, nothing generated yet (the prompts are embedded). ``window``: the
+    steady state of ISRTF — each request was predicted at the previous window boundary and now returns
+    with one more window of text (one new chunk each). ``cold``: requests first seen mid-answer (after
+    an eviction from the per-request cache: the prompt and every answer chunk so far are embedded). As
+    in a worker, ``response_text`` is only the text generated so far (cut outside the timed calls).
     """
     pairs = load_pairs(data)
     rng = random.Random(seed)
     window = predictor.window
-    times: dict[str, list[float]] = {"window": [], "step0": []}
-    for rep in range(repeats + 1):  # the first repeat warms up torch
-        chosen = rng.sample(pairs, batch)
-        reqs = []
-        for i, pair in enumerate(chosen):
-            n = predictor.served.count(pair.response)
-            req = Request(
-                f"lat{rep}-{i}", 0.0, predictor.served.count(pair.prompt), n + 1, prompt_text=pair.prompt
-            )
-            req.response_text = pair.response
-            req.generated = window * rng.randint(0, max(0, (n - 1) // window - 1))
-            reqs.append(req)
+    times: dict[str, list[float]] = {"arrival": [], "window": [], "cold": []}
+
+    def timed(case: str, reqs: list[Request], record: bool) -> None:
         t0 = time.perf_counter()
         predictor.predict_remaining(reqs)
-        t1 = time.perf_counter()
-        for req in reqs:
+        if record:
+            times[case].append((time.perf_counter() - t0) * 1e3)
+
+    for rep in range(repeats + 1):  # the first repeat warms up torch
+        chosen = rng.sample(pairs, batch)
+        lengths = [predictor.served.count(p.response) for p in chosen]
+        reqs = [
+            Request(f"lat{rep}-{i}", 0.0, predictor.served.count(p.prompt), n + 1, prompt_text=p.prompt)
+            for i, (p, n) in enumerate(zip(chosen, lengths, strict=True))
+        ]
+        timed("arrival", reqs, rep > 0)
+        for req, pair, n in zip(reqs, chosen, lengths, strict=True):
+            predictor.forget(req)
+            req.generated = window * rng.randint(0, max(0, (n - 1) // window - 1))
+            req.response_text = predictor.served.prefix(pair.response, req.generated)
+        timed("cold", reqs, rep > 0)
+        for req, pair in zip(reqs, chosen, strict=True):
             req.generated += window
-        predictor.predict_remaining(reqs)
-        t2 = time.perf_counter()
-        if rep:
-            times["step0"].append((t1 - t0) * 1e3)
-            times["window"].append((t2 - t1) * 1e3)
+            req.response_text = predictor.served.prefix(pair.response, req.generated)
+        timed("window", reqs, rep > 0)
         for req in reqs:
             predictor.forget(req)
     return {

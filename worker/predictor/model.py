@@ -3,8 +3,8 @@
 ``predict_remaining`` embeds, in one batched encoder pass, only what is new since a request's last
 prediction: its prompt on first sight (``Predictor.init``) and its answer chunks not yet embedded
 (``Predictor.iter``); finished chunks are cached per request id (LRU). The text generated so far is
-``prefix_text(req.response_text, req.generated)`` with the served tokenizer, so the simulator can
-hand over the whole response and a real worker the streamed text.
+the first ``req.generated`` served tokens of ``req.response_text``, so the simulator can hand over the
+whole response and a real worker the streamed text.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tessera.worker.core.request import Request
 from tessera.worker.predictor.encoder import ChunkEncoder
 from tessera.worker.predictor.features import answer_spans, build_features, prompt_chunk, repetition_stats
 from tessera.worker.predictor.head import LengthHead
-from tessera.worker.predictor.samples import EmbeddingStore, chunk_key
+from tessera.worker.predictor.samples import EmbeddingStore, chunk_key, shares_tokenizer
 from tessera.worker.predictor.tokens import TokenCounter, token_counter
 from tessera.worker.predictor.train import DEFAULT_ARTIFACT_DIR, HEAD_FILE, META_FILE
 
@@ -66,7 +66,11 @@ class TextLengthPredictor:
             )
         state = torch.load(Path(artifact_dir or DEFAULT_ARTIFACT_DIR) / HEAD_FILE, map_location="cpu")
         self.head = LengthHead(
-            self.meta["feature_dim"], self.meta["hidden"], self.meta["depth"], self.meta["target_scale"]
+            self.meta["feature_dim"],
+            self.meta["hidden"],
+            self.meta["depth"],
+            self.meta["target_scale"],
+            self.meta.get("dropout", 0.0),  # artifacts from before the setting had none
         )
         self.head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         self.head.eval()
@@ -75,6 +79,7 @@ class TextLengthPredictor:
         self.prompt_max_tokens = int(steps["prompt_max_tokens"])
         self.window = int(steps["window"])
         self.served: TokenCounter = token_counter(tokenizer)
+        self.same_tokenizer = shares_tokenizer(self.served, self.encoder)
         self.cache_size = cache_size
         self._cache: OrderedDict[str, _Entry] = OrderedDict()
         self.chunks_embedded = 0  # total encoder inputs so far (prompts + answer chunks)
@@ -96,10 +101,13 @@ class TextLengthPredictor:
                     f"request {req.id} has no prompt text: the text predictor needs prompt_text "
                     "(use a trace with prompts, or the running-mean/constant predictor)"
                 )
-        texts = [
-            self.served.prefix(r.response_text or "", r.generated) if r.generated else "" for r in requests
-        ]
-        answer_ids = self.encoder.ids(texts)
+        cut = self.served.first_tokens(
+            [r.response_text or "" if r.generated else "" for r in requests], [r.generated for r in requests]
+        )
+        # As in training (build_samples): the served ids themselves when the encoder shares the tokenizer.
+        answer_ids = (
+            [ids for ids, _ in cut] if self.same_tokenizer else self.encoder.ids([text for _, text in cut])
+        )
         # This call's entries, held here: storing new prompts may evict cached ones (LRU bound).
         entries = {r.id: self._cache[r.id] for r in requests if r.id in self._cache}
         new_prompts = [i for i, r in enumerate(requests) if r.id not in entries]

@@ -57,13 +57,18 @@ class StepSettings:
     prompt_max_tokens: int = 128
 
 
+def shares_tokenizer(served: TokenCounter, encoder: ChunkEncoder) -> bool:
+    """Whether the served tokenizer is the encoder's: then answer tokens feed the encoder as they are."""
+    return Path(served.name).resolve() == (encoder.path / "tokenizer.json").resolve()
+
+
 def build_samples(
     pairs: list[Pair], served: TokenCounter, encoder: ChunkEncoder, settings: StepSettings
 ) -> tuple[list[Sample], dict[bytes, list[int]]]:
     """Step-augmented samples of ``pairs`` and the unique chunks (key -> encoder ids) they need."""
     chunks: dict[bytes, list[int]] = {}
     samples: list[Sample] = []
-    same_tokenizer = Path(served.name).resolve() == (encoder.path / "tokenizer.json").resolve()
+    same_tokenizer = shares_tokenizer(served, encoder)
     prompts_served = served.ids_batch([p.prompt for p in pairs])
     prompts_enc = encoder.ids([p.prompt for p in pairs])
     responses = served.tokenizer.encode_batch([p.response for p in pairs], add_special_tokens=False)

@@ -55,14 +55,24 @@ class TokenCounter:
         """Number of tokens in ``text``."""
         return len(self.ids(text))
 
+    def first_tokens(self, texts: list[str], ns: list[int]) -> list[tuple[list[int], str]]:
+        """Ids and text of the first ``n`` tokens of each text (all of it when it has fewer), in one
+        batched encode."""
+        out: list[tuple[list[int], str]] = []
+        for text, n, enc in zip(
+            texts, ns, self.tokenizer.encode_batch(texts, add_special_tokens=False), strict=True
+        ):
+            if n <= 0:
+                out.append(([], ""))
+            elif n >= len(enc.ids):
+                out.append((enc.ids, text))
+            else:
+                out.append((enc.ids[:n], text[: enc.offsets[n - 1][1]]))
+        return out
+
     def prefix(self, text: str, n: int) -> str:
         """The text of the first ``n`` tokens of ``text`` (all of it when it has fewer)."""
-        if n <= 0:
-            return ""
-        offsets = self.tokenizer.encode(text, add_special_tokens=False).offsets
-        if n >= len(offsets):
-            return text
-        return text[: offsets[n - 1][1]]
+        return self.first_tokens([text], [n])[0][1]
 
 
 @lru_cache(maxsize=8)
