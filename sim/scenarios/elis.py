@@ -71,7 +71,7 @@ def build_workload(
     return reqs
 
 
-def _predictor(kind: str, artifact: str | None) -> Any:
+def _predictor(kind: str, artifact: str | None = None) -> Any:
     if artifact is not None and kind != "text":
         raise ValueError(f"--set artifact applies to predictor=text only, not predictor={kind}")
     if kind == "text":
