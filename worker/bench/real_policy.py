@@ -24,9 +24,10 @@ installed, else the ``running-mean`` fallback; the row says which), ``srtf-oracl
 true length: the bench sends it in the benchmark-only ``X-Tessera-True-Output-Tokens`` header, which
 the worker accepts only with ``scheduling.benchHints``), ``qoe``.
 
-Known cost the simulator does not charge: the text predictor (MiniLM on CPU, 0.2-0.7 s per batched
-call on the 2-core CI CPU) runs on a thread of the worker before each decision, so tokens keep
-streaming meanwhile, but it takes CPU from vLLM on the same two cores and delays the decision.
+Known cost the simulator does not charge: the text predictor (static-embedding encoder and head,
+about 10 ms per batch of 16 on this 2-core CPU; `tessera predictor eval --latency`) runs on a thread
+of the worker before each decision, so tokens keep streaming meanwhile, but it takes CPU from vLLM on
+the same two cores and delays the decision.
 
 The simulator side: a step profile fitted on the same server (``tessera profile``'s measurement),
 then every policy through ``tessera.sim`` on the same requests with the same batch bound; rows
