@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.sim.scenarios.andes import andes_cluster, burst_qoe_bound, mean_row, seed_checks
+from tessera.sim.scenarios._common import mean_row
+from tessera.sim.scenarios.andes import andes_cluster, burst_qoe_bound, seed_checks
 from tessera.worker.core import Request, ServiceClass
 
 CLS = ServiceClass(name="chat", reading_speed_tps=5.0)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tessera.sim.scenarios import BenchConfig
 from tessera.sim.scenarios.elis import run
 
 
 def test_elis_scenario_rows_and_checks() -> None:
-    cfg = BenchConfig(
-        scenario="elis", seed=3, options={"requests": 40, "batches": "1,2", "predictor": "running-mean"}
-    )
-    report = run(cfg, lambda *a, **k: None)
+    opts = {"requests": 40, "batches": "1,2", "predictor": "running-mean", "seeds": 1}
+    report = run(BenchConfig(scenario="elis", seed=3, options=opts), lambda *a, **k: None)
     names = [r["policy"] for r in report.results]
     assert names[0] == "fcfs:batch=1" and "isrtf:batch=1" in names and "srtf-oracle:batch=2" in names
     assert any(n.startswith("isrtf:batch=2,aging=") for n in names)
@@ -20,3 +20,16 @@ def test_elis_scenario_rows_and_checks() -> None:
     assert by["srtf-oracle:batch=1"]["mean_jct_s"] <= by["fcfs:batch=1"]["mean_jct_s"]
     assert report.config["gamma_shape"] == 0.73 and report.config["batches"] == [1, 2]
     assert any(c.startswith("isrtf:batch=1 mean JCT") for c in report.checks)
+
+
+def test_elis_scenario_checks_the_seed_means() -> None:
+    opts = {"requests": 40, "batches": "1", "predictor": "running-mean", "seeds": 2}
+    report = run(BenchConfig(scenario="elis", seed=3, options=opts), lambda *a, **k: None)
+    by = {r["policy"]: r for r in report.results}
+    assert {"fcfs:batch=1,seed=3", "fcfs:batch=1,seed=4", "fcfs:batch=1"} <= set(by)
+    seeds = [by[f"fcfs:batch=1,seed={s}"]["mean_jct_s"] for s in (3, 4)]
+    assert seeds[0] != seeds[1]  # two draws of requests and arrivals
+    assert by["fcfs:batch=1"]["mean_jct_s"] == pytest.approx(sum(seeds) / 2)
+    assert report.config["seeds"] == [3, 4]
+    assert report.checks[0].startswith("mean of seeds 3..4: srtf-oracle:batch=1 mean JCT")
+    assert any(c.startswith("  seed 4: isrtf:batch=1 mean JCT") for c in report.checks)

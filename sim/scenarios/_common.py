@@ -1,10 +1,12 @@
-"""Helpers shared by the scenarios of this package (loads, capacity, plots)."""
+"""Helpers shared by the scenarios of this package (loads, capacity, seed means, plots)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tessera.sim.cluster import ClusterConfig
 from tessera.sim.runner import run_one
@@ -81,3 +83,14 @@ def plot_metric_vs_load(results: list[dict[str, Any]], out_dir: Path, metrics: S
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def mean_row(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The mean over ``rows`` of every metric that is a number in all of them."""
+    keys = [k for k, v in rows[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    out: dict[str, Any] = {"policy": name, "seeds": len(rows)}
+    for key in keys:
+        values = [row.get(key) for row in rows]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            out[key] = float(np.mean(values))
+    return out

@@ -45,7 +45,7 @@ from tessera.sim.cluster import ClusterConfig
 from tessera.sim.metrics import mean_itl
 from tessera.sim.runner import AZURE_CONV, cluster_config_from, option, run_one, run_policies
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
-from tessera.sim.scenarios._common import with_rate
+from tessera.sim.scenarios._common import mean_row, with_rate
 from tessera.sim.traces import load_trace
 from tessera.sim.workloads import build_requests, requests_from_trace
 from tessera.worker.core.policy import InstanceView
@@ -276,17 +276,6 @@ def compare_seeds(
     means = (mean_row([p[0] for p in pairs], f"fcfs:{label},mean"),
              mean_row([p[1] for p in pairs], f"qoe:{label},mean"))  # fmt: skip
     return rows + list(means), [*pairs, means]
-
-
-def mean_row(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """The mean over ``rows`` of every metric that is a number in all of them."""
-    keys = [k for k, v in rows[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
-    out: dict[str, Any] = {"policy": name, "seeds": len(rows)}
-    for key in keys:
-        values = [row.get(key) for row in rows]
-        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-            out[key] = float(np.mean(values))
-    return out
 
 
 def mean_tds(reqs: list[Request]) -> float | None:

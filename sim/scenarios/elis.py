@@ -7,12 +7,18 @@ are Gamma with ELIS' FabriX shape 0.73 (scale = 1/(0.73·λ), spec §A.12 #12) a
 measured capacity (FCFS with every request at time 0) of each batch size. One instance, batch sizes
 1, 2 and 4 as in ELIS Fig 6.
 
-Rows: ``fcfs:batch=B``, ``isrtf:batch=B``, ``isrtf:batch=B,aging=A`` (the starvation guard on),
-``srtf-oracle:batch=B``.
+Seeds (spec §A.13: ≥ 5 seeds, compare means): ``seeds`` (5) workloads, ``--seed`` and the next ones,
+each its own draw of requests and arrivals. 400 requests at load 0.9 with Gamma(0.73) arrivals swing
+the oracle's reduction by ±7 points from seed to seed, so one seed cannot settle a 50% threshold.
 
-Options (``--set``): requests (400), batches ("1,2,4"), data (AlpacaEval text), predictor (text |
-running-mean | constant), artifact (a trained head's folder for ``text``; default the shipped one),
-window (50), aging (tokens/s of credit per second of age; default: one
+Rows: ``fcfs:batch=B``, ``isrtf:batch=B``, ``isrtf:batch=B,aging=A`` (the starvation guard on),
+``srtf-oracle:batch=B`` — the seed means (every number averaged, p99 included); with more than one
+seed, each seed's rows come first as ``...,seed=N``. The checks are on the means, then each seed's
+reductions for information.
+
+Options (``--set``): requests (400), batches ("1,2,4"), seeds (5), data (AlpacaEval text), predictor
+(text | running-mean | constant), artifact (a trained head's folder for ``text``; default the shipped
+one), window (50), aging (tokens/s of credit per second of age; default: one
 token per single-stream decode step of the profile), and the cluster options of
 ``tessera.sim.runner.CLUSTER_OPTIONS``.
 """
@@ -26,7 +32,7 @@ import numpy as np
 
 from tessera.sim.runner import SHARED_DATA, cluster_config_from, option, run_policies
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
-from tessera.sim.scenarios._common import saturation_rate
+from tessera.sim.scenarios._common import mean_row, saturation_rate
 from tessera.sim.workloads import gamma_arrivals
 from tessera.worker.core.registry import make_policy
 from tessera.worker.core.request import Request
@@ -98,40 +104,38 @@ def _batches(text: Any) -> list[int]:
 
 
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
-    """Every policy at every batch size on the same requests and arrivals."""
+    """Every policy at every batch size on the same requests and arrivals, for each seed."""
     opts = config.options
     n = option(opts, "requests", 400, int)
     batches = _batches(opts.get("batches", "1,2,4"))
     load = config.load if config.load is not None else 0.9
     if load <= 0:
         raise ValueError(f"--load must be > 0, got {load}")
+    n_seeds = option(opts, "seeds", 5, int)
+    if n_seeds < 1:
+        raise ValueError(f"--set seeds={n_seeds}: must be >= 1 (the spec asks for at least 5)")
+    seeds = list(range(config.seed, config.seed + n_seeds))
     window = option(opts, "window", 50, int)
     kind = option(opts, "predictor", "text", str)
     data = Path(option(opts, "data", str(ALPACA_TEXT), str))
     artifact = opts.get("artifact")
     predictor = _predictor(kind, None if artifact is None else str(artifact))
     val_fraction = predictor.meta["split"]["val_fraction"] if kind == "text" else None
-    base = build_workload(data, n, config.seed, val_fraction, predictor)
+    bases = {s: build_workload(data, n, s, val_fraction, predictor) for s in seeds}
     if kind == "text":
         from tessera.worker.predictor.precomputed import PrecomputedPredictor
 
         # Same predictions, computed ahead in batched passes (one per window step), not per decision.
-        predictor = PrecomputedPredictor(predictor, base, window)
+        predictor = PrecomputedPredictor(predictor, [r for base in bases.values() for r in base], window)
     rows: list[dict[str, Any]] = []
     checks: list[str] = []
-    capacities: dict[int, float] = {}
+    capacities: dict[int, list[float]] = {}
     aging_used: dict[int, float] = {}
     for b in batches:
         cluster = cluster_config_from(opts, max_batch=b)
         profile = next(iter(cluster.profiles.values()))
         aging = option(opts, "aging", 1.0 / profile.decode_step(1, 0), float)
         aging_used[b] = aging
-        capacities[b] = saturation_rate(base, cluster)
-        rate = config.rate if config.rate is not None else load * capacities[b]
-        scale = 1.0 / (GAMMA_SHAPE * rate)
-        arrivals = gamma_arrivals(n, GAMMA_SHAPE, scale, np.random.default_rng(config.seed))
-        for r, t in zip(base, arrivals, strict=True):
-            r.arrival = float(t)
         policies = {
             f"fcfs:batch={b}": lambda: make_policy("fcfs"),
             f"isrtf:batch={b}": lambda: make_policy("isrtf", predictor=predictor, window_tokens=window),
@@ -140,18 +144,38 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             ),
             f"srtf-oracle:batch={b}": lambda: make_policy("srtf-oracle", recheck_tokens=window),
         }
-        batch_rows = run_policies(base, policies, cluster, progress, requests_csv=config.requests_csv)
-        rows += batch_rows
-        checks += _checks(
-            b,
-            {r["policy"].split(":")[0] + (":aging" if "aging" in r["policy"] else ""): r for r in batch_rows},
-        )
+        per_seed: dict[int, list[dict[str, Any]]] = {}
+        for seed, base in bases.items():
+            capacity = saturation_rate(base, cluster)
+            capacities.setdefault(b, []).append(capacity)
+            rate = config.rate if config.rate is not None else load * capacity
+            arrivals = gamma_arrivals(n, GAMMA_SHAPE, 1.0 / (GAMMA_SHAPE * rate), np.random.default_rng(seed))
+            for r, t in zip(base, arrivals, strict=True):
+                r.arrival = float(t)
+            per_seed[seed] = run_policies(base, policies, cluster, progress, requests_csv=config.requests_csv)
+        if n_seeds == 1:
+            rows += per_seed[seeds[0]]
+            checks += _checks(b, _by_kind(per_seed[seeds[0]]))
+            continue
+        # Per-seed rows, then the seed means under the contract's row names (spec A.13: compare means).
+        for seed, got in per_seed.items():
+            rows += [{**row, "policy": f"{row['policy']},seed={seed}"} for row in got]
+        means = [mean_row([got[i] for got in per_seed.values()], name) for i, name in enumerate(policies)]
+        rows += means
+        checks += [f"mean of seeds {seeds[0]}..{seeds[-1]}: {line}" for line in _checks(b, _by_kind(means))]
+        checks += [
+            f"  seed {seed}: {line}"
+            for seed, got in per_seed.items()
+            for line in _checks(b, _by_kind(got))
+            if " below fcfs (target" in line
+        ]
     cfg = {
         **config.as_dict(),
         "requests": n,
         "load": load,
         "gamma_shape": GAMMA_SHAPE,
         "batches": batches,
+        "seeds": seeds,
         "window": window,
         "predictor": kind,
         "artifact": artifact,
@@ -166,6 +190,11 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             "misses": predictor.misses,
         }
     return BenchReport("elis", cfg, rows, checks)
+
+
+def _by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One batch size's rows by policy kind: fcfs, isrtf, isrtf:aging, srtf-oracle."""
+    return {r["policy"].split(":")[0] + (":aging" if "aging" in r["policy"] else ""): r for r in rows}
 
 
 def _reduction(row: dict[str, Any], fcfs: dict[str, Any]) -> float:
