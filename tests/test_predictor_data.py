@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from tessera.worker.predictor import count_tokens, prefix_text
-from tessera.worker.predictor.dataset import load_pairs, log_iqr_bounds, split_by_prompt, step_points
+from tessera.worker.predictor.dataset import (
+    by_row,
+    heldout,
+    load_pairs,
+    log_iqr_bounds,
+    split_by_prompt,
+    step_points,
+)
 from tessera.worker.predictor.features import answer_spans, distinct_ratio, prompt_chunk
 from tessera.worker.predictor.metrics import regression_metrics
 from tessera.worker.predictor.tokens import TokenCounter
@@ -73,6 +80,23 @@ def test_split_is_by_prompt_never_by_row(tmp_path: Path) -> None:
     assert {p.group for p in rest}.isdisjoint({p.group for p in dev})
     assert len(rest) + len(dev) == len(train) and 0.1 < len(dev) / len(train) < 0.3
     assert {p.group for p in dev} != {p.group for p in split_by_prompt(train, 0.2)[1]}
+
+
+def test_heldout_follows_the_artifacts_split(tmp_path: Path) -> None:
+    rows = [
+        {"prompt_id": f"p{i}", "prompt": f"q{i}", "response": f"a{j}", "model": f"m{j}"}
+        for i in range(50)
+        for j in range(6)
+    ]
+    pairs = load_pairs(write_jsonl(tmp_path / "h.jsonl.gz", rows))
+    by_prompt = heldout(pairs, {"by": "prompt_id", "val_fraction": 0.3})
+    assert by_prompt == split_by_prompt(pairs, 0.3)[1]
+    # a row split puts answers to one prompt on both sides: the leak ELIS' figure has
+    held = heldout(pairs, {"by": "row", "val_fraction": 0.3})
+    kept = [p for p in pairs if p not in held]
+    assert 0.15 < len(held) / len(pairs) < 0.45
+    assert {p.group for p in held} & {p.group for p in kept}
+    assert len({p.group for p in by_row(pairs)}) == len(pairs)
 
 
 def test_step_points_follow_elis_rule() -> None:

@@ -36,7 +36,7 @@ from tessera.sim.scenarios._common import mean_row, saturation_rate
 from tessera.sim.workloads import gamma_arrivals
 from tessera.worker.core.registry import make_policy
 from tessera.worker.core.request import Request
-from tessera.worker.predictor.dataset import is_validation, load_pairs, sample_rows
+from tessera.worker.predictor.dataset import heldout, load_pairs, sample_rows
 
 DESCRIPTION = (
     "ELIS: FCFS vs ISRTF with the trained length predictor vs oracle SRTF, Gamma arrivals, batch 1/2/4"
@@ -45,15 +45,13 @@ ALPACA_TEXT = SHARED_DATA / "alpacaeval_responses_text.jsonl.gz"
 GAMMA_SHAPE = 0.73  # ELIS FabriX trace fit (spec §A.8)
 
 
-def build_workload(
-    data: Path, n: int, seed: int, val_fraction: float | None, predictor: Any
-) -> list[Request]:
+def build_workload(data: Path, n: int, seed: int, split: dict | None, predictor: Any) -> list[Request]:
     """``n`` requests (arrival 0) from held-out prompt/response rows; tokens by the predictor's tokenizer."""
     from tessera.worker.predictor.tokens import token_counter
 
     pairs = load_pairs(data)
-    if val_fraction is not None:
-        pairs = [p for p in pairs if is_validation(p.group, val_fraction)]
+    if split is not None:
+        pairs = heldout(pairs, split)
     if len(pairs) < n:
         raise ValueError(f"{data} has {len(pairs)} usable rows, fewer than requests={n}")
     rows = sample_rows(pairs, n, seed)
@@ -120,8 +118,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     data = Path(option(opts, "data", str(ALPACA_TEXT), str))
     artifact = opts.get("artifact")
     predictor = _predictor(kind, None if artifact is None else str(artifact))
-    val_fraction = predictor.meta["split"]["val_fraction"] if kind == "text" else None
-    bases = {s: build_workload(data, n, s, val_fraction, predictor) for s in seeds}
+    split = predictor.meta["split"] if kind == "text" else None
+    bases = {s: build_workload(data, n, s, split, predictor) for s in seeds}
     if kind == "text":
         from tessera.worker.predictor.precomputed import PrecomputedPredictor
 

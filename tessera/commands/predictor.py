@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--val-fraction", type=float, default=0.2, help="share of prompt ids held out (default 0.2)"
     )
     tr.add_argument(
+        "--split-by",
+        choices=("prompt", "row"),
+        default="prompt",
+        help="row: each response its own split group; leaks prompts, only to compare with ELIS' figure",
+    )
+    tr.add_argument(
         "--exclude-source", action="append", default=[], help="drop rows whose source contains this"
     )
     tr.add_argument("--window", type=_positive_int, default=50, help="ELIS re-prediction window K (tokens)")
@@ -138,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
                 tokenizer=args.tokenizer,
                 steps=StepSettings(window=args.window, chunk_tokens=args.window),
                 val_fraction=args.val_fraction,
+                split_by=args.split_by,
                 dev_fraction=args.dev_fraction,
                 rows_per_prompt=args.rows_per_prompt,
                 val_rows_per_prompt=args.val_rows_per_prompt,

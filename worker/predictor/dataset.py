@@ -66,6 +66,31 @@ def is_validation(group: str, val_fraction: float, salt: str = "") -> bool:
     return bucket < val_fraction * 10_000
 
 
+def by_row(pairs: list[Pair]) -> list[Pair]:
+    """The pairs with each row its own split group (a content hash of prompt, model and response).
+
+    Only to compare with ELIS' reported accuracy (spec §A.12 #7): a row split puts other models'
+    answers to the same prompt on both sides, so held-out figures leak."""
+    return [
+        Pair(
+            p.prompt,
+            p.response,
+            hashlib.sha1("\x00".join((p.group, p.model, p.response)).encode()).hexdigest()[:12],
+            p.source,
+            p.model,
+        )
+        for p in pairs
+    ]
+
+
+def heldout(pairs: list[Pair], split: dict) -> list[Pair]:
+    """The rows a trained artifact held out, from its metadata's ``split`` (by prompt id or by row)."""
+    keyed = by_row(pairs) if split.get("by") == "row" else pairs
+    return [
+        p for p, k in zip(pairs, keyed, strict=True) if is_validation(k.group, float(split["val_fraction"]))
+    ]
+
+
 def split_by_prompt(pairs: list[Pair], val_fraction: float, salt: str = "") -> tuple[list[Pair], list[Pair]]:
     """(train, validation): every row of a prompt lands on the same side."""
     if not 0.0 < val_fraction < 1.0:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from tessera.worker.core.request import Request
-from tessera.worker.predictor.dataset import Pair, filter_sources, is_validation, load_pairs, sample_rows
+from tessera.worker.predictor.dataset import Pair, filter_sources, heldout, load_pairs, sample_rows
 from tessera.worker.predictor.metrics import regression_metrics
 from tessera.worker.predictor.model import TextLengthPredictor
 from tessera.worker.predictor.samples import CACHE_DIR, EmbeddingStore, StepSettings, build_samples
@@ -24,8 +24,7 @@ def select_rows(
     if split not in ("all", "heldout"):
         raise ValueError(f"split must be 'all' or 'heldout', got {split!r}")
     if split == "heldout":
-        frac = float(meta["split"]["val_fraction"])
-        pairs = [p for p in pairs if is_validation(p.group, frac)]
+        pairs = heldout(pairs, meta["split"])
     pairs = filter_sources(pairs, only=sources)
     if not pairs:
         raise ValueError("no rows left to evaluate after the split and source filters")

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from tessera.worker.predictor.dataset import (
+    by_row,
     filter_sources,
     load_pairs,
     log_iqr_bounds,
@@ -68,6 +69,9 @@ class TrainConfig:
     tokenizer: str | None = None  # served model's tokenizer; None: the default (see tokens.py)
     steps: StepSettings = field(default_factory=StepSettings)
     val_fraction: float = 0.2
+    # "prompt" (the default and the only honest one) or "row": every row its own group, which leaks
+    # prompts across the split; kept to compare with ELIS' row-split figure (spec §A.12 #7).
+    split_by: str = "prompt"
     # Share of the training prompts held out as the dev split that picks the best epoch, so the
     # validation figures come from prompts no training choice has seen.
     dev_fraction: float = 0.1
@@ -101,6 +105,10 @@ def train(cfg: TrainConfig) -> dict:
     served = TokenCounter.from_path(cfg.tokenizer)
     encoder = ChunkEncoder(cfg.encoder, cfg.encoder_layers, cfg.quantize, cfg.threads)
     pairs = filter_sources(load_pairs(cfg.data), exclude=cfg.exclude_sources)
+    if cfg.split_by not in ("prompt", "row"):
+        raise ValueError(f"split_by must be 'prompt' or 'row', got {cfg.split_by!r}")
+    if cfg.split_by == "row":
+        pairs = by_row(pairs)
     train_pairs, val_pairs = split_by_prompt(pairs, cfg.val_fraction)
     train_pairs, dev_pairs = split_by_prompt(train_pairs, cfg.dev_fraction, salt=DEV_SALT)
     for name, part, flag in (
@@ -186,7 +194,7 @@ def train(cfg: TrainConfig) -> dict:
         "steps": asdict(cfg.steps),
         "tokenizer": "default (all-MiniLM-L6-v2 WordPiece)" if cfg.tokenizer is None else cfg.tokenizer,
         "split": {
-            "by": "prompt_id",
+            "by": "prompt_id" if cfg.split_by == "prompt" else "row",
             "val_fraction": cfg.val_fraction,
             "dev_fraction": cfg.dev_fraction,
             "exclude_sources": list(cfg.exclude_sources),
