@@ -102,7 +102,8 @@ class TextLengthPredictor:
                     "(use a trace with prompts, or the running-mean/constant predictor)"
                 )
         cut = self.served.first_tokens(
-            [r.response_text or "" if r.generated else "" for r in requests], [r.generated for r in requests]
+            [(r.response_text or "") if r.generated else "" for r in requests],
+            [r.generated for r in requests],
         )
         # As in training (build_samples): the served ids themselves when the encoder shares the tokenizer.
         answer_ids = (
