@@ -138,14 +138,28 @@ def test_bad_input_is_a_4xx_with_an_openai_error(
     assert needle in error["message"] and error["type"]
 
 
-def test_queue_full_is_429_with_retry_after_and_accepted_requests_complete(worker: WorkerChild) -> None:
+def test_queue_full_is_429_with_retry_after_and_accepted_requests_complete(
+    worker: WorkerChild, vllm_server: VLLMServer
+) -> None:
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
             body = {"model": TINY_MODEL_NAME, "prompt": [0, 9, 9], "max_tokens": 40, "ignore_eos": True}
-            calls = [
-                client.post(f"{worker.url}/v1/completions", json=body, headers={"X-Tessera-Class": "limited"})
-                for _ in range(16)
-            ]
+            # The engine paused, no accepted request can finish and free its place while the burst
+            # arrives (in CI the machine once spread 16 requests out enough that none was refused).
+            with _engine_paused(vllm_server):
+                calls = [
+                    asyncio.create_task(
+                        client.post(
+                            f"{worker.url}/v1/completions", json=body, headers={"X-Tessera-Class": "limited"}
+                        )
+                    )
+                    for _ in range(16)
+                ]
+                deadline = time.monotonic() + 20
+                while not any(c.done() for c in calls):  # only refusals can end while paused
+                    assert time.monotonic() < deadline, "no request was refused with the queue full"
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)  # the rest of the burst reaches the worker
             return await asyncio.gather(*calls)
 
     responses = asyncio.run(burst())
@@ -340,12 +354,17 @@ def test_sigterm_finishes_inflight_and_exits_0(vllm_server: VLLMServer, tmp_path
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=60) as client:
-            call = asyncio.create_task(client.post(f"{proc.url}/v1/completions", json=body))
-            await asyncio.sleep(0.5)
-            proc.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            with pytest.raises(httpx.ConnectError):
-                await client.post(f"{proc.url}/v1/completions", json=body)
+            # The engine paused, the request is surely in flight, and unfinished, at the SIGTERM.
+            with _engine_paused(vllm_server):
+                call = asyncio.create_task(client.post(f"{proc.url}/v1/completions", json=body))
+                deadline = time.monotonic() + 10
+                while _worker_inflight(proc) < 1:
+                    assert time.monotonic() < deadline, "the worker never sent the request to vLLM"
+                    await asyncio.sleep(0.05)
+                proc.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                with pytest.raises(httpx.ConnectError):
+                    await client.post(f"{proc.url}/v1/completions", json=body)
             result["r"] = await call
 
     asyncio.run(run())
