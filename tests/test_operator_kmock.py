@@ -66,6 +66,19 @@ def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
     return next(c for c in status.get("conditions", []) if c["type"] == type_)
 
 
+async def quiet(h: Harness, namespace: str, still_s: float = 1.0, timeout: float = 20.0) -> None:
+    """Wait until the operator has made no write in ``namespace`` for ``still_s`` (a fixed sleep can
+    end before a handler the machine delayed has written)."""
+    deadline = time.monotonic() + timeout
+    last, since = writes(h, namespace), time.monotonic()
+    while time.monotonic() - since < still_s:
+        assert time.monotonic() < deadline, f"the operator kept writing for {timeout}s: {last[-3:]}"
+        await asyncio.sleep(0.1)
+        now = writes(h, namespace)
+        if now != last:
+            last, since = now, time.monotonic()
+
+
 def writes(h: Harness, namespace: str) -> list[str]:
     """The operator's own writes in ``namespace``: creates, patches and deletes of children and of
     status subresources (kopf's bookkeeping patches and events are left out)."""
@@ -134,7 +147,7 @@ async def test_second_reconcile_changes_nothing(cluster: Harness) -> None:
     await apply_all(cluster, docs)
     pool = of_kind(docs, POOL)[0]
     await settled(cluster, pool, ["llama-8b"])
-    await asyncio.sleep(1.5)  # let the handlers triggered by the creation finish
+    await quiet(cluster, namespace)  # the handlers triggered by the creation have finished
     before = writes(cluster, namespace)
     # Two more full passes, one by a fresh controller (nothing remembered): no write at all.
     for controller in (cluster.controller(), cluster.controller()):
@@ -231,12 +244,13 @@ async def test_restarted_operator_resumes_without_duplicating_children(cluster: 
     await apply_all(cluster, docs)
     pool = of_kind(docs, POOL)[0]
     _, children = await settled(cluster, pool, ["llama-8b"])
-    await asyncio.sleep(1.0)
+    await quiet(cluster, namespace)
     before = writes(cluster, namespace)
 
     await cluster.stop()
     await cluster.start()
     await asyncio.sleep(2.0)  # resume handlers and timer ticks of the new operator
+    await quiet(cluster, namespace)
 
     # Read through the kubernetes client: kopf's shutdown closes aiohttp connectors in this process.
     kube = cluster.controller().kube
