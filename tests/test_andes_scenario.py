@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.sim.scenarios._common import mean_row
-from tessera.sim.scenarios.andes import andes_cluster, burst_qoe_bound, seed_checks
+from tessera.sim.scenarios._common import mean_row, seed_checks
+from tessera.sim.scenarios.andes import andes_cluster, burst_qoe_bound
 from tessera.worker.core import Request, ServiceClass
 
 CLS = ServiceClass(name="chat", reading_speed_tps=5.0)
@@ -35,7 +35,7 @@ def test_seed_checks_judge_the_mean_and_list_each_seed() -> None:
         return [f"ratio {qoe['q'] / fcfs['q']:.1f}: {'PASS' if qoe['q'] >= 2 * fcfs['q'] else 'FAIL'}"]
 
     pairs = [({"q": 0.4}, {"q": 0.9}), ({"q": 0.5}, {"q": 0.8}), ({"q": 0.45}, {"q": 0.85})]
-    lines = seed_checks(pairs, [3, 4], check)
+    lines = seed_checks(pairs, [3, 4], lambda p: check(*p))
     assert lines[0] == "mean of seeds 3..4: ratio 1.9: FAIL"
     assert lines[1:] == ["  seed 3: ratio 2.2: PASS", "  seed 4: ratio 1.6: FAIL"]
 

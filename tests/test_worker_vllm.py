@@ -78,6 +78,14 @@ def _worker_inflight(worker: WorkerChild) -> float:
     return _metric_sum(worker.url, "tessera_inflight{")
 
 
+async def _sent_to_vllm(worker: WorkerChild, timeout_s: float = 10.0) -> None:
+    """Wait until the worker has a request running in vLLM."""
+    deadline = time.monotonic() + timeout_s
+    while _worker_inflight(worker) < 1:
+        assert time.monotonic() < deadline, "the worker never sent the request to vLLM"
+        await asyncio.sleep(0.05)
+
+
 def test_completion_chat_and_stream(worker: WorkerChild) -> None:
     r = _complete(worker.url, max_tokens=6, ignore_eos=True, return_token_ids=True, temperature=0)
     assert r.status_code == 200, r.text
@@ -357,10 +365,7 @@ def test_sigterm_finishes_inflight_and_exits_0(vllm_server: VLLMServer, tmp_path
             # The engine paused, the request is surely in flight, and unfinished, at the SIGTERM.
             with _engine_paused(vllm_server):
                 call = asyncio.create_task(client.post(f"{proc.url}/v1/completions", json=body))
-                deadline = time.monotonic() + 10
-                while _worker_inflight(proc) < 1:
-                    assert time.monotonic() < deadline, "the worker never sent the request to vLLM"
-                    await asyncio.sleep(0.05)
+                await _sent_to_vllm(proc)
                 proc.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
                 with pytest.raises(httpx.ConnectError):
@@ -412,10 +417,7 @@ def test_zz_vllm_death_gives_503_not_ready_then_recovers(
             # tokens finished before a kill at the first token of a twin stream).
             with _engine_paused(vllm_server):
                 call = asyncio.create_task(client.post(f"{worker.url}/v1/completions", json=body))
-                deadline = time.monotonic() + 10
-                while _worker_inflight(worker) < 1:
-                    assert time.monotonic() < deadline, "the worker never sent the request to vLLM"
-                    await asyncio.sleep(0.05)
+                await _sent_to_vllm(worker)
                 await asyncio.sleep(0.5)  # its POST reaches vLLM
                 vllm_server.kill()
             return await call

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -13,6 +13,8 @@ from tessera.sim.runner import run_one
 from tessera.sim.workloads import copy_requests
 from tessera.worker.core.registry import make_policy
 from tessera.worker.core.request import Request
+
+T = TypeVar("T")
 
 
 def parse_loads(text: str | float | None, default: Sequence[float]) -> list[float]:
@@ -93,4 +95,25 @@ def mean_row(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
         values = [row.get(key) for row in rows]
         if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
             out[key] = float(np.mean(values))
+    return out
+
+
+def seed_checks(
+    items: Sequence[T],
+    seeds: Sequence[int],
+    check: Callable[[T], list[str]],
+    per_seed_check: Callable[[T], list[str]] | None = None,
+) -> list[str]:
+    """The targets on the seed means (the verdict), then per seed for information.
+
+    ``items``: one per seed, the seed means last; ``check`` turns one into check lines,
+    ``per_seed_check`` (default ``check``) the lines listed for each seed."""
+    *per_seed, means = items
+    out = [f"mean of seeds {seeds[0]}..{seeds[-1]}: {line}" for line in check(means)]
+    if len(per_seed) > 1:
+        out += [
+            f"  seed {seed}: {line}"
+            for seed, item in zip(seeds, per_seed, strict=True)
+            for line in (per_seed_check or check)(item)
+        ]
     return out

@@ -45,7 +45,7 @@ from tessera.sim.cluster import ClusterConfig
 from tessera.sim.metrics import mean_itl
 from tessera.sim.runner import AZURE_CONV, cluster_config_from, option, run_one, run_policies
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
-from tessera.sim.scenarios._common import mean_row, with_rate
+from tessera.sim.scenarios._common import mean_row, seed_checks, with_rate
 from tessera.sim.traces import load_trace
 from tessera.sim.workloads import build_requests, requests_from_trace
 from tessera.worker.core.policy import InstanceView
@@ -411,7 +411,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         cfg["bursty_requests"] = {s: len(r) for s, r in sets.items()}
         got, pairs = compare_seeds(sets, f"bursty,rate={rate:.3g}", cluster, opts, progress)
         rows += got
-        checks += seed_checks(pairs, seeds, bursty_checks)
+        checks += seed_checks(pairs, seeds, lambda p: bursty_checks(*p))
         bounds = {s: burst_qoe_bound(r, opts, cluster) for s, r in sets.items()}
         cfg["bursty_qoe_bound"] = {s: b for s, (b, _) in bounds.items()}
         checks += [
@@ -433,7 +433,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         cfg["azure_requests"] = len(next(iter(sets.values())))
         got, pairs = compare_seeds(sets, f"azure,rate={rate:.3g}", cluster, opts, progress)
         rows += got
-        checks += seed_checks(pairs, seeds, azure_checks)
+        checks += seed_checks(pairs, seeds, lambda p: azure_checks(*p))
     if "solver" in chosen:
         got = solver_rows(opts, config.seed)
         rows += got
@@ -443,21 +443,6 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
 
 def _check(text: str, ok: bool) -> str:
     return f"{text}: {'PASS' if ok else 'FAIL'}"
-
-
-def seed_checks(
-    pairs: list[tuple[dict[str, Any], dict[str, Any]]], seeds: list[int], check: Any
-) -> list[str]:
-    """The targets on the seed means (the verdict), then per seed for information."""
-    *per_seed, means = pairs
-    out = [f"mean of seeds {seeds[0]}..{seeds[-1]}: {line}" for line in check(*means)]
-    if len(per_seed) > 1:
-        out += [
-            f"  seed {seed}: {line}"
-            for seed, pair in zip(seeds, per_seed, strict=True)
-            for line in check(*pair)
-        ]
-    return out
 
 
 def bursty_checks(fcfs: dict[str, Any], qoe: dict[str, Any]) -> list[str]:

@@ -32,7 +32,7 @@ import numpy as np
 
 from tessera.sim.runner import SHARED_DATA, cluster_config_from, option, run_policies
 from tessera.sim.scenarios import BenchConfig, BenchReport, Progress
-from tessera.sim.scenarios._common import mean_row, saturation_rate
+from tessera.sim.scenarios._common import mean_row, saturation_rate, seed_checks
 from tessera.sim.workloads import gamma_arrivals
 from tessera.worker.core.registry import make_policy
 from tessera.worker.core.request import Request
@@ -160,13 +160,12 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             rows += [{**row, "policy": f"{row['policy']},seed={seed}"} for row in got]
         means = [mean_row([got[i] for got in per_seed.values()], name) for i, name in enumerate(policies)]
         rows += means
-        checks += [f"mean of seeds {seeds[0]}..{seeds[-1]}: {line}" for line in _checks(b, _by_kind(means))]
-        checks += [
-            f"  seed {seed}: {line}"
-            for seed, got in per_seed.items()
-            for line in _checks(b, _by_kind(got))
-            if " below fcfs (target" in line
-        ]
+        checks += seed_checks(
+            [*map(_by_kind, per_seed.values()), _by_kind(means)],
+            seeds,
+            lambda by, b=b: _checks(b, by),
+            lambda by, b=b: [line for line in _checks(b, by) if " below fcfs (target" in line],
+        )
     cfg = {
         **config.as_dict(),
         "requests": n,

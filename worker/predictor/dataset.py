@@ -66,29 +66,23 @@ def is_validation(group: str, val_fraction: float, salt: str = "") -> bool:
     return bucket < val_fraction * 10_000
 
 
+def row_group(pair: Pair) -> str:
+    """A split group of its own for one row (a content hash of prompt id, model and response)."""
+    return hashlib.sha1("\x00".join((pair.group, pair.model, pair.response)).encode()).hexdigest()[:12]
+
+
 def by_row(pairs: list[Pair]) -> list[Pair]:
-    """The pairs with each row its own split group (a content hash of prompt, model and response).
+    """The pairs with each row its own split group (``row_group``).
 
     Only to compare with ELIS' reported accuracy (spec §A.12 #7): a row split puts other models'
     answers to the same prompt on both sides, so held-out figures leak."""
-    return [
-        Pair(
-            p.prompt,
-            p.response,
-            hashlib.sha1("\x00".join((p.group, p.model, p.response)).encode()).hexdigest()[:12],
-            p.source,
-            p.model,
-        )
-        for p in pairs
-    ]
+    return [Pair(p.prompt, p.response, row_group(p), p.source, p.model) for p in pairs]
 
 
 def heldout(pairs: list[Pair], split: dict) -> list[Pair]:
     """The rows a trained artifact held out, from its metadata's ``split`` (by prompt id or by row)."""
-    keyed = by_row(pairs) if split.get("by") == "row" else pairs
-    return [
-        p for p, k in zip(pairs, keyed, strict=True) if is_validation(k.group, float(split["val_fraction"]))
-    ]
+    key = row_group if split.get("by") == "row" else (lambda p: p.group)
+    return [p for p in pairs if is_validation(key(p), float(split["val_fraction"]))]
 
 
 def split_by_prompt(pairs: list[Pair], val_fraction: float, salt: str = "") -> tuple[list[Pair], list[Pair]]:
