@@ -57,6 +57,7 @@ class StreamResult:
     jct: float
     chunk_times: list[float]
     tokens: int
+    sent: float = 0.0  # in a replay: when the client sent it, seconds since the replay started
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -278,7 +279,10 @@ async def replay(
             delay = arrival - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            return await stream_completion(client, url, model, prompts[i], out)
+            sent = time.perf_counter() - start
+            result = await stream_completion(client, url, model, prompts[i], out)
+            result.sent = sent
+            return result
 
         results = list(await asyncio.gather(*(one(i) for i in range(len(requests)))))
         server = await scrape_delta(client, url, before, E2E, len(requests))

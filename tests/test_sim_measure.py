@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
 
-from tessera.sim.measure import E2E, ITL, PREFILL, QUEUE, TTFT, scrape, scrape_delta
+from tessera.sim import measure
+from tessera.sim.measure import E2E, ITL, PREFILL, QUEUE, TTFT, replay, scrape, scrape_delta
 
 METRICS = """# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
 # TYPE vllm:time_to_first_token_seconds histogram
@@ -94,3 +96,34 @@ def test_scrape_names_missing_metrics_and_empty_delta_raises():
         empty.mean(TTFT)
     with pytest.raises(RuntimeError, match="no decode step"):
         empty.decode_seconds_per_token()
+
+
+def test_replay_sends_at_trace_times_and_records_when_each_request_went(monkeypatch):
+    """The fidelity bench reports how late the client sent (it shares the machine with the server)."""
+    finished = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            n = float(len(finished))
+            text = METRICS
+            for key in ("n", "itl_n", "generated"):
+                text = text.replace("{" + key + "}", str(n))
+            for key in ("ttft", "itl", "e2e", "prefill", "queue", "decode"):
+                text = text.replace("{" + key + "}", str(0.01 * n))
+            return httpx.Response(200, text=text)
+        body = json.loads(request.content)
+        finished.append(body["max_tokens"])
+        chunk = {"choices": [{"text": "a"}], "usage": {"completion_tokens": body["max_tokens"]}}
+        return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(
+        measure.httpx, "AsyncClient", lambda **kw: real_client(transport=httpx.MockTransport(handler), **kw)
+    )
+    trace = [(0.0, 4, 1), (0.2, 4, 2), (0.4, 4, 3)]
+    result = asyncio.run(replay("http://x", "tiny", trace, vocab=50))
+    assert sorted(finished) == [1, 2, 3]
+    assert [r.tokens for r in result.requests] == [1, 2, 3]
+    for (arrival, _, _), r in zip(trace, result.requests, strict=True):
+        assert arrival <= r.sent < arrival + 2.0  # not before its time; each its own time
+    assert result.server.counts[E2E] == 3

@@ -30,7 +30,9 @@ so the server is busy enough for queueing and batching to matter (the point of f
 server only shows its idle latency). Lengths are scaled down to fit the tiny model
 (``input/in_div`` clipped to [4, 1024], ``output/out_div`` clipped to [1, 512]; defaults 4 and 2).
 The machine is shared: the load average before and after the replay is reported, because other
-processes' load slows the real server and not the simulator.
+processes' load slows the real server and not the simulator; so is how late the client sent each
+request after its trace time (the client shares the 2 cores with the server, and a late client
+offers the server a different arrival pattern than the one the simulator replays).
 Besides the targets, the report splits a request's time into the server's own phases (vLLM's
 queue, prefill and decode histograms: queue = arrival at the engine to scheduled, prefill =
 scheduled to first token, decode = first to last token) next to the simulator's, to show where
@@ -197,6 +199,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     reqs = build_requests(arrivals, inp, out, np.random.default_rng(config.seed))
     simulated, sim = run_one(reqs, lambda: make_policy("fcfs"), cluster)
     client = replayed.requests
+    # The client shares the machine: when it cannot get a core it sends late, and the server sees
+    # a different (smoothed or bunched) arrival pattern than the trace the simulator replays.
+    late = np.array([r.sent for r in client]) - arrivals
     real_span = float(np.max(arrivals + np.array([r.jct for r in client])) - arrivals[0])
     server_jct, server_ttft = replayed.server.mean(E2E), replayed.server.mean(TTFT)
     client_jct = float(np.mean([r.jct for r in client]))
@@ -235,6 +240,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         f"{watch.describe_load()} during the replay; stalls of the bench process (the machine "
         f"stopped it for >= 0.1 s): {stalls.describe()}; "
         f"{others} other vLLM server(s) running when the replay started",
+        f"requests sent late by the client (after their trace time): mean {late.mean() * 1e3:.1f} ms, "
+        f"p99 {np.percentile(late, 99) * 1e3:.1f} ms, max {late.max() * 1e3:.1f} ms; the simulator "
+        "replays the trace's times",
     ]
     cfg = {
         **config.as_dict(),
@@ -245,6 +253,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "stalls": stalls.count,
         "stalled_s": stalls.total_s,
         "longest_stall_s": stalls.longest_s,
+        "send_late_mean_s": float(late.mean()),
+        "send_late_p99_s": float(np.percentile(late, 99)),
         "other_vllm_servers": others,
         "profile": profile_to_dict(profile),
         "samples": {"prefill": samples.prefill, "decode": samples.decode, "overhead": samples.overhead},
