@@ -163,3 +163,20 @@ def test_bench_scenario_small_run_counts_every_request_and_replans():
     assert len(report.checks) == 3
     with pytest.raises(ValueError, match="unknown --set options"):
         run(BenchConfig("seallm", options={"minute": 3}), lambda *a, **k: None)
+
+
+def test_a_prompt_no_pool_can_hold_is_rejected_and_counted_and_the_dispatcher_avoids_small_pools():
+    sim = ClusterSim(POOL, [A, B], STATS, "db")
+    sim.apply(PlacementPlan("x", (group(("a", "b"), 1), group(("a",), 1))), 0.0, stall=False)
+    shared, alone = sorted(sim.instances, key=lambda i: len(i.engine.names), reverse=True)
+    tokens = 100_000  # more than the shared TP-1 pool holds (two models' weights), less than a lone one
+    assert alone.engine.capacity > tokens * 512 * 1024 > shared.engine.capacity
+    big_a = sim.submit("a", HistoryRequest(0.0, tokens, 5))  # both idle: the shared one would win the tie
+    big_b = sim.submit("b", HistoryRequest(0.0, tokens, 5))  # only the shared pool hosts b
+    small_b = sim.submit("b", HistoryRequest(0.0, 100, 5))
+    sim.advance(math.inf)
+    assert big_a.finished is not None and not big_a.rejected
+    assert big_b.rejected and big_b.finished is None and small_b.finished is not None
+    assert sim.rejected == 1 and shared.engine.rejected == 1
+    out = {o.arrival: o for o in sim.outcomes(10.0, [big_b])}[0.0]
+    assert not out.finished and not out.slo_met and out.latency == pytest.approx(10.0 + big_b.exec_ref)

@@ -101,6 +101,11 @@ class ClusterSim:
         """KV preemptions (recompute) over every instance, including stopped ones."""
         return self._preemptions_stopped + sum(i.engine.preemptions for i in self.instances)
 
+    @property
+    def rejected(self) -> int:
+        """Requests that no instance of their service could hold in KV (never served)."""
+        return sum(r.rejected for r in self.requests)
+
     def apply(self, plan: PlacementPlan, at: float, *, stall: bool = True) -> Churn:
         """Roll ``plan`` out at time ``at`` with the least churn; ``stall=False`` starts new instances at
         once (the initial placement, made before serving starts)."""
@@ -159,7 +164,10 @@ class ClusterSim:
             raise ValueError(f"no instance hosts service {r.service!r}; every service must be placed")
         for inst in hosts:
             inst.engine.run_until(now)
-        best = min(hosts, key=lambda i: (i.ready_at > now, i.engine.outstanding, i.index))
+        # Only instances whose KV pool can hold the request (hosts differ in TP and co-located
+        # models); when none can, the chosen one rejects it.
+        able = [i for i in hosts if i.engine.holds(r)] or hosts
+        best = min(able, key=lambda i: (i.ready_at > now, i.engine.outstanding, i.index))
         best.engine.submit(r)
 
     def submit(self, service: str, request: HistoryRequest) -> SimRequest:

@@ -53,6 +53,7 @@ class SimRequest:
     finished: float | None = None
     budget: Budget | None = None
     ver: int = 0  # bumped when the request leaves or re-enters the waiting heaps (lazy deletion)
+    rejected: bool = False  # no KV pool it was sent to could hold it: never served (an SLO miss)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +166,7 @@ class GroupEngine:
         self.active = 0
         self.preemptions = 0
         self.iterations = 0
+        self.rejected = 0  # requests the KV pool cannot hold (see ``submit``)
         self._waiting: dict[str, list[tuple[tuple, int, SimRequest]]] = {n: [] for n in self.names}
         self._starve: dict[str, list[tuple[float, int, int, SimRequest]]] = {n: [] for n in self.names}
         self._resident: dict[str, list[SimRequest]] = {n: [] for n in self.names}
@@ -220,10 +222,21 @@ class GroupEngine:
         """Requests queued or running here (the dispatcher's load measure, spec §4)."""
         return self.active
 
+    def holds(self, r: SimRequest) -> bool:
+        """Whether the KV pool, emptied of everything else, can hold ``r``'s prompt and progress."""
+        return (r.prompt + r.generated) * self.kv_per_token[r.service] <= self.capacity * PREFILL_WATERMARK
+
     def submit(self, r: SimRequest) -> None:
-        """Queue ``r`` (new, or migrated with its progress and budget); it runs from the next decision."""
+        """Queue ``r`` (new, or migrated with its progress and budget); it runs from the next decision.
+        A request the pool cannot hold is rejected, as vLLM refuses a prompt its KV cache cannot
+        hold: it is marked, counted in ``rejected`` and never served (its outcome is an SLO miss
+        with the spec's censored latency)."""
         if r.service not in self.by_name:
             raise ValueError(f"group of {self.names} does not host service {r.service!r}")
+        if not self.holds(r):
+            r.rejected = True
+            self.rejected += 1
+            return
         if not self.active:
             self.now = max(self.now, r.arrival)
         if self.scheduler == "db" and r.budget is None:

@@ -25,7 +25,11 @@ across switches):
 - ``round-robin``: services paired round-robin, each pair on its even share of GPUs, services alternate
   iterations (vLLM order inside a service).
 
-Every row serves until every request has finished (no censoring; ``unfinished`` is always 0).
+Every row serves until every request has finished (no censoring; ``unfinished`` counts only the
+``rejected`` requests). A request whose prompt no instance of its service can hold in KV (the
+LongBench-like lognormal tail reaches 75k tokens; a TP-1 group shared by two models holds fewer) is
+rejected, as vLLM refuses such a prompt: it counts as an SLO miss with the spec's censored latency
+``T_end − a + exec_ref``, and each row reports how many (``rejected``).
 Options (``--set``): services=16, gpus=32, minutes=20, interval_minutes=5 (I_0 and the warm-up),
 min_interval_minutes=1, max_interval_minutes=30, beta=0.1, slo_scale=5, rates=R1,R2,... (a sweep; one
 row per system and rate), part=serve|planner. ``--set part=planner`` instead times the planner on 32
@@ -427,7 +431,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 pool, services, window, stats, settings, adaptive=name == "seallm"
             )
             row = {"policy": name + suffix, **metrics(out, gpus), "wall_s": time.perf_counter() - t}
-            row.update(preemptions=sim.preemptions, requests_migrated=sim.migrated)
+            row.update(preemptions=sim.preemptions, requests_migrated=sim.migrated, rejected=sim.rejected)
             row["initial_plan"] = [
                 f"{'+'.join(g.services)} x{g.replicas.total} tp{g.tp}" for g in first.groups
             ]
@@ -444,7 +448,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             t = time.perf_counter()
             out, sim = serve(pool, services, plan, reqs, stats=stats, scheduler=sched)
             row = {"policy": name + suffix, **metrics(out, plan.gpus), "wall_s": time.perf_counter() - t}
-            row.update(preemptions=sim.preemptions, groups=len(plan.groups))
+            row.update(preemptions=sim.preemptions, groups=len(plan.groups), rejected=sim.rejected)
             batch.append(row)
             progress(1)
         rows.extend(batch)
