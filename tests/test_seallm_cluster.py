@@ -180,3 +180,19 @@ def test_a_prompt_no_pool_can_hold_is_rejected_and_counted_and_the_dispatcher_av
     assert sim.rejected == 1 and shared.engine.rejected == 1
     out = {o.arrival: o for o in sim.outcomes(10.0, [big_b])}[0.0]
     assert not out.finished and not out.slo_met and out.latency == pytest.approx(10.0 + big_b.exec_ref)
+
+
+def test_round_robin_turns_do_not_evict_each_other_without_end():
+    """Two prompts that fit the shared pool only one at a time: each finishes, no ping-pong."""
+    eng = GroupEngine(POOL, [A, B], 1, stats=STATS, scheduler="rr")
+    tokens = 60_000
+    assert tokens * 512 * 1024 < eng.capacity < 2 * tokens * 512 * 1024
+    a, b = (make_request(s, HistoryRequest(0.0, tokens, 20), i) for i, s in enumerate((A, B)))
+    eng.submit(a)
+    eng.submit(b)
+    for _ in range(200):  # bounded: the livelock this guards against never ends
+        if not eng.active:
+            break
+        eng.step()
+    assert a.finished is not None and b.finished is not None
+    assert eng.preemptions <= 1
