@@ -212,7 +212,7 @@ class GroupEngine:
         """Free ``r``'s KV and queue it again with its progress (recompute preemption)."""
         self._resident[r.service].remove(r)
         r.resident = False
-        self.used -= (r.prompt + r.generated) * self.kv_per_token[r.service]
+        self.used -= self._kv(r)
         self.preemptions += 1
         self._enqueue(r)
 
@@ -222,9 +222,17 @@ class GroupEngine:
         """Requests queued or running here (the dispatcher's load measure, spec §4)."""
         return self.active
 
+    def _kv(self, r: SimRequest) -> float:
+        """KV bytes of ``r``'s prompt and progress."""
+        return (r.prompt + r.generated) * self.kv_per_token[r.service]
+
+    def _fits_now(self, r: SimRequest) -> bool:
+        """Whether a prefill of ``r`` fits the free KV now (below the prefill watermark)."""
+        return self.used + self._kv(r) <= self.capacity * PREFILL_WATERMARK
+
     def holds(self, r: SimRequest) -> bool:
         """Whether the KV pool, emptied of everything else, can hold ``r``'s prompt and progress."""
-        return (r.prompt + r.generated) * self.kv_per_token[r.service] <= self.capacity * PREFILL_WATERMARK
+        return self._kv(r) <= self.capacity * PREFILL_WATERMARK
 
     def submit(self, r: SimRequest) -> None:
         """Queue ``r`` (new, or migrated with its progress and budget); it runs from the next decision.
@@ -297,8 +305,7 @@ class GroupEngine:
         prefill would let requests whose priorities cross evict each other without end."""
         if seed.resident:
             return seed
-        need = (seed.prompt + seed.generated) * self.kv_per_token[seed.service]
-        if self.used + need <= self.capacity * PREFILL_WATERMARK:
+        if self._fits_now(seed):
             return seed
         # Decode the seed's own service when it has residents (their finishes free the slots the seed
         # needs), else the best resident of any service.
@@ -316,9 +323,8 @@ class GroupEngine:
         running = [r for n in names for r in self._resident[n]]
         if heads:
             seed = min(heads, key=self._prio)
-            need = (seed.prompt + seed.generated) * self.kv_per_token[seed.service]
             idle = not any(self._resident[n] for n in self.names)
-            if idle or self.used + need <= self.capacity * PREFILL_WATERMARK:
+            if idle or self._fits_now(seed):
                 return seed
         return min(running, key=self._prio) if running else None
 
