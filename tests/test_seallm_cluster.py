@@ -141,6 +141,23 @@ def test_estimator_counts_bursts_and_has_no_violation_floor_at_no_load():
     assert unplaced.unserved["a"] >= 600 and unplaced.slo_attainment == 0.0
 
 
+def test_estimator_short_service_is_not_held_up_by_an_overloaded_long_neighbour():
+    from tessera.operator.planners.placement import Group, estimate
+
+    short = _hist_service("short", [i * 1.0 for i in range(300)])  # 1 req/s of 100+50 tokens
+    long_hist = tuple(HistoryRequest(i * 0.5, 8000, 20) for i in range(600))  # 2 req/s of 8k prompts
+    long = ServiceInput(
+        "long", 14 * GIB, 512 * 1024, LM, mean_prompt_tokens=8000, mean_output_tokens=20, history=long_hist
+    )
+    shared = [Group(0, 1, services=["short", "long"])]
+    est = estimate([short, long], shared)
+    # DB serves the short service first: it sees only its own light load, the long one sees both.
+    assert est.unserved["long"] >= 500
+    assert est.unserved["short"] < 30
+    alone = estimate([short], [Group(0, 1, services=["short"])])
+    assert est.unserved["short"] < 2 * alone.unserved["short"] + 5
+
+
 def test_bench_scenario_small_run_counts_every_request_and_replans():
     from tessera.sim.scenarios import BenchConfig
     from tessera.sim.scenarios.seallm import run

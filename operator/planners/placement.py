@@ -204,7 +204,9 @@ def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s
     """Analytic SimulateUI (CHOICE: a queueing estimate instead of the paper's DES per greedy step, so a
     16-32-service search stays within seconds on a small CPU). Each group is one server; a service's
     requests split evenly over its groups; time runs in per-minute bins of the history so bursts count.
-    In a bin of utilisation ρ < 1 a request waits longer than its SLO slack ``(slo_scale − 1)·exec``
+    A service's ρ in a shared group counts its own load and that of co-located services whose L̂ is not
+    longer (priority-aware sharing, see below). In a bin of utilisation ρ < 1 a request waits longer
+    than its SLO slack ``(slo_scale − 1)·exec``
     with probability ``ρ·exp(−(1−ρ)·slack/exec)`` (M/M/1 waiting time; zero at no load), and its mean
     latency is ``exec·(1 + ρ/(1−ρ))``; in an overloaded bin (ρ ≥ 1) every request violates.
     UI_s = violations + α·mean L_N (Eq. 6). Unplaced services violate every request."""
@@ -215,17 +217,31 @@ def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s
             hosts.setdefault(n, []).append(g)
     bins = {s.name: rate_bins(s, window_s) for s in services}
     n_bins = max(len(v) for v in bins.values())
-    rho: dict[int, list[float]] = {}
+    ref_exec = {s.name: s.mean_exec_s() for s in services}
+    load: dict[tuple[int, str], list[float]] = {}  # (group, service) -> utilisation per bin
     for g in groups:
         share = 1 + SHARING_OVERHEAD if len(g.services) > 1 else 1.0
-        rho[g.index] = [
-            share
-            * sum(
-                (bins[n][m] if m < len(bins[n]) else 0.0) / len(hosts[n]) * request_work(by_name[n], g.tp)
-                for n in g.services
-            )
+        for n in g.services:
+            w = request_work(by_name[n], g.tp) / len(hosts[n])
+            load[(g.index, n)] = [
+                share * w * (bins[n][m] if m < len(bins[n]) else 0.0) for m in range(n_bins)
+            ]
+    rho: dict[int, list[float]] = {
+        g.index: [sum(load[(g.index, n)][m] for n in g.services) for m in range(n_bins)] for g in groups
+    }
+    # What a service's requests queue behind (CHOICE, priority-aware sharing): DB ranks by budget x L̂_s,
+    # so a short service's requests run ahead of a co-located long service's (spec §5.2: a new request's
+    # O grows with L̂_s²); each service sees its own load plus that of neighbours with L̂ not longer.
+    # Pooling every neighbour's load instead made a short service on an overloaded group violate all its
+    # requests, and the greedy kept piling it onto such groups (tessera bench seallm, seed 0).
+    seen: dict[tuple[int, str], list[float]] = {
+        (g.index, n): [
+            sum(load[(g.index, o)][m] for o in g.services if ref_exec[o] <= ref_exec[n])
             for m in range(n_bins)
         ]
+        for g in groups
+        for n in g.services
+    }
     unserved: dict[str, float] = {}
     total = viol_total = norm_total = 0.0
     for s in services:
@@ -243,7 +259,7 @@ def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s
             for g in placed:
                 k = lam * BIN_S / len(placed)
                 exec_g = s.mean_exec_s(g.tp)
-                r = rho[g.index][m]
+                r = seen[(g.index, s.name)][m]
                 if r >= 1:
                     viol += k
                     norm += k * window_s / ref

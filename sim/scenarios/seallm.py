@@ -6,7 +6,8 @@ over standardised (log(1+in), log(1+out)) splits it into 16 clusters, and each c
 chosen model (Llama2-7B, OPT-6.7B-like 7B, Llama2-13B) is one service, whose requests sample lengths
 from its cluster. Arrivals come from a synthetic MAF-like trace (64 functions, lognormal base rates,
 per-minute jitter and bursts, functions round-robin to services), scaled to ``--rate`` (default 20 req/s).
-A warm-up window of ``I_0`` before the evaluation window is the initial placement's history. L̂_s and
+A warm-up window (5 minutes, or ``I_0`` if longer) precedes the evaluation window; its last ``I_0`` is the
+initial placement's history, so runs with different ``I_0`` replay the same requests. L̂_s and
 Var_s (weights, normalisers, budgets) are fixed per service from all its requests (spec §9.1), the same
 for every row.
 
@@ -30,7 +31,7 @@ Every row serves until every request has finished (no censoring; ``unfinished`` 
 LongBench-like lognormal tail reaches 75k tokens; a TP-1 group shared by two models holds fewer) is
 rejected, as vLLM refuses such a prompt: it counts as an SLO miss with the spec's censored latency
 ``T_end − a + exec_ref``, and each row reports how many (``rejected``).
-Options (``--set``): services=16, gpus=32, minutes=20, interval_minutes=5 (I_0 and the warm-up),
+Options (``--set``): services=16, gpus=32, minutes=20, interval_minutes=5 (I_0),
 min_interval_minutes=1, max_interval_minutes=30, beta=0.1, slo_scale=5, rates=R1,R2,... (a sweep; one
 row per system and rate), part=serve|planner. ``--set part=planner`` instead times the planner on 32
 services over 64 GPUs and reports the greedy's gap to the exact MILP on a small case.
@@ -79,6 +80,8 @@ MODELS: dict[str, tuple[LatencyModel, int, int]] = {
 # (mean prompt, cv prompt, mean output, cv output) — Tab. 1 means, spec §9.3 CVs.
 PROFILES = {"sharegpt": (73.0, 1.0, 427.0, 1.0), "longbench": (13187.0, 0.5, 21.0, 1.0)}
 POOL_REQUESTS = 4000  # size of the length pool that K-means splits into services
+WARMUP_MINUTES = 5  # warm-up generated before the window whatever I_0 is, so an I_0 sweep replays the same
+# requests; the initial plan sees only its last I_0 of it (spec §7: history of length I_0)
 
 
 def _lognormal(rng: np.random.Generator, mean: float, cv: float, n: int) -> np.ndarray:
@@ -420,15 +423,19 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     checks: list[str] = []
     progress(0, total=5 * len(rates))
     for rate in rates:
-        services, window = build_workload(config.seed, n, rate, minutes, max(1, math.ceil(i0)), slo_scale)
+        warmup = max(WARMUP_MINUTES, math.ceil(i0))
+        services, window = build_workload(config.seed, n, rate, minutes, warmup, slo_scale)
         stats = fixed_stats(services, window)
+        initial = [
+            with_history(s, [h for h in s.history if h.arrival >= -i0 * 60.0], i0 * 60.0) for s in services
+        ]
         reqs = [(name, h) for name, hs in window.items() for h in hs]
         suffix = "" if len(rates) == 1 else f":rate={rate:g}"
         batch: list[dict[str, Any]] = []
         for name in ("seallm", "seallm:fixed"):
             t = time.perf_counter()
             out, sim, first, log = serve_adaptive(
-                pool, services, window, stats, settings, adaptive=name == "seallm"
+                pool, initial, window, stats, settings, adaptive=name == "seallm"
             )
             row = {"policy": name + suffix, **metrics(out, gpus), "wall_s": time.perf_counter() - t}
             row.update(preemptions=sim.preemptions, requests_migrated=sim.migrated, rejected=sim.rejected)
