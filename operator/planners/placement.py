@@ -245,7 +245,7 @@ def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s
     unserved: dict[str, float] = {}
     total = viol_total = norm_total = 0.0
     for s in services:
-        ref = s.mean_exec_s()
+        ref = ref_exec[s.name]
         placed = hosts.get(s.name, [])
         count = sum(bins[s.name]) * BIN_S
         if not placed:
