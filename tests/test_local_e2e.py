@@ -104,6 +104,15 @@ async def test_local_mode_serves_streams_and_reports_slo(tmp_path: Path) -> None
         delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         assert delta[("tessera_slo_met", "chat")] == 4 and delta[("tessera_slo_missed", "strict")] == 4
         assert delta[("tessera_slo_met", "offline")] == 4
+        # The router counted every answer it gave, by status: 2 streams, 1 chat, 12 trace requests.
+        codes: dict[str, float] = {}
+        async with httpx.AsyncClient(base_url=stack.endpoint) as client:  # the router runs in this loop
+            router_metrics = (await client.get("/metrics")).text
+        for fam in text_string_to_metric_families(router_metrics):
+            for s in fam.samples:
+                if s.name == "tessera_router_requests_total":
+                    codes[s.labels["code"]] = codes.get(s.labels["code"], 0) + s.value
+        assert codes == {"200": 15, "400": 1, "404": 1}
         # Both instances took work (least estimated wait spreads ties by outstanding count).
         status = await stack.status()
         assert status is not None and all(x["healthy"] for x in status["instances"])

@@ -144,8 +144,10 @@ def test_grafana_dashboard_covers_worker_metrics(objects: list[dict[str, Any]]) 
 def test_service_monitor_selects_the_operators_worker_services() -> None:
     from tessera.operator import children
 
-    (monitor,) = _render("manifests/monitoring")
-    assert monitor["kind"] == "ServiceMonitor"
+    monitors = {m["metadata"]["name"]: m for m in _render("manifests/monitoring")}
+    assert sorted(monitors) == ["tessera-router", "tessera-workers"]
+    assert all(m["kind"] == "ServiceMonitor" for m in monitors.values())
+    monitor = monitors["tessera-workers"]
     selector = monitor["spec"]["selector"]
     assert selector["matchLabels"] == {children.MANAGED_BY: children.MANAGER}
     assert selector["matchExpressions"] == [{"key": children.GROUP_LABEL, "operator": "Exists"}]

@@ -110,7 +110,7 @@ class Prometheus:
         # the Kubernetes API: Prometheus starts before the workers exist and picks the file up as
         # soon as it is written (it watches it). Targets carry the __meta_kubernetes_* labels that
         # Kubernetes discovery would give the operator's pods.
-        (job,) = yaml.safe_load(SCRAPE_JOB.read_text())
+        (job,) = [j for j in yaml.safe_load(SCRAPE_JOB.read_text()) if j["job_name"] == "tessera-workers"]
         del job["kubernetes_sd_configs"]
         self.targets = tmp / "targets.json"
         job |= {"scrape_timeout": "900ms", "file_sd_configs": [{"files": [str(self.targets)]}]}

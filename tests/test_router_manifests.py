@@ -33,3 +33,32 @@ def test_router_deployment_service_and_read_only_rbac() -> None:
     assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in rules)
     assert {res for r in rules for res in r["resources"]} == {"configmaps", "pods"}
     assert objs["ClusterRoleBinding"]["subjects"][0]["name"] == pod["serviceAccountName"]
+
+
+def test_router_metrics_are_scraped_by_the_monitor_and_the_plain_scrape_job() -> None:
+    def render(folder: str) -> list[dict]:
+        out = subprocess.run([str(KUBECTL), "kustomize", str(ROOT / "manifests" / folder)], check=True,
+                             capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+        return [o for o in yaml.safe_load_all(out) if o]
+
+    objs = {o["kind"]: o for o in render("router")}
+    service = objs["Service"]
+    (monitor,) = [m for m in render("monitoring") if m["metadata"]["name"] == "tessera-router"]
+    assert monitor["metadata"]["namespace"] == service["metadata"]["namespace"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["port"] in {
+        p["name"] for p in service["spec"]["ports"]
+    }
+    # The plain-Prometheus job keeps the router's pods by their label and named port.
+    jobs = yaml.safe_load((ROOT / "manifests" / "monitoring" / "prometheus-scrape-config.yaml").read_text())
+    (job,) = [j for j in jobs if j["job_name"] == "tessera-router"]
+    keep = {r["source_labels"][0]: r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
+    pod = objs["Deployment"]["spec"]["template"]
+    assert (
+        keep["__meta_kubernetes_pod_label_app_kubernetes_io_name"]
+        == pod["metadata"]["labels"]["app.kubernetes.io/name"]
+    )
+    assert keep["__meta_kubernetes_pod_container_port_name"] in {
+        p["name"] for p in pod["spec"]["containers"][0]["ports"]
+    }

@@ -4,7 +4,8 @@
 ``tessera.router.balancer.choose`` (model, class, least estimated waiting time); the worker's answer is
 relayed as it comes, status and headers included. ``GET /v1/models`` lists every model served,
 ``/health`` answers while the process lives, ``/ready`` when at least one instance is ready,
-``/router/status`` shows the instances, their load and estimated waits, and the classes.
+``/router/status`` shows the instances, their load and estimated waits, and the classes, and
+``/metrics`` exports the same view and what clients saw to Prometheus (``tessera.router.metrics``).
 
 The router counts the requests it has outstanding on each instance (exact and without delay) and
 polls every instance's ``/ready`` and ``/metrics`` (``tessera_batch_size``) every ``poll_interval_s``.
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.router.backends import Backend
 from tessera.router.balancer import DEFAULT_Z, InstanceLoad, NoInstance, choose, estimated_wait, seed_stats
+from tessera.router.metrics import RouterMetrics
 from tessera.worker.config import WorkerConfig
 from tessera.worker.core.request import ServiceClass
 from tessera.worker.policies.qlm.estimator import TokenStats
@@ -175,23 +178,23 @@ class RouterState:
         for config in self.configs.values():
             for name, info in class_infos(config).items():
                 classes.setdefault(name, info.to_json())
-        return {
-            "classHeader": self.class_header,
-            "classes": classes,
-            "instances": [
-                {
-                    "instance": x.instance,
-                    "url": self.backends[x.instance].url,
-                    "model": x.model,
-                    "role": x.role,
-                    "healthy": x.healthy,
-                    "batchSize": x.batch_size,
-                    "outstanding": x.outstanding,
-                    "estimatedWaitSeconds": estimated_wait(x, self.stats[x.model], self.z),
-                }
-                for x in self.loads.values()
-            ],
-        }
+        return {"classHeader": self.class_header, "classes": classes, "instances": self.instance_rows()}
+
+    def instance_rows(self) -> list[dict[str, Any]]:
+        """Every instance with its role, health, batch size, outstanding requests and estimated wait."""
+        return [
+            {
+                "instance": x.instance,
+                "url": self.backends[x.instance].url,
+                "model": x.model,
+                "role": x.role,
+                "healthy": x.healthy,
+                "batchSize": x.batch_size,
+                "outstanding": x.outstanding,
+                "estimatedWaitSeconds": estimated_wait(x, self.stats[x.model], self.z),
+            }
+            for x in self.loads.values()
+        ]
 
 
 async def poll(state: RouterState, client: httpx.AsyncClient) -> None:
@@ -256,6 +259,7 @@ def create_router_app(
                 await http.aclose()
 
     app = FastAPI(title="Tessera router", version="0.1.0", lifespan=lifespan)
+    metrics = RouterMetrics(state.instance_rows)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
@@ -274,6 +278,10 @@ def create_router_app(
     async def status() -> dict[str, Any]:
         return state.status()
 
+    @app.get("/metrics", summary="Prometheus metrics of the router and its view of the instances.")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/models", summary="Models served behind this router.")
     async def models() -> dict[str, Any]:
         data = [
@@ -284,17 +292,61 @@ def create_router_app(
         return {"object": "list", "data": data}
 
     async def relay(http: HttpRequest, path: str) -> Response:
-        raw = await http.body()
+        start = time.perf_counter()
+        model = kind = ""  # metric labels, set once known (an unserved model stays "")
         try:
-            body = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-        model = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(model, str):
-            raise ApiError(400, "the request body must be a JSON object with a string field 'model'",
-                           param="model")  # fmt: skip
-        kind = state.classify(model, http.headers)
-        headers = {k: v for k, v in http.headers.items() if k.lower() not in ("host", "content-length")}
+            raw = await http.body()
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
+            asked = body.get("model") if isinstance(body, dict) else None
+            if not isinstance(asked, str):
+                raise ApiError(400, "the request body must be a JSON object with a string field 'model'",
+                               param="model")  # fmt: skip
+            model = asked if asked in state.configs else ""
+            kind = state.classify(asked, http.headers)
+            load, upstream = await connect(asked, kind, path, raw, http.headers)
+        except ApiError as exc:
+            metrics.answered(model, kind, exc.status, time.perf_counter() - start)
+            raise
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
+        out_headers["x-tessera-instance"] = load.instance
+        if not body.get("stream"):
+            try:
+                content = await upstream.aread()
+            finally:
+                await upstream.aclose()
+                load.outstanding -= 1
+                metrics.answered(model, kind, upstream.status_code, time.perf_counter() - start)
+            _observe_usage(state, model, body, content)
+            return Response(content, upstream.status_code, headers=out_headers)
+
+        async def events() -> AsyncIterator[str]:
+            tokens = 0
+            try:
+                async for line in upstream.aiter_lines():
+                    # Token chunks are the ones whose choice is not finished (an estimate for stats).
+                    if line.startswith("data: {") and '"finish_reason": null' in line:
+                        if not tokens:
+                            metrics.ttft.labels(model, kind).observe(time.perf_counter() - start)
+                        tokens += 1
+                    yield line + "\n"
+            finally:
+                await upstream.aclose()
+                load.outstanding -= 1
+                metrics.answered(model, kind, upstream.status_code, time.perf_counter() - start)
+                if tokens:
+                    state.stats[model].observe_output(tokens)
+
+        return StreamingResponse(events(), upstream.status_code, headers=out_headers)
+
+    async def connect(
+        model: str, kind: str, path: str, raw: bytes, incoming: Mapping[str, str]
+    ) -> tuple[InstanceLoad, httpx.Response]:
+        """Send the request to the best instance, the next best while connections fail; the chosen
+        instance counts it outstanding. ApiError 503 when no instance is left."""
+        headers = {k: v for k, v in incoming.items() if k.lower() not in ("host", "content-length")}
         tried: set[str] = set()
         while True:
             try:
@@ -306,39 +358,11 @@ def create_router_app(
             request = holder["client"].build_request("POST", url, content=raw, headers=headers)
             load.outstanding += 1
             try:
-                upstream = await holder["client"].send(request, stream=True)
+                return load, await holder["client"].send(request, stream=True)
             except httpx.HTTPError:
                 load.outstanding -= 1
                 state.set_health(load.instance, False)
-                continue
-            break
-        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
-        out_headers["x-tessera-instance"] = load.instance
-        stream = bool(body.get("stream"))
-        if not stream:
-            try:
-                content = await upstream.aread()
-            finally:
-                await upstream.aclose()
-                load.outstanding -= 1
-            _observe_usage(state, model, body, content)
-            return Response(content, upstream.status_code, headers=out_headers)
-
-        async def events() -> AsyncIterator[str]:
-            tokens = 0
-            try:
-                async for line in upstream.aiter_lines():
-                    # Token chunks are the ones whose choice is not finished (an estimate for stats).
-                    if line.startswith("data: {") and '"finish_reason": null' in line:
-                        tokens += 1
-                    yield line + "\n"
-            finally:
-                await upstream.aclose()
-                load.outstanding -= 1
-                if tokens:
-                    state.stats[model].observe_output(tokens)
-
-        return StreamingResponse(events(), upstream.status_code, headers=out_headers)
+                metrics.upstream_failures.labels(load.instance).inc()
 
     @app.post("/v1/completions", summary="OpenAI completions, routed to a worker instance.")
     async def completions(http: HttpRequest) -> Response:
