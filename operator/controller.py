@@ -16,7 +16,6 @@ from typing import Any, Protocol
 from tessera.api.serving_pool import SCALING_HISTORY_LENGTH
 from tessera.operator import status as st
 from tessera.operator.children import desired_children, endpoint_url, pool_labels
-from tessera.operator.inputs import chiron_settings
 from tessera.operator.kube import Kube
 from tessera.operator.planners import (
     AutoscalerState,
@@ -24,7 +23,6 @@ from tessera.operator.planners import (
     IntervalSettings,
     MetricsSnapshot,
     PlacementPlan,
-    RoleCounts,
     next_replacement_interval,
 )
 from tessera.operator.planners.chiron import chiron_decide
@@ -33,6 +31,7 @@ from tessera.operator.pool_plan import (
     PoolDesired,
     Problem,
     desired_pool,
+    group_scaling,
     inputs_fingerprint,
     parse,
     parse_classes,
@@ -209,7 +208,6 @@ class Controller:
         """One Chiron evaluation per group that is due; changed counts replace the plan's."""
         assert decided.plan is not None and self.metrics is not None
         pool = decided.pool
-        budget = pool.spec.instances.max * pool.spec.gpu.per_instance
         groups: list[GroupPlan] = []
         entries: list[dict[str, Any]] = []
         interval = pool.spec.autoscaling.interval_seconds
@@ -226,21 +224,15 @@ class Controller:
             if now - scaler.last_eval < interval:
                 groups.append(group)
                 continue
-            accepted = {c.name for s in group.services for c in decided.services[s].spec.request_classes}
-            kinds = {c: decided.classes[c].kind for c in accepted}
-            deadlines = {
-                c: decided.classes[c].slo.deadline_seconds or 0.0 for c in accepted if kinds[c] == "batch"
-            }
-            snapshot = self.metrics.snapshot(namespace, pool.name, group, kinds, deadlines, now)
+            scaling = group_scaling(decided, group)
+            snapshot = self.metrics.snapshot(
+                namespace, pool.name, group, scaling.kinds, scaling.deadlines, now
+            )
             if snapshot is None:
                 groups.append(group)
                 continue
             scaler.last_eval = now
-            others = sum(g.gpus for g in decided.plan.groups if g.name != group.name)
-            # The group may not outgrow the pool's GPU budget nor any hosted service's replicas.max.
-            cap = min(decided.services[s].spec.replicas.max for s in group.services)
-            settings = chiron_settings(pool, min((budget - others) // group.tp, cap))
-            decision = chiron_decide(snapshot, scaler.state, settings, now)
+            decision = chiron_decide(snapshot, scaler.state, scaling.settings, now)
             scaler.state = decision.state
             if decision.changed(group.replicas):
                 reason = "; ".join(decision.reasons) or "autoscaler"
@@ -249,7 +241,7 @@ class Controller:
                     body,
                     "Normal",
                     "Scaled",
-                    f"group {group.name}: {_counts(group.replicas)} -> {_counts(decision.desired)}: {reason}",
+                    f"group {group.name}: {group.replicas.short()} -> {decision.desired.short()}: {reason}",
                 )
                 group = replace(group, replicas=decision.desired)
             groups.append(group)
@@ -522,10 +514,6 @@ class Controller:
             self._last_sync.pop((namespace, name), None)
             self._autoscale_due.pop((namespace, name), None)
             return len(actions)
-
-
-def _counts(counts: RoleCounts) -> str:
-    return f"{counts.interactive}i/{counts.mixed}m/{counts.batch}b"
 
 
 def _reason(status: Mapping[str, Any], type_: str) -> str | None:

@@ -14,8 +14,15 @@ from typing import Any
 
 from tessera.api import LLMService, RequestClass, RequestClassSpec, ServingPool, SpecError, parse_document
 from tessera.operator.children import ChildError, desired_children
-from tessera.operator.inputs import pool_input, service_inputs
-from tessera.operator.planners import PlacementError, PlacementPlan, RoleCounts, plan_placement
+from tessera.operator.inputs import chiron_settings, pool_input, service_inputs
+from tessera.operator.planners import (
+    ChironSettings,
+    GroupPlan,
+    PlacementError,
+    PlacementPlan,
+    RoleCounts,
+    plan_placement,
+)
 
 # Reasons used in conditions and events.
 INVALID_SPEC = "InvalidSpec"
@@ -100,6 +107,31 @@ class PoolDesired:
     plan: PlacementPlan | None = None
     placement_problem: str | None = None
     children: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupScaling:
+    """What the global autoscaler of one placement group reads besides measurements."""
+
+    kinds: dict[str, str]  # accepted class name -> "interactive" / "batch"
+    deadlines: dict[str, float]  # batch class name -> deadline seconds
+    settings: ChironSettings
+
+
+def group_scaling(decided: PoolDesired, group: GroupPlan, instance_cap: int | None = None) -> GroupScaling:
+    """The classes, deadlines and Chiron settings of ``group``: it may not outgrow the pool's GPU budget
+    left by the other groups, any hosted service's replicas.max, nor ``instance_cap`` (local mode)."""
+    assert decided.plan is not None
+    pool = decided.pool
+    accepted = {c.name for s in group.services for c in decided.services[s].spec.request_classes}
+    kinds = {c: decided.classes[c].kind for c in accepted}
+    deadlines = {c: decided.classes[c].slo.deadline_seconds or 0.0 for c in accepted if kinds[c] == "batch"}
+    budget = pool.spec.instances.max * pool.spec.gpu.per_instance
+    others = sum(g.gpus for g in decided.plan.groups if g.name != group.name)
+    cap = min(decided.services[s].spec.replicas.max for s in group.services)
+    if instance_cap is not None:
+        cap = min(cap, instance_cap)
+    return GroupScaling(kinds, deadlines, chiron_settings(pool, min((budget - others) // group.tp, cap)))
 
 
 def pool_services(

@@ -171,6 +171,10 @@ class RoleCounts:
         """A copy with one role's count replaced."""
         return replace(self, **{role: count})
 
+    def short(self) -> str:
+        """``1i/2m/0b``: the counts as events and logs show them."""
+        return f"{self.interactive}i/{self.mixed}m/{self.batch}b"
+
 
 @dataclass(frozen=True, slots=True)
 class GroupPlan:

@@ -2,8 +2,10 @@
 
 ``tessera local up -f FILE...`` plans the pools as the operator does, starts one worker process per
 instance (engine ``sim`` by default; ``--engine vllm --model DIR`` or ``--vllm-url URL`` for real vLLM)
-and serves the router's OpenAI endpoint on ``--host:--port``. With ``--trace FILE`` it also drives that
-trace, prints the report and exits; without, it serves until Ctrl-C.
+and serves the router's OpenAI endpoint on ``--host:--port``. Pools with autoscaling enabled run the
+operator's Chiron global autoscaler over the local workers (``--no-autoscale`` keeps the planned
+counts). With ``--trace FILE`` it also drives that trace, prints the report and exits; without, it
+serves until Ctrl-C.
 
 ``tessera local load --trace FILE`` drives a trace against a running endpoint (``--endpoint``) with a
 live table, and ends with the report (``--json``, ``--plot``).
@@ -50,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--max-model-len", type=int, default=None, help="Override every model's context length.")
     up.add_argument("--max-instances", type=int, default=None,
                     help="Instances per placement group at most (default: the plan's; vllm: 1).")  # fmt: skip
+    up.add_argument("--no-autoscale", action="store_true",
+                    help="Keep the planned instance counts (default: pools with autoscaling.enabled run "
+                         "the operator's Chiron autoscaler over the local workers).")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="Router address (default 127.0.0.1).")
     up.add_argument("--port", type=int, default=8000, help="Router port (default 8000).")
     up.add_argument("--run-dir", type=Path, default=Path(".tessera-local"),
@@ -116,8 +121,9 @@ async def _up(args: argparse.Namespace) -> int:
     engine = LocalEngine(args.engine, args.model_dir, args.vllm_url, args.kv_cache_gib, args.max_model_len)
     cap = args.max_instances if args.max_instances is not None else (1 if args.engine == "vllm" else None)
     plan = plan_local(resources, engine, max_instances_per_group=cap)
-    print(describe_plan(plan), flush=True)
-    stack = LocalStack(plan, args.run_dir, args.host, args.port)
+    print(describe_plan(plan, not args.no_autoscale), flush=True)
+    stack = LocalStack(plan, args.run_dir, args.host, args.port, autoscale=not args.no_autoscale,
+                       report=lambda line: print(line, flush=True))  # fmt: skip
     timeout = args.ready_timeout or (600.0 if args.engine == "vllm" and args.model_dir else 60.0)
     workload = None
     if args.trace is not None:

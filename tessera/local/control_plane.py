@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from tessera.api import LLMService, RequestClass, ServingPool
 from tessera.operator.children import CONFIG_KEY, PLACEMENT_KEY
-from tessera.operator.pool_plan import Problem, desired_pool
+from tessera.operator.planners import GroupPlan, RoleCounts
+from tessera.operator.pool_plan import PoolDesired, Problem, desired_pool
 from tessera.worker.config import WorkerConfig
 
 Role = Literal["interactive", "mixed", "batch"]
@@ -74,11 +75,33 @@ class Instance:
 
 
 @dataclass(frozen=True, slots=True)
+class LocalGroup:
+    """One placement group as planned: what its autoscaler reads and how to start more instances."""
+
+    pool: str
+    desired: PoolDesired  # the pool's decision (classes, services, the whole plan)
+    group: GroupPlan  # role counts as the operator planned them
+    config: WorkerConfig  # the worker configuration, rewritten for the local engine
+    instance_cap: int | None  # local mode's cap of instances per group
+
+    def instance(self, ordinal: int, role: Role) -> Instance:
+        """The instance of this group at ``ordinal`` (named as the StatefulSet names its pods)."""
+        return Instance(f"{self.pool}-{self.group.name}-{ordinal}", self.pool, self.group.name, ordinal,
+                        role, self.config)  # fmt: skip
+
+    def roles(self, counts: RoleCounts) -> list[Role]:
+        """The role of each running ordinal for ``counts``, within the local cap."""
+        roles = roles_by_ordinal({r: counts.get(r) for r in ROLE_ORDER})
+        return roles if self.instance_cap is None else roles[: self.instance_cap]
+
+
+@dataclass(frozen=True, slots=True)
 class LocalPlan:
     """What local mode starts, and what it could not serve (with reasons)."""
 
     instances: tuple[Instance, ...]
     problems: tuple[str, ...]
+    groups: tuple[LocalGroup, ...] = ()
 
 
 def _body(resource: ServingPool | LLMService | RequestClass) -> dict[str, Any]:
@@ -117,6 +140,7 @@ def plan_local(
         raise LocalPlanError("no ServingPool in the files; add one (see examples/quickstart.yaml)")
     instances: list[Instance] = []
     problems: list[str] = []
+    groups: list[LocalGroup] = []
     for pool_body in pools:
         pool_name = pool_body["metadata"]["name"]
         desired = desired_pool(pool_body, services, classes, None, now)
@@ -133,16 +157,13 @@ def plan_local(
             placement = json.loads(data[PLACEMENT_KEY])
             config = json.loads(data[CONFIG_KEY])
             config["models"] = [engine.rewrite(m) for m in config["models"]]
-            worker_config = WorkerConfig.model_validate(config)
-            roles = roles_by_ordinal(placement["roles"])
-            if max_instances_per_group is not None:
-                roles = roles[:max_instances_per_group]
-            group = placement["group"]
-            instances += [
-                Instance(f"{pool_name}-{group}-{i}", pool_name, group, i, role, worker_config)
-                for i, role in enumerate(roles)
-            ]
+            assert desired.plan is not None
+            group_plan = next(g for g in desired.plan.groups if g.name == placement["group"])
+            local = LocalGroup(pool_name, desired, group_plan, WorkerConfig.model_validate(config),
+                               max_instances_per_group)  # fmt: skip
+            groups.append(local)
+            instances += [local.instance(i, role) for i, role in enumerate(local.roles(group_plan.replicas))]
     if not instances:
         detail = "\n  ".join(problems) or "no LLMService names a pool in the files"
         raise LocalPlanError(f"nothing to serve:\n  {detail}")
-    return LocalPlan(tuple(instances), tuple(problems))
+    return LocalPlan(tuple(instances), tuple(problems), tuple(groups))

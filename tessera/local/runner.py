@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from tessera.local.autoscaler import LocalAutoscaler
 from tessera.local.control_plane import LocalPlan
 from tessera.local.load import LiveCounters, Workload, drive, outstanding_of
 from tessera.local.report import class_rows, render_report, summarize_outcomes, write_plots
@@ -36,8 +37,8 @@ class LoadSettings:
     live: bool = True
 
 
-def describe_plan(plan: LocalPlan) -> str:
-    """One line per instance to start, then the problems."""
+def describe_plan(plan: LocalPlan, autoscale: bool = True) -> str:
+    """One line per instance to start, the problems, and which groups autoscale."""
     lines = [f"{len(plan.instances)} worker instance(s):"]
     for inst in plan.instances:
         models = ", ".join(m.name for m in inst.config.models)
@@ -45,6 +46,12 @@ def describe_plan(plan: LocalPlan) -> str:
         lines.append(f"  {inst.name}  role={inst.role}  policy={inst.config.scheduling.policy}  "
                      f"engine={engine}  models: {models}")  # fmt: skip
     lines += [f"  not served: {p}" for p in plan.problems]
+    scaled = [g for g in plan.groups if autoscale and g.desired.pool.spec.autoscaling.enabled]
+    if scaled:
+        every = [
+            f"{g.group.name} every {g.desired.pool.spec.autoscaling.interval_seconds:g} s" for g in scaled
+        ]
+        lines.append("autoscaling (Chiron, as the operator does): " + ", ".join(every))
     return "\n".join(lines)
 
 
@@ -127,14 +134,27 @@ async def run_load(
 class LocalStack:
     """Workers (processes) plus the in-process router, started and stopped together."""
 
-    def __init__(self, plan: LocalPlan, run_dir: Path, host: str, port: int) -> None:
+    def __init__(
+        self,
+        plan: LocalPlan,
+        run_dir: Path,
+        host: str,
+        port: int,
+        *,
+        autoscale: bool = True,
+        report: Callable[[str], None] = print,
+    ) -> None:
         self.plan = plan
         self.supervisor = Supervisor(run_dir)
         self.host = host
         self.port = port
+        self.autoscale = autoscale
+        self.report = report
         self.state: RouterState | None = None
+        self.autoscaler: LocalAutoscaler | None = None
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._scaling: asyncio.Task[None] | None = None
 
     @property
     def endpoint(self) -> str:
@@ -158,6 +178,10 @@ class LocalStack:
                 raise OSError(f"the router could not listen on {self.host}:{self.port} (port in use?); "
                               "pick another with --port")  # fmt: skip
             await asyncio.sleep(0.05)
+        if self.autoscale:
+            groups = self.plan.groups
+            self.autoscaler = LocalAutoscaler(groups, self.supervisor, self.state, report=self.report)
+            self._scaling = asyncio.create_task(self.autoscaler.run(), name="autoscaler")
 
     async def wait(self) -> None:
         """Serve until the router stops (Ctrl-C / SIGTERM)."""
@@ -169,7 +193,13 @@ class LocalStack:
         return self.state.status() if self.state is not None else None
 
     async def stop(self) -> None:
-        """Stop the router, then the workers."""
+        """Stop the autoscaler, the router, then the workers (those draining too)."""
+        if self._scaling is not None:
+            self._scaling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scaling
+        if self.autoscaler is not None:
+            await self.autoscaler.close()
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):

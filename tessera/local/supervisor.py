@@ -111,7 +111,11 @@ class Supervisor:
 
     def stop_all(self) -> None:
         """SIGTERM every worker's process group, SIGKILL what remains after the grace period."""
-        live = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
+        self.stop(list(self.workers))
+
+    def stop(self, workers: list[WorkerProcess]) -> None:
+        """Stop these workers (SIGTERM, then SIGKILL after the grace period) and forget them."""
+        live = [w for w in workers if w.proc is not None and w.proc.poll() is None]
         for w in live:
             _signal_group(w, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
@@ -119,11 +123,11 @@ class Supervisor:
             assert w.proc is not None
             with contextlib.suppress(subprocess.TimeoutExpired):
                 w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for w in self.workers:
+        for w in workers:
             _signal_group(w, signal.SIGKILL)
             if w.proc is not None:
                 w.proc.wait()
-        self.workers = []
+        self.workers = [w for w in self.workers if w not in workers]
 
 
 def _signal_group(worker: WorkerProcess, sig: int) -> None:

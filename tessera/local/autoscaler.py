@@ -1,0 +1,172 @@
+"""Local mode's global autoscaler: the operator's Chiron loop over local worker processes.
+
+Every pool's ``autoscaling.intervalSeconds`` each placement group (with autoscaling enabled) is
+evaluated exactly as the operator evaluates it: the same classes, deadlines and settings
+(``group_scaling``, capped by ``--max-instances``), the same snapshot (``snapshot_from_results`` over
+direct scrapes, ``tessera.local.scrape``) and the same decision (``chiron_decide``). A decision is
+carried out the way a StatefulSet carries it out: ordinals keep their role order (interactive, mixed,
+batch), new ordinals start as new worker processes (the router takes them once they answer ``/ready``),
+and the highest ordinals go. A leaving worker first leaves the router's rotation and is stopped only
+when the requests the router sent it have finished, so a scale-down loses no accepted request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import httpx
+
+from tessera.local.control_plane import ROLE_ORDER, LocalGroup
+from tessera.local.scrape import Counters, results_from_scrapes
+from tessera.local.supervisor import Supervisor, WorkerProcess
+from tessera.operator.metrics_source import snapshot_from_results
+from tessera.operator.planners import AutoscalerState, RoleCounts
+from tessera.operator.planners.chiron import chiron_decide
+from tessera.operator.pool_plan import group_scaling
+from tessera.router.app import RouterState
+from tessera.router.balancer import InstanceLoad
+
+DRAIN_POLL_S = 0.2
+SCRAPE_TIMEOUT_S = 2.0
+
+
+@dataclass
+class _Group:
+    """One group's autoscaler memory."""
+
+    local: LocalGroup
+    replicas: RoleCounts  # the counts its workers run now (within the local cap)
+    state: AutoscalerState = field(default_factory=AutoscalerState)
+    counters: Counters = field(default_factory=dict)
+    last_eval: float = -math.inf
+
+
+def effective_counts(local: LocalGroup, counts: RoleCounts) -> RoleCounts:
+    """``counts`` as local mode runs them: cut to the local cap, highest ordinals first."""
+    roles = local.roles(counts)
+    return RoleCounts(**{r: roles.count(r) for r in ROLE_ORDER})
+
+
+class LocalAutoscaler:
+    """Runs the Chiron global autoscaler of every autoscaled group over the supervisor's workers."""
+
+    def __init__(
+        self,
+        groups: tuple[LocalGroup, ...],
+        supervisor: Supervisor,
+        router: RouterState,
+        *,
+        report: Callable[[str], None] = print,
+        clock: Callable[[], float] = time.monotonic,
+        drain_timeout_s: float = 600.0,
+    ) -> None:
+        self.groups = [
+            _Group(g, effective_counts(g, g.group.replicas))
+            for g in groups
+            if g.desired.pool.spec.autoscaling.enabled
+        ]
+        self.supervisor = supervisor
+        self.router = router
+        self.report = report
+        self.clock = clock
+        self.drain_timeout_s = drain_timeout_s
+        self.actions: list[str] = []  # every scaling decision carried out, as reported
+        self._drains: set[asyncio.Task[None]] = set()
+
+    @property
+    def period_s(self) -> float:
+        """How often the loop looks (the shortest interval of the groups)."""
+        return min((g.local.desired.pool.spec.autoscaling.interval_seconds for g in self.groups), default=0)
+
+    async def run(self) -> None:
+        """Evaluate every group when due, until cancelled."""
+        if not self.groups:
+            return
+        async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S) as client:
+            while True:
+                await asyncio.sleep(self.period_s)
+                await self.step(client, self.clock())
+
+    async def step(self, client: httpx.AsyncClient, now: float) -> None:
+        """One pass: every group whose interval has passed is measured, decided and resized."""
+        for g in self.groups:
+            if now - g.last_eval < g.local.desired.pool.spec.autoscaling.interval_seconds:
+                continue
+            workers = self._workers(g)
+            texts = await asyncio.gather(*(_scrape(client, w.url) for w in workers))
+            scrapes = {w.instance.name: t for w, t in zip(workers, texts, strict=True)}
+            scaling = group_scaling(g.local.desired, g.local.group, g.local.instance_cap)
+            results, g.counters = results_from_scrapes(scrapes, scaling.kinds, g.counters, now)
+            plan = replace(g.local.group, replicas=g.replicas)
+            snapshot = snapshot_from_results(results, plan, scaling.deadlines, now)
+            if snapshot is None:
+                continue
+            g.last_eval = now
+            decision = chiron_decide(snapshot, g.state, scaling.settings, now)
+            g.state = decision.state
+            desired = effective_counts(g.local, decision.desired)
+            if desired != g.replicas:
+                reason = "; ".join(decision.reasons) or "autoscaler"
+                name = g.local.group.name
+                message = f"autoscaler: group {name}: {g.replicas.short()} -> {desired.short()}: {reason}"
+                self.actions.append(message)
+                self.report(message)
+                self._resize(g, desired)
+
+    def _workers(self, g: _Group) -> list[WorkerProcess]:
+        return sorted(
+            (w for w in self.supervisor.workers if w.instance.group == g.local.group.name),
+            key=lambda w: w.instance.ordinal,
+        )
+
+    def _resize(self, g: _Group, desired: RoleCounts) -> None:
+        """Start, re-role and retire workers so that the group runs ``desired``."""
+        roles = g.local.roles(desired)
+        workers = self._workers(g)
+        for w in workers[: len(roles)]:
+            if w.instance.role != roles[w.instance.ordinal]:
+                w.instance = replace(w.instance, role=roles[w.instance.ordinal])
+        for ordinal in range(len(workers), len(roles)):
+            self.supervisor.launch(g.local.instance(ordinal, roles[ordinal]))
+        leaving = workers[len(roles) :]
+        for w in leaving:
+            self.supervisor.workers.remove(w)  # out of the group now; stopped once drained
+        g.replicas = desired
+        loads = [x for x in self.router.loads.values() if x.instance in {w.instance.name for w in leaving}]
+        self.router.update([w.backend() for w in self.supervisor.workers])
+        for w in leaving:
+            mine = [x for x in loads if x.instance == w.instance.name]
+            task = asyncio.create_task(self._drain(w, mine), name=f"drain-{w.instance.name}")
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+
+    async def _drain(self, worker: WorkerProcess, loads: list[InstanceLoad]) -> None:
+        """Wait until the router has nothing outstanding on ``worker``, then stop it."""
+        deadline = self.clock() + self.drain_timeout_s
+        try:
+            while any(x.outstanding > 0 for x in loads) and self.clock() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+        finally:
+            await asyncio.to_thread(self.supervisor.stop, [worker])
+
+    async def close(self) -> None:
+        """Stop the workers still draining (their requests get the worker's own grace period)."""
+        for task in list(self._drains):
+            task.cancel()
+        for task in list(self._drains):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _scrape(client: httpx.AsyncClient, url: str) -> str | None:
+    """A worker's /metrics text; None when it does not answer (still starting, or gone)."""
+    try:
+        response = await client.get(f"{url}/metrics")
+    except httpx.HTTPError:
+        return None
+    return response.text if response.status_code == 200 else None

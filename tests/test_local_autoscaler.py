@@ -1,0 +1,117 @@
+"""Local mode's autoscaler: direct scrapes read as the operator's Prometheus queries, and resizing that
+keeps role order and stops a leaving worker only once the router has nothing outstanding on it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tessera.api import load_documents
+from tessera.local.autoscaler import LocalAutoscaler, effective_counts
+from tessera.local.control_plane import LocalEngine, plan_local
+from tessera.local.scrape import results_from_scrapes
+from tessera.local.supervisor import WorkerProcess
+from tessera.operator.metrics_source import snapshot_from_results
+from tessera.operator.planners import BatchGroup, RoleCounts
+from tessera.router.app import RouterState
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+KINDS = {"chat": "interactive", "offline": "batch"}
+
+
+def _text(inflight: dict[str, float], queued: dict[str, float], itl_count: float) -> str:
+    lines = ["# TYPE tessera_inflight gauge"]
+    lines += [f'tessera_inflight{{model="m",class="{c}"}} {v}' for c, v in inflight.items()]
+    lines += ["# TYPE tessera_queue_length gauge"]
+    lines += [f'tessera_queue_length{{model="m",class="{c}"}} {v}' for c, v in queued.items()]
+    lines += ["# TYPE tessera_itl_seconds histogram",
+              f'tessera_itl_seconds_bucket{{model="m",class="offline",le="+Inf"}} {itl_count}',
+              f'tessera_itl_seconds_count{{model="m",class="offline"}} {itl_count}',
+              'tessera_itl_seconds_sum{model="m",class="offline"} 1.0',
+              'tessera_itl_seconds_count{model="m",class="chat"} 999']  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def test_scrapes_read_as_the_operators_queries_give_the_snapshot() -> None:
+    plan = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine())
+    group = replace(plan.groups[0].group, replicas=RoleCounts(interactive=1, mixed=1, batch=1))
+    pods = [f"{plan.groups[0].pool}-{group.name}-{i}" for i in range(3)]
+    first = {
+        pods[0]: _text({"chat": 2, "offline": 0}, {"chat": 1, "offline": 0}, 100),
+        pods[1]: _text({"chat": 0, "offline": 3}, {"chat": 0, "offline": 5}, 50),
+        pods[2]: None,  # still starting: counted as pending
+    }
+    results, counters = results_from_scrapes(first, KINDS, {}, now=10.0)
+    snap = snapshot_from_results(results, group, {"offline": 3600.0}, now=10.0)
+    assert snap is not None
+    assert snap.ready == RoleCounts(interactive=1, mixed=1) and snap.pending == RoleCounts(batch=1)
+    assert snap.instances_with_interactive == 1 and snap.interactive_queued == 1
+    assert snap.batch_running == 3 and snap.batch_queue == (BatchGroup(count=5, deadline=3610.0),)
+    assert snap.batch_tokens_per_s is None  # a rate needs two scrapes
+    # Five seconds later: 100 + 50 batch tokens more, one worker restarted (its counter went down),
+    # the chat ITL samples never count as batch tokens.
+    later = {
+        pods[0]: _text({"chat": 0}, {}, 200),
+        pods[1]: _text({"offline": 1}, {}, 20),
+        pods[2]: _text({}, {}, 0),
+    }
+    results, _ = results_from_scrapes(later, KINDS, counters, now=15.0)
+    snap = snapshot_from_results(results, group, {"offline": 3600.0}, now=15.0)
+    assert snap is not None and snap.ready == RoleCounts(interactive=1, mixed=1, batch=1)
+    assert snap.batch_tokens_per_s == pytest.approx((100 + 20) / 5.0)
+    assert snap.batch_instance_tokens_per_s == pytest.approx(24.0)
+    assert snap.instances_with_interactive == 0 and snap.batch_queue == ()
+
+
+class _Supervisor:
+    """Records launches and stops instead of running processes."""
+
+    def __init__(self, workers: list[WorkerProcess]) -> None:
+        self.workers = workers
+        self.launched: list[str] = []
+        self.stopped: list[str] = []
+
+    def launch(self, instance):  # type: ignore[no-untyped-def]
+        worker = WorkerProcess(instance, 9000 + instance.ordinal, Path("c"), Path("l"))
+        self.workers.append(worker)
+        self.launched.append(instance.name)
+        return worker
+
+    def stop(self, workers: list[WorkerProcess]) -> None:
+        self.stopped += [w.instance.name for w in workers]
+
+
+async def test_resize_keeps_role_order_and_drains_before_stopping() -> None:
+    plan = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=3)
+    (local,) = plan.groups
+    assert effective_counts(local, RoleCounts(interactive=2, mixed=2, batch=1)) == RoleCounts(2, 1, 0)
+    workers = [WorkerProcess(i, 9000 + i.ordinal, Path("c"), Path("l")) for i in plan.instances]
+    supervisor = _Supervisor(workers)
+    router = RouterState([w.backend() for w in workers])
+    scaler = LocalAutoscaler(plan.groups, supervisor, router, report=lambda _: None)  # type: ignore[arg-type]
+    group = scaler.groups[0]
+    assert group.replicas == RoleCounts(interactive=3)
+    # Grow past the cap: three run, in role order, none launched (the cap is reached).
+    scaler._resize(group, effective_counts(local, RoleCounts(interactive=1, mixed=3)))
+    assert [w.instance.role for w in supervisor.workers] == ["interactive", "mixed", "mixed"]
+    assert [x.role for x in router.loads.values()] == ["interactive", "mixed", "mixed"]
+    # Shrink to one while the router has a request outstanding on ordinal 2: it leaves the rotation at
+    # once and is stopped only when that request is done; ordinal 1 (idle) stops at once.
+    busy = next(x for x in router.loads.values() if x.instance.endswith("-2"))
+    busy.outstanding = 1
+    scaler._resize(group, RoleCounts(interactive=1))
+    assert [w.instance.ordinal for w in supervisor.workers] == [0]
+    assert {x.instance for x in router.loads.values()} == {plan.instances[0].name}
+    await asyncio.sleep(0.5)
+    assert supervisor.stopped == [plan.instances[1].name]
+    busy.outstanding = 0
+    await asyncio.sleep(0.5)
+    assert supervisor.stopped == [plan.instances[1].name, plan.instances[2].name]
+    # Grow again: new ordinals start in role order and join the router (not ready until polled).
+    scaler._resize(group, RoleCounts(interactive=1, mixed=1, batch=1))
+    assert supervisor.launched == [plan.instances[1].name, plan.instances[2].name]
+    assert [(x.role, x.healthy) for x in router.loads.values()][1:] == [("mixed", False), ("batch", False)]
+    await scaler.close()
