@@ -3,8 +3,10 @@ the router; interactive and batch streams arrive; the client-side SLO report agr
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -57,7 +59,7 @@ def _worker_slo_counts(urls: list[str]) -> dict[tuple[str, str], float]:
 async def test_local_mode_serves_streams_and_reports_slo(tmp_path: Path) -> None:
     plan = plan_local(load_documents(_spec(tmp_path)), LocalEngine(), max_instances_per_group=2)
     assert len(plan.instances) == 2
-    stack = LocalStack(plan, tmp_path / "run", "127.0.0.1", free_port())
+    stack = LocalStack(plan, tmp_path / "run", "127.0.0.1", free_port(), autoscale=False)
     await stack.start(60.0)
     try:
         model = plan.instances[0].config.models[0].name
@@ -119,3 +121,58 @@ async def test_local_mode_serves_streams_and_reports_slo(tmp_path: Path) -> None
     finally:
         await stack.stop()
     assert all(w.proc is None for w in stack.supervisor.workers) and not stack.supervisor.workers
+
+
+async def _until(check, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+async def test_local_autoscaler_shrinks_when_idle_grows_under_load_and_loses_nothing(tmp_path: Path) -> None:
+    text = (EXAMPLES / "quickstart.yaml").read_text()
+    fast = "    intervalSeconds: 1\n    scaleDownCooldownSeconds: 3\n"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(text.replace("    intervalSeconds: 5\n", fast))
+    plan = plan_local(load_documents(spec), LocalEngine())
+    assert [i.role for i in plan.instances] == ["interactive"] * 4
+    lines: list[str] = []
+    stack = LocalStack(plan, tmp_path / "run", "127.0.0.1", free_port(), report=lines.append)
+    await stack.start(60.0)
+    first = list(stack.supervisor.workers)
+    try:
+        # Idle: IBP 0 for two evaluations, no scaling yet, so no cooldown: one interactive stays.
+        await _until(lambda: len(stack.supervisor.workers) == 1, 30, "the idle shrink")
+        assert "4i/0m/0b -> 1i/0m/0b" in lines[0]
+        await _until(lambda: all(w.proc is not None and w.proc.poll() is not None for w in first[1:]), 30,
+                     "the removed workers to exit")  # fmt: skip
+        model = plan.instances[0].config.models[0].name
+        body = {"model": model, "prompt": "hello", "max_tokens": 1500, "stream": True}
+        async with httpx.AsyncClient(base_url=stack.endpoint, timeout=60.0) as client:
+
+            async def stream() -> list[str]:
+                async with client.stream("POST", "/v1/completions", json=body) as resp:
+                    assert resp.status_code == 200
+                    return [ln async for ln in resp.aiter_lines() if ln.startswith("data: {")]
+
+            task = asyncio.create_task(stream())
+            # One busy instance of one: IBP 1 > Θ_op + δ: grow to 1 interactive + 2 mixed (Θ_op = 1/3).
+            await _until(lambda: any("-> 1i/2m/0b" in ln for ln in lines), 30, "the scale-up")
+
+            def ready_roles() -> list[str]:
+                assert stack.state is not None
+                return [x.role for x in stack.state.loads.values() if x.healthy]
+
+            await _until(lambda: ready_roles() == ["interactive", "mixed", "mixed"], 30, "the new workers")
+            chunks = [json.loads(ln[6:]) for ln in await task]
+        assert sum(c["choices"][0]["finish_reason"] is None for c in chunks) == 1500
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # Idle again, past the 3 s cooldown: back to one instance; the mixed workers stop.
+        grown = [w for w in stack.supervisor.workers if w.instance.ordinal > 0]
+        await _until(lambda: len(stack.supervisor.workers) == 1, 30, "the second shrink")
+        await _until(lambda: all(w.proc is not None and w.proc.poll() is not None for w in grown), 30,
+                     "the mixed workers to exit")  # fmt: skip
+        assert stack.autoscaler is not None and stack.autoscaler.actions == lines
+    finally:
+        await stack.stop()
