@@ -161,15 +161,18 @@ def test_service_monitor_selects_the_operators_worker_services() -> None:
     ]
 
 
-def test_dashboard_queries_only_metrics_the_worker_exports(objects: list[dict[str, Any]]) -> None:
+def test_dashboard_queries_only_metrics_the_worker_or_router_exports(objects: list[dict[str, Any]]) -> None:
     import re
 
+    from tessera.router.metrics import RouterMetrics
     from tessera.worker.metrics import WorkerMetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    registries = (WorkerMetrics().registry, RouterMetrics(list).registry)
     exported = {
         family.name + suffix
-        for family in WorkerMetrics().registry.collect()
+        for registry in registries
+        for family in registry.collect()
         for suffix in suffixes.get(family.type, ("",))
     }
     dashboard = json.loads(_one(objects, "ConfigMap")["data"]["tessera.json"])

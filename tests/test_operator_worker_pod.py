@@ -164,7 +164,8 @@ def test_service_monitor_relabels_the_labels_the_operator_queries_from_the_headl
 
 def test_plain_prometheus_job_relabels_the_labels_the_operator_queries_from_the_pods() -> None:
     decided = _decided()
-    (job,) = yaml.safe_load((ROOT / "manifests" / "monitoring" / "prometheus-scrape-config.yaml").read_text())
+    jobs = yaml.safe_load((ROOT / "manifests" / "monitoring" / "prometheus-scrape-config.yaml").read_text())
+    (job,) = [j for j in jobs if j["job_name"] == "tessera-workers"]
     rules = job["relabel_configs"]
     targets = {r["target_label"]: r["source_labels"] for r in rules if "target_label" in r}
     assert _queried_labels() <= set(targets)

@@ -90,7 +90,10 @@ class LocalAutoscaler:
         async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S) as client:
             while True:
                 await asyncio.sleep(self.period_s)
-                await self.step(client, self.clock())
+                try:
+                    await self.step(client, self.clock())
+                except Exception as exc:  # keep serving; the next evaluation tries again
+                    self.report(f"autoscaler: evaluation failed, retrying next interval: {exc!r}")
 
     async def step(self, client: httpx.AsyncClient, now: float) -> None:
         """One pass: every group whose interval has passed is measured, decided and resized."""
