@@ -27,7 +27,7 @@ from tessera.local.supervisor import Supervisor, WorkerProcess
 from tessera.operator.metrics_source import snapshot_from_results
 from tessera.operator.planners import AutoscalerState, RoleCounts
 from tessera.operator.planners.chiron import chiron_decide
-from tessera.operator.pool_plan import group_scaling
+from tessera.operator.pool_plan import GroupScaling, group_scaling
 from tessera.router.app import RouterState
 from tessera.router.balancer import InstanceLoad
 
@@ -40,6 +40,7 @@ class _Group:
     """One group's autoscaler memory."""
 
     local: LocalGroup
+    scaling: GroupScaling  # classes, deadlines, settings: fixed, as local mode never re-places
     replicas: RoleCounts  # the counts its workers run now (within the local cap)
     state: AutoscalerState = field(default_factory=AutoscalerState)
     counters: Counters = field(default_factory=dict)
@@ -66,7 +67,9 @@ class LocalAutoscaler:
         drain_timeout_s: float = 600.0,
     ) -> None:
         self.groups = [
-            _Group(g, effective_counts(g, g.group.replicas))
+            _Group(
+                g, group_scaling(g.desired, g.group, g.instance_cap), effective_counts(g, g.group.replicas)
+            )
             for g in groups
             if g.desired.pool.spec.autoscaling.enabled
         ]
@@ -81,7 +84,7 @@ class LocalAutoscaler:
     @property
     def period_s(self) -> float:
         """How often the loop looks (the shortest interval of the groups)."""
-        return min((g.local.desired.pool.spec.autoscaling.interval_seconds for g in self.groups), default=0)
+        return min((g.scaling.settings.eval_interval_s for g in self.groups), default=0)
 
     async def run(self) -> None:
         """Evaluate every group when due, until cancelled."""
@@ -98,19 +101,18 @@ class LocalAutoscaler:
     async def step(self, client: httpx.AsyncClient, now: float) -> None:
         """One pass: every group whose interval has passed is measured, decided and resized."""
         for g in self.groups:
-            if now - g.last_eval < g.local.desired.pool.spec.autoscaling.interval_seconds:
+            if now - g.last_eval < g.scaling.settings.eval_interval_s:
                 continue
             workers = self._workers(g)
             texts = await asyncio.gather(*(_scrape(client, w.url) for w in workers))
             scrapes = {w.instance.name: t for w, t in zip(workers, texts, strict=True)}
-            scaling = group_scaling(g.local.desired, g.local.group, g.local.instance_cap)
-            results, g.counters = results_from_scrapes(scrapes, scaling.kinds, g.counters, now)
+            results, g.counters = results_from_scrapes(scrapes, g.scaling.kinds, g.counters, now)
             plan = replace(g.local.group, replicas=g.replicas)
-            snapshot = snapshot_from_results(results, plan, scaling.deadlines, now)
+            snapshot = snapshot_from_results(results, plan, g.scaling.deadlines, now)
             if snapshot is None:
                 continue
             g.last_eval = now
-            decision = chiron_decide(snapshot, g.state, scaling.settings, now)
+            decision = chiron_decide(snapshot, g.state, g.scaling.settings, now)
             g.state = decision.state
             desired = effective_counts(g.local, decision.desired)
             if desired != g.replicas:
