@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from tessera.router.limits import RouterLimits
+
 HELP = "Serve one OpenAI endpoint in front of the worker instances (local backends file or cluster)."
 
 
@@ -23,6 +25,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on (default 8000).")
     parser.add_argument("--poll-interval", type=float, default=1.0, help="Seconds between polls (default 1).")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    d = RouterLimits()
+    limits = parser.add_argument_group("client limits (each answered with an OpenAI-style error)")
+    limits.add_argument(
+        "--max-body-bytes", type=int, default=d.max_body_bytes,
+        help=f"Largest request body; larger: 413 (default {d.max_body_bytes}).",
+    )  # fmt: skip
+    limits.add_argument(
+        "--max-header-bytes", type=int, default=d.max_header_bytes,
+        help=f"Largest request line + headers; larger: 431 (default {d.max_header_bytes}).",
+    )  # fmt: skip
+    limits.add_argument(
+        "--header-timeout", type=float, default=d.header_timeout_s,
+        help=f"Seconds for the request line + headers; slower: 408 (default {d.header_timeout_s:g}).",
+    )  # fmt: skip
+    limits.add_argument(
+        "--body-timeout", type=float, default=d.body_timeout_s,
+        help=f"Seconds for the body to arrive; slower: 408 (default {d.body_timeout_s:g}).",
+    )  # fmt: skip
+    limits.add_argument(
+        "--keep-alive-timeout", type=int, default=d.keep_alive_s,
+        help=f"Seconds an idle kept-alive connection stays open (default {d.keep_alive_s}).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--api-keys", type=Path, default=None,
+        help="API keys file (JSON/YAML, e.g. a mounted Secret; see tessera.router.auth): requests need "
+        "'Authorization: Bearer <key>', answered 401/403 otherwise. Default: no authentication.",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tessera.router.app import RouterState, create_router_app
+    from tessera.router.auth import ApiKeys, ApiKeysError
     from tessera.router.backends import BackendsError, load_backends
+    from tessera.router.protocol import router_server_config
 
     if not 0 < args.port < 65536:
         print(f"tessera router: --port {args.port} is not a TCP port (1-65535)", file=sys.stderr)
@@ -40,6 +71,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.namespace is not None and not args.kubernetes:
         print("tessera router: --namespace goes with --kubernetes", file=sys.stderr)
+        return 2
+    try:
+        limits = RouterLimits(args.max_body_bytes, args.max_header_bytes, args.header_timeout,
+                              args.body_timeout, args.keep_alive_timeout)  # fmt: skip
+        api_keys = ApiKeys(args.api_keys) if args.api_keys is not None else None
+    except (ValueError, ApiKeysError) as exc:
+        print(f"tessera router: {exc}", file=sys.stderr)
         return 2
     discover = None
     if args.kubernetes:
@@ -53,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
         except BackendsError as exc:
             print(f"tessera router: {exc}", file=sys.stderr)
             return 2
-    app = create_router_app(RouterState(backends), poll_interval_s=args.poll_interval, discover=discover)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    app = create_router_app(RouterState(backends), poll_interval_s=args.poll_interval, discover=discover,
+                            limits=limits, api_keys=api_keys)  # fmt: skip
+    server = uvicorn.Server(
+        router_server_config(app, host=args.host, port=args.port, log_level=args.log_level)
+    )
     server.run()
     return 0 if server.started else 1

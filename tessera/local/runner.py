@@ -23,6 +23,7 @@ from tessera.local.load import LiveCounters, Workload, drive, outstanding_of
 from tessera.local.report import class_rows, render_report, summarize_outcomes, write_plots
 from tessera.local.supervisor import Supervisor
 from tessera.router.app import ClassInfo, RouterState, create_router_app
+from tessera.router.protocol import router_server_config
 
 LIVE_PERIOD_S = 1.0
 RATE_WINDOW_S = 5.0
@@ -168,9 +169,7 @@ class LocalStack:
         await asyncio.to_thread(self.supervisor.start_all, self.plan.instances, ready_timeout_s)
         self.state = RouterState([w.backend() for w in self.supervisor.workers])
         app = create_router_app(self.state)
-        self._server = uvicorn.Server(
-            uvicorn.Config(app, host=self.host, port=self.port, log_level="warning")
-        )
+        self._server = uvicorn.Server(router_server_config(app, host=self.host, port=self.port))
         self._task = asyncio.create_task(self._server.serve(), name="router")
         while not self._server.started:
             if self._task.done():

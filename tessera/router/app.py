@@ -6,12 +6,17 @@ relayed as it comes, status and headers included. ``GET /v1/models`` lists every
 ``/health`` answers while the process lives, ``/ready`` when at least one instance is ready,
 ``/router/status`` shows the instances, their load and estimated waits, and the classes, and
 ``/metrics`` exports the same view and what clients saw to Prometheus (``tessera.router.metrics``).
+Every error, the router's own 404 and 405 included, is an OpenAI-style body.
 
 The router counts the requests it has outstanding on each instance (exact and without delay) and
 polls every instance's ``/ready`` and ``/metrics`` (``tessera_batch_size``) every ``poll_interval_s``.
-A request whose instance cannot be reached is sent to the next best instance (nothing has been relayed
-yet, so nothing is lost); an instance that fails a poll or a connection leaves the rotation until a poll
-sees it ready again.
+An instance that fails a poll or refuses a connection leaves the rotation until a poll sees it ready
+again; failures while relaying are handled in ``tessera.router.relay``.
+
+What a client sends is checked before it is forwarded: size and time limits
+(``tessera.router.limits``; serve the app with ``tessera.router.protocol.router_server_config`` for
+those on the request head), the body (``tessera.router.payload``), optionally an API key
+(``tessera.router.auth``), and only end-to-end headers go on (``tessera.router.headers``).
 """
 
 from __future__ import annotations
@@ -31,10 +36,17 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
-from tessera.router.balancer import DEFAULT_Z, InstanceLoad, NoInstance, choose, estimated_wait, seed_stats
+from tessera.router.balancer import DEFAULT_Z, InstanceLoad, choose, estimated_wait, seed_stats
+from tessera.router.headers import downstream_headers, upstream_headers
+from tessera.router.limits import RouterLimits
 from tessera.router.metrics import RouterMetrics
+from tessera.router.payload import parse_payload, read_body
+from tessera.router.relay import Upstream, relay_events, send, unless_client_leaves
 from tessera.worker.config import WorkerConfig
 from tessera.worker.core.request import ServiceClass
 from tessera.worker.policies.qlm.estimator import TokenStats
@@ -42,8 +54,10 @@ from tessera.worker.server.errors import ApiError
 
 POLL_INTERVAL_S = 1.0
 log = logging.getLogger(__name__)
-# Hop-by-hop and length headers are the transport's business, not the relayed answer's.
-_DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive"}
+_ROUTES = (
+    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /ready, /router/status, "
+    "/metrics"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +146,9 @@ class RouterState:
         self.stats = {m: self.stats.get(m) or seed_stats() for m in self.configs}
         self.class_header = next(iter(self.configs.values())).class_header if self.configs else ""
 
-    def classify(self, model: str, headers: Mapping[str, str]) -> str:
-        """The class kind of a request (class header in ``headers``); ApiError 404/400 for an unknown
-        model or class."""
+    def classify(self, model: str, headers: Mapping[str, str]) -> tuple[str, str]:
+        """The class name and kind of a request (class header in ``headers``); ApiError 404/400 for an
+        unknown model or class."""
         config = self.configs.get(model)
         if config is None:
             known = ", ".join(sorted(self.configs)) or "(none)"
@@ -149,7 +163,7 @@ class RouterState:
             raise ApiError(400, f"unknown request class {header_value!r} in header {config.class_header}; "
                            f"this service accepts: {known}", code="unknown_class",
                            param=config.class_header)  # fmt: skip
-        return config.classes[name].kind
+        return name, config.classes[name].kind
 
     def pick(self, model: str, kind: str, exclude: set[str]) -> InstanceLoad:
         """The instance for a request (not one of ``exclude``)."""
@@ -220,11 +234,17 @@ def create_router_app(
     poll_interval_s: float = POLL_INTERVAL_S,
     client: httpx.AsyncClient | None = None,
     discover: Callable[[], list[Backend]] | None = None,
+    limits: RouterLimits | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> FastAPI:
     """The router's HTTP application over ``state`` (polling runs while the app runs).
 
     ``discover`` (cluster mode) is called before every poll round to refresh the backends; when it
-    fails the backends stay as they were (logged)."""
+    fails the backends stay as they were (logged). ``limits`` bound what one client may send (default
+    ``RouterLimits()``); ``api_keys`` turns on API-key authentication (re-read at every poll round when
+    the file changed). ``app.state.limits`` and ``app.state.metrics`` are what
+    ``tessera.router.protocol.router_server_config`` serves the app with."""
+    limits = limits or RouterLimits()
     holder: dict[str, httpx.AsyncClient] = {}
 
     @asynccontextmanager
@@ -239,6 +259,8 @@ def create_router_app(
                     state.update(await asyncio.to_thread(discover))
                 except Exception as exc:  # the API server may be briefly unreachable: keep the last view
                     log.warning("backend discovery failed: %s", exc)
+            if api_keys is not None:
+                await asyncio.to_thread(api_keys.refresh)
             await poll(state, http)
 
         await refresh()
@@ -260,10 +282,32 @@ def create_router_app(
 
     app = FastAPI(title="Tessera router", version="0.1.0", lifespan=lifespan)
     metrics = RouterMetrics(state.instance_rows)
+    app.state.limits = limits
+    app.state.metrics = metrics
 
     @app.exception_handler(ApiError)
     async def _api_error(_: HttpRequest, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(http: HttpRequest, exc: StarletteHTTPException) -> JSONResponse:
+        where = f"{http.method} {http.url.path}"
+        if exc.status_code == 404:
+            message = f"no such endpoint: {where}; this router serves {_ROUTES}"
+        elif exc.status_code == 405:
+            allowed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "")
+            message = f"method {http.method} is not allowed on {http.url.path}; use {allowed}"
+        else:
+            message = f"{where}: {exc.detail}"
+        return ApiError(exc.status_code, message, code=exc.status_code, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(_: HttpRequest, exc: Exception) -> JSONResponse:
+        log.exception("router error", exc_info=exc)
+        return ApiError(500, f"internal router error ({type(exc).__name__}); retry the request").response()
+
+    def caller_of(http: HttpRequest) -> Caller | None:
+        return api_keys.authenticate(http.headers) if api_keys is not None else None
 
     @app.get("/health", summary="Liveness: the router process answers.")
     async def health() -> dict[str, str]:
@@ -282,12 +326,13 @@ def create_router_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", summary="Models served behind this router.")
-    async def models() -> dict[str, Any]:
+    @app.get("/v1/models", summary="Models served behind this router (those the API key may use).")
+    async def models(http: HttpRequest) -> dict[str, Any]:
+        caller = caller_of(http)
         data = [
             {"id": name, "object": "model", "owned_by": "tessera", "max_model_len": entry.max_model_len}
             for name, config in sorted(state.configs.items())
-            if (entry := config.model(name)) is not None
+            if (entry := config.model(name)) is not None and (caller is None or caller.may_use(name))
         ]
         return {"object": "list", "data": data}
 
@@ -295,74 +340,33 @@ def create_router_app(
         start = time.perf_counter()
         model = kind = ""  # metric labels, set once known (an unserved model stays "")
         try:
-            raw = await http.body()
-            try:
-                body = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
-            asked = body.get("model") if isinstance(body, dict) else None
-            if not isinstance(asked, str):
-                raise ApiError(400, "the request body must be a JSON object with a string field 'model'",
-                               param="model")  # fmt: skip
-            model = asked if asked in state.configs else ""
-            kind = state.classify(asked, http.headers)
-            load, upstream = await connect(asked, kind, path, raw, http.headers)
+            caller = caller_of(http)
+            raw = await read_body(http, limits)
+            payload = parse_payload(raw)
+            model = payload.model if payload.model in state.configs else ""
+            class_name, kind = state.classify(payload.model, http.headers)
+            if caller is not None:
+                caller.authorize(payload.model, class_name, state.configs[payload.model].class_header)
+            headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
+            up = Upstream(path, raw, headers, payload.model, kind, payload.stream)
+            answer = await unless_client_leaves(http, send(state, metrics, holder["client"], up))
         except ApiError as exc:
             metrics.answered(model, kind, exc.status, time.perf_counter() - start)
             raise
-        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _DROP_HEADERS}
-        out_headers["x-tessera-instance"] = load.instance
-        if not body.get("stream"):
-            try:
-                content = await upstream.aread()
-            finally:
-                await upstream.aclose()
-                load.outstanding -= 1
-                metrics.answered(model, kind, upstream.status_code, time.perf_counter() - start)
-            _observe_usage(state, model, body, content)
-            return Response(content, upstream.status_code, headers=out_headers)
-
-        async def events() -> AsyncIterator[str]:
-            tokens = 0
-            try:
-                async for line in upstream.aiter_lines():
-                    # Token chunks are the ones whose choice is not finished (an estimate for stats).
-                    if line.startswith("data: {") and '"finish_reason": null' in line:
-                        if not tokens:
-                            metrics.ttft.labels(model, kind).observe(time.perf_counter() - start)
-                        tokens += 1
-                    yield line + "\n"
-            finally:
-                await upstream.aclose()
-                load.outstanding -= 1
-                metrics.answered(model, kind, upstream.status_code, time.perf_counter() - start)
-                if tokens:
-                    state.stats[model].observe_output(tokens)
-
-        return StreamingResponse(events(), upstream.status_code, headers=out_headers)
-
-    async def connect(
-        model: str, kind: str, path: str, raw: bytes, incoming: Mapping[str, str]
-    ) -> tuple[InstanceLoad, httpx.Response]:
-        """Send the request to the best instance, the next best while connections fail; the chosen
-        instance counts it outstanding. ApiError 503 when no instance is left."""
-        headers = {k: v for k, v in incoming.items() if k.lower() not in ("host", "content-length")}
-        tried: set[str] = set()
-        while True:
-            try:
-                load = state.pick(model, kind, tried)
-            except NoInstance as exc:
-                raise ApiError(503, f"{exc}; retry when an instance is ready", code="no_instance") from None
-            tried.add(load.instance)
-            url = f"{state.backends[load.instance].url}{path}"
-            request = holder["client"].build_request("POST", url, content=raw, headers=headers)
-            load.outstanding += 1
-            try:
-                return load, await holder["client"].send(request, stream=True)
-            except httpx.HTTPError:
-                load.outstanding -= 1
-                state.set_health(load.instance, False)
-                metrics.upstream_failures.labels(load.instance).inc()
+        except ClientDisconnect:  # left while sending the body
+            answer = None
+        if answer is None:
+            metrics.answered(model, kind, 499, time.perf_counter() - start)
+            return Response(status_code=499)
+        upstream = answer.response
+        out_headers = downstream_headers(upstream.headers.items(), answer.load.instance)
+        if answer.streaming:
+            events = relay_events(state, metrics, answer.load, upstream, model=model, kind=kind, start=start)
+            return StreamingResponse(events, upstream.status_code, headers=out_headers)
+        metrics.answered(model, kind, upstream.status_code, time.perf_counter() - start)
+        if upstream.status_code == 200:
+            _observe_usage(state, model, upstream.content)
+        return Response(upstream.content, upstream.status_code, headers=out_headers)
 
     @app.post("/v1/completions", summary="OpenAI completions, routed to a worker instance.")
     async def completions(http: HttpRequest) -> Response:
@@ -375,7 +379,7 @@ def create_router_app(
     return app
 
 
-def _observe_usage(state: RouterState, model: str, body: dict[str, Any], content: bytes) -> None:
+def _observe_usage(state: RouterState, model: str, content: bytes) -> None:
     """Update the model's token statistics from a finished non-streamed answer's usage."""
     try:
         usage = json.loads(content).get("usage") or {}

@@ -1,9 +1,10 @@
 """Prometheus metrics of the router (``tessera_router_`` prefix), served at its ``/metrics``.
 
 What the clients saw, per model and class kind: answers by HTTP status (the router's own 4xx/503
-included), time to the last byte, and for streams the time to the first token chunk (the client-side
-TTFT, the router's overhead included). Connection failures that moved a request to the next instance
-count per instance. The instances' state (in the rotation, outstanding requests, batch size, estimated
+included; a stream an instance broke off counts as 502, one whose client left as 499), time to the last
+byte, and for streams the time to the first token chunk (the client-side TTFT, the router's overhead
+included). Requests an instance failed (refused connection, or broken off while answering) count per
+instance. The instances' state (in the rotation, outstanding requests, batch size, estimated
 wait) is read from the router state at scrape time, so a scrape always shows the current view.
 
 Label values stay bounded: a request for a model the router does not serve is counted with
@@ -86,7 +87,8 @@ class RouterMetrics:
         )
         self.upstream_failures = Counter(
             "tessera_router_upstream_failures",
-            "Connections to an instance that failed; the request went to the next best instance.",
+            "Requests an instance failed: it refused the connection or broke off while answering "
+            "(the request went to another instance, or its stream ended with an error event).",
             ["instance"],
             registry=r,
         )
@@ -96,6 +98,11 @@ class RouterMetrics:
         """Count one answered request and its duration."""
         self.requests.labels(model, kind, str(code)).inc()
         self.duration.labels(model, kind).observe(seconds)
+
+    def rejected(self, code: int) -> None:
+        """Count a request refused before it reached the application (its head too large, too slow or
+        malformed): no model, class or duration is known."""
+        self.requests.labels("", "", str(code)).inc()
 
     def exposition(self) -> bytes:
         """The text exposition format."""

@@ -38,7 +38,9 @@ class ApiError(Exception):
         return {
             "error": {
                 "message": self.message,
-                "type": _TYPES.get(self.status, "server_error"),
+                "type": _TYPES.get(
+                    self.status, "invalid_request_error" if self.status < 500 else "server_error"
+                ),
                 "param": self.param,
                 "code": self.code or self.status,
             }

@@ -1,0 +1,169 @@
+"""Sending one request to a worker instance and relaying its answer, through every failure.
+
+- An instance that refuses the connection leaves the rotation and the request goes to the next best
+  one (nothing was sent, so nothing is lost); only a refused connection or a failed poll takes an
+  instance out of the rotation, never what a client sent.
+- An instance that breaks off before its answer (killed, reset) is tried once more on another
+  instance: the client has seen nothing yet. A second break answers 502.
+- A client that leaves while the router waits for the answer closes the upstream request, so the
+  worker cancels it (streams: Starlette stops the relay, which closes the upstream request too).
+- A stream the instance breaks off mid-way ends with an OpenAI-style SSE error event and
+  ``data: [DONE]``, and counts as 502 in the router's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+import httpx
+from fastapi import Request as HttpRequest
+
+from tessera.router.balancer import InstanceLoad, NoInstance
+from tessera.router.metrics import RouterMetrics
+from tessera.worker.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from tessera.router.app import RouterState
+
+T = TypeVar("T")
+_DONE = "data: [DONE]"
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """A client's request as the router sends it to an instance."""
+
+    path: str
+    content: bytes
+    headers: list[tuple[str, str]]
+    model: str
+    kind: str
+    stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An instance's answer: read whole, or a stream of events left open for ``relay_events``."""
+
+    load: InstanceLoad
+    response: httpx.Response
+    streaming: bool
+
+
+async def _client_left(http: HttpRequest) -> None:
+    """Return when the client disconnects (the body has been read: the next message is the end)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_leaves(http: HttpRequest, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None (``work`` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_client_left(http))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (watch, task):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+    return task.result() if not task.cancelled() else None
+
+
+async def send(state: RouterState, metrics: RouterMetrics, client: httpx.AsyncClient, up: Upstream) -> Answer:
+    """Send ``up`` to the best instance and wait for its answer: the whole answer unless it is a
+    stream of events, which is returned open with the instance counting it outstanding (the relay
+    closes it). ApiError 503 when no instance is left, 502 when two instances broke off."""
+    tried: set[str] = set()
+    broken: str | None = None
+    while True:
+        try:
+            load = state.pick(up.model, up.kind, tried)
+        except NoInstance as exc:
+            if broken is None:
+                raise ApiError(503, f"{exc}; retry when an instance is ready", code="no_instance") from None
+            raise ApiError(502, f"the instance {broken} broke off while answering and no other instance is "
+                           f"ready ({exc}); retry the request", code="upstream_failed") from None  # fmt: skip
+        tried.add(load.instance)
+        url = f"{state.backends[load.instance].url}{up.path}"
+        request = client.build_request("POST", url, content=up.content, headers=up.headers)
+        load.outstanding += 1
+        response: httpx.Response | None = None
+        kept_open = False
+        try:
+            response = await client.send(request, stream=True)
+            events = response.headers.get("content-type", "").startswith("text/event-stream")
+            if up.stream and response.status_code == 200 and events:
+                kept_open = True
+                return Answer(load, response, streaming=True)
+            await response.aread()  # an answer in one piece (errors included) is relayed in one piece
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            state.set_health(load.instance, False)  # not reachable: out until a poll sees it ready
+            metrics.upstream_failures.labels(load.instance).inc()
+            continue
+        except httpx.HTTPError as exc:
+            metrics.upstream_failures.labels(load.instance).inc()
+            if broken is not None:
+                message = (
+                    f"the instances {broken} and {load.instance} both broke off while answering ({exc!r})"
+                )
+                raise ApiError(502, f"{message}; retry the request", code="upstream_failed") from None
+            broken = load.instance
+            continue
+        finally:
+            if not kept_open:
+                load.outstanding -= 1
+                if response is not None:
+                    await response.aclose()
+        return Answer(load, response, streaming=False)
+
+
+async def relay_events(
+    state: RouterState,
+    metrics: RouterMetrics,
+    load: InstanceLoad,
+    response: httpx.Response,
+    *,
+    model: str,
+    kind: str,
+    start: float,
+) -> AsyncIterator[str]:
+    """The instance's server-sent events as they come; an error event and ``[DONE]`` if the instance
+    breaks off. Counts the answer (200, 502 broken off, 499 client gone) when it ends."""
+    tokens = 0
+    code = 499  # unless the stream reaches its end: Starlette stops the relay when the client leaves
+    try:
+        done = False
+        try:
+            async for line in response.aiter_lines():
+                # Token chunks are the ones whose choice is not finished (an estimate for stats).
+                if line.startswith("data: {") and '"finish_reason": null' in line:
+                    if not tokens:
+                        metrics.ttft.labels(model, kind).observe(time.perf_counter() - start)
+                    tokens += 1
+                done = done or line == _DONE
+                yield line + "\n"
+            reason = "it ended the stream without [DONE]"
+        except httpx.HTTPError as exc:
+            reason = f"{exc!r}"
+        if done:
+            code = 200
+        else:
+            code = 502
+            metrics.upstream_failures.labels(load.instance).inc()
+            error = ApiError(502, f"the instance {load.instance} broke off this stream ({reason}); the "
+                             "answer is incomplete: retry the request", code="upstream_failed")  # fmt: skip
+            yield f"\ndata: {json.dumps(error.body())}\n\n{_DONE}\n\n"
+    finally:
+        await response.aclose()
+        load.outstanding -= 1
+        metrics.answered(model, kind, code, time.perf_counter() - start)
+        if tokens:
+            state.stats[model].observe_output(tokens)
