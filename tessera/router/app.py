@@ -343,10 +343,12 @@ def create_router_app(
             caller = caller_of(http)
             raw = await read_body(http, limits)
             payload = parse_payload(raw)
+            if caller is not None:
+                caller.check_model(payload.model)
             model = payload.model if payload.model in state.configs else ""
             class_name, kind = state.classify(payload.model, http.headers)
             if caller is not None:
-                caller.authorize(payload.model, class_name, state.configs[payload.model].class_header)
+                caller.check_class(class_name, state.configs[payload.model].class_header)
             headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
             up = Upstream(path, raw, headers, payload.model, kind, payload.stream)
             answer = await unless_client_leaves(http, send(state, metrics, holder["client"], up))

@@ -87,12 +87,16 @@ class Caller:
         """Whether the key may use ``model``."""
         return self.models is None or model in self.models
 
-    def authorize(self, model: str, class_name: str, class_header: str) -> None:
-        """ApiError 403 when the key may not use ``model`` or the class ``class_name``."""
+    def check_model(self, model: str) -> None:
+        """ApiError 403 when the key may not use ``model`` (checked before the router says whether the
+        model exists: a tenant learns nothing about models it may not use)."""
         if not self.may_use(model):
             allowed = ", ".join(sorted(self.models or ()))
             raise ApiError(403, f"the API key of tenant {self.tenant!r} may not use the model {model!r}; "
                            f"it may use: {allowed}", code="model_not_allowed", param="model")  # fmt: skip
+
+    def check_class(self, class_name: str, class_header: str) -> None:
+        """ApiError 403 when the key may not use the request class ``class_name``."""
         if self.classes is not None and class_name not in self.classes:
             allowed = ", ".join(sorted(self.classes))
             raise ApiError(403, f"the API key of tenant {self.tenant!r} may not use the request class "
