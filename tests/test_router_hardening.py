@@ -68,7 +68,7 @@ def _error(response: httpx.Response) -> dict[str, object]:
     return data["error"]
 
 
-# Defect 1: hop-by-hop headers. ---------------------------------------------------------------------
+# Hop-by-hop headers stay on their connection. -------------------------------------------------------
 
 
 def test_only_end_to_end_headers_go_upstream() -> None:
@@ -135,7 +135,7 @@ async def test_chunked_and_hop_by_hop_requests_are_served_and_no_instance_leaves
         assert await router.metric("tessera_router_upstream_failures_total") == 0
 
 
-# Defect 8: curl's default form content type; 404/405 bodies. --------------------------------------------
+# curl's default form content type; 404/405 bodies. --------------------------------------------------
 
 
 def _readme_curl() -> str:
@@ -178,7 +178,7 @@ async def test_unknown_paths_and_methods_get_openai_errors(workers: list[WorkerP
         assert error["type"] == "invalid_request_error"
 
 
-# Defect 6: size and time limits. ---------------------------------------------------------------------
+# Size and time limits. ------------------------------------------------------------------------------
 
 
 async def test_body_and_header_size_limits_answer_413_and_431(workers: list[WorkerProcess]) -> None:
@@ -232,7 +232,7 @@ async def test_slow_clients_get_408_and_idle_connections_close(workers: list[Wor
         assert time.monotonic() - started < 5
 
 
-# Defect 5: a client leaving a non-streamed request. --------------------------------------------------
+# A client leaving a non-streamed request. -----------------------------------------------------------
 
 
 async def test_client_leaving_a_non_streamed_request_cancels_it_on_the_worker(
@@ -256,7 +256,7 @@ async def test_client_leaving_a_non_streamed_request_cancels_it_on_the_worker(
         assert sum(x.outstanding for x in router.state.loads.values()) == 0
 
 
-# Defect 7: a worker killed while it answers. ---------------------------------------------------------
+# A worker killed while it answers. ------------------------------------------------------------------
 
 
 async def test_worker_killed_mid_stream_ends_the_stream_with_an_error_event(tmp_path: Path) -> None:
@@ -360,50 +360,46 @@ async def test_api_keys_authenticate_and_authorize(workers: list[WorkerProcess],
     def auth(key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
 
-    async with serve_router(workers, api_keys=keys, poll_interval_s=0.2) as router:
-        async with httpx.AsyncClient(base_url=router.url, timeout=30) as client:
-            missing = await client.post("/v1/completions", json=BODY)
-            assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
-            assert "Authorization: Bearer" in _error(missing)["message"]
-            wrong = await client.post(
-                "/v1/completions", json=BODY, headers=auth("sk-nobody-0123456789abcdef")
-            )
-            assert wrong.status_code == 401 and _error(wrong)["code"] == "invalid_api_key"
-            basic = await client.post("/v1/completions", json=BODY, headers={"Authorization": "Basic eDp5"})
-            assert basic.status_code == 401
-            ok = await client.post("/v1/completions", json=BODY, headers=auth("sk-team-a-0123456789abcdef"))
-            assert ok.status_code == 200
-            # team-b may use the batch class only; the default class is chat.
-            b = auth("sk-team-b-0123456789abcdef")
-            denied = await client.post("/v1/completions", json=BODY, headers=b)
-            assert denied.status_code == 403
-            error = _error(denied)
-            assert error["code"] == "class_not_allowed" and CLASS_HEADER in error["message"]
-            allowed = await client.post("/v1/completions", json=BODY, headers={**b, CLASS_HEADER: "batch"})
-            assert allowed.status_code == 200
-            c = auth("sk-team-c-0123456789abcdef")
-            other = await client.post("/v1/completions", json=BODY, headers=c)
-            assert other.status_code == 403 and _error(other)["param"] == "model"
-            assert (await client.get("/v1/models", headers=c)).json()["data"] == []
-            assert [m["id"] for m in (await client.get("/v1/models", headers=b)).json()["data"]] == [MODEL]
-            assert (await client.get("/v1/models")).status_code == 401
-            assert (await client.get("/health")).status_code == 200  # probes and scrapes need no key
-            assert (await client.get("/metrics")).status_code == 200
-            # A rotated Secret: the file changes, the router reads it at its next poll.
-            path.write_text(KEYS.replace("sk-team-a-0123456789abcdef", "sk-team-a-rotated-000000000"))
+    async with (
+        serve_router(workers, api_keys=keys, poll_interval_s=0.2) as router,
+        httpx.AsyncClient(base_url=router.url, timeout=30) as client,
+    ):
+        missing = await client.post("/v1/completions", json=BODY)
+        assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+        assert "Authorization: Bearer" in _error(missing)["message"]
+        wrong = await client.post("/v1/completions", json=BODY, headers=auth("sk-nobody-0123456789abcdef"))
+        assert wrong.status_code == 401 and _error(wrong)["code"] == "invalid_api_key"
+        basic = await client.post("/v1/completions", json=BODY, headers={"Authorization": "Basic eDp5"})
+        assert basic.status_code == 401
+        ok = await client.post("/v1/completions", json=BODY, headers=auth("sk-team-a-0123456789abcdef"))
+        assert ok.status_code == 200
+        # team-b may use the batch class only; the default class is chat.
+        b = auth("sk-team-b-0123456789abcdef")
+        denied = await client.post("/v1/completions", json=BODY, headers=b)
+        assert denied.status_code == 403
+        error = _error(denied)
+        assert error["code"] == "class_not_allowed" and CLASS_HEADER in error["message"]
+        allowed = await client.post("/v1/completions", json=BODY, headers={**b, CLASS_HEADER: "batch"})
+        assert allowed.status_code == 200
+        c = auth("sk-team-c-0123456789abcdef")
+        other = await client.post("/v1/completions", json=BODY, headers=c)
+        assert other.status_code == 403 and _error(other)["param"] == "model"
+        assert (await client.get("/v1/models", headers=c)).json()["data"] == []
+        assert [m["id"] for m in (await client.get("/v1/models", headers=b)).json()["data"]] == [MODEL]
+        assert (await client.get("/v1/models")).status_code == 401
+        assert (await client.get("/health")).status_code == 200  # probes and scrapes need no key
+        assert (await client.get("/metrics")).status_code == 200
+        # A rotated Secret: the file changes, the router reads it at its next poll.
+        path.write_text(KEYS.replace("sk-team-a-0123456789abcdef", "sk-team-a-rotated-000000000"))
 
-            async def rotated() -> bool:
-                r = await client.post(
-                    "/v1/completions", json=BODY, headers=auth("sk-team-a-rotated-000000000")
-                )
-                return r.status_code == 200
+        async def rotated() -> bool:
+            r = await client.post("/v1/completions", json=BODY, headers=auth("sk-team-a-rotated-000000000"))
+            return r.status_code == 200
 
-            await _until(rotated, 5, "the rotated key")
-            old = await client.post("/v1/completions", json=BODY, headers=auth("sk-team-a-0123456789abcdef"))
-            assert old.status_code == 401
-            path.write_text("keys: [\n")  # broken: the router keeps the keys it has
-            await asyncio.sleep(0.6)
-            again = await client.post(
-                "/v1/completions", json=BODY, headers=auth("sk-team-a-rotated-000000000")
-            )
-            assert again.status_code == 200
+        await _until(rotated, 5, "the rotated key")
+        old = await client.post("/v1/completions", json=BODY, headers=auth("sk-team-a-0123456789abcdef"))
+        assert old.status_code == 401
+        path.write_text("keys: [\n")  # broken: the router keeps the keys it has
+        await asyncio.sleep(0.6)
+        again = await client.post("/v1/completions", json=BODY, headers=auth("sk-team-a-rotated-000000000"))
+        assert again.status_code == 200
