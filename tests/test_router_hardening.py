@@ -21,6 +21,7 @@ import httpx
 import pytest
 from router_harness import CLASS_HEADER, MODEL, raw_exchange, serve_router, start_workers
 
+from tessera.cli import main
 from tessera.local.supervisor import WorkerProcess
 from tessera.router.auth import ApiKeys, ApiKeysError
 from tessera.router.headers import upstream_headers
@@ -350,6 +351,24 @@ def test_api_keys_file_is_validated(tmp_path: Path) -> None:
             ApiKeys(path)
     with pytest.raises(ApiKeysError, match="cannot read API keys file"):
         ApiKeys(tmp_path / "absent.yaml")
+
+
+def test_router_command_refuses_bad_limits_and_key_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    backends = tmp_path / "absent.yaml"  # never read: the settings are checked first
+    bad_keys = tmp_path / "keys.yaml"
+    bad_keys.write_text("keys:\n  - {key: short, tenant: a}\n")
+    cases = {
+        ("--max-body-bytes", "0"): "--max-body-bytes must be a finite number > 0, got 0",
+        ("--header-timeout", "nan"): "--header-timeout must be a finite number > 0, got nan",
+        ("--body-timeout", "-1"): "--body-timeout must be a finite number > 0",
+        ("--max-header-bytes", "100"): "--max-header-bytes must be >= 1024",
+        ("--api-keys", str(bad_keys)): "keys.0.key: String should have at least 16 characters",
+    }
+    for flags, problem in cases.items():
+        assert main(["router", "--backends", str(backends), *flags]) == 2
+        assert problem in capsys.readouterr().err
 
 
 async def test_api_keys_authenticate_and_authorize(workers: list[WorkerProcess], tmp_path: Path) -> None:
