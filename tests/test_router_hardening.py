@@ -19,11 +19,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_harness import CLASS_HEADER, MODEL, raw_exchange, serve_router, start_workers
+from fastapi.testclient import TestClient
+from router_harness import CLASS_HEADER, MODEL, PLAN, raw_exchange, serve_router, start_workers
 
 from tessera.cli import main
 from tessera.local.supervisor import WorkerProcess
+from tessera.router.app import RouterState, create_router_app
 from tessera.router.auth import ApiKeys, ApiKeysError
+from tessera.router.backends import Backend
 from tessera.router.headers import upstream_headers
 from tessera.router.limits import RouterLimits
 
@@ -316,6 +319,31 @@ async def test_worker_killed_before_a_non_streamed_answer_is_retried_on_another_
             assert await router.metric("tessera_router_upstream_failures_total") == 1
     finally:
         supervisor.stop_all()
+
+
+def test_a_stream_the_worker_ends_with_an_error_event_counts_as_a_failure() -> None:
+    error = {"error": {"message": "engine failed", "type": "server_error", "param": None, "code": 500}}
+    events = ['data: {"choices": [{"text": "a", "finish_reason": null}]}', f"data: {json.dumps(error)}"]
+    sse = "".join(f"{e}\n\n" for e in [*events, "data: [DONE]"])
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/ready":
+            return httpx.Response(200, json={"ready": True})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="")
+        return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
+
+    backends = [
+        Backend(name=i.name, url=f"http://w{n}", role=i.role, config=i.config)
+        for n, i in enumerate(PLAN.instances)
+    ]
+    client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    app = create_router_app(RouterState(backends), poll_interval_s=3600.0, client=client)
+    with TestClient(app) as http:
+        streamed = http.post("/v1/completions", json={**BODY, "stream": True})
+        assert streamed.status_code == 200 and "engine failed" in streamed.text
+        metrics = http.get("/metrics").text
+    assert f'tessera_router_requests_total{{code="502",kind="interactive",model="{MODEL}"}} 1.0' in metrics
 
 
 # API keys. ------------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Prometheus metrics of the router (``tessera_router_`` prefix), served at its ``/metrics``.
 
 What the clients saw, per model and class kind: answers by HTTP status (the router's own 4xx/503
-included; a stream an instance broke off counts as 502, one whose client left as 499), time to the last
-byte, and for streams the time to the first token chunk (the client-side TTFT, the router's overhead
-included). Requests an instance failed (refused connection, or broken off while answering) count per
-instance. The instances' state (in the rotation, outstanding requests, batch size, estimated
-wait) is read from the router state at scrape time, so a scrape always shows the current view.
+included; a stream that broke off or ended with an error event counts as 502, one whose client left
+as 499), time to the last byte, and for streams the time to the first token chunk (the client-side
+TTFT, the router's overhead included). Requests an instance failed (refused connection, or broken off
+while answering) count per instance. The instances' state (in the rotation, outstanding requests,
+batch size, estimated wait) is read from the router state at scrape time, so a scrape always shows
+the current view.
 
 Label values stay bounded: a request for a model the router does not serve is counted with
 ``model=""`` (the client chooses that string), and ``kind=""`` until the class is known.

@@ -136,11 +136,12 @@ async def relay_events(
     start: float,
 ) -> AsyncIterator[str]:
     """The instance's server-sent events as they come; an error event and ``[DONE]`` if the instance
-    breaks off. Counts the answer (200, 502 broken off, 499 client gone) when it ends."""
+    breaks off. Counts the answer when it ends: 200, 502 when it broke off or the worker ended it with
+    an error event of its own, 499 when the client left."""
     tokens = 0
     code = 499  # unless the stream reaches its end: Starlette stops the relay when the client leaves
     try:
-        done = False
+        done = failed = False
         try:
             async for line in response.aiter_lines():
                 # Token chunks are the ones whose choice is not finished (an estimate for stats).
@@ -149,12 +150,13 @@ async def relay_events(
                         metrics.ttft.labels(model, kind).observe(time.perf_counter() - start)
                     tokens += 1
                 done = done or line == _DONE
+                failed = failed or line.startswith('data: {"error"')
                 yield line + "\n"
             reason = "it ended the stream without [DONE]"
         except httpx.HTTPError as exc:
             reason = f"{exc!r}"
         if done:
-            code = 200
+            code = 502 if failed else 200
         else:
             code = 502
             metrics.upstream_failures.labels(load.instance).inc()
