@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from tessera.api import load_documents
-from tessera.local.control_plane import LocalEngine, LocalPlanError, plan_local, roles_by_ordinal
+from tessera.local.control_plane import (
+    ADMIN_TOKEN_ENV,
+    LocalEngine,
+    LocalPlanError,
+    plan_local,
+    roles_by_ordinal,
+)
 from tessera.operator.children import CONFIG_KEY
 from tessera.operator.pool_plan import desired_pool
 
@@ -28,22 +34,25 @@ def test_quickstart_plans_the_operators_instances_with_the_sim_engine() -> None:
     (cm,) = [c for c in operator.children if c["kind"] == "ConfigMap"]
     expected = json.loads(cm["data"][CONFIG_KEY])
     got = plan.instances[0].config.to_json()
-    # Everything but the engine source is the operator's configuration.
+    # Everything but the engine source and the admin token's source is the operator's configuration.
     for entry in expected["models"]:
         entry.pop("url")
         entry["engine"] = "sim"
+    expected["admin"] = {"tokenEnv": ADMIN_TOKEN_ENV}
     assert got == expected
     assert {i.config.models[0].engine for i in plan.instances} == {"sim"}
 
 
 def test_cap_vllm_sources_and_context_override() -> None:
     docs = load_documents(EXAMPLES / "multi-model.yaml")
-    plan = plan_local(docs, LocalEngine("vllm", model_dir="/m", max_model_len=512), max_instances_per_group=1)
+    engine = LocalEngine("vllm", model_dir="/m", max_model_len=512, dtype="float32", enforce_eager=True)
+    plan = plan_local(docs, engine, max_instances_per_group=1)
     groups = {i.group for i in plan.instances}
     assert len(plan.instances) == len(groups) >= 2
     for inst in plan.instances:
         for m in inst.config.models:
-            assert (m.engine, m.url, m.launch.model_dir, m.max_model_len) == ("vllm", None, "/m", 512)
+            launch = (m.launch.model_dir, m.launch.dtype, m.launch.enforce_eager)
+            assert (m.engine, m.url, m.max_model_len, launch) == ("vllm", None, 512, ("/m", "float32", True))
     url = plan_local(docs, LocalEngine("vllm", vllm_url="http://127.0.0.1:9"), max_instances_per_group=1)
     assert {m.url for i in url.instances for m in i.config.models} == {"http://127.0.0.1:9"}
 

@@ -114,6 +114,7 @@ class Worker:
                 max_num_seqs=entry.launch.max_num_seqs,
                 kv_cache_gib=entry.launch.kv_cache_gib,
                 dtype=entry.launch.dtype,
+                extra_args=["--enforce-eager"] if entry.launch.enforce_eager else [],
                 enable_sleep_mode=entry.sleep_mode == "on",
                 dev_mode=entry.sleep_mode == "on",
             )

@@ -21,6 +21,9 @@ from tessera.operator.pool_plan import PoolDesired, Problem, desired_pool
 from tessera.worker.config import WorkerConfig
 
 Role = Literal["interactive", "mixed", "batch"]
+# Local workers read their admin token from here (the supervisor sets it): local mode may switch the
+# policy of running workers without restarting their engines.
+ADMIN_TOKEN_ENV = "TESSERA_LOCAL_ADMIN_TOKEN"
 ROLE_ORDER: tuple[Role, ...] = ("interactive", "mixed", "batch")  # by pod ordinal, as the operator orders
 
 
@@ -42,6 +45,8 @@ class LocalEngine:
     vllm_url: str | None = None
     kv_cache_gib: int = 1
     max_model_len: int | None = None  # overrides every model's context length (small local models)
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"  # vLLM --dtype of a launched server
+    enforce_eager: bool = False  # vLLM --enforce-eager: a launched server skips the torch.compile warm-up
 
     def __post_init__(self) -> None:
         if self.kind == "vllm" and (self.model_dir is None) == (self.vllm_url is None):
@@ -58,7 +63,8 @@ class LocalEngine:
             return {**out, "engine": "sim"}
         if self.vllm_url is not None:
             return {**out, "engine": "vllm", "url": self.vllm_url}
-        launch = {"modelDir": self.model_dir, "kvCacheGib": self.kv_cache_gib}
+        launch = {"modelDir": self.model_dir, "kvCacheGib": self.kv_cache_gib, "dtype": self.dtype,
+                  "enforceEager": self.enforce_eager}  # fmt: skip
         return {**out, "engine": "vllm", "launch": launch}
 
 
@@ -157,6 +163,7 @@ def plan_local(
             placement = json.loads(data[PLACEMENT_KEY])
             config = json.loads(data[CONFIG_KEY])
             config["models"] = [engine.rewrite(m) for m in config["models"]]
+            config["admin"] = {"tokenEnv": ADMIN_TOKEN_ENV}
             assert desired.plan is not None
             group_plan = next(g for g in desired.plan.groups if g.name == placement["group"])
             local = LocalGroup(pool_name, desired, group_plan, WorkerConfig.model_validate(config),

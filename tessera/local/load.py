@@ -1,10 +1,13 @@
 """The load driver: replay a trace against an OpenAI endpoint and measure every token on the client.
 
 ``build_workload`` (pure) turns trace rows into requests: a model, a class, a prompt length and an
-output length, fitted to the model's context. ``drive`` sends each request at its arrival time
-(``POST /v1/completions``, streamed, prompt as token ids so its length is exact on any tokenizer,
-``ignore_eos`` so the output length is the trace's), and records each token's arrival time in a core
-``Request`` so the simulator's metric definitions (``tessera.sim.metrics``) apply unchanged.
+output length, fitted to the model's context. ``drive`` sends each request at its arrival time and
+records each token's arrival time in a core ``Request`` so the simulator's metric definitions
+(``tessera.sim.metrics``) apply unchanged. A row without prompt text goes to ``POST /v1/completions``
+(streamed, prompt as token ids so its length is exact on any tokenizer, ``ignore_eos`` so the output
+length is the trace's). A row with prompt text goes to ``POST /v1/chat/completions`` as one user
+message, answered greedily: the model chooses its own length, at most the trace's output tokens, and
+the answer's text is kept.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class LoadItem:
     class_name: str
     prompt_tokens: int
     max_tokens: int
+    prompt_text: str | None = None  # sent as a chat message; the model chooses its length (<= max_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,12 +143,20 @@ def build_workload(
         prompt = max(1, min(row.input_tokens, options.max_input_tokens or row.input_tokens))
         output = max(1, min(row.output_tokens, options.max_output_tokens or row.output_tokens))
         limit = models[model]
-        if prompt + output > limit:  # keep the output, shorten the prompt (then the output) to fit
+        if row.prompt:  # a text prompt cannot be shortened: only its output cap can fit the context
+            prompt = row.input_tokens
+            if prompt >= limit:
+                raise WorkloadError(f"trace request {len(items) + 1}: its prompt has {prompt} tokens, "
+                                    f"model {model}'s context only {limit}")  # fmt: skip
+            if prompt + output > limit:
+                clipped += 1
+                output = limit - prompt
+        elif prompt + output > limit:  # keep the output, shorten the prompt (then the output) to fit
             clipped += 1
             output = min(output, limit - 1)
             prompt = limit - output
         items.append(LoadItem(len(items), at, model, _class_for(row, classes, rng, options.batch_share),
-                              prompt, output))  # fmt: skip
+                              prompt, output, row.prompt or None))  # fmt: skip
     if not items:
         raise WorkloadError("no request in the trace within --duration / --max-requests")
     return Workload(tuple(items), clipped)
@@ -159,6 +171,8 @@ class Outcome:
     status: int | None = None
     error: str | None = None
     instance: str | None = None
+    answer: str = ""  # the streamed text (chat requests)
+    finish: str | None = None  # the finish reason: "stop" (the model ended it) or "length" (the cap)
 
     @property
     def ok(self) -> bool:
@@ -192,12 +206,19 @@ async def send_one(
 ) -> Outcome:
     """Send one request (streamed) and record its tokens; never raises for HTTP or engine errors."""
     req = Request(id=f"load-{item.index}", arrival=clock() - t0, prompt_tokens=item.prompt_tokens,
-                  max_tokens=item.max_tokens, model=item.model, service_class=info.service_class)  # fmt: skip
+                  max_tokens=item.max_tokens, model=item.model, service_class=info.service_class,
+                  prompt_text=item.prompt_text)  # fmt: skip
     outcome = Outcome(item, req)
-    body = {"model": item.model, "prompt": prompt_ids(item.prompt_tokens), "max_tokens": item.max_tokens,
-            "stream": True, "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}  # fmt: skip
+    body: dict[str, Any] = {"model": item.model, "max_tokens": item.max_tokens, "stream": True,
+                            "temperature": 0.0, "return_token_ids": True}  # fmt: skip
+    if item.prompt_text is None:
+        path = "/v1/completions"
+        body.update(prompt=prompt_ids(item.prompt_tokens), ignore_eos=True)
+    else:
+        path = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": item.prompt_text}]
     try:
-        async with client.stream("POST", f"{endpoint}/v1/completions", json=body,
+        async with client.stream("POST", f"{endpoint}{path}", json=body,
                                  headers={class_header: info.header_value}) as resp:  # fmt: skip
             outcome.status = resp.status_code
             outcome.instance = resp.headers.get("x-tessera-instance")
@@ -213,17 +234,20 @@ async def send_one(
                     outcome.error = str(chunk["error"].get("message"))
                     break
                 for choice in chunk.get("choices", []):
-                    if choice.get("finish_reason") is None:
+                    if choice.get("finish_reason") is not None:
+                        finish = choice["finish_reason"]
+                    elif "token_ids" in choice or "text" in choice:  # a chat stream opens with a role only
                         # One SSE event may carry several tokens (the worker coalesces a backlog):
                         # count them by their ids, all delivered now.
                         n = len(choice.get("token_ids") or ()) or 1
                         req.tokens.append_run(clock() - t0, n)
-                    else:
-                        finish = choice["finish_reason"]
+                        text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                        outcome.answer += text or ""
     except httpx.HTTPError as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         return outcome
     req.generated = req.tokens.total
+    outcome.finish = finish
     if outcome.error is None and finish is None:
         outcome.error = "the stream ended without a finish reason"
     if outcome.error is None:

@@ -142,3 +142,71 @@ def write_plots(outcomes: Sequence[Outcome], directory: Path) -> list[Path]:
     fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
     plt.close(fig)
     return paths
+
+
+def render_comparison(summaries: dict[str, dict[str, Any]]) -> str:
+    """The reports of runs of the same load under different policies, side by side (one column each)."""
+    names = list(summaries)
+    first = summaries[names[0]]
+    label_width = 30
+    header = f"{'same load, policy':<{label_width}}" + "".join(f"{n:>12}" for n in names)
+    lines = [header, "-" * len(header)]
+
+    def row(label: str, values: list[Any], unit: str = "", share: bool = False) -> None:
+        cells = ["-" if v is None else (f"{v:.1%}" if share else f"{v:.2f}{unit}") for v in values]
+        lines.append(f"{label:<{label_width}}" + "".join(f"{c:>12}" for c in cells))
+
+    for cls, info in first.get("by_class", {}).items():
+        rows = [s.get("by_class", {}).get(cls, {}) for s in summaries.values()]
+        tag = f"{cls} ({info['kind']})"
+        row(f"{tag} TTFT p99", [r.get("p99_ttft_s") for r in rows], " s")
+        row(f"{tag} TTFT mean", [r.get("mean_ttft_s") for r in rows], " s")
+        row(f"{tag} SLO met", [r.get("slo_attainment") for r in rows], share=True)
+    row("all SLO met", [s.get("slo_attainment") for s in summaries.values()], share=True)
+    row("output tokens/s", [s.get("output_tokens_per_s") for s in summaries.values()])
+    counts = [f"{s['finished']}/{s['requests']}" for s in summaries.values()]
+    lines.append(f"{'finished/sent':<{label_width}}" + "".join(f"{c:>12}" for c in counts))
+    return "\n".join(lines)
+
+
+def render_answers(outcomes: Sequence[Outcome], count: int, width: int = 300) -> str:
+    """A few answers to text prompts: interactive classes first, answers the model ended itself first."""
+    answered = [o for o in outcomes if o.ok and o.item.prompt_text is not None and o.answer.strip()]
+    answered.sort(key=lambda o: (o.request.service_class.kind != "interactive", o.finish != "stop",
+                                 o.item.index))  # fmt: skip
+    if not answered:
+        return "no answers to show (the trace has no prompt text, or no request finished)"
+    lines = [f"{min(count, len(answered))} of the answers (greedy, as the model wrote them):"]
+    for o in answered[:count]:
+        text = " ".join(o.answer.split())
+        more = "..." if len(text) > width else ""
+        cut = "" if o.finish == "stop" else f" [cut at {o.request.generated} tokens]"
+        pad = " " * (len(o.item.class_name) + 2)
+        lines.append(f"  [{o.item.class_name}] Q: {' '.join((o.item.prompt_text or '').split())[:width]}")
+        lines.append(f"  {pad} A: {text[:width]}{more}{cut}")
+    return "\n".join(lines)
+
+
+def write_comparison_plot(outcomes: dict[str, Sequence[Outcome]], directory: Path) -> Path:
+    """One PNG: the TTFT CDF of each class (one panel each), one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    classes = sorted({o.item.class_name for runs in outcomes.values() for o in runs})
+    fig, axes = plt.subplots(1, len(classes), figsize=(5 * len(classes), 4), squeeze=False)
+    for ax, cls in zip(axes[0], classes, strict=True):
+        for policy, runs in outcomes.items():
+            values = np.sort([ttft(o.request) for o in runs if o.ok and o.item.class_name == cls])
+            if len(values):
+                ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=policy)
+        ax.set_xlabel("time to first token (s)")
+        ax.set_ylabel("share of requests")
+        ax.set_title(f"class {cls}: TTFT CDF by policy")
+        ax.legend()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "ttft_by_policy.png"
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path

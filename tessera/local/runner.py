@@ -1,6 +1,8 @@
 """Local mode end to end: plan, start the workers, serve the router, optionally drive a trace and report.
 
 The thin, I/O-owning layer over the pure pieces (``control_plane``, ``balancer``, ``load``, ``report``).
+``compare_policies`` replays the same workload twice on the same running engines, the second time
+under another policy (switched in place), and prints the two reports side by side.
 """
 
 from __future__ import annotations
@@ -19,8 +21,16 @@ import httpx
 
 from tessera.local.autoscaler import LocalAutoscaler
 from tessera.local.control_plane import LocalPlan
-from tessera.local.load import LiveCounters, Workload, drive, outstanding_of
-from tessera.local.report import class_rows, render_report, summarize_outcomes, write_plots
+from tessera.local.load import LiveCounters, Outcome, Workload, drive, outstanding_of
+from tessera.local.report import (
+    class_rows,
+    render_answers,
+    render_comparison,
+    render_report,
+    summarize_outcomes,
+    write_comparison_plot,
+    write_plots,
+)
 from tessera.local.supervisor import Supervisor
 from tessera.router.app import ClassInfo, RouterState, create_router_app
 from tessera.router.protocol import router_server_config
@@ -31,11 +41,13 @@ RATE_WINDOW_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class LoadSettings:
-    """Where the load report goes."""
+    """Where the load report goes, and what it shows."""
 
     json_path: Path | None = None
     plot_dir: Path | None = None
     live: bool = True
+    answers: int = 0  # print this many answers to text prompts
+    label: str | None = None  # the policy the run measures (titles, the report's "policy" key)
 
 
 def describe_plan(plan: LocalPlan, autoscale: bool = True) -> str:
@@ -56,7 +68,7 @@ def describe_plan(plan: LocalPlan, autoscale: bool = True) -> str:
     return "\n".join(lines)
 
 
-def live_table(counters: LiveCounters, status: dict[str, Any] | None) -> Any:
+def live_table(counters: LiveCounters, status: dict[str, Any] | None, label: str | None = None) -> Any:
     """The live table: elapsed, rate, sent, outstanding at the router, finished, failed, SLO by class."""
     from rich.table import Table
 
@@ -64,7 +76,8 @@ def live_table(counters: LiveCounters, status: dict[str, Any] | None) -> Any:
     recent = [t for t in counters.sent_times if t > now - RATE_WINDOW_S]
     rate = len(recent) / min(RATE_WINDOW_S, max(now, 1e-9))
     ok = sum(1 for o in counters.ended if o.ok)
-    table = Table(title="tessera local load", show_edge=False)
+    title = "tessera local load" if label is None else f"tessera local load, policy {label}"
+    table = Table(title=title, show_edge=False)
     for col in ("elapsed", "rate", "sent", "queue", "finished", "failed"):
         table.add_column(col, justify="right")
     queue = "-" if status is None else str(outstanding_of(status))
@@ -97,16 +110,77 @@ async def run_load(
     out: TextIO = sys.stdout,
 ) -> dict[str, Any]:
     """Drive ``workload`` with a live table; print and return the report (JSON and plots if asked)."""
+    summary, _ = await _measure(endpoint, workload, classes, class_header, settings, status_fn, out)
+    if settings.json_path is not None:
+        _write_json(settings.json_path, [summary], out)
+    return summary
+
+
+async def compare_policies(
+    stack: LocalStack,
+    workload: Workload,
+    classes: dict[str, ClassInfo],
+    settings: LoadSettings,
+    policy: str,
+    baseline: str,
+    out: TextIO = sys.stdout,
+) -> dict[str, dict[str, Any]]:
+    """Run ``workload`` under the workers' ``policy``, then again under ``baseline``; both reports by policy.
+
+    The policy is switched in every running worker without a restart, so both runs see the same
+    engines (a launched vLLM server keeps running). The second run follows the first: prompts it
+    repeats may be served from vLLM's prefix cache, which favours ``baseline`` if anything.
+    """
+    assert stack.state is not None, "start the stack first"
+    summaries: dict[str, dict[str, Any]] = {}
+    outcomes: dict[str, list[Outcome]] = {}
+    for name in (policy, baseline):
+        if name != policy:
+            await asyncio.to_thread(stack.supervisor.set_policy, name)
+            print(f"\npolicy switched to {name} in every worker (engines keep running); "
+                  "the same load again:", file=out, flush=True)  # fmt: skip
+        run = LoadSettings(plot_dir=None if settings.plot_dir is None else settings.plot_dir / name,
+                           live=settings.live, answers=settings.answers if name == policy else 0,
+                           label=name)  # fmt: skip
+        header = stack.state.class_header
+        summaries[name], outcomes[name] = await _measure(stack.endpoint, workload, classes, header, run,
+                                                         stack.status, out)  # fmt: skip
+    print("\n" + render_comparison(summaries), file=out)
+    if settings.json_path is not None:
+        _write_json(settings.json_path, list(summaries.values()), out)
+    if settings.plot_dir is not None:
+        path = write_comparison_plot(outcomes, settings.plot_dir)
+        print(f"plot written to {path}", file=out)
+    return summaries
+
+
+def _write_json(path: Path, results: list[dict[str, Any]], out: TextIO) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"scenario": "local-load", "results": results}, indent=2))
+    print(f"report written to {path}", file=out)
+
+
+async def _measure(
+    endpoint: str,
+    workload: Workload,
+    classes: dict[str, ClassInfo],
+    class_header: str,
+    settings: LoadSettings,
+    status_fn: Callable[[], Awaitable[dict[str, Any] | None]],
+    out: TextIO,
+) -> tuple[dict[str, Any], list[Outcome]]:
+    """Drive ``workload`` with a live table and print its report; the summary and the outcomes."""
     counters = LiveCounters()
     task = asyncio.create_task(drive(endpoint, workload, classes, class_header, counters=counters))
     if settings.live and out.isatty():
         from rich.console import Console
         from rich.live import Live
 
-        with Live(live_table(counters, None), console=Console(file=out), refresh_per_second=4) as live:
+        first = live_table(counters, None, settings.label)
+        with Live(first, console=Console(file=out), refresh_per_second=4) as live:
             while not task.done():
                 await asyncio.wait({task}, timeout=LIVE_PERIOD_S)
-                live.update(live_table(counters, await status_fn()))
+                live.update(live_table(counters, await status_fn(), settings.label))
     elif settings.live:  # not a terminal: a progress line every few seconds
         while not task.done():
             await asyncio.wait({task}, timeout=5.0)
@@ -117,19 +191,21 @@ async def run_load(
                   f"failed {len(counters.ended) - ok}", file=out, flush=True)  # fmt: skip
     outcomes, wall = await task
     summary = summarize_outcomes(outcomes, wall)
+    if settings.label is not None:
+        summary = {"policy": settings.label, **summary}
     if workload.clipped:
         summary["clipped_to_context"] = workload.clipped
+    if settings.label is not None:
+        print(f"policy {settings.label}:", file=out)
     print(render_report(summary), file=out)
     if workload.clipped:
         print(f"({workload.clipped} request(s) shortened to fit the model's context length)", file=out)
-    if settings.json_path is not None:
-        settings.json_path.parent.mkdir(parents=True, exist_ok=True)
-        settings.json_path.write_text(json.dumps({"scenario": "local-load", "results": [summary]}, indent=2))
-        print(f"report written to {settings.json_path}", file=out)
+    if settings.answers:
+        print(render_answers(outcomes, settings.answers), file=out)
     if settings.plot_dir is not None:
         for path in write_plots(outcomes, settings.plot_dir):
             print(f"plot written to {path}", file=out)
-    return summary
+    return summary, outcomes
 
 
 class LocalStack:

@@ -4,6 +4,8 @@ Each worker gets its configuration file and log file in the run directory, a fre
 process group. ``start_all`` launches every worker, then waits until each answers ``/ready`` (a worker
 that exits or stays unready past the timeout fails the start with its log's tail). ``stop_all`` sends
 SIGTERM (the worker drains, and stops any vLLM server it launched), then SIGKILL after a grace period.
+``set_policy`` switches the scheduling policy of every running worker in place (the workers' admin
+reload, with a token only this supervisor knows), so the engines keep running.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -20,13 +23,17 @@ from pathlib import Path
 
 import httpx
 
-from tessera.local.control_plane import Instance
+from tessera.local.control_plane import ADMIN_TOKEN_ENV, Instance
 from tessera.router.backends import Backend
 from tessera.worker.engines.vllm_process import free_port
 
 
 class WorkerStartError(RuntimeError):
     """A worker process did not become ready; the message holds its log's tail."""
+
+
+class PolicySwitchError(RuntimeError):
+    """A worker refused a policy switch; the message holds its answer."""
 
 
 @dataclass(slots=True)
@@ -63,6 +70,7 @@ class Supervisor:
         self.run_dir = run_dir
         self.grace_s = grace_s
         self.workers: list[WorkerProcess] = []
+        self._admin_token = secrets.token_urlsafe(24)
 
     def launch(self, instance: Instance) -> WorkerProcess:
         """Write the instance's configuration and start its worker (without waiting)."""
@@ -76,7 +84,8 @@ class Supervisor:
         with open(worker.log_path, "ab") as log:
             worker.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True,
+                env={**os.environ, "HF_HUB_OFFLINE": "1", ADMIN_TOKEN_ENV: self._admin_token},
+                start_new_session=True,
             )  # fmt: skip
         self.workers.append(worker)
         return worker
@@ -108,6 +117,22 @@ class Supervisor:
         except BaseException:
             self.stop_all()
             raise
+
+    def set_policy(self, policy: str) -> None:
+        """Switch every running worker to ``policy`` (its default settings) without a restart."""
+        for worker in self.workers:
+            config = worker.instance.config.to_json()
+            config["scheduling"] = {**config["scheduling"], "policy": policy, "settings": {}}
+            try:
+                resp = httpx.post(f"{worker.url}/admin/reload", json=config, timeout=30.0,
+                                  headers={"Authorization": f"Bearer {self._admin_token}"})  # fmt: skip
+            except httpx.HTTPError as exc:
+                raise PolicySwitchError(f"worker {worker.instance.name}: no policy switch: {exc}") from None
+            if resp.status_code != 200:
+                raise PolicySwitchError(
+                    f"worker {worker.instance.name} refused policy {policy!r}: HTTP {resp.status_code} "
+                    f"{resp.text[:300]}"
+                )
 
     def stop_all(self) -> None:
         """SIGTERM every worker's process group, SIGKILL what remains after the grace period."""
