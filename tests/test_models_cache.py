@@ -147,6 +147,8 @@ def test_cli_list_pull_and_local_up_messages(
     assert main([*up, "--model", "smollm2"]) == 2
     err = capsys.readouterr().err
     assert "model 'smollm2' is missing in the cache" in err and "`tessera models pull smollm2`" in err
+    assert main(up) == 2  # the spec's LLMService names smollm2: the same resolution without --model
+    assert "model 'smollm2' is missing in the cache" in capsys.readouterr().err
     folder = _folder(tmp_path / "cache" / "smollm2")  # built, but its manifest never written
     assert main([*up, "--model", "smollm2"]) == 2
     assert "is partial in the cache" in capsys.readouterr().err
@@ -155,6 +157,8 @@ def test_cli_list_pull_and_local_up_messages(
     assert "smollm2    built" in capsys.readouterr().out
     # A model whose KV for one request cannot fit is refused before any process starts.
     assert main([*up, "--model", "smollm2", "--max-model-len", "30000"]) == 2
+    assert "needs 1.29 GiB of KV cache" in capsys.readouterr().err
+    assert main([*up, "--max-model-len", "30000"]) == 2
     assert "needs 1.29 GiB of KV cache" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
     # --compare-policy is checked before anything starts too.

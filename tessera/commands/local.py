@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="YAML file of ServingPool / LLMService / RequestClass (repeatable).")  # fmt: skip
     up.add_argument("--engine", choices=["sim", "vllm"], default="sim", help="Engine of the workers.")
     up.add_argument("--model", dest="model_dir", default=None,
-                    help="vLLM: model folder to launch, or the name of a model built by "
-                         "`tessera models pull NAME` (`tessera models list`).")  # fmt: skip
+                    help="vLLM: model folder to launch, or the name of a model built by `tessera models "
+                         "pull NAME` (default: the LLMServices' model when it is such a name).")  # fmt: skip
     up.add_argument("--vllm-url", default=None, help="vLLM: use this running server instead.")
     up.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default=None,
                     help="vLLM: --dtype of a launched server (default: a named model's; auto).")  # fmt: skip
@@ -131,13 +132,23 @@ def _settings(args: argparse.Namespace) -> object:
     return LoadSettings(json_path=args.json, plot_dir=args.plot, live=not args.no_live, answers=args.answers)
 
 
-def _launch_source(args: argparse.Namespace) -> tuple[str | None, str]:
-    """The model folder to launch (a named model resolved to its verified cache folder) and its dtype."""
-    from tessera.models.cache import resolve_model
+def _launch_source(args: argparse.Namespace, resources: Sequence[object]) -> tuple[str | None, str]:
+    """The model folder to launch (a named model resolved to its verified cache folder) and its dtype.
 
-    if args.model_dir is None:
+    Without --model (and --vllm-url), vLLM launches the one model the LLMServices name when it is a
+    known model (``tessera models list``).
+    """
+    from tessera.api import LLMService
+    from tessera.models.cache import resolve_model
+    from tessera.models.registry import KNOWN
+
+    value = args.model_dir
+    if value is None and args.engine == "vllm" and args.vllm_url is None:
+        named = {r.spec.model.name for r in resources if isinstance(r, LLMService)}
+        value = named.pop() if len(named) == 1 and named <= KNOWN.keys() else None
+    if value is None:
         return None, args.dtype or "auto"
-    resolved = resolve_model(args.model_dir)
+    resolved = resolve_model(value)
     default = resolved.known.dtype if resolved.known is not None else "auto"
     return str(resolved.path), args.dtype or default
 
@@ -180,7 +191,7 @@ async def _up(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         return _fail(f"--port {args.port} is not a TCP port (1-65535)")
     resources = [r for path in args.files for r in load_documents(path)]
-    model_dir, dtype = _launch_source(args)
+    model_dir, dtype = _launch_source(args, resources)
     engine = LocalEngine(args.engine, model_dir, args.vllm_url, args.kv_cache_gib, args.max_model_len, dtype,
                          args.enforce_eager)  # fmt: skip
     cap = args.max_instances if args.max_instances is not None else (1 if args.engine == "vllm" else None)
@@ -191,7 +202,7 @@ async def _up(args: argparse.Namespace) -> int:
     print(describe_plan(plan, not args.no_autoscale), flush=True)
     stack = LocalStack(plan, args.run_dir, args.host, args.port, autoscale=not args.no_autoscale,
                        report=lambda line: print(line, flush=True))  # fmt: skip
-    timeout = args.ready_timeout or (600.0 if args.engine == "vllm" and args.model_dir else 60.0)
+    timeout = args.ready_timeout or (600.0 if model_dir else 60.0)
     workload = None
     if args.trace is not None:
         classes = {n: c for i in plan.instances for n, c in class_infos(i.config).items()}

@@ -50,7 +50,8 @@ class LocalEngine:
 
     def __post_init__(self) -> None:
         if self.kind == "vllm" and (self.model_dir is None) == (self.vllm_url is None):
-            raise LocalPlanError("--engine vllm needs exactly one of --model DIR or --vllm-url URL")
+            raise LocalPlanError("--engine vllm needs exactly one of --model DIR or --vllm-url URL (or an "
+                                 "LLMService naming a model of `tessera models list`)")  # fmt: skip
         if self.kind == "sim" and (self.model_dir or self.vllm_url):
             raise LocalPlanError("--model and --vllm-url need --engine vllm")
 
