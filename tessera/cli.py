@@ -18,11 +18,11 @@ SUBCOMMANDS: dict[str, str] = {
     "operator": "tessera.commands.operator",
     "worker": "tessera.commands.worker",
     "local": "tessera.commands.local",
-    "models": "tessera.commands.models",
     "router": "tessera.commands.router",
     "bench": "tessera.commands.bench",
     "profile": "tessera.commands.profile",
     "predictor": "tessera.commands.predictor",
+    "models": "tessera.commands.models",
     "version": "tessera.commands.version",
 }
 
