@@ -44,6 +44,9 @@ class FakeEngine(Engine):
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return [1]
 
+    async def detokenize(self, ids: list[int]) -> str:
+        return "x" * len(ids)
+
     async def stream(self, job: EngineJob) -> AsyncIterator[TokenDelta]:
         assert not self.asleep, f"{self.model}: stream submitted while asleep"
         self.streamed.append(job.request_id)

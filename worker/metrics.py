@@ -77,6 +77,12 @@ class WorkerMetrics:
             buckets=_ERROR_BUCKETS,
             registry=r,
         )
+        self.decision_failures = Counter(
+            "tessera_decision_failures",
+            "Policy decisions that raised; the worker served in arrival order instead.",
+            ["model"],
+            registry=r,
+        )
         self.decision_time = Histogram(
             "tessera_decision_seconds",
             "Time of one scheduling decision.",

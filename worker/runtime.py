@@ -141,8 +141,8 @@ class Worker:
         return any(s.policy.oracle for s in self.schedulers.values())
 
     def ready(self) -> bool:
-        """Ready for traffic: not draining and every engine healthy."""
-        return not self.draining and all(s.engine_ok for s in self.schedulers.values())
+        """Ready for traffic: not draining, every engine healthy and no policy failing repeatedly."""
+        return not self.draining and all(s.engine_ok and s.policy_ok for s in self.schedulers.values())
 
     def resolve_class(self, model: ModelEntry, header_value: str | None) -> ServiceClass:
         """The class named by the header, else the model's default class."""

@@ -48,6 +48,9 @@ from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.swap import ModelSwapper
 
 PROBE_INTERVAL_S = 0.5
+# Consecutive failed policy decisions after which the worker reports not ready (it keeps serving
+# in arrival order meanwhile, so nothing accepted stalls).
+DECISION_FAILURES_NOT_READY = 5
 log = logging.getLogger(__name__)
 
 
@@ -157,6 +160,8 @@ class ModelScheduler:
         self._engine_ttft_hist = metrics.engine_ttft.labels(engine.model)
         self._seq = itertools.count()
         self._work_thread: ThreadPoolExecutor | None = None  # the policy's work ahead of decisions
+        self.decision_failures = 0  # consecutive policy decisions that raised
+        self._decision_failed = metrics.decision_failures.labels(engine.model)
         metrics.batch_size.labels(engine.model).set(self.max_batch)
         if swapper is not None:
             swapper.register(engine.model, lambda: len(self.inflight), self._wake.set)
@@ -260,12 +265,7 @@ class ModelScheduler:
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
             await self._prepare()
-            try:
-                self.decide()
-            except Exception:  # a failing policy must not end the loop: every request would hang
-                log.exception("scheduling decision of model %s failed; retrying at the next event",
-                              self.engine.model)  # fmt: skip
-                self._recheck_at = self.clock() + PROBE_INTERVAL_S
+            self.decide()
 
     async def _prepare(self) -> None:
         """Run the policy's expensive work for the coming decision (ISRTF's text predictor, QLM's
@@ -298,15 +298,33 @@ class ModelScheduler:
                 f"of {limit} s; retry later, or raise queue.maxQueueTimeSeconds",
                 self._retry_after(self.waiting + 1)))  # fmt: skip
 
+    @property
+    def policy_ok(self) -> bool:
+        """False once the policy has failed ``DECISION_FAILURES_NOT_READY`` decisions in a row."""
+        return self.decision_failures < DECISION_FAILURES_NOT_READY
+
     def decide(self) -> None:
-        """One decision point: ask the policy and apply its answer."""
+        """One decision point: ask the policy and apply its answer.
+
+        A policy that raises does not stop the model: this decision falls back to arrival order
+        (running requests keep running, then the oldest queued), the failure is counted in
+        ``tessera_decision_failures_total``, and the policy is asked again at the next event."""
         now = self.clock()
         if self._expiries:
             self._expire(now)
         if self.autoscale.enabled:
             self._autoscale(now)
         t0 = time.perf_counter()
-        decision = self.policy.schedule(self._view(now))
+        try:
+            decision = self.policy.schedule(self._view(now))
+            self.decision_failures = 0
+        except Exception:
+            self.decision_failures += 1
+            self._decision_failed.inc()
+            if self.decision_failures == 1:  # once per run of failures, not at every event
+                log.exception("policy %s failed a decision for model %s; serving in arrival order "
+                              "until it recovers", self.policy.name, self.engine.model)  # fmt: skip
+            decision = self._arrival_order()
         self._decision_hist.observe(time.perf_counter() - t0)
         self._recheck_tokens = decision.recheck_after_tokens
         self._recheck_at = decision.recheck_at
@@ -326,6 +344,13 @@ class ModelScheduler:
             if len(self.inflight) >= self.max_batch:
                 break
             self._launch(job, now)
+
+    def _arrival_order(self) -> Decision:
+        """The fallback decision: in-flight requests, then queued ones by arrival; asks again soon."""
+        queued = sorted((r for r, j in self.jobs.items() if j not in self.inflight), key=lambda r: r.arrival)
+        return Decision(
+            run=[j.req for j in self.inflight] + queued, recheck_at=self.clock() + PROBE_INTERVAL_S
+        )
 
     def _view(self, now: float) -> InstanceView:
         running = [job.req for job in self.inflight]

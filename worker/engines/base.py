@@ -78,6 +78,10 @@ class Engine(ABC):
         """Token ids of a chat conversation rendered by the model's chat template."""
 
     @abstractmethod
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids (a prompt given as ids), special tokens left out."""
+
+    @abstractmethod
     def stream(self, job: EngineJob) -> AsyncIterator[TokenDelta]:
         """Generate; closing the iterator early aborts the request in the engine."""
 

@@ -92,6 +92,10 @@ class SimEngine(Engine):
         """One token per UTF-8 byte (shifted past the special ids 0-2), after a BOS of 0."""
         return [0, *(b + 3 for b in text.encode())]
 
+    async def detokenize(self, ids: list[int]) -> str:
+        """Inverse of ``tokenize``: ids 3-258 are bytes, others (specials, out of range) are left out."""
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode(errors="replace")
+
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """``role: content`` lines, then ``assistant:``, tokenized like ``tokenize``."""
         text = "".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant:"

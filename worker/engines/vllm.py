@@ -152,6 +152,19 @@ class VLLMEngine(Engine):
             {"model": self.model, "messages": messages, "add_generation_prompt": True}
         )
 
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids`` (the local tokenizer, else vLLM's ``/detokenize``)."""
+        if self._tokenizer is not None:
+            return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+        try:
+            status, text = await self._request(
+                "POST", "/detokenize", 30.0, json={"model": self.model, "tokens": ids}
+            )
+        except _ERRORS as exc:
+            raise EngineUnavailable(f"vLLM for {self.model} is unreachable: {exc!r}") from exc
+        _raise_for_status(status, text, self.model)
+        return str(json.loads(text)["prompt"])
+
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         try:
             status, text = await self._request("POST", "/tokenize", 30.0, json=body)

@@ -24,12 +24,17 @@ from the tokens it had when its prediction's input was taken, and finished reque
 the predictor (``observe``/``forget``) at the next prediction, on the predicting thread, so the
 predictor is only ever used by one thread at a time.
 
+A predictor that cannot predict some requests (the text predictor without a prompt text, say) never
+stops the policy: the batch is retried one request at a time and the requests it still fails get
+the running-mean prediction of their class (``fallback_predictions`` counts them).
+
 Displaced requests keep their KV while memory allows (spec §A.4 #6, ``preempt_mode="keep"``; the
 engine recompute-evicts under pressure); ``"recompute"`` is the spec's ``recompute_always``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import ClassVar
@@ -39,6 +44,7 @@ from tessera.worker.core.request import Request
 from tessera.worker.predictor.fallbacks import ConstantPredictor, LengthPredictor, RunningMeanPredictor
 
 PREDICTED_AT = "isrtf_predicted_at"  # annotation: tokens generated when ŷ was last predicted
+log = logging.getLogger(__name__)
 
 
 def _make_predictor(spec: LengthPredictor | str) -> LengthPredictor:
@@ -87,6 +93,11 @@ class ISRTF(PriorityPolicy):
         self._next_check: int | None = None
         self.prediction_calls = 0  # batched predict_remaining calls so far
         self.predictions = 0  # requests predicted so far
+        # Stands in for requests the predictor fails on; learns from every finished request.
+        self.fallback = (
+            self.predictor if isinstance(self.predictor, RunningMeanPredictor) else RunningMeanPredictor()
+        )
+        self.fallback_predictions = 0  # requests predicted by the fallback so far
 
     def key(self, req: Request, now: float) -> tuple:
         """Predicted remaining tokens (minus the aging credit), then arrival."""
@@ -107,8 +118,8 @@ class ISRTF(PriorityPolicy):
         forget = getattr(self.predictor, "forget", None)
         while self._finished:
             req = self._finished.popleft()
-            if req.finished and isinstance(self.predictor, RunningMeanPredictor):
-                self.predictor.observe(req)
+            if req.finished:
+                self.fallback.observe(req)
             if forget is not None:
                 forget(req)
 
@@ -135,15 +146,32 @@ class ISRTF(PriorityPolicy):
         if not reqs:
             return
         at = [r.generated for r in reqs]  # the predictor's input: tokens streamed so far
-        preds = self.predictor.predict_remaining(list(reqs))
-        if len(preds) != len(reqs):
-            raise ValueError(f"predictor returned {len(preds)} predictions for {len(reqs)} requests")
+        try:
+            preds = self._predict_batch(list(reqs))
+        except Exception:
+            preds = [self._predict_one(r) for r in reqs]
         self.prediction_calls += 1
         self.predictions += len(reqs)
         self._rerank |= any(PREDICTED_AT in r.annotations for r in reqs)
         for req, pred, generated in zip(reqs, preds, at, strict=True):
             req.predicted_remaining = max(0.0, float(pred))
             req.annotations[PREDICTED_AT] = generated
+
+    def _predict_batch(self, reqs: list[Request]) -> list[float]:
+        preds = self.predictor.predict_remaining(reqs)
+        if len(preds) != len(reqs):
+            raise ValueError(f"predictor returned {len(preds)} predictions for {len(reqs)} requests")
+        return [float(p) for p in preds]
+
+    def _predict_one(self, req: Request) -> float:
+        try:
+            return self._predict_batch([req])[0]
+        except Exception as exc:
+            if self.fallback_predictions == 0:  # once: the cause is usually the same for every request
+                log.warning("length predictor failed on request %s (%s); using the class's running "
+                            "mean for such requests", req.id, exc)  # fmt: skip
+            self.fallback_predictions += 1
+            return self.fallback.predict_remaining([req])[0]
 
     def schedule(self, view: InstanceView) -> Decision:
         """Predict what is due in one batch; re-rank everything at a window boundary, else fill free slots."""

@@ -80,9 +80,11 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
     )
     async def ready() -> JSONResponse:
         engines = {name: s.engine_ok for name, s in worker.schedulers.items()}
+        policies = {name: s.policy_ok for name, s in worker.schedulers.items()}
         ok = worker.ready()
         return JSONResponse(
-            {"ready": ok, "engines": engines, "draining": worker.draining}, 200 if ok else 503
+            {"ready": ok, "engines": engines, "policies": policies, "draining": worker.draining},
+            200 if ok else 503,
         )
 
     @app.get("/metrics", summary="Prometheus metrics.")
@@ -103,11 +105,13 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
         _, sched, cls = _route(worker, body.model, http)
         if isinstance(body.prompt, str):
+            prompt_text = body.prompt
             prompt_ids = await _engine_call(sched.engine.tokenize(body.prompt))
         else:
             prompt_ids = list(body.prompt)
+            prompt_text = await _engine_call(sched.engine.detokenize(prompt_ids))
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        return await _serve(worker, body, http, prompt_ids, max_tokens, cls, chat=False)
+        return await _serve(worker, body, http, prompt_ids, prompt_text, max_tokens, cls, chat=False)
 
     @app.post(
         "/v1/chat/completions", summary="OpenAI chat completions (streaming or not).", responses=_ERRORS
@@ -119,7 +123,8 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
         max_tokens = (
             body.max_tokens or body.max_completion_tokens or max(1, entry.max_model_len - len(prompt_ids))
         )
-        return await _serve(worker, body, http, prompt_ids, max_tokens, cls, chat=True)
+        prompt_text = chat_prompt_text(messages)
+        return await _serve(worker, body, http, prompt_ids, prompt_text, max_tokens, cls, chat=True)
 
     @app.post(
         "/admin/reload",
@@ -195,6 +200,7 @@ async def _serve(
     body: CompletionRequest | ChatCompletionRequest,
     http: HttpRequest,
     prompt_ids: list[int],
+    prompt_text: str,
     max_tokens: int,
     cls: Any,
     *,
@@ -222,9 +228,7 @@ async def _serve(
         max_tokens=max_tokens,
         model=body.model,
         service_class=cls,
-        prompt_text=body.prompt
-        if isinstance(body, CompletionRequest) and isinstance(body.prompt, str)
-        else None,
+        prompt_text=prompt_text,
     )
     req.true_output_tokens = _true_length_hint(worker, http)
     job = Job(req, prompt_ids, body.sampling())
@@ -283,6 +287,13 @@ async def _serve(
 
 
 _DISCONNECTED = object()
+
+
+def chat_prompt_text(messages: list[dict[str, Any]]) -> str:
+    """The text a length predictor sees for a chat: the messages' contents, one paragraph each.
+
+    The contents, not the chat template's rendering: the predictor was trained on plain prompts."""
+    return "\n\n".join(str(m.get("content") or "") for m in messages)
 
 
 def _true_length_hint(worker: Worker, http: HttpRequest) -> int | None:
