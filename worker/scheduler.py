@@ -261,8 +261,11 @@ class ModelScheduler:
             expiry = self._expiries[0][0] if self._expiries else None
             due = [t for t in (self._recheck_at, expiry) if t is not None]
             timeout = max(0.0, min(due) - self.clock()) if due else None
+            # asyncio.timeout, not wait_for: under Python 3.11's wait_for this task could stay stuck
+            # while being cancelled (stop() hung with a policy's recheck time set).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
             self._wake.clear()
             await self._prepare()
             self.decide()
