@@ -2,7 +2,10 @@
 
 Metadata lives in pyproject.toml. This shim only maps the top-level code folders
 (operator/, worker/, sim/) to sub-packages of ``tessera`` and discovers their
-sub-packages, so that nothing is importable as a top-level ``operator``.
+sub-packages. ``operator/`` has no ``__init__.py``: it is a namespace portion, so
+from the repository root ``import operator`` still finds the standard library's
+module (a regular module wins over a namespace portion) and nothing of Tessera is
+importable as a top-level ``operator``.
 """
 
 from setuptools import find_packages, setup

@@ -14,19 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from tessera.api.serving_pool import SCALING_HISTORY_LENGTH
-from tessera.operator import status as st
-from tessera.operator.children import desired_children, endpoint_url, pool_labels
-from tessera.operator.kube import Kube
-from tessera.operator.planners import (
-    AutoscalerState,
-    GroupPlan,
-    IntervalSettings,
-    MetricsSnapshot,
-    PlacementPlan,
-    next_replacement_interval,
-)
-from tessera.operator.planners.chiron import chiron_decide
-from tessera.operator.pool_plan import (
+from tessera.control.children import desired_children, endpoint_url, pool_labels
+from tessera.control.pool_plan import (
     POOL_NOT_FOUND,
     PoolDesired,
     Problem,
@@ -37,6 +26,17 @@ from tessera.operator.pool_plan import (
     parse_classes,
     pool_ref,
 )
+from tessera.core.planners import (
+    AutoscalerState,
+    GroupPlan,
+    IntervalSettings,
+    MetricsSnapshot,
+    PlacementPlan,
+    next_replacement_interval,
+)
+from tessera.core.planners.chiron import chiron_decide
+from tessera.operator import status as st
+from tessera.operator.kube import Kube
 from tessera.operator.reconcile import contains, plan_actions
 
 log = logging.getLogger(__name__)

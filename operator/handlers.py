@@ -14,8 +14,8 @@ from typing import Any
 import kopf
 
 from tessera.api import GROUP, VERSION
+from tessera.control.pool_plan import pool_ref
 from tessera.operator.controller import CLASSES, POOLS, SERVICES, Controller
-from tessera.operator.pool_plan import pool_ref
 
 DEFAULT_TICK_SECONDS = 5.0
 

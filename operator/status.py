@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tessera.api.serving_pool import SCALING_HISTORY_LENGTH
-from tessera.operator.planners import ROLES, GroupPlan, PlacementPlan, RoleCounts
+from tessera.core.planners import ROLES, GroupPlan, PlacementPlan, RoleCounts
 
 READY = "Ready"
 PLACED = "Placed"

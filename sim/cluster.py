@@ -25,10 +25,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
+from tessera.core.policy import Policy
+from tessera.core.profile import StepProfile
+from tessera.core.request import Request
 from tessera.sim.engine import EngineConfig, Instance
-from tessera.worker.core.policy import Policy
-from tessera.worker.core.profile import StepProfile
-from tessera.worker.core.request import Request
 
 INF = float("inf")
 MAX_IDLE_TICKS = 10_000  # controller ticks with only held requests left before the run is declared stalled
@@ -130,14 +130,6 @@ class RemoveInstance:
 
 
 @dataclass(frozen=True, slots=True)
-class SetMaxBatch:
-    """Change an instance's batch-size limit."""
-
-    name: str
-    max_batch: int
-
-
-@dataclass(frozen=True, slots=True)
 class SetRole:
     """Change an instance's role label (routers may use it)."""
 
@@ -153,7 +145,7 @@ class Dispatch:
     name: str
 
 
-Action = AddInstance | DrainInstance | RemoveInstance | SetMaxBatch | SetRole | Dispatch
+Action = AddInstance | DrainInstance | RemoveInstance | SetRole | Dispatch
 
 
 class Controller(ABC):
@@ -299,10 +291,6 @@ class Cluster:
                 inst = self._find(act.name)
                 self._pending.extend(inst.take_all(self.now))
                 self._retire(inst)
-            elif isinstance(act, SetMaxBatch):
-                inst = self._find(act.name)
-                inst.set_max_batch(act.max_batch, self.now)
-                self._reschedule(inst)
             elif isinstance(act, SetRole):
                 self._find(act.name).role = act.role
             elif isinstance(act, Dispatch):

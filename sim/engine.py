@@ -41,10 +41,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from tessera.worker.core.policy import Decision, InstanceView, Policy, PreemptMode
-from tessera.worker.core.profile import StepProfile
-from tessera.worker.core.request import Phase, Request
-from tessera.worker.core.timeline import RunLog
+from tessera.core.policy import Decision, InstanceView, Policy, PreemptMode
+from tessera.core.profile import StepProfile
+from tessera.core.request import Phase, Request
+from tessera.core.timeline import RunLog
 
 INF = float("inf")
 # C-level accessors: per-event passes over the batch stay out of the interpreter loop.
@@ -236,13 +236,6 @@ class Instance:
             if k < seg.k:
                 seg.k = k
                 seg.end = seg.t0 + k * seg.a + seg.g * k * (k - 1) / 2
-
-    def set_max_batch(self, max_batch: int, now: float) -> None:
-        """Change the batch-size limit (Chiron's local autoscaler); applies at the next boundary."""
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.max_batch = max_batch
-        self.notify(now)
 
     def advance(self) -> None:
         """Finish the current segment (its end is ``next_time``) and decide what runs next."""

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from tessera.sim.traces import TraceRow, read_jsonl
-from tessera.worker.core.request import Request, ServiceClass
+from tessera.api.traces import TraceRow
+from tessera.core.request import Request, ServiceClass
 
 
 def _words_tokens(text: str) -> int:
@@ -115,21 +114,6 @@ def sharegpt_lengths(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.n
     out = np.clip(np.round(rng.lognormal(5.50, 0.8, n)), 4, 2048).astype(int)
     out = np.minimum(out, 4096 - inp)
     return inp, out
-
-
-def load_prompt_responses(path: Path | str, limit: int | None = None) -> list[tuple[str, str]]:
-    """(prompt, response) pairs from a JSONL(.gz) file with ``prompt`` and ``response`` fields."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"prompt/response file {path} does not exist")
-    pairs = []
-    for lineno, rec in read_jsonl(path):
-        if not isinstance(rec.get("prompt"), str) or not isinstance(rec.get("response"), str):
-            raise ValueError(f"{path}:{lineno}: needs string fields 'prompt' and 'response'")
-        pairs.append((rec["prompt"], rec["response"]))
-        if limit is not None and len(pairs) >= limit:
-            break
-    return pairs
 
 
 # ---- mixes ------------------------------------------------------------------------------------

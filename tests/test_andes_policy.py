@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from tessera.worker.core import InstanceView, Phase, Request, ServiceClass, StepProfile
-from tessera.worker.core.registry import make_policy
-from tessera.worker.policies.qoe import AndesQoE, exact_pack, greedy_pack
+from tessera.core import InstanceView, Phase, Request, ServiceClass, StepProfile
+from tessera.core.policies.qoe import AndesQoE, exact_pack, greedy_pack
+from tessera.core.registry import make_policy
 
 CLS = ServiceClass(name="chat", reading_speed_tps=5.0, ttft_target_s=1.0)
 
@@ -310,7 +310,7 @@ def test_observed_latency_triggers_when_stalls_slow_the_tokens() -> None:
 
 
 def test_mean_tds_is_the_per_request_speed_averaged() -> None:
-    from tessera.sim.scenarios.andes import mean_tds
+    from tessera.bench.scenarios.andes import mean_tds
 
     fast = run(request("f", 0.0, 10), 1.0, 11, 0.1)  # 10 tokens over 1 s: 10 tok/s
     slow = run(request("s", 0.0, 10), 1.0, 3, 1.0)  # 2 tokens over 2 s: 1 tok/s

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.sim.scenarios._common import mean_row, seed_checks
-from tessera.sim.scenarios.andes import andes_cluster, burst_qoe_bound
-from tessera.worker.core import Request, ServiceClass
+from tessera.bench.scenarios._common import mean_row, seed_checks
+from tessera.bench.scenarios.andes import andes_cluster, burst_qoe_bound
+from tessera.core import Request, ServiceClass
 
 CLS = ServiceClass(name="chat", reading_speed_tps=5.0)
 

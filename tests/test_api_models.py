@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from tessera.api import LLMServiceSpec, RequestClassSpec, ServingPoolSpec, parse_quantity
 from tessera.api.request_class import ClassOverrides
-from tessera.worker.core.request import ServiceClass
+from tessera.core.request import ServiceClass
 
 POOL = {"gpu": {"type": "H100", "memory": "80Gi"}, "instances": {"max": 4}}
 SERVICE = {

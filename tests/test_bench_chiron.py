@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tessera.bench.scenarios import BenchConfig
+from tessera.bench.scenarios import chiron as scenario
+from tessera.core.baselines import EDF, FCFS
+from tessera.core.chiron_local import ChironLocal
+from tessera.core.profiles import load_profile
+from tessera.core.request import ServiceClass
 from tessera.sim.cluster import Cluster, ClusterConfig, Controller, Dispatch, Router
 from tessera.sim.engine import EngineConfig
-from tessera.sim.profiles import load_profile
-from tessera.sim.scenarios import BenchConfig
-from tessera.sim.scenarios import chiron as scenario
 from tessera.sim.workloads import build_requests
-from tessera.worker.chiron_local import ChironLocal
-from tessera.worker.core.baselines import EDF, FCFS
-from tessera.worker.core.request import ServiceClass
 
 SMALL = {
     "interactive_arrivals": "trace",
@@ -85,7 +85,7 @@ def test_demand_utilization_sees_the_backlog(report):
 
 
 def test_pull_priority_dispatches_interactive_before_older_batch_requests():
-    from tessera.operator.planners.threshold import ThresholdSettings
+    from tessera.core.planners.threshold import ThresholdSettings
 
     profile = load_profile("a100-llama3-8b")
     inter = ServiceClass("interactive", "interactive", ttft_slo_s=10, itl_slo_s=0.2)
@@ -211,8 +211,8 @@ def test_cluster_holds_and_dispatches_requests():
 
 def test_batch_retirement_does_not_restart_the_interactive_cooldown():
     """Planner fix: retiring idle batch instances is not an interactive scaling event."""
-    from tessera.operator.planners.chiron import chiron_decide
-    from tessera.operator.planners.types import AutoscalerState, ChironSettings, MetricsSnapshot, RoleCounts
+    from tessera.core.planners.chiron import chiron_decide
+    from tessera.core.planners.types import AutoscalerState, ChironSettings, MetricsSnapshot, RoleCounts
 
     settings = ChironSettings(scale_down_cooldown_s=100.0, scale_down_evaluations=1)
     state = AutoscalerState(last_scaling=0.0)
@@ -299,7 +299,7 @@ def test_history_over_provisioning_variant_is_reported_and_checked():
 def test_demand_utilization_sums_instances_before_dividing():
     """Llumnix's AvgLoad: a backlog queued on one instance keeps the cluster's load high even when newly
     added instances are empty (a mean of per-instance values capped at 1 read 0.5 here and stopped)."""
-    from tessera.operator.planners.threshold import ThresholdSettings
+    from tessera.core.planners.threshold import ThresholdSettings
 
     profile = load_profile("a100-llama3-8b")
     cluster = Cluster(ClusterConfig(profiles={"default": profile}, instances=2), FCFS)

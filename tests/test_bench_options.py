@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tessera.bench.scenarios import Options
 from tessera.cli import main
-from tessera.sim.scenarios import Options
 
 
 def test_options_record_what_was_read() -> None:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from tessera.operator.planners import (
+from tessera.core.planners import (
     AutoscalerState,
     BatchGroup,
     ChironSettings,
@@ -15,7 +15,7 @@ from tessera.operator.planners import (
     RoleCounts,
     chiron_decide,
 )
-from tessera.operator.planners.chiron import batch_backpressure, waiting_time
+from tessera.core.planners.chiron import batch_backpressure, waiting_time
 
 S = ChironSettings(over_provisioning=1 / 3, band=0.05, scale_down_cooldown_s=0.0, load_time_s=15.0)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tessera.worker.core import InstanceView, Phase, Request, ServiceClass, StepProfile
-from tessera.worker.core.registry import make_policy
+from tessera.core import InstanceView, Phase, Request, ServiceClass, StepProfile
+from tessera.core.registry import make_policy
 
 PROFILE = StepProfile("t", 0.01, 0.0, 0.0, 0.01, 0.0, kv_capacity_tokens=100_000)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.sim.scenarios import BenchConfig
-from tessera.sim.scenarios.elis import run
+from tessera.bench.scenarios import BenchConfig
+from tessera.bench.scenarios.elis import run
 
 
 def test_elis_scenario_rows_and_checks() -> None:

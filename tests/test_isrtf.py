@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from tessera.worker.core import InstanceView, Phase, Request, StepProfile
-from tessera.worker.core.registry import make_policy
-from tessera.worker.policies.isrtf import ISRTF
-from tessera.worker.predictor import ConstantPredictor, RunningMeanPredictor
+from tessera.core import InstanceView, Phase, Request, StepProfile
+from tessera.core.policies.isrtf import ISRTF
+from tessera.core.registry import make_policy
+from tessera.predictor import ConstantPredictor, RunningMeanPredictor
 
 PROFILE = StepProfile("t", 0.01, 0.0, 0.0, 0.01, 0.0, kv_capacity_tokens=100_000)
 

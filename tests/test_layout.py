@@ -1,4 +1,4 @@
-"""The package layout of DESIGN.md: folders mapped to sub-packages, stdlib `operator` never shadowed."""
+"""The package layout: top-level folders mapped to sub-packages, stdlib `operator` never shadowed."""
 
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ def test_top_level_operator_is_the_standard_library_from_the_repo_root() -> None
 
 
 def test_code_folders_import_as_tessera_subpackages() -> None:
-    import tessera.operator
+    import tessera.operator.controller
     import tessera.sim
     import tessera.worker
 
-    assert Path(tessera.operator.__file__).parent == ROOT / "operator"
+    # operator/ has no __init__.py (so it cannot shadow the standard library): a namespace package
+    assert [Path(p) for p in tessera.operator.__path__] == [ROOT / "operator"]
+    assert Path(tessera.operator.controller.__file__).parent == ROOT / "operator"
     assert Path(tessera.worker.__file__).parent == ROOT / "worker"
     assert Path(tessera.sim.__file__).parent == ROOT / "sim"

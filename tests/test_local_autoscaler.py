@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from tessera.api import load_documents
+from tessera.control.metrics_queries import snapshot_from_results
+from tessera.core.planners import BatchGroup, RoleCounts
 from tessera.local.autoscaler import LocalAutoscaler, effective_counts
 from tessera.local.control_plane import LocalEngine, plan_local
 from tessera.local.scrape import results_from_scrapes
 from tessera.local.supervisor import WorkerProcess
-from tessera.operator.metrics_source import snapshot_from_results
-from tessera.operator.planners import BatchGroup, RoleCounts
 from tessera.router.app import RouterState
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

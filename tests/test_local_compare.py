@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from tessera.api import load_documents
+from tessera.api.traces import load_trace
 from tessera.local.control_plane import LocalEngine, plan_local
 from tessera.local.load import WorkloadOptions, build_workload
 from tessera.local.runner import LoadSettings, LocalStack, compare_policies
 from tessera.router.app import class_infos
-from tessera.sim.traces import load_trace
 from tessera.worker.engines.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -8,15 +8,14 @@ from pathlib import Path
 import pytest
 
 from tessera.api import load_documents
+from tessera.control.children import CONFIG_KEY, roles_by_ordinal
+from tessera.control.pool_plan import desired_pool
 from tessera.local.control_plane import (
     ADMIN_TOKEN_ENV,
     LocalEngine,
     LocalPlanError,
     plan_local,
-    roles_by_ordinal,
 )
-from tessera.operator.children import CONFIG_KEY
-from tessera.operator.pool_plan import desired_pool
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -14,11 +14,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.api import load_documents
+from tessera.api.traces import load_trace
 from tessera.local.control_plane import LocalEngine, plan_local
 from tessera.local.load import WorkloadOptions, build_workload
 from tessera.local.runner import LoadSettings, LocalStack, run_load
 from tessera.router.app import class_infos
-from tessera.sim.traces import load_trace
 from tessera.worker.engines.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tessera.api.traces import TraceRow
+from tessera.core.request import Phase, Request, ServiceClass
 from tessera.local.load import LoadItem, Outcome, Workload, WorkloadError, WorkloadOptions, build_workload
 from tessera.local.report import render_report, summarize_outcomes
 from tessera.router.app import ClassInfo
-from tessera.sim.traces import TraceRow
-from tessera.worker.core.request import Phase, Request, ServiceClass
 
 CHAT = ServiceClass("chat", "interactive", ttft_slo_s=1.0, itl_slo_s=0.1)
 BATCH = ServiceClass("offline", "batch", deadline_s=10.0)

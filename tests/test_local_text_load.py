@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from tessera.api.traces import TraceRow
+from tessera.core.request import Phase, Request, ServiceClass
 from tessera.local.load import LoadItem, Outcome, WorkloadError, WorkloadOptions, build_workload
 from tessera.local.report import render_answers, render_comparison, summarize_outcomes
 from tessera.router.app import ClassInfo
-from tessera.sim.traces import TraceRow
-from tessera.worker.core.request import Phase, Request, ServiceClass
 
 CHAT = ServiceClass("chat", "interactive", ttft_slo_s=1.0)
 BATCH = ServiceClass("batch", "batch", deadline_s=10.0)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tessera.sim.machine import MachineWatch
+from tessera.bench.machine import MachineWatch
 
 
 def _hold_the_interpreter(seconds: float) -> None:

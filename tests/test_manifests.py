@@ -142,7 +142,7 @@ def test_grafana_dashboard_covers_worker_metrics(objects: list[dict[str, Any]]) 
 
 
 def test_service_monitor_selects_the_operators_worker_services() -> None:
-    from tessera.operator import children
+    from tessera.control import children
 
     monitors = {m["metadata"]["name"]: m for m in _render("manifests/monitoring")}
     assert sorted(monitors) == ["tessera-router", "tessera-workers"]

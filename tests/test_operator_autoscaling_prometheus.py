@@ -28,12 +28,12 @@ import pytest_asyncio
 import yaml
 from kmock_harness import Harness, emulated_cluster, load_example
 
+from tessera.bench.harness import WorkerChild, stream_one
+from tessera.control.children import CONFIG_KEY
+from tessera.core.planners import MetricsSnapshot, ScalingDecision
+from tessera.core.planners.chiron import chiron_decide
 from tessera.operator import controller as controller_module
-from tessera.operator.children import CONFIG_KEY
-from tessera.operator.metrics_source import PrometheusMetrics
-from tessera.operator.planners import MetricsSnapshot, ScalingDecision
-from tessera.operator.planners.chiron import chiron_decide
-from tessera.worker.bench._harness import WorkerChild, stream_one
+from tessera.operator.prometheus import PrometheusMetrics
 from tessera.worker.engines.vllm_process import free_port
 
 PROMETHEUS = shutil.which("prometheus")

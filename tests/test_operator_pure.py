@@ -12,15 +12,15 @@ import yaml
 from kubernetes import client
 
 from tessera.api import parse_quantity
-from tessera.operator.kube import Kube, backoff_delays
-from tessera.operator.metrics_source import (
+from tessera.control.metrics_queries import (
     attainment_from_results,
     group_queries,
     role_of,
     snapshot_from_results,
 )
-from tessera.operator.planners import GroupPlan, RoleCounts
-from tessera.operator.pool_plan import INVALID_SPEC, Problem, desired_pool, inputs_fingerprint
+from tessera.control.pool_plan import INVALID_SPEC, Problem, desired_pool, inputs_fingerprint
+from tessera.core.planners import GroupPlan, RoleCounts
+from tessera.operator.kube import Kube, backoff_delays
 from tessera.operator.reconcile import Action, contains, plan_actions
 from tessera.operator.status import append_history, plan_from_status, plan_to_status, set_condition
 
@@ -312,7 +312,7 @@ def test_reconciles_arriving_while_one_waits_join_it() -> None:
 
 
 def _pool_and_service(gpu: str, model: dict[str, Any]) -> tuple[Any, Any]:
-    from tessera.operator.pool_plan import parse
+    from tessera.control.pool_plan import parse
 
     docs = example("quickstart.yaml")
     pool = copy.deepcopy(docs["ServingPool"][0])
@@ -337,8 +337,8 @@ def _pool_and_service(gpu: str, model: dict[str, Any]) -> tuple[Any, Any]:
 def test_planner_inputs_use_the_matching_sim_profile_else_the_fallback(
     gpu: str, model: dict[str, Any], expected: str | None
 ) -> None:
-    from tessera.operator.inputs import FALLBACK_PROFILE, named_profile, service_input
-    from tessera.sim.profiles import PROFILES
+    from tessera.control.inputs import FALLBACK_PROFILE, named_profile, service_input
+    from tessera.core.profiles import PROFILES
 
     pool, service = _pool_and_service(gpu, model)
     matched = named_profile(pool, service)

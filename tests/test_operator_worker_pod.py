@@ -13,10 +13,10 @@ import yaml
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
+from tessera.api.worker_config import parse_config
 from tessera.cli import build_parser
-from tessera.operator.children import CONFIG_DIR, CONFIG_KEY, ENGINE_ANNOTATION
-from tessera.operator.pool_plan import PoolDesired, desired_pool
-from tessera.worker.config import parse_config
+from tessera.control.children import CONFIG_DIR, CONFIG_KEY, ENGINE_ANNOTATION
+from tessera.control.pool_plan import PoolDesired, desired_pool
 from tessera.worker.runtime import Worker
 from tessera.worker.server.app import create_app
 
@@ -138,7 +138,7 @@ def _meta_name(prefix: str, key: str) -> str:
 def _queried_labels() -> set[str]:
     """The target labels the operator's Prometheus queries select on, plus ``pod``, whose ordinal
     gives a scraped worker its Chiron role (``snapshot_from_results``)."""
-    from tessera.operator.metrics_source import group_queries
+    from tessera.control.metrics_queries import group_queries
 
     up = group_queries("ns", "pool", "group", {}, "2m")["up"]
     return set(re.findall(r'(\w+)="', up)) | {"pod"}

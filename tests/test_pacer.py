@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from tessera.worker.core import Request, ServiceClass
-from tessera.worker.core.qoe import QoEParams, consumption_times, qoe_from_delivery
+from tessera.core import Request, ServiceClass
+from tessera.core.qoe import QoEParams, consumption_times, qoe_from_delivery
 from tessera.worker.pacer import TokenPacer, pace
 
 PARAMS = QoEParams(arrival=0.0, ttft_target_s=1.0, reading_speed_tps=5.0)

@@ -8,22 +8,22 @@ import numpy as np
 import pytest
 from scipy.optimize import linprog
 
-from tessera.operator.planners import (
-    LatencyModel,
-    PlacementError,
-    PoolInput,
-    ServiceInput,
-    plan_placement,
-)
-from tessera.operator.planners.placement import (
+from tessera.control.placement import (
     Group,
+    PlacementError,
     fits,
     generate_groups,
     greedy_allocate,
+    plan_placement,
     request_work,
     service_rate,
 )
-from tessera.operator.planners.placement_ilp import EPSILON, max_utilization, solve_partition
+from tessera.control.placement_ilp import EPSILON, max_utilization, solve_partition
+from tessera.core.planners import (
+    LatencyModel,
+    PoolInput,
+    ServiceInput,
+)
 
 GIB = 2**30
 LM7 = LatencyModel(0.008, 2e-5, 6.6e-8, 0.005, 8.5e-5)

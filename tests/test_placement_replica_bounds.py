@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from tessera.operator.planners import LatencyModel, PoolInput, ServiceInput, plan_placement
+from tessera.control.placement import plan_placement
+from tessera.core.planners import LatencyModel, PoolInput, ServiceInput
 
 GIB = 2**30
 LM7 = LatencyModel(0.008, 2e-5, 6.6e-8, 0.005, 8.5e-5)

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tessera.worker.predictor import count_tokens, prefix_text
-from tessera.worker.predictor.dataset import (
+from tessera.predictor import count_tokens, prefix_text
+from tessera.predictor.dataset import (
     by_row,
     heldout,
     load_pairs,
@@ -18,9 +18,9 @@ from tessera.worker.predictor.dataset import (
     split_by_prompt,
     step_points,
 )
-from tessera.worker.predictor.features import answer_spans, distinct_ratio, prompt_chunk
-from tessera.worker.predictor.metrics import regression_metrics
-from tessera.worker.predictor.tokens import TokenCounter
+from tessera.predictor.features import answer_spans, distinct_ratio, prompt_chunk
+from tessera.predictor.metrics import regression_metrics
+from tessera.predictor.tokens import TokenCounter
 
 TEXT = "Broadway actors: Hugh Jackman, Audra McDonald and Neil Patrick Harris started on stage."
 

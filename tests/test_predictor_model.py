@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from tessera.worker.core import Request
-from tessera.worker.predictor import count_tokens
-from tessera.worker.predictor.dataset import load_pairs
-from tessera.worker.predictor.model import TextLengthPredictor
-from tessera.worker.predictor.samples import EmbeddingStore, StepSettings, build_samples
-from tessera.worker.predictor.train import DEFAULT_ARTIFACT_DIR, HEAD_FILE, TrainConfig, train
+from tessera.core import Request
+from tessera.predictor import count_tokens
+from tessera.predictor.dataset import load_pairs
+from tessera.predictor.model import TextLengthPredictor
+from tessera.predictor.samples import EmbeddingStore, StepSettings, build_samples
+from tessera.predictor.train import DEFAULT_ARTIFACT_DIR, HEAD_FILE, TrainConfig, train
 
 WORDS = [
     "alpha",

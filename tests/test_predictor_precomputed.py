@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from tessera.worker.core.request import Request
-from tessera.worker.predictor.precomputed import PrecomputedPredictor
+from tessera.core.request import Request
+from tessera.predictor.precomputed import PrecomputedPredictor
 
 
 class FakeText:

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tessera.sim.profiles import PROFILES, Measurements, fit_profile, load_profile, save_profile
+from tessera.core.profiles import PROFILES, Measurements, fit_profile, load_profile, save_profile
 
 
 def test_named_profiles_cover_a100_h100_and_three_sizes():

@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY_MAX_MODEL_LEN
 
 from tessera.cli import main
-from tessera.sim.profiles import load_profile
+from tessera.core.profiles import load_profile
 
 
 @pytest.mark.integration

@@ -8,17 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from tessera.sim.cluster import ClusterConfig
-from tessera.sim.engine import EngineConfig
-from tessera.sim.profiles import load_profile
-from tessera.sim.runner import run_one
-from tessera.sim.workloads import Mix, build_requests
-from tessera.worker.core.policy import Decision, InstanceView
-from tessera.worker.core.profile import StepProfile
-from tessera.worker.core.request import Request, ServiceClass
-from tessera.worker.policies.qlm import QLMPolicy
-from tessera.worker.policies.qlm.baseline import SwapFCFS
-from tessera.worker.policies.qlm.estimator import (
+from tessera.bench.runner import run_one
+from tessera.core.policies.qlm import QLMPolicy
+from tessera.core.policies.qlm.baseline import SwapFCFS
+from tessera.core.policies.qlm.estimator import (
     EngineRates,
     EpsMeter,
     GroupCosts,
@@ -28,9 +21,9 @@ from tessera.worker.policies.qlm.estimator import (
     group_costs,
     start_times,
 )
-from tessera.worker.policies.qlm.groups import Grouper, VirtualQueue
-from tessera.worker.policies.qlm.lso import ModelTiers, TierCosts, eviction_victims
-from tessera.worker.policies.qlm.milp import (
+from tessera.core.policies.qlm.groups import Grouper, VirtualQueue
+from tessera.core.policies.qlm.lso import ModelTiers, TierCosts, eviction_victims
+from tessera.core.policies.qlm.milp import (
     GroupSpec,
     QueueSpec,
     SolverSettings,
@@ -39,7 +32,14 @@ from tessera.worker.policies.qlm.milp import (
     heuristic_plan,
     solve,
 )
-from tessera.worker.policies.qlm.router import QLMRouter
+from tessera.core.policy import Decision, InstanceView
+from tessera.core.profile import StepProfile
+from tessera.core.profiles import load_profile
+from tessera.core.request import Request, ServiceClass
+from tessera.sim.cluster import ClusterConfig
+from tessera.sim.engine import EngineConfig
+from tessera.sim.qlm_router import QLMRouter
+from tessera.sim.workloads import Mix, build_requests
 
 INTER = ServiceClass("interactive", "interactive", ttft_slo_s=20.0)
 BATCH = ServiceClass("batch", "batch", deadline_s=3600.0)
@@ -226,7 +226,7 @@ def test_milp_matches_brute_force_on_three_queues(seed: int) -> None:
 
 
 def test_tiny_time_limit_falls_back_without_losing_a_group() -> None:
-    from tessera.sim.scenarios.qlm import synthetic_groups
+    from tessera.bench.scenarios.qlm import synthetic_groups
 
     groups, queues = synthetic_groups(24, 4, seed=0)
     plan = solve(groups, queues, SolverSettings(time_limit_s=1e-3))
@@ -236,7 +236,7 @@ def test_tiny_time_limit_falls_back_without_losing_a_group() -> None:
 
 
 def test_warm_start_returned_when_cbc_finds_nothing_better() -> None:
-    from tessera.sim.scenarios.qlm import synthetic_groups
+    from tessera.bench.scenarios.qlm import synthetic_groups
 
     groups, queues = synthetic_groups(100, 4, seed=0)
     # The joint model (13.6k binaries) forced: CBC's root alone takes most of the limit.
@@ -286,7 +286,7 @@ def test_window_covering_every_group_is_the_joint_optimum() -> None:
 
 
 def test_hundred_groups_use_the_window_milp_and_keep_every_group() -> None:
-    from tessera.sim.scenarios.qlm import synthetic_groups
+    from tessera.bench.scenarios.qlm import synthetic_groups
 
     groups, queues = synthetic_groups(100, 4, seed=3)  # the heuristic plan misses one SLO here
     assert not evaluate(heuristic_plan(groups, queues).order, groups, queues)[1]
@@ -374,7 +374,7 @@ def test_reordering_meets_interactive_slo_where_fcfs_does_not() -> None:
     inter = build_requests(
         np.full(8, 2.0), [100] * 8, [50] * 8, rng, Mix(classes=((INTER, 1.0),)), prefix="i"
     )
-    from tessera.worker.core.registry import make_policy
+    from tessera.core.registry import make_policy
 
     fcfs, _ = run_one(batch + inter, lambda: make_policy("fcfs"), _cluster())
     qlm, _ = run_one(batch + inter, lambda: QLMPolicy(eviction=False), _cluster())

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from tessera.worker.core import Phase, Request, ServiceClass, TokenTimeline
-from tessera.worker.core.qoe import (
+from tessera.core import Phase, Request, ServiceClass, TokenTimeline
+from tessera.core.qoe import (
     ConsumptionTracker,
     QoEParams,
     consumption_times,

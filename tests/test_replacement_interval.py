@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.operator.planners import (
+from tessera.core.planners import (
     GroupPlan,
     IntervalMetrics,
     IntervalSettings,
@@ -13,7 +13,7 @@ from tessera.operator.planners import (
     next_replacement_interval,
     rollout_diff,
 )
-from tessera.operator.planners.naming import group_name
+from tessera.core.planners.naming import group_name
 
 S = IntervalSettings(initial_s=300, min_s=60, max_s=1800, beta=0.1)
 EST = IntervalMetrics(slo_attainment=0.9, norm_latency=2.0)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tessera.core.policies.qlm.estimator import EngineRates, request_wait
+from tessera.core.profile import StepProfile
 from tessera.router.balancer import InstanceLoad, NoInstance, choose, eligible, estimated_wait, seed_stats
-from tessera.worker.core.profile import StepProfile
-from tessera.worker.policies.qlm.estimator import EngineRates, request_wait
 
 PROFILE = StepProfile("m", 0.01, 0.001, 0.0, 0.01, 0.0001, kv_capacity_tokens=1_000_000)
 

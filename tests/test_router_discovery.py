@@ -8,9 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from tessera.api import load_documents
-from tessera.operator.children import desired_children
-from tessera.operator.planners import RoleCounts
-from tessera.operator.pool_plan import desired_pool
+from tessera.control.children import desired_children
+from tessera.control.pool_plan import desired_pool
+from tessera.core.planners import RoleCounts
 from tessera.router.discovery import backends_from_cluster
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

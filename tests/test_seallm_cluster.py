@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from tessera.operator.planners import (
+from tessera.control.cluster_sim import ClusterSim, SwitchCost, serve
+from tessera.control.group_sim import GroupEngine, make_request, stats_of
+from tessera.core.planners import (
     GroupPlan,
     HistoryRequest,
     LatencyModel,
@@ -16,8 +18,6 @@ from tessera.operator.planners import (
     RoleCounts,
     ServiceInput,
 )
-from tessera.operator.planners.cluster_sim import ClusterSim, SwitchCost, serve
-from tessera.operator.planners.group_sim import GroupEngine, make_request, stats_of
 
 GIB = 2**30
 LM = LatencyModel(0.01, 1e-4, 1e-7, 0.005, 1e-4)
@@ -129,7 +129,7 @@ def _hist_service(name: str, arrivals: list[float]) -> ServiceInput:
 
 
 def test_estimator_counts_bursts_and_has_no_violation_floor_at_no_load():
-    from tessera.operator.planners.placement import Group, estimate
+    from tessera.control.placement import Group, estimate
 
     flat = _hist_service("a", [i * 0.5 for i in range(600)])  # 2 req/s for 5 min
     burst = _hist_service("a", [240 + i * 0.1 for i in range(600)])  # the same count within the last minute
@@ -142,7 +142,7 @@ def test_estimator_counts_bursts_and_has_no_violation_floor_at_no_load():
 
 
 def test_estimator_short_service_is_not_held_up_by_an_overloaded_long_neighbour():
-    from tessera.operator.planners.placement import Group, estimate
+    from tessera.control.placement import Group, estimate
 
     short = _hist_service("short", [i * 1.0 for i in range(300)])  # 1 req/s of 100+50 tokens
     long_hist = tuple(HistoryRequest(i * 0.5, 8000, 20) for i in range(600))  # 2 req/s of 8k prompts
@@ -159,8 +159,8 @@ def test_estimator_short_service_is_not_held_up_by_an_overloaded_long_neighbour(
 
 
 def test_bench_scenario_small_run_counts_every_request_and_replans():
-    from tessera.sim.scenarios import BenchConfig
-    from tessera.sim.scenarios.seallm import run
+    from tessera.bench.scenarios import BenchConfig
+    from tessera.bench.scenarios.seallm import run
 
     opts = {"services": 4, "gpus": 8, "minutes": 4, "interval_minutes": 1}
     report = run(BenchConfig("seallm", rate=2.0, seed=1, options=opts), lambda *a, **k: None)
@@ -183,8 +183,8 @@ def test_bench_scenario_small_run_counts_every_request_and_replans():
 
 
 def test_bench_runs_with_different_initial_intervals_replay_the_same_requests():
-    from tessera.sim.scenarios import BenchConfig
-    from tessera.sim.scenarios.seallm import run
+    from tessera.bench.scenarios import BenchConfig
+    from tessera.bench.scenarios.seallm import run
 
     def dedicated(i0: int) -> dict:
         opts = {"services": 4, "gpus": 8, "minutes": 3, "interval_minutes": i0}

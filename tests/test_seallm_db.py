@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.operator.planners import HistoryRequest, LatencyModel, PoolInput, ServiceInput
-from tessera.operator.planners.group_sim import service_stats, simulate_group
-from tessera.worker.core import InstanceView, Request, StepProfile
-from tessera.worker.policies.seallm import DBBook, DoublingBudget, ServiceStats
+from tessera.control.group_sim import service_stats, simulate_group
+from tessera.core import InstanceView, Request, StepProfile
+from tessera.core.planners import HistoryRequest, LatencyModel, PoolInput, ServiceInput
+from tessera.core.policies.seallm import DBBook, DoublingBudget, ServiceStats
 
 PROFILE = StepProfile("t", 0.01, 0.0, 0.0, 0.01, 0.0, kv_capacity_tokens=100_000)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tessera.core.baselines import FCFS, SRTFOracle
+from tessera.core.policy import Decision, InstanceView
+from tessera.core.profile import StepProfile
+from tessera.core.registry import make_policy
+from tessera.core.request import Phase, Request
 from tessera.sim.cluster import Cluster, ClusterConfig
 from tessera.sim.engine import EngineConfig, Instance, blocks_for
 from tessera.sim.workloads import build_requests, copy_requests, poisson_arrivals
-from tessera.worker.core.baselines import FCFS, SRTFOracle
-from tessera.worker.core.policy import Decision, InstanceView
-from tessera.worker.core.profile import StepProfile
-from tessera.worker.core.registry import make_policy
-from tessera.worker.core.request import Phase, Request
 
 PROF = StepProfile(
     "hand", 0.01, 0.001, 0.0001, 0.1, 0.001, kv_capacity_tokens=16_000, block_size=16, weights_bytes=10**9

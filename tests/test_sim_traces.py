@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from tessera.sim.traces import load_trace
+from tessera.api.traces import load_trace
 from tessera.sim.workloads import (
     bursty_arrivals,
     count_tokens,

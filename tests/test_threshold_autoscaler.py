@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.operator.planners import ThresholdSettings, threshold_decide
+from tessera.core.planners import ThresholdSettings, threshold_decide
 
 
 def test_adds_and_removes_one_instance_per_interval():

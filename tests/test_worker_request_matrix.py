@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tessera.worker.config import parse_config
+from tessera.api.worker_config import parse_config
 from tessera.worker.engines.sim_realtime import next_token
 from tessera.worker.runtime import Worker
 from tessera.worker.server.app import create_app

@@ -9,12 +9,12 @@ from typing import Any
 
 import httpx
 
-from tessera.worker.config import AutoscaleSpec, BatchBounds, ProfileSpec, parse_config
-from tessera.worker.core.baselines import FCFS
-from tessera.worker.core.policy import Decision, InstanceView
-from tessera.worker.core.profile import StepProfile
-from tessera.worker.core.registry import make_policy
-from tessera.worker.core.request import Request, ServiceClass
+from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ProfileSpec, parse_config
+from tessera.core.baselines import FCFS
+from tessera.core.policy import Decision, InstanceView
+from tessera.core.profile import StepProfile
+from tessera.core.registry import make_policy
+from tessera.core.request import Request, ServiceClass
 from tessera.worker.engines.base import Engine, EngineJob, TokenDelta
 from tessera.worker.engines.sim_realtime import SimEngine
 from tessera.worker.metrics import WorkerMetrics

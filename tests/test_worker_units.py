@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 
-from tessera.worker.chiron_local import ChironLocal
-from tessera.worker.config import AutoscaleSpec, BatchBounds, ConfigError, ProfileSpec, parse_config
-from tessera.worker.core.registry import make_policy
-from tessera.worker.core.request import Request, ServiceClass
+from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ConfigError, ProfileSpec, parse_config
+from tessera.core.chiron_local import ChironLocal
+from tessera.core.registry import make_policy
+from tessera.core.request import Request, ServiceClass
 from tessera.worker.engines.sim_realtime import SimEngine, next_token
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.runtime import Worker

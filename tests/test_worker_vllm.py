@@ -19,7 +19,7 @@ import httpx
 import pytest
 from conftest import TINY_MAX_MODEL_LEN, TINY_MODEL_NAME
 
-from tessera.worker.bench._harness import WorkerChild
+from tessera.bench.harness import WorkerChild
 from tessera.worker.engines.vllm_process import VLLMServer
 
 pytestmark = pytest.mark.integration
@@ -270,9 +270,9 @@ def test_admin_reload_changes_policy_without_restart(worker: WorkerChild, vllm_s
 
 
 def test_preempted_twice_resumes_with_identical_token_ids(vllm_server: VLLMServer) -> None:
-    from tessera.worker.config import AutoscaleSpec, BatchBounds, ProfileSpec
-    from tessera.worker.core.registry import make_policy
-    from tessera.worker.core.request import Request
+    from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ProfileSpec
+    from tessera.core.registry import make_policy
+    from tessera.core.request import Request
     from tessera.worker.engines.base import EngineJob, TokenDelta
     from tessera.worker.engines.vllm import VLLMEngine
     from tessera.worker.metrics import WorkerMetrics

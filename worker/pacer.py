@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
-from tessera.worker.core.qoe import QoEParams, qoe_params
-from tessera.worker.core.request import Request
+from tessera.core.qoe import QoEParams, qoe_params
+from tessera.core.request import Request
 
 T = TypeVar("T")
 
@@ -52,10 +52,6 @@ class TokenPacer:
         release = t if not self._release else max(t, self._release[-1] + 1.0 / self.params.reading_speed_tps)
         self._release.append(release)
         return release
-
-    def release_time(self, index: int) -> float:
-        """Release time of token ``index`` (0-based)."""
-        return self._release[index]
 
     def released_by(self, t: float) -> int:
         """How many tokens may have been released by time ``t``."""

@@ -14,10 +14,10 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from tessera.worker.config import ConfigError, ModelEntry, WorkerConfig, load_config
-from tessera.worker.core.policy import Policy
-from tessera.worker.core.registry import make_policy
-from tessera.worker.core.request import ServiceClass
+from tessera.api.worker_config import ConfigError, ModelEntry, WorkerConfig, load_config
+from tessera.core.policy import Policy
+from tessera.core.registry import make_policy
+from tessera.core.request import ServiceClass
 from tessera.worker.engines.base import Engine
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.scheduler import ModelScheduler

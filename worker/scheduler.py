@@ -3,7 +3,7 @@
 The worker holds every accepted request of the model. At each decision point (an arrival, a
 completion, a cancellation, a recheck the policy asked for, the engine coming back) it builds an
 ``InstanceView`` and asks the policy; ``Decision.run`` becomes the in-flight set (protocol in
-``tessera.worker.core.policy``):
+``tessera.core.policy``):
 
 - in-flight requests not in ``run`` are preempted: their stream is closed, which aborts them in
   the engine (vLLM V1 preempts by recompute anyway; ``Decision.preempt_mode`` is therefore not
@@ -37,12 +37,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.worker.chiron_local import ChironLocal
-from tessera.worker.config import AutoscaleSpec, BatchBounds
-from tessera.worker.core.policy import Decision, InstanceView, Policy
-from tessera.worker.core.profile import StepProfile
-from tessera.worker.core.qoe import request_qoe
-from tessera.worker.core.request import Phase, Request, ServiceClass
+from tessera.api.worker_config import AutoscaleSpec, BatchBounds
+from tessera.core.chiron_local import ChironLocal
+from tessera.core.policy import Decision, InstanceView, Policy
+from tessera.core.profile import StepProfile
+from tessera.core.qoe import request_qoe
+from tessera.core.request import Phase, Request, ServiceClass
 from tessera.worker.engines.base import Engine, EngineError, EngineJob, EngineUnavailable, TokenDelta
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.swap import ModelSwapper

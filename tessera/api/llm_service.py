@@ -19,7 +19,7 @@ from tessera.api.base import (
 )
 from tessera.api.request_class import ClassOverrides, RequestClassSpec
 from tessera.api.rules import LessOrEqual, ListedIn, MutuallyExclusive
-from tessera.worker.core.request import ServiceClass
+from tessera.core.request import ServiceClass
 
 # Bounds the list so that the API server's CEL cost estimate of the defaultClass rule stays small.
 MAX_CLASSES_PER_SERVICE = 32

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from tessera.api.base import ApiModel, Resource, ResourceStatus, Seconds, nested
 from tessera.api.rules import RequiredWhen
-from tessera.worker.core.request import ServiceClass
+from tessera.core.request import ServiceClass
 
 # Andes' measured average reading speed (tokens/s) of human readers.
 DEFAULT_READING_SPEED_TPS = 4.8

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tessera.sim.scenarios import SCENARIOS
+from tessera.bench.scenarios import SCENARIOS
 
 HELP = "Replay a trace through the simulator (or a real engine) and compare policies side by side."
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from tessera.sim.scenarios import BenchConfig, Options
+    from tessera.bench.scenarios import BenchConfig, Options
 
     err = Console(stderr=True)
     if args.scenario not in SCENARIOS:

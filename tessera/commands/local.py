@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace, classes: dict, models: dict) -> object:
+    from tessera.api.traces import load_trace
     from tessera.local.load import WorkloadError, WorkloadOptions, build_workload
-    from tessera.sim.traces import load_trace
 
     options = WorkloadOptions(
         time_scale=args.time_scale, duration_s=args.duration, max_requests=args.max_requests,
@@ -165,8 +165,8 @@ def _check_launches(plan: LocalPlan) -> None:
 
 
 def _check_compare(args: argparse.Namespace, policies: set[str]) -> None:
+    from tessera.core.registry import POLICIES, policy_class
     from tessera.local.control_plane import LocalPlanError
-    from tessera.worker.core.registry import POLICIES, policy_class
 
     if args.compare_policy is None:
         return

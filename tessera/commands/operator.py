@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     metrics = None
     if args.prometheus_url:
-        from tessera.operator.metrics_source import PrometheusMetrics
+        from tessera.operator.prometheus import PrometheusMetrics
 
         metrics = PrometheusMetrics(args.prometheus_url)
     controller = Controller(Kube(client.ApiClient()), kopf_events, metrics)

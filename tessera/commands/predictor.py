@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--exclude-source", action="append", default=[], help="drop rows whose source contains this"
     )
     tr.add_argument("--window", type=_positive_int, default=50, help="ELIS re-prediction window K (tokens)")
-    # CPU-budget defaults (see tessera.worker.predictor.train); the spec's are 16 / 16 / 1e-4.
+    # CPU-budget defaults (see tessera.predictor.train); the spec's are 16 / 16 / 1e-4.
     tr.add_argument("--epochs", type=_positive_int, default=6)
     tr.add_argument("--batch-size", type=_positive_int, default=256)
     tr.add_argument("--lr", type=float, default=1e-3)
@@ -121,11 +121,11 @@ def _print_metrics(title: str, m: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Dispatch to training or evaluation; errors in inputs exit 2 with the reason."""
-    from tessera.worker.predictor.samples import StepSettings
+    from tessera.predictor.samples import StepSettings
 
     try:
         if args.action == "train":
-            from tessera.worker.predictor.train import TrainConfig, train
+            from tessera.predictor.train import TrainConfig, train
 
             if args.weight_decay < 0:
                 raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
@@ -165,8 +165,8 @@ def run(args: argparse.Namespace) -> int:
             _print_metrics("validation", meta["validation"])
             print("train time {total:.0f} s (embedding {embedding:.0f} s)".format(**meta["seconds"]))
             return 0
-        from tessera.worker.predictor.evaluate import evaluate, measure_latency
-        from tessera.worker.predictor.model import TextLengthPredictor
+        from tessera.predictor.evaluate import evaluate, measure_latency
+        from tessera.predictor.model import TextLengthPredictor
 
         predictor = TextLengthPredictor(args.model, tokenizer=args.tokenizer, threads=args.threads)
         result = evaluate(predictor, args.data, args.split, tuple(args.source), args.max_rows, args.seed)

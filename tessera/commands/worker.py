@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT; then stop accepting, let in-flight requests finish, exit 0."""
     import uvicorn
 
-    from tessera.worker.config import ConfigError, load_config
+    from tessera.api.worker_config import ConfigError, load_config
     from tessera.worker.runtime import Worker
     from tessera.worker.server.app import create_app
 

@@ -21,13 +21,14 @@ from dataclasses import dataclass, field, replace
 
 import httpx
 
-from tessera.local.control_plane import ROLE_ORDER, LocalGroup
+from tessera.control.children import ROLE_ORDER
+from tessera.control.metrics_queries import snapshot_from_results
+from tessera.control.pool_plan import GroupScaling, group_scaling
+from tessera.core.planners import AutoscalerState, RoleCounts
+from tessera.core.planners.chiron import chiron_decide
+from tessera.local.control_plane import LocalGroup
 from tessera.local.scrape import Counters, results_from_scrapes
 from tessera.local.supervisor import Supervisor, WorkerProcess
-from tessera.operator.metrics_source import snapshot_from_results
-from tessera.operator.planners import AutoscalerState, RoleCounts
-from tessera.operator.planners.chiron import chiron_decide
-from tessera.operator.pool_plan import GroupScaling, group_scaling
 from tessera.router.app import RouterState
 from tessera.router.balancer import InstanceLoad
 

@@ -1,7 +1,7 @@
 """Local mode's control plane: the operator's decisions for one machine, without a cluster.
 
 Pure: resources in, the worker instances to start out. It runs exactly what the operator runs for a
-reconcile (``tessera.operator.pool_plan.desired_pool``: spec validation, the placement planner, the
+reconcile (``tessera.control.pool_plan.desired_pool``: spec validation, the placement planner, the
 children builders) and reads each group's worker configuration and role counts from the ConfigMap the
 operator would apply. Only the engine differs: every model entry is rewritten for the local engine
 (``sim``; or ``vllm`` launching a server on a local model directory, or using a running server).
@@ -15,16 +15,15 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tessera.api import LLMService, RequestClass, ServingPool
-from tessera.operator.children import CONFIG_KEY, PLACEMENT_KEY
-from tessera.operator.planners import GroupPlan, RoleCounts
-from tessera.operator.pool_plan import PoolDesired, Problem, desired_pool
-from tessera.worker.config import WorkerConfig
+from tessera.api.worker_config import WorkerConfig
+from tessera.control.children import CONFIG_KEY, PLACEMENT_KEY, ROLE_ORDER, roles_by_ordinal
+from tessera.control.pool_plan import PoolDesired, Problem, desired_pool
+from tessera.core.planners import GroupPlan, RoleCounts
 
 Role = Literal["interactive", "mixed", "batch"]
 # Local workers read their admin token from here (the supervisor sets it): local mode may switch the
 # policy of running workers without restarting their engines.
 ADMIN_TOKEN_ENV = "TESSERA_LOCAL_ADMIN_TOKEN"
-ROLE_ORDER: tuple[Role, ...] = ("interactive", "mixed", "batch")  # by pod ordinal, as the operator orders
 
 
 class LocalPlanError(ValueError):
@@ -118,11 +117,6 @@ def _body(resource: ServingPool | LLMService | RequestClass) -> dict[str, Any]:
     meta.setdefault("namespace", "default")
     meta.setdefault("uid", f"local-{resource.kind}-{resource.name}")
     return body
-
-
-def roles_by_ordinal(roles: dict[str, int]) -> list[Role]:
-    """The role of each pod ordinal: interactive first, then mixed, then batch (the operator's order)."""
-    return [role for role in ROLE_ORDER for _ in range(int(roles.get(role, 0)))]
 
 
 def plan_local(

@@ -3,7 +3,7 @@
 ``build_workload`` (pure) turns trace rows into requests: a model, a class, a prompt length and an
 output length, fitted to the model's context. ``drive`` sends each request at its arrival time and
 records each token's arrival time in a core ``Request`` so the simulator's metric definitions
-(``tessera.sim.metrics``) apply unchanged. A row without prompt text goes to ``POST /v1/completions``
+(``tessera.core.slo``) apply unchanged. A row without prompt text goes to ``POST /v1/completions``
 (streamed, prompt as token ids so its length is exact on any tokenizer, ``ignore_eos`` so the output
 length is the trace's). A row with prompt text goes to ``POST /v1/chat/completions`` as one user
 message, answered greedily: the model chooses its own length, at most the trace's output tokens, and
@@ -22,9 +22,9 @@ from typing import Any
 
 import httpx
 
+from tessera.api.traces import TraceRow
+from tessera.core.request import Phase, Request
 from tessera.router.app import ClassInfo
-from tessera.sim.traces import TraceRow
-from tessera.worker.core.request import Phase, Request
 
 PROMPT_ID_BASE = 100  # prompt token ids cycle over [100, 100 + PROMPT_ID_SPAN): valid in any real vocab
 PROMPT_ID_SPAN = 200

@@ -1,6 +1,6 @@
 """The load report: the benchmark contract's metrics over client-side measurements, a table, plots.
 
-Metric definitions are the simulator's (``tessera.sim.metrics``), applied to the finished requests.
+Metric definitions are the simulator's (``tessera.core.slo``), applied to the finished requests.
 A request that failed (HTTP error, stream cut) or did not finish counts as an SLO miss in
 ``slo_attainment`` and ``slo_attainment_by_class`` (nothing sent is left out silently); ``failed``
 counts them.
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from tessera.core.slo import mean_itl, slo_met, summarize, ttft
 from tessera.local.load import Outcome
-from tessera.sim.metrics import mean_itl, slo_met, summarize, ttft
 
 
 def summarize_outcomes(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:

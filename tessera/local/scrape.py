@@ -1,7 +1,7 @@
 """Local mode's measurements: the operator's Prometheus queries, answered from direct scrapes.
 
 Without a Prometheus server, local mode scrapes every worker's ``/metrics`` itself and turns the
-samples into the results the operator's queries would return (``tessera.operator.metrics_source.
+samples into the results the operator's queries would return (``tessera.control.metrics_queries.
 group_queries``: the same names and shapes), so the operator's own ``snapshot_from_results`` builds the
 autoscaler's snapshot and both paths read the workers the same way. The one difference: the batch
 token rate is taken over the time since the previous scrape, not Prometheus' 2-minute window.

@@ -39,6 +39,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from tessera.api.openai_errors import ApiError
+from tessera.api.worker_config import WorkerConfig
+from tessera.core.policies.qlm.estimator import TokenStats
+from tessera.core.request import ServiceClass
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
 from tessera.router.balancer import DEFAULT_Z, InstanceLoad, choose, estimated_wait, seed_stats
@@ -47,10 +51,6 @@ from tessera.router.limits import RouterLimits
 from tessera.router.metrics import RouterMetrics
 from tessera.router.payload import parse_payload, read_body
 from tessera.router.relay import Upstream, relay_events, send, unless_client_leaves
-from tessera.worker.config import WorkerConfig
-from tessera.worker.core.request import ServiceClass
-from tessera.worker.policies.qlm.estimator import TokenStats
-from tessera.worker.server.errors import ApiError
 
 POLL_INTERVAL_S = 1.0
 log = logging.getLogger(__name__)

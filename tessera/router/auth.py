@@ -28,7 +28,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from tessera.api.base import ApiModel
-from tessera.worker.server.errors import ApiError
+from tessera.api.openai_errors import ApiError
 
 log = logging.getLogger(__name__)
 _BEARER = "bearer "

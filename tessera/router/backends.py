@@ -21,7 +21,7 @@ import yaml
 from pydantic import Field, ValidationError
 
 from tessera.api.base import ApiModel
-from tessera.worker.config import WorkerConfig
+from tessera.api.worker_config import WorkerConfig
 
 
 class BackendsError(ValueError):

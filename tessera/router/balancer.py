@@ -10,7 +10,7 @@ is), every instance of the model is eligible (CHOICE: serve rather than refuse).
 
 Balancing (QLM's load-balancing LSO, qlm_chiron_spec A5): among eligible instances, the one with the
 least estimated waiting time of the new request, with QLM's request-level RWT estimate
-(``tessera.worker.policies.qlm.estimator.request_wait``): the output tokens of the requests that must
+(``tessera.core.policies.qlm.estimator.request_wait``): the output tokens of the requests that must
 leave the batch before this one starts, over the instance's token throughput Theta (Eq. 15), at the
 z-quantile of their normal sum. Requests ahead = outstanding requests beyond the batch size (an
 instance with a free batch slot starts the request at once: wait 0). Ties go to the class's own role,
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from tessera.worker.core.profile import StepProfile
-from tessera.worker.policies.qlm.estimator import EngineRates, TokenStats, request_wait
+from tessera.core.policies.qlm.estimator import EngineRates, TokenStats, request_wait
+from tessera.core.profile import StepProfile
 
 Role = Literal["interactive", "mixed", "batch"]
 ClassKind = Literal["interactive", "batch"]

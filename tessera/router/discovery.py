@@ -3,7 +3,7 @@
 Each placement group has a ConfigMap (``worker.json``: the worker configuration; ``placement.json``:
 role counts) and a StatefulSet whose pods ``<group object>-<ordinal>`` carry the group's labels. A
 pod's role follows from its ordinal the way the operator orders them (interactive, then mixed, then
-batch; ``tessera.operator.children``). Only running pods with an IP and a true Ready condition count.
+batch; ``tessera.control.children``). Only running pods with an IP and a true Ready condition count.
 
 ``backends_from_cluster`` is pure; ``KubeDiscovery`` is the thin adapter that lists the objects.
 """
@@ -14,8 +14,8 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from tessera.local.control_plane import roles_by_ordinal
-from tessera.operator.children import (
+from tessera.api.worker_config import WorkerConfig
+from tessera.control.children import (
     CONFIG_KEY,
     GROUP_LABEL,
     MANAGED_BY,
@@ -23,9 +23,9 @@ from tessera.operator.children import (
     PLACEMENT_KEY,
     POOL_LABEL,
     WORKER_PORT,
+    roles_by_ordinal,
 )
 from tessera.router.backends import Backend
-from tessera.worker.config import WorkerConfig
 
 SELECTOR = f"{MANAGED_BY}={MANAGER},{GROUP_LABEL}"
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from fastapi import Request as HttpRequest
 
+from tessera.api.openai_errors import ApiError
 from tessera.router.limits import RouterLimits
-from tessera.worker.server.errors import ApiError
 
 _HOW = "send a JSON object, e.g. curl -H 'Content-Type: application/json' -d '{\"model\": \"...\", ...}'"
 

@@ -27,8 +27,8 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from tessera.api.openai_errors import ApiError
 from tessera.router.limits import RouterLimits
-from tessera.worker.server.errors import ApiError
 
 LINGER_S = 2.0
 

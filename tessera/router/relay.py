@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, TypeVar
 import httpx
 from fastapi import Request as HttpRequest
 
+from tessera.api.openai_errors import ApiError
 from tessera.router.balancer import InstanceLoad, NoInstance
 from tessera.router.metrics import RouterMetrics
-from tessera.worker.server.errors import ApiError
 
 if TYPE_CHECKING:
     from tessera.router.app import RouterState

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.worker.core.profile import StepProfile
+from tessera.core.profile import StepProfile
 from tessera.worker.engines.base import Engine, EngineJob, EngineRejected, TokenDelta
 
 VOCAB = 32000

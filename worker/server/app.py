@@ -27,12 +27,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tessera.worker.config import BENCH_TRUE_LENGTH_HEADER, ConfigError, parse_config
-from tessera.worker.core.request import Request
+from tessera.api.openai_errors import ApiError
+from tessera.api.worker_config import BENCH_TRUE_LENGTH_HEADER, ConfigError, parse_config
+from tessera.core.request import Request
 from tessera.worker.engines.base import EngineError, TokenDelta
 from tessera.worker.runtime import UnknownClass, Worker
 from tessera.worker.scheduler import Job, QueueFull
-from tessera.worker.server.errors import ApiError
 from tessera.worker.server.schemas import AdminReloadResult, ChatCompletionRequest, CompletionRequest
 
 DISCONNECT_POLL_S = 0.2

@@ -1,0 +1,58 @@
+"""The operator's MetricsSource over a Prometheus server (prometheus-api-client): sends the queries of
+``tessera.control.metrics_queries`` and parses their results there."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from tessera.control.metrics_queries import (
+    DEFAULT_WINDOW,
+    Query,
+    attainment_from_results,
+    attainment_queries,
+    group_queries,
+    snapshot_from_results,
+)
+from tessera.core.planners import GroupPlan, MetricsSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class PrometheusMetrics:
+    """The operator's MetricsSource over a Prometheus server."""
+
+    def __init__(self, url: str, window: str = DEFAULT_WINDOW, query: Query | None = None) -> None:
+        if query is None:
+            from prometheus_api_client import PrometheusConnect
+
+            connection = PrometheusConnect(url=url, disable_ssl=True, timeout=10)
+            query = connection.custom_query
+        self.query = query
+        self.window = window
+
+    def _run(self, queries: Mapping[str, str]) -> dict[str, list[dict[str, Any]]] | None:
+        try:
+            return {k: list(self.query(q)) for k, q in queries.items()}
+        except Exception as err:  # an unreachable Prometheus must not stop the reconcile
+            log.warning("Prometheus query failed: %s", err)
+            return None
+
+    def snapshot(
+        self,
+        namespace: str,
+        pool: str,
+        group: GroupPlan,
+        kinds: Mapping[str, str],
+        deadlines: Mapping[str, float],
+        now: float,
+    ) -> MetricsSnapshot | None:
+        """The group's measurements now; None when Prometheus has none (or cannot be reached)."""
+        results = self._run(group_queries(namespace, pool, group.name, kinds, self.window))
+        return snapshot_from_results(results, group, deadlines, now) if results else None
+
+    def attainment(self, namespace: str, pool: str, model: str) -> list[dict[str, Any]] | None:
+        """Measured SLO attainment per class of one served model; None when unknown."""
+        results = self._run(attainment_queries(namespace, pool, model, self.window))
+        return attainment_from_results(results) if results else None

@@ -1,0 +1,49 @@
+"""QLM's load balancing LSO for the simulator's cluster: groups are assigned to instances' VQs.
+
+An arrival that joins an open group goes where that group is (groups are never split
+across instances, and a started group never migrates). A new group goes to the VQ
+with the smallest estimated start of a tail append, ``wt_tail + S [tail model differs]``
+(spec A4 step 5), preferring a VQ whose tail has the same model on ties; the chosen
+instance's agent then runs the violation check and reorders its VQ.
+"""
+
+from __future__ import annotations
+
+from tessera.core.policies.qlm.policy import QLMPolicy
+from tessera.core.request import Request
+from tessera.sim.cluster import ClusterView, Router
+from tessera.sim.engine import Instance
+
+
+class QLMRouter(Router):
+    """Assigns request groups to the virtual queues of instances running ``QLMPolicy``."""
+
+    name = "qlm"
+
+    def route(self, req: Request, view: ClusterView) -> Instance:
+        """The instance whose VQ gets ``req``'s group."""
+        cands = view.serving(req.model)
+        if not cands:
+            raise RuntimeError(f"no instance serves model {req.model!r} (request {req.id})")
+        policies = []
+        for inst in cands:
+            if not isinstance(inst.policy, QLMPolicy):
+                raise TypeError(
+                    f"QLMRouter needs QLMPolicy on every instance; {inst.name} runs {inst.policy.name}"
+                )
+            policies.append((inst, inst.policy))
+        for inst, policy in policies:
+            if policy.has_open_group(req):
+                return inst
+        known = [(inst, p) for inst, p in policies if p.rates is not None]
+        if not known:  # no instance has seen an engine view yet: spread by outstanding work
+            return min(cands, key=lambda i: (i.outstanding, i.name))
+        return min(
+            known,
+            key=lambda ip: (
+                round(ip[1].tail_start(req.model, view.now), 6),
+                ip[1].tail_model() != req.model,
+                ip[0].outstanding,
+                ip[0].name,
+            ),
+        )[0]

@@ -1,0 +1,279 @@
+"""The worker configuration file: what the operator writes into the worker pod's ConfigMap.
+
+JSON or YAML, camelCase keys (like the custom resources), unknown keys rejected. The worker
+re-reads it on ``POST /admin/reload`` without a restart: policy, classes and batch-size bounds
+change in place; the model list is fixed for the pod's life (a changed model list is refused).
+
+Example (YAML)::
+
+    models:
+      - name: tiny
+        engine: vllm
+        url: http://127.0.0.1:8001
+        maxModelLen: 512
+        defaultClass: chat
+    classes:
+      chat: {kind: interactive, slo: {ttftSeconds: 1, itlSeconds: 0.2}}
+      batch: {kind: batch, slo: {deadlineSeconds: 600}, queue: {maxQueued: 1000}}
+    scheduling:
+      policy: fcfs
+      batch: {min: 1, max: 64, initial: 32}
+    admin: {tokenEnv: TESSERA_ADMIN_TOKEN}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from tessera.api.base import ApiModel
+from tessera.api.request_class import DEFAULT_CLASS_HEADER, RequestClassSpec
+from tessera.core.profile import StepProfile
+
+Positive = Annotated[float, Field(gt=0)]
+# Benchmark-only request header: the request's true output length (scheduling.benchHints).
+BENCH_TRUE_LENGTH_HEADER = "X-Tessera-True-Output-Tokens"
+
+
+class ConfigError(ValueError):
+    """The worker configuration is invalid; the message says where and how to fix it."""
+
+
+class LaunchSpec(ApiModel):
+    """Start the model's vLLM server as a child of the worker (local mode) instead of using ``url``."""
+
+    model_dir: str = Field(min_length=1, description="Hugging Face model directory to serve.")
+    kv_cache_gib: Annotated[int, Field(ge=1)] = Field(default=1, description="VLLM_CPU_KVCACHE_SPACE.")
+    max_num_seqs: Annotated[int, Field(ge=1)] = Field(default=256, description="--max-num-seqs.")
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(default="auto", description="--dtype.")
+    enforce_eager: bool = Field(
+        default=False,
+        description="--enforce-eager: no torch.compile warm-up (on a 2-core CPU the server starts in about "
+        "1 minute instead of 3-4) at the price of slower decoding.",
+    )
+
+
+class ProfileSpec(ApiModel):
+    """Step-time model of the engine (seconds) for policies that estimate service time, and for
+    the ``sim`` engine, which generates tokens at exactly these speeds."""
+
+    decode_c0: Positive = 0.004
+    decode_c1: Annotated[float, Field(ge=0)] = 0.0002
+    decode_c2: Annotated[float, Field(ge=0)] = 0.0
+    prefill_p0: Positive = 0.004
+    prefill_p1: Annotated[float, Field(ge=0)] = 0.00002
+
+    def to_profile(self, name: str, kv_capacity_tokens: int) -> StepProfile:
+        """The core's StepProfile for a model with this KV capacity."""
+        return StepProfile(
+            name=name,
+            decode_c0=self.decode_c0,
+            decode_c1=self.decode_c1,
+            decode_c2=self.decode_c2,
+            prefill_p0=self.prefill_p0,
+            prefill_p1=self.prefill_p1,
+            kv_capacity_tokens=kv_capacity_tokens,
+            source="worker configuration",
+        )
+
+
+class ModelEntry(ApiModel):
+    """One model served by this pod (one vLLM server each)."""
+
+    name: str = Field(min_length=1, description="Model name as clients send it (and vLLM serves it).")
+    engine: Literal["vllm", "sim"] = Field(default="vllm", description="Engine adapter.")
+    url: str | None = Field(
+        default=None, pattern=r"^https?://", description="Base URL of the model's vLLM server (no /v1)."
+    )
+    launch: LaunchSpec | None = Field(default=None, description="Start vLLM here instead of using url.")
+    tokenizer: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "Directory of the model's tokenizer (the files vLLM serves): the worker tokenizes text "
+            "itself instead of a /tokenize round trip per request; unset: /tokenize, or launch.modelDir "
+            "when vLLM is launched here."
+        ),
+    )
+    max_model_len: Annotated[int, Field(ge=16)] = Field(default=2048, description="Context length in tokens.")
+    default_class: str | None = Field(
+        default=None, description="Class of requests without a class header; unset: the first class."
+    )
+    kv_capacity_tokens: Annotated[int, Field(ge=16)] = Field(
+        default=65536, description="KV cache size in tokens (what policies see as capacity)."
+    )
+    profile: ProfileSpec = Field(default_factory=ProfileSpec, description="Step-time model.")
+    sleep_mode: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description=(
+            "Model swapping by sleep / wake-up (tessera.worker.swap). auto: where the engine reports "
+            "support (vLLM: /server_info says enable_sleep_mode; the sim engine reports none); on: "
+            "required (vLLM started with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1, CUDA/ROCm "
+            "only; the sim engine simulates it); off: the model stays resident."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _engine_source(self) -> ModelEntry:
+        if self.engine == "vllm" and (self.url is None) == (self.launch is None):
+            raise ValueError(f"model {self.name!r}: a vllm model needs exactly one of url or launch")
+        return self
+
+
+class BatchBounds(ApiModel):
+    """Bounds of the batch size (most requests in flight on one model's engine)."""
+
+    min: Annotated[int, Field(ge=1)] = 1
+    max: Annotated[int, Field(ge=1)] = 256
+    initial: Annotated[int, Field(ge=1)] | None = Field(default=None, description="Start value; unset: max.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BatchBounds:
+        if self.min > self.max:
+            raise ValueError(f"batch.min {self.min} is above batch.max {self.max}")
+        if self.initial is not None and not self.min <= self.initial <= self.max:
+            raise ValueError(f"batch.initial {self.initial} is outside [{self.min}, {self.max}]")
+        return self
+
+    @property
+    def start(self) -> int:
+        """The batch size to start with."""
+        return self.initial if self.initial is not None else self.max
+
+
+class AutoscaleSpec(ApiModel):
+    """Chiron's local autoscaler (qlm_chiron_spec B4); see ``tessera.core.chiron_local``."""
+
+    enabled: bool = False
+    alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
+    min_iterations: Annotated[int, Field(ge=1)] = 20
+    min_interval_seconds: Positive = 0.5
+    interactive_itl_slo_seconds: Positive = 0.2
+    batch_itl_slo_seconds: Positive = 2.0
+
+
+class SchedulingSpec(ApiModel):
+    """Policy, its settings, batch bounds, autoscaling and pacing."""
+
+    policy: str = Field(default="fcfs", description="Policy name (fcfs, edf, isrtf, qoe, qlm, ...).")
+    settings: dict[str, Any] = Field(default_factory=dict, description="Policy constructor keywords.")
+    batch: BatchBounds = Field(default_factory=BatchBounds)
+    autoscale: AutoscaleSpec = Field(default_factory=AutoscaleSpec)
+    pacing: bool = Field(default=False, description="Release streamed tokens at the class's reading speed.")
+    max_queued: Annotated[int, Field(ge=1)] = Field(
+        default=10000, description="Most requests waiting per model; beyond: HTTP 429."
+    )
+    bench_hints: bool = Field(
+        default=False,
+        description=(
+            "BENCHMARKS ONLY, off in production: accept the true output length of a request in the "
+            f"{BENCH_TRUE_LENGTH_HEADER} header (oracle policies such as srtf-oracle need it)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _policy_known(self) -> SchedulingSpec:
+        from tessera.core.registry import POLICIES, policy_class
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known policies: {', '.join(sorted(POLICIES))}")
+        if not self.bench_hints and policy_class(self.policy).oracle:
+            raise ValueError(
+                f"policy {self.policy!r} reads true output lengths, which only a benchmark knows: set "
+                f"scheduling.benchHints: true and send {BENCH_TRUE_LENGTH_HEADER} with every request"
+            )
+        return self
+
+
+class AdminSpec(ApiModel):
+    """Where the admin token comes from; without one the admin endpoint is disabled."""
+
+    token_env: str | None = Field(default=None, description="Environment variable holding the token.")
+    token_file: str | None = Field(default=None, description="File holding the token (a mounted Secret).")
+
+    def token(self) -> str | None:
+        """The admin token, or None when none is configured or the source is empty."""
+        if self.token_file:
+            path = Path(self.token_file)
+            if not path.exists():
+                raise ConfigError(f"admin.tokenFile {path} does not exist; mount the Secret or fix the path")
+            value = path.read_text().strip()
+            return value or None
+        if self.token_env:
+            return os.environ.get(self.token_env) or None
+        return None
+
+
+class WorkerConfig(ApiModel):
+    """The whole worker configuration."""
+
+    models: list[ModelEntry] = Field(min_length=1, description="Models served by this pod.")
+    classes: dict[str, RequestClassSpec] = Field(
+        default_factory=lambda: {"default": RequestClassSpec.model_validate({"slo": {"ttftSeconds": 10}})},
+        description="Request classes by name.",
+    )
+    class_header: str = Field(default=DEFAULT_CLASS_HEADER, description="Header naming the class.")
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    admin: AdminSpec = Field(default_factory=AdminSpec)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WorkerConfig:
+        if not self.classes:
+            raise ValueError("classes must name at least one request class")
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        for m in self.models:
+            if m.default_class is not None and m.default_class not in self.classes:
+                raise ValueError(
+                    f"model {m.name!r}: defaultClass {m.default_class!r} is not among the classes "
+                    f"({', '.join(sorted(self.classes))})"
+                )
+        return self
+
+    def model(self, name: str) -> ModelEntry | None:
+        """The model entry called ``name``."""
+        return next((m for m in self.models if m.name == name), None)
+
+    def default_class(self, model: ModelEntry) -> str:
+        """The class of requests to ``model`` that name none."""
+        return model.default_class or next(iter(self.classes))
+
+    def class_for_header(self, value: str) -> str | None:
+        """The class a header value selects (the class's match value, else its name)."""
+        for name, spec in self.classes.items():
+            if spec.header_value(name) == value:
+                return name
+        return None
+
+
+def parse_config(data: Any, where: str = "configuration") -> WorkerConfig:
+    """Validate a parsed document; ConfigError listing every problem with its location."""
+    try:
+        return WorkerConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            lines.append(f"  {loc}: {err['msg']}")
+        raise ConfigError(f"invalid worker {where}:\n" + "\n".join(lines)) from None
+
+
+def load_config(path: Path | str) -> WorkerConfig:
+    """Read a JSON or YAML configuration file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read worker configuration {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"worker configuration {path} is not valid JSON/YAML: {exc}") from None
+    return parse_config(data, where=f"configuration {path}")

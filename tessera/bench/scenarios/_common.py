@@ -1,0 +1,119 @@
+"""Helpers shared by the scenarios of this package (loads, capacity, seed means, plots)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from tessera.bench.runner import run_one
+from tessera.core.registry import make_policy
+from tessera.core.request import Request
+from tessera.sim.cluster import ClusterConfig
+from tessera.sim.workloads import copy_requests
+
+T = TypeVar("T")
+
+
+def parse_loads(text: str | float | None, default: Sequence[float]) -> list[float]:
+    """Loads from ``--load X`` or ``--set loads=0.5,0.8``; each must be > 0."""
+    if text is None:
+        return list(default)
+    parts = [text] if isinstance(text, int | float) else str(text).split(",")
+    try:
+        loads = [float(p) for p in parts]
+    except ValueError as exc:
+        raise ValueError(f"loads must be numbers separated by commas, got {text!r}") from exc
+    if not loads or any(x <= 0 for x in loads):
+        raise ValueError(f"loads must be > 0, got {text!r}")
+    return loads
+
+
+def saturation_rate(requests: Sequence[Request], cluster: ClusterConfig) -> float:
+    """Measured capacity (requests/s): FCFS with every request arriving at once, n / makespan."""
+    burst = copy_requests(requests)
+    for r in burst:
+        r.arrival = 0.0
+    _, metrics = run_one(burst, lambda: make_policy("fcfs"), cluster)
+    return float(metrics["throughput_rps"])
+
+
+def with_rate(requests: Sequence[Request], rate: float) -> list[Request]:
+    """Copies with arrivals rescaled to ``rate`` requests/s (shape of the trace kept)."""
+    from tessera.sim.workloads import scale_to_rate
+
+    reqs = copy_requests(requests)
+    times = scale_to_rate([r.arrival for r in reqs], rate)
+    for r, t in zip(reqs, times, strict=True):
+        r.arrival = float(t)
+    return reqs
+
+
+def plot_metric_vs_load(results: list[dict[str, Any]], out_dir: Path, metrics: Sequence[str]) -> list[Path]:
+    """One PNG per metric: value against load, one line per policy (rows named ``policy:load=X``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    series: dict[str, list[tuple[float, float]]] = {}
+    for row in results:
+        name, _, variant = row["policy"].partition(":load=")
+        if variant and row.get(metrics[0]) is not None:
+            series.setdefault(name, [])
+    paths = []
+    for metric in metrics:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in series:
+            pts = sorted(
+                (float(r["policy"].split(":load=")[1]), r[metric])
+                for r in results
+                if r["policy"].startswith(name + ":load=") and r.get(metric) is not None
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xlabel("load (fraction of measured capacity)")
+        ax.set_ylabel(metric)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        path = out_dir / f"{metric}_vs_load.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def mean_row(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The mean over ``rows`` of every metric that is a number in all of them."""
+    keys = [k for k, v in rows[0].items() if isinstance(v, int | float) and not isinstance(v, bool)]
+    out: dict[str, Any] = {"policy": name, "seeds": len(rows)}
+    for key in keys:
+        values = [row.get(key) for row in rows]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            out[key] = float(np.mean(values))
+    return out
+
+
+def seed_checks(
+    items: Sequence[T],
+    seeds: Sequence[int],
+    check: Callable[[T], list[str]],
+    per_seed_check: Callable[[T], list[str]] | None = None,
+) -> list[str]:
+    """The targets on the seed means (the verdict), then per seed for information.
+
+    ``items``: one per seed, the seed means last; ``check`` turns one into check lines,
+    ``per_seed_check`` (default ``check``) the lines listed for each seed."""
+    *per_seed, means = items
+    out = [f"mean of seeds {seeds[0]}..{seeds[-1]}: {line}" for line in check(means)]
+    if len(per_seed) > 1:
+        out += [
+            f"  seed {seed}: {line}"
+            for seed, item in zip(seeds, per_seed, strict=True)
+            for line in (per_seed_check or check)(item)
+        ]
+    return out

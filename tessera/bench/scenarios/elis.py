@@ -1,0 +1,219 @@
+"""Scenario ``elis``: FCFS vs ELIS ISRTF (trained length predictor) vs oracle SRTF (elis_andes_spec §A.13).
+
+Workload: prompts and responses from the AlpacaEval prompt/response set (``--set data=FILE`` for
+another JSONL with prompt/response), restricted to the prompts the shipped predictor held out from
+training (so the predictor never saw them); lengths counted with the predictor's tokenizer. Arrivals
+are Gamma with ELIS' FabriX shape 0.73 (scale = 1/(0.73·λ), spec §A.12 #12) at ``load`` × the
+measured capacity (FCFS with every request at time 0) of each batch size. One instance, batch sizes
+1, 2 and 4 as in ELIS Fig 6.
+
+Seeds (spec §A.13: ≥ 5 seeds, compare means): ``seeds`` (5) workloads, ``--seed`` and the next ones,
+each its own draw of requests and arrivals. 400 requests at load 0.9 with Gamma(0.73) arrivals swing
+the oracle's reduction by ±7 points from seed to seed, so one seed cannot settle a 50% threshold.
+
+Rows: ``fcfs:batch=B``, ``isrtf:batch=B``, ``isrtf:batch=B,aging=A`` (the starvation guard on),
+``srtf-oracle:batch=B`` — the seed means (every number averaged, p99 included); with more than one
+seed, each seed's rows come first as ``...,seed=N``. The checks are on the means, then each seed's
+reductions for information.
+
+Options (``--set``): requests (400), batches ("1,2,4"), seeds (5), data (AlpacaEval text), predictor
+(text | running-mean | constant), artifact (a trained head's folder for ``text``; default the shipped
+one), window (50), aging (tokens/s of credit per second of age; default: one
+token per single-stream decode step of the profile), and the cluster options of
+``tessera.bench.runner.CLUSTER_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tessera.bench.runner import SHARED_DATA, cluster_config_from, option, run_policies
+from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
+from tessera.bench.scenarios._common import mean_row, saturation_rate, seed_checks
+from tessera.core.registry import make_policy
+from tessera.core.request import Request
+from tessera.predictor.dataset import heldout, load_pairs, sample_rows
+from tessera.sim.workloads import gamma_arrivals
+
+DESCRIPTION = (
+    "ELIS: FCFS vs ISRTF with the trained length predictor vs oracle SRTF, Gamma arrivals, batch 1/2/4"
+)
+ALPACA_TEXT = SHARED_DATA / "alpacaeval_responses_text.jsonl.gz"
+GAMMA_SHAPE = 0.73  # ELIS FabriX trace fit (spec §A.8)
+
+
+def build_workload(data: Path, n: int, seed: int, split: dict | None, predictor: Any) -> list[Request]:
+    """``n`` requests (arrival 0) from held-out prompt/response rows; tokens by the predictor's tokenizer."""
+    from tessera.predictor.tokens import token_counter
+
+    pairs = load_pairs(data)
+    if split is not None:
+        pairs = heldout(pairs, split)
+    if len(pairs) < n:
+        raise ValueError(f"{data} has {len(pairs)} usable rows, fewer than requests={n}")
+    rows = sample_rows(pairs, n, seed)
+    order = np.random.default_rng(seed).permutation(len(rows))
+    served = predictor.served if hasattr(predictor, "served") else token_counter(None)
+    reqs = []
+    for i, j in enumerate(order):
+        pair = rows[int(j)]
+        out = max(1, served.count(pair.response))
+        reqs.append(
+            Request(
+                id=f"e{i}",
+                arrival=0.0,
+                prompt_tokens=max(1, served.count(pair.prompt)),
+                max_tokens=out,
+                true_output_tokens=out,
+                prompt_text=pair.prompt,
+                response_text=pair.response,
+            )
+        )
+    return reqs
+
+
+def _predictor(kind: str, artifact: str | None = None) -> Any:
+    if artifact is not None and kind != "text":
+        raise ValueError(f"--set artifact applies to predictor=text only, not predictor={kind}")
+    if kind == "text":
+        from tessera.predictor.model import TextLengthPredictor
+        from tessera.predictor.samples import EmbeddingStore
+
+        predictor = TextLengthPredictor(artifact, threads=1)  # one thread: the simulator is single-threaded
+        # Every policy and batch size replays the same texts: embed each chunk once per bench run.
+        predictor.store = EmbeddingStore(predictor.encoder, cache_dir=None)
+        return predictor
+    from tessera.core.policies.isrtf import _make_predictor
+
+    return _make_predictor(kind)
+
+
+def _batches(text: Any) -> list[int]:
+    try:
+        batches = [int(b) for b in str(text).split(",")]
+    except ValueError as exc:
+        raise ValueError(f"--set batches must be integers separated by commas, got {text!r}") from exc
+    if not batches or any(b < 1 for b in batches):
+        raise ValueError(f"--set batches must be >= 1, got {text!r}")
+    return batches
+
+
+def run(config: BenchConfig, progress: Progress) -> BenchReport:
+    """Every policy at every batch size on the same requests and arrivals, for each seed."""
+    opts = config.options
+    n = option(opts, "requests", 400, int)
+    batches = _batches(opts.get("batches", "1,2,4"))
+    load = config.load if config.load is not None else 0.9
+    if load <= 0:
+        raise ValueError(f"--load must be > 0, got {load}")
+    n_seeds = option(opts, "seeds", 5, int)
+    if n_seeds < 1:
+        raise ValueError(f"--set seeds={n_seeds}: must be >= 1 (the spec asks for at least 5)")
+    seeds = list(range(config.seed, config.seed + n_seeds))
+    window = option(opts, "window", 50, int)
+    kind = option(opts, "predictor", "text", str)
+    data = Path(option(opts, "data", str(ALPACA_TEXT), str))
+    artifact = opts.get("artifact")
+    predictor = _predictor(kind, None if artifact is None else str(artifact))
+    split = predictor.meta["split"] if kind == "text" else None
+    bases = {s: build_workload(data, n, s, split, predictor) for s in seeds}
+    if kind == "text":
+        from tessera.predictor.precomputed import PrecomputedPredictor
+
+        # Same predictions, computed ahead in batched passes (one per window step), not per decision.
+        predictor = PrecomputedPredictor(predictor, [r for base in bases.values() for r in base], window)
+    rows: list[dict[str, Any]] = []
+    checks: list[str] = []
+    capacities: dict[int, list[float]] = {}
+    aging_used: dict[int, float] = {}
+    for b in batches:
+        cluster = cluster_config_from(opts, max_batch=b)
+        profile = next(iter(cluster.profiles.values()))
+        aging = option(opts, "aging", 1.0 / profile.decode_step(1, 0), float)
+        aging_used[b] = aging
+        policies = {
+            f"fcfs:batch={b}": lambda: make_policy("fcfs"),
+            f"isrtf:batch={b}": lambda: make_policy("isrtf", predictor=predictor, window_tokens=window),
+            f"isrtf:batch={b},aging={aging:g}": lambda a=aging: make_policy(
+                "isrtf", predictor=predictor, window_tokens=window, aging_tokens_per_s=a
+            ),
+            f"srtf-oracle:batch={b}": lambda: make_policy("srtf-oracle", recheck_tokens=window),
+        }
+        per_seed: dict[int, list[dict[str, Any]]] = {}
+        for seed, base in bases.items():
+            capacity = saturation_rate(base, cluster)
+            capacities.setdefault(b, []).append(capacity)
+            rate = config.rate if config.rate is not None else load * capacity
+            arrivals = gamma_arrivals(n, GAMMA_SHAPE, 1.0 / (GAMMA_SHAPE * rate), np.random.default_rng(seed))
+            for r, t in zip(base, arrivals, strict=True):
+                r.arrival = float(t)
+            per_seed[seed] = run_policies(base, policies, cluster, progress, requests_csv=config.requests_csv)
+        if n_seeds == 1:
+            rows += per_seed[seeds[0]]
+            checks += _checks(b, _by_kind(per_seed[seeds[0]]))
+            continue
+        # Per-seed rows, then the seed means under the contract's row names (spec A.13: compare means).
+        for seed, got in per_seed.items():
+            rows += [{**row, "policy": f"{row['policy']},seed={seed}"} for row in got]
+        means = [mean_row([got[i] for got in per_seed.values()], name) for i, name in enumerate(policies)]
+        rows += means
+        checks += seed_checks(
+            [*map(_by_kind, per_seed.values()), _by_kind(means)],
+            seeds,
+            lambda by, b=b: _checks(b, by),
+            lambda by, b=b: [line for line in _checks(b, by) if " below fcfs (target" in line],
+        )
+    cfg = {
+        **config.as_dict(),
+        "requests": n,
+        "load": load,
+        "gamma_shape": GAMMA_SHAPE,
+        "batches": batches,
+        "seeds": seeds,
+        "window": window,
+        "predictor": kind,
+        "artifact": artifact,
+        "data": str(data),
+        "aging_tokens_per_s": aging_used,
+        "capacity_rps": capacities,
+    }
+    if kind == "text":
+        cfg["predictions"] = {
+            "precomputed": len(predictor.table),
+            "hits": predictor.hits,
+            "misses": predictor.misses,
+        }
+    return BenchReport("elis", cfg, rows, checks)
+
+
+def _by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """One batch size's rows by policy kind: fcfs, isrtf, isrtf:aging, srtf-oracle."""
+    return {r["policy"].split(":")[0] + (":aging" if "aging" in r["policy"] else ""): r for r in rows}
+
+
+def _reduction(row: dict[str, Any], fcfs: dict[str, Any]) -> float:
+    return 1.0 - row["mean_jct_s"] / fcfs["mean_jct_s"]
+
+
+def _checks(b: int, by: dict[str, dict[str, Any]]) -> list[str]:
+    """Target checks of the ELIS issue for one batch size."""
+    fcfs, isrtf, aged, oracle = by["fcfs"], by["isrtf"], by["isrtf:aging"], by["srtf-oracle"]
+    red_o, red_i = _reduction(oracle, fcfs), _reduction(isrtf, fcfs)
+    out = [
+        f"srtf-oracle:batch={b} mean JCT {red_o:.1%} below fcfs (target >= 50%): "
+        + ("PASS" if red_o >= 0.5 else "FAIL"),
+        f"isrtf:batch={b} mean JCT {red_i:.1%} below fcfs (target > 0%"
+        + (", >= 15% at batch 1" if b == 1 else "")
+        + f"): {'PASS' if red_i > 0 and (b != 1 or red_i >= 0.15) else 'FAIL'}",
+        f"isrtf:batch={b} recovers {red_i / red_o:.0%} of the oracle's reduction" if red_o > 0 else "",
+        f"isrtf:batch={b},aging p99 JCT {aged['p99_jct_s']:.1f}s vs fcfs {fcfs['p99_jct_s']:.1f}s "
+        f"(target <= 2x): {'PASS' if aged['p99_jct_s'] <= 2 * fcfs['p99_jct_s'] else 'FAIL'}; "
+        f"mean JCT {_reduction(aged, fcfs):.1%} below fcfs",
+    ]
+    return [line for line in out if line]
+
+
+__all__ = ["DESCRIPTION", "build_workload", "run"]

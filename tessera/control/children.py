@@ -1,0 +1,454 @@
+"""Pure builders of the Kubernetes objects the operator owns.
+
+Per placement group of a ServingPool: a StatefulSet of worker pods, a headless Service and a ConfigMap
+with the worker configuration. Per LLMService: a ClusterIP Service, its endpoint. Every builder returns
+the exact dict the operator applies; nothing here talks to Kubernetes or reads a clock.
+
+Roles inside a group (Chiron): one StatefulSet holds all the group's instances, ordered interactive,
+then mixed, then batch by pod ordinal. Scaling a StatefulSet down removes the highest ordinals first, so
+batch instances go first, then mixed, then interactive — the order Chiron retires them in. The worker
+reads the role counts from the (hot-reloaded) ConfigMap and its ordinal from its pod name.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from tessera.api import API_VERSION, LLMService, RequestClassSpec, ServingPool
+from tessera.api.worker_config import WorkerConfig
+from tessera.core.planners import GroupPlan, Role
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGER = "tessera-operator"
+POOL_LABEL = "tessera.dev/pool"
+GROUP_LABEL = "tessera.dev/group"
+SERVICE_LABEL = "tessera.dev/service"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+# Pods carry one such label per model they serve; an LLMService's endpoint selects on it.
+SERVES_PREFIX = "serves.tessera.dev/"
+
+WORKER_PORT = 8000  # OpenAI-compatible API and /metrics of the worker container
+VLLM_BASE_PORT = 8100  # vLLM of the i-th model in the pod listens on VLLM_BASE_PORT + i (loopback)
+ENDPOINT_PORT = 80
+CONFIG_KEY = "worker.json"
+PLACEMENT_KEY = "placement.json"
+CONFIG_DIR = "/etc/tessera"
+# Routes of the worker app (tessera.worker.server.app); a test checks the app really serves them.
+LIVENESS_PATH = "/health"
+READINESS_PATH = "/ready"
+METRICS_PATH = "/metrics"
+# How long in-flight requests may finish after SIGTERM (`tessera worker --grace-seconds`); the pod's
+# terminationGracePeriodSeconds adds a margin so that the kubelet's SIGKILL never cuts the drain short.
+WORKER_GRACE_SECONDS = 30
+TERMINATION_MARGIN_SECONDS = 10
+MODELS_DIR = "/models"
+# ServingPool annotation selecting the workers' engine: "vllm" (default) or "sim" (simulated engine,
+# no vLLM containers; the worker container takes the GPUs) for clusters without GPUs (e2e on kind).
+ENGINE_ANNOTATION = "tessera.dev/engine"
+
+
+ROLE_ORDER: tuple[Role, ...] = ("interactive", "mixed", "batch")  # pods by ordinal: the StatefulSet's order
+
+
+def roles_by_ordinal(roles: dict[str, int]) -> list[Role]:
+    """The role of each pod ordinal: interactive first, then mixed, then batch (the operator's order)."""
+    return [role for role in ROLE_ORDER for _ in range(int(roles.get(role, 0)))]
+
+
+def worker_engine(pool: ServingPool) -> str:
+    """The engine of a pool's workers, from its ``tessera.dev/engine`` annotation."""
+    engine = pool.metadata.annotations.get(ENGINE_ANNOTATION, "vllm")
+    if engine not in ("vllm", "sim"):
+        raise ChildError(f"annotation {ENGINE_ANNOTATION}={engine!r}: use 'vllm' or 'sim'")
+    return engine
+
+
+class ChildError(ValueError):
+    """The specs cannot be turned into Kubernetes objects (the message says what to change)."""
+
+
+def owner_reference(resource: ServingPool | LLMService) -> dict[str, Any]:
+    """The ownerReference pointing at a Tessera resource (controller, blocks owner deletion)."""
+    uid = resource.metadata.uid
+    if not uid:
+        raise ChildError(
+            f"{resource.kind} {resource.name!r} has no metadata.uid; children need it in their "
+            "ownerReferences (the API server sets it; set it yourself in tests)"
+        )
+    return {
+        "apiVersion": API_VERSION,
+        "kind": resource.kind,
+        "name": resource.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def group_object_name(pool: str, group: str) -> str:
+    """Name of a group's StatefulSet and headless Service (and prefix of its ConfigMap)."""
+    name = f"{pool}-{group}"
+    # StatefulSet pods add "-<ordinal>" and a controller-revision-hash label of the name plus 11 chars.
+    if len(name) > 52:
+        raise ChildError(
+            f"ServingPool {pool!r} with group {group!r} gives the object name {name!r} "
+            f"({len(name)} characters); StatefulSet names must stay within 52: shorten the pool name"
+        )
+    return name
+
+
+def config_map_name(pool: str, group: str) -> str:
+    """Name of a group's worker ConfigMap."""
+    return f"{group_object_name(pool, group)}-worker"
+
+
+def pool_labels(pool: str) -> dict[str, str]:
+    """Labels every child of a pool carries; the operator lists its children by them."""
+    return {MANAGED_BY: MANAGER, POOL_LABEL: pool}
+
+
+def group_labels(pool: str, group: str) -> dict[str, str]:
+    """Labels of a group's objects and pods (also the StatefulSet's selector)."""
+    return {**pool_labels(pool), GROUP_LABEL: group}
+
+
+def serves_label(service: str) -> str:
+    """The pod label saying that the pod serves ``service``."""
+    return f"{SERVES_PREFIX}{service}"
+
+
+def _meta(name: str, namespace: str, labels: Mapping[str, str], owner: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": dict(labels), "ownerReferences": [owner]}
+
+
+def _model_location(service: LLMService) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
+    """What vLLM's --model gets, and the volume + mount that hold the weights (if any)."""
+    model = service.spec.model
+    if model.volume is not None:
+        mount = f"{MODELS_DIR}/{service.name}"
+        volume = {
+            "name": f"weights-{service.name}",
+            "persistentVolumeClaim": {"claimName": model.volume.claim_name, "readOnly": True},
+        }
+        path = f"{mount}/{model.volume.path.strip('/')}".rstrip("/")
+        return path, volume, {"name": volume["name"], "mountPath": mount, "readOnly": True}
+    if model.source is None:
+        return model.name, None, None
+    if model.source.startswith("hf://"):
+        return model.source.removeprefix("hf://"), None, None
+    if model.source.startswith("file://"):
+        return model.source.removeprefix("file://"), None, None
+    return model.source, None, None
+
+
+def vllm_args(pool: ServingPool, group: GroupPlan, service: LLMService, port: int) -> list[str]:
+    """The vLLM OpenAI server arguments of one placed model (the operator-owned flags first)."""
+    model_arg, _, _ = _model_location(service)
+    model = service.spec.model
+    batch = group.batch_size or pool.spec.autoscaling.batch_size.initial
+    args = [
+        "--model",
+        model_arg,
+        "--served-model-name",
+        model.name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(group.tp),
+        "--max-num-seqs",
+        str(batch),
+        "--dtype",
+        model.dtype,
+    ]
+    if model.max_model_length is not None:
+        args += ["--max-model-len", str(model.max_model_length)]
+    return args + list(pool.spec.extra_vllm_args)
+
+
+def _gpu_requests(pool: ServingPool, group: GroupPlan, index: int) -> dict[str, Any]:
+    """GPU requests of the index-th vLLM container.
+
+    The group's instance has ``group.tp`` GPUs that all its models share (SeaLLM co-location). The
+    device plugin cannot split an extended resource between containers, so the first vLLM container
+    requests the instance's GPUs and the others request none (CHOICE, see the module report: sharing
+    needs DRA resource claims, not yet used).
+    """
+    if index > 0:
+        return {}
+    gpus = {pool.spec.gpu.resource_name: str(group.tp)}
+    return {"requests": dict(gpus), "limits": dict(gpus)}
+
+
+def worker_config(
+    pool: ServingPool,
+    group: GroupPlan,
+    services: Mapping[str, LLMService],
+    classes: Mapping[str, RequestClassSpec],
+) -> dict[str, Any]:
+    """The worker configuration of one group (``tessera.api.worker_config.WorkerConfig`` JSON).
+
+    Classes carry the per-service overrides already applied, so the worker needs no other object.
+    One pod runs one policy: co-located services use the first service's (SeaLLM groups run its DB
+    policy across services).
+    """
+    models: list[dict[str, Any]] = []
+    merged_classes: dict[str, dict[str, Any]] = {}
+    policies: list[str] = []
+    for index, name in enumerate(group.services):
+        spec = services[name].spec
+        for accepted in spec.request_classes:
+            merged = classes[accepted.name].with_overrides(accepted.overrides).to_json()
+            if merged_classes.setdefault(accepted.name, merged) != merged:
+                raise ChildError(
+                    f"LLMServices {list(group.services)} share group {group.name!r} but override "
+                    f"RequestClass {accepted.name!r} differently; a pod holds one spec per class: make "
+                    "the overrides equal or use separate classes"
+                )
+        has_batch = any(classes[c.name].kind == "batch" for c in spec.request_classes)
+        policies.append(spec.scheduling.resolved_policy(has_batch))
+        entry: dict[str, Any] = {"name": spec.model.name, "engine": "sim"}
+        if worker_engine(pool) == "vllm":
+            entry = {"name": spec.model.name, "engine": "vllm",
+                     "url": f"http://127.0.0.1:{VLLM_BASE_PORT + index}"}  # fmt: skip
+        entry["defaultClass"] = spec.default_class_name
+        if spec.model.max_model_length is not None:
+            entry["maxModelLen"] = spec.model.max_model_length
+        models.append(entry)
+    bounds = pool.spec.autoscaling.batch_size
+    config = {
+        "models": models,
+        "classes": merged_classes,
+        "scheduling": {
+            "policy": policies[0],
+            "batch": {"min": bounds.min, "max": bounds.max, "initial": bounds.initial},
+            "autoscale": {"enabled": pool.spec.autoscaling.enabled},
+        },
+    }
+    try:
+        return WorkerConfig.model_validate(config).to_json()
+    except ValidationError as err:
+        raise ChildError(f"group {group.name!r}: the worker configuration would be invalid: {err}") from None
+
+
+def placement_info(pool: ServingPool, group: GroupPlan) -> dict[str, Any]:
+    """Where a pod sits: its pool, group and the instance counts by Chiron role (by pod ordinal:
+    interactive first, then mixed, then batch)."""
+    return {
+        "pool": pool.name,
+        "group": group.name,
+        "services": list(group.services),
+        "tensorParallelSize": group.tp,
+        "roles": {
+            "interactive": group.replicas.interactive,
+            "mixed": group.replicas.mixed,
+            "batch": group.replicas.batch,
+        },
+    }
+
+
+def group_config_map(
+    pool: ServingPool,
+    group: GroupPlan,
+    services: Mapping[str, LLMService],
+    classes: Mapping[str, RequestClassSpec],
+    namespace: str,
+) -> dict[str, Any]:
+    """The ConfigMap holding a group's worker configuration."""
+    config = worker_config(pool, group, services, classes)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(
+            config_map_name(pool.name, group.name),
+            namespace,
+            group_labels(pool.name, group.name),
+            owner_reference(pool),
+        ),
+        "data": {
+            CONFIG_KEY: json.dumps(config, sort_keys=True, indent=2),
+            PLACEMENT_KEY: json.dumps(placement_info(pool, group), sort_keys=True, indent=2),
+        },
+    }
+
+
+def headless_service(pool: ServingPool, group: GroupPlan, namespace: str) -> dict[str, Any]:
+    """The headless Service giving a group's pods stable DNS names (the StatefulSet's serviceName)."""
+    labels = group_labels(pool.name, group.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(group_object_name(pool.name, group.name), namespace, labels, owner_reference(pool)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": dict(labels),
+            "ports": [{"name": "http", "port": WORKER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def worker_args() -> list[str]:
+    """Arguments of the worker container (the image's entrypoint is ``tessera``)."""
+    return [
+        "worker",
+        "--config",
+        f"{CONFIG_DIR}/{CONFIG_KEY}",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(WORKER_PORT),
+        "--grace-seconds",
+        str(WORKER_GRACE_SECONDS),
+    ]
+
+
+def _worker_container(pool: ServingPool) -> dict[str, Any]:
+    probe = {"httpGet": {"path": LIVENESS_PATH, "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
+    return {
+        "name": "worker",
+        "image": pool.spec.images.worker,
+        "imagePullPolicy": pool.spec.images.pull_policy,
+        "args": worker_args(),
+        "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        ],
+        "volumeMounts": [{"name": "worker-config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "livenessProbe": probe,
+        "readinessProbe": {
+            "httpGet": {"path": READINESS_PATH, "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+    }
+
+
+def _vllm_container(
+    pool: ServingPool, group: GroupPlan, service: LLMService, index: int
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    port = VLLM_BASE_PORT + index
+    _, volume, mount = _model_location(service)
+    container: dict[str, Any] = {
+        "name": f"vllm-{index}",
+        "image": pool.spec.images.vllm,
+        "imagePullPolicy": pool.spec.images.pull_policy,
+        "args": vllm_args(pool, group, service, port),
+        "ports": [{"name": f"vllm-{index}", "containerPort": port, "protocol": "TCP"}],
+        # Loading weights takes minutes for large models: wait for /health before liveness applies.
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 10,
+            "failureThreshold": 90,
+        },
+        "livenessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 15},
+    }
+    resources = _gpu_requests(pool, group, index)
+    if resources:
+        container["resources"] = resources
+    if mount is not None:
+        container["volumeMounts"] = [mount]
+    return container, volume
+
+
+def stateful_set(
+    pool: ServingPool, group: GroupPlan, services: Mapping[str, LLMService], namespace: str
+) -> dict[str, Any]:
+    """The StatefulSet of a group's worker pods: one vLLM container per placed model plus the worker."""
+    name = group_object_name(pool.name, group.name)
+    labels = group_labels(pool.name, group.name)
+    pod_labels = {**labels, **{serves_label(s): "true" for s in group.services}}
+    containers = [_worker_container(pool)]
+    volumes: list[dict[str, Any]] = [
+        {"name": "worker-config", "configMap": {"name": config_map_name(pool.name, group.name)}}
+    ]
+    if worker_engine(pool) == "sim":  # no vLLM: the worker holds the instance's GPUs for scheduling
+        containers[0]["resources"] = _gpu_requests(pool, group, 0)
+    for index, service_name in enumerate(group.services if worker_engine(pool) == "vllm" else ()):
+        container, volume = _vllm_container(pool, group, services[service_name], index)
+        containers.append(container)
+        if volume is not None:
+            volumes.append(volume)
+    pod_spec: dict[str, Any] = {
+        "containers": containers,
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS + TERMINATION_MARGIN_SECONDS,
+    }
+    if pool.spec.node_selector:
+        pod_spec["nodeSelector"] = dict(pool.spec.node_selector)
+    if pool.spec.tolerations:
+        pod_spec["tolerations"] = [t.to_json() for t in pool.spec.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(name, namespace, labels, owner_reference(pool)),
+        "spec": {
+            "serviceName": name,
+            "replicas": group.replicas.total,
+            # Instances are independent: start and stop them together, not one by one.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": dict(labels)},
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(WORKER_PORT),
+                        "prometheus.io/path": METRICS_PATH,
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def endpoint_service(pool: ServingPool, service: LLMService, namespace: str) -> dict[str, Any]:
+    """The ClusterIP Service clients call for one LLMService: every pod that serves its model."""
+    labels = {**pool_labels(pool.name), SERVICE_LABEL: service.name}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(service.name, namespace, labels, owner_reference(service)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {POOL_LABEL: pool.name, serves_label(service.name): "true"},
+            "ports": [{"name": "http", "port": ENDPOINT_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def endpoint_url(service: str, namespace: str) -> str:
+    """In-cluster URL of an LLMService's endpoint."""
+    return f"http://{service}.{namespace}.svc:{ENDPOINT_PORT}"
+
+
+def desired_children(
+    pool: ServingPool,
+    groups: Sequence[GroupPlan],
+    services: Mapping[str, LLMService],
+    classes: Mapping[str, RequestClassSpec],
+    namespace: str,
+) -> list[dict[str, Any]]:
+    """Every object a pool should own for a plan: per group a ConfigMap, headless Service and
+    StatefulSet; per placed LLMService its endpoint Service."""
+    children: list[dict[str, Any]] = []
+    placed: list[str] = []
+    for group in groups:
+        missing = [s for s in group.services if s not in services]
+        if missing:
+            raise ChildError(f"group {group.name!r} places unknown LLMServices {missing}")
+        children += [
+            group_config_map(pool, group, services, classes, namespace),
+            headless_service(pool, group, namespace),
+            stateful_set(pool, group, services, namespace),
+        ]
+        placed += [s for s in group.services if s not in placed]
+    children += [endpoint_service(pool, services[s], namespace) for s in sorted(placed)]
+    return children

@@ -1,0 +1,494 @@
+"""Placement of LLM services onto GPU groups.
+
+- ``dedicated``: one group per service, the pool's GPUs split evenly (SeaLLM's vLLM baseline, §9.5).
+- ``seallm``: SeaLLM §4.1 / Alg. 1 — GPU-group partition (stage 1) and the greedy unserved-index
+  allocation (stage 2), scored by an estimator of the group's serving under DB scheduling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tessera.control.cluster_sim import serve
+from tessera.control.group_sim import SHARING_OVERHEAD, service_stats
+from tessera.core.planners.naming import group_name
+from tessera.core.planners.types import (
+    GroupPlan,
+    HistoryRequest,
+    PlacementPlan,
+    PoolInput,
+    RoleCounts,
+    ServiceInput,
+    Strategy,
+)
+from tessera.core.policies.seallm import ServiceStats
+
+
+class PlacementError(ValueError):
+    """No placement exists for the given pool and services (the message says what is short)."""
+
+
+def validate_services(pool: PoolInput, services: Sequence[ServiceInput]) -> None:
+    """Reject duplicate names and services that fit no instance of the pool."""
+    names = [s.name for s in services]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise PlacementError(f"service names must be unique; duplicated: {dupes}")
+    for s in services:
+        if s.tp_min > pool.gpus_per_node:
+            raise PlacementError(
+                f"service {s.name!r} needs {s.tp_min} GPUs per instance but nodes of pool {pool.name!r} "
+                f"have {pool.gpus_per_node}; TP never crosses nodes"
+            )
+        if not fits(pool, [s], max(s.tp_min, pool.min_gpus_per_instance)):
+            raise PlacementError(
+                f"service {s.name!r} does not fit its tp_min={s.tp_min} instance of pool {pool.name!r}: "
+                f"raise its tensorParallelSize or use GPUs with more memory"
+            )
+
+
+def fits(pool: PoolInput, services: Sequence[ServiceInput], tp: int) -> bool:
+    """SeaLLM CanAllocate's memory test, per GPU: Σ W/p + max A + KV_min ≤ γ·M_gpu.
+
+    Activations count once (temporal sharing runs one model per iteration); KV_min holds one request of
+    P99 length of every co-located service."""
+    weights = sum(s.weights_bytes for s in services) / tp
+    kv_min = sum(s.kv_bytes_per_token * s.p99_context_tokens for s in services) / tp
+    return weights + pool.activation_bytes_per_gpu + kv_min <= pool.memory_fraction * pool.gpu_memory_bytes
+
+
+def plan_dedicated(pool: PoolInput, services: Sequence[ServiceInput]) -> PlacementPlan:
+    """One group per service; the GPU budget is split evenly into replicas of the service's TP size.
+
+    Every service gets at least ``max(min_replicas, 1)`` replicas; GPUs left after the even split go
+    one replica at a time to the services with the highest load per replica."""
+    validate_services(pool, services)
+    if not services:
+        return PlacementPlan(strategy="dedicated", groups=())
+    tps = {s.name: max(s.tp_min, pool.min_gpus_per_instance) for s in services}
+    need = sum(tps[s.name] * max(1, s.min_replicas) for s in services)
+    if need > pool.max_gpus:
+        raise PlacementError(
+            f"pool {pool.name!r} has {pool.max_gpus} GPUs but its services need at least {need} "
+            f"(one instance each at tp_min); raise instances.max or remove services"
+        )
+    share = pool.max_gpus // len(services)
+    replicas = {
+        s.name: min(max(max(1, s.min_replicas), share // tps[s.name]), s.replica_cap()) for s in services
+    }
+    replicas = {n: int(r) for n, r in replicas.items()}
+    left = pool.max_gpus - sum(tps[n] * r for n, r in replicas.items())
+    while True:
+        candidates = [s for s in services if tps[s.name] <= left and replicas[s.name] < s.replica_cap()]
+        if not candidates:
+            break
+        best = max(candidates, key=lambda s: (s.request_rate * s.mean_exec_s() / replicas[s.name], s.name))
+        if best.request_rate <= 0:
+            break
+        replicas[best.name] += 1
+        left -= tps[best.name]
+    groups = tuple(
+        GroupPlan(
+            name=group_name((s.name,), tps[s.name]),
+            services=(s.name,),
+            tp=tps[s.name],
+            replicas=RoleCounts(interactive=replicas[s.name]),
+        )
+        for s in services
+    )
+    return PlacementPlan(strategy="dedicated", groups=groups)
+
+
+# ---------------------------------------------------------------------------------------------------
+# SeaLLM: stage 1 (GPU-group partition) and stage 2 (greedy unserved-index allocation)
+
+ALPHA = 1e-4  # Eq. 6's α: L_N only breaks ties between equal violation counts
+TYPICAL_BATCH = 16  # CHOICE: batch size at which the estimator prices one decode token
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One stage-1 configuration: uniform TP size ``tp`` and at most ``k_max`` services per group."""
+
+    tp: int
+    k_max: int
+
+
+@dataclass(slots=True)
+class Group:
+    """A GPU group of a candidate partition (mutable while the greedy fills it)."""
+
+    index: int
+    tp: int
+    reserved: bool = False  # merged for a service with tp_min > candidate TP (spec §6.1)
+    services: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """What the analytic estimator predicts for a placement."""
+
+    slo_attainment: float
+    norm_latency: float
+    unserved: dict[str, float]
+    max_utilization: float
+
+
+def candidates(pool: PoolInput, k_choices: Sequence[int] = (1, 2)) -> list[Candidate]:
+    """GetParallelismConfig: TP sizes {p ≤ node size, powers of two} × K_max ∈ {1, pool's K_max ≤ 2}."""
+    tps = []
+    p = pool.min_gpus_per_instance
+    while p <= min(pool.gpus_per_node, pool.max_gpus):
+        tps.append(p)
+        p *= 2
+    ks = sorted({min(k, pool.max_services_per_group) for k in k_choices})
+    return [Candidate(tp, k) for tp in tps for k in ks]
+
+
+def generate_groups(pool: PoolInput, services: Sequence[ServiceInput], tp: int) -> list[Group]:
+    """GenerateGPUGroups: groups of ``tp`` GPUs inside nodes, after one merged, reserved group of
+    ``tp_min`` GPUs for each service that needs more than ``tp`` (first-fit decreasing keeps them
+    aligned inside a node)."""
+    nodes = [pool.gpus_per_node] * (pool.max_gpus // pool.gpus_per_node)
+    if pool.max_gpus % pool.gpus_per_node:
+        nodes.append(pool.max_gpus % pool.gpus_per_node)
+    groups: list[Group] = []
+    for s in sorted((s for s in services if s.tp_min > tp), key=lambda s: (-s.tp_min, s.name)):
+        node = next((i for i, free in enumerate(nodes) if free >= s.tp_min), None)
+        if node is None:
+            raise PlacementError(f"no node has {s.tp_min} free GPUs for service {s.name!r} at TP {tp}")
+        nodes[node] -= s.tp_min
+        groups.append(Group(len(groups), s.tp_min, reserved=True))
+    for free in nodes:
+        for _ in range(free // tp):
+            groups.append(Group(len(groups), tp))
+    return groups
+
+
+def service_rate(s: ServiceInput) -> float:
+    """λ_s: the configured rate, else the history's arrivals per second."""
+    if s.request_rate > 0 or len(s.history) < 2:
+        return s.request_rate
+    span = s.history[-1].arrival - s.history[0].arrival
+    return len(s.history) / span if span > 0 else 0.0
+
+
+def request_work(s: ServiceInput, tp: int) -> float:
+    """Seconds of group time one mean request of ``s`` costs at TP ``tp`` under continuous batching:
+    its prefill plus its decode tokens priced at ``TYPICAL_BATCH`` sequences per iteration."""
+    out = max(1, round(s.mean_output_tokens))
+    prompt = round(s.mean_prompt_tokens)
+    ctx = prompt + out / 2
+    step = s.latency.decode_step(tp, TYPICAL_BATCH, round(TYPICAL_BATCH * ctx))
+    return s.latency.prefill(tp, prompt) + (out - 1) * step / TYPICAL_BATCH
+
+
+BIN_S = 60.0  # CHOICE: the estimator sees the history's per-minute rates, so bursts count (MAF is per minute)
+
+
+def rate_bins(s: ServiceInput, window_s: float) -> list[float]:
+    """λ_s per ``BIN_S`` bin of the history (req/s); one bin of the mean rate without history."""
+    if not s.history:
+        return [service_rate(s)]
+    t0 = s.history[0].arrival
+    t1 = max(s.history[-1].arrival, t0 + window_s)
+    n = max(1, math.ceil((t1 - t0) / BIN_S))
+    counts = [0] * n
+    for h in s.history:
+        counts[min(n - 1, int((h.arrival - t0) // BIN_S))] += 1
+    return [c / BIN_S for c in counts]
+
+
+def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s: float = 300.0) -> Estimate:
+    """Analytic SimulateUI (CHOICE: a queueing estimate instead of the paper's DES per greedy step, so a
+    16-32-service search stays within seconds on a small CPU). Each group is one server; a service's
+    requests split evenly over its groups; time runs in per-minute bins of the history so bursts count.
+    A service's ρ in a shared group counts its own load and that of co-located services whose L̂ is not
+    longer (priority-aware sharing, see below). In a bin of utilisation ρ < 1 a request waits longer
+    than its SLO slack ``(slo_scale − 1)·exec``
+    with probability ``ρ·exp(−(1−ρ)·slack/exec)`` (M/M/1 waiting time; zero at no load), and its mean
+    latency is ``exec·(1 + ρ/(1−ρ))``; in an overloaded bin (ρ ≥ 1) every request violates.
+    UI_s = violations + α·mean L_N (Eq. 6). Unplaced services violate every request."""
+    by_name = {s.name: s for s in services}
+    hosts: dict[str, list[Group]] = {}
+    for g in groups:
+        for n in g.services:
+            hosts.setdefault(n, []).append(g)
+    bins = {s.name: rate_bins(s, window_s) for s in services}
+    n_bins = max(len(v) for v in bins.values())
+    ref_exec = {s.name: s.mean_exec_s() for s in services}
+    load: dict[tuple[int, str], list[float]] = {}  # (group, service) -> utilisation per bin
+    for g in groups:
+        share = 1 + SHARING_OVERHEAD if len(g.services) > 1 else 1.0
+        for n in g.services:
+            w = request_work(by_name[n], g.tp) / len(hosts[n])
+            load[(g.index, n)] = [
+                share * w * (bins[n][m] if m < len(bins[n]) else 0.0) for m in range(n_bins)
+            ]
+    rho: dict[int, list[float]] = {
+        g.index: [sum(load[(g.index, n)][m] for n in g.services) for m in range(n_bins)] for g in groups
+    }
+    # What a service's requests queue behind (CHOICE, priority-aware sharing): DB ranks by budget x L̂_s,
+    # so a short service's requests run ahead of a co-located long service's (spec §5.2: a new request's
+    # O grows with L̂_s²); each service sees its own load plus that of neighbours with L̂ not longer.
+    # Pooling every neighbour's load instead made a short service on an overloaded group violate all its
+    # requests, and the greedy kept piling it onto such groups (tessera bench seallm, seed 0).
+    seen: dict[tuple[int, str], list[float]] = {
+        (g.index, n): [
+            sum(load[(g.index, o)][m] for o in g.services if ref_exec[o] <= ref_exec[n])
+            for m in range(n_bins)
+        ]
+        for g in groups
+        for n in g.services
+    }
+    unserved: dict[str, float] = {}
+    total = viol_total = norm_total = 0.0
+    for s in services:
+        ref = ref_exec[s.name]
+        placed = hosts.get(s.name, [])
+        count = sum(bins[s.name]) * BIN_S
+        if not placed:
+            unserved[s.name] = max(1.0, count) + ALPHA * 1e6
+            total += count
+            viol_total += count
+            norm_total += count * 1e6
+            continue
+        viol = norm = 0.0
+        for m, lam in enumerate(bins[s.name]):
+            for g in placed:
+                k = lam * BIN_S / len(placed)
+                exec_g = s.mean_exec_s(g.tp)
+                r = seen[(g.index, s.name)][m]
+                if r >= 1:
+                    viol += k
+                    norm += k * window_s / ref
+                else:
+                    slack = max(0.0, s.slo_scale * ref - exec_g)
+                    viol += k * r * math.exp(-(1 - r) * slack / exec_g)
+                    norm += k * exec_g / (1 - r) / ref
+        mean_norm = norm / count if count else 1.0
+        unserved[s.name] = viol + ALPHA * mean_norm
+        total += count
+        viol_total += viol
+        norm_total += norm
+    if total > 0:
+        slo, ln = 1 - viol_total / total, norm_total / total
+    else:
+        slo, ln = 1.0, 1.0
+    util = max((max(v) for v in rho.values()), default=0.0)
+    return Estimate(slo, ln, unserved, util)
+
+
+def can_allocate(
+    pool: PoolInput, g: Group, s: ServiceInput, k_max: int, by_name: dict[str, ServiceInput]
+) -> bool:
+    """CanAllocate (spec §6.2): not there yet, room, TP, reservation rule, memory."""
+    if s.name in g.services or len(g.services) >= k_max or g.tp < s.tp_min:
+        return False
+    if g.reserved and not any(by_name[n].tp_min == g.tp for n in g.services) and s.tp_min != g.tp:
+        return False
+    return fits(pool, [*(by_name[n] for n in g.services), s], g.tp)
+
+
+def greedy_allocate(
+    pool: PoolInput, services: Sequence[ServiceInput], groups: list[Group], k_max: int
+) -> Estimate:
+    """Alg. 1 stage 2: repeatedly add the first feasible (group, service) pair, groups by ascending
+    request rate, services by descending unserved index. Fills ``groups`` in place."""
+    by_name = {s.name: s for s in services}
+    while True:
+        est = estimate(services, groups)
+        hosts: dict[str, int] = {}
+        for g in groups:
+            for n in g.services:
+                hosts[n] = hosts.get(n, 0) + 1
+        order_g = sorted(
+            groups,
+            key=lambda g: (sum(service_rate(by_name[n]) / hosts[n] for n in g.services), g.index),
+        )
+        # Unplaced services first: Eq. 3 must hold, and their violations are as total as an overloaded
+        # group's (the paper gives a new service its minimum dedicated GPUs before anything else).
+        order_s = sorted(
+            (s for s in services if hosts.get(s.name, 0) < s.replica_cap()),  # LLMService replicas.max
+            key=lambda s: (s.name in hosts, -est.unserved[s.name], s.name),
+        )
+        placed = False
+        for g in order_g:
+            for s in order_s:
+                if can_allocate(pool, g, s, k_max, by_name):
+                    g.services.append(s.name)
+                    placed = True
+                    break
+            if placed:
+                break
+        if not placed:
+            return est
+
+
+def to_plan(
+    strategy: str, groups: Sequence[Group], est: Estimate | None, notes: tuple[str, ...] = ()
+) -> PlacementPlan:
+    """Merge groups with the same (services, TP) into one GroupPlan with that many replicas."""
+    counts: dict[tuple[tuple[str, ...], int], int] = {}
+    for g in groups:
+        if g.services:
+            key = (tuple(sorted(g.services)), g.tp)
+            counts[key] = counts.get(key, 0) + 1
+    plans = tuple(
+        GroupPlan(name=group_name(svcs, tp), services=svcs, tp=tp, replicas=RoleCounts(interactive=n))
+        for (svcs, tp), n in sorted(counts.items())
+    )
+    return PlacementPlan(
+        strategy=strategy,
+        groups=plans,
+        estimated_slo_attainment=None if est is None else est.slo_attainment,
+        estimated_norm_latency=None if est is None else est.norm_latency,
+        notes=notes,
+    )
+
+
+def groups_of_plan(plan: PlacementPlan) -> list[Group]:
+    """The plan's instances as stage-2 groups (one per replica)."""
+    out: list[Group] = []
+    for gp in plan.groups:
+        for _ in range(gp.replicas.total):
+            out.append(Group(len(out), gp.tp, services=list(gp.services)))
+    return out
+
+
+def plan_seallm(
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    *,
+    now: float,
+    previous: PlacementPlan | None = None,
+    keep_margin: float = 0.005,
+    simulate: bool = True,
+    stats: dict[str, ServiceStats] | None = None,
+    k_choices: Sequence[int] = (1, 2),
+) -> PlacementPlan:
+    """SeaLLM Alg. 1 over every stage-1 candidate; the best by (estimated SLO attainment, then L_N).
+
+    The greedy steps use the analytic estimator (fast SimulateUI); with ``simulate`` and a history, each
+    candidate's final plan is scored by replaying the services' history through the simulated cluster
+    (group engines under DB scheduling, the dispatcher; the paper's SimulatePerformance), which gives
+    M_est. ``stats`` are the services' L̂_s / Var_s (the service monitor's); default: from the history.
+    ``k_choices``: the K_max values of the candidate set (spec §6.1 INFERRED reading: {1, 2}).
+
+    Least churn (CHOICE): if ``previous`` still places every service and the best new plan is not better
+    by more than ``keep_margin`` attainment (or 2 % L_N at equal attainment), both scored the same way,
+    the previous plan stays."""
+    validate_services(pool, services)
+    if not services:
+        return PlacementPlan(strategy="seallm", groups=())
+    names = {s.name for s in services}
+    simulate = simulate and any(s.history for s in services)
+
+    def score(groups: list[Group]) -> Estimate:
+        if simulate:
+            return simulate_performance(pool, services, groups, stats)  # Alg. 1's SimulatePerformance
+        return estimate(services, groups)
+
+    best: tuple[tuple[float, float], list[Group], Estimate, Candidate] | None = None
+    for cand in candidates(pool, k_choices):
+        try:
+            groups = generate_groups(pool, services, cand.tp)
+        except PlacementError:
+            continue
+        greedy_allocate(pool, services, groups, cand.k_max)
+        if {n for g in groups for n in g.services} != names:
+            continue  # Eq. 3 violated: some service found no group
+        try:
+            est = score(groups)
+        except ValueError:
+            continue  # a historical prompt does not fit some group's KV pool: candidate infeasible
+        key = (est.slo_attainment, -est.norm_latency)
+        if best is None or key > best[0]:
+            best = (key, groups, est, cand)
+    if best is None:
+        raise PlacementError(
+            f"pool {pool.name!r} ({pool.max_gpus} GPUs) cannot place all {len(services)} services; "
+            "raise instances.max or remove services"
+        )
+    _, groups, est, cand = best
+    plan = to_plan("seallm", groups, est, (f"tp={cand.tp}", f"k_max={cand.k_max}"))
+    if (
+        previous is not None
+        and {n for g in previous.groups for n in g.services} == names
+        and within_replica_caps(previous, services)
+    ):
+        prev_groups = groups_of_plan(previous)
+        if sum(g.tp for g in prev_groups) <= pool.max_gpus:
+            try:
+                prev = score(prev_groups)
+            except ValueError:
+                return plan  # the previous plan cannot serve the new history at all
+            better = est.slo_attainment > prev.slo_attainment + keep_margin or (
+                est.slo_attainment >= prev.slo_attainment - 1e-12
+                and est.norm_latency < 0.98 * prev.norm_latency
+            )
+            if not better:
+                return to_plan("seallm", prev_groups, prev, ("kept previous plan: new one not better",))
+    return plan
+
+
+def within_replica_caps(plan: PlacementPlan, services: Sequence[ServiceInput]) -> bool:
+    """Whether no service is hosted by more instances than its ``max_replicas``."""
+    hosts: dict[str, int] = {}
+    for g in plan.groups:
+        for n in g.services:
+            hosts[n] = hosts.get(n, 0) + g.replicas.total
+    return all(hosts.get(s.name, 0) <= s.replica_cap() for s in services)
+
+
+def simulate_performance(
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    groups: Sequence[Group],
+    stats: dict[str, ServiceStats] | None = None,
+) -> Estimate:
+    """Replay every service's history on ``groups`` through the simulated cluster (DB scheduling, the
+    dispatcher), censoring what is left at twice the history's span plus a minute."""
+    stats = stats or service_stats(services)
+    t0 = min((h.arrival for s in services for h in s.history), default=0.0)
+    t1 = max((h.arrival for s in services for h in s.history), default=0.0)
+    reqs = [
+        (s.name, HistoryRequest(h.arrival - t0, h.prompt_tokens, h.output_tokens))
+        for s in services
+        for h in s.history
+    ]
+    if not reqs:
+        return estimate(services, groups)
+    plan = to_plan("seallm", groups, None)
+    outcomes, _ = serve(pool, services, plan, reqs, stats=stats, scheduler="db", horizon=2 * (t1 - t0) + 60.0)
+    per_service: dict[str, float] = {}
+    for o in outcomes:
+        per_service[o.service] = per_service.get(o.service, 0.0) + (not o.slo_met)
+    n = len(outcomes)
+    return Estimate(
+        sum(o.slo_met for o in outcomes) / n, sum(o.norm_latency for o in outcomes) / n, per_service, 0.0
+    )
+
+
+def plan_placement(
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    *,
+    strategy: Strategy,
+    now: float,
+    previous: PlacementPlan | None = None,
+) -> PlacementPlan:
+    """Place ``services`` onto ``pool``'s GPUs.
+
+    ``strategy="dedicated"``: one group per service (GPUs split evenly). ``strategy="seallm"``: SeaLLM's
+    two-stage search over the services' recent history; services without history or rate get their
+    minimum dedicated placement first (SeaLLM §4). ``previous`` is the plan in effect: groups that stay
+    keep their names (and so their pods). ``now`` is the planning time (for the history window).
+    Raises ``PlacementError`` when the pool cannot host every service."""
+    if strategy == "dedicated":
+        return plan_dedicated(pool, services)
+    if strategy == "seallm":
+        return plan_seallm(pool, services, now=now, previous=previous)
+    raise PlacementError(f"unknown placement strategy {strategy!r}; use 'seallm' or 'dedicated'")

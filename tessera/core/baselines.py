@@ -1,0 +1,92 @@
+"""Baseline policies and oracle bounds.
+
+- ``fcfs``: vLLM's default. Arrival order, non-preemptive; under KV pressure the
+  engine preempts the latest arrival (the last of ``run``).
+- ``edf``: earliest SLO deadline first (TTFT deadline for interactive classes,
+  completion deadline for batch), non-preemptive.
+- ``sjf-oracle``: shortest true output length first, non-preemptive (simulation only).
+- ``srtf-oracle``: shortest true remaining output first, preemptive at every
+  decision point (simulation only). ``recheck_tokens`` bounds how long a running
+  request may hold its slot between events (CHOICE: 50 tokens, ELIS' window).
+  ``preempt_mode`` (CHOICE: ``keep``) is how its own preemptions leave the batch:
+  as a bound it pauses requests with their KV kept instead of paying a recompute;
+  the engine drops paused KV first when memory runs short.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from tessera.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
+from tessera.core.request import Request
+
+
+class FCFS(PriorityPolicy):
+    """First come, first served (vLLM default)."""
+
+    name: ClassVar[str] = "fcfs"
+    static_keys: ClassVar[bool] = True
+
+    def key(self, req: Request, now: float) -> tuple:
+        """Arrival time."""
+        return (req.arrival,)
+
+
+class EDF(PriorityPolicy):
+    """Earliest SLO deadline first."""
+
+    name: ClassVar[str] = "edf"
+    static_keys: ClassVar[bool] = True
+
+    def key(self, req: Request, now: float) -> tuple:
+        """Absolute SLO deadline, then arrival."""
+        return (req.slo_deadline, req.arrival)
+
+
+def _true_length(req: Request) -> int:
+    if req.true_output_tokens is None:
+        raise ValueError(f"oracle policy needs the true output length of request {req.id}")
+    return req.target_output_tokens
+
+
+class SJFOracle(PriorityPolicy):
+    """Shortest job first on the true output length (bound; simulation only)."""
+
+    name: ClassVar[str] = "sjf-oracle"
+    static_keys: ClassVar[bool] = True
+    oracle: ClassVar[bool] = True
+
+    def key(self, req: Request, now: float) -> tuple:
+        """True total output length, then arrival."""
+        return (_true_length(req), req.arrival)
+
+
+class SRTFOracle(PriorityPolicy):
+    """Shortest remaining time first on the true remaining output (bound; simulation only)."""
+
+    name: ClassVar[str] = "srtf-oracle"
+    oracle: ClassVar[bool] = True
+    preemptive: ClassVar[bool] = True
+
+    def __init__(self, recheck_tokens: int = 50, preempt_mode: PreemptMode = "keep") -> None:
+        super().__init__()
+        if recheck_tokens < 1:
+            raise ValueError("recheck_tokens must be >= 1")
+        if preempt_mode not in ("recompute", "swap", "keep"):
+            raise ValueError(f"preempt_mode must be recompute, swap or keep, got {preempt_mode!r}")
+        self._recheck = recheck_tokens
+        self._mode: PreemptMode = preempt_mode
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Re-rank everything; preempted requests leave with ``preempt_mode``."""
+        decision = super().schedule(view)
+        decision.preempt_mode = self._mode
+        return decision
+
+    def key(self, req: Request, now: float) -> tuple:
+        """True remaining output tokens, then arrival."""
+        return (_true_length(req) - req.generated, req.arrival)
+
+    def recheck_tokens(self) -> int | None:
+        """Re-rank every ``recheck_tokens`` decode iterations."""
+        return self._recheck

@@ -1,0 +1,254 @@
+"""Chiron's global autoscaler (qlm_chiron_spec B5): interactive, mixed and batch instance counts.
+
+- Interactive (B5.1): IBP = instances with interactive work / (interactive + mixed, pending included).
+  Above Θ_op + δ_op: grow to N_IM* = ceil(U/Θ_op) at once, split into N_I* = ceil(Θ_op·N_IM*) interactive
+  and the rest mixed (the over-provisioned spare). Below Θ_op − δ_op for ``scale_down_evaluations``
+  consecutive evaluations and past the scale-down cooldown: shrink to N_IM*, mixed first.
+- Batch (B5.2, corrected Alg. 2): the fewest extra batch instances k with BBP(k) = 0, where BBP counts
+  deadline groups whose QLM-style waiting estimate exceeds their slack. Batch instances retire all
+  together once no batch request is queued or running.
+
+Pure: the caller passes a metrics snapshot, the previous state and the time; it gets desired counts,
+reasons and the next state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from tessera.core.planners.types import (
+    AutoscalerState,
+    BatchGroup,
+    ChironSettings,
+    MetricsSnapshot,
+    RoleCounts,
+    ScalingDecision,
+)
+
+
+def interactive_targets(busy: int, settings: ChironSettings) -> tuple[int, int]:
+    """(N_I*, N_M*) for ``busy`` instances with interactive work (B5.1 concrete rule)."""
+    theta = settings.over_provisioning
+    n_im = max(settings.min_interactive, math.ceil(busy / theta - 1e-9))
+    n_i = max(settings.min_interactive, math.ceil(theta * n_im - 1e-9))
+    return n_i, max(0, n_im - n_i)
+
+
+def waiting_time(
+    tokens_ahead: float, rate_now: float, extra_instances: int, per_instance: float, load_s: float
+) -> float:
+    """Least τ with capacity(τ) = rate_now·τ + extra·per_instance·max(0, τ − load_s) ≥ tokens_ahead."""
+    if tokens_ahead <= 0:
+        return 0.0
+    if rate_now * load_s >= tokens_ahead:
+        return tokens_ahead / rate_now
+    total = rate_now + extra_instances * per_instance
+    if total <= 0:
+        return math.inf
+    return load_s + (tokens_ahead - rate_now * load_s) / total
+
+
+def batch_backpressure(
+    groups: tuple[BatchGroup, ...],
+    *,
+    now: float,
+    mean_tokens: float,
+    std_tokens: float,
+    rate_now: float,
+    per_instance: float,
+    extra_instances: int,
+    settings: ChironSettings,
+) -> int:
+    """BBP(k) (Eq. 2 with slack): groups, in deadline order, whose last request would start after its
+    deadline with ``extra_instances`` more batch instances launched now (QLM Eq. 2-3 estimate)."""
+    late = 0
+    ahead_n = 0
+    horizon = settings.defer_horizon_fraction * settings.batch_slo_s
+    for g in sorted(groups, key=lambda g: g.deadline):
+        if g.count == 0:
+            continue
+        n_before_last = ahead_n + g.count - 1
+        tokens = n_before_last * mean_tokens + settings.z * std_tokens * math.sqrt(n_before_last)
+        ahead_n += g.count
+        slack = g.deadline - now
+        if settings.defer and slack > horizon:
+            continue
+        if waiting_time(tokens, rate_now, extra_instances, per_instance, settings.load_time_s) > slack:
+            late += 1
+    return late
+
+
+def _batch_instances_needed(
+    snapshot: MetricsSnapshot, settings: ChironSettings, per_instance: float, now: float, free: int
+) -> tuple[int, int, int]:
+    """(k, BBP(0), BBP(k)): the fewest extra batch instances (≤ free) reaching the least achievable BBP.
+
+    The spec's loop adds instances while BBP(k) > 0; a group whose slack is shorter than the load time can
+    never be saved, and the literal loop would then launch every free slot for nothing. BBP(k) does not
+    grow with k, so we binary-search the smallest k with BBP(k) = BBP(free) (which is 0 whenever 0 is
+    reachable: the spec's answer)."""
+    mean = snapshot.mean_output_tokens or 0.0
+    std = snapshot.std_output_tokens or 0.0
+    pending_batch = snapshot.pending.batch
+    rate_now = snapshot.batch_tokens_per_s
+    if rate_now is None:
+        rate_now = snapshot.ready.batch * per_instance
+
+    def bbp(k: int) -> int:
+        return batch_backpressure(
+            snapshot.batch_queue,
+            now=now,
+            mean_tokens=mean,
+            std_tokens=std,
+            rate_now=rate_now,
+            per_instance=per_instance,
+            extra_instances=pending_batch + k,
+            settings=settings,
+        )
+
+    base = bbp(0)
+    if base == 0 or free <= 0:
+        return 0, base, base
+    best = bbp(free)
+    if best == base:
+        return 0, base, base
+    lo, hi = 1, free
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if bbp(mid) <= best:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, base, best
+
+
+def chiron_decide(
+    snapshot: MetricsSnapshot, state: AutoscalerState, settings: ChironSettings, now: float
+) -> ScalingDecision:
+    """One evaluation of the global autoscaler: desired instance counts by role, with reasons."""
+    reasons: list[str] = []
+    current = RoleCounts(
+        interactive=snapshot.ready.interactive + snapshot.pending.interactive,
+        mixed=snapshot.ready.mixed + snapshot.pending.mixed,
+        batch=snapshot.ready.batch + snapshot.pending.batch,
+    )
+    per_instance = state.instance_tokens_per_s or settings.default_instance_tokens_per_s
+    if snapshot.batch_instance_tokens_per_s:
+        a = settings.throughput_ewma
+        measured = snapshot.batch_instance_tokens_per_s
+        per_instance = (
+            measured if state.instance_tokens_per_s is None else a * measured + (1 - a) * per_instance
+        )
+
+    # --- interactive and mixed (B5.1) ---
+    im_now = current.interactive + current.mixed
+    busy = snapshot.instances_with_interactive + (1 if snapshot.interactive_queued > 0 else 0)
+    ibp = busy / im_now if im_now else (math.inf if busy else 0.0)
+    n_i, n_m = interactive_targets(busy, settings)
+    interactive, mixed = current.interactive, current.mixed
+    low = state.low_evaluations
+    last_up = dict(state.last_scale_up)
+    last_scaling = state.last_scaling
+    hi_band = settings.over_provisioning + settings.band
+    lo_band = settings.over_provisioning - settings.band
+    if ibp > hi_band or im_now < settings.min_interactive:
+        low = 0
+        want_i, want_m = max(interactive, n_i), max(mixed, n_m)
+        if (want_i, want_m) != (interactive, mixed):
+            cooled = [
+                r
+                for r in ("interactive", "mixed")
+                if now - last_up.get(r, -math.inf) < settings.scale_up_cooldown_s
+            ]
+            if cooled:
+                reasons.append(f"IBP {ibp:.2f} > {hi_band:.2f} but scale-up cooldown holds {cooled}")
+                want_i = interactive if "interactive" in cooled else want_i
+                want_m = mixed if "mixed" in cooled else want_m
+            else:
+                reasons.append(
+                    f"IBP {ibp:.2f} > {hi_band:.2f}: {busy} busy, target {n_i} interactive + {n_m} mixed"
+                )
+        interactive, mixed = want_i, want_m
+    elif ibp < lo_band:
+        low += 1
+        target_total = n_i + n_m
+        if low < settings.scale_down_evaluations:
+            reasons.append(
+                f"IBP {ibp:.2f} < {lo_band:.2f} ({low}/{settings.scale_down_evaluations} evaluations)"
+            )
+        elif last_scaling is not None and now - last_scaling < settings.scale_down_cooldown_s:
+            reasons.append(
+                f"IBP {ibp:.2f} < {lo_band:.2f} but scale-down cooldown "
+                f"({now - last_scaling:.0f}s of {settings.scale_down_cooldown_s:.0f}s)"
+            )
+        elif target_total < im_now:
+            # Drain mixed first (spec B5.1), then interactive, never below the targets.
+            mixed = max(n_m, mixed - (im_now - target_total))
+            interactive = max(n_i, target_total - mixed)
+            low = 0
+            reasons.append(
+                f"IBP {ibp:.2f} < {lo_band:.2f}: shrink to {interactive} interactive + {mixed} mixed"
+            )
+    else:
+        low = 0
+
+    # --- batch (B5.2) ---
+    batch = current.batch
+    queued = sum(g.count for g in snapshot.batch_queue)
+    free = settings.max_instances - (interactive + mixed + batch)
+    bbp_now = 0
+    if queued > 0:
+        k, bbp_now, bbp_after = _batch_instances_needed(snapshot, settings, per_instance, now, free)
+        if k > 0 and not (snapshot.pending.batch > 0 and bbp_now <= state.last_batch_launch_backpressure):
+            batch += k
+            reasons.append(
+                f"batch backpressure: {bbp_now} groups late; +{k} batch instances (BBP then {bbp_after})"
+            )
+        elif bbp_now > 0 and free <= 0:
+            reasons.append(
+                f"batch backpressure {bbp_now} but the pool is at its cap of {settings.max_instances}"
+            )
+    elif snapshot.batch_running == 0 and batch > 0:
+        reasons.append(f"batch queue empty and idle: retire {batch} batch instances")
+        batch = 0
+
+    # --- bounds ---
+    total = interactive + mixed + batch
+    if total > settings.max_instances:
+        # Interactive capacity comes first: trim batch, then mixed.
+        over = total - settings.max_instances
+        cut = min(over, max(0, batch - current.batch))
+        batch -= cut
+        over -= cut
+        cut = min(over, max(0, mixed - current.mixed))
+        mixed -= cut
+        over -= cut
+        interactive -= min(over, max(0, interactive - current.interactive))
+    if interactive + mixed + batch < settings.min_instances:
+        interactive += settings.min_instances - (interactive + mixed + batch)
+    desired = RoleCounts(interactive=interactive, mixed=mixed, batch=batch)
+
+    for role in ("interactive", "mixed", "batch"):
+        if desired.get(role) > current.get(role):
+            last_up[role] = now
+    # Only interactive/mixed changes restart the scale-down stabilisation: retiring idle batch instances
+    # says nothing about interactive load (before this fix, a batch retirement held interactive
+    # over-provisioning for another full cooldown).
+    if (desired.interactive, desired.mixed) != (current.interactive, current.mixed):
+        last_scaling = now
+    new_state = replace(
+        state,
+        low_evaluations=low,
+        last_scale_up=last_up,
+        last_scaling=last_scaling,
+        instance_tokens_per_s=per_instance
+        if (state.instance_tokens_per_s or snapshot.batch_instance_tokens_per_s)
+        else None,
+        last_batch_launch_backpressure=bbp_now
+        if desired.batch > current.batch
+        else state.last_batch_launch_backpressure,
+    )
+    return ScalingDecision(
+        desired=desired, reasons=tuple(reasons), state=new_state, ibp=ibp, batch_backpressure=bbp_now
+    )

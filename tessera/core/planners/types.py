@@ -1,0 +1,308 @@
+"""Plain, typed inputs and outputs of the operator's planners.
+
+The planners are pure functions: these dataclasses are all they see. They do not
+depend on the Kubernetes API models (``tessera.api``); ``convert.py`` maps those
+onto these. Times are seconds, memory is bytes, rates are requests per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Strategy = Literal["seallm", "dedicated"]
+Role = Literal["interactive", "mixed", "batch"]
+ROLES: tuple[Role, ...] = ("interactive", "mixed", "batch")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInput:
+    """A GPU pool as the planners see it (from a ServingPool)."""
+
+    name: str
+    gpu_type: str
+    gpu_memory_bytes: int
+    max_gpus: int  # the pool's GPU budget (instances.max x gpus per instance)
+    gpus_per_node: int = 8  # TP never crosses a node (SeaLLM §6.1)
+    max_services_per_group: int = 2  # SeaLLM K_max
+    min_gpus_per_instance: int = 1  # the pool's gpu.perInstance: smallest group size
+    memory_fraction: float = 0.9  # SeaLLM γ: usable share of GPU memory
+    activation_bytes_per_gpu: int = 4 * 2**30  # SeaLLM §12-19: activation reserve, max over co-located models
+
+    def __post_init__(self) -> None:
+        if self.max_gpus < 1:
+            raise ValueError(f"pool {self.name!r}: max_gpus must be >= 1, got {self.max_gpus}")
+        if self.gpus_per_node < 1 or self.gpus_per_node & (self.gpus_per_node - 1):
+            raise ValueError(
+                f"pool {self.name!r}: gpus_per_node must be a power of two, got {self.gpus_per_node}"
+            )
+        if self.max_services_per_group < 1:
+            raise ValueError(f"pool {self.name!r}: max_services_per_group must be >= 1")
+        if self.min_gpus_per_instance < 1 or self.min_gpus_per_instance & (self.min_gpus_per_instance - 1):
+            raise ValueError(
+                f"pool {self.name!r}: GPUs per instance must be a power of two, "
+                f"got {self.min_gpus_per_instance}"
+            )
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"pool {self.name!r}: memory_fraction must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyModel:
+    """Iteration-time model of one service's model at its reference TP size ``tp_ref`` (seconds).
+
+    decode ``decode_c0 + decode_c1*B + decode_c2*context``; prefill ``prefill_p0 + prefill_p1*tokens``
+    (the StepProfile shape). At TP ``p`` the compute part is divided by ``(p/tp_ref)**tp_efficiency``
+    and each extra rank adds ``tp_comm_s`` (SeaLLM §9.1's c_tp): larger TP cuts long prefills and can slow
+    short decodes, as in SeaLLM Fig. 3.
+    """
+
+    decode_c0: float
+    decode_c1: float
+    decode_c2: float
+    prefill_p0: float
+    prefill_p1: float
+    tp_ref: int = 1
+    tp_efficiency: float = 0.85
+    tp_comm_s: float = 0.0015
+
+    def _scale(self, tp: int) -> tuple[float, float]:
+        speedup = (tp / self.tp_ref) ** self.tp_efficiency
+        comm = self.tp_comm_s * max(0, tp - self.tp_ref)
+        return speedup, comm
+
+    def decode_step(self, tp: int, batch: int, context_tokens: int) -> float:
+        """One decode iteration of ``batch`` sequences holding ``context_tokens`` at TP ``tp``."""
+        speedup, comm = self._scale(tp)
+        return self.decode_c0 + comm + (self.decode_c1 * batch + self.decode_c2 * context_tokens) / speedup
+
+    def prefill(self, tp: int, tokens: int) -> float:
+        """One prefill iteration over ``tokens`` prompt tokens at TP ``tp``."""
+        speedup, comm = self._scale(tp)
+        return self.prefill_p0 + comm + self.prefill_p1 * tokens / speedup
+
+    def exec_time(self, tp: int, prompt_tokens: int, output_tokens: int) -> float:
+        """Isolated execution time (batch 1, no queueing): prefill plus ``output_tokens - 1`` decodes.
+
+        The decode sum is closed-form (context grows by one token per step), so cost is O(1)."""
+        n = max(0, output_tokens - 1)
+        speedup, comm = self._scale(tp)
+        # sum_{j=1..n} (c0 + comm + (c1 + c2*(in+j))/speedup)
+        ctx_sum = n * prompt_tokens + n * (n + 1) / 2
+        decode = n * (self.decode_c0 + comm) + (self.decode_c1 * n + self.decode_c2 * ctx_sum) / speedup
+        return self.prefill(tp, prompt_tokens) + decode
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryRequest:
+    """One request of a service's recent history (placement replays these)."""
+
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceInput:
+    """One LLM service (an LLMService) as the placement planner sees it."""
+
+    name: str
+    weights_bytes: int
+    kv_bytes_per_token: int
+    latency: LatencyModel
+    tp_min: int = 1  # smallest power-of-two TP the model fits (SeaLLM tp_min)
+    request_rate: float = 0.0  # historical λ_s
+    mean_prompt_tokens: float = 128.0
+    mean_output_tokens: float = 256.0
+    p99_context_tokens: int = 4096  # for KV_min: one request of P99 length
+    slo_scale: float = 5.0  # SLO_r = slo_scale x exec_ref(r) (SeaLLM §9.4)
+    history: tuple[HistoryRequest, ...] = ()
+    min_replicas: int = 1
+    max_replicas: int | None = None  # most instances hosting the service (LLMService replicas.max)
+
+    def __post_init__(self) -> None:
+        if self.tp_min < 1 or self.tp_min & (self.tp_min - 1):
+            raise ValueError(f"service {self.name!r}: tp_min must be a power of two, got {self.tp_min}")
+        if self.weights_bytes < 0 or self.kv_bytes_per_token < 0:
+            raise ValueError(f"service {self.name!r}: weights and KV sizes must be >= 0")
+        if self.request_rate < 0:
+            raise ValueError(f"service {self.name!r}: request_rate must be >= 0")
+        if self.slo_scale <= 0:
+            raise ValueError(f"service {self.name!r}: slo_scale must be > 0")
+        if self.max_replicas is not None and self.max_replicas < max(1, self.min_replicas):
+            raise ValueError(
+                f"service {self.name!r}: max_replicas {self.max_replicas} is below min_replicas "
+                f"{self.min_replicas} (and at least 1)"
+            )
+
+    def replica_cap(self) -> float:
+        """Most instances that may host the service (inf when unbounded)."""
+        return float("inf") if self.max_replicas is None else self.max_replicas
+
+    def mean_exec_s(self, tp: int | None = None) -> float:
+        """Isolated execution time of a mean-length request at ``tp`` (default: the reference tp_min)."""
+        return self.latency.exec_time(
+            tp or self.tp_min, round(self.mean_prompt_tokens), max(1, round(self.mean_output_tokens))
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RoleCounts:
+    """Instance counts by Chiron role."""
+
+    interactive: int = 0
+    mixed: int = 0
+    batch: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.interactive, self.mixed, self.batch) < 0:
+            raise ValueError(f"instance counts must be >= 0, got {self}")
+
+    @property
+    def total(self) -> int:
+        """All instances."""
+        return self.interactive + self.mixed + self.batch
+
+    def get(self, role: Role) -> int:
+        """Count of one role."""
+        return getattr(self, role)
+
+    def short(self) -> str:
+        """``1i/2m/0b``: the counts as events and logs show them."""
+        return f"{self.interactive}i/{self.mixed}m/{self.batch}b"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    """One placement group: services co-located on instances of ``tp`` GPUs each.
+
+    ``name`` depends only on (services, tp), so a group that survives a re-placement keeps its name and
+    therefore its StatefulSet and pods (least churn)."""
+
+    name: str
+    services: tuple[str, ...]
+    tp: int
+    replicas: RoleCounts
+    batch_size: int | None = None
+
+    @property
+    def key(self) -> tuple[tuple[str, ...], int]:
+        """What identifies the group across plans."""
+        return (self.services, self.tp)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the group uses over all its replicas."""
+        return self.tp * self.replicas.total
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementPlan:
+    """A placement: groups, plus what the planner's estimator predicted for it (SeaLLM M_est)."""
+
+    strategy: str
+    groups: tuple[GroupPlan, ...]
+    estimated_slo_attainment: float | None = None
+    estimated_norm_latency: float | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def gpus(self) -> int:
+        """GPUs used by all groups."""
+        return sum(g.gpus for g in self.groups)
+
+    def groups_of(self, service: str) -> list[GroupPlan]:
+        """Groups hosting ``service``."""
+        return [g for g in self.groups if service in g.services]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chiron global autoscaler
+
+
+@dataclass(frozen=True, slots=True)
+class BatchGroup:
+    """Queued batch requests with (nearly) the same absolute deadline (a QLM/Chiron request group)."""
+
+    count: int
+    deadline: float  # absolute time by which the group's last request must get its first token
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"batch group count must be >= 0, got {self.count}")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    """What the global autoscaler measures of one scaling unit (a placement group) at one moment."""
+
+    ready: RoleCounts  # instances serving now
+    pending: RoleCounts = RoleCounts()  # instances starting (counted so scale-ups are not repeated)
+    instances_with_interactive: int = 0  # U: I+M instances running >= 1 interactive request
+    interactive_queued: int = 0  # interactive requests waiting for any I/M instance (routing step 4)
+    batch_queue: tuple[BatchGroup, ...] = ()
+    batch_running: int = 0  # batch requests running on batch or mixed instances
+    batch_tokens_per_s: float | None = None  # measured batch-token throughput now (Θ_now)
+    batch_instance_tokens_per_s: float | None = None  # measured per-batch-instance throughput (Θ_B)
+    mean_output_tokens: float | None = None  # μ_o of batch requests (online fit)
+    std_output_tokens: float | None = None  # σ_o
+
+
+@dataclass(frozen=True, slots=True)
+class ChironSettings:
+    """Chiron global autoscaler settings (spec B5; names the CHOICEs, defaults are the spec's)."""
+
+    over_provisioning: float = 1 / 3  # Θ_op
+    band: float = 0.05  # δ_op
+    eval_interval_s: float = 5.0  # T_eval
+    load_time_s: float = 15.0  # T_load of a new instance
+    min_instances: int = 0  # pool lower bound (all roles)
+    max_instances: int = 50  # GPU cap in instances (all roles)
+    min_interactive: int = 1
+    scale_down_evaluations: int = 2  # consecutive low evaluations before a scale-down
+    scale_up_cooldown_s: float = 0.0
+    scale_down_cooldown_s: float = 120.0  # after any scaling, before a scale-down (stabilisation)
+    z: float = 2.33  # quantile multiplier of the waiting-time estimate (QLM, p99)
+    default_instance_tokens_per_s: float = 2000.0  # Θ_B before any measurement (profile seed)
+    defer: bool = False  # count a batch group only when its deadline is within defer_horizon
+    defer_horizon_fraction: float = 0.25  # H = fraction x TTFT SLO
+    batch_slo_s: float = 3600.0  # batch TTFT SLO (for the defer horizon)
+    throughput_ewma: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.over_provisioning <= 1:
+            raise ValueError("over_provisioning (Θ_op) must be in (0, 1]")
+        if not 0 <= self.band < self.over_provisioning:
+            raise ValueError("band (δ_op) must be in [0, Θ_op)")
+        if self.min_instances < 0 or self.max_instances < max(1, self.min_instances):
+            raise ValueError("instance bounds must satisfy 0 <= min_instances <= max_instances, max >= 1")
+        if self.scale_down_evaluations < 1:
+            raise ValueError("scale_down_evaluations must be >= 1")
+        if not 0 < self.throughput_ewma <= 1:
+            raise ValueError("throughput_ewma must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscalerState:
+    """State the global autoscaler carries between evaluations (stored by the caller, e.g. in status)."""
+
+    low_evaluations: int = 0  # consecutive evaluations with IBP below the band
+    last_scale_up: dict[str, float] = field(default_factory=dict)  # role -> time
+    last_scaling: float | None = None  # time of the latest change of the interactive or mixed count
+    instance_tokens_per_s: float | None = None  # EWMA of Θ_B
+    last_batch_launch_backpressure: int = 0  # BBP when batch instances were last launched
+
+
+@dataclass(frozen=True, slots=True)
+class ScalingDecision:
+    """The autoscaler's answer: desired counts by role, why, and the state to pass next time."""
+
+    desired: RoleCounts
+    reasons: tuple[str, ...]
+    state: AutoscalerState
+    ibp: float | None = None
+    batch_backpressure: int = 0
+
+    def changed(self, current: RoleCounts) -> bool:
+        """Whether the desired counts differ from ``current``."""
+        return self.desired != current

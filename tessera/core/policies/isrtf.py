@@ -1,0 +1,199 @@
+"""ELIS iterative shortest-remaining-time-first (elis_andes_spec §A.4).
+
+Priority = predicted remaining output tokens ŷ, smallest first, ties by earlier arrival. A request is
+predicted once on arrival (prompt only, ``Predictor.init``) and again each time it has generated
+``window_tokens`` more tokens (``Predictor.iter``); requests waiting in the queue keep their last
+prediction. Every prediction due at a decision is made in one batched ``predict_remaining`` call.
+
+Preemption happens at window boundaries only (ELIS: "a window is never interrupted"): a decision at
+which some running request reached its boundary re-ranks running and queued requests together and
+the top ``max_batch`` run; any other decision (an arrival, a completion) only fills free slots
+(spec §A.4 #7, ``join_midwindow``). With batch size 1 this is exactly ELIS' window loop; with larger
+batches each request's window counts from its own last prediction (CHOICE: the engine re-checks when
+the first running request reaches its boundary, instead of ELIS' batch-synchronous windows).
+
+Aging guard (spec §A.4 #8a, off by default): the key becomes ŷ − ``aging_tokens_per_s`` · age, where
+age = now − arrival. Subtracting the common ``now`` leaves ŷ + a·arrival, so keys stay fixed while a
+request waits and the heap order stays valid.
+
+Predicting off the caller's thread (the worker): ``prepare(view)`` returns the batched prediction of
+what the next decision would predict (``predictions_due``) as work for another thread, so the worker's
+event loop keeps streaming while the text predictor runs; ``schedule`` then predicts only what is
+still due. The simulator just calls ``schedule``. A request's window counts
+from the tokens it had when its prediction's input was taken, and finished requests are handed to
+the predictor (``observe``/``forget``) at the next prediction, on the predicting thread, so the
+predictor is only ever used by one thread at a time.
+
+A predictor that cannot predict some requests (the text predictor without a prompt text, say) never
+stops the policy: the batch is retried one request at a time and the requests it still fails get
+the running-mean prediction of their class (``fallback_predictions`` counts them).
+
+Displaced requests keep their KV while memory allows (spec §A.4 #6, ``preempt_mode="keep"``; the
+engine recompute-evicts under pressure); ``"recompute"`` is the spec's ``recompute_always``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+from tessera.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
+from tessera.core.prediction import ConstantPredictor, LengthPredictor, RunningMeanPredictor
+from tessera.core.request import Request
+
+TEXT_PREDICTOR = "tessera.predictor.model:TextLengthPredictor"
+PREDICTED_AT = "isrtf_predicted_at"  # annotation: tokens generated when ŷ was last predicted
+log = logging.getLogger(__name__)
+
+
+def _make_predictor(spec: LengthPredictor | str) -> LengthPredictor:
+    if not isinstance(spec, str):
+        if not isinstance(spec, LengthPredictor):
+            raise ValueError(f"predictor must have predict_remaining(requests), got {type(spec).__name__}")
+        return spec
+    if spec == "text":
+        # loaded by name: the text predictor needs torch, which only ISRTF with it configured loads
+        module, _, name = TEXT_PREDICTOR.partition(":")
+        return getattr(importlib.import_module(module), name)()
+    if spec == "running-mean":
+        return RunningMeanPredictor()
+    if spec == "constant":
+        return ConstantPredictor()
+    raise ValueError(f"unknown predictor {spec!r}: use 'text', 'running-mean', 'constant' or an object")
+
+
+class ISRTF(PriorityPolicy):
+    """Shortest predicted remaining output first, re-predicted every ``window_tokens`` tokens."""
+
+    name: ClassVar[str] = "isrtf"
+    preemptive: bool = True  # per decision: True only at a window boundary (see schedule)
+
+    def __init__(
+        self,
+        predictor: LengthPredictor | str = "text",
+        window_tokens: int = 50,
+        aging_tokens_per_s: float = 0.0,
+        preempt_mode: PreemptMode = "keep",
+    ) -> None:
+        super().__init__()
+        if window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
+        if aging_tokens_per_s < 0:
+            raise ValueError(f"aging_tokens_per_s must be >= 0 (0 = off), got {aging_tokens_per_s}")
+        if preempt_mode not in ("recompute", "swap", "keep"):
+            raise ValueError(f"preempt_mode must be recompute, swap or keep, got {preempt_mode!r}")
+        self.predictor = _make_predictor(predictor)
+        self.preempt_mode: PreemptMode = preempt_mode
+        self.window = window_tokens
+        self.aging = aging_tokens_per_s
+        self._pending: dict[int, Request] = {}  # arrived, not yet pushed (predicted at the next decision)
+        self._finished: deque[Request] = deque()  # removed, not yet handed to the predictor
+        self._rerank = False  # a request was re-predicted at its window boundary since the last decision
+        self._next_check: int | None = None
+        self.prediction_calls = 0  # batched predict_remaining calls so far
+        self.predictions = 0  # requests predicted so far
+        # Stands in for requests the predictor fails on; learns from every finished request.
+        self.fallback = (
+            self.predictor if isinstance(self.predictor, RunningMeanPredictor) else RunningMeanPredictor()
+        )
+        self.fallback_predictions = 0  # requests predicted by the fallback so far
+
+    def key(self, req: Request, now: float) -> tuple:
+        """Predicted remaining tokens (minus the aging credit), then arrival."""
+        assert req.predicted_remaining is not None, "ISRTF keys only predicted requests"
+        return (req.predicted_remaining + self.aging * req.arrival, req.arrival)
+
+    def add(self, req: Request, now: float) -> None:
+        """Hold a new request until the next decision predicts it (batched with others)."""
+        self._pending[id(req)] = req
+
+    def remove(self, req: Request, now: float) -> None:
+        """Forget a request; finished lengths feed predictors that learn from them."""
+        self._pending.pop(id(req), None)
+        super().remove(req, now)
+        self._finished.append(req)  # deque append/popleft are thread-safe: a prediction may be running
+
+    def _hand_over_finished(self) -> None:
+        forget = getattr(self.predictor, "forget", None)
+        while self._finished:
+            req = self._finished.popleft()
+            if req.finished:
+                self.fallback.observe(req)
+            if forget is not None:
+                forget(req)
+
+    def __len__(self) -> int:
+        return super().__len__() + len(self._pending)
+
+    def _due(self, running: list[Request]) -> list[Request]:
+        return [r for r in running if r.generated - int(r.annotations.get(PREDICTED_AT, 0)) >= self.window]
+
+    def predictions_due(self, running: Sequence[Request]) -> list[Request]:
+        """Requests the next decision would predict: new arrivals not predicted yet, and running
+        requests at their window boundary."""
+        new = [r for r in self._pending.values() if PREDICTED_AT not in r.annotations]
+        return new + self._due(list(running))
+
+    def prepare(self, view: InstanceView) -> Callable[[], None] | None:
+        """The due predictions as work for another thread (Policy protocol item 6)."""
+        due = self.predictions_due(view.running)
+        return (lambda: self.predict(due)) if due else None
+
+    def predict(self, reqs: Sequence[Request]) -> None:
+        """Predict ``reqs`` in one batched call (safe on another thread than the decisions')."""
+        self._hand_over_finished()
+        if not reqs:
+            return
+        at = [r.generated for r in reqs]  # the predictor's input: tokens streamed so far
+        try:
+            preds = self._predict_batch(list(reqs))
+        except Exception:
+            preds = [self._predict_one(r) for r in reqs]
+        self.prediction_calls += 1
+        self.predictions += len(reqs)
+        self._rerank |= any(PREDICTED_AT in r.annotations for r in reqs)
+        for req, pred, generated in zip(reqs, preds, at, strict=True):
+            req.predicted_remaining = max(0.0, float(pred))
+            req.annotations[PREDICTED_AT] = generated
+
+    def _predict_batch(self, reqs: list[Request]) -> list[float]:
+        preds = self.predictor.predict_remaining(reqs)
+        if len(preds) != len(reqs):
+            raise ValueError(f"predictor returned {len(preds)} predictions for {len(reqs)} requests")
+        return [float(p) for p in preds]
+
+    def _predict_one(self, req: Request) -> float:
+        try:
+            return self._predict_batch([req])[0]
+        except Exception as exc:
+            if self.fallback_predictions == 0:  # once: the cause is usually the same for every request
+                log.warning("length predictor failed on request %s (%s); using the class's running "
+                            "mean for such requests", req.id, exc)  # fmt: skip
+            self.fallback_predictions += 1
+            return self.fallback.predict_remaining([req])[0]
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Predict what is due in one batch; re-rank everything at a window boundary, else fill free slots."""
+        self.predict(self.predictions_due(view.running))
+        new = list(self._pending.values())
+        self._pending.clear()
+        for req in new:
+            self._push(req, view.now)
+        # The instance attribute shadows the class default for this decision only: the base class
+        # re-ranks running requests against the queue when preemptive, else only fills free slots.
+        self.preemptive, self._rerank = self._rerank, False
+        decision = super().schedule(view)
+        self._next_check = min(
+            (self.window - (r.generated - int(r.annotations.get(PREDICTED_AT, 0))) for r in decision.run),
+            default=None,
+        )
+        decision.recheck_after_tokens = self.recheck_tokens()
+        decision.preempt_mode = self.preempt_mode
+        return decision
+
+    def recheck_tokens(self) -> int | None:
+        """Decode iterations until the first running request reaches its window boundary."""
+        return None if self._next_check is None else max(1, self._next_check)

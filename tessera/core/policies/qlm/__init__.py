@@ -1,0 +1,6 @@
+"""QLM (Patke et al., SoCC'24): request groups, virtual queues, the RWT estimator, the MILP global
+scheduler with EDF fallback, and the four LLM serving operations (qlm_chiron_spec part A)."""
+
+from tessera.core.policies.qlm.policy import QLMPolicy
+
+__all__ = ["QLMPolicy"]

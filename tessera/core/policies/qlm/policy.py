@@ -1,0 +1,449 @@
+"""``QLMPolicy``: QLM's per-instance agent over its virtual queue (qlm_chiron_spec A3-A8).
+
+At every decision point the agent
+
+1. syncs its groups with the engine's running set and refreshes the estimator
+   online (eps from observed throughput, token statistics from completions);
+2. after arrivals, runs the RWT violation check on its VQ and, when a violation is
+   predicted, asks the global scheduler (MILP, EDF fallback) for a new order
+   (debounced: at most one solve per ``min_resolve_interval_s``);
+3. actuates the LSOs: **model swap** when the head group needs another model (drain
+   first, or evict and swap at once when a reorder put that group at the head),
+   **eviction** of running requests of groups behind the head so the head group runs
+   now, and **pulling** from the head group FCFS, then the following groups of the
+   loaded model, while batch slots last (the engine admits while KV fits).
+
+Load balancing (which instance's VQ a group joins) is ``QLMRouter``'s job.
+Assumes one GPU-resident model per instance (a swap flushes the KV cache), as the paper.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import ClassVar, Literal
+
+from tessera.core.policies.qlm.estimator import (
+    EngineRates,
+    EpsMeter,
+    GroupCosts,
+    QueuedGroup,
+    TokenStats,
+    first_violation,
+    group_costs,
+    start_times,
+)
+from tessera.core.policies.qlm.groups import Grouper, GroupKey, RequestGroup, VirtualQueue, group_key
+from tessera.core.policies.qlm.lso import ModelTiers, SwapGate, TierCosts, eviction_victims
+from tessera.core.policies.qlm.milp import GroupSpec, Plan, QueueSpec, SolverSettings, solve
+from tessera.core.policy import Decision, InstanceView, Policy
+from tessera.core.request import Phase, Request
+
+TokenSeeds = Mapping[
+    tuple[str, str], tuple[float, float, float]
+]  # (model, class) -> (mu_in, mu_out, sigma_out)
+
+
+class QLMPolicy(Policy):
+    """QLM on one instance: request groups in a virtual queue, RWT estimator, MILP reordering, LSOs."""
+
+    name: ClassVar[str] = "qlm"
+
+    def __init__(
+        self,
+        *,
+        delta_rg: float = 4.0,
+        z: float = 2.33,
+        tail_aware: bool = True,
+        reorder: bool = True,
+        eviction: bool = True,
+        evict_mode: Literal["swap", "recompute"] = "swap",
+        solver_time_limit_s: float = 5.0,
+        mip_gap: float = 0.01,
+        slots_factor: float = 1.25,
+        min_resolve_interval_s: float = 1.0,
+        context_len: int = 4096,
+        stats_alpha: float = 0.005,
+        token_seeds: TokenSeeds | None = None,
+        engine_reinit_s: float = 20.0,
+        disk_to_cpu_bytes_per_s: float = 2e9,
+        cpu_model_bytes: float = 40e9,
+        warm_start: bool = True,
+        model_weights_bytes: Mapping[str, float] | None = None,
+        eps_window_s: float = 20.0,
+        eps: float = 1.0,
+        default_batch: int = 256,
+    ) -> None:
+        if delta_rg <= 0:
+            raise ValueError(f"delta_rg must be > 0, got {delta_rg}")
+        if z < 0:
+            raise ValueError(f"z (quantile multiplier) must be >= 0, got {z}")
+        if evict_mode not in ("swap", "recompute"):
+            raise ValueError(f"evict_mode must be 'swap' or 'recompute', got {evict_mode!r}")
+        if eps < 1:
+            raise ValueError(f"eps (offline-profiled inefficiency factor) must be >= 1, got {eps}")
+        if min_resolve_interval_s < 0 or context_len < 1 or default_batch < 1:
+            raise ValueError("min_resolve_interval_s >= 0, context_len >= 1 and default_batch >= 1 required")
+        self.delta_rg = delta_rg
+        self.z = z
+        self.reorder = reorder
+        self.eviction = eviction
+        self.evict_mode = evict_mode
+        self.solver = SolverSettings(solver_time_limit_s, mip_gap, slots_factor, tail_aware)
+        self.min_resolve_interval_s = min_resolve_interval_s
+        self.context_len = context_len
+        self.stats_alpha = stats_alpha
+        self.token_seeds = dict(token_seeds or {})
+        self.tiers = ModelTiers(
+            TierCosts(engine_reinit_s, disk_to_cpu_bytes_per_s, cpu_model_bytes, warm_start)
+        )
+        self.model_weights_bytes = dict(model_weights_bytes or {})
+        self.default_batch = default_batch
+
+        self.grouper = Grouper(self._size_limit)
+        self.vq = VirtualQueue("")
+        self.stats: dict[GroupKey, TokenStats] = {}
+        self._ttft_slo: dict[GroupKey, float] = {}  # interactive keys: their TTFT SLO (group size cap)
+        self.eps_seed = eps  # offline hardware profiling (spec A6); 1.0 without it, refreshed online
+        self.rates: EngineRates | None = None
+        self.eps_meter = EpsMeter(eps_window_s)
+        self._running: dict[int, Request] = {}
+        self._gen_seen: dict[int, int] = {}
+        self._tokens_since = 0.0
+        self._check_due = False
+        self._last_solve = -math.inf
+        self._reordered_head: RequestGroup | None = None  # head placed by the scheduler: evict, swap now
+        # A plan solved off the decision's thread (``prepare``), with its groups by id; the next
+        # ``schedule`` installs it.
+        self._solved: tuple[Plan, dict[int, RequestGroup]] | None = None
+        self._solving = False
+        self.gate = SwapGate(self.tiers)
+        self._active_model: str | None = None
+        self.counters: dict[str, float] = {"solves": 0, "fallbacks": 0, "evicted": 0, "model_swaps": 0}
+        self.solve_times: list[float] = []
+
+    # ---- Policy protocol ----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.grouper.of)
+
+    def add(self, req: Request, now: float) -> None:
+        """Classify the arrival into a group (a new group joins the VQ tail) and schedule a check."""
+        stats = self._stats_for(req)
+        if req.service_class.kind == "interactive" and req.service_class.ttft_slo_s is not None:
+            self._ttft_slo[group_key(req)] = req.service_class.ttft_slo_s
+        stats.observe_input(req.prompt_tokens)
+        group, created = self.grouper.add(req)
+        if created:
+            self.vq.append(group)
+        self._check_due = True
+
+    def remove(self, req: Request, now: float) -> None:
+        """A request finished or was cancelled: update statistics and dequeue finished groups."""
+        group = self.grouper.forget(req)
+        if group is None:
+            return
+        self._tokens_since += req.generated - self._gen_seen.pop(id(req), req.generated)
+        self._running.pop(id(req), None)
+        if req.phase is Phase.FINISHED and req.generated > 0:
+            self.stats[group.key].observe_output(req.generated)
+        if group.done:
+            self.vq.drop_done()
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Sync, maybe reorder, then swap / evict / pull (module docstring)."""
+        now = view.now
+        self._observe(view)
+        closed = self.gate.closed_until(view.active_model, now)
+        if closed is not None:
+            return Decision(run=[], recheck_at=closed)
+        recheck_at = None
+        solved, self._solved = self._solved, None
+        if solved is not None:
+            self._install(*solved)
+        if self.reorder and self._check_due and not self._solving:
+            recheck_at = self._maybe_reorder(view)
+        head = self.vq.head_group()
+        position = {id(g): pos for pos, g in enumerate(self.vq.groups)}
+        running = sorted(view.running, key=lambda r: position[id(self.grouper.of[id(r)])])
+        if head is None:
+            return Decision(run=running, recheck_at=recheck_at)
+        if view.active_model is not None and head.model != view.active_model:
+            if running and not (self.eviction and head is self._reordered_head):
+                return Decision(run=running, recheck_at=recheck_at)  # drain, then swap
+            return self._swap_to(head, view)
+        head_pos = position[id(head)]
+        victims: list[Request] = []
+        pos_of = {id(r): position[id(self.grouper.of[id(r)])] for r in running}
+        if self.eviction and any(p > head_pos for p in pos_of.values()):
+            want = list(head.pending())[: view.max_batch]
+            victims = eviction_victims(
+                head_pos,
+                running,
+                pos_of,
+                need_slots=len(want),
+                need_tokens=sum(r.context_tokens + 1 for r in want),
+                free_slots=view.max_batch - len(running),
+                free_tokens=view.kv_free_tokens,
+            )
+            self.counters["evicted"] += len(victims)
+        kept = [r for r in running if r not in victims]
+        pulls: list[Request] = []
+        room = view.max_batch - len(kept)
+        for group in self.vq.groups[head_pos:]:
+            if room <= 0 or group.model != head.model:
+                break  # pull only the loaded model: a later model waits for its swap
+            for req in group.pending():
+                if room <= 0:
+                    break
+                pulls.append(req)
+                room -= 1
+        run = sorted(kept + pulls, key=lambda r: pos_of.get(id(r), position[id(self.grouper.of[id(r)])]))
+        return Decision(
+            run=run,
+            preempt_mode=self.evict_mode if victims else None,
+            recheck_at=recheck_at,
+        )
+
+    # ---- estimator views (also used by the router and the bench) -----------------------------
+    def costs(self, group: RequestGroup, z: float | None = None) -> GroupCosts:
+        """W, W_last, C, P of ``group``'s waiting requests on this instance."""
+        rates = self._rates()
+        return group_costs(
+            group.n_pending,
+            self.stats[group.key],
+            rates,
+            self.z if z is None else z,
+            group.max_tokens(),
+            self.context_len,
+        )
+
+    def swap_time(self) -> float:
+        """S_g: a warm swap (spec A12-13: one constant per instance): S0 plus the CPU->GPU copy."""
+        rates = self._rates()
+        return self.tiers.costs.engine_reinit_s + rates.profile.model_load_time()
+
+    def residual(self, now: float, model: str | None = None) -> float:
+        """R_g (spec A12-9): how long running work delays the start of the next group (of ``model``;
+        default: the head group's). 0 when the head group may evict the running work.
+
+        Spec correction: A12-9 charges the expected remaining tokens of all running requests over
+        Theta, whatever the next group's model. With continuous batching a group of the loaded
+        model starts as soon as one slot frees, and later members start at the completion rate
+        that the drains W already count; a group of another model waits until the batch has
+        drained completely (then the swap). So R_g is the expected remaining decode time
+        (remaining tokens x eps x d) of the first running request to finish for the loaded model,
+        and of the last one for another model.
+        """
+        head = self.vq.head_group()
+        running = list(self._running.values())
+        if not running:
+            return 0.0
+        if self.eviction and head is not None and head.deadline() < min(r.slo_deadline for r in running):
+            return 0.0
+        rates = self._rates()
+        remaining = []
+        for req in running:
+            stats = self.stats[group_key(req)]
+            remaining.append(max(stats.mu_out - req.generated, 1.0) * rates.eps * rates.decode_time(stats))
+        model = model if model is not None else (head.model if head is not None else self._active_model)
+        return min(remaining) if model is None or model == self._active_model else max(remaining)
+
+    def queued(self, now: float, z: float | None = None) -> list[tuple[RequestGroup, QueuedGroup]]:
+        """Groups with waiting requests, in VQ order, as the violation walk sees them."""
+        return [
+            (g, QueuedGroup(g.model, self.costs(g, z), g.deadline() - now))
+            for g in self.vq.groups
+            if g.n_pending
+        ]
+
+    def estimated_waits(self, now: float, z: float = 0.0) -> dict[int, float]:
+        """Estimated wait until start of every waiting request (id(request) -> seconds), request-level:
+        the group's start plus the drain of its members ahead (Eq. 2, 3)."""
+        pairs = self.queued(now, z)
+        starts = start_times([q for _, q in pairs], self._active_model, self.residual(now), self.swap_time())
+        out: dict[int, float] = {}
+        rates = self._rates()
+        for (group, _), start in zip(pairs, starts, strict=True):
+            stats = self.stats[group.key]
+            theta = rates.theta(stats)
+            for k, req in enumerate(group.pending()):
+                out[id(req)] = start + (k * stats.mu_out + z * stats.sigma_out * math.sqrt(k)) / theta
+        return out
+
+    def tail_start(self, model: str, now: float) -> float:
+        """Estimated start of a new group of ``model`` appended at the VQ tail (router placement)."""
+        pairs = self.queued(now)
+        swap = self.swap_time() if self.rates is not None else 0.0
+        if not pairs:
+            return self.residual(now, model) + (swap if self._active_model not in (None, model) else 0.0)
+        last = pairs[-1][1]
+        start = start_times([q for _, q in pairs], self._active_model, self.residual(now), swap)[-1]
+        start += last.costs.drain
+        if last.model != model:
+            start += swap + last.costs.completion - last.costs.drain
+        return start
+
+    def has_open_group(self, req: Request) -> bool:
+        """Whether ``req`` would join an existing open group here (router keeps groups together)."""
+        return self.grouper.open_group(group_key(req)) is not None
+
+    def tail_model(self) -> str | None:
+        """Model of the last group with waiting requests (or the loaded model)."""
+        pending = [g for g in self.vq.groups if g.n_pending]
+        return pending[-1].model if pending else self._active_model
+
+    # ---- internals --------------------------------------------------------------------------
+    def _stats_for(self, req: Request) -> TokenStats:
+        key = group_key(req)
+        stats = self.stats.get(key)
+        if stats is None:
+            seed = self.token_seeds.get((key.model, key.slo_class))
+            if seed is not None:
+                mu_in, mu_out, sigma = seed
+            else:  # CHOICE: without offline profiling, half the client cap with a wide spread
+                mu_in, mu_out, sigma = req.prompt_tokens, max(1.0, req.max_tokens / 2), req.max_tokens / 4
+            stats = TokenStats(float(mu_in), float(mu_out), float(sigma) ** 2, self.stats_alpha)
+            self.stats[key] = stats
+        return stats
+
+    def _rates(self) -> EngineRates:
+        if self.rates is None:
+            raise RuntimeError("QLMPolicy: no engine view seen yet (schedule() sets the profile)")
+        return self.rates
+
+    def _size_limit(self, key: GroupKey) -> int:
+        """n_max = delta_rg x avg batch; tight-SLO classes capped so their tail fits half the SLO
+        (spec A12-8)."""
+        stats = self.stats.get(key)
+        if self.rates is None or stats is None:
+            return max(1, int(self.delta_rg * self.default_batch))
+        limit = self.delta_rg * self.rates.batch_for(stats)
+        slo = self._ttft_slo.get(key)
+        if self.solver.tail_aware and slo is not None:
+            limit = min(limit, math.floor(0.5 * slo * self.rates.theta(stats) / stats.mu_out))
+        return max(1, int(limit))
+
+    def _observe(self, view: InstanceView) -> None:
+        """Take in the engine's view (rates, batch entries and exits, eps); idempotent per view."""
+        self.vq.name = view.instance
+        self._refresh_rates(view)
+        self._sync(view)
+        self._active_model = view.active_model
+
+    def _refresh_rates(self, view: InstanceView) -> None:
+        if self.rates is None:
+            self.rates = EngineRates(view.profile, view.max_batch, self.eps_seed)
+        else:
+            self.rates.profile = view.profile
+            self.rates.max_batch = view.max_batch
+
+    def _sync(self, view: InstanceView) -> None:
+        """Track entries to / exits from the batch; account generated tokens; refresh eps."""
+        now_running = {id(r): r for r in view.running}
+        for rid, req in list(self._running.items()):
+            if rid not in now_running:
+                del self._running[rid]
+                self._tokens_since += req.generated - self._gen_seen.get(rid, req.generated)
+                self._gen_seen[rid] = req.generated
+                self.grouper.of[rid].mark_waiting(req)
+        for rid, req in now_running.items():
+            self._tokens_since += req.generated - self._gen_seen.get(rid, req.generated)
+            self._gen_seen[rid] = req.generated
+            if rid not in self._running:
+                self._running[rid] = req
+                self.grouper.of[rid].mark_running(req)
+        rates = self._rates()
+        batch = len(view.running)
+        d_now = view.profile.decode_step(batch, sum(r.context_tokens for r in view.running)) if batch else 0.0
+        sample = self.eps_meter.observe(
+            view.now, self._tokens_since, batch, d_now, self.vq.pending_requests() > 0
+        )
+        self._tokens_since = 0.0
+        if sample is not None:
+            rates.eps = rates.eps + self.eps_meter.alpha * (sample - rates.eps)
+
+    def prepare(self, view: InstanceView) -> Callable[[], None] | None:
+        """The MILP solve as work for another thread (the worker's; Policy protocol item 6), when
+        a violation is predicted and the debounce allows; the next ``schedule`` installs its plan.
+        The work reads only the numbers taken here, so the queue may change meanwhile."""
+        if not (self.reorder and self._check_due) or self._solving or self._solved is not None:
+            return None
+        self._observe(view)
+        if self.gate.closed_until(view.active_model, view.now) is not None:
+            return None
+        problem = self._reorder_problem(view)
+        if isinstance(problem, float) or problem is None:
+            return None  # no violation, or debounced: ``schedule`` says when to look again
+        groups, queues, by_id = problem
+        self._solving = True
+
+        def work() -> None:
+            try:
+                self._solved = (solve(groups, queues, self.solver), by_id)
+            finally:
+                self._solving = False
+
+        return work
+
+    def _reorder_problem(
+        self, view: InstanceView
+    ) -> tuple[list[GroupSpec], list[QueueSpec], dict[int, RequestGroup]] | float | None:
+        """The MILP's input when the estimator predicts a violation (spec A7 trigger); a re-check
+        time while debounced; None when no violation is predicted."""
+        now = view.now
+        pairs = self.queued(now)
+        residual = self.residual(now)
+        swap = self.swap_time()
+        if (
+            first_violation([q for _, q in pairs], view.active_model, residual, swap, self.solver.tail_aware)
+            is None
+        ):
+            self._check_due = False
+            return None
+        if now - self._last_solve < self.min_resolve_interval_s:
+            return self._last_solve + self.min_resolve_interval_s
+        self._check_due = False
+        self._last_solve = now
+        groups = [
+            GroupSpec(g.id, g.model, q.slack, {self.vq.name: q.costs}, current=self.vq.name) for g, q in pairs
+        ]
+        queues = [QueueSpec(self.vq.name, view.active_model, residual, swap)]
+        return groups, queues, {g.id: g for g, _ in pairs}
+
+    def _maybe_reorder(self, view: InstanceView) -> float | None:
+        """Violation check; solve when one is predicted. Returns a re-check time when debounced."""
+        problem = self._reorder_problem(view)
+        if isinstance(problem, float) or problem is None:
+            return problem
+        groups, queues, by_id = problem
+        self._install(solve(groups, queues, self.solver), by_id)
+        return None
+
+    def _install(self, plan: Plan, by_id: Mapping[int, RequestGroup]) -> None:
+        """Put the plan's order in the virtual queue. Groups that finished since the solve are
+        skipped; groups formed since then keep their place after the plan's (a plan solved on
+        another thread may be a little stale)."""
+        self.counters["solves"] += 1
+        self.solve_times.append(plan.solve_s)
+        if plan.status.startswith("edf"):
+            self.counters["fallbacks"] += 1
+        old_head = self.vq.head_group()
+        live = {id(g) for g in self.vq.groups if g.n_pending}
+        ordered = [by_id[gid] for gid in plan.order[self.vq.name] if id(by_id[gid]) in live]
+        placed = {id(g) for g in ordered}
+        started = [g for g in self.vq.groups if not g.n_pending]
+        newer = [g for g in self.vq.groups if g.n_pending and id(g) not in placed]
+        self.vq.replace(started + ordered + newer)
+        new_head = self.vq.head_group()
+        if new_head is not old_head:
+            self._reordered_head = new_head
+
+    def _swap_to(self, head: RequestGroup, view: InstanceView) -> Decision:
+        """Model swap LSO: load the head group's model (running requests are flushed by the engine)."""
+        upcoming = [head.model] + [g.model for g in self.vq.groups if g.n_pending]
+        sizes = {m: self.model_weights_bytes.get(m, view.profile.weights_bytes) for m in upcoming}
+        self.tiers.plan(upcoming, sizes, view.now)
+        self.gate.issue(head.model, sizes[head.model], view.now)
+        self._reordered_head = None
+        self.counters["model_swaps"] += 1
+        return Decision(run=[], load_model=head.model, preempt_mode=self.evict_mode)

@@ -1,0 +1,155 @@
+"""SeaLLM doubling-budget (DB) scheduling (seallm_spec §5, Alg. 2).
+
+Priority ``O_r = Q_r · L̂_s`` (smaller first), where ``Q_r`` is the execution-time budget the request
+has left and ``L̂_s`` its service's mean isolated execution time. The initial budget is
+``Q⁰_s = L̂_s + Var_s`` (Var_s: std of execution time); each decision charges running requests the wall
+time since the previous decision (the iterations they took part in); at exhaustion the k-th renewal
+grants ``2^k·Q⁰_s`` (flag ``doubling="constant"``: always ``2·Q⁰_s``), with no carry-over. A request
+that has not run for longer than its service's starvation threshold (default ``0.5·SLO_s``) seeds the
+next batch. Every batch holds one service: the seed's, filled in ``O`` order.
+
+The same ``DBBook`` drives the worker policy and the SeaLLM group simulator used by the planner.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from tessera.core.policy import Decision, InstanceView, Policy
+from tessera.core.request import Request
+
+Doubling = Literal["geometric", "constant"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStats:
+    """What DB needs of a service: mean and std of isolated execution time, and its starvation threshold."""
+
+    mean_exec_s: float
+    std_exec_s: float = 0.0
+    starvation_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if self.mean_exec_s <= 0 or self.std_exec_s < 0 or self.starvation_s <= 0:
+            raise ValueError(f"service stats need mean_exec_s > 0, std >= 0, starvation > 0; got {self}")
+
+    @property
+    def budget0(self) -> float:
+        """Q⁰_s = L̂_s + Var_s."""
+        return self.mean_exec_s + self.std_exec_s
+
+
+@dataclass(slots=True)
+class Budget:
+    """A request's DB state."""
+
+    left: float  # Q_r
+    renewals: int  # k_r
+    last_run: float  # end of its last iteration, or its arrival
+
+
+class DBBook:
+    """Budget bookkeeping of DB, independent of any engine (pure; time passed in)."""
+
+    def __init__(self, stats: dict[str, ServiceStats], doubling: Doubling = "geometric") -> None:
+        if doubling not in ("geometric", "constant"):
+            raise ValueError(f"doubling must be 'geometric' or 'constant', got {doubling!r}")
+        self.stats = stats
+        self.doubling = doubling
+
+    def start(self, service: str, arrival: float) -> Budget:
+        """The budget of a new request."""
+        return Budget(self.stats[service].budget0, 0, arrival)
+
+    def priority(self, service: str, b: Budget) -> float:
+        """O_r = Q_r · L̂_s."""
+        return b.left * self.stats[service].mean_exec_s
+
+    def charge(self, service: str, b: Budget, elapsed: float, now: float) -> None:
+        """Subtract ``elapsed`` seconds of execution; renew a used-up budget (doubling)."""
+        b.left -= elapsed
+        b.last_run = now
+        if b.left <= 1e-12:
+            b.renewals += 1
+            factor = 2.0**b.renewals if self.doubling == "geometric" else 2.0
+            b.left = factor * self.stats[service].budget0
+
+    def starved(self, service: str, b: Budget, now: float) -> bool:
+        """Whether the request has waited longer than its service's starvation threshold."""
+        return now - b.last_run > self.stats[service].starvation_s
+
+
+class DoublingBudget(Policy):
+    """SeaLLM's DB rule as a worker policy (one service per batch; preemptive at decision points).
+
+    ``services`` maps a request's model to its ServiceStats; a model without stats uses
+    ``default_exec_s`` (and no starvation threshold)."""
+
+    name: ClassVar[str] = "seallm"
+
+    def __init__(
+        self,
+        services: dict[str, ServiceStats] | None = None,
+        *,
+        doubling: Doubling = "geometric",
+        default_exec_s: float = 10.0,
+    ) -> None:
+        stats = dict(services or {})
+        self._default = ServiceStats(default_exec_s)
+        self.book = DBBook(stats, doubling)
+        self._held: dict[Request, Budget] = {}
+        self._last_now: float | None = None
+        self._running: set[Request] = set()
+
+    def _service(self, req: Request) -> str:
+        if req.model not in self.book.stats:
+            self.book.stats[req.model] = self._default
+        return req.model
+
+    def add(self, req: Request, now: float) -> None:
+        """A new request gets its initial budget Q⁰."""
+        budget = self.book.start(self._service(req), req.arrival)
+        self._held[req] = budget
+        req.annotations["db_budget"] = budget
+
+    def remove(self, req: Request, now: float) -> None:
+        """Forget a finished or cancelled request."""
+        self._held.pop(req, None)
+        self._running.discard(req)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Charge what ran since the last decision, then pick the seed and its service's batch."""
+        now = view.now
+        if self._last_now is not None:
+            elapsed = max(0.0, now - self._last_now)
+            for req in view.running:
+                b = self._held.get(req)
+                if b is not None:
+                    self.book.charge(req.model, b, elapsed, now)
+        self._last_now = now
+        if not self._held:
+            self._running = set()
+            return Decision(run=[])
+        book = self.book
+        starved = [(now - b.last_run, r) for r, b in self._held.items() if book.starved(r.model, b, now)]
+        if starved:
+            seed = max(starved, key=lambda x: (x[0], -x[1].arrival))[1]
+        else:
+            seed = min(self._held, key=lambda r: (book.priority(r.model, self._held[r]), r.arrival))
+        same = [(book.priority(r.model, b), r.arrival, i, r) for i, (r, b) in enumerate(self._held.items())]
+        same = [x for x in same if x[3].model == seed.model and x[3] is not seed]
+        run = (
+            [seed, *(x[3] for x in heapq.nsmallest(view.max_batch - 1, same))]
+            if view.max_batch > 1
+            else [seed]
+        )
+        self._running = set(run)
+        # Re-decide when the first running budget runs out, so demotion happens exactly at exhaustion.
+        soonest = min(self._held[r].left for r in run)
+        return Decision(run=run, recheck_at=now + soonest)

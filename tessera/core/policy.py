@@ -1,0 +1,241 @@
+"""The policy interface every scheduler implements and every engine drives.
+
+Protocol (the same for the simulator and the real-vLLM worker):
+
+1. The engine calls ``policy.add(req, now)`` when a request reaches the instance
+   and ``policy.remove(req, now)`` when it finishes or is cancelled. Between those
+   the policy owns the request's place in its queue.
+2. At every decision point — an arrival, a completion, an engine-side preemption,
+   or a re-check the policy asked for — the engine calls ``policy.schedule(view)``.
+3. The policy answers with a ``Decision``: ``run`` is the set of requests that
+   should be in the batch from now on, highest priority first. The engine keeps
+   running requests that are in ``run``, preempts running requests that are not,
+   and admits the others in order while the batch limit and KV capacity allow,
+   stopping at the first that does not fit (vLLM's head-of-line admission).
+4. When KV runs out mid-decode, the engine preempts the running request that
+   came last in the latest ``run`` (for FCFS: the latest arrival, as vLLM does)
+   and asks the policy again.
+
+5. Requests paused with ``preempt_mode="keep"`` hold their KV; when memory runs
+   short (admission or decode) the engine drops that KV first (they resume by
+   recompute). ``InstanceView.prefill_budget_tokens`` (additive, optional) tells how
+   many prefill tokens the engine admits per iteration.
+6. Optional, for policies with expensive work (ISRTF's predictor, QLM's MILP):
+   ``prepare(view)`` returns a callable or None. The worker calls ``prepare`` before
+   ``schedule`` and runs the callable on a thread, so its event loop keeps streaming; the
+   callable may only touch the policy's own state and numbers taken in ``prepare``. The
+   simulator never calls it: ``schedule`` does whatever work is still due itself.
+
+Policies never mutate requests' engine state (phase, generated, KV flags); they
+may write ``predicted_remaining`` and ``annotations``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import operator
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from tessera.core.profile import StepProfile
+from tessera.core.request import Phase, Request
+
+PreemptMode = Literal["recompute", "swap", "keep"]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """What a policy may see of one engine instance at a decision point (read-only)."""
+
+    now: float
+    instance: str
+    running: Sequence[Request]  # in the batch now, in admission order
+    max_batch: int  # the engine's batch-size limit (Chiron's local autoscaler moves it)
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    profile: StepProfile
+    active_model: str | None = None  # model whose weights are loaded (None: any / single-model)
+    iteration: int = 0  # engine iterations so far
+    # Prefill tokens the engine admits in one iteration (vLLM's max_num_batched_tokens; None: unbounded).
+    # Policies may use it, with kv_free_tokens, to avoid proposing admissions that cannot happen now.
+    prefill_budget_tokens: int | None = None
+    # Host swap space left for preempted KV, in tokens (None: unknown or no limit). Andes prices a
+    # preemption as a swap only while it fits; past that the engine recomputes.
+    swap_free_tokens: int | None = None
+
+    @property
+    def kv_free_tokens(self) -> int:
+        """KV tokens not held by resident requests."""
+        return self.kv_capacity_tokens - self.kv_used_tokens
+
+
+@dataclass(slots=True)
+class Decision:
+    """A policy's answer at one decision point (see the module docstring for semantics)."""
+
+    run: list[Request]
+    preempt_mode: PreemptMode | None = None  # how to preempt requests leaving the batch; None: engine default
+    load_model: str | None = None  # swap the instance to this model first (QLM model swapping)
+    recheck_after_tokens: int | None = None  # call schedule again after this many decode iterations
+    recheck_at: float | None = None  # ... or at this absolute time, whichever comes first
+
+
+class Policy(ABC):
+    """A scheduling policy: a pure object over its queue and the time passed in."""
+
+    name: ClassVar[str]
+    oracle: ClassVar[bool] = False  # reads Request.true_output_tokens: simulation only
+
+    @abstractmethod
+    def add(self, req: Request, now: float) -> None:
+        """A request arrived at this instance (or was routed back to it)."""
+
+    @abstractmethod
+    def remove(self, req: Request, now: float) -> None:
+        """A request left: finished or cancelled."""
+
+    @abstractmethod
+    def schedule(self, view: InstanceView) -> Decision:
+        """Decide which requests run from now on."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of requests the policy holds (waiting, preempted and running)."""
+
+
+@dataclass(order=True, slots=True)
+class _Entry:
+    key: tuple
+    seq: int
+    req: Request = field(compare=False)
+
+
+class PriorityPolicy(Policy):
+    """Run the requests with the smallest ``key`` first.
+
+    ``preemptive=False``: running requests keep their slots and only free slots are
+    filled from the queue (FCFS, EDF, SJF). ``preemptive=True``: every decision
+    re-ranks running and queued requests together and the top ``max_batch`` run
+    (SRTF). Keys of queued requests are assumed fixed while they wait; keys of
+    running requests are re-evaluated at every decision unless ``static_keys`` says
+    they never change (then the key computed at queueing time is reused). The queue
+    is popped only as far as the engine could admit now (free KV tokens, prefill
+    budget, batch slots), so a decision costs O(running + admitted·log queue),
+    independent of the queue length.
+    """
+
+    preemptive: ClassVar[bool] = False
+    static_keys: ClassVar[bool] = False  # key(req, now) never changes for a request
+
+    def __init__(self) -> None:
+        self._heap: list[_Entry] = []
+        self._queued: dict[int, _Entry] = {}  # id(req) -> live heap entry; lazy deletion
+        self._running: dict[int, _Entry] = {}
+        self._seq = itertools.count()
+
+    @abstractmethod
+    def key(self, req: Request, now: float) -> tuple:
+        """Priority key: smaller runs first."""
+
+    def add(self, req: Request, now: float) -> None:
+        """Queue a new request."""
+        self._push(req, now)
+
+    def remove(self, req: Request, now: float) -> None:
+        """Forget a finished or cancelled request."""
+        self._running.pop(id(req), None)
+        self._queued.pop(id(req), None)
+
+    def __len__(self) -> int:
+        return len(self._queued) + len(self._running)
+
+    def _push(self, req: Request, now: float) -> None:
+        entry = _Entry(self.key(req, now), next(self._seq), req)
+        self._queued[id(req)] = entry
+        heapq.heappush(self._heap, entry)
+
+    def _pop_queued(self) -> _Entry | None:
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            if self._queued.get(id(entry.req)) is entry:
+                del self._queued[id(entry.req)]
+                return entry
+        return None
+
+    def _sync_running(self, view: InstanceView) -> None:
+        """Requests the engine preempted on its own go back to the queue with a fresh key."""
+        mine = self._running
+        if len(view.running) == len(mine) and all(map(mine.__contains__, map(id, view.running))):
+            return  # the same set as after the last decision (the common case): nothing to sync
+        now_running = dict(zip(map(id, view.running), view.running, strict=True))
+        if len(now_running) != len(self._running) or not now_running.keys() >= self._running.keys():
+            for rid, entry in list(self._running.items()):
+                if rid not in now_running and entry.req.phase is not Phase.FINISHED:
+                    del self._running[rid]
+                    self._push(entry.req, view.now)
+        for rid in now_running.keys() - self._running.keys():  # set difference at C speed, not a batch loop
+            req = now_running[rid]
+            # A fresh entry: the queued one may still sit in the heap (lazy deletion) and must not change.
+            old = self._queued.pop(rid, None)
+            key = old.key if old is not None else self.key(req, view.now)
+            self._running[rid] = _Entry(key, next(self._seq), req)
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Keep or re-rank the running set, then fill free slots from the queue in key order."""
+        self._sync_running(view)
+        now = view.now
+        entries = list(self._running.values())
+        if not self.static_keys:  # fresh entries: an old one may still sit in the heap (lazy deletion)
+            entries = [_Entry(self.key(e.req, now), e.seq, e.req) for e in entries]
+            for entry in entries:
+                self._running[id(entry.req)] = entry
+        entries.sort(key=_entry_order)
+        if self.preemptive:
+            for entry in entries:
+                self._queued[id(entry.req)] = entry
+                heapq.heappush(self._heap, entry)
+            self._running.clear()
+            entries = []
+        run = list(map(_entry_req, entries))
+        former = entries if self.preemptive else []
+        # Admission room: the engine stops at the first request that does not fit, so popping
+        # further than the free KV tokens and the prefill budget allow would only churn the heap.
+        room = view.kv_free_tokens
+        budget = view.prefill_budget_tokens
+        while len(run) < view.max_batch:
+            entry = self._pop_queued()
+            if entry is None:
+                break
+            req = entry.req
+            if not req.kv_resident:
+                need = req.prompt_tokens + req.generated + 1
+                if room <= 0 or (budget is not None and budget <= 0 and not req.swapped):
+                    self._queued[id(req)] = entry  # cannot start now: stays queued
+                    heapq.heappush(self._heap, entry)
+                    break
+                room -= need
+                if budget is not None and not req.swapped:
+                    budget -= need
+            run.append(req)
+            self._running[id(req)] = entry
+        # Requests that were running keep their KV: they stay in the batch behind the stop point.
+        for entry in former:
+            if len(run) >= view.max_batch:
+                break
+            if id(entry.req) not in self._running:
+                del self._queued[id(entry.req)]
+                run.append(entry.req)
+                self._running[id(entry.req)] = entry
+        # Whatever the engine cannot admit returns to the queue at the next decision via _sync_running.
+        return Decision(run=run, recheck_after_tokens=self.recheck_tokens())
+
+    def recheck_tokens(self) -> int | None:
+        """Decode iterations until the policy wants to re-rank without an event (None: only on events)."""
+        return None
+
+
+_entry_order = operator.attrgetter("key", "seq")
+_entry_req = operator.attrgetter("req")

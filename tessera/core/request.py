@@ -1,0 +1,111 @@
+"""Request state shared by every policy and engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+from tessera.core.timeline import TokenTimeline
+
+
+class Phase(StrEnum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"  # queued, never run
+    RUNNING = "running"  # in the engine's current batch
+    PREEMPTED = "preempted"  # ran before, now out of the batch (KV swapped or dropped)
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceClass:
+    """A request class as the scheduler sees it (derived from the RequestClass custom resource).
+
+    ``ttft_slo_s`` / ``itl_slo_s`` are the interactive SLOs; ``deadline_s`` is the
+    completion deadline of batch work, relative to arrival. ``reading_speed_tps`` and
+    ``ttft_target_s`` are Andes' QoE parameters (r and T*); ``ttft_target_s`` None
+    means Andes' default ``max(P / 5000, 1)`` seconds.
+    """
+
+    name: str = "default"
+    kind: Literal["interactive", "batch"] = "interactive"
+    ttft_slo_s: float | None = None
+    itl_slo_s: float | None = None
+    deadline_s: float | None = None
+    reading_speed_tps: float = 4.8
+    ttft_target_s: float | None = None
+    priority: int = 0
+
+    def slo_deadline(self, arrival: float) -> float:
+        """Absolute time by which the request's SLO wants it served (first token, or completion
+        for batch classes); +inf when the class has no SLO."""
+        if self.kind == "batch" and self.deadline_s is not None:
+            return arrival + self.deadline_s
+        if self.ttft_slo_s is not None:
+            return arrival + self.ttft_slo_s
+        if self.deadline_s is not None:
+            return arrival + self.deadline_s
+        return float("inf")
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One inference request: static description plus the state engines update.
+
+    ``true_output_tokens`` is the real output length; only the simulator knows it
+    (it decides when the request finishes there) and only oracle policies may read
+    it. ``max_tokens`` is the client's cap. Identity is by object (``eq=False``), so
+    requests can sit in sets and dicts.
+    """
+
+    id: str
+    arrival: float
+    prompt_tokens: int
+    max_tokens: int
+    model: str = "default"
+    service_class: ServiceClass = field(default_factory=ServiceClass)
+    true_output_tokens: int | None = None
+    prompt_text: str | None = None
+    response_text: str | None = None  # simulation: the text the model "generates" (predictor input)
+
+    phase: Phase = Phase.WAITING
+    generated: int = 0
+    kv_resident: bool = False  # KV blocks held on the instance (running, or paused with KV kept)
+    swapped: bool = False  # KV lives in host memory (preempted by swap)
+    instance: str | None = None
+    first_scheduled_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+    swaps: int = 0
+    evictions: int = 0
+    tokens: TokenTimeline = field(default_factory=TokenTimeline)
+    predicted_remaining: float | None = None  # set by length-aware policies
+    annotations: dict[str, object] = field(default_factory=dict)  # policy scratch, never read by engines
+
+    @property
+    def target_output_tokens(self) -> int:
+        """Tokens this request will produce in simulation: the true length capped by max_tokens."""
+        if self.true_output_tokens is None:
+            return self.max_tokens
+        return min(self.true_output_tokens, self.max_tokens)
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens in the KV cache while resident: prompt plus generated."""
+        return self.prompt_tokens + self.generated
+
+    @property
+    def first_token_at(self) -> float | None:
+        """Delivery time of the first output token."""
+        return self.tokens.first_time()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request has completed."""
+        return self.phase is Phase.FINISHED
+
+    @property
+    def slo_deadline(self) -> float:
+        """Absolute SLO deadline from the request's class."""
+        return self.service_class.slo_deadline(self.arrival)

@@ -1,0 +1,131 @@
+"""Per-request metrics, the one definition of "SLO met", and the benchmark contract's summary.
+
+Definitions (elis_andes_spec §0.4): TTFT = first token − arrival; JCT = finish −
+arrival; ITL of a request = (last − first) / (n − 1) (CHOICE: ``mean_itl_s`` is the
+mean over requests with ≥ 2 tokens); normalized latency = JCT / output tokens;
+p99 latency = p99 of end-to-end latency (seallm_spec §9.4). SLO attainment:
+interactive requests meet TTFT ≤ SLO and mean ITL ≤ ITL SLO where set; batch
+requests finish by their deadline; requests whose class has no SLO are left out.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tessera.core.request import Request
+
+
+def ttft(req: Request) -> float:
+    """Time to first token."""
+    first = req.tokens.first_time()
+    if first is None:
+        raise ValueError(f"request {req.id} has no token")
+    return first - req.arrival
+
+
+def jct(req: Request) -> float:
+    """Job completion time."""
+    if req.finished_at is None:
+        raise ValueError(f"request {req.id} did not finish")
+    return req.finished_at - req.arrival
+
+
+def mean_itl(req: Request) -> float | None:
+    """Mean inter-token latency of one request (None with fewer than 2 tokens)."""
+    n = req.tokens.total
+    if n < 2:
+        return None
+    first = req.tokens.first_time()
+    assert first is not None
+    return (req.tokens.last_time() - first) / (n - 1)
+
+
+def slo_met(req: Request) -> bool | None:
+    """Whether the request met its class's SLO (None when the class has none)."""
+    sc = req.service_class
+    if sc.kind == "batch":
+        if sc.deadline_s is None:
+            return None
+        return jct(req) <= sc.deadline_s + 1e-9
+    if sc.ttft_slo_s is None and sc.itl_slo_s is None:
+        return None
+    ok = True
+    if sc.ttft_slo_s is not None:
+        ok = ttft(req) <= sc.ttft_slo_s + 1e-9
+    if sc.itl_slo_s is not None:
+        itl = mean_itl(req)
+        ok = ok and (itl is None or itl <= sc.itl_slo_s + 1e-9)
+    return ok
+
+
+def _qoe_function() -> Any:
+    try:
+        from tessera.core.qoe import request_qoe
+    except ImportError:
+        return None
+    return request_qoe
+
+
+def _p99(values: np.ndarray) -> float:
+    return float(np.percentile(values, 99))
+
+
+def summarize(
+    requests: Sequence[Request],
+    *,
+    gpu_seconds: float | None = None,
+    makespan_s: float | None = None,
+    swaps: int | None = None,
+    wall_s: float | None = None,
+    qoe: bool = True,
+) -> dict[str, Any]:
+    """The contract's metric keys over finished ``requests``; unfinished ones raise."""
+    if not requests:
+        raise ValueError("no requests to summarize")
+    unfinished = [r.id for r in requests if not r.finished]
+    if unfinished:
+        raise ValueError(f"{len(unfinished)} requests unfinished (first {unfinished[0]})")
+    ttfts = np.array([ttft(r) for r in requests])
+    jcts = np.array([jct(r) for r in requests])
+    outs = np.array([r.generated for r in requests], dtype=float)
+    itls = [x for x in (mean_itl(r) for r in requests) if x is not None]
+    if makespan_s is None:
+        makespan_s = max(r.finished_at or 0.0 for r in requests) - min(r.arrival for r in requests)
+    out: dict[str, Any] = {
+        "requests": len(requests),
+        "mean_ttft_s": float(ttfts.mean()),
+        "p99_ttft_s": _p99(ttfts),
+        "mean_itl_s": float(np.mean(itls)) if itls else None,
+        "mean_jct_s": float(jcts.mean()),
+        "p99_jct_s": _p99(jcts),
+        "normalized_latency_mean": float((jcts / outs).mean()),
+        "p99_latency_s": _p99(jcts),
+    }
+    by_class: dict[str, list[bool]] = defaultdict(list)
+    for r in requests:
+        met = slo_met(r)
+        if met is not None:
+            by_class[r.service_class.name].append(met)
+    if by_class:
+        everything = [m for ms in by_class.values() for m in ms]
+        out["slo_attainment"] = sum(everything) / len(everything)
+        out["slo_attainment_by_class"] = {k: sum(v) / len(v) for k, v in sorted(by_class.items())}
+    request_qoe = _qoe_function() if qoe else None
+    if request_qoe is not None:
+        qoes = np.array([request_qoe(r) for r in requests])
+        out["avg_qoe"] = float(qoes.mean())
+        out["qoe_ge_095_share"] = float((qoes >= 0.95).mean())
+    out["throughput_rps"] = len(requests) / makespan_s if makespan_s > 0 else None
+    out["output_tokens_per_s"] = float(outs.sum()) / makespan_s if makespan_s > 0 else None
+    if gpu_seconds is not None:
+        out["gpu_seconds"] = gpu_seconds
+    out["preemptions"] = int(sum(r.preemptions for r in requests))
+    if swaps is not None:
+        out["swaps"] = swaps
+    if wall_s is not None:
+        out["wall_s"] = wall_s
+    return out

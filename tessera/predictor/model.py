@@ -1,0 +1,169 @@
+"""The trained ELIS length predictor behind the ``LengthPredictor`` interface.
+
+``predict_remaining`` embeds, in one batched encoder pass, only what is new since a request's last
+prediction: its prompt on first sight (``Predictor.init``) and its answer chunks not yet embedded
+(``Predictor.iter``); finished chunks are cached per request id (LRU). The text generated so far is
+the first ``req.generated`` served tokens of ``req.response_text``, so the simulator can hand over the
+whole response and a real worker the streamed text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tessera.core.request import Request
+from tessera.predictor.encoder import ChunkEncoder
+from tessera.predictor.features import answer_spans, build_features, prompt_chunk, repetition_stats
+from tessera.predictor.head import LengthHead
+from tessera.predictor.samples import EmbeddingStore, chunk_key, shares_tokenizer
+from tessera.predictor.tokens import TokenCounter, token_counter
+from tessera.predictor.train import DEFAULT_ARTIFACT_DIR, HEAD_FILE, META_FILE
+
+
+@dataclass(slots=True)
+class _Entry:
+    prompt_emb: np.ndarray
+    prompt_tokens: int
+    full_chunks: list[np.ndarray] = field(default_factory=list)  # embeddings of complete answer chunks
+
+
+def load_metadata(artifact_dir: str | Path | None = None) -> dict:
+    """The artifact's head.json (default: the one shipped with the package)."""
+    path = Path(artifact_dir or DEFAULT_ARTIFACT_DIR) / META_FILE
+    if not path.is_file():
+        raise ValueError(f"no trained predictor at {path.parent}: run `tessera predictor train --out DIR`")
+    return json.loads(path.read_text())
+
+
+class TextLengthPredictor:
+    """Frozen encoder + trained head; predicts remaining output tokens from prompt and text so far."""
+
+    def __init__(
+        self,
+        artifact_dir: str | Path | None = None,
+        tokenizer: str | None = None,
+        threads: int | None = None,
+        cache_size: int = 8192,
+        encoder: ChunkEncoder | None = None,
+        store: EmbeddingStore | None = None,
+    ) -> None:
+        self.meta = load_metadata(artifact_dir)
+        spec = "minilm" if self.meta["encoder"] == "all-MiniLM-L6-v2" else self.meta["encoder"]
+        self.encoder = encoder or ChunkEncoder(
+            spec, self.meta["encoder_layers"], self.meta["quantize"], threads
+        )
+        if self.encoder.signature() != self.meta["encoder_signature"]:
+            raise ValueError(
+                f"encoder {self.encoder.signature()} differs from the one the head was trained on "
+                f"({self.meta['encoder_signature']}): retrain with `tessera predictor train`"
+            )
+        state = torch.load(Path(artifact_dir or DEFAULT_ARTIFACT_DIR) / HEAD_FILE, map_location="cpu")
+        self.head = LengthHead(
+            self.meta["feature_dim"],
+            self.meta["hidden"],
+            self.meta["depth"],
+            self.meta["target_scale"],
+            self.meta.get("dropout", 0.0),  # artifacts from before the setting had none
+        )
+        self.head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        self.head.eval()
+        steps = self.meta["steps"]
+        self.chunk_tokens = int(steps["chunk_tokens"])
+        self.prompt_max_tokens = int(steps["prompt_max_tokens"])
+        self.window = int(steps["window"])
+        self.served: TokenCounter = token_counter(tokenizer)
+        self.same_tokenizer = shares_tokenizer(self.served, self.encoder)
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, _Entry] = OrderedDict()
+        self.chunks_embedded = 0  # total encoder inputs so far (prompts + answer chunks)
+        # Optional content-addressed store shared across runs (replaying the same texts, e.g. the same
+        # trace under several policies, embeds each chunk once); None: every new chunk is embedded.
+        self.store = store
+
+    def forget(self, req: Request) -> None:
+        """Drop a finished request's cached embeddings."""
+        self._cache.pop(req.id, None)
+
+    def predict_remaining(self, requests: Sequence[Request]) -> list[float]:
+        """Predicted remaining output tokens, one per request (one encoder and one head pass)."""
+        if not requests:
+            return []
+        for req in requests:
+            if req.prompt_text is None:
+                raise ValueError(
+                    f"request {req.id} has no prompt text: the text predictor needs prompt_text "
+                    "(use a trace with prompts, or the running-mean/constant predictor)"
+                )
+        cut = self.served.first_tokens(
+            [(r.response_text or "") if r.generated else "" for r in requests],
+            [r.generated for r in requests],
+        )
+        # As in training (build_samples): the served ids themselves when the encoder shares the tokenizer.
+        answer_ids = (
+            [ids for ids, _ in cut] if self.same_tokenizer else self.encoder.ids([text for _, text in cut])
+        )
+        # This call's entries, held here: storing new prompts may evict cached ones (LRU bound).
+        entries = {r.id: self._cache[r.id] for r in requests if r.id in self._cache}
+        new_prompts = [i for i, r in enumerate(requests) if r.id not in entries]
+        prompt_pieces = self.encoder.ids([requests[i].prompt_text or "" for i in new_prompts])
+        jobs: list[list[int]] = [prompt_chunk(ids, self.prompt_max_tokens) for ids in prompt_pieces]
+        plan: list[tuple[list[tuple[int, int]], int]] = []  # per request: spans, first span to embed
+        for i, req in enumerate(requests):
+            spans = answer_spans(len(answer_ids[i]), self.chunk_tokens)
+            cached = len(entries[req.id].full_chunks) if req.id in entries else 0
+            first = min(cached, len(spans))
+            plan.append((spans, first))
+            jobs.extend(answer_ids[i][s:e] for s, e in spans[first:])
+        vecs = self._embed(jobs)
+        for j, i in enumerate(new_prompts):
+            entries[requests[i].id] = _Entry(vecs[j], requests[i].prompt_tokens)
+            self._store(requests[i].id, entries[requests[i].id])
+        cursor = len(new_prompts)
+        feats = []
+        for i, req in enumerate(requests):
+            entry = entries[req.id]
+            if req.id in self._cache:
+                self._cache.move_to_end(req.id)
+            spans, first = plan[i]
+            fresh = vecs[cursor : cursor + len(spans) - first]
+            cursor += len(spans) - first
+            embs = [*entry.full_chunks[:first], *fresh]
+            for k in range(len(entry.full_chunks), len(spans)):  # cache newly completed chunks
+                if spans[k][1] - spans[k][0] == self.chunk_tokens:
+                    entry.full_chunks.append(embs[k])
+            lens = [e - s for s, e in spans]
+            stack = np.stack(embs) if embs else np.zeros((0, self.encoder.dim), dtype=np.float32)
+            rep = repetition_stats(answer_ids[i], self.chunk_tokens)
+            feats.append(
+                build_features(entry.prompt_emb, stack, lens, req.generated, entry.prompt_tokens, rep)
+            )
+        preds = self.head.predict_tokens(torch.from_numpy(np.stack(feats)))
+        return [float(p) for p in preds]
+
+    def _embed(self, jobs: list[list[int]]) -> np.ndarray:
+        """Embeddings of ``jobs`` in one encoder pass; chunks in the shared store are not re-embedded."""
+        out = np.zeros((len(jobs), self.encoder.dim), dtype=np.float32)
+        keys = [chunk_key(ids) for ids in jobs] if self.store is not None else []
+        todo = [j for j in range(len(jobs)) if self.store is None or keys[j] not in self.store.vectors]
+        if todo:
+            out[todo] = self.encoder.embed([jobs[j] for j in todo])
+            self.chunks_embedded += len(todo)
+        if self.store is not None:
+            for j, key in enumerate(keys):
+                if key in self.store.vectors:
+                    out[j] = self.store.vectors[key]
+                else:
+                    self.store.vectors[key] = out[j]
+        return out
+
+    def _store(self, key: str, entry: _Entry) -> None:
+        self._cache[key] = entry
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)

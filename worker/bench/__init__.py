@@ -1,1 +1,0 @@
-"""Benchmarks of the worker on real vLLM (scenarios of `tessera bench`)."""

@@ -1,6 +1,0 @@
-"""QLM (Patke et al., SoCC'24): request groups, virtual queues, the RWT estimator, the MILP global
-scheduler with EDF fallback, and the four LLM serving operations (qlm_chiron_spec part A)."""
-
-from tessera.worker.policies.qlm.policy import QLMPolicy
-
-__all__ = ["QLMPolicy"]
