@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from tessera.core.policy import Policy
 from tessera.core.profile import StepProfile
 from tessera.core.request import Request
+from tessera.core.routing import ROUTES, InstanceLoad, RouteRequest, make_route
 from tessera.sim.engine import EngineConfig, Instance
 
 INF = float("inf")
@@ -61,48 +62,33 @@ class Router(ABC):
         global queue until a controller dispatches it."""
 
 
-def _candidates(req: Request, view: ClusterView) -> list[Instance]:
-    cands = view.serving(req.model)
-    if not cands:
-        raise RuntimeError(f"no instance serves model {req.model!r} (request {req.id})")
-    ready = [i for i in cands if i.ready_at <= view.now]
-    return ready or [min(cands, key=lambda i: i.ready_at)]
+class RouteRouter(Router):
+    """A core route (``tessera.core.routing``: filters, scorers, a picker) over the simulated instances:
+    the live router composes its routing from the same plugins."""
 
-
-class RoundRobin(Router):
-    """Cycle through the ready instances that serve the request's model."""
-
-    name = "round-robin"
-
-    def __init__(self) -> None:
-        self._next = 0
+    def __init__(self, route: str) -> None:
+        self.name = route
+        self.rule = make_route(route)
 
     def route(self, req: Request, view: ClusterView) -> Instance:
-        """The next instance in turn."""
-        cands = _candidates(req, view)
-        inst = cands[self._next % len(cands)]
-        self._next += 1
-        return inst
-
-
-class LeastLoaded(Router):
-    """The ready instance with the fewest outstanding requests (ties: the first)."""
-
-    name = "least-loaded"
-
-    def route(self, req: Request, view: ClusterView) -> Instance:
-        """The least-loaded candidate."""
-        return min(_candidates(req, view), key=lambda i: i.outstanding)
-
-
-ROUTERS: dict[str, type[Router]] = {"round-robin": RoundRobin, "least-loaded": LeastLoaded}
+        """The instance the core route picks among those serving ``req``'s model."""
+        cands = view.serving(req.model)
+        if not cands:
+            raise RuntimeError(f"no instance serves model {req.model!r} (request {req.id})")
+        loads = [
+            InstanceLoad(i.name, req.model, i.role, i.profiles[req.model], i.max_batch, i.outstanding,
+                         True, i.ready_at)
+            for i in cands
+        ]  # fmt: skip
+        chosen = self.rule.pick(RouteRequest(req.model, req.service_class.kind, now=view.now), loads)
+        return next(i for i, x in zip(cands, loads, strict=True) if x is chosen)
 
 
 def make_router(name: str) -> Router:
-    """A router by name; ValueError naming the known ones otherwise."""
-    if name not in ROUTERS:
-        raise ValueError(f"unknown router {name!r}; known routers: {', '.join(ROUTERS)}")
-    return ROUTERS[name]()
+    """A router by route name (``tessera.core.routing.ROUTES``); ValueError naming the known ones."""
+    if name not in ROUTES:
+        raise ValueError(f"unknown router {name!r}; known routers: {', '.join(ROUTES)}")
+    return RouteRouter(name)
 
 
 # ---- controller actions -----------------------------------------------------------------------

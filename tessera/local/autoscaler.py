@@ -26,11 +26,11 @@ from tessera.control.metrics_queries import snapshot_from_results
 from tessera.control.pool_plan import GroupScaling, group_scaling
 from tessera.core.planners import AutoscalerState, RoleCounts
 from tessera.core.planners.chiron import chiron_decide
+from tessera.core.routing import InstanceLoad
 from tessera.local.control_plane import LocalGroup
 from tessera.local.scrape import Counters, results_from_scrapes
 from tessera.local.supervisor import Supervisor, WorkerProcess
 from tessera.router.app import RouterState
-from tessera.router.balancer import InstanceLoad
 
 DRAIN_POLL_S = 0.2
 SCRAPE_TIMEOUT_S = 2.0

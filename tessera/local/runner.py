@@ -1,6 +1,7 @@
 """Local mode end to end: plan, start the workers, serve the router, optionally drive a trace and report.
 
-The thin, I/O-owning layer over the pure pieces (``control_plane``, ``balancer``, ``load``, ``report``).
+The thin, I/O-owning layer over the pure pieces (``control_plane``, ``load``, ``report``, the core's
+routing).
 ``compare_policies`` replays the same workload twice on the same running engines, the second time
 under another policy (switched in place), and prints the two reports side by side.
 """

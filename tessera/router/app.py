@@ -1,10 +1,10 @@
 """The router: one OpenAI endpoint in front of every worker instance.
 
-``POST /v1/completions`` and ``/v1/chat/completions`` (streaming or not) go to an instance chosen by
-``tessera.router.balancer.choose`` (model, class, least estimated waiting time); the worker's answer is
-relayed as it comes, status and headers included. ``GET /v1/models`` lists every model served,
-``/health`` answers while the process lives, ``/ready`` when at least one instance is ready,
-``/router/status`` shows the instances, their load and estimated waits, and the classes, and
+``POST /v1/completions`` and ``/v1/chat/completions`` (streaming or not) go to an instance chosen by the
+core's ``least-wait`` route (``tessera.core.routing``: model, class roles, least estimated waiting
+time); the worker's answer is relayed as it comes, status and headers included. ``GET /v1/models`` lists
+every model served, ``/health`` answers while the process lives, ``/ready`` when at least one instance
+is ready, ``/router/status`` shows the instances, their load and estimated waits, and the classes, and
 ``/metrics`` exports the same view and what clients saw to Prometheus (``tessera.router.metrics``).
 Every error, the router's own 404 and 405 included, is an OpenAI-style body.
 
@@ -43,9 +43,16 @@ from tessera.api.openai_errors import ApiError
 from tessera.api.worker_config import WorkerConfig
 from tessera.core.policies.qlm.estimator import TokenStats
 from tessera.core.request import ServiceClass
+from tessera.core.routing import (
+    DEFAULT_Z,
+    InstanceLoad,
+    RouteRequest,
+    estimated_wait,
+    make_route,
+    seed_stats,
+)
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
-from tessera.router.balancer import DEFAULT_Z, InstanceLoad, choose, estimated_wait, seed_stats
 from tessera.router.headers import downstream_headers, upstream_headers
 from tessera.router.limits import RouterLimits
 from tessera.router.metrics import RouterMetrics
@@ -109,10 +116,11 @@ def class_infos(config: WorkerConfig) -> dict[str, ClassInfo]:
 
 
 class RouterState:
-    """Instances, their loads and the token statistics the balancer uses."""
+    """Instances, their loads and the token statistics the route uses."""
 
     def __init__(self, backends: Sequence[Backend], *, z: float = DEFAULT_Z) -> None:
         self.z = z
+        self.route = make_route("least-wait", **{"estimated-wait": {"z": z}})
         self.backends: dict[str, Backend] = {}
         self.loads: dict[tuple[str, str], InstanceLoad] = {}
         self.configs: dict[str, WorkerConfig] = {}  # model -> configuration of its first instance
@@ -168,7 +176,7 @@ class RouterState:
     def pick(self, model: str, kind: str, exclude: set[str]) -> InstanceLoad:
         """The instance for a request (not one of ``exclude``)."""
         loads = [x for x in self.loads.values() if x.instance not in exclude]
-        return choose(loads, model, kind, self.stats[model], self.z)
+        return self.route.pick(RouteRequest(model, kind, self.stats[model]), loads)
 
     def set_health(self, backend: str, healthy: bool) -> None:
         """Take an instance in or out of the rotation."""

@@ -49,7 +49,7 @@ class _InstanceCollector(Collector):
         )
         wait = GaugeMetricFamily(
             "tessera_router_estimated_wait_seconds",
-            "QLM-estimated waiting time of a new request on the instance (what the balancer compares).",
+            "QLM-estimated waiting time of a new request on the instance (what the route compares).",
             labels=labels,
         )
         for row in self.rows():

@@ -25,7 +25,7 @@ import httpx
 from fastapi import Request as HttpRequest
 
 from tessera.api.openai_errors import ApiError
-from tessera.router.balancer import InstanceLoad, NoInstance
+from tessera.core.routing import InstanceLoad, NoInstance
 from tessera.router.metrics import RouterMetrics
 
 if TYPE_CHECKING:

@@ -1,4 +1,5 @@
-"""The router's balancer: route by model and class role, least QLM-estimated wait, deterministic ties."""
+"""Routing plugins (tessera.core.routing): the live router's least-wait route (model, class role, least
+QLM-estimated wait, deterministic ties), the simulator's routes, and plugin validation."""
 
 from __future__ import annotations
 
@@ -6,9 +7,30 @@ import pytest
 
 from tessera.core.policies.qlm.estimator import EngineRates, request_wait
 from tessera.core.profile import StepProfile
-from tessera.router.balancer import InstanceLoad, NoInstance, choose, eligible, estimated_wait, seed_stats
+from tessera.core.routing import (
+    InstanceLoad,
+    NoInstance,
+    RouteRequest,
+    RouteSpec,
+    ScorerSpec,
+    build_route,
+    class_roles,
+    estimated_wait,
+    healthy,
+    make_route,
+    seed_stats,
+)
 
 PROFILE = StepProfile("m", 0.01, 0.001, 0.0, 0.01, 0.0001, kv_capacity_tokens=1_000_000)
+
+
+def choose(loads: list[InstanceLoad], model: str, kind: str, stats: object) -> InstanceLoad:
+    """The live router's pick."""
+    return make_route("least-wait").pick(RouteRequest(model, kind, stats), loads)  # type: ignore[arg-type]
+
+
+def eligible(loads: list[InstanceLoad], kind: str) -> list[InstanceLoad]:
+    return class_roles(RouteRequest("m", kind), healthy(RouteRequest("m", kind), loads))
 
 
 def load(name: str, *, role: str = "interactive", batch: int = 4, outstanding: int = 0,
@@ -67,3 +89,33 @@ def test_all_interactive_plan_still_serves_batch_and_unknown_model_or_unhealthy_
         choose([load("i1", healthy=False), load("i2", outstanding=50)], "m", "interactive", stats).instance
         == "i2"
     )
+
+
+def test_simulator_routes_least_loaded_takes_the_first_of_ties_and_round_robin_cycles() -> None:
+    loads = [load("a", outstanding=1), load("b"), load("c")]
+    req = RouteRequest("m", "interactive")
+    assert make_route("least-loaded").pick(req, loads).instance == "b"
+    rr = make_route("round-robin")
+    assert [rr.pick(req, loads).instance for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_started_filter_prefers_running_instances_else_the_one_that_starts_first() -> None:
+    warming = [load("a"), load("b")]
+    warming[0].ready_at, warming[1].ready_at = 30.0, 20.0
+    assert make_route("least-loaded").pick(RouteRequest("m", now=10.0), warming).instance == "b"
+    assert make_route("least-loaded").pick(RouteRequest("m", now=40.0), warming).instance == "a"
+
+
+def test_routes_validate_plugins_and_their_typed_settings() -> None:
+    with pytest.raises(ValueError, match="unknown filter 'nope'"):
+        build_route("x", RouteSpec(filters=("nope",)))
+    with pytest.raises(ValueError, match="unknown scorer 'fast'"):
+        build_route("x", RouteSpec(filters=(), scorers=(ScorerSpec(name="fast"),)))
+    with pytest.raises(ValueError, match="bad settings for scorer 'estimated-wait'"):
+        make_route("least-wait", **{"estimated-wait": {"z": -1}})
+    with pytest.raises(ValueError, match="unknown route"):
+        make_route("fastest")
+    stats = seed_stats()
+    busy = [load("a", batch=1, outstanding=3), load("b", batch=1, outstanding=2)]
+    z0 = make_route("least-wait", **{"estimated-wait": {"z": 0.0}})
+    assert z0.pick(RouteRequest("m", "interactive", stats), busy).instance == "b"

@@ -1,0 +1,275 @@
+"""Routing as small named plugins: filters narrow the instances a request may go to, scorers rank
+them, a picker chooses. A ``Route`` composes them from a ``RouteSpec`` (plugin names with typed
+parameters), the way llm-d's scheduler composes its filter, scorer and picker plugins. The live
+router and the simulator's cluster both build their routing here, so a routing rule that a bench
+measures is the rule that runs.
+
+Pure: a plugin sees a ``RouteRequest`` and ``InstanceLoad`` records that the caller fills from its
+world (the router from its polls and relays, the simulator from its instances); time is passed in.
+
+The built-in routes:
+
+- ``least-wait`` (the live router's): the request's model, healthy instances, its class's roles
+  (Chiron's instance roles: an interactive request goes to interactive instances, else mixed ones; a
+  batch request to batch instances, else mixed ones; when the model has no instance of an eligible
+  role, every instance is eligible — CHOICE: serve rather than refuse); then the least QLM-estimated
+  waiting time (QLM's load-balancing LSO: the output tokens of the requests that must leave the batch
+  before this one starts, over the instance's token throughput, at the z-quantile of their normal
+  sum; an instance with a free batch slot starts the request at once), ties to the class's own role,
+  then fewer outstanding requests, then the name.
+- ``least-loaded`` (the simulator's default): the request's model, started instances (else the one
+  that starts first), fewest outstanding requests, ties to the first.
+- ``round-robin``: the same candidates, taken in turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tessera.core.policies.qlm.estimator import EngineRates, TokenStats, request_wait
+from tessera.core.profile import StepProfile
+
+Role = Literal["interactive", "mixed", "batch"]
+
+# Eligible roles of a class kind, most preferred first.
+ELIGIBLE_ROLES: dict[str, tuple[Role, ...]] = {
+    "interactive": ("interactive", "mixed"),
+    "batch": ("batch", "mixed"),
+}
+DEFAULT_Z = 1.0  # quantile of the waiting-time estimate (QLM's default confidence, about the 84th percentile)
+
+
+class NoInstance(LookupError):
+    """No instance may serve the request."""
+
+
+@dataclass(slots=True)
+class InstanceLoad:
+    """What routing knows about one model on one instance."""
+
+    instance: str
+    model: str
+    role: str  # "interactive", "mixed" or "batch"; any other role is eligible only when none of those is
+    profile: StepProfile | None
+    batch_size: int  # most requests in flight (the instance's current batch size)
+    outstanding: int = 0  # requests sent there that have not ended
+    healthy: bool = True
+    ready_at: float = 0.0  # when the instance starts serving (the simulator's cold starts)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """The request being routed, as routing sees it."""
+
+    model: str
+    kind: str = ""  # class kind: "interactive", "batch", or "" when unknown
+    stats: TokenStats | None = None  # the model's token statistics (for the waiting-time estimate)
+    now: float = 0.0
+
+
+def seed_stats() -> TokenStats:
+    """Token statistics of a model before any request finished (QLM seeds them offline; CHOICE: 512 in,
+    128 +- 128 out); the router updates them by EWMA from the requests it relays."""
+    return TokenStats(mu_in=512.0, mu_out=128.0, var_out=128.0**2)
+
+
+def estimated_wait(load: InstanceLoad, stats: TokenStats, z: float = DEFAULT_Z) -> float:
+    """Estimated seconds before a new request starts on ``load``'s instance (QLM's RWT)."""
+    ahead = max(0, load.outstanding + 1 - load.batch_size)
+    if ahead == 0:
+        return 0.0
+    if load.profile is None:
+        raise ValueError(f"instance {load.instance} has no step profile: the wait cannot be estimated")
+    rates = EngineRates(load.profile, max(1, load.batch_size))
+    return request_wait([(ahead, stats, rates.theta(stats))], z)
+
+
+# ---- plugins ----------------------------------------------------------------------------------------
+
+Filter = Callable[[RouteRequest, list[InstanceLoad]], list[InstanceLoad]]
+Scorer = Callable[[RouteRequest, InstanceLoad], Any]  # lower is better
+
+
+def serves_model(req: RouteRequest, loads: list[InstanceLoad]) -> list[InstanceLoad]:
+    """Instances of the request's model."""
+    return [x for x in loads if x.model == req.model]
+
+
+def healthy(req: RouteRequest, loads: list[InstanceLoad]) -> list[InstanceLoad]:
+    """Instances in the rotation."""
+    return [x for x in loads if x.healthy]
+
+
+def class_roles(req: RouteRequest, loads: list[InstanceLoad]) -> list[InstanceLoad]:
+    """Instances of a role the request's class may use; every instance when none has one."""
+    roles = ELIGIBLE_ROLES.get(req.kind, ("interactive", "mixed", "batch"))
+    return [x for x in loads if x.role in roles] or loads
+
+
+def started(req: RouteRequest, loads: list[InstanceLoad]) -> list[InstanceLoad]:
+    """Instances already serving at ``req.now``; else the one that starts first."""
+    ready = [x for x in loads if x.ready_at <= req.now]
+    return ready or ([min(loads, key=lambda x: x.ready_at)] if loads else [])
+
+
+class WaitSettings(BaseModel):
+    """Parameters of the ``estimated-wait`` scorer."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    z: float = Field(DEFAULT_Z, ge=0.0, le=5.0, description="quantile of the waiting-time estimate")
+
+
+def wait_scorer(settings: WaitSettings) -> Scorer:
+    """Least QLM-estimated waiting time (rounded to 1 ns, so that ties fall to the next scorer)."""
+
+    def score(req: RouteRequest, load: InstanceLoad) -> float:
+        if req.stats is None:
+            raise ValueError("the estimated-wait scorer needs the model's token statistics")
+        return round(estimated_wait(load, req.stats, settings.z), 9)
+
+    return score
+
+
+def role_preference(req: RouteRequest, load: InstanceLoad) -> int:
+    """The class's own role before mixed, before any other."""
+    roles = ELIGIBLE_ROLES.get(req.kind, ())
+    return roles.index(load.role) if load.role in roles else len(roles)
+
+
+def outstanding(req: RouteRequest, load: InstanceLoad) -> int:
+    """Fewer outstanding requests first."""
+    return load.outstanding
+
+
+def by_name(req: RouteRequest, load: InstanceLoad) -> str:
+    """Deterministic ties: by instance name."""
+    return load.instance
+
+
+class NoSettings(BaseModel):
+    """A plugin without parameters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _fixed(scorer: Scorer) -> Callable[[NoSettings], Scorer]:
+    return lambda _settings: scorer
+
+
+FILTERS: dict[str, Filter] = {
+    "serves-model": serves_model,
+    "healthy": healthy,
+    "class-roles": class_roles,
+    "started": started,
+}
+# name -> (settings model, factory)
+SCORERS: dict[str, tuple[type[BaseModel], Callable[[Any], Scorer]]] = {
+    "estimated-wait": (WaitSettings, wait_scorer),
+    "role-preference": (NoSettings, _fixed(role_preference)),
+    "outstanding": (NoSettings, _fixed(outstanding)),
+    "name": (NoSettings, _fixed(by_name)),
+}
+PICKERS = ("min", "round-robin")
+
+
+class ScorerSpec(BaseModel):
+    """One scorer of a route, with its parameters."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    settings: dict[str, Any] = Field(default_factory=dict)
+
+
+class RouteSpec(BaseModel):
+    """Filters in order, scorers compared in order (the first decides, the next break ties), a picker."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    filters: tuple[str, ...]
+    scorers: tuple[ScorerSpec, ...] = ()
+    picker: Literal["min", "round-robin"] = "min"
+
+
+@dataclass(slots=True)
+class Route:
+    """A composed routing rule; ``pick`` chooses the instance of one request."""
+
+    name: str
+    filters: tuple[Filter, ...]
+    scorers: tuple[Scorer, ...]
+    picker: str
+    _turn: int = field(default=0)
+
+    def candidates(self, req: RouteRequest, loads: Sequence[InstanceLoad]) -> list[InstanceLoad]:
+        """The instances left after the filters, in the given order."""
+        left = list(loads)
+        for keep in self.filters:
+            left = keep(req, left)
+        return left
+
+    def pick(self, req: RouteRequest, loads: Sequence[InstanceLoad]) -> InstanceLoad:
+        """The instance for ``req``; NoInstance when the filters leave none."""
+        left = self.candidates(req, loads)
+        if not left:
+            raise NoInstance(f"no healthy instance serves model {req.model!r}")
+        if self.picker == "round-robin":
+            chosen = left[self._turn % len(left)]
+            self._turn += 1
+            return chosen
+        return min(left, key=lambda x: tuple(score(req, x) for score in self.scorers))
+
+
+def build_route(name: str, spec: RouteSpec) -> Route:
+    """The route ``spec`` describes; ValueError naming the unknown plugin or the bad parameter."""
+    filters = []
+    for f in spec.filters:
+        if f not in FILTERS:
+            raise ValueError(f"route {name}: unknown filter {f!r}; known filters: {', '.join(FILTERS)}")
+        filters.append(FILTERS[f])
+    scorers = []
+    for s in spec.scorers:
+        if s.name not in SCORERS:
+            raise ValueError(f"route {name}: unknown scorer {s.name!r}; known scorers: {', '.join(SCORERS)}")
+        model, factory = SCORERS[s.name]
+        try:
+            settings = model(**s.settings)
+        except ValidationError as exc:
+            raise ValueError(f"route {name}: bad settings for scorer {s.name!r}: {exc}") from exc
+        scorers.append(factory(settings))
+    return Route(name, tuple(filters), tuple(scorers), spec.picker)
+
+
+ROUTES: dict[str, RouteSpec] = {
+    "least-wait": RouteSpec(
+        filters=("serves-model", "healthy", "class-roles"),
+        scorers=(
+            ScorerSpec(name="estimated-wait"),
+            ScorerSpec(name="role-preference"),
+            ScorerSpec(name="outstanding"),
+            ScorerSpec(name="name"),
+        ),
+    ),
+    "least-loaded": RouteSpec(filters=("serves-model", "started"), scorers=(ScorerSpec(name="outstanding"),)),
+    "round-robin": RouteSpec(filters=("serves-model", "started"), picker="round-robin"),
+}
+
+
+def make_route(name: str, **overrides: Any) -> Route:
+    """A built-in route by name (``ROUTES``); scorer settings by scorer name, e.g.
+    ``make_route("least-wait", **{"estimated-wait": {"z": 2.0}})``."""
+    spec = ROUTES.get(name)
+    if spec is None:
+        raise ValueError(f"unknown route {name!r}; known routes: {', '.join(ROUTES)}")
+    if overrides:
+        unknown = set(overrides) - {s.name for s in spec.scorers}
+        if unknown:
+            raise ValueError(f"route {name} has no scorer {', '.join(sorted(unknown))}")
+        scorers = tuple(
+            ScorerSpec(name=s.name, settings={**s.settings, **overrides.get(s.name, {})})
+            for s in spec.scorers
+        )
+        spec = spec.model_copy(update={"scorers": scorers})
+    return build_route(name, spec)
