@@ -23,7 +23,7 @@ def _children() -> tuple[list[dict], str]:
     desired = desired_pool(bodies[0], bodies[3:], bodies[1:3], None, 0.0)
     (group,) = desired.plan.groups
     group = replace(group, replicas=RoleCounts(interactive=1, mixed=1, batch=1))
-    children = desired_children(desired.pool, [group], desired.services, desired.classes, "ns")
+    children = desired_children(desired.pool, [group], desired.services, desired.configs, "ns")
     sts = next(c for c in children if c["kind"] == "StatefulSet")
     return [c for c in children if c["kind"] == "ConfigMap"], sts["metadata"]["name"]
 
@@ -54,3 +54,17 @@ def test_ready_pods_become_backends_with_roles_by_ordinal() -> None:
     ]
     expected = json.loads(config_maps[0]["data"]["worker.json"])
     assert backends[0].config.to_json() == expected
+
+
+def test_a_group_config_map_is_read_back_as_written_and_a_broken_one_is_named() -> None:
+    import pytest
+
+    from tessera.control.children import ChildError, read_group_config_map
+
+    (cm, *_), _ = _children()
+    config, roles = read_group_config_map(cm)
+    assert roles == ["interactive", "mixed", "batch"] and config.models
+    assert read_group_config_map({"metadata": {"name": "other"}, "data": {"x": "1"}}) is None
+    broken = {"metadata": {"name": "g-config"}, "data": {**cm["data"], "worker.json": "{not json"}}
+    with pytest.raises(ChildError, match="ConfigMap g-config: invalid worker.json"):
+        read_group_config_map(broken)

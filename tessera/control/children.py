@@ -190,8 +190,8 @@ def worker_config(
     group: GroupPlan,
     services: Mapping[str, LLMService],
     classes: Mapping[str, RequestClassSpec],
-) -> dict[str, Any]:
-    """The worker configuration of one group (``tessera.api.worker_config.WorkerConfig`` JSON).
+) -> WorkerConfig:
+    """The worker configuration of one group.
 
     Classes carry the per-service overrides already applied, so the worker needs no other object.
     One pod runs one policy: co-located services use the first service's (SeaLLM groups run its DB
@@ -231,7 +231,7 @@ def worker_config(
         },
     }
     try:
-        return WorkerConfig.model_validate(config).to_json()
+        return WorkerConfig.model_validate(config)
     except ValidationError as err:
         raise ChildError(f"group {group.name!r}: the worker configuration would be invalid: {err}") from None
 
@@ -253,14 +253,9 @@ def placement_info(pool: ServingPool, group: GroupPlan) -> dict[str, Any]:
 
 
 def group_config_map(
-    pool: ServingPool,
-    group: GroupPlan,
-    services: Mapping[str, LLMService],
-    classes: Mapping[str, RequestClassSpec],
-    namespace: str,
+    pool: ServingPool, group: GroupPlan, config: WorkerConfig, namespace: str
 ) -> dict[str, Any]:
-    """The ConfigMap holding a group's worker configuration."""
-    config = worker_config(pool, group, services, classes)
+    """The ConfigMap holding a group's worker configuration (read back by ``read_group_config_map``)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -271,10 +266,25 @@ def group_config_map(
             owner_reference(pool),
         ),
         "data": {
-            CONFIG_KEY: json.dumps(config, sort_keys=True, indent=2),
+            CONFIG_KEY: json.dumps(config.to_json(), sort_keys=True, indent=2),
             PLACEMENT_KEY: json.dumps(placement_info(pool, group), sort_keys=True, indent=2),
         },
     }
+
+
+def read_group_config_map(config_map: Mapping[str, Any]) -> tuple[WorkerConfig, list[Role]] | None:
+    """A group ConfigMap's worker configuration and the role of each pod ordinal; None when the
+    ConfigMap is not a group's. ChildError naming the ConfigMap when its content is invalid."""
+    data = config_map.get("data") or {}
+    if CONFIG_KEY not in data or PLACEMENT_KEY not in data:
+        return None
+    name = (config_map.get("metadata") or {}).get("name", "?")
+    try:
+        placement = json.loads(data[PLACEMENT_KEY])
+        roles = roles_by_ordinal(placement["roles"])
+        return WorkerConfig.model_validate_json(data[CONFIG_KEY]), roles
+    except (ValueError, KeyError, TypeError) as err:  # pydantic's ValidationError is a ValueError
+        raise ChildError(f"ConfigMap {name}: invalid {CONFIG_KEY} or {PLACEMENT_KEY}: {err}") from None
 
 
 def headless_service(pool: ServingPool, group: GroupPlan, namespace: str) -> dict[str, Any]:
@@ -429,23 +439,37 @@ def endpoint_url(service: str, namespace: str) -> str:
     return f"http://{service}.{namespace}.svc:{ENDPOINT_PORT}"
 
 
-def desired_children(
+def group_configs(
     pool: ServingPool,
     groups: Sequence[GroupPlan],
     services: Mapping[str, LLMService],
     classes: Mapping[str, RequestClassSpec],
-    namespace: str,
-) -> list[dict[str, Any]]:
-    """Every object a pool should own for a plan: per group a ConfigMap, headless Service and
-    StatefulSet; per placed LLMService its endpoint Service."""
-    children: list[dict[str, Any]] = []
-    placed: list[str] = []
+) -> dict[str, WorkerConfig]:
+    """The worker configuration of each group, by group name."""
+    configs: dict[str, WorkerConfig] = {}
     for group in groups:
         missing = [s for s in group.services if s not in services]
         if missing:
             raise ChildError(f"group {group.name!r} places unknown LLMServices {missing}")
+        configs[group.name] = worker_config(pool, group, services, classes)
+    return configs
+
+
+def desired_children(
+    pool: ServingPool,
+    groups: Sequence[GroupPlan],
+    services: Mapping[str, LLMService],
+    configs: Mapping[str, WorkerConfig],
+    namespace: str,
+) -> list[dict[str, Any]]:
+    """Every object a pool should own for a plan and its groups' worker configurations
+    (``group_configs``): per group a ConfigMap, headless Service and StatefulSet; per placed
+    LLMService its endpoint Service."""
+    children: list[dict[str, Any]] = []
+    placed: list[str] = []
+    for group in groups:
         children += [
-            group_config_map(pool, group, services, classes, namespace),
+            group_config_map(pool, group, configs[group.name], namespace),
             headless_service(pool, group, namespace),
             stateful_set(pool, group, services, namespace),
         ]

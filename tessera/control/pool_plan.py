@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tessera.api import LLMService, RequestClass, RequestClassSpec, ServingPool, SpecError, parse_document
-from tessera.control.children import ChildError, desired_children
+from tessera.api.worker_config import WorkerConfig
+from tessera.control.children import ChildError, desired_children, group_configs
 from tessera.control.inputs import chiron_settings, pool_input, service_inputs
 from tessera.control.placement import PlacementError, plan_placement
 from tessera.core.planners import (
@@ -106,6 +107,7 @@ class PoolDesired:
     plan: PlacementPlan | None = None
     placement_problem: str | None = None
     children: list[dict[str, Any]] = field(default_factory=list)
+    configs: dict[str, WorkerConfig] = field(default_factory=dict)  # group name -> its worker configuration
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +269,9 @@ def desired_pool(
     services, rejected = pool_services(pool.name, service_bodies, classes)
     try:
         if not replan and previous is not None:
-            children = desired_children(pool, previous.groups, services, classes, namespace)
-            return PoolDesired(pool, services, classes, rejected, previous, None, children)
+            configs = group_configs(pool, previous.groups, services, classes)
+            children = desired_children(pool, previous.groups, services, configs, namespace)
+            return PoolDesired(pool, services, classes, rejected, previous, None, children, configs)
         plan = plan_placement(
             pool_input(pool),
             service_inputs(pool, services.values()),
@@ -277,12 +280,14 @@ def desired_pool(
             previous=previous,
         )
         plan = carry_counts(pool, plan, previous)
-        children = desired_children(pool, plan.groups, services, classes, namespace)
+        configs = group_configs(pool, plan.groups, services, classes)
+        children = desired_children(pool, plan.groups, services, configs, namespace)
     except (PlacementError, ChildError, ValueError) as err:
         # Keep serving with the plan in effect, restricted to services that are still valid.
         kept = (
             previous if previous and all(s in services for g in previous.groups for s in g.services) else None
         )
-        children = desired_children(pool, kept.groups, services, classes, namespace) if kept else []
-        return PoolDesired(pool, services, classes, rejected, kept, str(err), children)
-    return PoolDesired(pool, services, classes, rejected, plan, None, children)
+        configs = group_configs(pool, kept.groups, services, classes) if kept else {}
+        children = desired_children(pool, kept.groups, services, configs, namespace) if kept else []
+        return PoolDesired(pool, services, classes, rejected, kept, str(err), children, configs)
+    return PoolDesired(pool, services, classes, rejected, plan, None, children, configs)

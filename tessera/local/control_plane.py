@@ -9,14 +9,13 @@ operator would apply. Only the engine differs: every model entry is rewritten fo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from tessera.api import LLMService, RequestClass, ServingPool
 from tessera.api.worker_config import WorkerConfig
-from tessera.control.children import CONFIG_KEY, PLACEMENT_KEY, ROLE_ORDER, roles_by_ordinal
+from tessera.control.children import ROLE_ORDER, roles_by_ordinal
 from tessera.control.pool_plan import PoolDesired, Problem, desired_pool
 from tessera.core.planners import GroupPlan, RoleCounts
 
@@ -151,16 +150,10 @@ def plan_local(
         problems += [f"LLMService {name}: {p.message}" for name, p in sorted(desired.rejected.items())]
         if desired.placement_problem:
             problems.append(f"ServingPool {pool_name}: {desired.placement_problem}")
-        for child in desired.children:
-            if child["kind"] != "ConfigMap":
-                continue
-            data = child["data"]
-            placement = json.loads(data[PLACEMENT_KEY])
-            config = json.loads(data[CONFIG_KEY])
+        for group_plan in desired.plan.groups if desired.plan is not None else ():
+            config = desired.configs[group_plan.name].to_json()
             config["models"] = [engine.rewrite(m) for m in config["models"]]
             config["admin"] = {"tokenEnv": ADMIN_TOKEN_ENV}
-            assert desired.plan is not None
-            group_plan = next(g for g in desired.plan.groups if g.name == placement["group"])
             local = LocalGroup(pool_name, desired, group_plan, WorkerConfig.model_validate(config),
                                max_instances_per_group)  # fmt: skip
             groups.append(local)

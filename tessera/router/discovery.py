@@ -16,14 +16,12 @@ from typing import Any
 
 from tessera.api.worker_config import WorkerConfig
 from tessera.control.children import (
-    CONFIG_KEY,
     GROUP_LABEL,
     MANAGED_BY,
     MANAGER,
-    PLACEMENT_KEY,
     POOL_LABEL,
     WORKER_PORT,
-    roles_by_ordinal,
+    read_group_config_map,
 )
 from tessera.router.backends import Backend
 
@@ -53,13 +51,11 @@ def backends_from_cluster(
     for cm in config_maps:
         meta = cm.get("metadata") or {}
         labels = meta.get("labels") or {}
-        data = cm.get("data") or {}
-        if CONFIG_KEY not in data or PLACEMENT_KEY not in data:
+        read = read_group_config_map(cm)
+        if read is None:
             continue
         key = (meta.get("namespace", ""), labels.get(POOL_LABEL, ""), labels.get(GROUP_LABEL, ""))
-        placement = json.loads(data[PLACEMENT_KEY])
-        config = WorkerConfig.model_validate_json(data[CONFIG_KEY])
-        groups[key] = (config, roles_by_ordinal(placement["roles"]))
+        groups[key] = read
     backends: list[Backend] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
