@@ -251,7 +251,7 @@ class Controller:
         plan = replace(decided.plan, groups=tuple(groups))
         children = decided.children
         if entries:
-            children = desired_children(pool, plan.groups, decided.services, decided.classes, namespace)
+            children = desired_children(pool, plan.groups, decided.services, decided.configs, namespace)
         return replace(decided, plan=plan, children=children), st.append_history(
             history, entries, SCALING_HISTORY_LENGTH
         )

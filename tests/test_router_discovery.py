@@ -66,5 +66,5 @@ def test_a_group_config_map_is_read_back_as_written_and_a_broken_one_is_named() 
     assert roles == ["interactive", "mixed", "batch"] and config.models
     assert read_group_config_map({"metadata": {"name": "other"}, "data": {"x": "1"}}) is None
     broken = {"metadata": {"name": "g-config"}, "data": {**cm["data"], "worker.json": "{not json"}}
-    with pytest.raises(ChildError, match="ConfigMap g-config: invalid worker.json"):
+    with pytest.raises(ChildError, match=r"ConfigMap g-config: invalid worker\.json"):
         read_group_config_map(broken)
