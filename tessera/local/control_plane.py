@@ -68,7 +68,7 @@ class LocalEngine:
 
 
 @dataclass(frozen=True, slots=True)
-class Instance:
+class LocalInstance:
     """One worker instance to start."""
 
     name: str
@@ -89,9 +89,9 @@ class LocalGroup:
     config: WorkerConfig  # the worker configuration, rewritten for the local engine
     instance_cap: int | None  # local mode's cap of instances per group
 
-    def instance(self, ordinal: int, role: Role) -> Instance:
+    def instance(self, ordinal: int, role: Role) -> LocalInstance:
         """The instance of this group at ``ordinal`` (named as the StatefulSet names its pods)."""
-        return Instance(f"{self.pool}-{self.group.name}-{ordinal}", self.pool, self.group.name, ordinal,
+        return LocalInstance(f"{self.pool}-{self.group.name}-{ordinal}", self.pool, self.group.name, ordinal,
                         role, self.config)  # fmt: skip
 
     def roles(self, counts: RoleCounts) -> list[Role]:
@@ -104,7 +104,7 @@ class LocalGroup:
 class LocalPlan:
     """What local mode starts, and what it could not serve (with reasons)."""
 
-    instances: tuple[Instance, ...]
+    instances: tuple[LocalInstance, ...]
     problems: tuple[str, ...]
     groups: tuple[LocalGroup, ...] = ()
 
@@ -138,7 +138,7 @@ def plan_local(
     classes = [b for b in bodies if b["kind"] == "RequestClass"]
     if not pools:
         raise LocalPlanError("no ServingPool in the files; add one (see examples/quickstart.yaml)")
-    instances: list[Instance] = []
+    instances: list[LocalInstance] = []
     problems: list[str] = []
     groups: list[LocalGroup] = []
     for pool_body in pools:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from tessera.local.control_plane import ADMIN_TOKEN_ENV, Instance
+from tessera.local.control_plane import ADMIN_TOKEN_ENV, LocalInstance
 from tessera.router.backends import Backend
 from tessera.worker.engines.vllm_process import free_port
 
@@ -40,7 +40,7 @@ class PolicySwitchError(RuntimeError):
 class WorkerProcess:
     """One running ``tessera worker``."""
 
-    instance: Instance
+    instance: LocalInstance
     port: int
     config_path: Path
     log_path: Path
@@ -72,7 +72,7 @@ class Supervisor:
         self.workers: list[WorkerProcess] = []
         self._admin_token = secrets.token_urlsafe(24)
 
-    def launch(self, instance: Instance) -> WorkerProcess:
+    def launch(self, instance: LocalInstance) -> WorkerProcess:
         """Write the instance's configuration and start its worker (without waiting)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / f"{instance.name}.json"
@@ -107,7 +107,7 @@ class Supervisor:
             f"worker {worker.instance.name} not ready in time (log {worker.log_path}):\n{worker.log_tail()}"
         )
 
-    def start_all(self, instances: list[Instance] | tuple[Instance, ...], timeout_s: float) -> None:
+    def start_all(self, instances: list[LocalInstance] | tuple[LocalInstance, ...], timeout_s: float) -> None:
         """Launch every instance's worker and wait until all are ready (stopping all on failure)."""
         try:
             started = [self.launch(i) for i in instances]
