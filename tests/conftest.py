@@ -4,7 +4,7 @@ Real-engine fixtures (use them from ``@pytest.mark.integration`` tests only):
 
 - ``tiny_model_dir`` (session): a real, random-weight Llama model directory (byte-level BPE
   tokenizer with a chat template, hidden 256, 4 heads, 2 layers, float32, 2048 positions), built
-  offline once per session by ``tessera.worker.engines.tiny_model.build_tiny_model``. Greedy
+  offline once per session by ``tessera.models.tiny.build_tiny_model``. Greedy
   decoding on it is deterministic. Output text is gibberish; token ids are what tests compare.
 - ``vllm_server`` (session, lazy): ONE real vLLM OpenAI server (``VLLMServer``) on the tiny
   model, started by the first test that asks for it (about 40-110 s on a 2-core CPU) and stopped
@@ -36,7 +36,7 @@ TINY_MAX_MODEL_LEN = 2048
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny random-weight Llama model, built once per session."""
-    from tessera.worker.engines.tiny_model import build_tiny_model
+    from tessera.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 

@@ -11,7 +11,7 @@ import pytest
 from tessera.models.cache import MANIFEST, ModelCacheError, cached_model, inspect_folder, resolve_model
 from tessera.models.pull import pull
 from tessera.models.registry import SMOLLM2, KnownModel
-from tessera.worker.engines.tiny_model import build_tiny_model
+from tessera.models.tiny import build_tiny_model
 
 pytestmark = [pytest.mark.integration]
 

@@ -149,7 +149,7 @@ async def _decision_times(
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
     """vLLM vs worker on the same bursts, then decision time per policy."""
     from tessera.bench.harness import WorkerChild, replay
-    from tessera.worker.engines.tiny_model import build_tiny_model
+    from tessera.models.tiny import build_tiny_model
     from tessera.worker.engines.vllm_process import VLLMServer
 
     opts = config.options

@@ -187,8 +187,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     from tessera.bench.scenarios._common import saturation_rate
     from tessera.bench.scenarios.elis import _predictor
     from tessera.core.registry import policy_class
+    from tessera.models.tiny import build_tiny_model
     from tessera.predictor.tokens import TokenCounter
-    from tessera.worker.engines.tiny_model import build_tiny_model
     from tessera.worker.engines.vllm_process import VLLMServer
 
     opts = config.options

@@ -109,7 +109,7 @@ def other_vllm_servers(own_pid: int | None = None) -> int:
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
     """Real and simulated replay of the same requests."""
     from tessera.bench.measure import measure_and_fit, replay
-    from tessera.worker.engines.tiny_model import build_tiny_model
+    from tessera.models.tiny import build_tiny_model
     from tessera.worker.engines.vllm_process import VLLMServer
 
     opts = config.options

@@ -8,7 +8,7 @@ rejects head_dim 16) with seeded random weights in float32, and saves both with 
 
 Usage::
 
-    from tessera.worker.engines.tiny_model import build_tiny_model
+    from tessera.models.tiny import build_tiny_model
     model_dir = build_tiny_model(tmp_path / "tiny-llama")
 """
 
