@@ -74,9 +74,10 @@ async def serve_router(
     limits: RouterLimits | None = None,
     api_keys: ApiKeys | None = None,
     poll_interval_s: float = 0.5,
+    route: str = "least-wait",
 ) -> AsyncIterator[RouterUnderTest]:
-    """The router over ``workers`` on a free loopback port until the block ends."""
-    state = RouterState([w.backend() for w in workers])
+    """The router over ``workers`` (picking by ``route``) on a free loopback port until the block ends."""
+    state = RouterState([w.backend() for w in workers], route=route)
     app = create_router_app(state, poll_interval_s=poll_interval_s, limits=limits, api_keys=api_keys)
     port = free_port()
     server = uvicorn.Server(router_server_config(app, host="127.0.0.1", port=port))

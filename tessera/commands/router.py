@@ -25,6 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on (default 8000).")
     parser.add_argument("--poll-interval", type=float, default=1.0, help="Seconds between polls (default 1).")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--route",
+        default="least-wait",
+        choices=["least-wait", "cache-aware", "prefix", "least-loaded", "round-robin"],
+        help="How an instance is picked (default least-wait: class roles, then least estimated wait; "
+        "cache-aware: least estimated wait plus the prefill of the prompt the instance has not cached).",
+    )
     d = RouterLimits()
     limits = parser.add_argument_group("client limits (each answered with an OpenAI-style error)")
     limits.add_argument(
@@ -91,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
         except BackendsError as exc:
             print(f"tessera router: {exc}", file=sys.stderr)
             return 2
-    app = create_router_app(RouterState(backends), poll_interval_s=args.poll_interval, discover=discover,
-                            limits=limits, api_keys=api_keys)  # fmt: skip
+    state = RouterState(backends, route=args.route)
+    app = create_router_app(state, poll_interval_s=args.poll_interval, discover=discover, limits=limits,
+                            api_keys=api_keys)  # fmt: skip
     server = uvicorn.Server(
         router_server_config(app, host=args.host, port=args.port, log_level=args.log_level)
     )

@@ -20,11 +20,16 @@ The built-in routes:
 - ``least-loaded`` (the simulator's default): the request's model, started instances (else the one
   that starts first), fewest outstanding requests, ties to the first.
 - ``round-robin``: the same candidates, taken in turn.
+- ``cache-aware``: as ``least-wait``, but ranked by the expected time to the first token: the
+  estimated wait plus the prefill of the prompt tokens the instance does not hold in its prefix
+  cache (``tessera.core.prefix`` tracks which blocks each instance holds).
+- ``prefix``: as ``least-wait``'s candidates, ranked by cached prompt tokens alone (the baseline that
+  piles onto hot instances).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -69,6 +74,8 @@ class RouteRequest:
     kind: str = ""  # class kind: "interactive", "batch", or "" when unknown
     stats: TokenStats | None = None  # the model's token statistics (for the waiting-time estimate)
     now: float = 0.0
+    prompt_tokens: int = 0  # prompt length (an estimate where the caller does not tokenize)
+    cached_tokens: Mapping[str, int] = field(default_factory=dict)  # instance -> prompt tokens it holds
 
 
 def seed_stats() -> TokenStats:
@@ -134,6 +141,24 @@ def wait_scorer(settings: WaitSettings) -> Scorer:
     return score
 
 
+def ttft_scorer(settings: WaitSettings) -> Scorer:
+    """Least expected time to the first token: the estimated wait plus the prefill of the prompt tokens
+    the instance does not hold in its prefix cache. Cache affinity and load in one unit, seconds."""
+    wait = wait_scorer(settings)
+
+    def score(req: RouteRequest, load: InstanceLoad) -> float:
+        missed = max(0, req.prompt_tokens - req.cached_tokens.get(load.instance, 0))
+        prefill = load.profile.prefill(missed) if load.profile is not None and missed else 0.0
+        return round(wait(req, load) + prefill, 9)
+
+    return score
+
+
+def prefix_affinity(req: RouteRequest, load: InstanceLoad) -> int:
+    """More prompt tokens already cached first (prefix affinity alone, whatever the load)."""
+    return -req.cached_tokens.get(load.instance, 0)
+
+
 def role_preference(req: RouteRequest, load: InstanceLoad) -> int:
     """The class's own role before mixed, before any other."""
     roles = ELIGIBLE_ROLES.get(req.kind, ())
@@ -169,6 +194,8 @@ FILTERS: dict[str, Filter] = {
 # name -> (settings model, factory)
 SCORERS: dict[str, tuple[type[BaseModel], Callable[[Any], Scorer]]] = {
     "estimated-wait": (WaitSettings, wait_scorer),
+    "expected-ttft": (WaitSettings, ttft_scorer),
+    "prefix-affinity": (NoSettings, _fixed(prefix_affinity)),
     "role-preference": (NoSettings, _fixed(role_preference)),
     "outstanding": (NoSettings, _fixed(outstanding)),
     "name": (NoSettings, _fixed(by_name)),
@@ -251,6 +278,19 @@ ROUTES: dict[str, RouteSpec] = {
             ScorerSpec(name="outstanding"),
             ScorerSpec(name="name"),
         ),
+    ),
+    "cache-aware": RouteSpec(
+        filters=("serves-model", "healthy", "class-roles"),
+        scorers=(
+            ScorerSpec(name="expected-ttft"),
+            ScorerSpec(name="role-preference"),
+            ScorerSpec(name="outstanding"),
+            ScorerSpec(name="name"),
+        ),
+    ),
+    "prefix": RouteSpec(
+        filters=("serves-model", "healthy", "class-roles"),
+        scorers=(ScorerSpec(name="prefix-affinity"), ScorerSpec(name="outstanding"), ScorerSpec(name="name")),
     ),
     "least-loaded": RouteSpec(filters=("serves-model", "started"), scorers=(ScorerSpec(name="outstanding"),)),
     "round-robin": RouteSpec(filters=("serves-model", "started"), picker="round-robin"),

@@ -42,9 +42,11 @@ from starlette.requests import ClientDisconnect
 from tessera.api.openai_errors import ApiError
 from tessera.api.worker_config import WorkerConfig
 from tessera.core.policies.qlm.estimator import TokenStats
+from tessera.core.prefix import PrefixIndex, text_block_hashes
 from tessera.core.request import ServiceClass
 from tessera.core.routing import (
     DEFAULT_Z,
+    ROUTES,
     InstanceLoad,
     RouteRequest,
     estimated_wait,
@@ -115,12 +117,27 @@ def class_infos(config: WorkerConfig) -> dict[str, ClassInfo]:
     }
 
 
+PREFIX_ROUTES = ("cache-aware", "prefix")  # routes that read the prefix index
+PREFIX_BLOCK_CHARS = 64  # characters per block of the router's prefix index (it does not tokenize)
+CHARS_PER_TOKEN = 4  # to turn characters into the token counts the step profile prices (English text)
+
+
+def _wait_settings(route: str, z: float) -> dict[str, Any]:
+    """The route's waiting-time quantile ``z``, for whichever wait scorer it has."""
+    names = {s.name for s in ROUTES[route].scorers} if route in ROUTES else set()
+    return {name: {"z": z} for name in ("estimated-wait", "expected-ttft") if name in names}
+
+
 class RouterState:
     """Instances, their loads and the token statistics the route uses."""
 
-    def __init__(self, backends: Sequence[Backend], *, z: float = DEFAULT_Z) -> None:
+    def __init__(
+        self, backends: Sequence[Backend], *, z: float = DEFAULT_Z, route: str = "least-wait"
+    ) -> None:
         self.z = z
-        self.route = make_route("least-wait", **{"estimated-wait": {"z": z}})
+        self.route = make_route(route, **_wait_settings(route, z))
+        self.uses_prefix = route in PREFIX_ROUTES
+        self.prefixes: dict[str, PrefixIndex] = {}  # model -> which instance holds which prompt blocks
         self.backends: dict[str, Backend] = {}
         self.loads: dict[tuple[str, str], InstanceLoad] = {}
         self.configs: dict[str, WorkerConfig] = {}  # model -> configuration of its first instance
@@ -173,15 +190,40 @@ class RouterState:
                            param=config.class_header)  # fmt: skip
         return name, config.classes[name].kind
 
-    def pick(self, model: str, kind: str, exclude: set[str]) -> InstanceLoad:
-        """The instance for a request (not one of ``exclude``)."""
+    def pick(self, model: str, kind: str, exclude: set[str], prompt_text: str = "") -> InstanceLoad:
+        """The instance for a request (not one of ``exclude``); a cache-aware route also reads which
+        instances hold the leading blocks of ``prompt_text`` and records where it sent them."""
         loads = [x for x in self.loads.values() if x.instance not in exclude]
-        return self.route.pick(RouteRequest(model, kind, self.stats[model]), loads)
+        if not self.uses_prefix or not prompt_text:
+            return self.route.pick(RouteRequest(model, kind, self.stats[model]), loads)
+        index = self._prefix_index(model)
+        hashes = text_block_hashes(prompt_text, PREFIX_BLOCK_CHARS)
+        matched = index.matched(hashes, (x.instance for x in loads if x.model == model))
+        cached = {name: n * PREFIX_BLOCK_CHARS // CHARS_PER_TOKEN for name, n in matched.items()}
+        req = RouteRequest(model, kind, self.stats[model], time.monotonic(),
+                           len(prompt_text) // CHARS_PER_TOKEN, cached)  # fmt: skip
+        chosen = self.route.pick(req, loads)
+        index.record(chosen.instance, hashes, req.now)
+        return chosen
+
+    def _prefix_index(self, model: str) -> PrefixIndex:
+        index = self.prefixes.get(model)
+        if index is None:
+            config = self.configs[model].model(model)
+            capacity = config.kv_capacity_tokens if config is not None else 1_000_000
+            index = self.prefixes[model] = PrefixIndex(
+                max(1, capacity * CHARS_PER_TOKEN // PREFIX_BLOCK_CHARS)
+            )
+        return index
 
     def set_health(self, backend: str, healthy: bool) -> None:
-        """Take an instance in or out of the rotation."""
+        """Take an instance in or out of the rotation; one that leaves it may come back restarted, with
+        an empty prefix cache, so what it was believed to hold is forgotten."""
         for (name, _), load in self.loads.items():
             if name == backend:
+                if load.healthy and not healthy:
+                    for index in self.prefixes.values():
+                        index.forget(name)
                 load.healthy = healthy
 
     def observe(self, backend: str, metrics_text: str) -> None:
@@ -214,6 +256,9 @@ class RouterState:
                 "batchSize": x.batch_size,
                 "outstanding": x.outstanding,
                 "estimatedWaitSeconds": estimated_wait(x, self.stats[x.model], self.z),
+                "cachedPrefixBlocks": self.prefixes[x.model].blocks(x.instance)
+                if x.model in self.prefixes
+                else 0,
             }
             for x in self.loads.values()
         ]
@@ -358,7 +403,7 @@ def create_router_app(
             if caller is not None:
                 caller.check_class(class_name, state.configs[payload.model].class_header)
             headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
-            up = Upstream(path, raw, headers, payload.model, kind, payload.stream)
+            up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text)
             answer = await unless_client_leaves(http, send(state, metrics, holder["client"], up))
         except ApiError as exc:
             metrics.answered(model, kind, exc.status, time.perf_counter() - start)

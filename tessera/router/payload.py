@@ -28,6 +28,7 @@ class Payload:
 
     model: str
     stream: bool
+    prompt_text: str = ""  # the prompt as text, for the prefix index ("" when there is none to read)
 
 
 def _kind(value: Any) -> str:
@@ -57,7 +58,30 @@ def parse_payload(raw: bytes) -> Payload:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, f"the field 'stream' must be true or false, got {_kind(stream)}", param="stream")
-    return Payload(model, bool(stream))
+    return Payload(model, bool(stream), prompt_text(body))
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: the text ones
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The prompt as text in the order the engine sees it, best effort: a completion's prompt string,
+    or each chat message's role and text (a longer conversation extends a shorter one's text, so
+    their prefixes match). The worker validates the fields; what is not text here counts as none."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return "".join(
+            f"{m.get('role')}\n{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict)
+        )
+    return ""
 
 
 def body_too_large(limits: RouterLimits) -> ApiError:

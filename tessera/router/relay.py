@@ -45,6 +45,7 @@ class Upstream:
     model: str
     kind: str
     stream: bool
+    prompt_text: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ async def send(state: RouterState, metrics: RouterMetrics, client: httpx.AsyncCl
     broken: str | None = None
     while True:
         try:
-            load = state.pick(up.model, up.kind, tried)
+            load = state.pick(up.model, up.kind, tried, up.prompt_text)
         except NoInstance as exc:
             if broken is None:
                 raise ApiError(503, f"{exc}; retry when an instance is ready", code="no_instance") from None

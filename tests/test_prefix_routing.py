@@ -1,0 +1,106 @@
+"""Prefix-cache-aware routing: vLLM's block hashes, the prefix index, the cache-aware and prefix
+routes, and the router keeping a conversation on the instance that holds its prefix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from router_harness import CLASS_HEADER, MODEL, RouterUnderTest, serve_router, start_workers
+
+from tessera.core.prefix import PrefixIndex, text_block_hashes, token_block_hashes
+from tessera.core.profile import StepProfile
+from tessera.core.routing import InstanceLoad, RouteRequest, make_route, seed_stats
+
+PROFILE = StepProfile("m", 0.01, 0.001, 0.0, 0.01, 0.001, kv_capacity_tokens=1_000_000)
+
+
+def test_block_hashes_equal_vllms_for_the_same_tokens() -> None:
+    kv = pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    from vllm.utils.hashing import sha256
+
+    kv.init_none_hash(sha256)
+    tokens = list(range(1000, 1050))
+    expected, parent = [], None
+    for start in range(0, 48, 16):
+        parent = kv.hash_block_tokens(sha256, parent, tokens[start : start + 16], None)
+        expected.append(bytes(parent))
+    assert token_block_hashes(tokens, 16, seed=kv.get_none_hash_seed()) == expected
+    assert len(token_block_hashes(tokens[:47], 16)) == 2  # a partial block has no hash
+
+
+def test_text_hashes_share_a_prefix_and_the_index_matches_leading_runs_with_lru_eviction() -> None:
+    short, longer = "a" * 128, "a" * 128 + "b" * 64
+    assert text_block_hashes(longer, 64)[:2] == text_block_hashes(short, 64)
+    assert text_block_hashes("b" * 64 + "a" * 128, 64)[1] != text_block_hashes(short, 64)[1]
+    index = PrefixIndex(capacity_blocks=3)
+    index.record("i1", text_block_hashes(short, 64), now=1.0)
+    assert index.matched(text_block_hashes(longer, 64), ["i1", "i2"]) == {"i1": 2, "i2": 0}
+    index.record("i1", text_block_hashes("c" * 128, 64), now=2.0)  # 4 blocks > 3: the oldest goes
+    assert index.matched(text_block_hashes(short, 64), ["i1"]) == {"i1": 0}
+    index.forget("i1")
+    assert index.blocks("i1") == 0
+
+
+def _load(name: str, outstanding: int = 0) -> InstanceLoad:
+    return InstanceLoad(name, "m", "interactive", PROFILE, 1, outstanding)
+
+
+def test_cache_aware_route_weighs_cached_prefill_against_the_wait_and_prefix_route_does_not() -> None:
+    stats = seed_stats()
+    idle = [_load("a"), _load("b")]
+    cached_on_b = {"a": 0, "b": 3000}
+    req = RouteRequest("m", "interactive", stats, prompt_tokens=3200, cached_tokens=cached_on_b)
+    assert make_route("cache-aware").pick(req, idle).instance == "b"
+    assert make_route("least-wait").pick(req, idle).instance == "a"  # blind to the cache: name order
+    # b holds the prefix but has a queue far longer than the prefill it saves: cache-aware leaves it
+    busy_b = [_load("a"), _load("b", outstanding=40)]
+    assert make_route("cache-aware").pick(req, busy_b).instance == "a"
+    assert make_route("prefix").pick(req, busy_b).instance == "b"  # piles onto the hot instance
+
+
+async def _conversation(router: RouterUnderTest, turns: int) -> list[str]:
+    """Send a growing conversation turn by turn; the instance that served each turn. After the first
+    turn, the instance that served it counts one more request in flight (as if a long one ran there),
+    so a rule blind to the cache prefers the other instance."""
+    picked: list[str] = []
+    pick = router.state.pick
+
+    def recording_pick(*args: Any) -> InstanceLoad:
+        load = pick(*args)
+        picked.append(load.instance)
+        return load
+
+    router.state.pick = recording_pick  # type: ignore[method-assign]
+    messages = [{"role": "system", "content": "You answer briefly. " * 40}]
+    async with httpx.AsyncClient(timeout=30) as client:
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"question {turn}"})
+            body = {"model": MODEL, "messages": messages, "max_tokens": 4}
+            resp = await client.post(f"{router.url}/v1/chat/completions", json=body,
+                                     headers={CLASS_HEADER: "chat"})  # fmt: skip
+            assert resp.status_code == 200, resp.text
+            messages.append({"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]})
+            if turn == 0:
+                next(x for x in router.state.loads.values() if x.instance == picked[0]).outstanding += 1
+    return picked
+
+
+@pytest.mark.integration
+async def test_router_keeps_a_conversation_on_the_instance_holding_its_prefix(tmp_path: Path) -> None:
+    supervisor = start_workers(tmp_path, 2)
+    try:
+        async with serve_router(supervisor.workers, route="cache-aware") as router:
+            served = await _conversation(router, 4)
+            async with httpx.AsyncClient() as client:
+                status = (await client.get(f"{router.url}/router/status")).json()
+        assert served == [served[0]] * 4, served  # every turn went where the conversation's prefix is
+        blocks = {r["instance"]: r["cachedPrefixBlocks"] for r in status["instances"]}
+        assert blocks[served[0]] > 0 and sum(blocks.values()) == blocks[served[0]]
+        async with serve_router(supervisor.workers, route="least-wait") as router:
+            served = await _conversation(router, 4)
+        assert served[1] != served[0]  # the control: blind to the cache, the busier instance is left
+    finally:
+        supervisor.stop_all()
