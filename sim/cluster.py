@@ -23,12 +23,13 @@ import itertools
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tessera.core.policy import Policy
+from tessera.core.prefix import PrefixIndex
 from tessera.core.profile import StepProfile
 from tessera.core.request import Request
-from tessera.core.routing import ROUTES, InstanceLoad, RouteRequest, make_route
+from tessera.core.routing import PREFIX_ROUTES, ROUTES, InstanceLoad, RouteRequest, make_route, seed_stats
 from tessera.sim.engine import EngineConfig, Instance
 
 INF = float("inf")
@@ -64,11 +65,16 @@ class Router(ABC):
 
 class RouteRouter(Router):
     """A core route (``tessera.core.routing``: filters, scorers, a picker) over the simulated instances:
-    the live router composes its routing from the same plugins."""
+    the live router composes its routing from the same plugins. A cache-aware route keeps the same
+    kind of prefix index the live router keeps: where it sent each prompt's blocks (the requests'
+    ``prefix_blocks``), not what the engines hold."""
 
     def __init__(self, route: str) -> None:
         self.name = route
         self.rule = make_route(route)
+        self.uses_prefix = route in PREFIX_ROUTES
+        self.stats = seed_stats()  # the live router's seed statistics (it refines them from answers)
+        self._index: PrefixIndex | None = None
 
     def route(self, req: Request, view: ClusterView) -> Instance:
         """The instance the core route picks among those serving ``req``'s model."""
@@ -77,11 +83,27 @@ class RouteRouter(Router):
             raise RuntimeError(f"no instance serves model {req.model!r} (request {req.id})")
         loads = [
             InstanceLoad(i.name, req.model, i.role, i.profiles[req.model], i.max_batch, i.outstanding,
-                         True, i.ready_at)
+                         True, i.ready_at,
+                         sum(r.prompt_tokens for r in i.assigned) if self.uses_prefix else 0)
             for i in cands
         ]  # fmt: skip
-        chosen = self.rule.pick(RouteRequest(req.model, req.service_class.kind, now=view.now), loads)
+        route_req = RouteRequest(req.model, req.service_class.kind, self.stats, view.now)
+        blocks = req.prefix_blocks if self.uses_prefix and req.prefix_block_tokens else ()
+        if blocks:
+            index = self._prefix_index(cands[0], req.prefix_block_tokens)
+            matched = index.matched(blocks, (i.name for i in cands))
+            cached = {n: min(m * req.prefix_block_tokens, req.prompt_tokens - 1) for n, m in matched.items()}
+            route_req = replace(route_req, prompt_tokens=req.prompt_tokens, cached_tokens=cached)
+        chosen = self.rule.pick(route_req, loads)
+        if blocks:
+            full = blocks[: req.prompt_tokens // req.prefix_block_tokens]
+            self._prefix_index(cands[0], req.prefix_block_tokens).record(chosen.instance, full, view.now)
         return next(i for i, x in zip(cands, loads, strict=True) if x is chosen)
+
+    def _prefix_index(self, inst: Instance, block_tokens: int) -> PrefixIndex:
+        if self._index is None:
+            self._index = PrefixIndex(max(1, inst.capacity_blocks * inst.profile.block_size // block_tokens))
+        return self._index
 
 
 def make_router(name: str) -> Router:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -63,6 +64,7 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of KV blocks admission keeps free
     swap_space_tokens: int | None = None  # host swap space; None: 4 GiB (vLLM default) of KV
     max_resident_models: int = 1  # models whose weights fit at once
+    prefix_caching: bool = False  # reuse the KV of a prompt's leading blocks cached by earlier requests
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -159,6 +161,10 @@ class Instance:
         self.kv_swaps = 0
         self.model_swaps = 0
         self.finished = 0
+        # prefix cache (EngineConfig.prefix_caching): prompt block ids, least recently used first
+        self.prefix_cache: OrderedDict[object, None] = OrderedDict()
+        self.prefill_tokens_computed = 0
+        self.prefix_hit_tokens = 0
 
     # ---- capacity ---------------------------------------------------------------------------
     @property
@@ -324,12 +330,43 @@ class Instance:
                 req.swapped = False
                 self._start(req, now, prefill=0)
                 continue
-            if budget is not None and prefill_tokens > 0 and prefill_tokens + context > budget:
+            prefill = context - self._cached_prefix(req)
+            if budget is not None and prefill_tokens > 0 and prefill_tokens + prefill > budget:
                 break
-            prefill_tokens += context
+            prefill_tokens += prefill
             self.used_blocks += need
-            self._start(req, now, prefill=context)
+            self.prefill_tokens_computed += prefill
+            self._start(req, now, prefill=prefill)
         return False
+
+    def _cached_prefix(self, req: Request) -> int:
+        """Prompt tokens of ``req`` held in the prefix cache: its longest run of leading blocks there
+        (touched as used), never the whole prompt (the last token is always computed, as in vLLM)."""
+        if not self.config.prefix_caching or not req.prefix_blocks:
+            return 0
+        hits = 0
+        for block_id in req.prefix_blocks:
+            if block_id not in self.prefix_cache:
+                break
+            self.prefix_cache.move_to_end(block_id)
+            hits += 1
+        cached = min(hits * req.prefix_block_tokens, req.prompt_tokens - 1)
+        req.cached_prompt_tokens = max(0, cached)
+        self.prefix_hit_tokens += req.cached_prompt_tokens
+        return req.cached_prompt_tokens
+
+    def _cache_prefix(self, req: Request) -> None:
+        """Keep the full prompt blocks of a prefilled request, evicting least recently used ones past
+        the KV cache's size (CHOICE: cached blocks may fill the whole KV cache; vLLM keeps a freed
+        block's content until it hands the block out again)."""
+        if not self.config.prefix_caching or not req.prefix_blocks or req.prefix_block_tokens < 1:
+            return
+        for block_id in req.prefix_blocks[: req.prompt_tokens // req.prefix_block_tokens]:
+            self.prefix_cache[block_id] = None
+            self.prefix_cache.move_to_end(block_id)
+        limit = self.capacity_blocks * self.profile.block_size // req.prefix_block_tokens
+        while len(self.prefix_cache) > max(0, limit):
+            self.prefix_cache.popitem(last=False)
 
     def _start(self, req: Request, now: float, prefill: int) -> None:
         req.phase = Phase.RUNNING
@@ -383,6 +420,7 @@ class Instance:
             self._preempt(req, "recompute", now, engine=True)
         self.active_model = model
         self.profile = self.profiles[model]
+        self.prefix_cache.clear()  # the cached KV was the previous model's
         if model in self.resident_models:
             self.resident_models.remove(model)
             self.resident_models.append(model)
@@ -525,6 +563,7 @@ class Instance:
                 self._prefill_left[req] = left - take
                 continue
             del self._prefill_left[req]
+            self._cache_prefix(req)
             req.tokens.append(now)
             self._advance_one(req, block)
             req.tokens.attach(self.log)

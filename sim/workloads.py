@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessera.api.traces import TraceRow
+from tessera.api.traces import HASH_BLOCK_TOKENS, TraceRow
 from tessera.core.request import Request, ServiceClass
 
 
@@ -211,6 +211,8 @@ def requests_from_trace(
             req.service_class = classes[row.service_class]
         req.prompt_text = row.prompt
         req.response_text = row.response
+        if row.hash_ids is not None:
+            req.prefix_blocks, req.prefix_block_tokens = row.hash_ids, HASH_BLOCK_TOKENS
     return reqs
 
 
@@ -227,6 +229,8 @@ def copy_requests(reqs: Sequence[Request]) -> list[Request]:
             true_output_tokens=r.true_output_tokens,
             prompt_text=r.prompt_text,
             response_text=r.response_text,
+            prefix_blocks=r.prefix_blocks,
+            prefix_block_tokens=r.prefix_block_tokens,
         )
         for r in reqs
     ]

@@ -4,7 +4,9 @@ Recognised formats (the benchmark contract):
 
 - Azure LLM inference 2023: ``TIMESTAMP, ContextTokens, GeneratedTokens``;
 - BurstGPT: ``Timestamp, Model, Request tokens, Response tokens, ...``;
-- Mooncake: ``timestamp`` (milliseconds), ``input_length``, ``output_length``;
+- Mooncake: ``timestamp`` (milliseconds), ``input_length``, ``output_length``, and optionally
+  ``hash_ids``: one id per 512-token block of the prompt, equal ids meaning an equal prefix up to
+  and including that block (its rows must come in arrival order);
 - generic: ``arrival_s`` or ``timestamp``, ``input_tokens`` or ``prompt_tokens``,
   ``output_tokens``; optional ``model``, ``class``, ``prompt``, ``response``.
 
@@ -40,6 +42,24 @@ class TraceRow:
     service_class: str | None = None
     prompt: str | None = None
     response: str | None = None
+    hash_ids: tuple[int, ...] | None = None  # prompt blocks of HASH_BLOCK_TOKENS tokens (Mooncake)
+
+
+HASH_BLOCK_TOKENS = 512  # tokens per Mooncake hash_ids block
+
+
+def _parse_hash_ids(value: object, input_tokens: int, where: str) -> tuple[int, ...]:
+    """A Mooncake row's block ids: one non-negative integer per 512-token block of the prompt."""
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                              for v in value):  # fmt: skip
+        shown = str(value)[:80]
+        raise ValueError(f"{where}: hash_ids must be a list of non-negative integers (one per "
+                         f"{HASH_BLOCK_TOKENS}-token block of the prompt), got {shown}")  # fmt: skip
+    blocks = -(-input_tokens // HASH_BLOCK_TOKENS)
+    if len(value) != blocks:
+        raise ValueError(f"{where}: hash_ids has {len(value)} ids but input_length {input_tokens} makes "
+                         f"{blocks} blocks of {HASH_BLOCK_TOKENS} tokens")  # fmt: skip
+    return tuple(value)
 
 
 def _open_text(path: Path) -> io.TextIOBase:
@@ -147,7 +167,13 @@ def load_trace(path: Path | str) -> list[TraceRow]:
         if rec.get(arr) in (None, "") or rec.get(inp) in (None, "") or rec.get(out) in (None, ""):
             raise ValueError(f"{where}: empty value in {arr}, {inp} or {out}")
         t = _parse_time(rec[arr], where) * time_scale
-        rows.append((t, _parse_count(rec[inp], inp, where), _parse_count(rec[out], out, where), rec))
+        count_in = _parse_count(rec[inp], inp, where)
+        if "hash_ids" in rec:
+            rec["hash_ids"] = _parse_hash_ids(rec["hash_ids"], count_in, where)
+            if rows and t < rows[-1][0]:
+                raise ValueError(f"{where}: timestamp {rec[arr]} is before the previous row's; a trace "
+                                 "with hash_ids must list its requests in arrival order")  # fmt: skip
+        rows.append((t, count_in, _parse_count(rec[out], out, where), rec))
     if not rows:
         raise ValueError(f"trace {path} has no rows")
     rows.sort(key=lambda r: r[0])
@@ -163,6 +189,7 @@ def load_trace(path: Path | str) -> list[TraceRow]:
             service_class=str(rec[class_col]) if class_col and rec.get(class_col) not in (None, "") else None,
             prompt=rec.get("prompt"),
             response=rec.get("response"),
+            hash_ids=rec.get("hash_ids"),
         )
         for t, i, o, rec in rows
     ]

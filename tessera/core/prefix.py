@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed of the first parent hash without PYTHONHASHSEED
@@ -61,16 +61,17 @@ def text_block_hashes(text: str, block_chars: int = DEFAULT_TEXT_BLOCK_CHARS) ->
 
 
 class PrefixIndex:
-    """Which instance holds which blocks: the longest cached run of a request's leading blocks per
-    instance, with each instance's blocks evicted least recently used beyond its capacity."""
+    """Which instance holds which blocks (hashes, or a trace's block ids): the longest cached run of a
+    request's leading blocks per instance, with each instance's blocks evicted least recently used
+    beyond its capacity."""
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self._blocks: dict[str, OrderedDict[bytes, float]] = {}  # instance -> block -> last use
+        self._blocks: dict[str, OrderedDict[Hashable, float]] = {}  # instance -> block -> last use
 
-    def matched(self, hashes: Sequence[bytes], instances: Iterable[str]) -> dict[str, int]:
+    def matched(self, hashes: Sequence[Hashable], instances: Iterable[str]) -> dict[str, int]:
         """Per instance, how many of ``hashes``' leading blocks it holds (0 when none)."""
         out: dict[str, int] = {}
         for name in instances:
@@ -84,7 +85,7 @@ class PrefixIndex:
             out[name] = n
         return out
 
-    def record(self, instance: str, hashes: Sequence[bytes], now: float) -> None:
+    def record(self, instance: str, hashes: Sequence[Hashable], now: float) -> None:
         """``instance`` now holds ``hashes`` (the request was sent there), most recently used."""
         held = self._blocks.setdefault(instance, OrderedDict())
         for h in hashes:

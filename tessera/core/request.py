@@ -68,6 +68,8 @@ class Request:
     true_output_tokens: int | None = None
     prompt_text: str | None = None
     response_text: str | None = None  # simulation: the text the model "generates" (predictor input)
+    prefix_blocks: tuple[object, ...] = ()  # ids of the prompt's leading blocks; equal ids, equal prefix
+    prefix_block_tokens: int = 0  # tokens per prefix block
 
     phase: Phase = Phase.WAITING
     generated: int = 0
@@ -79,6 +81,7 @@ class Request:
     preemptions: int = 0
     swaps: int = 0
     evictions: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens the engine found in its prefix cache (not prefilled)
     tokens: TokenTimeline = field(default_factory=TokenTimeline)
     predicted_remaining: float | None = None  # set by length-aware policies
     annotations: dict[str, object] = field(default_factory=dict)  # policy scratch, never read by engines

@@ -45,6 +45,7 @@ ELIGIBLE_ROLES: dict[str, tuple[Role, ...]] = {
     "interactive": ("interactive", "mixed"),
     "batch": ("batch", "mixed"),
 }
+CHARS_PER_TOKEN = 4  # characters per token where a caller estimates tokens from text (English text)
 DEFAULT_Z = 1.0  # quantile of the waiting-time estimate (QLM's default confidence, about the 84th percentile)
 
 
@@ -64,6 +65,7 @@ class InstanceLoad:
     outstanding: int = 0  # requests sent there that have not ended
     healthy: bool = True
     ready_at: float = 0.0  # when the instance starts serving (the simulator's cold starts)
+    outstanding_prompt_tokens: int = 0  # prompt tokens of the requests outstanding there
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +144,20 @@ def wait_scorer(settings: WaitSettings) -> Scorer:
 
 
 def ttft_scorer(settings: WaitSettings) -> Scorer:
-    """Least expected time to the first token: the estimated wait plus the prefill of the prompt tokens
-    the instance does not hold in its prefix cache. Cache affinity and load in one unit, seconds."""
+    """Least expected time to the first token: the estimated wait for a batch slot, plus the prefill
+    of the prompt tokens outstanding there (CHOICE: all of them, as if none had finished its prefill;
+    exact for the long-prompt, short-answer requests where prefill dominates), plus the prefill of
+    the request's own prompt tokens the instance does not hold in its prefix cache. Cache affinity
+    and load in one unit, seconds."""
     wait = wait_scorer(settings)
 
     def score(req: RouteRequest, load: InstanceLoad) -> float:
         missed = max(0, req.prompt_tokens - req.cached_tokens.get(load.instance, 0))
-        prefill = load.profile.prefill(missed) if load.profile is not None and missed else 0.0
+        ahead = load.outstanding_prompt_tokens
+        profile = load.profile
+        if profile is None:
+            return round(wait(req, load), 9)
+        prefill = profile.prefill_p1 * ahead + (profile.prefill(missed) if missed else 0.0)
         return round(wait(req, load) + prefill, 9)
 
     return score
@@ -295,6 +304,9 @@ ROUTES: dict[str, RouteSpec] = {
     "least-loaded": RouteSpec(filters=("serves-model", "started"), scorers=(ScorerSpec(name="outstanding"),)),
     "round-robin": RouteSpec(filters=("serves-model", "started"), picker="round-robin"),
 }
+
+
+PREFIX_ROUTES = ("cache-aware", "prefix")  # routes that read where prompts' blocks are cached
 
 
 def make_route(name: str, **overrides: Any) -> Route:

@@ -45,7 +45,9 @@ from tessera.core.policies.qlm.estimator import TokenStats
 from tessera.core.prefix import PrefixIndex, text_block_hashes
 from tessera.core.request import ServiceClass
 from tessera.core.routing import (
+    CHARS_PER_TOKEN,
     DEFAULT_Z,
+    PREFIX_ROUTES,
     ROUTES,
     InstanceLoad,
     RouteRequest,
@@ -117,9 +119,7 @@ def class_infos(config: WorkerConfig) -> dict[str, ClassInfo]:
     }
 
 
-PREFIX_ROUTES = ("cache-aware", "prefix")  # routes that read the prefix index
 PREFIX_BLOCK_CHARS = 64  # characters per block of the router's prefix index (it does not tokenize)
-CHARS_PER_TOKEN = 4  # to turn characters into the token counts the step profile prices (English text)
 
 
 def _wait_settings(route: str, z: float) -> dict[str, Any]:
@@ -416,7 +416,8 @@ def create_router_app(
         upstream = answer.response
         out_headers = downstream_headers(upstream.headers.items(), answer.load.instance)
         if answer.streaming:
-            events = relay_events(state, metrics, answer.load, upstream, model=model, kind=kind, start=start)
+            events = relay_events(state, metrics, answer.load, upstream, model=model, kind=kind, start=start,
+                                  prompt_tokens=answer.prompt_tokens)  # fmt: skip
             return StreamingResponse(events, upstream.status_code, headers=out_headers)
         metrics.answered(model, kind, upstream.status_code, time.perf_counter() - start)
         if upstream.status_code == 200:

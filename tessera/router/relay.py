@@ -25,7 +25,7 @@ import httpx
 from fastapi import Request as HttpRequest
 
 from tessera.api.openai_errors import ApiError
-from tessera.core.routing import InstanceLoad, NoInstance
+from tessera.core.routing import CHARS_PER_TOKEN, InstanceLoad, NoInstance
 from tessera.router.metrics import RouterMetrics
 
 if TYPE_CHECKING:
@@ -47,6 +47,11 @@ class Upstream:
     stream: bool
     prompt_text: str = ""
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The prompt's length in tokens, estimated from its text (the router does not tokenize)."""
+        return len(self.prompt_text) // CHARS_PER_TOKEN
+
 
 @dataclass(frozen=True, slots=True)
 class Answer:
@@ -55,6 +60,7 @@ class Answer:
     load: InstanceLoad
     response: httpx.Response
     streaming: bool
+    prompt_tokens: int = 0  # counted in the instance's outstanding prompt tokens until the answer ends
 
 
 async def _client_left(http: HttpRequest) -> None:
@@ -96,6 +102,7 @@ async def send(state: RouterState, metrics: RouterMetrics, client: httpx.AsyncCl
         url = f"{state.backends[load.instance].url}{up.path}"
         request = client.build_request("POST", url, content=up.content, headers=up.headers)
         load.outstanding += 1
+        load.outstanding_prompt_tokens += up.prompt_tokens
         response: httpx.Response | None = None
         kept_open = False
         try:
@@ -103,7 +110,7 @@ async def send(state: RouterState, metrics: RouterMetrics, client: httpx.AsyncCl
             events = response.headers.get("content-type", "").startswith("text/event-stream")
             if up.stream and response.status_code == 200 and events:
                 kept_open = True
-                return Answer(load, response, streaming=True)
+                return Answer(load, response, streaming=True, prompt_tokens=up.prompt_tokens)
             await response.aread()  # an answer in one piece (errors included) is relayed in one piece
         except (httpx.ConnectError, httpx.ConnectTimeout):
             state.set_health(load.instance, False)  # not reachable: out until a poll sees it ready
@@ -121,6 +128,7 @@ async def send(state: RouterState, metrics: RouterMetrics, client: httpx.AsyncCl
         finally:
             if not kept_open:
                 load.outstanding -= 1
+                load.outstanding_prompt_tokens -= up.prompt_tokens
                 if response is not None:
                     await response.aclose()
         return Answer(load, response, streaming=False)
@@ -135,6 +143,7 @@ async def relay_events(
     model: str,
     kind: str,
     start: float,
+    prompt_tokens: int = 0,
 ) -> AsyncIterator[str]:
     """The instance's server-sent events as they come; an error event and ``[DONE]`` if the instance
     breaks off. Counts the answer when it ends: 200, 502 when it broke off or the worker ended it with
@@ -167,6 +176,7 @@ async def relay_events(
     finally:
         await response.aclose()
         load.outstanding -= 1
+        load.outstanding_prompt_tokens -= prompt_tokens
         metrics.answered(model, kind, code, time.perf_counter() - start)
         if tokens:
             state.stats[model].observe_output(tokens)

@@ -29,6 +29,7 @@ SCENARIOS: dict[str, str] = {
     "qlm": "tessera.bench.scenarios.qlm",
     "chiron": "tessera.bench.scenarios.chiron",
     "seallm": "tessera.bench.scenarios.seallm",
+    "routing": "tessera.bench.scenarios.routing",
     "worker-overhead": "tessera.bench.overhead",
     "real-policy": "tessera.bench.real_policy",
 }

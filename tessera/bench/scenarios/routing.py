@@ -1,0 +1,110 @@
+"""Scenario ``routing``: the router's routes on prefix-sharing traffic, with prefix caching on.
+
+Workload: the Mooncake synthetic trace (multi-turn prefix sharing; ``--trace`` takes any file in its
+format: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of 512-token blocks),
+first ``requests`` rows, arrivals rescaled to ``load`` × the cluster's capacity measured without a
+prefix cache (FCFS, every request at once). Every instance caches prompt blocks (the simulator's
+prefix cache: a prompt's leading blocks it holds are not prefilled again; least recently used blocks
+go first when the KV cache is full). Every request is interactive with the TTFT SLO ``ttft_slo``.
+
+Rows (route:load), each the route of ``tessera.core.routing`` the live router runs with
+``tessera router --route``: ``round-robin``, ``least-loaded``, ``wait`` (``least-wait``: QLM's
+estimated wait), ``prefix`` (cached prompt blocks alone) and ``combined`` (``cache-aware``: the
+expected time to the first token, i.e. wait plus prefill backlog plus the uncached prompt's
+prefill). Each reports TTFT mean and p99, SLO attainment, the prompt tokens prefilled and the
+prefix-cache hit rate (prompt tokens served from the cache over all prompt tokens).
+
+Options (``--set``): requests (2000), loads ("0.5,0.7,0.9"), ttft_slo (3.0), instances (8), and the
+cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tessera.bench.runner import SHARED_DATA, cluster_config_from, option, run_one, trace_requests
+from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
+from tessera.bench.scenarios._common import parse_loads, plot_metric_vs_load, saturation_rate, with_rate
+from tessera.core.registry import make_policy
+from tessera.core.request import Request, ServiceClass
+from tessera.sim.cluster import RouteRouter
+
+DESCRIPTION = "Router routes (round-robin, least-loaded, wait, prefix, combined) on prefix-sharing traffic"
+MOONCAKE = SHARED_DATA / "mooncake_fast25_synthetic_trace.jsonl.gz"
+ROWS = {
+    "round-robin": "round-robin",
+    "least-loaded": "least-loaded",
+    "wait": "least-wait",
+    "prefix": "prefix",
+    "combined": "cache-aware",
+}
+
+
+def run(config: BenchConfig, progress: Progress) -> BenchReport:
+    """Every route at every load on the same requests."""
+    opts = config.options
+    n = option(opts, "requests", 2000, int)
+    loads = parse_loads(config.load if config.load is not None else opts.get("loads"), (0.5, 0.7, 0.9))
+    slo = option(opts, "ttft_slo", 3.0, float)
+    if slo <= 0:
+        raise ValueError(f"ttft_slo must be > 0 seconds, got {slo}")
+    cached = cluster_config_from(opts, instances=8)
+    cached = replace(cached, engine=replace(cached.engine, prefix_caching=True))
+    base = trace_requests(config, MOONCAKE, n)
+    if not any(r.prefix_blocks for r in base):
+        raise ValueError(
+            "the trace has no hash_ids: routing needs a Mooncake-format trace with prompt blocks"
+        )
+    interactive = ServiceClass(name="interactive", kind="interactive", ttft_slo_s=slo)
+    for r in base:
+        r.service_class = interactive
+    capacity = saturation_rate(base, replace(cached, engine=replace(cached.engine, prefix_caching=False)))
+    rates = [config.rate] if config.rate is not None else [x * capacity for x in loads]
+    labels = [f"rate={config.rate:g}"] if config.rate is not None else [f"load={x:g}" for x in loads]
+    progress(0, total=len(base) * len(ROWS) * len(rates))
+    rows: list[dict[str, Any]] = []
+    for rate, label in zip(rates, labels, strict=True):
+        reqs = with_rate(base, rate)
+        for row, route in ROWS.items():
+            done, metrics = run_one(reqs, lambda: make_policy("fcfs"), cached, router=RouteRouter(route),
+                                    progress=progress)  # fmt: skip
+            rows.append({"policy": f"{row}:{label}", **metrics, **_cache_metrics(done)})
+    cfg = {**config.as_dict(), "requests": n, "capacity_rps": capacity, "rates": rates, "ttft_slo_s": slo}
+    cfg["cluster"] = {"instances": cached.instances, "max_batch": cached.engine.max_batch,
+                      "profile": next(iter(cached.profiles.values())).name}  # fmt: skip
+    return BenchReport("routing", cfg, rows, _checks(rows, labels))
+
+
+def _cache_metrics(requests: list[Request]) -> dict[str, Any]:
+    prompt = sum(r.prompt_tokens for r in requests)
+    hit = sum(r.cached_prompt_tokens for r in requests)
+    return {"prefill_tokens": prompt - hit, "cache_hit_rate": hit / prompt if prompt else 0.0}
+
+
+def _checks(rows: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    """The goal: combined beats every other route on SLO attainment and TTFT p99 at each load."""
+    checks = []
+    for label in labels:
+        by = {r["policy"].split(":")[0]: r for r in rows if r["policy"].endswith(":" + label)}
+        mine = by["combined"]
+        for other, row in by.items():
+            if other == "combined":
+                continue
+            slo_ok = mine["slo_attainment"] >= row["slo_attainment"] - 1e-9
+            p99_ok = mine["p99_ttft_s"] <= row["p99_ttft_s"] + 1e-9
+            checks.append(
+                f"combined vs {other}:{label}: SLO {mine['slo_attainment']:.1%} vs "
+                f"{row['slo_attainment']:.1%}, TTFT p99 {mine['p99_ttft_s']:.2f}s vs "
+                f"{row['p99_ttft_s']:.2f}s: {'PASS' if slo_ok and p99_ok else 'FAIL'}"
+            )
+    return checks
+
+
+def plot(report: BenchReport, out_dir: Path) -> list[Path]:
+    """TTFT p99, SLO attainment and cache hit rate against load."""
+    return plot_metric_vs_load(report.results, out_dir, ("p99_ttft_s", "slo_attainment", "cache_hit_rate"))
+
+
+__all__ = ["DESCRIPTION", "plot", "run"]

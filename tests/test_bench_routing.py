@@ -1,0 +1,84 @@
+"""Prefix caching in the simulator, Mooncake traces with block ids, and `tessera bench routing`."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tessera.api.traces import load_trace
+from tessera.bench.runner import run_one
+from tessera.bench.scenarios import BenchConfig, Options
+from tessera.bench.scenarios.routing import run
+from tessera.core.profile import StepProfile
+from tessera.core.registry import make_policy
+from tessera.core.request import Request
+from tessera.sim.cluster import ClusterConfig, RouteRouter
+from tessera.sim.engine import EngineConfig
+
+PROFILE = StepProfile("m", 0.01, 0.001, 0.0, 0.01, 0.0001, kv_capacity_tokens=100_000)
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    with gzip.open(path, "wt") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def test_mooncake_rows_keep_their_block_ids_and_bad_ones_are_refused_with_the_line(tmp_path: Path) -> None:
+    good = [{"timestamp": 0, "input_length": 1000, "output_length": 3, "hash_ids": [0, 1]},
+            {"timestamp": 50, "input_length": 600, "output_length": 2, "hash_ids": [0, 2]}]  # fmt: skip
+    rows = load_trace(_write(tmp_path / "ok.jsonl.gz", good))
+    assert rows[0].hash_ids == (0, 1) and rows[1].arrival == pytest.approx(0.05)
+    bad = [{**good[0], "hash_ids": [0, "x"]}]
+    with pytest.raises(ValueError, match=r"bad\.jsonl\.gz:1: hash_ids must be a list of non-negative"):
+        load_trace(_write(tmp_path / "bad.jsonl.gz", bad))
+    short = [{**good[0], "hash_ids": [0]}]
+    with pytest.raises(ValueError, match=r":1: hash_ids has 1 ids but input_length 1000 makes 2 blocks"):
+        load_trace(_write(tmp_path / "short.jsonl.gz", short))
+    backwards = [good[1], good[0]]
+    with pytest.raises(ValueError, match=r":2: timestamp 0 is before the previous row's"):
+        load_trace(_write(tmp_path / "back.jsonl.gz", backwards))
+
+
+def _req(rid: str, at: float, blocks: tuple[int, ...], prompt: int) -> Request:
+    return Request(rid, at, prompt, 2, true_output_tokens=2, prefix_blocks=blocks, prefix_block_tokens=512)
+
+
+def test_the_simulators_prefix_cache_skips_the_cached_prefill_only_when_on() -> None:
+    reqs = [_req("a", 0.0, (1, 2, 3), 1536), _req("b", 10.0, (1, 2, 4), 1536), _req("c", 20.0, (9,), 512)]
+    runs = {}
+    for on in (False, True):
+        config = ClusterConfig(profiles={"default": PROFILE}, instances=1,
+                               engine=EngineConfig(prefix_caching=on))  # fmt: skip
+        done, _ = run_one(reqs, lambda: make_policy("fcfs"), config)
+        runs[on] = {r.id: r for r in done}
+    assert [runs[True][x].cached_prompt_tokens for x in "abc"] == [0, 1024, 0]
+    assert all(r.cached_prompt_tokens == 0 for r in runs[False].values())
+    ttft = {on: runs[on]["b"].first_token_at - 10.0 for on in runs}  # type: ignore[operator]
+    assert ttft[True] == pytest.approx(ttft[False] - 1024 * PROFILE.prefill_p1)
+
+
+def test_cache_aware_routing_in_the_simulator_sends_a_shared_prefix_where_it_is_cached() -> None:
+    config = ClusterConfig(
+        profiles={"default": PROFILE}, instances=2, engine=EngineConfig(prefix_caching=True)
+    )
+    reqs = [_req(f"r{i}", i * 5.0, (7, 8, 9 + i), 1536) for i in range(6)]
+    done, _ = run_one(reqs, lambda: make_policy("fcfs"), config, router=RouteRouter("cache-aware"))
+    assert len({r.instance for r in done}) == 1 and sum(r.cached_prompt_tokens for r in done) == 5 * 1024
+    done, _ = run_one(reqs, lambda: make_policy("fcfs"), config, router=RouteRouter("round-robin"))
+    assert len({r.instance for r in done}) == 2
+
+
+def test_bench_routing_rows_and_checks_on_the_mooncake_trace() -> None:
+    config = BenchConfig("routing", options=Options({"requests": 300, "loads": "0.8"}))
+    report = run(config, lambda *a, **k: None)
+    names = [r["policy"] for r in report.results]
+    assert names == [f"{n}:load=0.8" for n in ("round-robin", "least-loaded", "wait", "prefix", "combined")]
+    by = {r["policy"].split(":")[0]: r for r in report.results}
+    assert by["prefix"]["cache_hit_rate"] > by["round-robin"]["cache_hit_rate"]
+    assert by["combined"]["prefill_tokens"] < by["round-robin"]["prefill_tokens"]
+    assert len(report.checks) == 4 and np.isfinite(by["combined"]["p99_ttft_s"])
