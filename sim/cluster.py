@@ -87,7 +87,8 @@ class RouteRouter(Router):
                          sum(r.prompt_tokens for r in i.assigned) if self.uses_prefix else 0)
             for i in cands
         ]  # fmt: skip
-        route_req = RouteRequest(req.model, req.service_class.kind, self.stats, view.now)
+        route_req = RouteRequest(req.model, req.service_class.kind, self.stats, view.now,
+                                 ttft_slo_s=req.service_class.ttft_slo_s)  # fmt: skip
         blocks = req.prefix_blocks if self.uses_prefix and req.prefix_block_tokens else ()
         if blocks:
             index = self._prefix_index(cands[0], req.prefix_block_tokens)

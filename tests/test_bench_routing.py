@@ -77,8 +77,27 @@ def test_bench_routing_rows_and_checks_on_the_mooncake_trace() -> None:
     config = BenchConfig("routing", options=Options({"requests": 300, "loads": "0.8"}))
     report = run(config, lambda *a, **k: None)
     names = [r["policy"] for r in report.results]
-    assert names == [f"{n}:load=0.8" for n in ("round-robin", "least-loaded", "wait", "prefix", "combined")]
+    rows = ("round-robin", "least-loaded", "wait", "prefix", "cache-aware", "combined")
+    assert names == [f"{n}:load=0.8" for n in rows]
     by = {r["policy"].split(":")[0]: r for r in report.results}
     assert by["prefix"]["cache_hit_rate"] > by["round-robin"]["cache_hit_rate"]
     assert by["combined"]["prefill_tokens"] < by["round-robin"]["prefill_tokens"]
-    assert len(report.checks) == 4 and np.isfinite(by["combined"]["p99_ttft_s"])
+    assert len(report.checks) == 5 and np.isfinite(by["combined"]["p99_ttft_s"])
+
+
+def test_slo_headroom_keeps_the_instances_that_meet_the_ttft_slo_and_slo_prefix_reuses_within_them() -> None:
+    from tessera.core.routing import InstanceLoad, RouteRequest, make_route, seed_stats, slo_headroom
+
+    hot = InstanceLoad("hot", "m", "interactive", PROFILE, 4, outstanding=1, outstanding_prompt_tokens=30_000)
+    cold = InstanceLoad("cold", "m", "interactive", PROFILE, 4)
+    stats = seed_stats()
+    req = RouteRequest(
+        "m", "interactive", stats, prompt_tokens=2000, cached_tokens={"hot": 1900}, ttft_slo_s=1.0
+    )
+    assert slo_headroom(req, [hot, cold]) == [cold]  # 30k tokens of backlog: 3 s > 1 s on "hot"
+    assert make_route("slo-prefix").pick(req, [hot, cold]).instance == "cold"
+    assert make_route("prefix").pick(req, [hot, cold]).instance == "hot"
+    relaxed = RouteRequest(
+        "m", "interactive", stats, prompt_tokens=2000, cached_tokens={"hot": 1900}, ttft_slo_s=10.0
+    )
+    assert make_route("slo-prefix").pick(relaxed, [hot, cold]).instance == "hot"

@@ -25,6 +25,9 @@ The built-in routes:
   cache (``tessera.core.prefix`` tracks which blocks each instance holds).
 - ``prefix``: as ``least-wait``'s candidates, ranked by cached prompt tokens alone (the baseline that
   piles onto hot instances).
+- ``slo-prefix``: the instances where the request's expected time to first token meets its class's
+  TTFT SLO (all when none does), ranked by cached prompt tokens, then expected time to first token:
+  as much cache reuse as the SLO allows.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class RouteRequest:
     stats: TokenStats | None = None  # the model's token statistics (for the waiting-time estimate)
     now: float = 0.0
     prompt_tokens: int = 0  # prompt length (an estimate where the caller does not tokenize)
+    ttft_slo_s: float | None = None  # the class's TTFT SLO, when it has one
     cached_tokens: Mapping[str, int] = field(default_factory=dict)  # instance -> prompt tokens it holds
 
 
@@ -163,6 +167,15 @@ def ttft_scorer(settings: WaitSettings) -> Scorer:
     return score
 
 
+def slo_headroom(req: RouteRequest, loads: list[InstanceLoad]) -> list[InstanceLoad]:
+    """Instances where the request's expected time to first token (``expected-ttft``) meets its
+    class's TTFT SLO; every instance when none does or the class has none."""
+    if req.ttft_slo_s is None:
+        return loads
+    expected = ttft_scorer(WaitSettings())
+    return [x for x in loads if expected(req, x) <= req.ttft_slo_s] or loads
+
+
 def prefix_affinity(req: RouteRequest, load: InstanceLoad) -> int:
     """More prompt tokens already cached first (prefix affinity alone, whatever the load)."""
     return -req.cached_tokens.get(load.instance, 0)
@@ -199,6 +212,7 @@ FILTERS: dict[str, Filter] = {
     "healthy": healthy,
     "class-roles": class_roles,
     "started": started,
+    "slo-headroom": slo_headroom,
 }
 # name -> (settings model, factory)
 SCORERS: dict[str, tuple[type[BaseModel], Callable[[Any], Scorer]]] = {
@@ -301,12 +315,20 @@ ROUTES: dict[str, RouteSpec] = {
         filters=("serves-model", "healthy", "class-roles"),
         scorers=(ScorerSpec(name="prefix-affinity"), ScorerSpec(name="outstanding"), ScorerSpec(name="name")),
     ),
+    "slo-prefix": RouteSpec(
+        filters=("serves-model", "healthy", "class-roles", "slo-headroom"),
+        scorers=(
+            ScorerSpec(name="prefix-affinity"),
+            ScorerSpec(name="expected-ttft"),
+            ScorerSpec(name="name"),
+        ),
+    ),
     "least-loaded": RouteSpec(filters=("serves-model", "started"), scorers=(ScorerSpec(name="outstanding"),)),
     "round-robin": RouteSpec(filters=("serves-model", "started"), picker="round-robin"),
 }
 
 
-PREFIX_ROUTES = ("cache-aware", "prefix")  # routes that read where prompts' blocks are cached
+PREFIX_ROUTES = ("cache-aware", "prefix", "slo-prefix")  # routes that read where prompts' blocks are cached
 
 
 def make_route(name: str, **overrides: Any) -> Route:

@@ -190,18 +190,21 @@ class RouterState:
                            param=config.class_header)  # fmt: skip
         return name, config.classes[name].kind
 
-    def pick(self, model: str, kind: str, exclude: set[str], prompt_text: str = "") -> InstanceLoad:
+    def pick(
+        self, model: str, kind: str, exclude: set[str], prompt_text: str = "", ttft_slo_s: float | None = None
+    ) -> InstanceLoad:
         """The instance for a request (not one of ``exclude``); a cache-aware route also reads which
         instances hold the leading blocks of ``prompt_text`` and records where it sent them."""
         loads = [x for x in self.loads.values() if x.instance not in exclude]
         if not self.uses_prefix or not prompt_text:
-            return self.route.pick(RouteRequest(model, kind, self.stats[model]), loads)
+            return self.route.pick(RouteRequest(model, kind, self.stats[model], ttft_slo_s=ttft_slo_s), loads)
         index = self._prefix_index(model)
         hashes = text_block_hashes(prompt_text, PREFIX_BLOCK_CHARS)
         matched = index.matched(hashes, (x.instance for x in loads if x.model == model))
         cached = {name: n * PREFIX_BLOCK_CHARS // CHARS_PER_TOKEN for name, n in matched.items()}
         req = RouteRequest(model, kind, self.stats[model], time.monotonic(),
-                           len(prompt_text) // CHARS_PER_TOKEN, cached)  # fmt: skip
+                           prompt_tokens=len(prompt_text) // CHARS_PER_TOKEN, cached_tokens=cached,
+                           ttft_slo_s=ttft_slo_s)  # fmt: skip
         chosen = self.route.pick(req, loads)
         index.record(chosen.instance, hashes, req.now)
         return chosen
@@ -403,7 +406,8 @@ def create_router_app(
             if caller is not None:
                 caller.check_class(class_name, state.configs[payload.model].class_header)
             headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
-            up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text)
+            slo = state.configs[payload.model].classes[class_name].slo.ttft_seconds
+            up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text, slo)
             answer = await unless_client_leaves(http, send(state, metrics, holder["client"], up))
         except ApiError as exc:
             metrics.answered(model, kind, exc.status, time.perf_counter() - start)

@@ -46,6 +46,7 @@ class Upstream:
     kind: str
     stream: bool
     prompt_text: str = ""
+    ttft_slo_s: float | None = None  # the request class's TTFT SLO
 
     @property
     def prompt_tokens(self) -> int:
@@ -92,7 +93,7 @@ async def send(state: RouterState, metrics: RouterMetrics, client: httpx.AsyncCl
     broken: str | None = None
     while True:
         try:
-            load = state.pick(up.model, up.kind, tried, up.prompt_text)
+            load = state.pick(up.model, up.kind, tried, up.prompt_text, up.ttft_slo_s)
         except NoInstance as exc:
             if broken is None:
                 raise ApiError(503, f"{exc}; retry when an instance is ready", code="no_instance") from None
