@@ -222,3 +222,33 @@ async def test_true_length_hint_is_benchmark_only_and_feeds_the_oracle() -> None
             assert short_done < long_done
     finally:
         await worker.stop()
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
+    """A multi-megabyte prompt must not stall the worker's other streams while it is tokenized: the
+    loop keeps ticking (its longest gap is a small part of the time tokenizing takes)."""
+    import time
+
+    from tessera.worker.engines.sim_realtime import SimEngine, _byte_tokens
+
+    text = "x" * 4_000_000
+    t0 = time.perf_counter()
+    _byte_tokens(text)
+    on_loop_s = time.perf_counter() - t0
+    engine = SimEngine("m", ProfileSpec().to_profile("m", 10**6), 4096)
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.01)
+    ids = await engine.tokenize(text)
+    ticker.cancel()
+    assert len(ids) == len(text) + 1
+    assert max(gaps) < 0.5 * on_loop_s, (max(gaps), on_loop_s)

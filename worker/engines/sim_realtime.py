@@ -40,6 +40,13 @@ class _Stream:
     prefilled: bool = False
 
 
+THREAD_TOKENIZE_CHARS = 65_536  # longer texts are tokenized on a thread
+
+
+def _byte_tokens(text: str) -> list[int]:
+    return [0, *(b + 3 for b in text.encode())]
+
+
 class SimEngine(Engine):
     """A simulated engine serving ``model`` at the speed of ``profile``."""
 
@@ -89,8 +96,11 @@ class SimEngine(Engine):
         self.wake_calls += 1
 
     async def tokenize(self, text: str) -> list[int]:
-        """One token per UTF-8 byte (shifted past the special ids 0-2), after a BOS of 0."""
-        return [0, *(b + 3 for b in text.encode())]
+        """One token per UTF-8 byte (shifted past the special ids 0-2), after a BOS of 0; a long text on
+        a thread, so that it does not stall the other streams."""
+        if len(text) > THREAD_TOKENIZE_CHARS:
+            return await asyncio.to_thread(_byte_tokens, text)
+        return _byte_tokens(text)
 
     async def detokenize(self, ids: list[int]) -> str:
         """Inverse of ``tokenize``: ids 3-258 are bytes, others (specials, out of range) are left out."""

@@ -131,31 +131,38 @@ class VLLMEngine(Engine):
             return False
 
     async def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text`` with the model's special tokens."""
-        if self._tokenizer is not None:
-            return list(self._tokenizer.encode(text, add_special_tokens=True))
+        """Token ids of ``text`` with the model's special tokens. The local tokenizer runs on a thread:
+        a long prompt tokenized on the event loop would stall every stream of the worker."""
+        tokenizer = self._tokenizer
+        if tokenizer is not None:
+            return await asyncio.to_thread(lambda: list(tokenizer.encode(text, add_special_tokens=True)))
         return await self._tokenize({"model": self.model, "prompt": text})
 
     async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of ``messages`` rendered by the chat template, ready for the assistant's turn."""
-        if self._tokenizer is not None:
-            try:
-                text = self._tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
-                )
-            except Exception as exc:  # jinja errors: the template rejects these messages
-                raise EngineRejected(
-                    f"the chat template of {self.model} rejected the messages: {exc}"
-                ) from exc
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of ``messages`` rendered by the chat template, ready for the assistant's turn
+        (on a thread, as ``tokenize``)."""
+        tokenizer = self._tokenizer
+        if tokenizer is not None:
+
+            def render() -> list[int]:
+                try:
+                    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                except Exception as exc:  # jinja errors: the template rejects these messages
+                    raise EngineRejected(
+                        f"the chat template of {self.model} rejected the messages: {exc}"
+                    ) from exc
+                return list(tokenizer.encode(text, add_special_tokens=False))
+
+            return await asyncio.to_thread(render)
         return await self._tokenize(
             {"model": self.model, "messages": messages, "add_generation_prompt": True}
         )
 
     async def detokenize(self, ids: list[int]) -> str:
         """The text of ``ids`` (the local tokenizer, else vLLM's ``/detokenize``)."""
-        if self._tokenizer is not None:
-            return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+        tokenizer = self._tokenizer
+        if tokenizer is not None:
+            return str(await asyncio.to_thread(tokenizer.decode, ids, skip_special_tokens=True))
         try:
             status, text = await self._request(
                 "POST", "/detokenize", 30.0, json={"model": self.model, "tokens": ids}
