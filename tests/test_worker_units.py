@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ConfigError, ProfileSpec, parse_config
-from tessera.core.chiron_local import ChironLocal
+from tessera.core.chiron import ChironLocal
 from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.worker.engines.sim_realtime import SimEngine, next_token
@@ -226,29 +226,38 @@ async def test_true_length_hint_is_benchmark_only_and_feeds_the_oracle() -> None
 
 async def test_a_long_prompt_is_tokenized_off_the_event_loop() -> None:
     """A multi-megabyte prompt must not stall the worker's other streams while it is tokenized: the
-    loop keeps ticking (its longest gap is a small part of the time tokenizing takes)."""
+    event loop's longest gap while the engine tokenizes stays well under its gap when the same text
+    is tokenized on the loop (measured the same way, in the same test)."""
     import time
+    from collections.abc import Awaitable, Callable
 
     from tessera.worker.engines.sim_realtime import SimEngine, _byte_tokens
 
     text = "x" * 4_000_000
-    t0 = time.perf_counter()
-    _byte_tokens(text)
-    on_loop_s = time.perf_counter() - t0
     engine = SimEngine("m", ProfileSpec().to_profile("m", 10**6), 4096)
-    gaps: list[float] = []
 
-    async def tick() -> None:
-        last = time.perf_counter()
-        while True:
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+    async def longest_gap(work: Callable[[], Awaitable[object]]) -> float:
+        gaps: list[float] = []
 
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0.01)
-    ids = await engine.tokenize(text)
-    ticker.cancel()
-    assert len(ids) == len(text) + 1
-    assert max(gaps) < 0.5 * on_loop_s, (max(gaps), on_loop_s)
+        async def tick() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.01)
+        await work()
+        await asyncio.sleep(0.005)  # the ticker wakes once more: a stall shows as its last gap
+        ticker.cancel()
+        return max(gaps)
+
+    async def on_loop() -> list[int]:
+        return _byte_tokens(text)
+
+    assert len(await engine.tokenize(text)) == len(text) + 1
+    control = await longest_gap(on_loop)
+    threaded = await longest_gap(lambda: engine.tokenize(text))
+    assert threaded < 0.5 * control, (threaded, control)
