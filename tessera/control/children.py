@@ -46,6 +46,9 @@ METRICS_PATH = "/metrics"
 WORKER_GRACE_SECONDS = 30
 TERMINATION_MARGIN_SECONDS = 10
 MODELS_DIR = "/models"
+WORKER_UID = 10001  # the worker image's user (Dockerfile)
+WORKER_REQUESTS = {"cpu": "500m", "memory": "1Gi"}  # the worker process, its predictor included
+WORKER_LIMITS = {"memory": "4Gi"}
 # ServingPool annotation selecting the workers' engine: "vllm" (default) or "sim" (simulated engine,
 # no vLLM containers; the worker container takes the GPUs) for clusters without GPUs (e2e on kind).
 ENGINE_ANNOTATION = "tessera.dev/engine"
@@ -330,7 +333,20 @@ def _worker_container(pool: ServingPool) -> dict[str, Any]:
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         ],
-        "volumeMounts": [{"name": "worker-config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "volumeMounts": [
+            {"name": "worker-config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "resources": {"requests": dict(WORKER_REQUESTS), "limits": dict(WORKER_LIMITS)},
+        # The worker image runs as its own user; nothing in the pod needs privileges or a writable root.
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": WORKER_UID,
+            "runAsGroup": WORKER_UID,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
         "livenessProbe": probe,
         "readinessProbe": {
             "httpGet": {"path": READINESS_PATH, "port": "http"},
@@ -358,6 +374,8 @@ def _vllm_container(
             "failureThreshold": 90,
         },
         "livenessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 15},
+        # vLLM's official image runs as root (its caches live under /root); it needs no capabilities.
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     resources = _gpu_requests(pool, group, index)
     if resources:
@@ -376,10 +394,13 @@ def stateful_set(
     pod_labels = {**labels, **{serves_label(s): "true" for s in group.services}}
     containers = [_worker_container(pool)]
     volumes: list[dict[str, Any]] = [
-        {"name": "worker-config", "configMap": {"name": config_map_name(pool.name, group.name)}}
+        {"name": "worker-config", "configMap": {"name": config_map_name(pool.name, group.name)}},
+        {"name": "tmp", "emptyDir": {}},
     ]
     if worker_engine(pool) == "sim":  # no vLLM: the worker holds the instance's GPUs for scheduling
-        containers[0]["resources"] = _gpu_requests(pool, group, 0)
+        gpus = _gpu_requests(pool, group, 0)
+        for kind in ("requests", "limits"):
+            containers[0]["resources"][kind].update(gpus[kind])
     for index, service_name in enumerate(group.services if worker_engine(pool) == "vllm" else ()):
         container, volume = _vllm_container(pool, group, services[service_name], index)
         containers.append(container)
@@ -389,6 +410,8 @@ def stateful_set(
         "containers": containers,
         "volumes": volumes,
         "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS + TERMINATION_MARGIN_SECONDS,
+        "automountServiceAccountToken": False,  # workers never call the Kubernetes API
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
     }
     if pool.spec.node_selector:
         pod_spec["nodeSelector"] = dict(pool.spec.node_selector)
