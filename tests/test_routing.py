@@ -119,3 +119,18 @@ def test_routes_validate_plugins_and_their_typed_settings() -> None:
     busy = [load("a", batch=1, outstanding=3), load("b", batch=1, outstanding=2)]
     z0 = make_route("least-wait", **{"estimated-wait": {"z": 0.0}})
     assert z0.pick(RouteRequest("m", "interactive", stats), busy).instance == "b"
+
+
+def test_router_status_names_instances_without_their_addresses() -> None:
+    from pathlib import Path
+
+    from tessera.api import load_documents
+    from tessera.local.control_plane import LocalEngine, plan_local
+    from tessera.router.app import RouterState
+    from tessera.router.backends import Backend
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    config = plan_local(load_documents(examples / "quickstart.yaml"), LocalEngine()).instances[0].config
+    state = RouterState([Backend(name="pod-0", url="http://10.1.2.3:8000", role="mixed", config=config)])
+    assert [r["instance"] for r in state.status()["instances"]] == ["pod-0"]
+    assert "10.1.2.3" not in str(state.status())

@@ -252,7 +252,6 @@ class RouterState:
         return [
             {
                 "instance": x.instance,
-                "url": self.backends[x.instance].url,
                 "model": x.model,
                 "role": x.role,
                 "healthy": x.healthy,
