@@ -69,8 +69,7 @@ def test_worker_container_command_is_the_real_cli(engine: str | None) -> None:
     assert args._module.__name__ == "tessera.commands.worker"
     # The config file is the ConfigMap's key, mounted where the argument points.
     assert str(args.config) == f"{CONFIG_DIR}/{CONFIG_KEY}"
-    (mount,) = container["volumeMounts"]
-    assert mount["mountPath"] == CONFIG_DIR
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == CONFIG_DIR]
     config_map = _child(decided, "ConfigMap")
     assert CONFIG_KEY in config_map["data"]
     pod = _child(decided, "StatefulSet")["spec"]["template"]["spec"]
@@ -109,7 +108,7 @@ def test_sim_engine_pool_runs_workers_without_vllm_that_answer_their_probes() ->
     assert [c["name"] for c in pod["containers"]] == ["worker"]
     worker = pod["containers"][0]
     group = decided.plan.groups[0]
-    assert worker["resources"]["limits"] == {"nvidia.com/gpu": str(group.tp)}
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == str(group.tp)
     config = parse_config(json.loads(_child(decided, "ConfigMap")["data"][CONFIG_KEY]))
     assert [m.engine for m in config.models] == ["sim"] and all(m.url is None for m in config.models)
     # The generated configuration starts a real worker whose probe routes answer 200.
