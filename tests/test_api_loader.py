@@ -74,7 +74,7 @@ def test_every_invalid_document_is_reported() -> None:
         )
     message = str(err.value)
     assert "spec.gpu.memory: '80GB' is not a Kubernetes quantity" in message
-    assert "spec.slo.ttftSeconds: Input should be greater than 0 (got -1)" in message
+    assert "spec.slo.ttftSeconds: Input should be greater than or equal to 0.001 (got -1)" in message
 
 
 def test_missing_field_is_named() -> None:
@@ -116,3 +116,26 @@ def test_server_metadata_and_status_are_accepted() -> None:
     assert isinstance(pool, ServingPool)
     assert pool.metadata.generation == 2
     assert pool.status is not None and pool.status.conditions[0].status == "True"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("instances: {max: 2}", "instances: {max: 1000000}",
+         "spec.instances.max: Input should be less than or equal to 1000"),
+        ("instances: {max: 2}", "instances: {max: 2}\n  autoscaling: {intervalSeconds: 1.0e-9}",
+         "spec.autoscaling.intervalSeconds: Input should be greater than or equal to 1"),
+        ("instances: {max: 2}", "instances: {max: 2}\n  autoscaling: {batchSize: {max: 1000000000}}",
+         "spec.autoscaling.batchSize.max: Input should be less than or equal to 65536"),
+    ],
+)  # fmt: skip
+def test_pool_sizes_and_periods_have_upper_and_lower_bounds(old: str, new: str, message: str) -> None:
+    assert old in POOL
+    with pytest.raises(SpecError, match=message):
+        load_documents(POOL.replace(old, new))
+
+
+@pytest.mark.parametrize("value", ["1.0e-9", ".inf", "3.0e9"])
+def test_slo_seconds_are_finite_and_within_a_millisecond_and_30_days(value: str) -> None:
+    with pytest.raises(SpecError, match=r"spec\.slo\.ttftSeconds"):
+        load_documents(CLASS.replace("ttftSeconds: 1", f"ttftSeconds: {value}"))

@@ -124,7 +124,10 @@ Quantity = Annotated[
     Field(json_schema_extra={"pattern": POSITIVE_QUANTITY_PATTERN}),
 ]
 
-Seconds = Annotated[float, Field(gt=0)]
+# A duration: at least 1 ms (shorter is below what any engine step or network hop can meet) and at
+# most 30 days (a longer SLO or deadline is no bound), never infinite or NaN.
+MIN_SECONDS, MAX_SECONDS = 0.001, 30 * 86400.0
+Seconds = Annotated[float, Field(ge=MIN_SECONDS, le=MAX_SECONDS, allow_inf_nan=False)]
 
 
 class ObjectMeta(BaseModel):

@@ -25,6 +25,10 @@ DEFAULT_WORKER_IMAGE = "ghcr.io/tessera-dev/tessera-worker:0.1.0"
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 
 
+MAX_INSTANCES = 1000  # instances of one pool: planning cost and memory grow with them
+MAX_BATCH = 65536  # sequences in one engine batch
+
+
 class GPUSpec(ApiModel):
     """The GPUs of one instance."""
 
@@ -57,11 +61,17 @@ class InstanceBounds(ApiModel):
 
     RULES = (LessOrEqual("min", "max"), LessOrEqual("min", "desired"), LessOrEqual("desired", "max"))
 
-    min: int = Field(default=0, ge=0, description="Fewest instances.")
-    max: int = Field(ge=1, description="Most instances (the pool's GPU budget is max x gpu.perInstance).")
+    min: int = Field(default=0, ge=0, le=MAX_INSTANCES, description="Fewest instances.")
+    max: int = Field(
+        ge=1,
+        le=MAX_INSTANCES,
+        description="Most instances (the pool's GPU budget is max x gpu.perInstance); at most 1000, as the "
+        "cost of planning a pool grows with its instances.",
+    )
     desired: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_INSTANCES,
         description="Instance count to hold when autoscaling is disabled (the scale subresource); "
         "unset means one instance per placed replica.",
     )
@@ -72,9 +82,16 @@ class BatchSizeBounds(ApiModel):
 
     RULES = (LessOrEqual("min", "initial"), LessOrEqual("initial", "max"))
 
-    min: int = Field(default=1, ge=1, description="Smallest batch size.")
-    initial: int = Field(default=256, ge=1, description="Batch size at start (vLLM's default max_num_seqs).")
-    max: int = Field(default=8192, ge=1, description="Largest batch size (Chiron BS_max).")
+    min: int = Field(default=1, ge=1, le=MAX_BATCH, description="Smallest batch size.")
+    initial: int = Field(
+        default=256, ge=1, le=MAX_BATCH, description="Batch size at start (vLLM's default max_num_seqs)."
+    )
+    max: int = Field(
+        default=8192,
+        ge=1,
+        le=MAX_BATCH,
+        description="Largest batch size (Chiron BS_max); at most 65536 sequences, beyond any engine's.",
+    )
 
 
 class AutoscalingSpec(ApiModel):
@@ -84,7 +101,12 @@ class AutoscalingSpec(ApiModel):
         default=True, description="Run the autoscalers; when false, instances.desired holds."
     )
     interval_seconds: float = Field(
-        default=5.0, gt=0, description="Period of the global autoscaler (Chiron T_eval)."
+        default=5.0,
+        ge=1,
+        le=3600,
+        allow_inf_nan=False,
+        description="Period of the global autoscaler (Chiron T_eval), 1 s to 1 h: it reads metrics "
+        "scraped every few seconds, so a shorter period only repeats the last decision.",
     )
     over_provisioning: float = Field(
         default=1 / 3,
@@ -97,10 +119,18 @@ class AutoscalingSpec(ApiModel):
         default=0.05, ge=0, lt=1, description="Tolerance δ_op around the target before scaling."
     )
     scale_up_cooldown_seconds: float = Field(
-        default=0.0, ge=0, description="Least time between two scale-ups of the same role."
+        default=0.0,
+        ge=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="Least time between two scale-ups of the same role (at most a day).",
     )
     scale_down_cooldown_seconds: float = Field(
-        default=120.0, ge=0, description="Least time after any scaling before a scale-down (stabilisation)."
+        default=120.0,
+        ge=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="Least time after any scaling before a scale-down (stabilisation; at most a day).",
     )
     batch_size: BatchSizeBounds = nested(BatchSizeBounds, "Bounds of the local autoscaler's batch size.")
 
@@ -110,9 +140,23 @@ class ReplacementInterval(ApiModel):
 
     RULES = (LessOrEqual("minSeconds", "initialSeconds"), LessOrEqual("initialSeconds", "maxSeconds"))
 
-    initial_seconds: float = Field(default=300.0, gt=0, description="First interval I_0 in seconds.")
-    min_seconds: float = Field(default=60.0, gt=0, description="Shortest interval I_min in seconds.")
-    max_seconds: float = Field(default=1800.0, gt=0, description="Longest interval I_max in seconds.")
+    initial_seconds: float = Field(
+        default=300.0, ge=10, le=7 * 86400, allow_inf_nan=False, description="First interval I_0 in seconds."
+    )
+    min_seconds: float = Field(
+        default=60.0,
+        ge=10,
+        le=7 * 86400,
+        allow_inf_nan=False,
+        description="Shortest interval I_min in seconds (at least 10 s: a re-placement moves pods).",
+    )
+    max_seconds: float = Field(
+        default=1800.0,
+        ge=10,
+        le=7 * 86400,
+        allow_inf_nan=False,
+        description="Longest interval I_max in seconds (at most a week).",
+    )
     beta: float = Field(
         default=0.1,
         gt=0,
