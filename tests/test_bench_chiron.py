@@ -8,9 +8,10 @@ import pytest
 from tessera.bench.scenarios import BenchConfig
 from tessera.bench.scenarios import chiron as scenario
 from tessera.core.baselines import EDF, FCFS
-from tessera.core.chiron_local import ChironLocal
+from tessera.core.chiron import ChironLocal, ChironPolicy, GlobalQueue, chiron_pick, spike_p99
 from tessera.core.profiles import load_profile
 from tessera.core.request import ServiceClass
+from tessera.sim.autoscaling import Target, ThresholdController
 from tessera.sim.cluster import Cluster, ClusterConfig, Controller, Dispatch, Router
 from tessera.sim.engine import EngineConfig
 from tessera.sim.workloads import build_requests
@@ -96,10 +97,10 @@ def test_pull_priority_dispatches_interactive_before_older_batch_requests():
     cluster = Cluster(ClusterConfig(profiles={"default": profile}, instances=1), FCFS)
     order = {}
     for priority in (False, True):
-        queue = scenario.GlobalQueue(group_s=1.0)
+        queue = GlobalQueue(group_s=1.0)
         for r in reqs:
             queue.push(r)
-        ctl = scenario.ThresholdController(
+        ctl = ThresholdController(
             ThresholdSettings(), queue, interval_s=1.0, static_batch=1, priority=priority
         )
         actions = ctl._pull(cluster.instances)
@@ -146,7 +147,7 @@ def test_instance_queue_evicts_batch_for_interactive_and_shrinks_batch():
             return view.instances[0]
 
     def factory():
-        return scenario.InstanceQueue(EDF(), ChironLocal(min_batch=1, max_batch=4, initial=4))
+        return ChironPolicy(EDF(), ChironLocal(min_batch=1, max_batch=4, initial=4))
 
     cluster = Cluster(ClusterConfig(profiles={"default": profile}, instances=1), factory, router=Fixed())
     result = cluster.run(reqs)
@@ -160,7 +161,7 @@ def test_instance_queue_evicts_batch_for_interactive_and_shrinks_batch():
     fcfs_reqs[4].service_class = inter
     cluster = Cluster(
         ClusterConfig(profiles={"default": profile}, instances=1, engine=EngineConfig(max_batch=4)),
-        lambda: scenario.InstanceQueue(FCFS()),
+        FCFS,
         router=Fixed(),
     )
     cluster.run(fcfs_reqs)
@@ -230,18 +231,20 @@ def test_interactive_burst_spreads_instead_of_piling_on_one_instance():
     """Zero-queuing routing: a burst arriving before the next iteration counts the prompts already routed
     to an instance (KV and prefill budget), so most-loaded-first packing cannot pile it on one instance."""
     profile = load_profile("a100-llama3-8b")
-    factory = lambda: scenario.InstanceQueue(EDF(), ChironLocal(min_batch=1, max_batch=4096, initial=256))  # noqa: E731
+    factory = lambda: ChironPolicy(EDF(), ChironLocal(min_batch=1, max_batch=4096, initial=256))  # noqa: E731
     cluster = Cluster(ClusterConfig(profiles={"default": profile}, instances=3, role="interactive"), factory)
     inter = ServiceClass("interactive", "interactive", ttft_slo_s=10, itl_slo_s=0.2)
     burst = build_requests([0.0] * 40, [1000] * 40, [50] * 40, np.random.default_rng(0))
     held = []
     for req in burst:
         req.service_class = inter
-        inst = scenario.chiron_pick(req, cluster.view(), backlog_s=0.0)  # strict: next iteration only
-        if inst is None:
+        target = chiron_pick(
+            req, [Target(i) for i in cluster.instances], backlog_s=0.0
+        )  # next iteration only
+        if target is None:
             held.append(req)
         else:
-            inst.add(req, 0.0)
+            target.inst.add(req, 0.0)
     per_instance = [i.outstanding for i in cluster.instances]
     budget = cluster.instances[0].config.budget
     assert per_instance == [budget // 1000] * 3  # each takes what its next prefill iteration holds
@@ -272,12 +275,12 @@ def test_workload_arrival_processes_and_lengths():
 
 def test_spike_p99_reads_the_arrival_history():
     steady = np.arange(0, 600, 0.1)  # 10 req/s
-    assert scenario.spike_p99(steady, 30.0) == pytest.approx(1.0, abs=0.01)
+    assert spike_p99(steady, 30.0) == pytest.approx(1.0, abs=0.01)
     # 10 req/s, then 30 req/s in every other 30 s window: consecutive windows differ by 3x.
     bursty = np.concatenate([np.arange(k * 30, k * 30 + 30, 0.1 if k % 2 else 1 / 30) for k in range(20)])
-    assert scenario.spike_p99(bursty, 30.0) == pytest.approx(3.0, rel=0.05)
+    assert spike_p99(bursty, 30.0) == pytest.approx(3.0, rel=0.05)
     with pytest.raises(ValueError, match="3 windows"):
-        scenario.spike_p99(np.arange(0, 40, 1.0), 30.0)
+        spike_p99(np.arange(0, 40, 1.0), 30.0)
 
 
 def test_history_over_provisioning_variant_is_reported_and_checked():
@@ -306,9 +309,7 @@ def test_demand_utilization_sums_instances_before_dividing():
     backlog = build_requests([0.0] * 600, [2000] * 600, [10] * 600, np.random.default_rng(0))
     for r in backlog:
         cluster.instances[0].add(r, 0.0)  # waiting prompts: 1.2M tokens, 2 x 419k of KV
-    ctl = scenario.ThresholdController(
-        ThresholdSettings(), None, interval_s=10.0, static_batch=256, demand=True
-    )
+    ctl = ThresholdController(ThresholdSettings(), None, interval_s=10.0, static_batch=256, demand=True)
     assert ctl._utilization(cluster.instances, cluster.view()) == 1.0
-    kv_only = scenario.ThresholdController(ThresholdSettings(), None, interval_s=10.0, static_batch=256)
+    kv_only = ThresholdController(ThresholdSettings(), None, interval_s=10.0, static_batch=256)
     assert kv_only._utilization(cluster.instances, cluster.view()) < 0.05  # nothing resident yet

@@ -17,7 +17,10 @@ by then ends with ``QueueTimeout`` (HTTP 429, Retry-After), never silently. ``De
 goes to the pod's ``ModelSwapper`` (sleep / wake-up; see ``tessera.worker.swap``); while another
 model holds the accelerator this scheduler admits nothing and its queue waits.
 
-Chiron's local autoscaler (``ChironLocal``) moves the batch size at changes of the running set.
+With Chiron's local autoscaler on (``scheduling.autoscale.enabled``) the policy runs inside the
+core's ``ChironPolicy``, the same wrapper the simulator runs: it moves the batch size at changes of
+the running set and lets interactive requests evict batch ones; the scheduler only counts the
+engine's decode iterations for it.
 If the engine fails, in-flight requests end with the engine's error (HTTP 503), queued ones stay
 queued, nothing is admitted until a health probe sees the engine back.
 """
@@ -38,11 +41,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds
-from tessera.core.chiron_local import ChironLocal
+from tessera.core.chiron import ChironLocal, ChironPolicy
 from tessera.core.policy import Decision, InstanceView, Policy
 from tessera.core.profile import StepProfile
 from tessera.core.qoe import request_qoe
-from tessera.core.request import Phase, Request, ServiceClass
+from tessera.core.request import Phase, Request
 from tessera.worker.engines.base import Engine, EngineError, EngineJob, EngineUnavailable, TokenDelta
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.swap import ModelSwapper
@@ -126,7 +129,6 @@ class ModelScheduler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
-        self.policy = policy
         self.profile = profile
         self.metrics = metrics
         self.clock = clock
@@ -135,11 +137,14 @@ class ModelScheduler:
         self.class_queue_times = class_queue_times or {}
         self.swapper = swapper
         self.autoscale = autoscale
+        # Kept across reloads: a policy switch keeps the batch size learned so far.
         self.chiron = ChironLocal(
             batch.min, batch.max, batch.start, autoscale.alpha, autoscale.min_iterations,
             autoscale.min_interval_seconds,
         )  # fmt: skip
-        self.max_batch = batch.start
+        self.policy = self._wrap(policy)
+        # The batch-size limit the policy sees: the static size, or the bound Chiron moves within.
+        self.max_batch = batch.max if autoscale.enabled else batch.start
         self.engine_ok = True
         self.inflight: dict[Job, None] = {}  # insertion-ordered set: admission order
         self.jobs: dict[Request, Job] = {}
@@ -151,7 +156,7 @@ class ModelScheduler:
         self._recheck_tokens: int | None = None
         self._recheck_at: float | None = None
         self._iters = 0.0  # decode iterations since the last decision (estimated from tokens)
-        self._chiron_iters = 0.0
+        self._iterations = 0.0  # decode iterations so far (estimated from tokens)
         self._completions: deque[float] = deque(maxlen=64)
         # (expiry, seq, job) of requests whose class bounds the queue time; lazily cleaned
         self._expiries: list[tuple[float, int, Job]] = []
@@ -162,7 +167,8 @@ class ModelScheduler:
         self._work_thread: ThreadPoolExecutor | None = None  # the policy's work ahead of decisions
         self.decision_failures = 0  # consecutive policy decisions that raised
         self._decision_failed = metrics.decision_failures.labels(engine.model)
-        metrics.batch_size.labels(engine.model).set(self.max_batch)
+        self._batch_gauge = metrics.batch_size.labels(engine.model)
+        self._batch_gauge.set(self.batch_size)
         if swapper is not None:
             swapper.register(engine.model, lambda: len(self.inflight), self._wake.set)
 
@@ -238,9 +244,6 @@ class ModelScheduler:
 
         A changed queue-time bound applies to requests that arrive after the change."""
         now = self.clock()
-        for req in self.jobs:
-            policy.add(req, now)
-        self.policy = policy
         self.max_queued = max_queued
         self.class_limits = class_limits
         self.class_queue_times = class_queue_times or {}
@@ -251,8 +254,29 @@ class ModelScheduler:
         self.chiron.min_interval_s = autoscale.min_interval_seconds
         if not autoscale.enabled:
             self.chiron.initial = batch.start
-        self._set_batch(self.chiron.batch_size() if autoscale.enabled else batch.start)
+        self.max_batch = batch.max if autoscale.enabled else batch.start
+        wrapped = self._wrap(policy)
+        for req in self.jobs:
+            wrapped.add(req, now)
+        self.policy = wrapped
+        self._batch_gauge.set(self.batch_size)
         self._wake.set()
+
+    def _wrap(self, policy: Policy) -> Policy:
+        """``policy`` inside Chiron's local autoscaler when it is on (the core's wrapper)."""
+        if not self.autoscale.enabled:
+            return policy
+        return ChironPolicy(
+            policy,
+            self.chiron,
+            interactive_itl_s=self.autoscale.interactive_itl_slo_seconds,
+            batch_itl_s=self.autoscale.batch_itl_slo_seconds,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        """The batch size in effect: Chiron's when its local autoscaler is on, else the static one."""
+        return self.policy.batch_size() if isinstance(self.policy, ChironPolicy) else self.max_batch
 
     # ---------------------------------------------------------------- the loop
 
@@ -315,8 +339,6 @@ class ModelScheduler:
         now = self.clock()
         if self._expiries:
             self._expire(now)
-        if self.autoscale.enabled:
-            self._autoscale(now)
         t0 = time.perf_counter()
         try:
             decision = self.policy.schedule(self._view(now))
@@ -329,6 +351,7 @@ class ModelScheduler:
                               "until it recovers", self.policy.name, self.engine.model)  # fmt: skip
             decision = self._arrival_order()
         self._decision_hist.observe(time.perf_counter() - t0)
+        self._batch_gauge.set(self.batch_size)
         self._recheck_tokens = decision.recheck_after_tokens
         self._recheck_at = decision.recheck_at
         self._iters = 0.0
@@ -366,6 +389,7 @@ class ModelScheduler:
             kv_used_tokens=sum(r.context_tokens for r in running),
             profile=self.profile,
             active_model=None if self.swapper is None else self.swapper.active_for(self.engine.model),
+            iteration=int(self._iterations),
         )
 
     def _swap_allows(self, decision: Decision) -> bool:
@@ -382,22 +406,6 @@ class ModelScheduler:
             swapper.request(model)  # work waits while the model sleeps: ask for it (any policy)
         swapper.poke()
         return False
-
-    def _autoscale(self, now: float) -> None:
-        slo = min((self._itl_slo(job.req.service_class) for job in self.inflight), default=None)
-        self._set_batch(self.chiron.update(now, slo))
-
-    def _itl_slo(self, cls: ServiceClass) -> float:
-        if cls.itl_slo_s is not None:
-            return cls.itl_slo_s
-        if cls.kind == "batch":
-            return self.autoscale.batch_itl_slo_seconds
-        return self.autoscale.interactive_itl_slo_seconds
-
-    def _set_batch(self, size: int) -> None:
-        if size != self.max_batch:
-            self.max_batch = size
-            self.metrics.batch_size.labels(self.engine.model).set(size)
 
     # ---------------------------------------------------------------- streams
 
@@ -456,17 +464,15 @@ class ModelScheduler:
         now = self.clock()
         req = job.req
         labels = (self.engine.model, job.class_name)
-        gap_sum, gaps = 0.0, 0
         if job.last_token_at is None:
             self.metrics.ttft.labels(*labels).observe(now - req.arrival)
             if req.first_scheduled_at is not None:
                 self._engine_ttft_hist.observe(now - req.first_scheduled_at)
         else:
-            gap_sum, gaps = now - job.last_token_at, n
             itl = self._itl_hist.get(job.class_name)
             if itl is None:  # a labels() lookup per token costs more than the rest of this method
                 itl = self._itl_hist[job.class_name] = self.metrics.itl.labels(*labels)
-            itl.observe(gap_sum)
+            itl.observe(now - job.last_token_at)
         for _ in range(n):
             req.tokens.append(now)
         req.generated += n
@@ -484,13 +490,7 @@ class ModelScheduler:
             return
         iters = n / max(1, len(self.inflight))
         self._iters += iters
-        if self.autoscale.enabled:
-            self._chiron_iters += iters
-            whole = int(self._chiron_iters)
-            self._chiron_iters -= whole
-            self.chiron.observe(
-                now, tokens=n, gap_sum=gap_sum, gaps=gaps, iterations=whole, running=len(self.inflight)
-            )
+        self._iterations += iters
         if self._recheck_tokens is not None and self._iters >= self._recheck_tokens:
             self._recheck_tokens = None
             self._wake.set()

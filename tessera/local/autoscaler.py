@@ -3,7 +3,7 @@
 Every pool's ``autoscaling.intervalSeconds`` each placement group (with autoscaling enabled) is
 evaluated exactly as the operator evaluates it: the same classes, deadlines and settings
 (``group_scaling``, capped by ``--max-instances``), the same snapshot (``snapshot_from_results`` over
-direct scrapes, ``tessera.local.scrape``) and the same decision (``chiron_decide``). A decision is
+direct scrapes, ``tessera.local.scrape``) and the same step (the core's ``evaluate_group``). A decision is
 carried out the way a StatefulSet carries it out: ordinals keep their role order (interactive, mixed,
 batch), new ordinals start as new worker processes (the router takes them once they answer ``/ready``),
 and the highest ordinals go. A leaving worker first leaves the router's rotation and is stopped only
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -24,8 +23,8 @@ import httpx
 from tessera.control.children import ROLE_ORDER
 from tessera.control.metrics_queries import snapshot_from_results
 from tessera.control.pool_plan import GroupScaling, group_scaling
-from tessera.core.planners import AutoscalerState, RoleCounts
-from tessera.core.planners.chiron import chiron_decide
+from tessera.core.chiron import GroupMemory, evaluate_group
+from tessera.core.planners import RoleCounts
 from tessera.core.routing import InstanceLoad
 from tessera.local.control_plane import LocalGroup
 from tessera.local.scrape import Counters, results_from_scrapes
@@ -43,9 +42,8 @@ class _Group:
     local: LocalGroup
     scaling: GroupScaling  # classes, deadlines, settings: fixed, as local mode never re-places
     replicas: RoleCounts  # the counts its workers run now (within the local cap)
-    state: AutoscalerState = field(default_factory=AutoscalerState)
+    memory: GroupMemory = field(default_factory=GroupMemory)
     counters: Counters = field(default_factory=dict)
-    last_eval: float = -math.inf
 
 
 def effective_counts(local: LocalGroup, counts: RoleCounts) -> RoleCounts:
@@ -102,7 +100,7 @@ class LocalAutoscaler:
     async def step(self, client: httpx.AsyncClient, now: float) -> None:
         """One pass: every group whose interval has passed is measured, decided and resized."""
         for g in self.groups:
-            if now - g.last_eval < g.scaling.settings.eval_interval_s:
+            if not g.memory.due(g.scaling.settings, now):
                 continue
             workers = self._workers(g)
             texts = await asyncio.gather(*(_scrape(client, w.url) for w in workers))
@@ -110,16 +108,16 @@ class LocalAutoscaler:
             results, g.counters = results_from_scrapes(scrapes, g.scaling.kinds, g.counters, now)
             plan = replace(g.local.group, replicas=g.replicas)
             snapshot = snapshot_from_results(results, plan, g.scaling.deadlines, now)
-            if snapshot is None:
+            step = evaluate_group(snapshot, g.memory, g.scaling.settings, now)
+            g.memory = step.memory
+            if step.decision is None:
                 continue
-            g.last_eval = now
-            decision = chiron_decide(snapshot, g.state, g.scaling.settings, now)
-            g.state = decision.state
-            desired = effective_counts(g.local, decision.desired)
+            desired = effective_counts(g.local, step.decision.desired)
             if desired != g.replicas:
-                reason = "; ".join(decision.reasons) or "autoscaler"
                 name = g.local.group.name
-                message = f"autoscaler: group {name}: {g.replicas.short()} -> {desired.short()}: {reason}"
+                message = (
+                    f"autoscaler: group {name}: {g.replicas.short()} -> {desired.short()}: {step.reason}"
+                )
                 self.actions.append(message)
                 self.report(message)
                 self._resize(g, desired)
