@@ -147,7 +147,8 @@ class BatchBounds(ApiModel):
 
 
 class AutoscaleSpec(ApiModel):
-    """Chiron's local autoscaler (qlm_chiron_spec B4); see ``tessera.core.chiron_local``."""
+    """Chiron's local autoscaler: the batch size from ITL and throughput backpressure, with the ITL SLOs
+    of classes that name none; see ``tessera.core.chiron.ChironPolicy``."""
 
     enabled: bool = False
     alpha: Annotated[float, Field(gt=0, le=1)] = 0.5
