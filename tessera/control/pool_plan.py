@@ -29,6 +29,7 @@ INVALID_SPEC = "InvalidSpec"
 CLASS_NOT_FOUND = "RequestClassNotFound"
 POOL_NOT_FOUND = "PoolNotFound"
 PLACEMENT_FAILED = "PlacementFailed"
+DUPLICATE_MODEL = "DuplicateModel"
 
 
 def spec_only(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -138,10 +139,15 @@ def group_scaling(decided: PoolDesired, group: GroupPlan, instance_cap: int | No
 def pool_services(
     pool: str, service_bodies: Iterable[Mapping[str, Any]], classes: Mapping[str, RequestClassSpec]
 ) -> tuple[dict[str, LLMService], dict[str, Problem]]:
-    """The LLMServices naming ``pool``: the servable ones, and the problems of the others."""
+    """The LLMServices naming ``pool``: the servable ones, and the problems of the others.
+
+    Clients pick a service by its model name and a class by its header value, so neither may be
+    ambiguous: of two services serving the same model name, the older keeps it (creation time, then
+    name) and the other is rejected; a service whose classes share a header value is rejected."""
     valid: dict[str, LLMService] = {}
     rejected: dict[str, Problem] = {}
-    for body in service_bodies:
+    models: dict[str, str] = {}  # model name -> the service serving it
+    for body in sorted(service_bodies, key=_age):
         if pool_ref(body) != pool or deleting(body):
             continue
         name = (body.get("metadata") or {}).get("name", "?")
@@ -159,8 +165,35 @@ def pool_services(
                 "it from spec.requestClasses",
             )
             continue
+        values: dict[str, str] = {}
+        for accepted in service.spec.request_classes:
+            value = classes[accepted.name].header_value(accepted.name)
+            if value in values:
+                rejected[name] = Problem(
+                    INVALID_SPEC,
+                    f"RequestClasses {values[value]!r} and {accepted.name!r} are both selected by the header "
+                    f"value {value!r}; give one of them another spec.match.value",
+                )
+                break
+            values[value] = accepted.name
+        if name in rejected:
+            continue
+        model = service.spec.model.name
+        if model in models:
+            rejected[name] = Problem(
+                DUPLICATE_MODEL,
+                f"LLMService {models[model]!r} already serves model {model!r} in pool {pool!r}; clients "
+                "choose a service by model name: serve another model name or use another pool",
+            )
+            continue
+        models[model] = name
         valid[name] = service
     return valid, rejected
+
+
+def _age(body: Mapping[str, Any]) -> tuple[str, str]:
+    meta = body.get("metadata") or {}
+    return str(meta.get("creationTimestamp") or ""), str(meta.get("name") or "")
 
 
 def counts_within_bounds(pool: ServingPool, plan: PlacementPlan) -> bool:
