@@ -176,3 +176,46 @@ async def test_local_autoscaler_shrinks_when_idle_grows_under_load_and_loses_not
         assert stack.autoscaler is not None and stack.autoscaler.actions == lines
     finally:
         await stack.stop()
+
+
+@pytest.mark.integration
+def test_sigterm_stops_local_mode_and_every_worker_it_started(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tessera", "local", "up", "-f", str(EXAMPLES / "quickstart.yaml"),
+         "--port", str(free_port()), "--no-autoscale"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "serving;" in line:
+                break
+        else:
+            pytest.fail("local mode did not start serving")
+        table = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+        children = [int(p) for p, pp in (row.split() for row in table.splitlines()) if int(pp) == proc.pid]
+        assert children, "no worker process found under local mode"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        alive = children
+        while alive and time.monotonic() < deadline:
+            alive = [p for p in alive if os.path.exists(f"/proc/{p}") and "Z" not in _state(p)]
+            time.sleep(0.1)
+        assert not alive, f"workers left running after SIGTERM: {alive}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2]
+    except OSError:
+        return "Z"

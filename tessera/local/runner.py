@@ -16,9 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, TextIO
 
 import httpx
+import uvicorn
 
 from tessera.local.autoscaler import LocalAutoscaler
 from tessera.local.control_plane import LocalPlan
@@ -241,12 +243,10 @@ class LocalStack:
 
     async def start(self, ready_timeout_s: float) -> None:
         """Start every worker (waiting until ready), then the router on ``host:port``."""
-        import uvicorn
-
         await asyncio.to_thread(self.supervisor.start_all, self.plan.instances, ready_timeout_s)
         self.state = RouterState([w.backend() for w in self.supervisor.workers])
         app = create_router_app(self.state)
-        self._server = uvicorn.Server(router_server_config(app, host=self.host, port=self.port))
+        self._server = _RouterServer(router_server_config(app, host=self.host, port=self.port))
         self._task = asyncio.create_task(self._server.serve(), name="router")
         while not self._server.started:
             if self._task.done():
@@ -281,6 +281,15 @@ class LocalStack:
             with contextlib.suppress(Exception):
                 await self._task
         await asyncio.to_thread(self.supervisor.stop_all)
+
+
+class _RouterServer(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM or Ctrl-C only ends serving: uvicorn re-raises the
+    signal after its shutdown, which would end the process before local mode stops its workers."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
 
 
 async def remote_status(endpoint: str) -> dict[str, Any] | None:
