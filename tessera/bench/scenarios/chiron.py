@@ -18,14 +18,11 @@ Rows (mechanisms: ``tessera.core.chiron``; the simulator's adapters: ``tessera.s
   counts a group only near its deadline; ``chiron:op=X`` (``op_history_variant``): Θ_op = 1 / p99
   arrival spike of the history over windows of the load time (paper §5.2).
 - ``threshold:band=LO-HI``: a Llumnix-style baseline: every 10 s, ±1 instance when the utilization
-  leaves [LO, HI]; static batch size (vLLM's max_num_seqs 256); FCFS per instance. Dispatch (``dispatch``):
-  ``arrival`` sends each request at once to the least-loaded instance (a bulk then stays on the
-  instances that existed when it arrived); ``pull`` holds requests in one FCFS queue that instances
-  pull up to the static batch size (as Llumnix's migration would); ``pull-priority`` puts interactive
-  requests first. Utilization (``utilization``): ``demand`` (default) is Llumnix's scaling load, KV in
-  use plus the prompts of waiting requests, so a backlog reads as load; ``kv`` (``:util=kv``) counts
-  KV in use only and never scales for a queued bulk. ``bands`` sweeps the band; the paper's "Llumnix
-  (tuned)" is the best of the sweep, and the checks name it.
+  leaves [LO, HI]; static batch size 256 (vLLM's max_num_seqs); FCFS. ``dispatch``: ``arrival`` (each
+  request at once to the least-loaded instance), ``pull`` (one FCFS queue that instances pull, as
+  Llumnix's migration would), ``pull-priority`` (interactive first). ``utilization``: ``demand``
+  (Llumnix's scaling load: KV in use plus waiting prompts) or ``kv`` (KV in use only: never scales for
+  a queued bulk). ``bands`` sweeps the band; the best row is the paper's "Llumnix (tuned)".
 
 Metrics: the contract's keys plus mean / peak instances, scaling actions, hysteresis (actions /
 scale-ups), ``instances_over_time`` ([t, interactive, mixed, batch] every 10 s) and
@@ -41,6 +38,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -213,21 +211,17 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         default_instance_tokens_per_s=seed_theta,
         batch_slo_s=deadline,
     )
-    variants: dict[str, Callable[[], Parts]] = {
-        "chiron": lambda: _chiron_parts(settings, work, tick, deadline, margin, backlog),
-    }
+    chirons = {"chiron": settings}
     theta_history = None
     if option(opts, "op_history_variant", False, bool):
         # Paper §5.2: Θ_op = 1 / (p99 arrival spike of the history); kept above the band.
-        spike = spike_p99(work.history, cold)
-        theta_history = min(1.0, max(settings.band + 0.01, 1.0 / spike))
-        hist = replace(settings, over_provisioning=theta_history)
-        variants[f"chiron:op={theta_history:.2f}"] = lambda: _chiron_parts(
-            hist, work, tick, deadline, margin, backlog
-        )
+        theta_history = min(1.0, max(settings.band + 0.01, 1.0 / spike_p99(work.history, cold)))
+        chirons[f"chiron:op={theta_history:.2f}"] = replace(settings, over_provisioning=theta_history)
     if option(opts, "defer_variant", False, bool):
-        deferred = replace(settings, defer=True)
-        variants["chiron:defer=true"] = lambda: _chiron_parts(deferred, work, tick, deadline, margin, backlog)
+        chirons["chiron:defer=true"] = replace(settings, defer=True)
+    variants: dict[str, Callable[[], Parts]] = {
+        name: partial(_chiron_parts, s, work, tick, deadline, margin, backlog) for name, s in chirons.items()
+    }
     utils = str(option(opts, "utilization", "demand", str)).split(",")
     _require(
         bool(utils) and all(u in ("kv", "demand") for u in utils),
@@ -352,14 +346,9 @@ def plot(report: BenchReport, out_dir: Path) -> list[Path]:
         pts = np.asarray(row["instances_over_time"], dtype=float)
         if len(pts):
             ax.step(pts[:, 0], pts[:, 1:].sum(axis=1), where="post", label=row["policy"])
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("instances (GPUs)")
-    ax.legend()
+    ax.set(xlabel="time (s)", ylabel="instances (GPUs)")
     ax.grid(alpha=0.3)
-    first = out_dir / "instances_over_time.png"
-    fig.tight_layout()
-    fig.savefig(first, dpi=120)
-    plt.close(fig)
+    first = _save(plt, fig, ax, out_dir / "instances_over_time.png")
     fig, ax = plt.subplots(figsize=(6, 4))
     names = [r["policy"] for r in report.results]
     classes = sorted({c for r in report.results for c in r.get("slo_attainment_by_class", {})})
@@ -372,12 +361,15 @@ def plot(report: BenchReport, out_dir: Path) -> list[Path]:
         ax.bar(np.arange(len(names)) + k * width, vals, width, label=cls)
     ax.set_xticks(np.arange(len(names)) + width * len(classes) / 2, names, rotation=15, fontsize=8)
     ax.set_ylabel("SLO attainment")
+    return [first, _save(plt, fig, ax, out_dir / "slo_attainment.png")]
+
+
+def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
     ax.legend()
-    second = out_dir / "slo_attainment.png"
     fig.tight_layout()
-    fig.savefig(second, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [first, second]
+    return path
 
 
 __all__ = ["DESCRIPTION", "plot", "run"]

@@ -153,7 +153,8 @@ class ChironPolicy(Policy):
     interactive work already asks for the interactive level). The inner policy decides under that
     batch size. When interactive requests are held next to batch ones, the inner policy may admit
     the interactive ones beyond the batch size and the latest admitted batch requests are evicted
-    down to it (their KV is swapped to host), so interactive work never waits behind a full batch.
+    down to it (preempted with ``preempt_mode="swap"``), so interactive work never waits behind a
+    full batch.
 
     It also keeps what a cluster-level dispatcher reads of the instance: the interactive and batch
     requests held here, the prompt tokens of interactive requests not started yet, and the batch
@@ -170,8 +171,9 @@ class ChironPolicy(Policy):
         on_finish: Callable[[Request], None] | None = None,
     ) -> None:
         self.inner = inner
-        self.name = inner.name  # type: ignore[misc]  # the wrapper reports the policy it wraps
-        self.oracle = inner.oracle  # type: ignore[misc]
+        # The wrapper reports the policy it wraps (metrics, logs, the oracle check of benchmarks).
+        self.name = inner.name
+        self.oracle = inner.oracle
         self.local = local
         self.interactive_itl_s = interactive_itl_s
         self.batch_itl_s = batch_itl_s
