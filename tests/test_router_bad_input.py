@@ -198,8 +198,8 @@ CASES: dict[str, Case] = {
     ),
     "chat_message_extra": Case(
         400,
-        ("messages.0.name",),
-        body=_chat(messages=[{"role": "user", "content": "x", "name": "n"}]),
+        ("messages.0.mood",),
+        body=_chat(messages=[{"role": "user", "content": "x", "mood": "n"}]),
         path="/v1/chat/completions",
     ),
     "chat_max_completion_zero": Case(

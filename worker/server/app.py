@@ -118,7 +118,7 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
     )
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
         entry, sched, cls = _route(worker, body.model, http)
-        messages = [m.model_dump() for m in body.messages]
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
         prompt_ids = await _engine_call(sched.engine.tokenize_chat(messages))
         max_tokens = (
             body.max_tokens or body.max_completion_tokens or max(1, entry.max_model_len - len(prompt_ids))

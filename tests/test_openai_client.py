@@ -1,0 +1,62 @@
+"""What real clients send, through the router to sim workers, with the official `openai` client:
+content parts, developer and tool messages are served; features this worker does not serve yet are
+refused with a 400 that names the field and the reason (never dropped silently)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from router_harness import CLASS_HEADER, MODEL, serve_router, start_workers
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.integration
+
+
+async def test_openai_client_request_shapes_through_the_router(tmp_path: Path) -> None:
+    supervisor = start_workers(tmp_path, 1)
+    try:
+        async with serve_router(supervisor.workers) as router:
+            client = openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="unused",
+                                        default_headers={CLASS_HEADER: "chat"}, max_retries=0)  # fmt: skip
+            parts = await client.chat.completions.create(
+                model=MODEL, max_tokens=3,
+                messages=[{"role": "developer", "content": "Answer briefly."},
+                          {"role": "user", "content": [{"type": "text", "text": "Hello"},
+                                                       {"type": "text", "text": "there"}]}],
+            )  # fmt: skip
+            assert parts.choices[0].message.content and parts.usage.completion_tokens == 3
+            tool_turn = await client.chat.completions.create(
+                model=MODEL, max_tokens=2,
+                messages=[{"role": "user", "content": "Weather?"},
+                          {"role": "assistant", "content": "Calling the tool."},
+                          {"role": "tool", "tool_call_id": "call-1", "content": "sunny"}],
+            )  # fmt: skip
+            assert tool_turn.choices[0].finish_reason == "length"
+            stream = await client.chat.completions.create(
+                model=MODEL, max_tokens=3, stream=True, stream_options={"include_usage": True},
+                messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+            )  # fmt: skip
+            chunks = [c async for c in stream]
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+            refused = {
+                "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+                "response_format": {"response_format": {"type": "json_object"}},
+                "logprobs": {"logprobs": True},
+                "n": {"n": 2},
+            }
+            for field, extra in refused.items():
+                with pytest.raises(openai.BadRequestError) as err:
+                    await client.chat.completions.create(
+                        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}], **extra
+                    )
+                assert field in str(err.value), (field, err.value)
+            with pytest.raises(openai.BadRequestError, match="text only"):
+                await client.chat.completions.create(
+                    model=MODEL, max_tokens=2,
+                    messages=[{"role": "user", "content": [{"type": "image_url",
+                                                            "image_url": {"url": "http://x/y.png"}}]}],
+                )  # fmt: skip
+    finally:
+        supervisor.stop_all()
