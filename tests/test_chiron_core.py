@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
+import pytest
+
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ProfileSpec, parse_config
 from tessera.core.baselines import EDF, FCFS
 from tessera.core.chiron import ChironLocal, ChironPolicy, GroupMemory, RunningStats, evaluate_group
 from tessera.core.planners import AutoscalerState, ChironSettings, MetricsSnapshot, RoleCounts
-from tessera.core.registry import make_policy
+from tessera.core.profiles import load_profile
+from tessera.core.registry import POLICIES, make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.sim.autoscaling import chiron_cluster
+from tessera.sim.cluster import Cluster, ClusterConfig
+from tessera.sim.workloads import build_requests
 from tessera.worker.engines.sim_realtime import SimEngine
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.runtime import Worker
@@ -97,3 +103,24 @@ def test_evaluate_group_keeps_the_memory_without_a_measurement() -> None:
     assert step.memory.last_eval == 10.0 and isinstance(step.memory.state, AutoscalerState)
     assert not step.memory.due(settings, 14.0) and step.memory.due(settings, 15.0)
     assert "IBP" in step.reason
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_the_wrapper_runs_around_every_policy(name: str) -> None:
+    """Interactive requests arriving on an instance busy with batch work run under every inner policy;
+    every request finishes and the wrapper's class counters return to zero."""
+    profile = load_profile("a100-llama3-8b")
+    inter = ServiceClass("interactive", "interactive", ttft_slo_s=10, itl_slo_s=0.2)
+    batch = ServiceClass("batch", "batch", deadline_s=600, itl_slo_s=2.0)
+    reqs = build_requests([0.0] * 6 + [0.5, 0.6], [100] * 8, [60] * 8, np.random.default_rng(0))
+    for r in reqs:
+        r.service_class = batch if r.arrival == 0.0 else inter
+    policies: list[ChironPolicy] = []
+
+    def factory() -> ChironPolicy:
+        policies.append(ChironPolicy(make_policy(name), ChironLocal(min_batch=1, max_batch=8, initial=4)))
+        return policies[-1]
+
+    result = Cluster(ClusterConfig(profiles={"default": profile}, instances=1), factory).run(reqs)
+    assert all(r.finished_at is not None for r in result.requests)
+    assert policies[0].interactive == policies[0].batch == 0 and len(policies[0]) == 0
