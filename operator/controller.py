@@ -1,14 +1,14 @@
-"""The reconcile loop of one ServingPool: read the cluster, decide (pure), apply, report.
+"""The reconcile pass of one ServingPool: read the pool, decide (pure), apply, report.
 
-kopf handlers call these methods; they run in kopf's worker threads, so a lock per pool keeps two
-triggers (a pool timer and an LLMService change) from applying the same pool at once.
+The handlers give each pass the bodies of the pool's services and of the classes they name (from kopf's
+indexes) and run the passes of one pool one at a time (its daemon), so nothing here lists Tessera
+objects or locks.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -68,13 +68,6 @@ class MetricsSource(Protocol):
 
 
 @dataclass
-class _Waiting:
-    """A reconcile of one pool waiting for the pool's lock (later calls join it)."""
-
-    autoscale: bool
-
-
-@dataclass
 class _Scaler:
     """Autoscaler memory of one group (rebuilt from the scaling history after a restart)."""
 
@@ -112,9 +105,6 @@ class Controller:
         self.resync_seconds = resync_seconds
         self.emit = emit
         self.metrics = metrics
-        self._locks: dict[tuple[str, str], threading.Lock] = {}
-        self._locks_guard = threading.Lock()
-        self._waiting: dict[tuple[str, str], _Waiting] = {}
         self._scalers: dict[tuple[str, str, str], _Scaler] = {}
         # Digest of the inputs each pool was last planned from: replan only when they change.
         self._fingerprints: dict[tuple[str, str], str] = {}
@@ -122,52 +112,39 @@ class Controller:
         # When each pool's next autoscaler evaluation is due (the earliest of its groups).
         self._autoscale_due: dict[tuple[str, str], float] = {}
 
-    def _lock(self, namespace: str, pool: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks.setdefault((namespace, pool), threading.Lock())
-
     # -- pools ---------------------------------------------------------------------------------------
 
-    def tick(self, namespace: str, name: str, now: float) -> None:
-        """The pool timer: a pass when the autoscaler (with Prometheus configured) is due, and a resync
-        now and then (events drive the rest; a periodic pass repairs drift such as a hand-edited
-        StatefulSet). Ticks in between cost no API call."""
+    def due(self, namespace: str, name: str, now: float) -> bool:
+        """Whether a timed pass of the pool is due: when the autoscaler (with Prometheus configured) is
+        due, and a resync now and then (events drive the rest; a periodic pass repairs drift such as a
+        hand-edited StatefulSet)."""
         key = (namespace, name)
-        resync = now - self._last_sync.get(key, -math.inf) >= self.resync_seconds
-        autoscale = self.metrics is not None
-        if resync or (autoscale and now >= self._autoscale_due.get(key, -math.inf)):
-            self.reconcile_pool(namespace, name, now, autoscale=autoscale)
+        if now - self._last_sync.get(key, -math.inf) >= self.resync_seconds:
+            return True
+        return self.metrics is not None and now >= self._autoscale_due.get(key, -math.inf)
 
-    def reconcile_pool(self, namespace: str, name: str, now: float, autoscale: bool = False) -> None:
-        """Bring one pool's children and status (and its services' status) in line with the specs.
+    def reconcile_pool(
+        self,
+        namespace: str,
+        name: str,
+        services: list[dict[str, Any]],
+        classes: list[dict[str, Any]],
+        now: float,
+        autoscale: bool = False,
+    ) -> None:
+        """One pass: bring a pool's children and status (and its services' status) in line with the specs.
 
-        Calls that arrive while another call for the same pool waits for the pool's lock return at
-        once: the waiting call reads the cluster only after it gets the lock, so it sees their changes
-        too (a burst of service and class events costs two passes, not one per event). An autoscaling
-        call hands its autoscaling over to the waiting one.
+        ``services`` are the bodies of the LLMServices naming the pool, ``classes`` those of the
+        RequestClasses they name. The pool itself is read afresh: its status holds the plan in effect
+        and the scaling history, which the previous pass may have just written. ``autoscale`` runs the
+        autoscaler's due evaluations (with Prometheus configured).
         """
-        key = (namespace, name)
-        with self._locks_guard:
-            waiting = self._waiting.get(key)
-            if waiting is not None:
-                waiting.autoscale |= autoscale
-                return
-            waiting = self._waiting[key] = _Waiting(autoscale)
-        with self._lock(namespace, name):
-            with self._locks_guard:
-                del self._waiting[key]
-            self._reconcile_locked(namespace, name, now, waiting.autoscale)
-
-    def _reconcile_locked(self, namespace: str, name: str, now: float, autoscale: bool) -> None:
-        """One reconcile pass of a pool; the caller holds the pool's lock."""
         self._last_sync[(namespace, name)] = now
         body = self.kube.get_custom(POOLS, namespace, name)
         if body is None or body.get("metadata", {}).get("deletionTimestamp"):
             return
         status = dict(body.get("status") or {})
         previous = st.plan_from_status(status.get("placement"))
-        services = self.kube.list_custom(SERVICES, namespace)
-        classes = self.kube.list_custom(CLASSES, namespace)
         fingerprint = inputs_fingerprint(body, services, classes)
         due = st.parse_time(status.get("nextPlacementTime"))
         replan = (
@@ -180,6 +157,7 @@ class Controller:
             self._report_invalid(POOLS, body, decided, now)
             return
         history = list(status.get("scalingHistory") or [])
+        autoscale = autoscale and self.metrics is not None
         if autoscale and decided.plan is not None and decided.pool.spec.autoscaling.enabled:
             decided, history = self._autoscale(namespace, body, decided, history, now)
         elif autoscale:  # nothing to autoscale: the resync (and events) will look again
@@ -455,48 +433,38 @@ class Controller:
 
     # -- services and classes --------------------------------------------------------------------------
 
-    def reconcile_service(self, namespace: str, body: Mapping[str, Any], now: float) -> None:
-        """An LLMService changed: reconcile its pool, or report that the pool is missing."""
-        pool = pool_ref(body)
-        if pool and self.kube.get_custom(POOLS, namespace, pool) is not None:
-            self.reconcile_pool(namespace, pool, now)
-            return
+    def report_unplaced_service(self, body: Mapping[str, Any], now: float) -> None:
+        """Report an LLMService whose pool does not exist: invalid, or waiting for the pool."""
         try:
             parse(body)
         except Exception as err:  # SpecError; any parse failure is the spec's fault
             self._report_invalid(SERVICES, body, Problem("InvalidSpec", str(err)), now)
             return
+        namespace = body.get("metadata", {}).get("namespace")
         self._report_service_problem(
             body,
-            Problem(POOL_NOT_FOUND, f"ServingPool {pool!r} not found in namespace {namespace!r}; create it"),
+            Problem(
+                POOL_NOT_FOUND,
+                f"ServingPool {pool_ref(body)!r} not found in namespace {namespace!r}; create it",
+            ),
             now,
         )
 
-    def reconcile_class(self, namespace: str, body: Mapping[str, Any], now: float) -> None:
-        """A RequestClass changed: report its validity and users, then reconcile the pools using it."""
+    def report_class(self, body: Mapping[str, Any], users: list[str], now: float) -> None:
+        """Report a RequestClass's validity and the LLMServices naming it (``users``)."""
         name = body["metadata"]["name"]
         _, problems = parse_classes([body])
-        services = self.kube.list_custom(SERVICES, namespace)
-        users = sorted(
-            s["metadata"]["name"]
-            for s in services
-            if any(c.get("name") == name for c in (s.get("spec") or {}).get("requestClasses") or [])
-        )
         if name in problems:
             self._report_invalid(CLASSES, body, problems[name], now)
-        else:
-            status = dict(body.get("status") or {})
-            conditions = st.set_condition(
-                list(status.get("conditions") or []), st.INVALID, False, "Valid", "spec is valid", now
-            )
-            conditions = st.set_condition(conditions, st.READY, True, "Valid", f"used by {len(users)}", now)
-            new_status = {"conditions": conditions, "usedBy": users}
-            if _changed(status, new_status):
-                self.kube.patch_status(CLASSES, namespace, name, new_status)
-        pools = sorted({p for s in services if s["metadata"]["name"] in users and (p := pool_ref(s))})
-        for pool in pools:
-            if self.kube.get_custom(POOLS, namespace, pool) is not None:
-                self.reconcile_pool(namespace, pool, now)
+            return
+        status = dict(body.get("status") or {})
+        conditions = st.set_condition(
+            list(status.get("conditions") or []), st.INVALID, False, "Valid", "spec is valid", now
+        )
+        conditions = st.set_condition(conditions, st.READY, True, "Valid", f"used by {len(users)}", now)
+        new_status = {"conditions": conditions, "usedBy": users}
+        if _changed(status, new_status):
+            self.kube.patch_status(CLASSES, body["metadata"].get("namespace"), name, new_status)
 
     def cleanup_pool(self, namespace: str, name: str) -> int:
         """Delete every child of a pool being deleted; returns how many were deleted.
@@ -504,16 +472,15 @@ class Controller:
         Owner references let the garbage collector do this too; doing it here makes the cleanup
         immediate and visible in events, and works where no collector runs.
         """
-        with self._lock(namespace, name):
-            actions = plan_actions([], self.kube.list_children(namespace, pool_labels(name)))
-            for action in actions:
-                self.kube.apply(namespace, action)
-            for key in [k for k in self._scalers if k[:2] == (namespace, name)]:
-                del self._scalers[key]
-            self._fingerprints.pop((namespace, name), None)
-            self._last_sync.pop((namespace, name), None)
-            self._autoscale_due.pop((namespace, name), None)
-            return len(actions)
+        actions = plan_actions([], self.kube.list_children(namespace, pool_labels(name)))
+        for action in actions:
+            self.kube.apply(namespace, action)
+        for key in [k for k in list(self._scalers) if k[:2] == (namespace, name)]:
+            del self._scalers[key]
+        self._fingerprints.pop((namespace, name), None)
+        self._last_sync.pop((namespace, name), None)
+        self._autoscale_due.pop((namespace, name), None)
+        return len(actions)
 
 
 def _reason(status: Mapping[str, Any], type_: str) -> str | None:

@@ -161,18 +161,6 @@ class Kube:
                 return None
             raise
 
-    def list_custom(self, plural: str, namespace: str) -> list[dict[str, Any]]:
-        """Every Tessera object of one kind in ``namespace``."""
-        listing = self._retry(
-            f"list {plural}",
-            lambda: self._json(
-                self.custom.list_namespaced_custom_object(
-                    GROUP, VERSION, namespace, plural, _preload_content=False
-                )
-            ),
-        )
-        return list(listing.get("items", []))
-
     def patch_status(self, plural: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         """Merge ``status`` into a Tessera object's status subresource; a vanished object is ignored."""
         try:

@@ -193,6 +193,12 @@ class Harness:
         response = await self.session.get(self.url + custom_path(body, body["metadata"]["name"]))
         return await response.json() if response.status == 200 else None
 
+    async def list(self, kind: str, namespace: str) -> list[dict[str, Any]]:
+        """Every Tessera object of ``kind`` in ``namespace``."""
+        body = {"kind": kind, "metadata": {"namespace": namespace}}
+        response = await self.session.get(self.url + custom_path(body))
+        return (await response.json()).get("items", [])
+
     async def children(self, namespace: str) -> dict[tuple[str, str], dict[str, Any]]:
         """Every StatefulSet, Service and ConfigMap in ``namespace`` by (kind, name)."""
         found = {}

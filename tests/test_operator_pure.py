@@ -274,38 +274,52 @@ def test_permanent_errors_raise_and_create_conflict_becomes_patch() -> None:
     assert patched.calls == 1
 
 
-def test_reconciles_arriving_while_one_waits_join_it() -> None:
-    """A burst of triggers for one pool costs the running pass plus one more, which autoscales if
-    any joined call asked for it."""
-    import threading
+async def test_marks_before_a_pool_wakes_cost_one_pass_and_other_pools_are_not_held_up() -> None:
+    """A burst of marks for one pool wakes its daemon once; an unmarked pool's wait runs out, and a
+    stopping daemon wakes at once."""
+    import asyncio
 
-    from tessera.operator.controller import Controller
+    from tessera.operator.handlers import PoolMarks
 
-    started, release = threading.Event(), threading.Event()
-    passes: list[tuple[str, bool]] = []
+    class Stopper:
+        def __init__(self) -> None:
+            self.flag = asyncio.Event()
 
-    class Recording(Controller):
-        def _reconcile_locked(self, namespace: str, name: str, now: float, autoscale: bool) -> None:
-            passes.append((name, autoscale))
-            if len(passes) == 1:
-                started.set()
-                assert release.wait(5)
+        async def wait(self) -> None:
+            await self.flag.wait()
 
-    controller = Recording(kube=None, emit=lambda *_: None)  # type: ignore[arg-type]
-    first = threading.Thread(target=controller.reconcile_pool, args=("ns", "p", 0.0))
-    first.start()
-    assert started.wait(5)
-    waiter = threading.Thread(target=controller.reconcile_pool, args=("ns", "p", 1.0))
-    waiter.start()
-    while ("ns", "p") not in controller._waiting:  # the second call now waits for the lock
-        threading.Event().wait(0.01)
-    controller.reconcile_pool("ns", "p", 2.0)  # joins the waiting call: returns at once
-    controller.reconcile_pool("ns", "p", 3.0, autoscale=True)
-    controller.reconcile_pool("ns", "other", 3.0)  # another pool is not held up
-    release.set()
-    first.join(5)
-    waiter.join(5)
-    assert passes == [("p", False), ("other", False), ("p", True)]
+    marks, stopped = PoolMarks(), Stopper()
+    for _ in range(3):
+        marks.mark("ns", "p")
+    assert await marks.take(("ns", "p"), 5.0, stopped) is True  # type: ignore[arg-type]
+    assert await marks.take(("ns", "p"), 0.05, stopped) is False  # type: ignore[arg-type]
+    assert await marks.take(("ns", "other"), 0.05, stopped) is False  # type: ignore[arg-type]
+    waiting = asyncio.create_task(marks.take(("ns", "p"), 5.0, stopped))  # type: ignore[arg-type]
+    await asyncio.sleep(0.01)
+    marks.mark("ns", "p")
+    assert await asyncio.wait_for(waiting, 1.0) is True
+    waiting = asyncio.create_task(marks.take(("ns", "p"), 5.0, stopped))  # type: ignore[arg-type]
+    stopped.flag.set()
+    assert await asyncio.wait_for(waiting, 1.0) is False
+
+
+def test_pool_inputs_are_the_pools_services_and_the_classes_they_name() -> None:
+    from tessera.operator.handlers import class_refs, pool_inputs
+
+    def service(name: str, pool: str, classes: list[str]) -> dict[str, Any]:
+        return {
+            "metadata": {"name": name},
+            "spec": {"poolRef": {"name": pool}, "requestClasses": [{"name": c} for c in classes]},
+        }
+
+    by_pool = {("ns", "a"): [service("s1", "a", ["chat", "batch"]), service("s2", "a", ["chat"])]}
+    by_name = {("ns", c): [{"metadata": {"name": c}}] for c in ("chat", "batch", "unused")}
+    services, classes = pool_inputs("ns", "a", by_pool, by_name)
+    assert [s["metadata"]["name"] for s in services] == ["s1", "s2"]
+    assert [c["metadata"]["name"] for c in classes] == ["batch", "chat"]
+    assert pool_inputs("ns", "b", by_pool, by_name) == ([], [])
+    assert class_refs({"spec": {"requestClasses": [{"name": "x"}, "junk", {"name": 3}]}}) == ["x"]
+    assert class_refs({"spec": None}) == []
 
 
 # -- planner inputs -------------------------------------------------------------------------------
