@@ -22,6 +22,7 @@ import numpy as np
 
 from tessera.core.baselines import EDF, FCFS
 from tessera.core.chiron import (
+    PREFILL_BACKLOG_S,
     ChironLocal,
     ChironPolicy,
     GlobalQueue,
@@ -31,7 +32,6 @@ from tessera.core.chiron import (
     chiron_pick,
     evaluate_group,
 )
-from tessera.core.chiron.dispatch import PREFILL_BACKLOG_S
 from tessera.core.planners.threshold import ThresholdSettings, threshold_decide
 from tessera.core.planners.types import ROLES, ChironSettings, MetricsSnapshot, RoleCounts
 from tessera.core.policy import Policy
@@ -59,7 +59,7 @@ def queue_of(inst: Instance) -> ChironPolicy:
     return policy
 
 
-class Target:
+class InstanceTarget:
     """A simulated instance as the core's dispatch reads it (``DispatchTarget``), read live."""
 
     __slots__ = ("inst",)
@@ -104,7 +104,7 @@ def _active(view: ClusterView) -> list[Instance]:
 
 
 def _pick(req: Request, serving: Sequence[Instance], backlog_s: float) -> Instance | None:
-    target = chiron_pick(req, [Target(i) for i in serving], backlog_s)
+    target = chiron_pick(req, [InstanceTarget(i) for i in serving], backlog_s)
     return None if target is None else target.inst
 
 
@@ -502,9 +502,9 @@ def threshold_cluster(
 __all__ = [
     "ChironController",
     "HoldingRouter",
+    "InstanceTarget",
     "LeastLoadedRouter",
     "PullRouter",
-    "Target",
     "ThresholdController",
     "Timeline",
     "chiron_cluster",

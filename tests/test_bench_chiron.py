@@ -11,7 +11,7 @@ from tessera.core.baselines import EDF, FCFS
 from tessera.core.chiron import ChironLocal, ChironPolicy, GlobalQueue, chiron_pick, spike_p99
 from tessera.core.profiles import load_profile
 from tessera.core.request import ServiceClass
-from tessera.sim.autoscaling import Target, ThresholdController
+from tessera.sim.autoscaling import InstanceTarget, ThresholdController
 from tessera.sim.cluster import Cluster, ClusterConfig, Controller, Dispatch, Router
 from tessera.sim.engine import EngineConfig
 from tessera.sim.workloads import build_requests
@@ -239,7 +239,7 @@ def test_interactive_burst_spreads_instead_of_piling_on_one_instance():
     for req in burst:
         req.service_class = inter
         target = chiron_pick(
-            req, [Target(i) for i in cluster.instances], backlog_s=0.0
+            req, [InstanceTarget(i) for i in cluster.instances], backlog_s=0.0
         )  # next iteration only
         if target is None:
             held.append(req)
