@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _DONE = "data: [DONE]"
+_TOKEN_MARK = b'"finish_reason": null'
+_DONE_MARK = _DONE.encode()
+_ERROR_MARK = b'data: {"error"'
+# Shorter than every marker, so a marker is never counted in two windows.
+_TAIL_BYTES = min(len(_TOKEN_MARK), len(_DONE_MARK), len(_ERROR_MARK)) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +150,7 @@ async def relay_events(
     kind: str,
     start: float,
     prompt_tokens: int = 0,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes | str]:
     """The instance's server-sent events as they come; an error event and ``[DONE]`` if the instance
     breaks off. Counts the answer when it ends: 200, 502 when it broke off or the worker ended it with
     an error event of its own, 499 when the client left."""
@@ -153,16 +158,22 @@ async def relay_events(
     code = 499  # unless the stream reaches its end: Starlette stops the relay when the client leaves
     try:
         done = failed = False
+        tail = b""  # the end of the previous chunk: a marker may straddle two chunks
         try:
-            async for line in response.aiter_lines():
+            # Chunks are relayed as they arrive, not split into lines: one write per chunk keeps the
+            # router's cost per stream low; the markers it reads are found in the bytes.
+            async for chunk in response.aiter_bytes():
+                window = tail + chunk
                 # Token chunks are the ones whose choice is not finished (an estimate for stats).
-                if line.startswith("data: {") and '"finish_reason": null' in line:
+                found = window.count(_TOKEN_MARK)
+                if found:
                     if not tokens:
                         metrics.ttft.labels(model, kind).observe(time.perf_counter() - start)
-                    tokens += 1
-                done = done or line == _DONE
-                failed = failed or line.startswith('data: {"error"')
-                yield line + "\n"
+                    tokens += found
+                done = done or _DONE_MARK in window
+                failed = failed or _ERROR_MARK in window
+                tail = window[-_TAIL_BYTES:]
+                yield chunk
             reason = "it ended the stream without [DONE]"
         except httpx.HTTPError as exc:
             reason = f"{exc!r}"

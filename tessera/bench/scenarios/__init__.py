@@ -32,6 +32,7 @@ SCENARIOS: dict[str, str] = {
     "routing": "tessera.bench.scenarios.routing",
     "worker-overhead": "tessera.bench.overhead",
     "real-policy": "tessera.bench.real_policy",
+    "router": "tessera.bench.router_overhead",
 }
 
 # Progress callback: advance the bar by ``n`` steps; ``total`` (re)sets the bar's length.

@@ -1,0 +1,256 @@
+"""`tessera bench router`: what the router adds, against sending straight to the workers.
+
+Real parts on loopback: ``workers`` sim-engine worker processes of the quickstart plan and the router
+as its own process (``tessera router --backends``), as a cluster runs them. For each level of
+concurrent streams, rounds alternate the order of the two paths (direct first, then router first)
+on the same workers; each path sends one wave of ``streams`` streamed chat requests at once
+(``max_tokens`` tokens each). Direct requests go to the workers in turn.
+
+Rows (path:streams): client-side TTFT p50/p99 over every round's requests, tokens per second, and
+the requests completed, failed with an HTTP error, and lost (a stream that ended without ``[DONE]``
+or an error). The checks compare the paths as paired ratios per round (medians): the router's added
+TTFT p50 within 10% of direct at the lowest level, throughput at least 0.95 of direct, nothing lost.
+
+With ``faults`` on, a fault run follows: a wave through the router during which one worker is
+killed; requests on it fail with a clear error or are retried on the other worker (non-streamed
+ones), and none may be lost.
+
+Options (``--set``): streams ("100,300,1000"), workers (2), max_tokens (32), rounds (3), faults (true).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from tessera.api import load_documents
+from tessera.bench.runner import option
+from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
+from tessera.local.control_plane import LocalEngine, plan_local
+from tessera.local.supervisor import Supervisor
+from tessera.worker.engines.vllm_process import free_port
+
+DESCRIPTION = "Router overhead: TTFT and throughput through the router vs straight to the workers"
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Wave:
+    """One wave of concurrent streams: what every client saw."""
+
+    ttfts: list[float] = field(default_factory=list)
+    tokens: int = 0
+    completed: int = 0
+    failed: dict[str, int] = field(default_factory=dict)  # reason -> count
+    lost: int = 0
+    wall_s: float = 0.0
+
+
+def _parse_levels(text: Any) -> list[int]:
+    try:
+        levels = [int(x) for x in str(text).split(",")]
+    except ValueError as exc:
+        raise ValueError(f"--set streams must be integers separated by commas, got {text!r}") from exc
+    if not levels or any(n < 1 or n > 5000 for n in levels):
+        raise ValueError(f"--set streams must be between 1 and 5000, got {text!r}")
+    return levels
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
+                  wave: Wave, start: float) -> None:  # fmt: skip
+    first: float | None = None
+    done = False
+    tokens = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                wave.failed[f"http {resp.status_code}"] = wave.failed.get(f"http {resp.status_code}", 0) + 1
+                return
+            async for line in resp.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith('data: {"error"'):
+                    wave.failed["error event"] = wave.failed.get("error event", 0) + 1
+                    return
+                elif line.startswith("data: {") and '"content"' in line:
+                    tokens += 1
+                    if first is None:
+                        first = time.perf_counter()
+    except httpx.HTTPError as exc:
+        reason = type(exc).__name__
+        wave.failed[reason] = wave.failed.get(reason, 0) + 1
+        return
+    if not done:
+        wave.lost += 1
+        return
+    wave.completed += 1
+    wave.tokens += tokens
+    if first is not None:
+        wave.ttfts.append(first - start)
+
+
+async def _wave(urls: list[str], streams: int, model: str, headers: dict[str, str], max_tokens: int,
+                during: Any = None) -> Wave:  # fmt: skip
+    """``streams`` concurrent streamed requests spread over ``urls`` in turn; ``during`` (a coroutine
+    function) runs alongside, e.g. to inject a fault."""
+    wave = Wave()
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "messages": [{"role": "user",
+            "content": "Tell me about the sea."}]}  # fmt: skip
+    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=30.0), limits=limits) as client:
+        start = time.perf_counter()
+        tasks = [_stream(client, urls[i % len(urls)], body, headers, wave, start) for i in range(streams)]
+        extra = [during()] if during is not None else []
+        await asyncio.gather(*tasks, *extra)
+        wave.wall_s = time.perf_counter() - start
+    return wave
+
+
+def _ready(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not become ready within {timeout_s:.0f} s")
+
+
+def _row(path: str, streams: int, waves: list[Wave]) -> dict[str, Any]:
+    ttfts = (
+        np.array([t for w in waves for t in w.ttfts]) if any(w.ttfts for w in waves) else np.array([np.nan])
+    )
+    failed: dict[str, int] = {}
+    for w in waves:
+        for reason, n in w.failed.items():
+            failed[reason] = failed.get(reason, 0) + n
+    return {
+        "policy": f"{path}:streams={streams}",
+        "requests": streams * len(waves),
+        "ttft_p50_s": float(np.percentile(ttfts, 50)),
+        "ttft_p99_s": float(np.percentile(ttfts, 99)),
+        "tokens_per_s": statistics.mean(w.tokens / w.wall_s for w in waves),
+        "completed": sum(w.completed for w in waves),
+        "failed": sum(failed.values()),
+        "failed_by_reason": failed,
+        "lost": sum(w.lost for w in waves),
+    }
+
+
+def run(config: BenchConfig, progress: Progress) -> BenchReport:
+    """Both paths at every level, interleaved rounds; then the fault run."""
+    opts = config.options
+    levels = _parse_levels(opts.get("streams", "100,300,1000"))
+    n_workers = option(opts, "workers", 2, int)
+    max_tokens = option(opts, "max_tokens", 32, int)
+    rounds = option(opts, "rounds", 3, int)
+    faults = option(opts, "faults", True, bool)
+    if not 1 <= n_workers <= 8 or not 1 <= max_tokens <= 4096 or not 1 <= rounds <= 20:
+        raise ValueError("--set workers must be 1-8, max_tokens 1-4096 and rounds 1-20")
+    plan = plan_local(load_documents(QUICKSTART), LocalEngine(), max_instances_per_group=n_workers)
+    instances = plan.instances[:n_workers]
+    model = instances[0].config.models[0].name
+    headers = {instances[0].config.class_header: "chat"}
+    progress(0, total=len(levels) * rounds * 2 + (1 if faults else 0))
+    rows: list[dict[str, Any]] = []
+    pairs: dict[int, list[tuple[Wave, Wave]]] = {}
+    fault: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory(prefix="tessera-bench-router-") as tmp:
+        supervisor = Supervisor(Path(tmp) / "run", grace_s=2.0)
+        router: subprocess.Popen[bytes] | None = None
+        try:
+            supervisor.start_all(list(instances), READY_TIMEOUT_S)
+            backends = Path(tmp) / "backends.json"
+            backends.write_text(json.dumps({"backends": [w.backend().to_json() for w in supervisor.workers]}))
+            port = free_port()
+            router = subprocess.Popen(
+                [sys.executable, "-m", "tessera", "router", "--backends", str(backends), "--port", str(port),
+                 "--host", "127.0.0.1", "--poll-interval", "0.5"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            router_url = f"http://127.0.0.1:{port}"
+            _ready(router_url, READY_TIMEOUT_S)
+            direct = [w.url for w in supervisor.workers]
+            for streams in levels:
+                for r in range(rounds):
+                    order = ("direct", "router") if r % 2 == 0 else ("router", "direct")
+                    got: dict[str, Wave] = {}
+                    for path in order:
+                        urls = direct if path == "direct" else [router_url]
+                        got[path] = asyncio.run(_wave(urls, streams, model, headers, max_tokens))
+                        progress(1)
+                    pairs.setdefault(streams, []).append((got["direct"], got["router"]))
+                for path, index in (("direct", 0), ("router", 1)):
+                    rows.append(_row(path, streams, [p[index] for p in pairs[streams]]))
+            if faults:
+                fault = _fault_run(supervisor, router_url, model, headers, max_tokens, min(levels[-1], 300))
+                progress(1)
+        finally:
+            if router is not None:
+                router.send_signal(signal.SIGTERM)
+                try:
+                    router.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    router.kill()
+            supervisor.stop_all()
+    checks = _checks(pairs, levels)
+    if fault is not None:
+        rows.append(fault)
+        checks.append(f"fault run (a worker killed mid-wave): {fault['completed']} completed, "
+                      f"{fault['failed']} failed with an error {fault['failed_by_reason']}, "
+                      f"{fault['lost']} lost: {'PASS' if fault['lost'] == 0 else 'FAIL'}")  # fmt: skip
+    cfg = {**config.as_dict(), "streams": levels, "workers": n_workers, "max_tokens": max_tokens,
+           "rounds": rounds}  # fmt: skip
+    return BenchReport("router", cfg, rows, checks)
+
+
+def _fault_run(supervisor: Supervisor, router_url: str, model: str, headers: dict[str, str],
+               max_tokens: int, streams: int) -> dict[str, Any]:  # fmt: skip
+    victim = supervisor.workers[-1]
+
+    async def kill_one() -> None:
+        await asyncio.sleep(0.3)
+        assert victim.proc is not None
+        victim.proc.kill()
+
+    wave = asyncio.run(_wave([router_url], streams, model, headers, max_tokens, during=kill_one))
+    return _row("router+worker-killed", streams, [wave])
+
+
+def _checks(pairs: dict[int, list[tuple[Wave, Wave]]], levels: list[int]) -> list[str]:
+    checks = []
+    for streams in levels:
+        ratios_ttft = [statistics.median(r.ttfts) / statistics.median(d.ttfts)
+                       for d, r in pairs[streams] if d.ttfts and r.ttfts]  # fmt: skip
+        ratios_tput = [(r.tokens / r.wall_s) / (d.tokens / d.wall_s) for d, r in pairs[streams] if d.tokens]
+        ttft = statistics.median(ratios_ttft) if ratios_ttft else float("nan")
+        tput = statistics.median(ratios_tput) if ratios_tput else float("nan")
+        lost = sum(d.lost + r.lost for d, r in pairs[streams])
+        line = f"streams={streams}: router/direct TTFT p50 x{ttft:.2f}, throughput x{tput:.2f}, lost {lost}"
+        if streams == levels[0]:
+            ok = ttft <= 1.10 and tput >= 0.95 and lost == 0
+            line += f" (targets: TTFT within 10%, throughput >= 0.95, 0 lost): {'PASS' if ok else 'FAIL'}"
+        else:
+            ok = tput >= 0.95 and lost == 0
+            line += f" (targets: throughput >= 0.95, 0 lost): {'PASS' if ok else 'FAIL'}"
+        checks.append(line)
+    return checks
+
+
+__all__ = ["DESCRIPTION", "run"]

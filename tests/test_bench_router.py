@@ -1,0 +1,24 @@
+"""`tessera bench router`: both paths over real worker and router processes, paired, with the checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessera.bench.router_overhead import run
+from tessera.bench.scenarios import BenchConfig, Options
+
+pytestmark = pytest.mark.integration
+
+
+def test_bench_router_runs_both_paths_and_the_fault_run() -> None:
+    options = Options({"streams": "8", "rounds": "2", "max_tokens": "4", "faults": "true"})
+    report = run(BenchConfig("router", options=options), lambda *a, **k: None)
+    rows = {r["policy"]: r for r in report.results}
+    assert set(rows) == {"direct:streams=8", "router:streams=8", "router+worker-killed:streams=8"}
+    for name in ("direct:streams=8", "router:streams=8"):
+        assert rows[name]["completed"] == 16 and rows[name]["lost"] == 0 and rows[name]["tokens_per_s"] > 0
+    fault = rows["router+worker-killed:streams=8"]
+    assert fault["completed"] + fault["failed"] + fault["lost"] == 8
+    assert len(report.checks) == 2 and report.checks[0].startswith("streams=8: router/direct TTFT p50")
+    with pytest.raises(ValueError, match="--set streams"):
+        run(BenchConfig("router", options=Options({"streams": "0"})), lambda *a, **k: None)
