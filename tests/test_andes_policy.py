@@ -44,12 +44,14 @@ def test_registered_and_settings_validated() -> None:
     for bad, match in [
         ({"horizon_s": 0}, "horizon_s"),
         ({"kv_watermark": 1.5}, "kv_watermark"),
-        ({"solver": "milp"}, "solver must be one of greedy, lqsf, dp"),
+        ({"solver": "greedy"}, "unknown setting 'solver'"),  # an ablation: constructor keyword only
         ({"preemption": "drop"}, "preemption"),
         ({"quantum_iterations": 0}, "quantum_iterations"),
     ]:
         with pytest.raises(ValueError, match=match):
             make_policy("qoe", **bad)
+    with pytest.raises(ValueError, match="solver must be one of greedy, lqsf, dp"):
+        AndesQoE(solver="milp")  # type: ignore[arg-type]
 
 
 def test_untriggered_behaves_like_fcfs_without_preemption() -> None:

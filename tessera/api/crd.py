@@ -36,6 +36,7 @@ _KEPT = {
     "maxLength",
     "minItems",
     "maxItems",
+    "maxProperties",
     "pattern",
     "format",
     "default",
@@ -43,6 +44,7 @@ _KEPT = {
     "x-kubernetes-validations",
     "x-kubernetes-list-type",
     "x-kubernetes-list-map-keys",
+    "x-kubernetes-preserve-unknown-fields",
 }
 
 
@@ -151,7 +153,9 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], where: str) -> dict[
     for key, value in node.items():
         if key == "title" or (key == "additionalProperties" and value is False):
             continue
-        if key == "const":
+        if key == "additionalProperties" and value is True:  # a free-form map, kept as written
+            out["x-kubernetes-preserve-unknown-fields"] = True
+        elif key == "const":
             out["enum"] = [value]
         elif key in ("exclusiveMinimum", "exclusiveMaximum"):  # JSON Schema 2020 -> OpenAPI v3.0
             out[key.replace("exclusiveM", "m")] = value

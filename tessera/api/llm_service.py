@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from tessera.api.base import (
     NAME_MAX_LENGTH,
@@ -19,6 +19,7 @@ from tessera.api.base import (
 )
 from tessera.api.request_class import ClassOverrides, RequestClassSpec
 from tessera.api.rules import LessOrEqual, ListedIn, MutuallyExclusive
+from tessera.core.registry import validate_settings
 from tessera.core.request import ServiceClass
 
 # Bounds the list so that the API server's CEL cost estimate of the defaultClass rule stays small.
@@ -84,46 +85,6 @@ class AcceptedClass(ApiModel):
     )
 
 
-class ISRTFSettings(ApiModel):
-    """ELIS iterative shortest-remaining-time-first settings."""
-
-    window_tokens: int = Field(
-        default=50,
-        ge=1,
-        description="Tokens per request between re-predictions and re-ordering (ELIS K = 50).",
-    )
-    resume_mode: Literal["keep_kv", "recompute_always"] = Field(
-        default="keep_kv", description="Whether a displaced request keeps its KV cache while memory allows."
-    )
-
-
-class QoESettings(ApiModel):
-    """Andes QoE-gain knapsack scheduler settings."""
-
-    horizon_seconds: float = Field(default=10.0, gt=0, description="Gain estimation horizon Δt in seconds.")
-    quantum_iterations: int = Field(
-        default=10, ge=1, description="Engine iterations between scheduler runs (scheduling quantum)."
-    )
-    kv_high_watermark: float = Field(
-        default=0.9,
-        gt=0,
-        le=1,
-        description="KV occupancy above which the solver is triggered (memory-bound).",
-    )
-    pacing: bool = Field(default=True, description="Release streamed tokens to the client at reading speed.")
-
-
-class QLMSettings(ApiModel):
-    """QLM request-group and virtual-queue settings."""
-
-    group_size_multiplier: int = Field(
-        default=4, ge=1, description="Request group size as a multiple of the average batch size (δ_rg)."
-    )
-    tail_aware: bool = Field(
-        default=True, description="Compare a group's last request (not only its start) with the SLO."
-    )
-
-
 class SchedulingSpec(ApiModel):
     """The worker's queue scheduling policy and its settings."""
 
@@ -132,9 +93,26 @@ class SchedulingSpec(ApiModel):
         description="fcfs (vLLM order), isrtf (ELIS), qoe (Andes), qlm (QLM); auto picks qlm when a batch "
         "class is accepted, else qoe.",
     )
-    isrtf: ISRTFSettings = nested(ISRTFSettings, "Settings used when the policy is isrtf.")
-    qoe: QoESettings = nested(QoESettings, "Settings used when the policy is qoe.")
-    qlm: QLMSettings = nested(QLMSettings, "Settings used when the policy is qlm.")
+    settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The policy's settings (camelCase keys; the README lists each policy's); the operator "
+        "refuses unknown fields and wrong types, naming them. auto takes none: name the policy to set any.",
+        json_schema_extra={"maxProperties": 64},
+    )
+
+    @field_validator("settings")
+    @classmethod
+    def _settings_valid(cls, settings: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        policy = info.data.get("policy")
+        if policy == "auto":
+            if settings:
+                raise ValueError(
+                    f"policy 'auto' takes no settings (it picks qlm or qoe from the classes); got "
+                    f"{', '.join(sorted(settings))}: name the policy to give it settings"
+                )
+        elif policy is not None:
+            validate_settings(policy, settings)
+        return settings
 
     def resolved_policy(self, has_batch_class: bool) -> str:
         """The concrete policy name, with ``auto`` resolved."""

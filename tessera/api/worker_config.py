@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tessera.api.base import ApiModel
 from tessera.api.request_class import DEFAULT_CLASS_HEADER, RequestClassSpec
@@ -162,7 +162,10 @@ class SchedulingSpec(ApiModel):
     """Policy, its settings, batch bounds, autoscaling and pacing."""
 
     policy: str = Field(default="fcfs", description="Policy name (fcfs, edf, isrtf, qoe, qlm, ...).")
-    settings: dict[str, Any] = Field(default_factory=dict, description="Policy constructor keywords.")
+    settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The policy's settings (its settings model in tessera.core.registry; camelCase keys).",
+    )
     batch: BatchBounds = Field(default_factory=BatchBounds)
     autoscale: AutoscaleSpec = Field(default_factory=AutoscaleSpec)
     pacing: bool = Field(default=False, description="Release streamed tokens at the class's reading speed.")
@@ -176,6 +179,16 @@ class SchedulingSpec(ApiModel):
             f"{BENCH_TRUE_LENGTH_HEADER} header (oracle policies such as srtf-oracle need it)."
         ),
     )
+
+    @field_validator("settings")
+    @classmethod
+    def _settings_valid(cls, settings: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        from tessera.core.registry import POLICIES, validate_settings
+
+        policy = info.data.get("policy")
+        if policy in POLICIES:  # an unknown policy is reported by _policy_known
+            validate_settings(policy, settings)
+        return settings
 
     @model_validator(mode="after")
     def _policy_known(self) -> SchedulingSpec:
@@ -262,7 +275,7 @@ def parse_config(data: Any, where: str = "configuration") -> WorkerConfig:
         lines = []
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-            lines.append(f"  {loc}: {err['msg']}")
+            lines.append(f"  {loc}: {err['msg'].removeprefix('Value error, ')}")
         raise ConfigError(f"invalid worker {where}:\n" + "\n".join(lines)) from None
 
 

@@ -157,9 +157,10 @@ def _sim_policy(name: str, predictor: Any) -> Any:
     # The worker preempts by aborting the vLLM stream and resubmitting prompt + generated ids
     # (recompute), so the simulator prices preemption the same way, not with the KV kept.
     if name == "isrtf":
-        return make_policy(
-            "isrtf", predictor=predictor, window_tokens=WINDOW_TOKENS, preempt_mode="recompute"
-        )
+        from tessera.core.policies.isrtf import ISRTF
+
+        # the predictor object is a bench variant, not a setting: built directly
+        return ISRTF(predictor=predictor, window_tokens=WINDOW_TOKENS, preempt_mode="recompute")
     if name == "srtf-oracle":
         return make_policy("srtf-oracle", recheck_tokens=WINDOW_TOKENS, preempt_mode="recompute")
     return make_policy(name)

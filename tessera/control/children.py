@@ -197,12 +197,13 @@ def worker_config(
     """The worker configuration of one group.
 
     Classes carry the per-service overrides already applied, so the worker needs no other object.
-    One pod runs one policy: co-located services use the first service's (SeaLLM groups run its DB
-    policy across services).
+    One pod runs one policy: co-located services use the first service's, with its settings (SeaLLM
+    groups run its DB policy across services).
     """
     models: list[dict[str, Any]] = []
     merged_classes: dict[str, dict[str, Any]] = {}
     policies: list[str] = []
+    settings: list[dict[str, Any]] = []
     for index, name in enumerate(group.services):
         spec = services[name].spec
         for accepted in spec.request_classes:
@@ -215,6 +216,7 @@ def worker_config(
                 )
         has_batch = any(classes[c.name].kind == "batch" for c in spec.request_classes)
         policies.append(spec.scheduling.resolved_policy(has_batch))
+        settings.append(spec.scheduling.settings)
         entry: dict[str, Any] = {"name": spec.model.name, "engine": "sim"}
         if worker_engine(pool) == "vllm":
             entry = {"name": spec.model.name, "engine": "vllm",
@@ -229,6 +231,7 @@ def worker_config(
         "classes": merged_classes,
         "scheduling": {
             "policy": policies[0],
+            "settings": settings[0],
             "batch": {"min": bounds.min, "max": bounds.max, "initial": bounds.initial},
             "autoscale": {"enabled": pool.spec.autoscaling.enabled},
         },

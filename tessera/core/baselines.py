@@ -15,9 +15,12 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
+
+from pydantic import Field
 
 from tessera.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
+from tessera.core.registry import PolicySettings
 from tessera.core.request import Request
 
 
@@ -59,6 +62,18 @@ class SJFOracle(PriorityPolicy):
     def key(self, req: Request, now: float) -> tuple:
         """True total output length, then arrival."""
         return (_true_length(req), req.arrival)
+
+
+class SRTFOracleSettings(PolicySettings):
+    """Settings of ``srtf-oracle``."""
+
+    recheck_tokens: Annotated[int, Field(ge=1)] = Field(
+        default=50, description="Decode iterations a running request may keep its slot between re-rankings."
+    )
+    preempt_mode: PreemptMode = Field(
+        default="keep",
+        description="How displaced requests leave the batch: keep (KV kept), recompute or swap.",
+    )
 
 
 class SRTFOracle(PriorityPolicy):

@@ -176,7 +176,8 @@ def burst_qoe_bound(reqs: list[Request], opts: dict[str, Any], cluster: ClusterC
 
 # ---- policies and runs --------------------------------------------------------------------------
 def qoe_settings(opts: dict[str, Any]) -> dict[str, Any]:
-    """``qoe.<name>=value`` options, converted to the type of the setting's default."""
+    """``qoe.<name>=value`` options, converted to the type of the setting's default: settings and research
+    ablations alike, so the bench builds AndesQoE with them directly."""
     defaults = AndesQoE()
     out = {}
     for key, value in opts.items():
@@ -248,7 +249,7 @@ def compare(
     settings = qoe_settings(opts)
     policies = {
         f"fcfs:{label}": lambda: make_policy("fcfs"),
-        f"qoe:{label}": lambda: make_policy("qoe", **settings),
+        f"qoe:{label}": lambda: AndesQoE(**settings),
     }
     progress(0, total=len(reqs) * len(policies))
     rows = []
@@ -297,7 +298,7 @@ def solver_rows(opts: dict[str, Any], seed: int) -> list[dict[str, Any]]:
         raise ValueError("--set queued and solver_calls must be >= 1")
     rows = load_trace(AZURE_CONV)
     now = 600.0
-    policy = make_policy("qoe", **qoe_settings(opts))
+    policy = AndesQoE(**qoe_settings(opts))
     running: list[Request] = []
     used = 0
     cap = profile.kv_capacity_tokens

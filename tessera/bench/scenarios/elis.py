@@ -33,6 +33,7 @@ import numpy as np
 from tessera.bench.runner import SHARED_DATA, cluster_config_from, option, run_policies
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import mean_row, saturation_rate, seed_checks
+from tessera.core.policies.isrtf import ISRTF
 from tessera.core.registry import make_policy
 from tessera.core.request import Request
 from tessera.predictor.dataset import heldout, load_pairs, sample_rows
@@ -136,9 +137,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         aging_used[b] = aging
         policies = {
             f"fcfs:batch={b}": lambda: make_policy("fcfs"),
-            f"isrtf:batch={b}": lambda: make_policy("isrtf", predictor=predictor, window_tokens=window),
-            f"isrtf:batch={b},aging={aging:g}": lambda a=aging: make_policy(
-                "isrtf", predictor=predictor, window_tokens=window, aging_tokens_per_s=a
+            # the trained predictor object is a bench variant, not a setting: built directly
+            f"isrtf:batch={b}": lambda: ISRTF(predictor=predictor, window_tokens=window),
+            f"isrtf:batch={b},aging={aging:g}": lambda a=aging: ISRTF(
+                predictor=predictor, window_tokens=window, aging_tokens_per_s=a
             ),
             f"srtf-oracle:batch={b}": lambda: make_policy("srtf-oracle", recheck_tokens=window),
         }

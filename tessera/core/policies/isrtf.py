@@ -38,10 +38,13 @@ import importlib
 import logging
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field
 
 from tessera.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
 from tessera.core.prediction import ConstantPredictor, LengthPredictor, RunningMeanPredictor
+from tessera.core.registry import PolicySettings
 from tessera.core.request import Request
 
 TEXT_PREDICTOR = "tessera.predictor.model:TextLengthPredictor"
@@ -63,6 +66,28 @@ def _make_predictor(spec: LengthPredictor | str) -> LengthPredictor:
     if spec == "constant":
         return ConstantPredictor()
     raise ValueError(f"unknown predictor {spec!r}: use 'text', 'running-mean', 'constant' or an object")
+
+
+class ISRTFSettings(PolicySettings):
+    """Settings of ``isrtf`` (the benches also pass a predictor object to the constructor)."""
+
+    predictor: Literal["text", "running-mean", "constant"] = Field(
+        default="text",
+        description="Length predictor: text (the trained encoder + head; needs torch), running-mean (per "
+        "class) or constant.",
+    )
+    window_tokens: Annotated[int, Field(ge=1)] = Field(
+        default=50, description="Tokens a request generates between re-predictions (ELIS K)."
+    )
+    aging_tokens_per_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        default=0.0,
+        description="Starvation guard: tokens of priority credit per second of age (0 = off).",
+    )
+    preempt_mode: PreemptMode = Field(
+        default="keep",
+        description="How displaced requests leave the batch: keep (KV kept while memory allows), recompute "
+        "or swap.",
+    )
 
 
 class ISRTF(PriorityPolicy):

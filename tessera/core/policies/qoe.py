@@ -26,13 +26,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
 
 from tessera.core.policy import Decision, InstanceView, Policy, PreemptMode
 from tessera.core.profile import StepProfile
 from tessera.core.qoe import ConsumptionTracker, QoEParams, gains, qoe_params
+from tessera.core.registry import PolicySettings
 from tessera.core.request import Request
 
 Solver = Literal["greedy", "lqsf", "dp"]
@@ -223,6 +225,33 @@ class _Step:
 
 
 # ---- the policy ---------------------------------------------------------------------------------
+
+
+class QoESettings(PolicySettings):
+    """Settings of ``qoe``. The solver variants, refiner switches, trigger and cap choices and the batch
+    grid are research ablations: constructor keywords the andes bench sets (``--set qoe.NAME=VALUE``)."""
+
+    horizon_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        default=10.0, description="Horizon of the QoE gain estimate in seconds (Andes' Δt)."
+    )
+    kv_watermark: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.9, description="Fraction of the KV cache in use above which the solver runs (memory-bound)."
+    )
+    quantum_iterations: Annotated[int, Field(ge=1)] = Field(
+        default=10, description="Decode iterations between scheduling decisions."
+    )
+    preemption: Preemption = Field(
+        default="fastest",
+        description="How to preempt: fastest of recompute and swap by profile, or one of them.",
+    )
+    kv_reserve: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.01,
+        description="Fraction of the KV cache left out of the knapsack (vLLM's admission watermark).",
+    )
+    observe_window_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        default=2.0,
+        description="Window in seconds over which the token latency the running requests get is measured.",
+    )
 
 
 class AndesQoE(Policy):

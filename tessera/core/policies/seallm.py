@@ -16,9 +16,12 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
 
 from tessera.core.policy import Decision, InstanceView, Policy
+from tessera.core.registry import PolicySettings
 from tessera.core.request import Request
 
 Doubling = Literal["geometric", "constant"]
@@ -80,6 +83,39 @@ class DBBook:
     def starved(self, service: str, b: Budget, now: float) -> bool:
         """Whether the request has waited longer than its service's starvation threshold."""
         return now - b.last_run > self.stats[service].starvation_s
+
+
+class ServiceStatsSettings(PolicySettings):
+    """One service's execution-time statistics, as configured."""
+
+    mean_exec_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        description="Mean isolated execution time of a request, seconds."
+    )
+    std_exec_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        default=0.0, description="Standard deviation of that time, seconds."
+    )
+    starvation_s: Annotated[float, Field(gt=0)] = Field(
+        default=math.inf, description="Seconds without running after which a request seeds the next batch."
+    )
+
+
+class SeaLLMSettings(PolicySettings):
+    """Settings of ``seallm``. The constant-renewal variant (``doubling="constant"``) is a research
+    ablation, a constructor keyword only."""
+
+    services: dict[str, ServiceStatsSettings] = Field(
+        default_factory=dict, description="Execution-time statistics by model name."
+    )
+    default_exec_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        default=10.0, description="Mean execution time, seconds, of a model without statistics."
+    )
+
+    def policy_kwargs(self) -> dict[str, Any]:
+        """The constructor keywords, each service's statistics as ``ServiceStats``."""
+        services = {
+            m: ServiceStats(s.mean_exec_s, s.std_exec_s, s.starvation_s) for m, s in self.services.items()
+        }
+        return {"services": services, "default_exec_s": self.default_exec_s}
 
 
 class DoublingBudget(Policy):

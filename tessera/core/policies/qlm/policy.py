@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field
 
 from tessera.core.policies.qlm.estimator import (
     EngineRates,
@@ -37,11 +39,68 @@ from tessera.core.policies.qlm.groups import Grouper, GroupKey, RequestGroup, Vi
 from tessera.core.policies.qlm.lso import ModelTiers, SwapGate, TierCosts, eviction_victims
 from tessera.core.policies.qlm.milp import GroupSpec, Plan, QueueSpec, SolverSettings, solve
 from tessera.core.policy import Decision, InstanceView, Policy
+from tessera.core.registry import PolicySettings
 from tessera.core.request import Phase, Request
 
 TokenSeeds = Mapping[
     tuple[str, str], tuple[float, float, float]
 ]  # (model, class) -> (mu_in, mu_out, sigma_out)
+
+
+class QLMSettings(PolicySettings):
+    """Settings of ``qlm``. Turning reordering or eviction off, the MILP's slot factor, the token
+    statistics' smoothing and seeded token statistics are research ablations: constructor keywords the
+    qlm bench sets."""
+
+    delta_rg: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        default=4.0, description="Request group size as a multiple of the average batch size (δ_rg)."
+    )
+    z: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        default=2.33,
+        description="Quantile multiplier of the waiting-time estimate (2.33: the 99th percentile).",
+    )
+    tail_aware: bool = Field(
+        default=True, description="Compare a group's last request, not only its start, with the SLO."
+    )
+    evict_mode: Literal["swap", "recompute"] = Field(
+        default="swap", description="How requests behind the head group are evicted."
+    )
+    solver_time_limit_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        default=5.0, description="Time limit of one MILP solve in seconds (then the EDF fallback)."
+    )
+    mip_gap: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.01, description="Relative MILP gap accepted."
+    )
+    min_resolve_interval_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        default=1.0, description="Fewest seconds between two solves."
+    )
+    context_len: Annotated[int, Field(ge=1)] = Field(
+        default=4096, description="Context length of the model in tokens."
+    )
+    engine_reinit_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        default=20.0, description="Seconds an engine takes to restart on a model swap."
+    )
+    disk_to_cpu_bytes_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        default=2e9, description="Disk to host memory bandwidth for model weights, bytes/s."
+    )
+    cpu_model_bytes: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        default=40e9, description="Host memory that keeps swapped-out model weights warm, bytes."
+    )
+    warm_start: bool = Field(default=True, description="Keep swapped-out models in host memory.")
+    model_weights_bytes: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict, description="Weight size in bytes by model name; unset means from the profile."
+    )
+    eps: Annotated[float, Field(ge=1, allow_inf_nan=False)] = Field(
+        default=1.0,
+        description="Offline-profiled inefficiency factor of the engine (>= 1), refreshed online.",
+    )
+    eps_window_s: Annotated[float, Field(gt=0)] = Field(
+        default=20.0,
+        description="Window in seconds of the online inefficiency estimate (inf: never refreshed).",
+    )
+    default_batch: Annotated[int, Field(ge=1)] = Field(
+        default=256, description="Batch size assumed before the engine reports one."
+    )
 
 
 class QLMPolicy(Policy):
