@@ -26,8 +26,9 @@ from tessera.operator.controller import CLASSES, POOLS, SERVICES, Controller
 log = logging.getLogger(__name__)
 
 DEFAULT_TICK_SECONDS = 5.0
-# How often kopf checks whether a deleted pool's daemon has finished its last pass and the cleanup
-# (the pool keeps its finalizer until then).
+# A stopping pool daemon finishes its pass (and, for a deleted pool, the cleanup): kopf waits this long
+# before it first looks again, then polls (a deleted pool keeps its finalizer until the daemon is done).
+STOP_WAIT_SECONDS = 1.0
 STOP_POLL_SECONDS = 0.5
 PoolKey = tuple[str, str]  # (namespace, pool name)
 
@@ -142,7 +143,14 @@ def build_registry(
 
     # -- ServingPool ----------------------------------------------------------------------------------
 
-    @kopf.daemon(GROUP, VERSION, POOLS, registry=registry, cancellation_polling=STOP_POLL_SECONDS)
+    @kopf.daemon(
+        GROUP,
+        VERSION,
+        POOLS,
+        registry=registry,
+        cancellation_backoff=STOP_WAIT_SECONDS,
+        cancellation_polling=STOP_POLL_SECONDS,
+    )
     async def pool_loop(
         namespace: str,
         name: str,

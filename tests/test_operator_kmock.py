@@ -5,13 +5,19 @@ request against its whole request history, so one long-lived emulator slows down
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import kmock
 import pytest
 import pytest_asyncio
-from kmock_harness import Harness, emulated_cluster, load_example
+from kmock_harness import PLURALS, Harness, copy_doc, emulated_cluster, load_example
+
+from tessera.control.children import CONFIG_KEY
+from tessera.operator import controller as controller_module
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -302,3 +308,121 @@ async def test_api_errors_and_conflicts_are_retried(cluster: Harness) -> None:
     posts = [w for w in writes(cluster, namespace) if w == f"POST {sts_path}"]
     assert len(posts) >= 2  # the failed attempt and its retry
     assert condition(status, "Placed")["status"] == "True"
+
+
+def two_pools(namespace: str) -> list[dict[str, Any]]:
+    """Pools ``pool-a`` and ``pool-b`` from the quickstart's pool; ``svc-a`` on pool-a uses class
+    ``chat``, ``svc-b`` on pool-b uses class ``other`` (a copy of chat)."""
+    docs = load_example(EXAMPLES / "quickstart.yaml", namespace)
+    pool, service = of_kind(docs, POOL)[0], of_kind(docs, SERVICE)[0]
+    chat = next(d for d in of_kind(docs, CLASS) if d["metadata"]["name"] == "chat")
+    other = copy_doc(chat)
+    other["metadata"] |= {"name": "other", "uid": str(uuid.uuid4())}
+    made = [chat, other]
+    for suffix, cls in (("a", "chat"), ("b", "other")):
+        p, s = copy_doc(pool), copy_doc(service)
+        p["metadata"] |= {"name": f"pool-{suffix}", "uid": str(uuid.uuid4())}
+        p["spec"]["placement"] = {"strategy": "dedicated"}
+        s["metadata"] |= {"name": f"svc-{suffix}", "uid": str(uuid.uuid4())}
+        s["spec"] |= {"poolRef": {"name": f"pool-{suffix}"}, "requestClasses": [{"name": cls}]}
+        if suffix == "b":  # a pool serves each model once
+            s["spec"]["model"]["name"] = "Qwen/Qwen2.5-7B-Instruct"
+        s["spec"]["defaultClass"] = cls
+        made += [p, s]
+    return made
+
+
+def tessera_lists(h: Harness) -> list[str]:
+    """The LIST calls the emulator saw for ServingPools, LLMServices and RequestClasses (kopf's watch
+    streams start with one each; a handler listing them would add more)."""
+    plurals = set(PLURALS.values())
+    return [
+        r.url.path
+        for r in h.emulator
+        if r.action == kmock.action.LIST and r.url.path.rsplit("/", 1)[-1] in plurals
+    ]
+
+
+async def pool_of(h: Harness, pool: dict[str, Any], services: set[str]) -> dict[str, Any] | None:
+    """The pool's status once its plan places exactly ``services``."""
+    body = await h.get(pool)
+    groups = ((body or {}).get("status") or {}).get("placement", {}).get("groups")
+    placed = {s for g in groups or [] for s in g["services"]}
+    return body["status"] if body and groups is not None and placed == services else None
+
+
+async def test_a_class_change_replans_exactly_the_pools_using_it_and_nothing_lists(
+    cluster: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    namespace = "classes"
+    docs = two_pools(namespace)
+    passes: list[str] = []
+    desired_pool = controller_module.desired_pool
+
+    def recording(pool_body, *args, **kwargs):  # type: ignore[no-untyped-def]
+        passes.append(pool_body["metadata"]["name"])
+        return desired_pool(pool_body, *args, **kwargs)
+
+    monkeypatch.setattr(controller_module, "desired_pool", recording)
+    await apply_all(cluster, docs)
+    pools = {p["metadata"]["name"]: p for p in of_kind(docs, POOL)}
+    await cluster.eventually(lambda: pool_of(cluster, pools["pool-a"], {"svc-a"}))
+    await cluster.eventually(lambda: pool_of(cluster, pools["pool-b"], {"svc-b"}))
+    await quiet(cluster, namespace)
+    lists = tessera_lists(cluster)
+    before = len(passes)
+
+    chat = next(d for d in docs if d["metadata"]["name"] == "chat")
+    await cluster.patch(chat, {"spec": {"slo": {"ttftSeconds": 3}}})
+
+    async def new_slo() -> bool:
+        children = await cluster.children(namespace)
+        configs = [v for (kind, name), v in children.items() if kind == "ConfigMap" and "pool-a" in name]
+        worker = json.loads(configs[0]["data"][CONFIG_KEY])
+        return worker["classes"]["chat"]["slo"]["ttftSeconds"] == 3
+
+    await cluster.eventually(new_slo)
+    await quiet(cluster, namespace)
+    assert set(passes[before:]) == {"pool-a"}, passes[before:]
+    # kopf's one list per kind at its start, and no list since: every pass read the indexes.
+    assert tessera_lists(cluster) == lists
+    assert not [path for path in lists if "/namespaces/" in path], lists
+
+
+async def test_moving_a_service_replans_both_pools_and_deleting_one_replans_its_pool(
+    cluster: Harness,
+) -> None:
+    namespace = "moves"
+    docs = two_pools(namespace)
+    await apply_all(cluster, docs)
+    pools = {p["metadata"]["name"]: p for p in of_kind(docs, POOL)}
+    services = {s["metadata"]["name"]: s for s in of_kind(docs, SERVICE)}
+    await cluster.eventually(lambda: pool_of(cluster, pools["pool-a"], {"svc-a"}))
+    await cluster.eventually(lambda: pool_of(cluster, pools["pool-b"], {"svc-b"}))
+
+    await cluster.patch(
+        services["svc-b"],
+        {
+            "spec": {
+                "poolRef": {"name": "pool-a"},
+                "requestClasses": [{"name": "chat"}],
+                "defaultClass": "chat",
+            }
+        },
+    )
+    await cluster.eventually(lambda: pool_of(cluster, pools["pool-a"], {"svc-a", "svc-b"}))
+    await cluster.eventually(lambda: pool_of(cluster, pools["pool-b"], set()))
+
+    async def pool_b_empty() -> bool:
+        children = await cluster.children(namespace)
+        return not [k for k in children if k[0] == "StatefulSet" and "pool-b" in k[1]]
+
+    await cluster.eventually(pool_b_empty)
+
+    await cluster.delete(services["svc-a"])
+    await cluster.eventually(lambda: pool_of(cluster, pools["pool-a"], {"svc-b"}))
+
+    async def endpoint_gone() -> bool:
+        return ("Service", "svc-a") not in await cluster.children(namespace)
+
+    await cluster.eventually(endpoint_gone)
