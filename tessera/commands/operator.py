@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tick-seconds",
         type=_positive,
         default=5.0,
-        help="Period of the pool timer that runs the autoscaler (default 5).",
+        help="How often each pool looks whether the autoscaler or a resync is due (default 5).",
     )
 
 

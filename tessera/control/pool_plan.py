@@ -256,7 +256,7 @@ def inputs_fingerprint(
     class_bodies: Iterable[Mapping[str, Any]],
 ) -> str:
     """A digest of everything a pool's plan and children depend on: the pool's spec, the specs of the
-    LLMServices naming it and of the namespace's RequestClasses (objects being deleted left out)."""
+    LLMServices naming it and of the RequestClasses given (objects being deleted left out)."""
     pool = (pool_body.get("metadata") or {}).get("name")
 
     def specs(bodies: Iterable[Mapping[str, Any]], keep: Any) -> list[Any]:
