@@ -33,7 +33,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "router": {"core", "api", "control"},
     "models": {"core", "api"},
     "local": BELOW_SHELLS | {"worker", "router", "models"},
-    "bench": BELOW_SHELLS | SHELLS,
+    "bench": BELOW_SHELLS | SHELLS | {"local"},
     "commands": BELOW_SHELLS | SHELLS | {"local", "bench"},
     "cli": {"commands"},
 }

@@ -61,7 +61,7 @@ from tessera.router.headers import downstream_headers, upstream_headers
 from tessera.router.limits import RouterLimits
 from tessera.router.metrics import RouterMetrics
 from tessera.router.payload import parse_payload, read_body
-from tessera.router.relay import Upstream, relay_events, send, unless_client_leaves
+from tessera.router.relay import Upstream, UpstreamClients, relay_events, send, unless_client_leaves
 
 POLL_INTERVAL_S = 1.0
 log = logging.getLogger(__name__)
@@ -300,6 +300,7 @@ def create_router_app(
     the file changed). ``app.state.limits`` and ``app.state.metrics`` are what
     ``tessera.router.protocol.router_server_config`` serves the app with."""
     limits = limits or RouterLimits()
+    upstreams = UpstreamClients(client)
     holder: dict[str, httpx.AsyncClient] = {}
 
     @asynccontextmanager
@@ -332,6 +333,7 @@ def create_router_app(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            await upstreams.aclose()
             if client is None:
                 await http.aclose()
 
@@ -407,7 +409,7 @@ def create_router_app(
             headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
             slo = state.configs[payload.model].classes[class_name].slo.ttft_seconds
             up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text, slo)
-            answer = await unless_client_leaves(http, send(state, metrics, holder["client"], up))
+            answer = await unless_client_leaves(http, send(state, metrics, upstreams, up))
         except ApiError as exc:
             metrics.answered(model, kind, exc.status, time.perf_counter() - start)
             raise
