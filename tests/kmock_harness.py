@@ -128,7 +128,7 @@ class Harness:
         # kopf's graceful stop (the stop_flag) made every test's teardown take 5-10 s: (1) it waits up
         # to 5 s for every task of its loop that it did not start itself; sharing the tests' loop,
         # those were the emulator's server-side watch handlers, which never end on their own; (2) an
-        # event still processed while stopping can start a pool timer after the daemon killer has
+        # event still processed while stopping can start a pool daemon after the daemon killer has
         # gone, which then ticks until that 5 s wait runs out. Its own loop holds only kopf's tasks;
         # on cancellation kopf cancels its leftover tasks at once.
         self._stop = threading.Event()

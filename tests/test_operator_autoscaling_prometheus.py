@@ -1,7 +1,7 @@
 """Autoscaling end to end: a real Prometheus (started here on loopback) scrapes real ``tessera worker``
 processes in sim-engine mode, and the operator under kopf (against KMock's emulator) scales the
-group's StatefulSet from what Prometheus measures — the production path: kopf timer ->
-``Controller.tick`` -> ``PrometheusMetrics.snapshot`` -> ``chiron_decide`` -> StatefulSet replicas.
+group's StatefulSet from what Prometheus measures — the production path: pool daemon tick ->
+``Controller.reconcile_pool`` -> ``PrometheusMetrics.snapshot`` -> ``chiron_decide`` -> StatefulSet replicas.
 
 The workers run the very configuration the operator wrote into the group's ConfigMap. Prometheus runs
 the manifests' scrape job (``manifests/monitoring/prometheus-scrape-config.yaml``), whose relabelling
@@ -50,7 +50,7 @@ NAMESPACE, POOL = "autoscale", "h100-pool"
 SCRAPE_S = 1.0
 INTERVAL_S = 2.0  # spec.autoscaling.intervalSeconds (Chiron T_eval)
 COOLDOWN_S = 5.0  # spec.autoscaling.scaleDownCooldownSeconds
-TICK_S = 0.25  # the kopf timer of the pools
+TICK_S = 0.25  # how often the pool daemons look whether the autoscaler is due
 LOAD_S = 6.0  # length of the load step
 STREAMS = 4  # concurrent streams of the load step
 # Slack for a loaded 2-core machine (process scheduling, the emulator's answers) on top of the

@@ -229,7 +229,7 @@ async def test_invalid_pool_sets_invalid_condition_and_event_and_creates_nothing
         return any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events)
 
     await cluster.eventually(warned)
-    await asyncio.sleep(1.0)  # several timer ticks: still nothing
+    await asyncio.sleep(1.0)  # several daemon ticks: still nothing
     assert await cluster.children(namespace) == {}
 
 
@@ -261,7 +261,7 @@ async def test_restarted_operator_resumes_without_duplicating_children(cluster: 
 
     await cluster.stop()
     await cluster.start()
-    await asyncio.sleep(2.0)  # resume handlers and timer ticks of the new operator
+    await asyncio.sleep(2.0)  # resume handlers and pool daemons of the new operator
     await quiet(cluster, namespace)
 
     # Read through the kubernetes client: kopf's shutdown closes aiohttp connectors in this process.
