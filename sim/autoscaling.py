@@ -37,14 +37,14 @@ from tessera.core.planners.types import ROLES, ChironSettings, MetricsSnapshot, 
 from tessera.core.policy import Policy
 from tessera.core.request import Request
 from tessera.sim.cluster import (
-    Action,
     AddInstance,
+    ClusterAction,
+    ClusterController,
+    ClusterRouter,
     ClusterView,
-    Controller,
     Dispatch,
     DrainInstance,
     RemoveInstance,
-    Router,
     SetRole,
 )
 from tessera.sim.engine import Instance
@@ -149,7 +149,7 @@ class Timeline:
         }
 
 
-class HoldingRouter(Router):
+class HoldingRouter(ClusterRouter):
     """Chiron's routing: interactive requests to an instance with room (``chiron_pick``); the rest,
     and interactive requests without one, wait in the global queue."""
 
@@ -169,7 +169,7 @@ class HoldingRouter(Router):
         return inst
 
 
-class PullRouter(Router):
+class PullRouter(ClusterRouter):
     """Every request waits in one global queue; the controller's instances pull it."""
 
     name = "global-fcfs"
@@ -183,7 +183,7 @@ class PullRouter(Router):
         return None
 
 
-class LeastLoadedRouter(Router):
+class LeastLoadedRouter(ClusterRouter):
     """Every request on arrival to the least-loaded instance (ready first; a starting one only when
     none is ready)."""
 
@@ -196,7 +196,7 @@ class LeastLoadedRouter(Router):
         return min(ready, key=lambda i: i.outstanding)
 
 
-class ChironController(Controller):
+class ChironController(ClusterController):
     """Dispatches the global queue every ``interval_s`` and evaluates the group every T_eval."""
 
     def __init__(
@@ -223,9 +223,9 @@ class ChironController(Controller):
         self._last_eval: float | None = None
         self._batch_since: float | None = None
 
-    def tick(self, view: ClusterView) -> list[Action]:
+    def tick(self, view: ClusterView) -> list[ClusterAction]:
         """Scaling (every T_eval) and dispatch (every tick)."""
-        actions: list[Action] = []
+        actions: list[ClusterAction] = []
         # An interactive request waiting in the global queue triggers an evaluation at once.
         if self.memory.due(self.settings, view.now) or self.queue.interactive:
             actions += self._scale(view)
@@ -234,8 +234,8 @@ class ChironController(Controller):
         self.timeline.record(view)
         return actions
 
-    def _dispatch(self, view: ClusterView, removed: set[str]) -> list[Action]:
-        actions: list[Action] = []
+    def _dispatch(self, view: ClusterView, removed: set[str]) -> list[ClusterAction]:
+        actions: list[ClusterAction] = []
         live = [i for i in _active(view) if i.ready_at <= view.now and i.name not in removed]
         pending_int = self.queue.interactive
         while pending_int:
@@ -317,17 +317,17 @@ class ChironController(Controller):
             std_output_tokens=self.stats.std,
         )
 
-    def _scale(self, view: ClusterView) -> list[Action]:
+    def _scale(self, view: ClusterView) -> list[ClusterAction]:
         step = evaluate_group(self.snapshot(view), self.memory, self.settings, view.now)
         self.memory = step.memory
         assert step.decision is not None  # the simulator always measures
         self.timeline.reasons += [f"{view.now:.0f}s {r}" for r in step.decision.reasons]
         return self._apply(step.decision.desired, _active(view), view.now)
 
-    def _apply(self, desired: RoleCounts, insts: list[Instance], now: float) -> list[Action]:
+    def _apply(self, desired: RoleCounts, insts: list[Instance], now: float) -> list[ClusterAction]:
         """Actions moving the live instances to ``desired`` (conversions first: they are free)."""
         by_role: dict[str, list[Instance]] = {r: [i for i in insts if i.role == r] for r in ROLES}
-        actions: list[Action] = []
+        actions: list[ClusterAction] = []
         # Convert between interactive and mixed before launching or removing (no cold start).
         for src, dst in (("mixed", "interactive"), ("interactive", "mixed")):
             move = min(
@@ -359,7 +359,7 @@ class ChironController(Controller):
         return actions
 
 
-class ThresholdController(Controller):
+class ThresholdController(ClusterController):
     """The baseline: ``threshold_decide`` on mean KV-token utilization; optional pull dispatch."""
 
     def __init__(
@@ -381,9 +381,9 @@ class ThresholdController(Controller):
         self.timeline = Timeline()
         self._next_eval = 0.0
 
-    def tick(self, view: ClusterView) -> list[Action]:
+    def tick(self, view: ClusterView) -> list[ClusterAction]:
         """Scale by the utilization rule; pull held requests (FCFS) when dispatching by pull."""
-        actions: list[Action] = []
+        actions: list[ClusterAction] = []
         insts = _active(view)
         ready = [i for i in insts if i.ready_at <= view.now]
         if view.now >= self._next_eval and ready:
@@ -423,11 +423,11 @@ class ThresholdController(Controller):
             used += sum(r.prompt_tokens for r in view.held)
         return min(1.0, used / cap)
 
-    def _pull(self, live: list[Instance]) -> list[Action]:
+    def _pull(self, live: list[Instance]) -> list[ClusterAction]:
         """FCFS over the whole held queue (interactive and batch alike, by arrival); with
         ``priority`` every held interactive request goes before any batch one."""
         assert self.queue is not None
-        actions: list[Action] = []
+        actions: list[ClusterAction] = []
         q = self.queue
         for inst in live:
             # vLLM takes up to max_num_seqs; KV sorts out the rest.
@@ -482,7 +482,7 @@ def chiron_cluster(
 
 def threshold_cluster(
     settings: ThresholdSettings, *, dispatch: str, interval_s: float, static_batch: int, demand: bool
-) -> tuple[Router, ThresholdController, Callable[[], Policy]]:
+) -> tuple[ClusterRouter, ThresholdController, Callable[[], Policy]]:
     """The threshold baseline with FCFS instances: ``dispatch`` ``arrival`` (least-loaded router,
     scaling every ``settings.interval_s``), ``pull`` (one global FCFS queue, pulled every
     ``interval_s``) or ``pull-priority`` (interactive requests first)."""
@@ -495,7 +495,7 @@ def threshold_cluster(
         demand=demand,
         priority=dispatch == "pull-priority",
     )
-    router: Router = PullRouter(queue) if queue is not None else LeastLoadedRouter()
+    router: ClusterRouter = PullRouter(queue) if queue is not None else LeastLoadedRouter()
     return router, controller, FCFS
 
 

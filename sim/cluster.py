@@ -6,11 +6,11 @@ time) and controller ticks every ``interval_s``. Cost grows with events.
 
 Extension points (other engineers build on these):
 
-- ``Router``: ``route(req, view) -> Instance``. QLM's global scheduler assigns
+- ``ClusterRouter``: ``route(req, view) -> Instance``. QLM's global scheduler assigns
   requests to instance queues by subclassing it. A router may return ``None`` to
   hold the request in the cluster's global queue (``ClusterView.held``); a
   controller hands it to an instance later with ``Dispatch`` (Chiron's batch queue).
-- ``Controller``: ``tick(view) -> list[Action]`` every ``interval_s`` of simulated
+- ``ClusterController``: ``tick(view) -> list[ClusterAction]`` every ``interval_s`` of simulated
   time, given a ``ClusterView`` it must not mutate. Actions add instances (ready
   after the profile's cold start), drain or remove instances, set an instance's
   max batch or role (Chiron's autoscalers).
@@ -52,7 +52,7 @@ class ClusterView:
         return [i for i in self.instances if not i.draining and model in i.profiles]
 
 
-class Router(ABC):
+class ClusterRouter(ABC):
     """Chooses the instance for each arriving request."""
 
     name: str = "router"
@@ -63,7 +63,7 @@ class Router(ABC):
         global queue until a controller dispatches it."""
 
 
-class RouteRouter(Router):
+class RouteRouter(ClusterRouter):
     """A core route (``tessera.core.routing``: filters, scorers, a picker) over the simulated instances:
     the live router composes its routing from the same plugins. A cache-aware route keeps the same
     kind of prefix index the live router keeps: where it sent each prompt's blocks (the requests'
@@ -107,7 +107,7 @@ class RouteRouter(Router):
         return self._index
 
 
-def make_router(name: str) -> Router:
+def make_router(name: str) -> ClusterRouter:
     """A router by route name (``tessera.core.routing.ROUTES``); ValueError naming the known ones."""
     if name not in ROUTES:
         raise ValueError(f"unknown router {name!r}; known routers: {', '.join(ROUTES)}")
@@ -154,16 +154,16 @@ class Dispatch:
     name: str
 
 
-Action = AddInstance | DrainInstance | RemoveInstance | SetRole | Dispatch
+ClusterAction = AddInstance | DrainInstance | RemoveInstance | SetRole | Dispatch
 
 
-class Controller(ABC):
+class ClusterController(ABC):
     """Periodic cluster-level decisions (autoscalers)."""
 
     interval_s: float = 10.0
 
     @abstractmethod
-    def tick(self, view: ClusterView) -> list[Action]:
+    def tick(self, view: ClusterView) -> list[ClusterAction]:
         """Actions to apply now."""
 
 
@@ -209,8 +209,8 @@ class Cluster:
         config: ClusterConfig,
         policy_factory: PolicyFactory,
         *,
-        router: Router | None = None,
-        controller: Controller | None = None,
+        router: ClusterRouter | None = None,
+        controller: ClusterController | None = None,
     ) -> None:
         self.config = config
         self.policy_factory = policy_factory
@@ -285,7 +285,7 @@ class Cluster:
                 return inst
         raise ValueError(f"controller named unknown instance {name!r}")
 
-    def apply(self, actions: Sequence[Action]) -> None:
+    def apply(self, actions: Sequence[ClusterAction]) -> None:
         """Apply controller actions at the current time."""
         for act in actions:
             if isinstance(act, AddInstance):

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from tessera.core.policies.qlm.policy import QLMPolicy
 from tessera.core.request import Request
-from tessera.sim.cluster import ClusterView, Router
+from tessera.sim.cluster import ClusterRouter, ClusterView
 from tessera.sim.engine import Instance
 
 
-class QLMRouter(Router):
+class QLMRouter(ClusterRouter):
     """Assigns request groups to the virtual queues of instances running ``QLMPolicy``."""
 
     name = "qlm"

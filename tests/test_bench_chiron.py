@@ -12,7 +12,7 @@ from tessera.core.chiron import ChironLocal, ChironPolicy, GlobalQueue, chiron_p
 from tessera.core.profiles import load_profile
 from tessera.core.request import ServiceClass
 from tessera.sim.autoscaling import InstanceTarget, ThresholdController
-from tessera.sim.cluster import Cluster, ClusterConfig, Controller, Dispatch, Router
+from tessera.sim.cluster import Cluster, ClusterConfig, ClusterController, ClusterRouter, Dispatch
 from tessera.sim.engine import EngineConfig
 from tessera.sim.workloads import build_requests
 
@@ -142,7 +142,7 @@ def test_instance_queue_evicts_batch_for_interactive_and_shrinks_batch():
         r.service_class = batch
     reqs[4].service_class = inter
 
-    class Fixed(Router):
+    class Fixed(ClusterRouter):
         def route(self, req, view):
             return view.instances[0]
 
@@ -174,11 +174,11 @@ def test_cluster_holds_and_dispatches_requests():
     profile = load_profile("a100-llama3-8b")
     reqs = build_requests([0.0, 0.5, 1.0], [50] * 3, [20] * 3, np.random.default_rng(0))
 
-    class Hold(Router):
+    class Hold(ClusterRouter):
         def route(self, req, view):
             return None
 
-    class Release(Controller):
+    class Release(ClusterController):
         interval_s = 2.0
 
         def __init__(self):
@@ -196,7 +196,7 @@ def test_cluster_holds_and_dispatches_requests():
     assert all(r.first_scheduled_at is not None and r.first_scheduled_at >= 4.0 for r in reqs)
     assert ctl.seen[:3] == [0, 3, 3]  # the tick at t=0 comes before that instant's arrival
 
-    class Never(Controller):
+    class Never(ClusterController):
         interval_s = 1.0
 
         def tick(self, view):

@@ -25,7 +25,7 @@ from tessera.core.policy import Policy
 from tessera.core.profiles import DEFAULT_PROFILE, load_profile
 from tessera.core.request import Request
 from tessera.core.slo import jct, mean_itl, slo_met, summarize, ttft
-from tessera.sim.cluster import Cluster, ClusterConfig, Controller, Router
+from tessera.sim.cluster import Cluster, ClusterConfig, ClusterController, ClusterRouter
 from tessera.sim.engine import EngineConfig
 from tessera.sim.workloads import copy_requests, requests_from_trace
 
@@ -101,8 +101,8 @@ def run_one(
     policy_factory: Callable[[], Policy],
     cluster_config: ClusterConfig,
     *,
-    router: Router | None = None,
-    controller: Controller | None = None,
+    router: ClusterRouter | None = None,
+    controller: ClusterController | None = None,
     progress: Progress | None = None,
 ) -> tuple[list[Request], dict[str, Any]]:
     """Simulate one policy on fresh copies of ``requests``; returns the copies and their metrics."""
@@ -130,8 +130,8 @@ def run_policies(
     cluster_config: ClusterConfig,
     progress: Progress,
     *,
-    router_factory: Callable[[], Router] | None = None,
-    controller_factory: Callable[[], Controller] | None = None,
+    router_factory: Callable[[], ClusterRouter] | None = None,
+    controller_factory: Callable[[], ClusterController] | None = None,
     requests_csv: Path | None = None,
 ) -> list[dict[str, Any]]:
     """One result row per policy (``{"policy": row_name, <metrics>}``), all on the same requests.

@@ -60,7 +60,7 @@ from tessera.core.policy import Policy
 from tessera.core.profiles import load_profile
 from tessera.core.request import Request, ServiceClass
 from tessera.sim.autoscaling import ChironController, ThresholdController, chiron_cluster, threshold_cluster
-from tessera.sim.cluster import ClusterConfig, Router
+from tessera.sim.cluster import ClusterConfig, ClusterRouter
 from tessera.sim.engine import EngineConfig
 from tessera.sim.workloads import (
     build_requests,
@@ -86,7 +86,7 @@ TARGET_GPU_RATIO = 0.70  # ... or GPU-seconds <= 0.7x at equal (or better) attai
 ARRIVAL_KINDS = ("trace", "gamma", "poisson")
 LENGTH_SOURCES = ("trace", "sharegpt")
 DISPATCH_MODES = ("arrival", "pull", "pull-priority")
-Parts = tuple[Router, ChironController | ThresholdController, Callable[[], Policy]]
+Parts = tuple[ClusterRouter, ChironController | ThresholdController, Callable[[], Policy]]
 
 
 # ---- workload ---------------------------------------------------------------------------------------
