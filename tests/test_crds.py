@@ -11,7 +11,15 @@ import yaml
 from tessera.api.crd import RESOURCES, crd, generated_files, structural_schema
 from tessera.api.llm_service import LLMServiceSpec
 from tessera.api.request_class import RequestClassSpec
-from tessera.api.rules import LessOrEqual, ListedIn, MutuallyExclusive, NoFlags, RequiredWhen, cel_validations
+from tessera.api.rules import (
+    KeysAllowed,
+    LessOrEqual,
+    ListedIn,
+    MutuallyExclusive,
+    NoFlags,
+    RequiredWhen,
+    cel_validations,
+)
 from tessera.api.serving_pool import BatchSizeBounds, InstanceBounds, ReplacementInterval, ServingPoolSpec
 from tessera.cli import main
 from tessera.commands.crds import stale_report
@@ -166,6 +174,19 @@ PARITY_CASES = [
         [{}, {"args": ["--x"]}, {"args": ["--port=1"]}, {"args": ["--model"]}],
     ),
     (NoFlags("args", ("--port",)), [{"args": ["--portable"]}, {"args": ["--port"]}]),
+    (
+        KeysAllowed("settings", "policy", (("a", ("x", "y")), ("b", ()))),
+        [
+            {"policy": "a"},
+            {"policy": "a", "settings": {}},
+            {"policy": "a", "settings": {"x": 1, "y": {"z": 2}}},
+            {"policy": "a", "settings": {"x": 1, "w": 2}},
+            {"policy": "b", "settings": {}},
+            {"policy": "b", "settings": {"x": 1}},
+            {"policy": "c", "settings": {}},
+            {"policy": "c", "settings": {"x": 1}},
+        ],
+    ),
 ]
 
 

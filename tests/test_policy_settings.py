@@ -212,3 +212,17 @@ def test_service_settings_reach_the_worker_configuration() -> None:
     by_policy = {i.config.scheduling.policy: i.config.scheduling.settings for i in plan.instances}
     assert by_policy["isrtf"] == {"windowTokens": 50}
     assert by_policy["qoe"] == {"horizonS": 10}
+
+
+def test_readme_lists_every_setting() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Scheduling settings") :].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    listed, policy = set(), ""
+    for row in rows[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        policy = cells[0] or policy
+        listed |= {(p.strip("` "), cells[1].strip("`")) for p in policy.split(",") if cells[1] != "—"}
+    for name in POLICIES:
+        for field, info in settings_model(name).model_fields.items():
+            assert (name, info.alias or field) in listed, f"README: {name} setting {info.alias} missing"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -18,8 +19,8 @@ from tessera.api.base import (
     nested,
 )
 from tessera.api.request_class import ClassOverrides, RequestClassSpec
-from tessera.api.rules import LessOrEqual, ListedIn, MutuallyExclusive
-from tessera.core.registry import validate_settings
+from tessera.api.rules import KeysAllowed, LessOrEqual, ListedIn, MutuallyExclusive
+from tessera.core.registry import settings_model, validate_settings
 from tessera.core.request import ServiceClass
 
 # Bounds the list so that the API server's CEL cost estimate of the defaultClass rule stays small.
@@ -85,18 +86,32 @@ class AcceptedClass(ApiModel):
     )
 
 
+ServicePolicy = Literal["fcfs", "isrtf", "qoe", "qlm", "auto"]
+
+
+def _settings_keys() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Each policy's settings fields by JSON name (camelCase, as every field of the resources)."""
+    policies = [p for p in typing.get_args(ServicePolicy) if p != "auto"]
+    return tuple(
+        (p, tuple(f.alias or n for n, f in settings_model(p).model_fields.items())) for p in policies
+    )
+
+
 class SchedulingSpec(ApiModel):
     """The worker's queue scheduling policy and its settings."""
 
-    policy: Literal["fcfs", "isrtf", "qoe", "qlm", "auto"] = Field(
+    # The API server refuses unknown settings fields too; types and bounds are checked on load.
+    RULES = (KeysAllowed(field="settings", selector="policy", allowed=_settings_keys()),)
+
+    policy: ServicePolicy = Field(
         default="auto",
         description="fcfs (vLLM order), isrtf (ELIS), qoe (Andes), qlm (QLM); auto picks qlm when a batch "
         "class is accepted, else qoe.",
     )
     settings: dict[str, Any] = Field(
         default_factory=dict,
-        description="The policy's settings (camelCase keys; the README lists each policy's); the operator "
-        "refuses unknown fields and wrong types, naming them. auto takes none: name the policy to set any.",
+        description="The policy's settings (camelCase keys; the README lists each policy's); unknown fields "
+        "and wrong types are refused, naming them. auto takes none: name the policy to set any.",
         json_schema_extra={"maxProperties": 64},
     )
 

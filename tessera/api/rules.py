@@ -159,7 +159,40 @@ class NoFlags:
         return f"{self.message}; remove {found}" if found else None
 
 
-Rule = LessOrEqual | RequiredWhen | MutuallyExclusive | ListedIn | NoFlags
+@dataclass(frozen=True)
+class KeysAllowed:
+    """The keys of the map ``field``, when set, are among those ``allowed`` for the value of ``selector``
+    (a selector value not listed allows none)."""
+
+    field: str
+    selector: str
+    allowed: tuple[tuple[str, tuple[str, ...]], ...]  # (selector value, keys it allows)
+
+    @property
+    def message(self) -> str:
+        """Human-readable statement of the rule."""
+        return f"{self.field} may only hold the fields that {self.selector} accepts"
+
+    def cel(self) -> str:
+        """The rule as a CEL expression over ``self``."""
+        otherwise = f"size(self.{self.field}) == 0"
+        for value, keys in reversed(self.allowed):
+            listed = ", ".join(f"'{k}'" for k in keys)
+            check = f"self.{self.field}.all(k, k in [{listed}])" if keys else f"size(self.{self.field}) == 0"
+            otherwise = f"self.{self.selector} == '{value}' ? {check} : ({otherwise})"
+        return f"!({_cel_has(self.field)}) || ({otherwise})"
+
+    def violation(self, obj: Mapping[str, Any]) -> str | None:
+        """Why ``obj`` breaks the rule, or None when it holds."""
+        values, selector = _get(obj, self.field), _get(obj, self.selector)
+        if not isinstance(values, Mapping):
+            return None
+        keys = dict(self.allowed).get(selector, ())
+        unknown = sorted(k for k in values if k not in keys)
+        return f"{self.message} ({selector}: {', '.join(keys) or 'none'}); got {unknown}" if unknown else None
+
+
+Rule = LessOrEqual | RequiredWhen | MutuallyExclusive | ListedIn | NoFlags | KeysAllowed
 
 
 def cel_validations(rules: tuple[Rule, ...]) -> list[dict[str, str]]:
