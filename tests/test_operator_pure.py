@@ -359,9 +359,7 @@ def test_planner_inputs_use_the_matching_sim_profile_else_the_fallback(
     assert (matched.name if matched else None) == expected
     profile = PROFILES[expected or FALLBACK_PROFILE]
     planned = service_input(pool, service)
-    assert planned.latency.decode_c0 == profile.decode_c0
-    assert planned.latency.prefill_p1 == profile.prefill_p1
-    assert planned.latency.tp_ref == profile.gpus
+    assert planned.profile is profile
     assert planned.kv_bytes_per_token == profile.kv_bytes_per_token
     # Weights: the service's own size when given, else the profile's.
     size = service.spec.model.weights_size

@@ -20,14 +20,14 @@ from tessera.control.placement import (
 )
 from tessera.control.placement_ilp import EPSILON, max_utilization, solve_partition
 from tessera.core.planners import (
-    LatencyModel,
     PoolInput,
     ServiceInput,
 )
+from tessera.core.profile import StepProfile
 
 GIB = 2**30
-LM7 = LatencyModel(0.008, 2e-5, 6.6e-8, 0.005, 8.5e-5)
-LM70 = LatencyModel(0.022, 2e-5, 4e-8, 0.01, 2.2e-4, tp_ref=4)
+LM7 = StepProfile("lm", 0.008, 2e-5, 6.6e-8, 0.005, 8.5e-5, 65536)
+LM70 = StepProfile("lm", 0.022, 2e-5, 4e-8, 0.01, 2.2e-4, 65536, gpus=4)
 
 
 def svc(name, rate, *, weights=14 * GIB, tp_min=1, lm=LM7, out=300):

@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 
 from tessera.control.placement import plan_placement
-from tessera.core.planners import LatencyModel, PoolInput, ServiceInput
+from tessera.core.planners import PoolInput, ServiceInput
+from tessera.core.profile import StepProfile
 
 GIB = 2**30
-LM7 = LatencyModel(0.008, 2e-5, 6.6e-8, 0.005, 8.5e-5)
+LM7 = StepProfile("lm", 0.008, 2e-5, 6.6e-8, 0.005, 8.5e-5, 65536)
 
 
 def svc(name: str, rate: float, max_replicas: int | None) -> ServiceInput:

@@ -12,15 +12,15 @@ from tessera.control.group_sim import GroupEngine, make_request, stats_of
 from tessera.core.planners import (
     GroupPlan,
     HistoryRequest,
-    LatencyModel,
     PlacementPlan,
     PoolInput,
     RoleCounts,
     ServiceInput,
 )
+from tessera.core.profile import StepProfile
 
 GIB = 2**30
-LM = LatencyModel(0.01, 1e-4, 1e-7, 0.005, 1e-4)
+LM = StepProfile("lm", 0.01, 1e-4, 1e-7, 0.005, 1e-4, 65536)
 POOL = PoolInput("p", "A800", 80 * GIB, 8)
 
 
@@ -41,7 +41,7 @@ def test_isolated_request_takes_exactly_its_execution_time():
     r = make_request(A, HistoryRequest(2.0, 300, 97), 0)
     eng.submit(r)
     eng.run_until(math.inf)
-    assert r.finished - r.arrival == pytest.approx(LM.exec_time(1, 300, 97), rel=1e-12)
+    assert r.finished - r.arrival == pytest.approx(LM.exec_time(300, 97), rel=1e-12)
     # the same with a decision forced at every submission horizon (closed-form runs cut at `until`)
     eng2 = GroupEngine(POOL, [A], 1, stats=STATS, scheduler="db")
     r2 = make_request(A, HistoryRequest(2.0, 300, 97), 0)

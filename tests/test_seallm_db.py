@@ -6,7 +6,7 @@ import pytest
 
 from tessera.control.group_sim import service_stats, simulate_group
 from tessera.core import InstanceView, Request, StepProfile
-from tessera.core.planners import HistoryRequest, LatencyModel, PoolInput, ServiceInput
+from tessera.core.planners import HistoryRequest, PoolInput, ServiceInput
 from tessera.core.policies.seallm import DBBook, DoublingBudget, ServiceStats
 
 PROFILE = StepProfile("t", 0.01, 0.0, 0.0, 0.01, 0.0, kv_capacity_tokens=100_000)
@@ -66,7 +66,7 @@ def test_starved_request_seeds_the_batch():
     assert pol.schedule(view(6.0, [short])).run == [long_r]  # waited 6 s > θ = 5 s
 
 
-LM_SHORT = LatencyModel(0.01, 0.0, 0.0, 0.01, 0.0)
+LM_SHORT = StepProfile("lm", 0.01, 0.0, 0.0, 0.01, 0.0, 65536)
 
 
 def _svc(name, rate=1.0):

@@ -99,7 +99,7 @@ def stats_of(s: ServiceInput, lengths: Sequence[tuple[int, int]]) -> ServiceStat
     """L̂_s and Var_s (std) of isolated execution time at tp_min over ``lengths`` (prompt, output);
     the service's mean lengths when empty. Starvation threshold θ_s = 0.5·SLO_s (spec §5.2)."""
     if lengths:
-        execs = [s.latency.exec_time(s.tp_min, p, max(1, o)) for p, o in lengths]
+        execs = [s.profile.at_tp(s.tp_min).exec_time(p, max(1, o)) for p, o in lengths]
         mean = sum(execs) / len(execs)
         std = math.sqrt(sum((e - mean) ** 2 for e in execs) / len(execs))
     else:
@@ -111,7 +111,12 @@ def make_request(s: ServiceInput, h: HistoryRequest, seq: int) -> SimRequest:
     """A fresh simulator request of service ``s``."""
     out = max(1, h.output_tokens)
     return SimRequest(
-        s.name, h.arrival, h.prompt_tokens, out, s.latency.exec_time(s.tp_min, h.prompt_tokens, out), seq
+        s.name,
+        h.arrival,
+        h.prompt_tokens,
+        out,
+        s.profile.at_tp(s.tp_min).exec_time(h.prompt_tokens, out),
+        seq,
     )
 
 
@@ -153,6 +158,7 @@ class GroupEngine:
         self.by_name = {s.name: s for s in services}
         self.names = [s.name for s in services]
         self.tp = tp
+        self.profiles = {s.name: s.profile.at_tp(tp) for s in services}
         self.scheduler = scheduler
         self.book = DBBook(stats)
         self.capacity = kv_capacity_bytes(pool, services, tp)
@@ -353,7 +359,7 @@ class GroupEngine:
             if waits:
                 span = min(span, min(waits))
         if math.isfinite(span):
-            step0 = self.overhead * self.by_name[batch[0].service].latency.decode_step(self.tp, len(batch), 0)
+            step0 = self.overhead * self.profiles[batch[0].service].decode_step(len(batch), 0)
             k = min(k, max(1, math.ceil(span / step0)))
         grow = self.kv_per_token[batch[0].service] * len(batch)
         if self.used + grow * k > self.capacity:
@@ -367,7 +373,7 @@ class GroupEngine:
         seed = self._pick_seed()
         service = seed.service
         kvt = self.kv_per_token[service]
-        lat = self.by_name[service].latency
+        lat = self.profiles[service]
         res = self._resident[service]
         cap = self.capacity
         if not seed.resident:
@@ -393,7 +399,7 @@ class GroupEngine:
                 tokens += ctx
                 self.used += ctx * kvt
                 r = self._head(service)
-            dt = lat.prefill(self.tp, tokens) * self.overhead
+            dt = lat.prefill(tokens) * self.overhead
             self.now += dt
             self.iterations += 1
             for r in batch:
@@ -416,8 +422,8 @@ class GroupEngine:
                     self._preempt(batch.pop())
             b = len(batch)
             ctx = sum(r.prompt + r.generated for r in batch)
-            a = lat.decode_step(self.tp, b, ctx)
-            g = lat.decode_step(self.tp, b, ctx + b) - a
+            a = lat.decode_step(b, ctx)
+            g = lat.decode_step(b, ctx + b) - a
             dt = (k * a + g * k * (k - 1) / 2) * self.overhead
             self.now += dt
             self.iterations += k

@@ -1,10 +1,10 @@
 """Map the API models (ServingPool, LLMService) onto the planners' plain inputs.
 
 The planners need numbers the custom resources do not carry (iteration-time model, KV bytes per
-token). They come from the simulator's named profiles (``tessera.core.profiles.PROFILES``), chosen by
+token). They come from the named step profiles (``tessera.core.profiles.PROFILES``), chosen by
 the pool's GPU type and the model's size (``named_profile``). Where none matches, the fallback is
 ``FALLBACK_PROFILE``, the 8B-class model on one H100 (CHOICE, documented: the most common serving
-setup; placement only uses the latency model to weigh services with traffic).
+setup; placement only uses the step profile to weigh services with traffic).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 
 from tessera.api import LLMService, ServingPool, parse_quantity
-from tessera.core.planners import ChironSettings, LatencyModel, PoolInput, ServiceInput
+from tessera.core.planners import ChironSettings, PoolInput, ServiceInput
 from tessera.core.profile import StepProfile
 from tessera.core.profiles import PROFILES
 
@@ -87,14 +87,7 @@ def service_input(pool: ServingPool, service: LLMService) -> ServiceInput:
         name=service.name,
         weights_bytes=int(weights),
         kv_bytes_per_token=profile.kv_bytes_per_token,
-        latency=LatencyModel(
-            decode_c0=profile.decode_c0,
-            decode_c1=profile.decode_c1,
-            decode_c2=profile.decode_c2,
-            prefill_p0=profile.prefill_p0,
-            prefill_p1=profile.prefill_p1,
-            tp_ref=profile.gpus,  # the profile was measured at this TP size
-        ),
+        profile=profile,
         tp_min=model.tensor_parallel_size,
         min_replicas=service.spec.replicas.min,
         max_replicas=service.spec.replicas.max,

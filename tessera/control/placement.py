@@ -181,8 +181,9 @@ def request_work(s: ServiceInput, tp: int) -> float:
     out = max(1, round(s.mean_output_tokens))
     prompt = round(s.mean_prompt_tokens)
     ctx = prompt + out / 2
-    step = s.latency.decode_step(tp, TYPICAL_BATCH, round(TYPICAL_BATCH * ctx))
-    return s.latency.prefill(tp, prompt) + (out - 1) * step / TYPICAL_BATCH
+    profile = s.profile.at_tp(tp)
+    step = profile.decode_step(TYPICAL_BATCH, round(TYPICAL_BATCH * ctx))
+    return profile.prefill(prompt) + (out - 1) * step / TYPICAL_BATCH
 
 
 BIN_S = 60.0  # CHOICE: the estimator sees the history's per-minute rates, so bursts count (MAF is per minute)

@@ -5,6 +5,11 @@ Used by the simulator to advance time and by policies that estimate service
 linear model of the specs (elis_andes_spec §0.3, qlm_chiron_spec part C):
 ``c0 + c1*B + c2*context_tokens``; prefill ``p0 + p1*tokens``.
 
+A profile is measured at ``gpus`` GPUs (its tensor-parallel degree). ``at_tp(p)`` gives the same
+model on ``p`` GPUs: the compute part is divided by ``(p/gpus)**tp_efficiency`` and each extra rank
+adds ``tp_comm_s`` of communication to every iteration, so a larger TP cuts long prefills and can
+slow short decodes (SeaLLM's c_tp; its Fig. 3).
+
 ``request_overhead_s`` is latency a request spends outside engine iterations on
 the serving path (HTTP, validation, IPC to the engine, detokenising and
 streaming back); measured profiles of a real server carry it, the roofline
@@ -13,7 +18,7 @@ tables leave it 0. The simulator charges it once per request, on entry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,35 @@ class StepProfile:
     gpus: int = 1  # GPUs of one instance (tensor-parallel degree); GPU-seconds count these
     source: str = ""  # where the numbers come from
     request_overhead_s: float = 0.0  # per-request serving-path latency outside engine steps
+    tp_efficiency: float = 0.85  # compute speed-up exponent of tensor parallelism (at_tp)
+    tp_comm_s: float = 0.0015  # communication added to each iteration per extra rank (at_tp)
+
+    def at_tp(self, tp: int) -> StepProfile:
+        """The same model on ``tp`` GPUs (this profile itself at its own degree). The KV capacity is
+        left as is: it depends on the memory next to the model, which the caller knows."""
+        if tp == self.gpus:
+            return self
+        if tp < 1:
+            raise ValueError(f"profile {self.name}: tensor-parallel degree must be >= 1, got {tp}")
+        speedup = (tp / self.gpus) ** self.tp_efficiency
+        comm = self.tp_comm_s * max(0, tp - self.gpus)
+        return replace(
+            self,
+            decode_c0=self.decode_c0 + comm,
+            decode_c1=self.decode_c1 / speedup,
+            decode_c2=self.decode_c2 / speedup,
+            prefill_p0=self.prefill_p0 + comm,
+            prefill_p1=self.prefill_p1 / speedup,
+            gpus=tp,
+        )
+
+    def exec_time(self, prompt_tokens: int, output_tokens: int) -> float:
+        """Isolated execution time of one request (batch 1, no queueing): its prefill plus
+        ``output_tokens - 1`` decode steps, in closed form (the context grows one token a step)."""
+        n = max(0, output_tokens - 1)
+        context_sum = n * prompt_tokens + n * (n + 1) / 2
+        decode = n * (self.decode_c0 + self.decode_c1) + self.decode_c2 * context_sum
+        return self.prefill(prompt_tokens) + decode
 
     def decode_step(self, batch: int, context_tokens: int) -> float:
         """Time of one decode iteration for ``batch`` sequences holding ``context_tokens`` in total."""

@@ -55,7 +55,6 @@ from tessera.core.planners import (
     HistoryRequest,
     IntervalMetrics,
     IntervalSettings,
-    LatencyModel,
     PlacementPlan,
     PoolInput,
     ServiceInput,
@@ -65,16 +64,21 @@ from tessera.core.planners import (
 from tessera.core.planners.naming import group_name
 from tessera.core.planners.types import GroupPlan, RoleCounts
 from tessera.core.policies.seallm import ServiceStats
+from tessera.core.profile import StepProfile
 
 DESCRIPTION = "SeaLLM placement + DB scheduling vs dedicated GPUs and round-robin sharing (16 services)"
 GIB = 2**30
 
-# Spec part C (A100/A800-class) linear step models: c0, c1, c2 (per context token), p0, p1 (per prompt token),
-# fp16 weights (bytes) and KV bytes per token at TP 1 (spec §8 item 1).
-MODELS: dict[str, tuple[LatencyModel, int, int]] = {
-    "llama2-7b": (LatencyModel(0.0075, 2e-5, 6.6e-8, 0.005, 8e-5), int(13.5e9), 512 * 1024),
-    "opt-6.7b": (LatencyModel(0.0075, 2e-5, 6.6e-8, 0.005, 8e-5), int(13.4e9), 512 * 1024),
-    "llama2-13b": (LatencyModel(0.013, 2e-5, 4e-7, 0.008, 1.4e-4), int(26e9), 800 * 1024),
+# Spec part C (A100/A800-class) linear step models at TP 1: c0, c1, c2 (per context token), p0, p1 (per prompt
+# token), with fp16 weights and KV bytes per token (spec §8 item 1). An instance's KV capacity follows from
+# the pool's memory and what shares it (tessera.control.placement_sim), not from the profile.
+MODELS: dict[str, StepProfile] = {
+    name: StepProfile(name, c0, c1, c2, p0, p1, 0, kv_bytes_per_token=kvb, weights_bytes=weights)
+    for name, (c0, c1, c2, p0, p1, weights, kvb) in {
+        "llama2-7b": (0.0075, 2e-5, 6.6e-8, 0.005, 8e-5, int(13.5e9), 512 * 1024),
+        "opt-6.7b": (0.0075, 2e-5, 6.6e-8, 0.005, 8e-5, int(13.4e9), 512 * 1024),
+        "llama2-13b": (0.013, 2e-5, 4e-7, 0.008, 1.4e-4, int(26e9), 800 * 1024),
+    }.items()
 }
 # (mean prompt, cv prompt, mean output, cv output) — Tab. 1 means, spec §9.3 CVs.
 PROFILES = {"sharegpt": (73.0, 1.0, 427.0, 1.0), "longbench": (13187.0, 0.5, 21.0, 1.0)}
@@ -158,7 +162,7 @@ def build_workload(
     services, window = [], {}
     for i in range(n_services):
         model = models[i]
-        lm, weights, kvb = MODELS[model]
+        profile = MODELS[model]
         arrivals = []
         for m in range(total):
             n = rng.poisson(rates[i, m] * 60.0)
@@ -175,9 +179,9 @@ def build_workload(
             with_history(
                 ServiceInput(
                     name=name,
-                    weights_bytes=weights,
-                    kv_bytes_per_token=kvb,
-                    latency=lm,
+                    weights_bytes=profile.weights_bytes,
+                    kv_bytes_per_token=profile.kv_bytes_per_token,
+                    profile=profile,
                     mean_prompt_tokens=float(cluster[:, 0].mean()),
                     mean_output_tokens=float(cluster[:, 1].mean()),
                     p99_context_tokens=int(np.percentile(cluster.sum(1), 99)),

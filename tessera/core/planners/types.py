@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tessera.core.profile import StepProfile
+
 Strategy = Literal["seallm", "dedicated"]
 Role = Literal["interactive", "mixed", "batch"]
 ROLES: tuple[Role, ...] = ("interactive", "mixed", "batch")
@@ -48,52 +50,6 @@ class PoolInput:
 
 
 @dataclass(frozen=True, slots=True)
-class LatencyModel:
-    """Iteration-time model of one service's model at its reference TP size ``tp_ref`` (seconds).
-
-    decode ``decode_c0 + decode_c1*B + decode_c2*context``; prefill ``prefill_p0 + prefill_p1*tokens``
-    (the StepProfile shape). At TP ``p`` the compute part is divided by ``(p/tp_ref)**tp_efficiency``
-    and each extra rank adds ``tp_comm_s`` (SeaLLM §9.1's c_tp): larger TP cuts long prefills and can slow
-    short decodes, as in SeaLLM Fig. 3.
-    """
-
-    decode_c0: float
-    decode_c1: float
-    decode_c2: float
-    prefill_p0: float
-    prefill_p1: float
-    tp_ref: int = 1
-    tp_efficiency: float = 0.85
-    tp_comm_s: float = 0.0015
-
-    def _scale(self, tp: int) -> tuple[float, float]:
-        speedup = (tp / self.tp_ref) ** self.tp_efficiency
-        comm = self.tp_comm_s * max(0, tp - self.tp_ref)
-        return speedup, comm
-
-    def decode_step(self, tp: int, batch: int, context_tokens: int) -> float:
-        """One decode iteration of ``batch`` sequences holding ``context_tokens`` at TP ``tp``."""
-        speedup, comm = self._scale(tp)
-        return self.decode_c0 + comm + (self.decode_c1 * batch + self.decode_c2 * context_tokens) / speedup
-
-    def prefill(self, tp: int, tokens: int) -> float:
-        """One prefill iteration over ``tokens`` prompt tokens at TP ``tp``."""
-        speedup, comm = self._scale(tp)
-        return self.prefill_p0 + comm + self.prefill_p1 * tokens / speedup
-
-    def exec_time(self, tp: int, prompt_tokens: int, output_tokens: int) -> float:
-        """Isolated execution time (batch 1, no queueing): prefill plus ``output_tokens - 1`` decodes.
-
-        The decode sum is closed-form (context grows by one token per step), so cost is O(1)."""
-        n = max(0, output_tokens - 1)
-        speedup, comm = self._scale(tp)
-        # sum_{j=1..n} (c0 + comm + (c1 + c2*(in+j))/speedup)
-        ctx_sum = n * prompt_tokens + n * (n + 1) / 2
-        decode = n * (self.decode_c0 + comm) + (self.decode_c1 * n + self.decode_c2 * ctx_sum) / speedup
-        return self.prefill(tp, prompt_tokens) + decode
-
-
-@dataclass(frozen=True, slots=True)
 class HistoryRequest:
     """One request of a service's recent history (placement replays these)."""
 
@@ -109,7 +65,7 @@ class ServiceInput:
     name: str
     weights_bytes: int
     kv_bytes_per_token: int
-    latency: LatencyModel
+    profile: StepProfile  # iteration times at the profile's own TP; at_tp scales them
     tp_min: int = 1  # smallest power-of-two TP the model fits (SeaLLM tp_min)
     request_rate: float = 0.0  # historical λ_s
     mean_prompt_tokens: float = 128.0
@@ -141,8 +97,8 @@ class ServiceInput:
 
     def mean_exec_s(self, tp: int | None = None) -> float:
         """Isolated execution time of a mean-length request at ``tp`` (default: the reference tp_min)."""
-        return self.latency.exec_time(
-            tp or self.tp_min, round(self.mean_prompt_tokens), max(1, round(self.mean_output_tokens))
+        return self.profile.at_tp(tp or self.tp_min).exec_time(
+            round(self.mean_prompt_tokens), max(1, round(self.mean_output_tokens))
         )
 
 
