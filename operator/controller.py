@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
 from tessera.api.serving_pool import SCALING_HISTORY_LENGTH
@@ -26,6 +26,7 @@ from tessera.control.pool_plan import (
     parse_classes,
     pool_ref,
 )
+from tessera.core.chiron import GroupMemory, evaluate_group
 from tessera.core.planners import (
     AutoscalerState,
     GroupPlan,
@@ -34,7 +35,6 @@ from tessera.core.planners import (
     PlacementPlan,
     next_replacement_interval,
 )
-from tessera.core.planners.chiron import chiron_decide
 from tessera.operator import status as st
 from tessera.operator.kube import Kube
 from tessera.operator.reconcile import contains, plan_actions
@@ -67,14 +67,6 @@ class MetricsSource(Protocol):
         ...
 
 
-@dataclass
-class _Scaler:
-    """Autoscaler memory of one group (rebuilt from the scaling history after a restart)."""
-
-    state: AutoscalerState
-    last_eval: float = -math.inf
-
-
 def _state_from_history(history: list[dict[str, Any]], group: str) -> AutoscalerState:
     last_up: dict[str, float] = {}
     last_any: float | None = None
@@ -105,7 +97,7 @@ class Controller:
         self.resync_seconds = resync_seconds
         self.emit = emit
         self.metrics = metrics
-        self._scalers: dict[tuple[str, str, str], _Scaler] = {}
+        self._scalers: dict[tuple[str, str, str], GroupMemory] = {}
         # Digest of the inputs each pool was last planned from: replan only when they change.
         self._fingerprints: dict[tuple[str, str], str] = {}
         self._last_sync: dict[tuple[str, str], float] = {}
@@ -189,42 +181,32 @@ class Controller:
         groups: list[GroupPlan] = []
         entries: list[dict[str, Any]] = []
         interval = pool.spec.autoscaling.interval_seconds
-        # A group without a measurement yet (last_eval -inf) keeps the pool due at every tick.
-        scalers = [
-            self._scalers.setdefault(
-                (namespace, pool.name, g.name), _Scaler(_state_from_history(history, g.name))
-            )
-            for g in decided.plan.groups
-        ]
-        for group in decided.plan.groups:
-            key = (namespace, pool.name, group.name)
-            scaler = self._scalers[key]
-            if now - scaler.last_eval < interval:
+        keys = [(namespace, pool.name, g.name) for g in decided.plan.groups]
+        for key, group in zip(keys, decided.plan.groups, strict=True):
+            memory = self._scalers.setdefault(key, GroupMemory(_state_from_history(history, group.name)))
+            scaling = group_scaling(decided, group)
+            if not memory.due(scaling.settings, now):
                 groups.append(group)
                 continue
-            scaling = group_scaling(decided, group)
             snapshot = self.metrics.snapshot(
                 namespace, pool.name, group, scaling.kinds, scaling.deadlines, now
             )
-            if snapshot is None:
-                groups.append(group)
-                continue
-            scaler.last_eval = now
-            decision = chiron_decide(snapshot, scaler.state, scaling.settings, now)
-            scaler.state = decision.state
-            if decision.changed(group.replicas):
-                reason = "; ".join(decision.reasons) or "autoscaler"
-                entries += st.history_entries(group.name, group.replicas, decision.desired, reason, now)
+            step = evaluate_group(snapshot, memory, scaling.settings, now)
+            self._scalers[key] = step.memory
+            if step.decision is not None and step.changed(group.replicas):
+                desired = step.decision.desired
+                entries += st.history_entries(group.name, group.replicas, desired, step.reason, now)
                 self.emit(
                     body,
                     "Normal",
                     "Scaled",
-                    f"group {group.name}: {group.replicas.short()} -> {decision.desired.short()}: {reason}",
+                    f"group {group.name}: {group.replicas.short()} -> {desired.short()}: {step.reason}",
                 )
-                group = replace(group, replicas=decision.desired)
+                group = replace(group, replicas=desired)
             groups.append(group)
+        # A group without a measurement yet (last_eval -inf) keeps the pool due at every tick.
         self._autoscale_due[(namespace, pool.name)] = min(
-            (s.last_eval + interval for s in scalers), default=math.inf
+            (self._scalers[k].last_eval + interval for k in keys), default=math.inf
         )
         plan = replace(decided.plan, groups=tuple(groups))
         children = decided.children

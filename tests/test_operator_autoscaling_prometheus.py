@@ -30,9 +30,9 @@ from kmock_harness import Harness, emulated_cluster, load_example
 
 from tessera.bench.harness import WorkerChild, stream_one
 from tessera.control.children import CONFIG_KEY
+from tessera.core.chiron import autoscale as autoscale_module
 from tessera.core.planners import MetricsSnapshot, ScalingDecision
 from tessera.core.planners.chiron import chiron_decide
-from tessera.operator import controller as controller_module
 from tessera.operator.prometheus import PrometheusMetrics
 from tessera.worker.engines.vllm_process import free_port
 
@@ -242,7 +242,7 @@ def evaluations(monkeypatch: pytest.MonkeyPatch) -> list[Evaluation]:
         seen.append((now, snapshot, decision))
         return decision
 
-    monkeypatch.setattr(controller_module, "chiron_decide", recording)
+    monkeypatch.setattr(autoscale_module, "chiron_decide", recording)
     return seen
 
 
