@@ -226,12 +226,13 @@ class ChironPolicy(Policy):
     def __len__(self) -> int:
         return len(self.inner)
 
+    def observe(self, view: InstanceView) -> None:
+        """The inner policy takes in the engine's progress (under the local batch size)."""
+        self.inner.observe(replace(view, max_batch=min(view.max_batch, self.batch_size())))
+
     def prepare(self, view: InstanceView) -> Callable[[], None] | None:
         """The inner policy's work ahead of a decision, if it has any."""
-        prepare = getattr(self.inner, "prepare", None)
-        if prepare is None:
-            return None
-        return prepare(replace(view, max_batch=min(view.max_batch, self.batch_size())))
+        return self.inner.prepare(replace(view, max_batch=min(view.max_batch, self.batch_size())))
 
     def waiting_interactive_tokens(self) -> int:
         """Prompt tokens of the interactive requests held here that have not started yet."""
