@@ -1,12 +1,18 @@
 """The policy interface every scheduler implements and every engine drives.
 
-Protocol (the same for the simulator and the real-vLLM worker):
+Protocol (the same for the simulator and the worker; both shells call every hook):
 
 1. The engine calls ``policy.add(req, now)`` when a request reaches the instance
-   and ``policy.remove(req, now)`` when it finishes or is cancelled. Between those
-   the policy owns the request's place in its queue.
+   and ``policy.remove(req, now)`` when it finishes or is cancelled (``req.phase`` tells
+   which: ``FINISHED`` after a completion). Between those the policy owns the request's
+   place in its queue.
 2. At every decision point — an arrival, a completion, an engine-side preemption,
-   or a re-check the policy asked for — the engine calls ``policy.schedule(view)``.
+   or a re-check the policy asked for — the engine builds an ``InstanceView`` and calls
+   ``policy.observe(view)`` then ``policy.schedule(view)`` with it. ``observe`` is the
+   engine's feedback (what vLLM's ``SchedulerInterface.update_from_output`` carries): the
+   running requests' ``generated`` and token times and the engine's ``iteration`` have
+   moved since the previous decision point; a policy that learns from progress (rates,
+   throughput) takes it in there. The default does nothing.
 3. The policy answers with a ``Decision``: ``run`` is the set of requests that
    should be in the batch from now on, highest priority first. The engine keeps
    running requests that are in ``run``, preempts running requests that are not,
@@ -15,19 +21,21 @@ Protocol (the same for the simulator and the real-vLLM worker):
 4. When KV runs out mid-decode, the engine preempts the running request that
    came last in the latest ``run`` (for FCFS: the latest arrival, as vLLM does)
    and asks the policy again.
-
 5. Requests paused with ``preempt_mode="keep"`` hold their KV; when memory runs
    short (admission or decode) the engine drops that KV first (they resume by
-   recompute). ``InstanceView.prefill_budget_tokens`` (additive, optional) tells how
-   many prefill tokens the engine admits per iteration.
-6. Optional, for policies with expensive work (ISRTF's predictor, QLM's MILP):
-   ``prepare(view)`` returns a callable or None. The worker calls ``prepare`` before
-   ``schedule`` and runs the callable on a thread, so its event loop keeps streaming; the
-   callable may only touch the policy's own state and numbers taken in ``prepare``. The
-   simulator never calls it: ``schedule`` does whatever work is still due itself.
+   recompute).
+6. ``prepare(view)`` returns work to run ahead of the next decision, or None (the default).
+   It exists for policies with expensive work (ISRTF's predictor, QLM's MILP): the worker
+   calls it before each decision and runs the callable on a thread, so its event loop keeps
+   streaming; the callable may only touch the policy's own state and numbers taken in
+   ``prepare``. ``schedule`` must still do whatever work is due itself, which is why the
+   simulator, with no stream to keep flowing, skips ``prepare``: a decision is the same
+   with or without it.
 
-Policies never mutate requests' engine state (phase, generated, KV flags); they
-may write ``predicted_remaining`` and ``annotations``.
+``InstanceView`` is filled the same way by both shells (``kv_blocks`` and
+``resident_kv_tokens`` are the KV accounting both use; ``tests/test_conformance.py``
+checks the two views field by field). Policies never mutate requests' engine state
+(phase, generated, KV flags); they may write ``predicted_remaining`` and ``annotations``.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import heapq
 import itertools
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -48,28 +56,47 @@ PreemptMode = Literal["recompute", "swap", "keep"]
 
 @dataclass(frozen=True, slots=True)
 class InstanceView:
-    """What a policy may see of one engine instance at a decision point (read-only)."""
+    """What a policy may see of one engine instance at a decision point (read-only).
+
+    Every field is filled by both shells; where an engine cannot know a value exactly the
+    worker uses the estimate the simulator computes (``resident_kv_tokens``)."""
 
     now: float
     instance: str
     running: Sequence[Request]  # in the batch now, in admission order
     max_batch: int  # the engine's batch-size limit (Chiron's local autoscaler moves it)
-    kv_capacity_tokens: int
-    kv_used_tokens: int
+    kv_capacity_tokens: int  # whole KV blocks only (``kv_capacity_whole_blocks``)
+    kv_used_tokens: int  # KV blocks held by resident requests, in tokens (``resident_kv_tokens``)
     profile: StepProfile
     active_model: str | None = None  # model whose weights are loaded (None: any / single-model)
     iteration: int = 0  # engine iterations so far
-    # Prefill tokens the engine admits in one iteration (vLLM's max_num_batched_tokens; None: unbounded).
-    # Policies may use it, with kv_free_tokens, to avoid proposing admissions that cannot happen now.
+    # Prefill tokens the engine admits in one iteration (vLLM V0's max_num_batched_tokens; None:
+    # unbounded, or chunked prefill). Policies may use it, with kv_free_tokens, to avoid proposing
+    # admissions that cannot happen now.
     prefill_budget_tokens: int | None = None
-    # Host swap space left for preempted KV, in tokens (None: unknown or no limit). Andes prices a
-    # preemption as a swap only while it fits; past that the engine recomputes.
+    # Host swap space left for preempted KV, in tokens (0: the engine cannot swap; None: unknown or
+    # no limit). Andes prices a preemption as a swap only while it fits; past that the engine recomputes.
     swap_free_tokens: int | None = None
 
     @property
     def kv_free_tokens(self) -> int:
         """KV tokens not held by resident requests."""
         return self.kv_capacity_tokens - self.kv_used_tokens
+
+
+def kv_blocks(context_tokens: int, block_size: int) -> int:
+    """KV blocks a resident request with ``context_tokens`` tokens holds: what its next step needs."""
+    return context_tokens // block_size + 1  # == ceil((context + 1) / block)
+
+
+def resident_kv_tokens(resident: Iterable[Request], block_size: int) -> int:
+    """KV tokens held by ``resident`` requests (running, or paused with their KV): whole blocks."""
+    return sum(kv_blocks(r.prompt_tokens + r.generated, block_size) for r in resident) * block_size
+
+
+def kv_capacity_whole_blocks(profile: StepProfile) -> int:
+    """The KV capacity of ``profile`` in whole blocks, in tokens."""
+    return profile.kv_capacity_tokens // profile.block_size * profile.block_size
 
 
 @dataclass(slots=True)
@@ -84,7 +111,8 @@ class Decision:
 
 
 class Policy(ABC):
-    """A scheduling policy: a pure object over its queue and the time passed in."""
+    """A scheduling policy: a pure object over its queue and the time passed in (module docstring:
+    when the shells call each hook)."""
 
     name: ClassVar[str]
     oracle: ClassVar[bool] = False  # reads Request.true_output_tokens: simulation only
@@ -96,6 +124,13 @@ class Policy(ABC):
     @abstractmethod
     def remove(self, req: Request, now: float) -> None:
         """A request left: finished or cancelled."""
+
+    def observe(self, view: InstanceView) -> None:  # noqa: B027 - optional hook
+        """The engine's progress up to this decision point (called just before ``schedule``)."""
+
+    def prepare(self, view: InstanceView) -> Callable[[], None] | None:
+        """Work to run on another thread ahead of the next decision (None: nothing to do)."""
+        return None
 
     @abstractmethod
     def schedule(self, view: InstanceView) -> Decision:
