@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tessera.core.policy import Decision, InstanceView, Policy, PreemptMode
+from tessera.core.policy import kv_blocks as blocks_for
 from tessera.core.profile import StepProfile
 from tessera.core.request import Phase, Request
 from tessera.core.timeline import RunLog
@@ -99,11 +100,6 @@ class _Segment:
     g: float = 0.0  # per-iteration growth of the step time
     decodes: int = 0  # requests decoding in a mixed (chunked) iteration
     chunks: tuple[tuple[Request, int], ...] = ()  # prefill work of the iteration
-
-
-def blocks_for(context: int, block: int) -> int:
-    """Blocks a resident request with ``context`` tokens holds: what its next step needs."""
-    return context // block + 1  # == ceil((context + 1) / block)
 
 
 class Instance:
@@ -283,7 +279,9 @@ class Instance:
             if self.running:
                 raise RuntimeError(f"instance {self.name}: policy holds no request but some are running")
             return
-        if not self._apply(self.policy.schedule(self.view(now)), now):  # else: loading a model
+        view = self.view(now)
+        self.policy.observe(view)
+        if not self._apply(self.policy.schedule(view), now):  # else: loading a model
             self._plan(now)
 
     def _apply(self, d: Decision, now: float) -> bool:
