@@ -57,6 +57,7 @@ class Wave:
     failed: dict[str, int] = field(default_factory=dict)  # reason -> count
     lost: int = 0
     wall_s: float = 0.0
+    streaming: int = 0  # streams that received their first token so far
 
 
 def _parse_levels(text: Any) -> list[int]:
@@ -90,6 +91,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], hea
                     tokens += 1
                     if first is None:
                         first = time.perf_counter()
+                        wave.streaming += 1
     except httpx.HTTPError as exc:
         reason = type(exc).__name__
         wave.failed[reason] = wave.failed.get(reason, 0) + 1
@@ -106,7 +108,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], hea
 async def _wave(urls: list[str], streams: int, model: str, headers: dict[str, str], max_tokens: int,
                 during: Any = None) -> Wave:  # fmt: skip
     """``streams`` concurrent streamed requests spread over ``urls`` in turn; ``during`` (a coroutine
-    function) runs alongside, e.g. to inject a fault."""
+    function of the wave) runs alongside, e.g. to inject a fault."""
     wave = Wave()
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "messages": [{"role": "user",
             "content": "Tell me about the sea."}]}  # fmt: skip
@@ -114,7 +116,7 @@ async def _wave(urls: list[str], streams: int, model: str, headers: dict[str, st
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=30.0), limits=limits) as client:
         start = time.perf_counter()
         tasks = [_stream(client, urls[i % len(urls)], body, headers, wave, start) for i in range(streams)]
-        extra = [during()] if during is not None else []
+        extra = [during(wave)] if during is not None else []
         await asyncio.gather(*tasks, *extra)
         wave.wall_s = time.perf_counter() - start
     return wave
@@ -224,8 +226,10 @@ def _fault_run(supervisor: Supervisor, router_url: str, model: str, headers: dic
                max_tokens: int, streams: int) -> dict[str, Any]:  # fmt: skip
     victim = supervisor.workers[-1]
 
-    async def kill_one() -> None:
-        await asyncio.sleep(0.3)
+    async def kill_one(wave: Wave) -> None:
+        # mid-wave: once a quarter of the streams are receiving tokens (some of them from the victim)
+        while wave.streaming < streams // 4:
+            await asyncio.sleep(0.01)
         assert victim.proc is not None
         victim.proc.kill()
 
