@@ -42,10 +42,11 @@ from typing import Any
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds
 from tessera.core.chiron import ChironLocal, ChironPolicy
-from tessera.core.policy import Decision, InstanceView, Policy
+from tessera.core.policy import Decision, InstanceView, Policy, kv_capacity_whole_blocks, resident_kv_tokens
 from tessera.core.profile import StepProfile
 from tessera.core.qoe import request_qoe
 from tessera.core.request import Phase, Request
+from tessera.core.slo import slo_met
 from tessera.worker.engines.base import Engine, EngineError, EngineJob, EngineUnavailable, TokenDelta
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.swap import ModelSwapper
@@ -297,11 +298,8 @@ class ModelScheduler:
     async def _prepare(self) -> None:
         """Run the policy's expensive work for the coming decision (ISRTF's text predictor, QLM's
         MILP: tens of ms to seconds on a CPU) on a thread, so streams keep flowing meanwhile
-        (Policy protocol item 6). Policies without ``prepare`` skip this."""
-        prepare = getattr(self.policy, "prepare", None)
-        if prepare is None:
-            return
-        work = prepare(self._view(self.clock()))
+        (Policy protocol item 6)."""
+        work = self.policy.prepare(self._view(self.clock()))
         if work is None:
             return
         if self._work_thread is None:
@@ -341,7 +339,9 @@ class ModelScheduler:
             self._expire(now)
         t0 = time.perf_counter()
         try:
-            decision = self.policy.schedule(self._view(now))
+            view = self._view(now)
+            self.policy.observe(view)
+            decision = self.policy.schedule(view)
             self.decision_failures = 0
         except Exception:
             self.decision_failures += 1
@@ -379,17 +379,26 @@ class ModelScheduler:
         )
 
     def _view(self, now: float) -> InstanceView:
-        running = [job.req for job in self.inflight]
+        """The policy's view, every field filled as the simulator fills it. In-flight requests are the
+        resident ones (a preempted stream is aborted: its KV is gone) and their KV is the core's block
+        accounting, as neither engine adapter reports its KV use. Prefill has no per-iteration budget
+        (vLLM V1 chunks prompts; the sim adapter prefills all joining streams in one step) and nothing
+        is swapped out (preemption recomputes). A model that is not swapped is always the loaded one."""
+        running = tuple(job.req for job in self.inflight)
+        model = self.engine.model
+        profile = self.profile
         return InstanceView(
             now=now,
-            instance=self.engine.model,
+            instance=model,
             running=running,
             max_batch=self.max_batch,
-            kv_capacity_tokens=self.profile.kv_capacity_tokens,
-            kv_used_tokens=sum(r.context_tokens for r in running),
-            profile=self.profile,
-            active_model=None if self.swapper is None else self.swapper.active_for(self.engine.model),
+            kv_capacity_tokens=kv_capacity_whole_blocks(profile),
+            kv_used_tokens=resident_kv_tokens(running, profile.block_size),
+            profile=profile,
+            active_model=(None if self.swapper is None else self.swapper.active_for(model)) or model,
             iteration=int(self._iterations),
+            prefill_budget_tokens=None,
+            swap_free_tokens=0,
         )
 
     def _swap_allows(self, decision: Decision) -> bool:
@@ -545,20 +554,9 @@ class ModelScheduler:
             self.metrics.qoe.labels(*labels).observe(request_qoe(req))
         if job.first_prediction is not None and req.first_scheduled_at is not None:
             self.metrics.predictor_error.labels(*labels).observe(abs(job.first_prediction - req.generated))
-        met = self._slo_met(req, now)
-        (self.metrics.slo_met if met else self.metrics.slo_missed).labels(*labels).inc()
-
-    @staticmethod
-    def _slo_met(req: Request, now: float) -> bool:
-        cls = req.service_class
-        if cls.kind == "batch" and cls.deadline_s is not None:
-            return now - req.arrival <= cls.deadline_s
-        first = req.first_token_at
-        if cls.ttft_slo_s is not None and (first is None or first - req.arrival > cls.ttft_slo_s):
-            return False
-        if cls.itl_slo_s is not None and req.generated > 1 and first is not None:
-            return (now - first) / (req.generated - 1) <= cls.itl_slo_s
-        return True
+        met = slo_met(req)
+        if met is not None:  # a class without an SLO counts in neither
+            (self.metrics.slo_met if met else self.metrics.slo_missed).labels(*labels).inc()
 
     # ---------------------------------------------------------------- health
 

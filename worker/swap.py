@@ -9,8 +9,8 @@ model, waits until its in-flight requests have drained (QLM: "drain, then swap")
 and wakes the requested one. Requests are never dropped: waiting ones stay queued across a swap.
 
 Fallback (documented): models whose engine cannot sleep — vLLM 0.32 on CPU has no sleep mode —
-stay resident all the time; for them ``active_model`` is None in the policy's view (single-model
-semantics), admissions are never held and load requests are no-ops. A pod with fewer than two
+stay resident all the time (``active_for`` gives None; the scheduler's view shows their own model,
+as a simulated single-model instance does), admissions are never held and load requests are no-ops. A pod with fewer than two
 sleep-capable models swaps nothing.
 """
 
