@@ -99,6 +99,16 @@ async def test_router_keeps_a_conversation_on_the_instance_holding_its_prefix(tm
         assert served == [served[0]] * 4, served  # every turn went where the conversation's prefix is
         blocks = {r["instance"]: r["cachedPrefixBlocks"] for r in status["instances"]}
         assert blocks[served[0]] > 0 and sum(blocks.values()) == blocks[served[0]]
+        row = next(r for r in status["instances"] if r["instance"] == served[0])
+        assert 0 < row["prefixCachedTokens"] < row["prefixPromptTokens"]  # turns 2-4 hit the cache
+        last = status["recentDecisions"][-1]
+        assert last["chosen"] == served[0] and {c["instance"] for c in last["candidates"]} == set(blocks)
+        assert set(last["candidates"][0]["scores"]) == {
+            "expected-ttft",
+            "role-preference",
+            "outstanding",
+            "name",
+        }
         async with serve_router(supervisor.workers, route="least-wait") as router:
             served = await _conversation(router, 4)
         assert served[1] != served[0]  # the control: blind to the cache, the busier instance is left

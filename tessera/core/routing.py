@@ -251,6 +251,7 @@ class Route:
     filters: tuple[Filter, ...]
     scorers: tuple[Scorer, ...]
     picker: str
+    scorer_names: tuple[str, ...] = ()
     _turn: int = field(default=0)
 
     def candidates(self, req: RouteRequest, loads: Sequence[InstanceLoad]) -> list[InstanceLoad]:
@@ -271,6 +272,14 @@ class Route:
             return chosen
         return min(left, key=lambda x: tuple(score(req, x) for score in self.scorers))
 
+    def explain(self, req: RouteRequest, loads: Sequence[InstanceLoad]) -> list[dict[str, Any]]:
+        """The candidates left after the filters with each scorer's value (lower wins, in order)."""
+        return [
+            {"instance": x.instance,
+             "scores": {n: score(req, x) for n, score in zip(self.scorer_names, self.scorers, strict=True)}}
+            for x in self.candidates(req, loads)
+        ]  # fmt: skip
+
 
 def build_route(name: str, spec: RouteSpec) -> Route:
     """The route ``spec`` describes; ValueError naming the unknown plugin or the bad parameter."""
@@ -289,7 +298,7 @@ def build_route(name: str, spec: RouteSpec) -> Route:
         except ValidationError as exc:
             raise ValueError(f"route {name}: bad settings for scorer {s.name!r}: {exc}") from exc
         scorers.append(factory(settings))
-    return Route(name, tuple(filters), tuple(scorers), spec.picker)
+    return Route(name, tuple(filters), tuple(scorers), spec.picker, tuple(s.name for s in spec.scorers))
 
 
 ROUTES: dict[str, RouteSpec] = {

@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -119,6 +120,7 @@ def class_infos(config: WorkerConfig) -> dict[str, ClassInfo]:
     }
 
 
+RECENT_DECISIONS = 20  # cache-aware decisions /router/status shows with their scores
 PREFIX_BLOCK_CHARS = 64  # characters per block of the router's prefix index (it does not tokenize)
 
 
@@ -138,6 +140,8 @@ class RouterState:
         self.route = make_route(route, **_wait_settings(route, z))
         self.uses_prefix = route in PREFIX_ROUTES
         self.prefixes: dict[str, PrefixIndex] = {}  # model -> which instance holds which prompt blocks
+        self.prefix_tokens: dict[str, list[int]] = {}  # instance -> [prompt tokens sent, of them cached]
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)  # cache-aware decisions
         self.backends: dict[str, Backend] = {}
         self.loads: dict[tuple[str, str], InstanceLoad] = {}
         self.configs: dict[str, WorkerConfig] = {}  # model -> configuration of its first instance
@@ -207,6 +211,13 @@ class RouterState:
                            ttft_slo_s=ttft_slo_s)  # fmt: skip
         chosen = self.route.pick(req, loads)
         index.record(chosen.instance, hashes, req.now)
+        counts = self.prefix_tokens.setdefault(chosen.instance, [0, 0])
+        counts[0] += req.prompt_tokens
+        counts[1] += min(req.prompt_tokens, cached.get(chosen.instance, 0))
+        self.recent.append(
+            {"model": model, "kind": kind, "promptTokens": req.prompt_tokens, "chosen": chosen.instance,
+             "candidates": self.route.explain(req, loads)}
+        )  # fmt: skip
         return chosen
 
     def _prefix_index(self, model: str) -> PrefixIndex:
@@ -245,7 +256,8 @@ class RouterState:
         for config in self.configs.values():
             for name, info in class_infos(config).items():
                 classes.setdefault(name, info.to_json())
-        return {"classHeader": self.class_header, "classes": classes, "instances": self.instance_rows()}
+        return {"classHeader": self.class_header, "classes": classes, "instances": self.instance_rows(),
+                "recentDecisions": list(self.recent)}  # fmt: skip
 
     def instance_rows(self) -> list[dict[str, Any]]:
         """Every instance with its role, health, batch size, outstanding requests and estimated wait."""
@@ -258,6 +270,8 @@ class RouterState:
                 "batchSize": x.batch_size,
                 "outstanding": x.outstanding,
                 "estimatedWaitSeconds": estimated_wait(x, self.stats[x.model], self.z),
+                "prefixPromptTokens": self.prefix_tokens.get(x.instance, [0, 0])[0],
+                "prefixCachedTokens": self.prefix_tokens.get(x.instance, [0, 0])[1],
                 "cachedPrefixBlocks": self.prefixes[x.model].blocks(x.instance)
                 if x.model in self.prefixes
                 else 0,

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
@@ -52,13 +52,31 @@ class _InstanceCollector(Collector):
             "QLM-estimated waiting time of a new request on the instance (what the route compares).",
             labels=labels,
         )
+        blocks = GaugeMetricFamily(
+            "tessera_router_cached_prefix_blocks",
+            "Prompt blocks the router believes the instance holds in its prefix cache (cache-aware routes).",
+            labels=labels,
+        )
+        prompt = CounterMetricFamily(
+            "tessera_router_prefix_prompt_tokens",
+            "Estimated prompt tokens a cache-aware route sent to the instance.",
+            labels=labels,
+        )
+        cached = CounterMetricFamily(
+            "tessera_router_prefix_cached_tokens",
+            "Of those, the tokens the route expected the instance to hold cached (hit estimate).",
+            labels=labels,
+        )
         for row in self.rows():
             key = [row["instance"], row["model"], row["role"]]
             up.add_metric(key, 1.0 if row["healthy"] else 0.0)
             outstanding.add_metric(key, float(row["outstanding"]))
             batch.add_metric(key, float(row["batchSize"]))
             wait.add_metric(key, float(row["estimatedWaitSeconds"]))
-        yield from (up, outstanding, batch, wait)
+            blocks.add_metric(key, float(row["cachedPrefixBlocks"]))
+            prompt.add_metric(key, float(row["prefixPromptTokens"]))
+            cached.add_metric(key, float(row["prefixCachedTokens"]))
+        yield from (up, outstanding, batch, wait, blocks, prompt, cached)
 
 
 class RouterMetrics:
