@@ -114,3 +114,48 @@ async def test_router_keeps_a_conversation_on_the_instance_holding_its_prefix(tm
         assert served[1] != served[0]  # the control: blind to the cache, the busier instance is left
     finally:
         supervisor.stop_all()
+
+
+def test_a_session_sticks_to_its_instance_while_it_has_headroom() -> None:
+    stats = seed_stats()
+    a, b = _load("a"), _load("b")
+    req = RouteRequest("m", "interactive", stats, prompt_tokens=100, cached_tokens={"b": 99}, ttft_slo_s=1.0,
+                       session_instance="a")  # fmt: skip
+    assert make_route("slo-prefix").pick(req, [a, b]).instance == "a"  # sticky beats b's cached prompt
+    a.outstanding_prompt_tokens = 50_000  # a's backlog: 5 s to first token > 1 s SLO
+    assert make_route("slo-prefix").pick(req, [a, b]).instance == "b"
+
+
+@pytest.mark.integration
+async def test_router_keeps_a_users_requests_on_one_instance(tmp_path: Path) -> None:
+    supervisor = start_workers(tmp_path, 2)
+    try:
+        async with serve_router(supervisor.workers, route="slo-prefix") as router:
+            picked: list[str] = []
+            pick = router.state.pick
+
+            def recording_pick(*args: Any) -> InstanceLoad:
+                load = pick(*args)
+                picked.append(load.instance)
+                return load
+
+            router.state.pick = recording_pick  # type: ignore[method-assign]
+            async with httpx.AsyncClient(timeout=30) as client:
+                for n, user in enumerate(["ann", "ann", "ann", "bob"]):
+                    body = {
+                        "model": MODEL,
+                        "max_tokens": 2,
+                        "user": user,
+                        "messages": [{"role": "user", "content": f"unrelated question number {n} " * 5}],
+                    }
+                    resp = await client.post(f"{router.url}/v1/chat/completions", json=body,
+                                             headers={CLASS_HEADER: "chat"})  # fmt: skip
+                    assert resp.status_code == 200, resp.text
+                    if n == 0:  # ann's instance gets busier: only her session keeps her there
+                        next(
+                            x for x in router.state.loads.values() if x.instance == picked[0]
+                        ).outstanding += 1
+        assert picked[:3] == [picked[0]] * 3, picked
+        assert picked[3] != picked[0]  # bob has no session yet: the less busy instance
+    finally:
+        supervisor.stop_all()

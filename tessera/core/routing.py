@@ -26,8 +26,9 @@ The built-in routes:
 - ``prefix``: as ``least-wait``'s candidates, ranked by cached prompt tokens alone (the baseline that
   piles onto hot instances).
 - ``slo-prefix``: the instances where the request's expected time to first token meets its class's
-  TTFT SLO (all when none does), ranked by cached prompt tokens, then expected time to first token:
-  as much cache reuse as the SLO allows.
+  TTFT SLO (all when none does), the session's last instance first (a session sticks while that
+  instance has headroom), then by cached prompt tokens, then expected time to first token, then
+  fewer outstanding requests: as much cache reuse as the SLO allows.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class RouteRequest:
     prompt_tokens: int = 0  # prompt length (an estimate where the caller does not tokenize)
     ttft_slo_s: float | None = None  # the class's TTFT SLO, when it has one
     cached_tokens: Mapping[str, int] = field(default_factory=dict)  # instance -> prompt tokens it holds
+    session_instance: str | None = None  # the instance the request's session used last
 
 
 def seed_stats() -> TokenStats:
@@ -181,6 +183,11 @@ def prefix_affinity(req: RouteRequest, load: InstanceLoad) -> int:
     return -req.cached_tokens.get(load.instance, 0)
 
 
+def session_affinity(req: RouteRequest, load: InstanceLoad) -> int:
+    """The instance the request's session used last first (its context is likely cached there)."""
+    return 0 if req.session_instance is not None and load.instance == req.session_instance else 1
+
+
 def role_preference(req: RouteRequest, load: InstanceLoad) -> int:
     """The class's own role before mixed, before any other."""
     roles = ELIGIBLE_ROLES.get(req.kind, ())
@@ -219,6 +226,7 @@ SCORERS: dict[str, tuple[type[BaseModel], Callable[[Any], Scorer]]] = {
     "estimated-wait": (WaitSettings, wait_scorer),
     "expected-ttft": (WaitSettings, ttft_scorer),
     "prefix-affinity": (NoSettings, _fixed(prefix_affinity)),
+    "session-affinity": (NoSettings, _fixed(session_affinity)),
     "role-preference": (NoSettings, _fixed(role_preference)),
     "outstanding": (NoSettings, _fixed(outstanding)),
     "name": (NoSettings, _fixed(by_name)),
@@ -327,8 +335,10 @@ ROUTES: dict[str, RouteSpec] = {
     "slo-prefix": RouteSpec(
         filters=("serves-model", "healthy", "class-roles", "slo-headroom"),
         scorers=(
+            ScorerSpec(name="session-affinity"),
             ScorerSpec(name="prefix-affinity"),
             ScorerSpec(name="expected-ttft"),
+            ScorerSpec(name="outstanding"),
             ScorerSpec(name="name"),
         ),
     ),

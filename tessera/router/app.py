@@ -26,7 +26,7 @@ import contextlib
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -120,6 +120,8 @@ def class_infos(config: WorkerConfig) -> dict[str, ClassInfo]:
     }
 
 
+SESSION_HEADER = "x-tessera-session"  # a client's session key (else the body's OpenAI "user" field)
+MAX_SESSIONS = 100_000  # sessions remembered for sticky routing, least recently used forgotten first
 RECENT_DECISIONS = 20  # cache-aware decisions /router/status shows with their scores
 PREFIX_BLOCK_CHARS = 64  # characters per block of the router's prefix index (it does not tokenize)
 
@@ -142,6 +144,7 @@ class RouterState:
         self.prefixes: dict[str, PrefixIndex] = {}  # model -> which instance holds which prompt blocks
         self.prefix_tokens: dict[str, list[int]] = {}  # instance -> [prompt tokens sent, of them cached]
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)  # cache-aware decisions
+        self.sessions: OrderedDict[str, str] = OrderedDict()  # session key -> its last instance (LRU)
         self.backends: dict[str, Backend] = {}
         self.loads: dict[tuple[str, str], InstanceLoad] = {}
         self.configs: dict[str, WorkerConfig] = {}  # model -> configuration of its first instance
@@ -195,7 +198,13 @@ class RouterState:
         return name, config.classes[name].kind
 
     def pick(
-        self, model: str, kind: str, exclude: set[str], prompt_text: str = "", ttft_slo_s: float | None = None
+        self,
+        model: str,
+        kind: str,
+        exclude: set[str],
+        prompt_text: str = "",
+        ttft_slo_s: float | None = None,
+        session: str = "",
     ) -> InstanceLoad:
         """The instance for a request (not one of ``exclude``); a cache-aware route also reads which
         instances hold the leading blocks of ``prompt_text`` and records where it sent them."""
@@ -203,14 +212,20 @@ class RouterState:
         if not self.uses_prefix or not prompt_text:
             return self.route.pick(RouteRequest(model, kind, self.stats[model], ttft_slo_s=ttft_slo_s), loads)
         index = self._prefix_index(model)
+        sticky = self.sessions.get(session) if session else None
         hashes = text_block_hashes(prompt_text, PREFIX_BLOCK_CHARS)
         matched = index.matched(hashes, (x.instance for x in loads if x.model == model))
         cached = {name: n * PREFIX_BLOCK_CHARS // CHARS_PER_TOKEN for name, n in matched.items()}
         req = RouteRequest(model, kind, self.stats[model], time.monotonic(),
                            prompt_tokens=len(prompt_text) // CHARS_PER_TOKEN, cached_tokens=cached,
-                           ttft_slo_s=ttft_slo_s)  # fmt: skip
+                           ttft_slo_s=ttft_slo_s, session_instance=sticky)  # fmt: skip
         chosen = self.route.pick(req, loads)
         index.record(chosen.instance, hashes, req.now)
+        if session:
+            self.sessions[session] = chosen.instance
+            self.sessions.move_to_end(session)
+            while len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
         counts = self.prefix_tokens.setdefault(chosen.instance, [0, 0])
         counts[0] += req.prompt_tokens
         counts[1] += min(req.prompt_tokens, cached.get(chosen.instance, 0))
@@ -422,7 +437,9 @@ def create_router_app(
                 caller.check_class(class_name, state.configs[payload.model].class_header)
             headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
             slo = state.configs[payload.model].classes[class_name].slo.ttft_seconds
-            up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text, slo)
+            session = http.headers.get(SESSION_HEADER) or payload.user
+            up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text, slo,
+                          session)  # fmt: skip
             answer = await unless_client_leaves(http, send(state, metrics, upstreams, up))
         except ApiError as exc:
             metrics.answered(model, kind, exc.status, time.perf_counter() - start)

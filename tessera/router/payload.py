@@ -29,6 +29,7 @@ class Payload:
     model: str
     stream: bool
     prompt_text: str = ""  # the prompt as text, for the prefix index ("" when there is none to read)
+    user: str = ""  # OpenAI's end-user id: a session key for sticky routing
 
 
 def _kind(value: Any) -> str:
@@ -58,7 +59,8 @@ def parse_payload(raw: bytes) -> Payload:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, f"the field 'stream' must be true or false, got {_kind(stream)}", param="stream")
-    return Payload(model, bool(stream), prompt_text(body))
+    user = body.get("user")
+    return Payload(model, bool(stream), prompt_text(body), user if isinstance(user, str) else "")
 
 
 def _content_text(content: Any) -> str:

@@ -52,6 +52,7 @@ class Upstream:
     stream: bool
     prompt_text: str = ""
     ttft_slo_s: float | None = None  # the request class's TTFT SLO
+    session: str = ""  # the session key (the session header, else the body's user)
 
     @property
     def prompt_tokens(self) -> int:
@@ -131,7 +132,7 @@ async def send(state: RouterState, metrics: RouterMetrics, clients: UpstreamClie
     broken: str | None = None
     while True:
         try:
-            load = state.pick(up.model, up.kind, tried, up.prompt_text, up.ttft_slo_s)
+            load = state.pick(up.model, up.kind, tried, up.prompt_text, up.ttft_slo_s, up.session)
         except NoInstance as exc:
             if broken is None:
                 raise ApiError(503, f"{exc}; retry when an instance is ready", code="no_instance") from None
