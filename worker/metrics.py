@@ -52,9 +52,12 @@ class WorkerMetrics:
         self.e2e = Histogram(
             "tessera_e2e_seconds", "Arrival to last token.", MC, buckets=_LATENCY_BUCKETS, registry=r
         )
-        self.slo_met = Counter("tessera_slo_met", "Finished requests that met their SLO.", MC, registry=r)
+        # Judged by tessera.core.slo.slo_met: requests of a class without an SLO count in neither.
+        self.slo_met = Counter(
+            "tessera_slo_met", "Finished requests that met their class's SLO.", MC, registry=r
+        )
         self.slo_missed = Counter(
-            "tessera_slo_missed", "Finished requests that missed their SLO.", MC, registry=r
+            "tessera_slo_missed", "Finished requests that missed their class's SLO.", MC, registry=r
         )
         self.qoe = Histogram(
             "tessera_qoe", "Andes QoE of finished requests.", MC, buckets=_QOE_BUCKETS, registry=r
