@@ -396,7 +396,7 @@ class ModelScheduler:
             kv_used_tokens=resident_kv_tokens(running, profile.block_size),
             profile=profile,
             active_model=(None if self.swapper is None else self.swapper.active_for(model)) or model,
-            # Whole iterations: sums of 1/B per token drift below the integer (1/3 thrice in 10.0 + ...).
+            # Whole iterations; the float sum of 1/B per token can land just below an integer.
             iteration=math.floor(self._iterations + 1e-6),
             prefill_budget_tokens=None,
             swap_free_tokens=0,
