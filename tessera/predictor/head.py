@@ -1,7 +1,7 @@
 """ELIS regression head: an MLP from the feature vector to remaining output tokens.
 
-Spec §A.3: 8 FC layers, ReLU, hidden 1024, scalar output, clamped at >= 0 at inference. CHOICE
-here: hidden 512 by default so the shipped artifact stays under 10 MB (8 layers × 1024 would be
+ELIS §4.2: 8 FC layers, ReLU, hidden 1024, scalar output; clamped at >= 0 at inference (our choice).
+CHOICE here: hidden 512 by default so the shipped artifact stays under 10 MB (8 layers × 1024 would be
 ~30 MB); ``hidden``, ``depth`` and ``dropout`` (after each hidden ReLU, training only: without it
 the head memorises AlpacaEval's 805 prompts within one epoch) are settings. Inputs are standardised
 with training statistics kept as buffers; the output is in units of ``target_scale`` tokens for

@@ -1,8 +1,8 @@
 """Training of the length head on frozen-encoder features (CPU).
 
-Optimiser and checkpointing follow elis_andes_spec §A.12 #3 (AdamW, best checkpoint). CHOICES, all
-settings, measured on AlpacaEval (issue-4 report):
-- lr 1e-3 / batch 256 / 6 epochs instead of the spec's 1e-4 / 16 / 16: same samples per epoch, far
+Optimiser and checkpointing: AdamW, best checkpoint (ELIS names neither; docs/papers.md, "ELIS: response
+length predictor"). CHOICES, all settings, measured on AlpacaEval:
+- lr 1e-3 / batch 256 / 6 epochs instead of ELIS' 1e-4 / 16 / 16: same samples per epoch, far
   fewer optimiser steps on 2 shared cores (the default run takes about 4 min here).
 - Huber loss and head dropout 0.3: the head memorises AlpacaEval's 805 prompts within one epoch
   (each appears 51 times × every step); MSE on raw tokens chases the few 3000+-token loops.
@@ -14,13 +14,13 @@ settings, measured on AlpacaEval (issue-4 report):
   both; at step 0 τ 0.222 vs 0.325 (the transformer reads the prompt better). ISRTF in
   ``tessera bench elis``, mean of seeds 0-2: 24.0/22.7/16.7% below FCFS at batch 1/2/4 vs
   23.9/20.8/15.7%. A batch of 16 costs ~10 ms instead of ~120 ms (window) and ~300 ms (prompts).
-Cleaning (PAPER §4.2, spec §A.3 step 4): training rows whose response length lies outside 1.5 IQR
+Cleaning (ELIS §4.2): training rows whose response length lies outside 1.5 IQR
 of the log lengths are dropped (``clean_outliers``); dev and validation keep every row. The
 shipped head is these defaults.
 
 Why the accuracy stays low on AlpacaEval: 51 models of very different verbosity answer each
 prompt and the model is not an input. On the held-out prompts, even oracle information does not
-reach the issue's R² 0.5: the mean length of the other 50 models' answers to the same prompt,
+reach the predictor's target of R² 0.5 on held-out prompts: the mean length of the other 50 models' answers to the same prompt,
 conditioned on the tokens already generated, gives R² 0.14 and τ 0.41; scaled by the answering
 model's mean verbosity, R² 0.18 and τ 0.52.
 """
