@@ -2,9 +2,10 @@
 
 Input: JSONL (optionally gzipped), one object per line with string ``prompt`` and ``response``;
 optional ``prompt_id`` (the split key; default: sha1 of the prompt), ``source`` and ``model``.
-Step augmentation (ELIS §4.2; docs/papers.md, "ELIS: response length predictor"): for a response of L tokens and window K, steps
-k = 0..⌊(L−1)/K⌋; the input is the prompt plus the first K·k response tokens and the target is the
-remaining L − K·k tokens. Responses of 0 tokens give no step (nothing remains to predict).
+Step augmentation (ELIS §4.2; docs/papers.md, "ELIS: response length predictor"): for a response
+of L tokens and window K, steps k = 0..⌊(L−1)/K⌋; the input is the prompt plus the first K·k
+response tokens and the target is the remaining L − K·k tokens. Responses of 0 tokens give no step
+(nothing remains to predict).
 """
 
 from __future__ import annotations

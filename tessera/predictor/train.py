@@ -20,9 +20,9 @@ shipped head is these defaults.
 
 Why the accuracy stays low on AlpacaEval: 51 models of very different verbosity answer each
 prompt and the model is not an input. On the held-out prompts, even oracle information does not
-reach the predictor's target of R² 0.5 on held-out prompts: the mean length of the other 50 models' answers to the same prompt,
-conditioned on the tokens already generated, gives R² 0.14 and τ 0.41; scaled by the answering
-model's mean verbosity, R² 0.18 and τ 0.52.
+reach the predictor's target (R² 0.5 on held-out prompts): the mean length of the other 50 models'
+answers to the same prompt, conditioned on the tokens already generated, gives R² 0.14 and τ 0.41;
+scaled by the answering model's mean verbosity, R² 0.18 and τ 0.52.
 """
 
 from __future__ import annotations
