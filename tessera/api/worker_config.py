@@ -23,15 +23,14 @@ Example (YAML)::
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tessera.api.base import ApiModel
+from tessera.api.files import read_json_or_yaml
 from tessera.api.request_class import DEFAULT_CLASS_HEADER, RequestClassSpec
 from tessera.core.profile import StepProfile
 
@@ -282,12 +281,5 @@ def parse_config(data: Any, where: str = "configuration") -> WorkerConfig:
 def load_config(path: Path | str) -> WorkerConfig:
     """Read a JSON or YAML configuration file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read worker configuration {path}: {exc.strerror}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"worker configuration {path} is not valid JSON/YAML: {exc}") from None
+    data = read_json_or_yaml(path, "worker configuration", ConfigError)
     return parse_config(data, where=f"configuration {path}")

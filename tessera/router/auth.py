@@ -17,17 +17,16 @@ Secret), and a file that became invalid keeps the previous keys (logged).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from pydantic import Field, ValidationError
 
 from tessera.api.base import ApiModel
+from tessera.api.files import read_json_or_yaml
 from tessera.api.openai_errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -116,13 +115,9 @@ class ApiKeys:
     def _read(self) -> tuple[tuple[int, int], dict[bytes, ApiKey]]:
         try:
             stat = os.stat(self.path)
-            text = self.path.read_text()
         except OSError as exc:
             raise ApiKeysError(f"cannot read API keys file {self.path}: {exc.strerror}") from None
-        try:
-            data = json.loads(text) if self.path.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
-            raise ApiKeysError(f"API keys file {self.path} is not valid JSON/YAML: {exc}") from None
+        data = read_json_or_yaml(self.path, "API keys file", ApiKeysError)
         return (stat.st_mtime_ns, stat.st_size), parse_api_keys(data, f"API keys file {self.path}")
 
     def reload(self) -> None:

@@ -13,14 +13,13 @@ step-time profiles from the same source as the worker. A backends file is JSON o
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError
 
 from tessera.api.base import ApiModel
+from tessera.api.files import read_json_or_yaml
 from tessera.api.worker_config import WorkerConfig
 
 
@@ -60,12 +59,5 @@ def parse_backends(data: Any, where: str = "backends") -> list[Backend]:
 def load_backends(path: Path | str) -> list[Backend]:
     """Read a backends file (JSON or YAML)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise BackendsError(f"cannot read backends file {path}: {exc.strerror}") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise BackendsError(f"backends file {path} is not valid JSON/YAML: {exc}") from None
+    data = read_json_or_yaml(path, "backends file", BackendsError)
     return parse_backends(data, where=f"backends file {path}")
