@@ -1,8 +1,8 @@
 """The engine-agnostic scheduling core.
 
 Policies are pure objects over queue state and a time passed in; engines (the
-simulator, the real-vLLM adapter) apply their decisions. See DESIGN.md, "The
-keystone".
+simulator, the real-vLLM adapter) apply their decisions. See docs/architecture.md,
+"The rule".
 """
 
 from tessera.core.policy import Decision, InstanceView, Policy

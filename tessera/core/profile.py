@@ -2,7 +2,7 @@
 
 Used by the simulator to advance time and by policies that estimate service
 (Andes' TGL(B), QLM's waiting-time estimator). Decode step time follows the
-linear model of the specs (elis_andes_spec §0.3, qlm_chiron_spec part C):
+linear model of docs/papers.md, "Engine: step-time model":
 ``c0 + c1*B + c2*context_tokens``; prefill ``p0 + p1*tokens``.
 
 A profile is measured at ``gpus`` GPUs (its tensor-parallel degree). ``at_tp(p)`` gives the same

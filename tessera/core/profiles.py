@@ -1,13 +1,13 @@
 """Named step-time profiles (hardware × model) and fitting a profile from measurements.
 
 Decode ``c0 + c1·B + c2·S`` and prefill ``p0 + p1·tokens`` (seconds), as in
-``tessera.core.profile.StepProfile``. A100 numbers are the table of
-qlm_chiron_spec.md part C (first-order roofline estimates derived there from
+``tessera.core.profile.StepProfile``. A100 numbers are the table in
+docs/papers.md, "Engine: step-time model" (first-order roofline estimates from
 A100 80 GB: 2.0 TB/s HBM, 312 TFLOPS fp16). H100 numbers are DERIVED from the
 A100 rows: decode is memory-bound, so ``c0, c1, c2`` scale by the HBM bandwidth
 ratio 2.0/3.35 (H100 SXM datasheet: 3.35 TB/s); prefill is compute-bound, so
 ``p0, p1`` scale by the dense fp16 tensor-FLOPs ratio 312/989 (H100 SXM
-datasheet: 989 TFLOPS). KV capacity follows part C's formula
+datasheet: 989 TFLOPS). KV capacity follows that section's formula
 ``floor((mem·TP·0.90 − weights − act_reserve) / kv_bytes_per_token)`` with
 ``act_reserve`` = 1 GB per GPU (CHOICE).
 """
@@ -22,9 +22,9 @@ import numpy as np
 
 from tessera.core.profile import StepProfile
 
-_A100 = "qlm_chiron_spec.md part C table (A100 80GB roofline: 2.0 TB/s, 312 TFLOPS fp16); c1 = 0.02 ms"
+_A100 = "docs/papers.md step-time table (A100 80GB roofline: 2.0 TB/s, 312 TFLOPS fp16); c1 = 0.02 ms"
 _H100 = (
-    "DERIVED from the A100 row of qlm_chiron_spec.md part C: decode × 2.0/3.35 (HBM bandwidth, "
+    "DERIVED from the A100 row of the docs/papers.md step-time table: decode × 2.0/3.35 (HBM bandwidth, "
     "NVIDIA H100 SXM datasheet 3.35 TB/s), prefill × 312/989 (dense fp16 TFLOPS, same datasheet)"
 )
 _DECODE_SCALE_H100 = 2.0 / 3.35
@@ -34,7 +34,7 @@ _PREFILL_SCALE_H100 = 312 / 989
 def kv_tokens(
     mem_gb: float, tp: int, weights_gb: float, kv_bytes_per_token: int, reserve_gb: float = 1.0
 ) -> int:
-    """KV tokens of one instance (qlm_chiron_spec part C): 90% of memory less weights and activations."""
+    """KV tokens of one instance (docs/papers.md step-time model): 90% of memory less weights, activations."""
     free = (mem_gb * tp * 0.90 - weights_gb - reserve_gb * tp) * 1e9
     return int(free // kv_bytes_per_token)
 
@@ -172,7 +172,7 @@ def fit_profile(m: Measurements, name: str, **fixed: object) -> StepProfile:
     lone prompts) ``p0 + p1·tokens``; ``request_overhead_s`` is the median of the overhead samples
     (0 without any). Treating a client's TTFT intercept as prefill work, as an earlier version
     did, charged ~60 ms of HTTP/API path to every lone prefill step and none to requests whose
-    prompts rode in mixed iterations (issue 3).
+    prompts rode in mixed iterations.
 
     ``fixed`` sets the remaining StepProfile fields (kv_capacity_tokens is required).
     """

@@ -1,4 +1,4 @@
-"""Andes' token-streaming QoE (elis_andes_spec §B.3; Andes paper §3.1, Eq. 1-3).
+"""Andes' token-streaming QoE (Andes §3.1, Eq. 1-3; docs/papers.md, "Andes: QoE").
 
 A user reads token i no earlier than it is delivered (``D_i``) and no faster than
 the reading speed ``r``, so delays cascade (pacer semantics):
@@ -12,9 +12,9 @@ the reading speed ``r``, so delays cascade (pacer semantics):
 The recursion has a closed form used throughout: ``A_i = (i-1)/r + max_{j<=i}(D_j - (j-1)/r)``,
 so ``d_i = cummax_j(D_j - (j-1)/r) - (arrival + T*)`` is non-decreasing in i.
 
-Also here: the any-time QoE at a horizon ``tau`` (spec §B.3) and the QoE gain
+Also here: the any-time QoE at a horizon ``tau`` (our choice, docs/papers.md) and the QoE gain
 ``Q_serve - Q_wait`` of serving a request for the next ``horizon`` seconds at one
-token every ``g`` seconds (spec §B.5), in closed form and vectorised over requests.
+token every ``g`` seconds (Andes §4.1, Eq. 5), in closed form and vectorised over requests.
 Pure functions: time always comes in as an argument.
 """
 
@@ -31,7 +31,7 @@ from tessera.core.timeline import TokenTimeline
 # Andes assumes this prefill throughput when it sets T* = max(P / 5000, 1) s (paper §6.1).
 PREFILL_TOKENS_PER_S = 5000.0
 MIN_TTFT_TARGET_S = 1.0
-# S_delay at or below this counts as no delay (spec §B.3: epsilon = 1e-9 s).
+# S_delay at or below this counts as no delay (QoE is 1 when there is none).
 DELAY_EPS_S = 1e-9
 
 
@@ -111,8 +111,8 @@ def request_qoe(req: Request) -> float:
 def horizon_qoe_from_delivery(
     delivery: np.ndarray, params: QoEParams, tau: float, final_tokens: int | None = None
 ) -> float:
-    """Any-time QoE at ``tau`` (spec §B.3): tokens ideally due by ``tau`` count, undelivered ones
-    as consumed at +inf; ``final_tokens`` caps the due count for a finished request. Equals
+    """Any-time QoE at ``tau`` (docs/papers.md, "Andes: QoE"): tokens ideally due by ``tau`` count,
+    undelivered ones as consumed at +inf; ``final_tokens`` caps the due count for a finished request. Equals
     Eq. 3 at ``tau = A_n`` of a finished request."""
     m = ideally_due(params, tau)
     if final_tokens is not None:
@@ -205,7 +205,8 @@ def gains(
     remaining: np.ndarray | float = np.inf,
 ) -> np.ndarray:
     """QoE gain ``Q_serve(tau) - Q_wait(tau)``, ``tau = now + horizon``, of serving each request
-    (spec §B.5 ``gain``), in closed form and broadcast over arrays.
+    (Andes §4.1: the gain of Eq. 5, computed exactly on the any-time QoE), in closed form and
+    broadcast over arrays.
 
     Serving generates token ``n+k`` at ``D_k = now + start_delay + k*step_s``. With
     ``C_k`` its consumption time and ``I_k`` its ideal time, the avoided delay area is

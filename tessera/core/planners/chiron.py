@@ -1,12 +1,14 @@
-"""Chiron's global autoscaler (qlm_chiron_spec B5): interactive, mixed and batch instance counts.
+"""Chiron's global autoscaler (Chiron §5): interactive, mixed and batch instance counts.
 
-- Interactive (B5.1): IBP = instances with interactive work / (interactive + mixed, pending included).
+See docs/papers.md, "Chiron: global autoscaler, interactive" and "..., batch".
+
+- Interactive (§5.2): IBP = instances with interactive work / (interactive + mixed, pending included).
   Above Θ_op + δ_op: grow to N_IM* = ceil(U/Θ_op) at once, split into N_I* = ceil(Θ_op·N_IM*) interactive
   and the rest mixed (the over-provisioned spare). Below Θ_op − δ_op for ``scale_down_evaluations``
   consecutive evaluations and past the scale-down cooldown: shrink to N_IM*, mixed first.
-- Batch (B5.2, corrected Alg. 2): the fewest extra batch instances k with BBP(k) = 0, where BBP counts
-  deadline groups whose QLM-style waiting estimate exceeds their slack. Batch instances retire all
-  together once no batch request is queued or running.
+- Batch (§5.3, Alg. 2 corrected as docs/papers.md says): the fewest extra batch instances k with
+  BBP(k) = 0, where BBP counts deadline groups whose QLM-style waiting estimate exceeds their slack.
+  Batch instances retire all together once no batch request is queued or running.
 
 Pure: the caller passes a metrics snapshot, the previous state and the time; it gets desired counts,
 reasons and the next state.
@@ -28,7 +30,7 @@ from tessera.core.planners.types import (
 
 
 def interactive_targets(busy: int, settings: ChironSettings) -> tuple[int, int]:
-    """(N_I*, N_M*) for ``busy`` instances with interactive work (B5.1 concrete rule)."""
+    """(N_I*, N_M*) for ``busy`` instances with interactive work (our concrete rule for §5.2)."""
     theta = settings.over_provisioning
     n_im = max(settings.min_interactive, math.ceil(busy / theta - 1e-9))
     n_i = max(settings.min_interactive, math.ceil(theta * n_im - 1e-9))
@@ -84,10 +86,10 @@ def _batch_instances_needed(
 ) -> tuple[int, int, int]:
     """(k, BBP(0), BBP(k)): the fewest extra batch instances (≤ free) reaching the least achievable BBP.
 
-    The spec's loop adds instances while BBP(k) > 0; a group whose slack is shorter than the load time can
+    Alg. 2 adds instances while BBP(k) > 0; a group whose slack is shorter than the load time can
     never be saved, and the literal loop would then launch every free slot for nothing. BBP(k) does not
     grow with k, so we binary-search the smallest k with BBP(k) = BBP(free) (which is 0 whenever 0 is
-    reachable: the spec's answer)."""
+    reachable: Alg. 2's answer)."""
     mean = snapshot.mean_output_tokens or 0.0
     std = snapshot.std_output_tokens or 0.0
     pending_batch = snapshot.pending.batch
@@ -141,7 +143,7 @@ def chiron_decide(
             measured if state.instance_tokens_per_s is None else a * measured + (1 - a) * per_instance
         )
 
-    # --- interactive and mixed (B5.1) ---
+    # --- interactive and mixed (Chiron §5.2) ---
     im_now = current.interactive + current.mixed
     busy = snapshot.instances_with_interactive + (1 if snapshot.interactive_queued > 0 else 0)
     ibp = busy / im_now if im_now else (math.inf if busy else 0.0)
@@ -183,7 +185,7 @@ def chiron_decide(
                 f"({now - last_scaling:.0f}s of {settings.scale_down_cooldown_s:.0f}s)"
             )
         elif target_total < im_now:
-            # Drain mixed first (spec B5.1), then interactive, never below the targets.
+            # Drain mixed first (the over-provisioned spare), then interactive, never below the targets.
             mixed = max(n_m, mixed - (im_now - target_total))
             interactive = max(n_i, target_total - mixed)
             low = 0
@@ -193,7 +195,7 @@ def chiron_decide(
     else:
         low = 0
 
-    # --- batch (B5.2) ---
+    # --- batch (Chiron §5.3) ---
     batch = current.batch
     queued = sum(g.count for g in snapshot.batch_queue)
     free = settings.max_instances - (interactive + mixed + batch)

@@ -10,7 +10,7 @@ from tessera.core.planners.types import GroupPlan, PlacementPlan
 
 @dataclass(frozen=True, slots=True)
 class IntervalSettings:
-    """Eq. 8's parameters. Defaults: β = 0.1 (paper), I_0 = 5 min, bounds [1, 30] min (spec §7 CHOICE)."""
+    """Eq. 8's parameters. Defaults: β = 0.1 (paper), I_0 = 5 min, bounds [1, 30] min (CHOICE)."""
 
     initial_s: float = 300.0
     min_s: float = 60.0
@@ -42,7 +42,7 @@ def _rel_err(real: float, est: float) -> float:
 
 
 def prediction_error(estimated: IntervalMetrics, measured: IntervalMetrics) -> float:
-    """Eq. 8's |M_real − M_est| / M_est for the two metrics the paper names, combined by max (spec §12-14)."""
+    """Eq. 8's |M_real − M_est| / M_est for the two metrics the paper names, combined by max (CHOICE)."""
     return max(
         _rel_err(measured.slo_attainment, estimated.slo_attainment),
         _rel_err(measured.norm_latency, estimated.norm_latency),

@@ -1,4 +1,4 @@
-"""Utilization-threshold autoscaler: the Llumnix / KPA-style baseline of Chiron's evaluation (spec B7).
+"""Utilization-threshold autoscaler: the Llumnix / KPA-style baseline of Chiron's evaluation (Chiron §6).
 
 Every ``interval_s`` it compares the mean KV-token utilization of the ready instances with a band and
 adds or removes one instance. No notion of SLOs, request classes or queues.
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class ThresholdSettings:
-    """Defaults from spec B7: Llumnix SCALING_INTERVAL = 10 s, U_hi = 0.8, U_lo = 0.4."""
+    """Defaults of Chiron's Llumnix baseline: Llumnix SCALING_INTERVAL = 10 s, U_hi = 0.8, U_lo = 0.4."""
 
     interval_s: float = 10.0
     high: float = 0.8

@@ -25,11 +25,11 @@ class PoolInput:
     gpu_type: str
     gpu_memory_bytes: int
     max_gpus: int  # the pool's GPU budget (instances.max x gpus per instance)
-    gpus_per_node: int = 8  # TP never crosses a node (SeaLLM §6.1)
+    gpus_per_node: int = 8  # TP never crosses a node (SeaLLM §4.1)
     max_services_per_group: int = 2  # SeaLLM K_max
     min_gpus_per_instance: int = 1  # the pool's gpu.perInstance: smallest group size
     memory_fraction: float = 0.9  # SeaLLM γ: usable share of GPU memory
-    activation_bytes_per_gpu: int = 4 * 2**30  # SeaLLM §12-19: activation reserve, max over co-located models
+    activation_bytes_per_gpu: int = 4 * 2**30  # activation reserve: max, not sum, over co-located models
 
     def __post_init__(self) -> None:
         if self.max_gpus < 1:
@@ -71,7 +71,7 @@ class ServiceInput:
     mean_prompt_tokens: float = 128.0
     mean_output_tokens: float = 256.0
     p99_context_tokens: int = 4096  # for KV_min: one request of P99 length
-    slo_scale: float = 5.0  # SLO_r = slo_scale x exec_ref(r) (SeaLLM §9.4)
+    slo_scale: float = 5.0  # SLO_r = slo_scale x exec_ref(r) (SeaLLM §6.1)
     history: tuple[HistoryRequest, ...] = ()
     min_replicas: int = 1
     max_replicas: int | None = None  # most instances hosting the service (LLMService replicas.max)
@@ -206,7 +206,7 @@ class MetricsSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class ChironSettings:
-    """Chiron global autoscaler settings (spec B5; names the CHOICEs, defaults are the spec's)."""
+    """Chiron global autoscaler settings (docs/papers.md, "Chiron: global autoscaler": our choices)."""
 
     over_provisioning: float = 1 / 3  # Θ_op
     band: float = 0.05  # δ_op

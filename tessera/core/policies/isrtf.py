@@ -1,4 +1,4 @@
-"""ELIS iterative shortest-remaining-time-first (elis_andes_spec §A.4).
+"""ELIS iterative shortest-remaining-time-first (ELIS Alg. 1, §4.1; docs/papers.md, "ELIS: ISRTF scheduler").
 
 Priority = predicted remaining output tokens ŷ, smallest first, ties by earlier arrival. A request is
 predicted once on arrival (prompt only, ``Predictor.init``) and again each time it has generated
@@ -8,13 +8,13 @@ prediction. Every prediction due at a decision is made in one batched ``predict_
 Preemption happens at window boundaries only (ELIS: "a window is never interrupted"): a decision at
 which some running request reached its boundary re-ranks running and queued requests together and
 the top ``max_batch`` run; any other decision (an arrival, a completion) only fills free slots
-(spec §A.4 #7, ``join_midwindow``). With batch size 1 this is exactly ELIS' window loop; with larger
+(CHOICE, ``join_midwindow``). With batch size 1 this is exactly ELIS' window loop; with larger
 batches each request's window counts from its own last prediction (CHOICE: the engine re-checks when
 the first running request reaches its boundary, instead of ELIS' batch-synchronous windows).
 
-Aging guard (spec §A.4 #8a, off by default): the key becomes ŷ − ``aging_tokens_per_s`` · age, where
-age = now − arrival. Subtracting the common ``now`` leaves ŷ + a·arrival, so keys stay fixed while a
-request waits and the heap order stays valid.
+Aging guard (CHOICE, off by default; ELIS §3.4 mentions starvation control without details): the
+key becomes ŷ − ``aging_tokens_per_s`` · age, where age = now − arrival. Subtracting the common
+``now`` leaves ŷ + a·arrival, so keys stay fixed while a request waits and the heap order stays valid.
 
 Predicting off the caller's thread (the worker): ``prepare(view)`` returns the batched prediction of
 what the next decision would predict (``predictions_due``) as work for another thread, so the worker's
@@ -28,8 +28,9 @@ A predictor that cannot predict some requests (the text predictor without a prom
 stops the policy: the batch is retried one request at a time and the requests it still fails get
 the running-mean prediction of their class (``fallback_predictions`` counts them).
 
-Displaced requests keep their KV while memory allows (spec §A.4 #6, ``preempt_mode="keep"``; the
-engine recompute-evicts under pressure); ``"recompute"`` is the spec's ``recompute_always``.
+Displaced requests keep their KV while memory allows (CHOICE, ELIS is silent;
+``preempt_mode="keep"``; the engine recompute-evicts under pressure); ``"recompute"`` re-prefills
+every displaced request.
 """
 
 from __future__ import annotations

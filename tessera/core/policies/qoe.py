@@ -1,4 +1,4 @@
-"""Andes: QoE-aware, token-level preemptive scheduling (elis_andes_spec §B.5-B.7; paper §4).
+"""Andes: QoE-aware, token-level preemptive scheduling (Andes §4; docs/papers.md, "Andes").
 
 At each scheduling quantum (every ``quantum_iterations`` decode iterations) the
 policy checks its trigger: KV use above ``kv_watermark`` (memory-bound) or the
@@ -18,7 +18,7 @@ Triggered it
    requests that make room, and kept only while the admitted gain exceeds the QoE
    the stall costs the requests that keep running.
 
-Every CHOICE of the spec is a constructor setting with the spec's default.
+Every choice where the paper is silent is a constructor setting (docs/papers.md names the defaults).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ UntriggeredOrder = Literal["fcfs", "priority"]
 TriggerLatency = Literal["observed", "profile"]
 PreemptionCap = Literal["none", "refcode"]
 
-# REF-CODE's flat preemption overhead per context token (elis_andes_spec §0.3, §B.7): 3/90000 s.
+# Andes' reference code's flat preemption overhead per context token: 3/90000 s.
 REFCODE_UNIT_OVERHEAD_S = 3.0 / 90000.0
 
-TIE_EPS = 1e-9  # objectives this close count as equal (spec §B.6)
+TIE_EPS = 1e-9  # objectives this close count as equal (CHOICE)
 
 
 # ---- packing (pure array functions) -------------------------------------------------------------
@@ -281,39 +281,39 @@ class AndesQoE(Policy):
         observe_window_s: float = 2.0,
         preemption_cap: PreemptionCap = "refcode",
     ) -> None:
-        """Settings (spec CHOICEs, defaults as the spec proposes):
+        """Settings (our choices where Andes is silent; docs/papers.md, "Andes"):
 
-        - ``horizon_s``: Δt of the gain estimate (§B.5; 10 s).
-        - ``kv_watermark``: memory-bound trigger, fraction of KV in use (§B.6; 0.9).
-        - ``quantum_iterations``: decode iterations between decisions (§B.12 #4; 10).
+        - ``horizon_s``: Δt of the gain estimate (§4.1 gives none; 10 s).
+        - ``kv_watermark``: memory-bound trigger, fraction of KV in use (§4.2's example; 0.9).
+        - ``quantum_iterations``: decode iterations between decisions (as the reference code; 10).
         - ``solver``: ``greedy`` (Alg. 1), ``lqsf`` (priority = gain, the LQSF baseline), ``dp`` (exact).
-        - ``refiner``: apply the overhead-aware refiner (§B.7); ``refiner_cumulative`` charges each
+        - ``refiner``: apply the overhead-aware refiner (§4.3); ``refiner_cumulative`` charges each
           admission the loss on top of the overhead already accepted; ``refiner_count_victim_gain``
-          also subtracts the victims' gains. ``refiner_waste_loss`` (correction of the spec, on by
+          also subtracts the victims' gains. ``refiner_waste_loss`` (a correction, on by
           default) also charges each admission the QoE the *waiting* requests lose because its
           preemptions add engine work (the victims' re-prefill, or their KV swapped out and in)
           that delays everyone queued: the paper sums the loss over all ongoing requests, which
-          it defines as waiting and running (§4.1, §4.3); the spec's formalisation (§B.7) keeps
+          it defines as waiting and running (§4.1, §4.3); a formalisation over running requests keeps
           only the running ones, so a stall looked free whenever they all had buffers.
         - ``gain_includes_prefill``: delay a non-resident request's first new token by its restart cost.
-        - ``preemption``: ``fastest`` of recompute and swap by profile (§B.12 #16), or one of them.
+        - ``preemption``: ``fastest`` of recompute and swap by profile (§4.3), or one of them.
           Swap is priced only while the instance's free swap space holds the victim; past that the
           engine recomputes, and so does the price (no stall now, a prefill on resume).
         - ``kv_units``: the knapsack weight ``l_i``: ``tokens`` ``P + n + 1``, or ``blocks`` (whole KV
-          blocks, REF-CODE). Default ``blocks``: the spec requires l to match M, and the engines
+          blocks, as the reference code). Default ``blocks``: l must match M, and the engines
           account KV (and so M) in whole blocks.
         - ``kv_reserve``: fraction of KV left out of M, vLLM's 1% admission watermark.
         - ``batch_grid_span``/``batch_grid_points``: above this B range, search a geometric grid.
-        - ``untriggered_order``: ``fcfs`` (spec) or ``priority`` (REF-CODE: waiting by q/l).
-        - ``trigger_needs_waiting``: trigger only with someone waiting (§B.6 CHOICE).
+        - ``untriggered_order``: ``fcfs`` (the paper) or ``priority`` (the reference code: waiting by q/l).
+        - ``trigger_needs_waiting``: trigger only with someone waiting (CHOICE).
         - ``trigger_latency``: what the compute-bound trigger compares with ``1/max r``: ``observed``
           (paper §4.2: Andes "monitors token generation latency": the time per token the running
           requests actually got over the last ``observe_window_s``, prefill stalls included) or
-          ``profile`` (the spec's ``TGL(B_cur)`` from the step profile, which misses stalls).
+          ``profile`` (``TGL(B_cur)`` from the step profile, which misses stalls).
         - ``preemption_cap``: ``refcode`` caps the preemptions of one decision at
-          ``floor(slack_p10 / (3/90000 s · mean context))`` (§B.7 REF-CODE frequency control; none
+          ``floor(slack_p10 / (3/90000 s · mean context))`` (the reference code's frequency control; none
           when the 10th-percentile slack ``T* + n/r - (t - arrival)`` is below one preemption's
-          overhead), or ``none`` (the spec's default). Default ``refcode``, against the spec. The
+          overhead), or ``none`` (the paper has no cap). Default ``refcode``. The
           waste charge (``refiner_waste_loss``) cuts the thrash without a cap (bursty, seed 0, rate
           2.125: 1,805 preemptions and avg QoE 0.645 before it, 727 and 0.707 with it) but does not
           end it: gains assume tokens every ``TGL(B)``, while in a surge this engine spends ~90% of
@@ -484,7 +484,7 @@ class AndesQoE(Policy):
     def _batch_sizes(
         self, view: InstanceView, st: _Ongoing, memory: float, mean_context: float
     ) -> np.ndarray:
-        """Candidate B in [B_min, B_max] (§B.6 pruning)."""
+        """Candidate B in [B_min, B_max] (§4.2 pruning)."""
         fit = int(np.searchsorted(np.cumsum(np.sort(st.weight)), memory, side="right"))
         b_max = max(1, min(fit, view.max_batch))
         slope = view.profile.decode_c1 + view.profile.decode_c2 * mean_context
@@ -510,7 +510,7 @@ class AndesQoE(Policy):
         row, chosen = self._pack(q, priority, st, memory, sizes)
         batch, g = int(sizes[row]), float(step[row])
         running_idx = np.flatnonzero(st.running)
-        if admit_only:  # REF-CODE untriggered variant: fill free slots by priority, preempt nobody
+        if admit_only:  # reference code's untriggered variant: fill free slots by priority, preempt nobody
             order = [i for i in np.argsort(-priority[row], kind="stable") if not st.running[i]]
             slots = max(0, view.max_batch - running_idx.size)
             run = [reqs[st.rows[i]] for i in (*running_idx, *order[:slots])]
@@ -582,7 +582,7 @@ class AndesQoE(Policy):
         g: float,
         mode: PreemptMode,
     ) -> tuple[list[int], list[int]]:
-        """Overhead-aware refiner (§B.7): keep admissions while their gain beats the stall's loss.
+        """Overhead-aware refiner (§4.3): keep admissions while their gain beats the stall's loss.
 
         "Making room" covers both KV and the chosen batch size B* (the greedy solution fits
         both); the paper names only memory, but without the slot condition a compute-bound
@@ -678,7 +678,7 @@ class AndesQoE(Policy):
             if free < st.weight[a] or size - len(victims) + 1 > batch:
                 break  # no room even after evicting every candidate: nothing more can be admitted
             if next_victim > cap:
-                break  # REF-CODE's cap on preemptions per decision
+                break  # the reference code's cap on preemptions per decision
             restart = not (st.resident[a] or st.swapped[a])
             if (
                 restart
@@ -709,7 +709,7 @@ class AndesQoE(Policy):
         """Most preemptions one decision may make (inf without a cap)."""
         if self.preemption_cap == "none":
             return math.inf
-        slack = st.ideal_start + st.delivered / st.speed - now  # REF-CODE: arrival + T* + n/r - t
+        slack = st.ideal_start + st.delivered / st.speed - now  # reference code: arrival + T* + n/r - t
         unit = REFCODE_UNIT_OVERHEAD_S * float(st.context.mean())
         return max(0.0, math.floor(float(np.percentile(slack, 10)) / unit))
 

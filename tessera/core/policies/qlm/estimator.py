@@ -1,4 +1,4 @@
-"""QLM's request waiting-time (RWT) estimator (qlm_chiron_spec A5, A6; paper Eq. 1-5, 14-22).
+"""QLM's request waiting-time (RWT) estimator (QLM §6, Eq. 1-5, 14-22; docs/papers.md).
 
 Inputs and where they come from:
 
@@ -6,11 +6,11 @@ Inputs and where they come from:
   iteration ``d`` at the batch the group's token mix allows, the KV token capacity
   ``GPU``, the batch limit ``Bmax``, and the inefficiency factor ``eps``: seeded by
   offline hardware profiling and refreshed from observed history as
-  ``eps = B_mean / (Theta_measured * d)`` (spec A6);
+  ``eps = B_mean / (Theta_measured * d)`` (from Eq. 15);
 - per group key (workload profile, refreshed online): mean input tokens and the
   mean and variance of output tokens, EWMA over completed requests, seeded offline.
 
-Equations used (spec's concrete estimator):
+Equations used (docs/papers.md, "QLM: waiting-time estimator"):
 
 - ``Theta_{g,i} = B_i / (d(B_i) * eps)`` with ``B_i = min(Bmax, GPU / (mu_I + mu_O))`` (Eq. 15, 16);
 - group drain ``W = (n mu_O + z sigma_O sqrt(n)) / Theta`` (Eq. 2, 3 with a quantile);
@@ -95,7 +95,7 @@ class GroupCosts:
 
 @dataclass(slots=True)
 class EngineRates:
-    """Hardware parameters of one instance for the estimator (spec A6)."""
+    """Hardware parameters of one instance for the estimator (QLM's hardware profiling)."""
 
     profile: StepProfile
     max_batch: int
@@ -163,7 +163,7 @@ class QueuedGroup:
 def start_times(
     groups: Sequence[QueuedGroup], loaded_model: str | None, residual: float, swap_s: float
 ) -> list[float]:
-    """Estimated start of every group in VQ order (spec A5's walk; Eq. 10 for one VQ).
+    """Estimated start of every group in VQ order (the violation check's walk; Eq. 10 for one VQ).
 
     Same-model groups ahead add their drain W; a model change adds the swap time S
     plus the completion of the previous group beyond its drain (C - W), because the
@@ -185,10 +185,10 @@ def start_times(
 def first_violation(
     groups: Sequence[QueuedGroup], loaded_model: str | None, residual: float, swap_s: float, tail_aware: bool
 ) -> int | None:
-    """Index of the first group predicted to miss its SLO, or None (spec A5 violation check).
+    """Index of the first group predicted to miss its SLO, or None (the violation check).
 
     ``tail_aware``: compare the start plus the group's own tail (W_last + P) with the
-    slack (spec A12-8 default); otherwise only the start (paper-literal).
+    slack (our default); otherwise only the start (paper-literal).
     """
     for idx, (group, start) in enumerate(
         zip(groups, start_times(groups, loaded_model, residual, swap_s), strict=True)
@@ -207,7 +207,7 @@ def request_wait(ahead: Sequence[tuple[float, TokenStats, float]], z: float) -> 
 
 
 class EpsMeter:
-    """Online measurement of the inefficiency factor (spec A6): ``eps = B_mean / (Theta_meas * d_mean)``.
+    """Online measurement of the inefficiency factor (Eq. 15): ``eps = B_mean / (Theta_meas * d_mean)``.
 
     Only saturated intervals count (waiting work exists), because an idle instance's
     low throughput says nothing about batching inefficiency. A window closes after
@@ -246,7 +246,7 @@ class EpsMeter:
 
     def flush(self) -> float | None:
         """Close the current window early: its eps sample (None if it saw no saturated output).
-        Offline profiling (spec A6) reads one sample over a whole profiling run this way."""
+        Offline profiling (QLM §6) reads one sample over a whole profiling run this way."""
         if self._time <= 0 or self._tokens <= 0:
             return None
         b_mean = self._batch_time / self._time

@@ -1,8 +1,8 @@
-"""QLM request groups and virtual queues (qlm_chiron_spec A4).
+"""QLM request groups and virtual queues (QLM §4, Alg. 1; docs/papers.md, "QLM: request groups ...").
 
 A request group holds requests of one model and one SLO class, FCFS inside. The
 paper's Algorithm 1 (k-means, then halve oversize clusters) never removes the
-split cluster and does not recurse; we use the spec's equivalent [C] form: hard
+split cluster and does not recurse; we use the equivalent form: hard
 keys ``(model, slo_class)`` and contiguous FCFS chunks of at most
 ``n_max = delta_rg * avg_batch_size`` requests. An arrival joins the newest *open*
 group of its key (open: below ``n_max`` and none of its requests started).
@@ -127,7 +127,7 @@ SizeLimit = Callable[[GroupKey], int]
 
 
 class Grouper:
-    """Assigns arrivals to request groups (spec A4, steps 1, 3, 4).
+    """Assigns arrivals to request groups (hard keys, FCFS chunks, open groups).
 
     ``size_limit(key)`` gives ``n_max`` for a key; it is asked when a group is
     created, so it can follow the estimator's online view of the batch size.

@@ -1,12 +1,12 @@
-"""QLM's LLM serving operations that need state of their own (qlm_chiron_spec A8).
+"""QLM's LLM serving operations that need state of their own (QLM §5; see docs/papers.md).
 
 - ``ModelTiers``: model swapping across GPU / CPU / storage. The engine charges the
   CPU->GPU weight copy (``weights_bytes / host_link``); the policy adds the engine
   re-initialisation ``S0`` and, for a model that is not warm in CPU memory, the
   storage->CPU read. Models later in the VQ are prefetched into CPU memory in VQ
-  order while the CPU budget lasts (warm start, A8-4).
+  order while the CPU budget lasts (warm start).
 - ``eviction_victims``: which running requests leave the batch so the head group runs
-  now (A8-2): those of groups behind the head, latest VQ position first, LIFO in a group,
+  now (eviction): those of groups behind the head, latest VQ position first, LIFO in a group,
   only as many as the head group needs.
 
 Pulling and load balancing are the VQ order itself (``QLMPolicy`` and ``QLMRouter``).
@@ -22,7 +22,7 @@ from tessera.core.request import Request
 
 @dataclass(frozen=True, slots=True)
 class TierCosts:
-    """Swap-time model of spec A8-4 (defaults are the spec's CHOICEs)."""
+    """Swap-time model (CHOICEs; docs/papers.md, "QLM: serving operations")."""
 
     engine_reinit_s: float = 20.0  # S0
     disk_to_cpu_bytes_per_s: float = 2e9
@@ -88,7 +88,7 @@ def eviction_victims(
     free_slots: int,
     free_tokens: int,
 ) -> list[Request]:
-    """Running requests to evict so the head group's waiting requests fit (spec A8-2).
+    """Running requests to evict so the head group's waiting requests fit (QLM §5 eviction).
 
     Only requests of groups behind the head (VQ position > ``head_position``) are
     victims, latest position first and, within a group, the latest admitted first.

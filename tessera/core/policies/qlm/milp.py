@@ -1,8 +1,8 @@
 """QLM's global scheduler: the MILP that orders and assigns request groups to virtual queues
-(qlm_chiron_spec A7; paper Eq. 6-13), modelled with PuLP and solved by its bundled CBC, with EDF
+(QLM §7, Eq. 6-13), modelled with PuLP and solved by its bundled CBC, with EDF
 as the fallback.
 
-We use the spec's corrected linear model (A7 "Recommended linear model"):
+We correct the printed model into a linear, solvable one (docs/papers.md, "QLM: global scheduler"):
 
 - Eq. 6 is printed with ``sum_q``; it sums over VQs and positions. Empty positions are
   "at most one group per slot, no gaps" (B) instead of dummy groups.
@@ -17,13 +17,13 @@ We use the spec's corrected linear model (A7 "Recommended linear model"):
 - Eq. 13 sums over ``i`` in print; it is the sum over slots. Since the sum of SLOs is
   constant it is the total waiting time of the groups (I), under hard SLOs (H, big-M).
 
-Size and speed (changes from the spec's settings, same model):
+Size and speed (our settings, same model):
 
 - Slots are indexed from the tail of each VQ (slot r has r groups behind it), which makes
   the objective exactly linear (a group's drain delays the r groups behind it) without
-  the (I) big-M; feasible set and optimum are the spec's.
+  the (I) big-M; feasible set and optimum are those of the model above.
 - ``L = min(N_q, ceil(slots_factor * N / |G|) + 2)`` with ``slots_factor = 1.25`` instead of
-  the spec's 3 (A12-10). With identical VQs the optimum of total wait is balanced (SPT
+  3 (a looser bound; QLM's reference code uses L = N). With identical VQs the optimum of total wait is balanced (SPT
   round-robin is optimal for P||sum C_j: every VQ holds floor or ceil of N/|G| groups);
   deadlines and model affinity unbalance it, which the 25% headroom allows. It is an
   approximation only when an optimal plan needs a VQ longer than L (then we return the
@@ -38,7 +38,7 @@ Size and speed (changes from the spec's settings, same model):
   limit only between search steps; we measured 1.7 s over a 5 s limit). PuLP's MPS write cannot
   be interrupted, so CBC is skipped when the time left is under 3x the row-building time (the
   write took 2-2.5x; 200 groups forced into one joint model ran 1.9 s over a 0.5 s limit
-  without this). At the limit the best feasible incumbent wins (spec A7); EDF when there is
+  without this). At the limit the best feasible incumbent wins; EDF when there is
   none or the joint model is infeasible.
 
 Size control: the joint MILP up to ``joint_max_binaries`` x[g, q, r] binaries (1000: 24 groups
@@ -87,7 +87,7 @@ from tessera.core.policies.qlm.estimator import GroupCosts, QueuedGroup, start_t
 # optimal / feasible: from the joint MILP (proven within the gap / not proven); window-optimal: the
 # rolling-horizon MILP's optimum with the tails fixed (module docstring); heuristic: the warm-start
 # order, feasible, and CBC found nothing better in time; edf-*: no feasible plan found (EDF
-# fallback, spec A7); trivial: nothing to solve.
+# fallback, as QLM's reference code); trivial: nothing to solve.
 PlanStatus = Literal[
     "optimal", "window-optimal", "feasible", "heuristic", "edf-timeout", "edf-infeasible", "trivial"
 ]
@@ -102,8 +102,8 @@ class QueueSpec:
 
     name: str
     loaded_model: str | None  # model in GPU memory now (None: no swap needed for the first group)
-    residual: float = 0.0  # R_g: drain of running work that cannot be evicted (spec A12-9)
-    swap_s: float = 0.0  # S_g: model swap time (spec A12-13: one constant per instance)
+    residual: float = 0.0  # R_g: drain of running work that cannot be evicted
+    swap_s: float = 0.0  # S_g: model swap time (CHOICE: one constant per instance)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +114,7 @@ class GroupSpec:
     model: str
     slack: float  # earliest deadline of its waiting members minus now
     costs: Mapping[str, GroupCosts]  # VQ name -> costs; a VQ missing here cannot host the model
-    pinned: str | None = None  # started there: no migration (spec A4)
+    pinned: str | None = None  # started there: no migration (QLM §5)
     current: str | None = None  # VQ it sits in now (EDF fallback keeps it; warm start)
 
     def __post_init__(self) -> None:
@@ -139,12 +139,12 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class SolverSettings:
-    """Knobs of the global scheduler (spec A7 "Size control and solver settings")."""
+    """Knobs of the global scheduler (size control and solver settings: our choices)."""
 
     time_limit_s: float = 5.0  # spec: the paper's 5 s budget; bounds build + solve
     mip_gap: float = 0.01
     slots_factor: float = 1.25  # L = min(N_q, ceil(slots_factor * N / |G|) + 2); module docstring
-    tail_aware: bool = True  # compare start + W_last + P with the slack (spec A12-8)
+    tail_aware: bool = True  # compare start + W_last + P with the slack (Eq. 11: start only)
     # Largest joint model (binaries x[g, q, r]) solved as one MILP; beyond it the rolling-horizon
     # MILP over the first ``window_groups`` groups of the heuristic plan (0: the heuristic plan).
     joint_max_binaries: int = 1000
@@ -189,8 +189,8 @@ def evaluate(
 
 
 def edf_plan(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], status: PlanStatus) -> Plan:
-    """EDF fallback (spec A7): each group stays on its VQ (pinned, else current, else the first that
-    can host it) and every VQ is sorted by slack ascending."""
+    """EDF fallback (QLM §9; as QLM's reference code): each group stays on its VQ (pinned, else
+    current, else the first that can host it) and every VQ is sorted by slack ascending."""
     order: dict[str, list[int]] = {q.name: [] for q in queues}
     for g in sorted(groups, key=lambda g: (g.slack, g.id)):
         vq = g.pinned or g.current or next(q.name for q in queues if q.name in g.costs)
@@ -343,7 +343,7 @@ def _build(
     settings: SolverSettings,
     tails: Mapping[str, _Tail] | None = None,
 ) -> _Model:
-    """The tail-indexed slot model (module docstring; spec A7 (A)-(I)) as coefficient triplets.
+    """The tail-indexed slot model (module docstring) as coefficient triplets.
 
     Columns per VQ: x[a, r] (hosted group a in slot r, a-major), then t[r], u[r], wt[r], and with
     a fixed tail behind the VQ t_b, u_b. Slot r has r groups behind it; r + 1 is the slot ahead.

@@ -1,4 +1,4 @@
-"""``QLMPolicy``: QLM's per-instance agent over its virtual queue (qlm_chiron_spec A3-A8).
+"""``QLMPolicy``: QLM's per-instance agent over its virtual queue (QLM §3-§7; docs/papers.md, "QLM").
 
 At every decision point the agent
 
@@ -163,7 +163,7 @@ class QLMPolicy(Policy):
         self.vq = VirtualQueue("")
         self.stats: dict[GroupKey, TokenStats] = {}
         self._ttft_slo: dict[GroupKey, float] = {}  # interactive keys: their TTFT SLO (group size cap)
-        self.eps_seed = eps  # offline hardware profiling (spec A6); 1.0 without it, refreshed online
+        self.eps_seed = eps  # offline hardware profiling (QLM §6); 1.0 without it, refreshed online
         self.rates: EngineRates | None = None
         self.eps_meter = EpsMeter(eps_window_s)
         self._running: dict[int, Request] = {}
@@ -277,16 +277,16 @@ class QLMPolicy(Policy):
         )
 
     def swap_time(self) -> float:
-        """S_g: a warm swap (spec A12-13: one constant per instance): S0 plus the CPU->GPU copy."""
+        """S_g: a warm swap (CHOICE: one constant per instance): S0 plus the CPU->GPU copy."""
         rates = self._rates()
         return self.tiers.costs.engine_reinit_s + rates.profile.model_load_time()
 
     def residual(self, now: float, model: str | None = None) -> float:
-        """R_g (spec A12-9): how long running work delays the start of the next group (of ``model``;
-        default: the head group's). 0 when the head group may evict the running work.
+        """R_g (not modelled in the paper): how long running work delays the start of the next group
+        (of ``model``; default: the head group's). 0 when the head group may evict the running work.
 
-        Spec correction: A12-9 charges the expected remaining tokens of all running requests over
-        Theta, whatever the next group's model. With continuous batching a group of the loaded
+        Correction of a first proposal, which charged the expected remaining tokens of all running
+        requests over Theta, whatever the next group's model. With continuous batching a group of the loaded
         model starts as soon as one slot frees, and later members start at the completion rate
         that the drains W already count; a group of another model waits until the batch has
         drained completely (then the swap). So R_g is the expected remaining decode time
@@ -372,7 +372,7 @@ class QLMPolicy(Policy):
 
     def _size_limit(self, key: GroupKey) -> int:
         """n_max = delta_rg x avg batch; tight-SLO classes capped so their tail fits half the SLO
-        (spec A12-8)."""
+        (our choice: a group of 4 average batches can hold a tight-SLO class's tail past its SLO)."""
         stats = self.stats.get(key)
         if self.rates is None or stats is None:
             return max(1, int(self.delta_rg * self.default_batch))
@@ -447,7 +447,7 @@ class QLMPolicy(Policy):
     def _reorder_problem(
         self, view: InstanceView
     ) -> tuple[list[GroupSpec], list[QueueSpec], dict[int, RequestGroup]] | float | None:
-        """The MILP's input when the estimator predicts a violation (spec A7 trigger); a re-check
+        """The MILP's input when the estimator predicts a violation (QLM §7's trigger); a re-check
         time while debounced; None when no violation is predicted."""
         now = view.now
         pairs = self.queued(now)
