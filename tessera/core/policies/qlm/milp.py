@@ -23,8 +23,9 @@ Size and speed (our settings, same model):
   the objective exactly linear (a group's drain delays the r groups behind it) without
   the (I) big-M; feasible set and optimum are those of the model above.
 - ``L = min(N_q, ceil(slots_factor * N / |G|) + 2)`` with ``slots_factor = 1.25`` instead of
-  3 (a looser bound; QLM's reference code uses L = N). With identical VQs the optimum of total wait is balanced (SPT
-  round-robin is optimal for P||sum C_j: every VQ holds floor or ceil of N/|G| groups);
+  3 (a looser bound; QLM's reference code uses L = N). With identical VQs the optimum of total
+  wait is balanced (SPT round-robin is optimal for P||sum C_j: every VQ holds floor or ceil of
+  N/|G| groups);
   deadlines and model affinity unbalance it, which the 25% headroom allows. It is an
   approximation only when an optimal plan needs a VQ longer than L (then we return the
   best plan within L); with L >= N_q it is exact.
