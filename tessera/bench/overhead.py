@@ -1,4 +1,4 @@
-"""Scenario ``worker-overhead``: the worker in front of vLLM against vLLM directly (issue 7).
+"""Scenario ``worker-overhead``: the worker in front of vLLM against vLLM directly (what the worker adds).
 
 One real vLLM server on the offline tiny model; a `tessera worker` process (FCFS, batch bound
 above the load) in front of it. The same burst of ``streams`` concurrent streaming requests

@@ -1,5 +1,5 @@
 """Scenario ``real-policy``: scheduling policies through the worker on real vLLM, next to the
-simulator on the same requests (issue 7).
+simulator on the same requests.
 
 One vLLM server on the offline tiny model; for each policy a `tessera worker` with that policy and a
 small batch bound (``batch``, default 4) so that requests queue. The random-weight model's output

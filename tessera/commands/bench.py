@@ -1,4 +1,4 @@
-"""`tessera bench SCENARIO`: run a benchmark scenario side by side (DESIGN.md, "Benchmark contract")."""
+"""`tessera bench SCENARIO`: run a benchmark scenario side by side (the contract: docs/bench.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Benchmark scenarios of `tessera bench` (see DESIGN.md, "Benchmark contract").
+"""Benchmark scenarios of `tessera bench` (the contract: docs/bench.md).
 
 A scenario is a module exposing:
 

@@ -1,8 +1,8 @@
-"""Scenario ``andes``: Andes' QoE scheduler (``qoe``) against vLLM-FCFS (elis_andes_spec §B.9-B.13).
+"""Scenario ``andes``: Andes' QoE scheduler (``qoe``) against vLLM-FCFS (Andes §6; see docs/papers.md).
 
 Workloads (``--set workload=...``, default ``both``):
 
-- ``bursty``: the spec's cyclic burst (§B.9): Poisson arrivals over ``duration_s`` (1200 s),
+- ``bursty``: Andes' cyclic burst load: Poisson arrivals over ``duration_s`` (1200 s),
   a centred burst at ``intensity`` (2) × the mean rate for ``burst_fraction`` (35%) of the
   time, the rest at ``mean·(1 - I·Dur)/(1 - Dur)``; prompt/output lengths sampled from the
   Azure 2023 conversation trace. The mean rate is ``--rate``, or else the rate at which
@@ -15,18 +15,18 @@ Workloads (``--set workload=...``, default ``both``):
   (p50/p99 over ``solver_calls``), and greedy against the exact DP on small random
   knapsacks (N <= 30, M <= 500) built from real gain values: mean value ratio and speed-up.
 
-QoE parameters (§B.9): ``T* = max(P/5000, 1)`` s; reading speed ``reading``: ``normal``
+QoE parameters (Andes §6.1): ``T* = max(P/5000, 1)`` s; reading speed ``reading``: ``normal``
 (TruncNormal(4.8, 0.8) on [3, 7], default), ``fixed`` (4.8) or ``voice`` (TruncNormal(3.3, 0.4)).
 Engine (vLLM V0-like: prefill-only iterations, no chunked prefill): ``profile`` (default
-a100-llama-70b-tp4, the spec's Llama-70B class on A100s; prefill 4,500 tok/s, near the paper's
-5,000), ``kv_tokens`` (KV capacity M, default 200k: calibrated per spec §B.13 so FCFS's TDS
+a100-llama-70b-tp4, the paper's Llama-70B class on A100s; prefill 4,500 tok/s, near the paper's
+5,000), ``kv_tokens`` (KV capacity M, default 200k: calibrated so FCFS's TDS
 under load is about 11 tok/s), ``max_batch`` 512 so that KV memory, not the sequence limit,
 bounds the batch as in the paper's setting; ``swap_gib`` (16: vLLM's 4 GiB per GPU × TP 4)
 of host swap space. Rate search brackets: ``rate_lo`` 1, ``rate_hi`` 4 req/s. Rows carry
-``mean_tds_tps``, the spec's per-request TDS ``(n-1)/(D_n - D_1)`` averaged.
+``mean_tds_tps``, the per-request TDS ``(n-1)/(D_n - D_1)`` averaged.
 Andes settings pass through as ``qoe.<name>=value`` (e.g. ``--set qoe.horizon_s=5``).
 
-Seeds (spec C, determinism: 3 seeds per point, compare means): the bursty and azure workloads run
+Seeds (3 per point, compare means): the bursty and azure workloads run
 ``seeds`` (3) seeds, ``--seed`` and the next ones. The rate is one for all seeds, found on the
 seed-mean FCFS QoE; rows are per seed (``...,seed=N``) and the seed mean (``...,mean``), and the
 targets are checked on the means, with per-seed lines for information.
@@ -58,9 +58,9 @@ DESCRIPTION = "Andes QoE scheduler vs FCFS: cyclic bursts, Azure conversation re
 WORKLOADS = ("bursty", "azure", "solver")
 READING = {"normal": (4.8, 0.8), "fixed": (4.8, 0.0), "voice": (3.3, 0.4)}
 READING_BOUNDS = (3.0, 7.0)
-# KV capacity M of the engine, calibrated per spec §B.13 so that FCFS's mean TDS under load is
-# about 11 tok/s: on the bursty workload (seed 0) FCFS gets 12.6 tok/s at 2.0 req/s (QoE 0.51)
-# and 11.1 tok/s at 2.2 req/s (QoE 0.42). The profile's own 439k tokens (A100 80 GB x 4 less
+# KV capacity M of the engine, calibrated so that FCFS's mean TDS under load is about 11 tok/s (the paper's
+# measurement of vLLM under load, Andes Fig. 3/4): on the bursty workload (seed 0) FCFS gets 12.6 tok/s at 2.0
+# req/s (QoE 0.51) and 11.1 tok/s at 2.2 req/s (QoE 0.42). The profile's own 439k tokens (A100 80 GB x 4 less
 # weights) make FCFS prefill-bound instead: 6.1 tok/s at 3.0 req/s.
 CALIBRATED_KV_TOKENS = 200_000
 
@@ -69,9 +69,9 @@ CALIBRATED_KV_TOKENS = 200_000
 def cyclic_burst_arrivals(
     mean_rate: float, duration_s: float, intensity: float, fraction: float, rng: np.random.Generator
 ) -> np.ndarray:
-    """Poisson arrivals with one centred burst (spec §B.9): non-burst, burst, non-burst phases of
-    ``(1-Dur)/2``, ``Dur``, ``(1-Dur)/2`` of ``duration_s``; burst rate ``I·mean``, the rest
-    ``mean·(1 - I·Dur)/(1 - Dur)`` so the whole-trace mean is ``mean_rate``."""
+    """Poisson arrivals with one centred burst (Andes §6.1; centred is our choice): non-burst, burst,
+    non-burst phases of ``(1-Dur)/2``, ``Dur``, ``(1-Dur)/2`` of ``duration_s``; burst rate ``I·mean``, the
+    rest ``mean·(1 - I·Dur)/(1 - Dur)`` so the whole-trace mean is ``mean_rate``."""
     if not mean_rate > 0 or not duration_s > 0:
         raise ValueError("cyclic bursts need rate > 0 and duration_s > 0")
     if not 0 < fraction < 1 or intensity < 1 or intensity * fraction > 1:
@@ -281,7 +281,7 @@ def compare_seeds(
 
 def mean_tds(reqs: list[Request]) -> float | None:
     """Token delivery speed ``(n-1)/(D_n - D_1)`` per request with two or more tokens, averaged
-    (spec §0.4 / §B.12 #13)."""
+    (our formula: Andes gives none)."""
     speeds = [1.0 / itl for itl in (mean_itl(r) for r in reqs) if itl]
     return float(np.mean(speeds)) if speeds else None
 
@@ -382,7 +382,7 @@ def _greedy_vs_dp(rng: np.random.Generator, cases: int) -> dict[str, Any]:
 
 # ---- the scenario -------------------------------------------------------------------------------
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
-    """Run the chosen workloads (see the module docstring) and check the issue's targets."""
+    """Run the chosen workloads (see the module docstring) and check the scenario's targets."""
     opts = config.options
     workload = str(option(opts, "workload", "both"))
     chosen = {"both": ("bursty", "azure"), "all": WORKLOADS}.get(workload, (workload,))
@@ -447,7 +447,7 @@ def _check(text: str, ok: bool) -> str:
 
 
 def bursty_checks(fcfs: dict[str, Any], qoe: dict[str, Any]) -> list[str]:
-    """The issue's bursty-load targets."""
+    """The bursty-load targets (each check names its threshold)."""
     fq, aq = fcfs["avg_qoe"], qoe["avg_qoe"]
     share = qoe["qoe_ge_095_share"] - fcfs["qoe_ge_095_share"]
     thr = qoe["throughput_rps"] / fcfs["throughput_rps"]
@@ -461,7 +461,7 @@ def bursty_checks(fcfs: dict[str, Any], qoe: dict[str, Any]) -> list[str]:
 
 
 def azure_checks(fcfs: dict[str, Any], qoe: dict[str, Any]) -> list[str]:
-    """The issue's Azure-replay targets."""
+    """The Azure-replay targets (each check names its threshold)."""
     fq, aq = fcfs["avg_qoe"], qoe["avg_qoe"]
     ft, at = fcfs["mean_ttft_s"], qoe["mean_ttft_s"]
     return [
@@ -472,7 +472,7 @@ def azure_checks(fcfs: dict[str, Any], qoe: dict[str, Any]) -> list[str]:
 
 
 def solver_checks(rows: list[dict[str, Any]]) -> list[str]:
-    """The issue's solver-time target and the greedy/DP comparison (spec Q2)."""
+    """The solver-time target and the greedy/DP comparison (greedy at least 0.85 of the DP optimum)."""
     timing, gap = rows
     queued = timing["policy"].split("queued=")[1]
     p50 = timing["solver_p50_ms"]

@@ -3,13 +3,13 @@
 Workload: the Azure 2023 conversation trace (or ``--trace``), first ``requests``
 rows, arrivals rescaled to ``load`` × the cluster's measured capacity (FCFS on the
 same requests all arriving at once). Each request is drawn (seeded) into one of two
-classes, as the QLM/Chiron specs define them (qlm_chiron_spec part B: "interactive
-10 s / 200 ms; batch 1 h / 2 s"):
+classes, as QLM and Chiron define them (docs/papers.md, "Chiron: request classes": interactive
+10 s / 200 ms; batch 1 h / 2 s):
 
 - ``interactive``: TTFT SLO ``ttft_slo`` (default 10 s, Chiron's value);
 - ``batch`` (share ``batch_share``, default 0.5): completion deadline ``batch_deadline``
-  after arrival. CHOICE: 600 s by default instead of the spec's 1 h, so that a replay of a
-  few thousand requests can miss it under overload (the spec's "minutes to hours" range).
+  after arrival. CHOICE: 600 s by default instead of Chiron's 1 h, so that a replay of a
+  few thousand requests can miss it under overload (the papers' "minutes to hours" range).
 
 EDF then orders by real differences in slack, so it differs from FCFS; every row reports
 ``slo_attainment_by_class``.

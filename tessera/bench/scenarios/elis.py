@@ -1,13 +1,13 @@
-"""Scenario ``elis``: FCFS vs ELIS ISRTF (trained length predictor) vs oracle SRTF (elis_andes_spec §A.13).
+"""Scenario ``elis``: FCFS vs ELIS ISRTF (trained length predictor) vs oracle SRTF (ELIS §6).
 
 Workload: prompts and responses from the AlpacaEval prompt/response set (``--set data=FILE`` for
 another JSONL with prompt/response), restricted to the prompts the shipped predictor held out from
-training (so the predictor never saw them); lengths counted with the predictor's tokenizer. Arrivals
-are Gamma with ELIS' FabriX shape 0.73 (scale = 1/(0.73·λ), spec §A.12 #12) at ``load`` × the
-measured capacity (FCFS with every request at time 0) of each batch size. One instance, batch sizes
-1, 2 and 4 as in ELIS Fig 6.
+training (so the predictor never saw them); lengths counted with the predictor's tokenizer. Arrivals are Gamma
+with ELIS' FabriX shape 0.73 (scale = 1/(0.73·λ); docs/papers.md, "ELIS: evaluation workload") at ``load`` ×
+the measured capacity (FCFS with every request at time 0) of each batch size. One instance, batch sizes 1, 2
+and 4 as in ELIS Fig 6.
 
-Seeds (spec §A.13: ≥ 5 seeds, compare means): ``seeds`` (5) workloads, ``--seed`` and the next ones,
+Seeds (at least 5, compare means): ``seeds`` (5) workloads, ``--seed`` and the next ones,
 each its own draw of requests and arrivals. 400 requests at load 0.9 with Gamma(0.73) arrivals swing
 the oracle's reduction by ±7 points from seed to seed, so one seed cannot settle a 50% threshold.
 
@@ -43,7 +43,7 @@ DESCRIPTION = (
     "ELIS: FCFS vs ISRTF with the trained length predictor vs oracle SRTF, Gamma arrivals, batch 1/2/4"
 )
 ALPACA_TEXT = SHARED_DATA / "alpacaeval_responses_text.jsonl.gz"
-GAMMA_SHAPE = 0.73  # ELIS FabriX trace fit (spec §A.8)
+GAMMA_SHAPE = 0.73  # ELIS FabriX trace fit (ELIS Fig. 4)
 
 
 def build_workload(data: Path, n: int, seed: int, split: dict | None, predictor: Any) -> list[Request]:
@@ -157,7 +157,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             rows += per_seed[seeds[0]]
             checks += _checks(b, _by_kind(per_seed[seeds[0]]))
             continue
-        # Per-seed rows, then the seed means under the contract's row names (spec A.13: compare means).
+        # Per-seed rows, then the seed means under the contract's row names (compare means, not single seeds).
         for seed, got in per_seed.items():
             rows += [{**row, "policy": f"{row['policy']},seed={seed}"} for row in got]
         means = [mean_row([got[i] for got in per_seed.values()], name) for i, name in enumerate(policies)]

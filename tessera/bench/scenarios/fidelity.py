@@ -1,4 +1,4 @@
-"""Scenario ``fidelity``: the simulator against real vLLM on this machine (issue 3, item 7).
+"""Scenario ``fidelity``: the simulator against real vLLM on this machine (target: within 15%).
 
 1. Build the offline tiny random-weight Llama and start a real vLLM OpenAI server on it.
 2. Measure it with ``tessera profile``'s logic and fit a step profile (decode slopes over

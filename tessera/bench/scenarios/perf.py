@@ -5,7 +5,7 @@ Lengths are drawn (with replacement, seeded) from the Azure 2023 conversation tr
 ``--trace``); arrivals are Poisson at ``load`` × the measured capacity of the cluster for that
 length mix, so both variants run at the same utilisation and differ only in tokens per request
 (the 10× variant has 10× the decode iterations but about the same number of events).
-Targets (issue 3): the 1× run within 30 s; the 10× run within 1.5× of the 1× run's time.
+Targets: the 1× run within 30 s; the 10× run within 1.5× of the 1× run's time.
 The checks use the CPU time of this process (``time.process_time``): the machines this runs on are
 shared (2 cores, other engineers' servers and tests), so wall time mostly measures how long the
 process waited for a core, which says nothing about the simulator. Wall time, its ratio and the

@@ -1,13 +1,13 @@
-"""Scenario ``qlm``: QLM against its baselines, one part per target of issue 6.
+"""Scenario ``qlm``: QLM against its baselines, one part per target (QLM's own figures, named in each part).
 
 Parts (``--set part=NAME``, default ``all``):
 
 - ``estimator``: one instance, a burst of ShareGPT-like batch requests served in VQ
   order; at snapshots (every ``snapshot_s``) the RWT estimate (z = 0) of every waiting
   request is compared with its actual wait (first scheduled minus snapshot time). R²
-  over requests with >= N groups ahead of their own (spec A13-2; the target at N = 4)
+  over requests with >= N groups ahead of their own (target: R² >= 0.95 at N = 4)
   and over every waiting request of snapshots with >= 4 groups queued (the paper's
-  Fig. 18 axis). The policy starts from offline profiles as the paper's does (spec A6):
+  Fig. 18 axis). The policy starts from offline profiles as the paper's does (QLM §6):
   token statistics from a 500-request sample and ``eps`` from a separate saturated run
   of 4 x max_batch requests, both refreshed online.
 - ``single``: one model, interactive (TTFT SLO 20 s) + batch (1 h) at ``load`` x the
@@ -97,7 +97,7 @@ def _requests(n: int, rng: np.random.Generator, mix: Mix, rate: float) -> list[R
 
 
 def _seeds(reqs: list[Request], sample: int = 500) -> dict[tuple[str, str], tuple[float, float, float]]:
-    """Offline workload profiling (spec A6-1): token statistics per (model, class) from a sample."""
+    """Offline workload profiling (QLM §6): token statistics per (model, class) from a sample."""
     by: dict[tuple[str, str], list[Request]] = {}
     for r in reqs[:sample]:
         by.setdefault((r.model, r.service_class.name), []).append(r)
@@ -112,7 +112,7 @@ def _seeds(reqs: list[Request], sample: int = 500) -> dict[tuple[str, str], tupl
 
 
 def _profiled_eps(opts: dict[str, Any], max_batch: int, mix: Mix, seed: int) -> float:
-    """Offline hardware profiling of eps (spec A6): ``4 x max_batch`` requests of the workload's
+    """Offline hardware profiling of eps (QLM §6): ``4 x max_batch`` requests of the workload's
     distribution (an independent draw) through one saturated instance in FCFS order; the
     policy's own meter gives ``eps = B_mean / (Theta_measured * d_mean)`` over the whole run."""
     rng = np.random.default_rng(seed + 1_000_003)

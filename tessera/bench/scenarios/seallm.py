@@ -1,15 +1,15 @@
 """`tessera bench seallm`: SeaLLM placement + DB scheduling vs dedicated GPUs and round-robin sharing.
 
-Workload (seallm_spec §9.3, PROPOSALs): a pool of requests, half ShareGPT-like (short prompt, long output)
-and half LongBench-like (long prompt, short output), with lognormal lengths at the Tab. 1 means; K-means
-over standardised (log(1+in), log(1+out)) splits it into 16 clusters, and each cluster with a randomly
-chosen model (Llama2-7B, OPT-6.7B-like 7B, Llama2-13B) is one service, whose requests sample lengths
-from its cluster. Arrivals come from a synthetic MAF-like trace (64 functions, lognormal base rates,
-per-minute jitter and bursts, functions round-robin to services), scaled to ``--rate`` (default 20 req/s).
-A warm-up window (5 minutes, or ``I_0`` if longer) precedes the evaluation window; its last ``I_0`` is the
-initial placement's history, so runs with different ``I_0`` replay the same requests. L̂_s and
-Var_s (weights, normalisers, budgets) are fixed per service from all its requests (spec §9.1), the same
-for every row.
+Workload (SeaLLM §6.1, with our choices: docs/papers.md, "SeaLLM: workload"): a pool of requests, half
+ShareGPT-like (short prompt, long output) and half LongBench-like (long prompt, short output), with lognormal
+lengths at the Tab. 1 means; K-means over standardised (log(1+in), log(1+out)) splits it into 16 clusters, and
+each cluster with a randomly chosen model (Llama2-7B, OPT-6.7B-like 7B, Llama2-13B) is one service, whose
+requests sample lengths from its cluster. Arrivals come from a synthetic MAF-like trace (64 functions,
+lognormal base rates, per-minute jitter and bursts, functions round-robin to services), scaled to ``--rate``
+(default 20 req/s). A warm-up window (5 minutes, or ``I_0`` if longer) precedes the evaluation window; its
+last ``I_0`` is the initial placement's history, so runs with different ``I_0`` replay the same requests. L̂_s
+and Var_s (weights, normalisers, budgets) are fixed per service from all its requests (exec_ref at tp_min),
+the same for every row.
 
 Rows (same requests, seed, group engines and dispatcher — every instance is a ``GroupEngine`` of
 ``tessera.control.group_sim``, fed by the fewest-outstanding-requests dispatcher of
@@ -20,7 +20,7 @@ across switches):
   least churn (unchanged groups keep serving; changed groups stall for the weight load; their requests
   migrate and recompute their KV); DB scheduling; unified KV cache; temporal sharing;
 - ``seallm:fixed``: the initial placement kept for the whole window (the paper's SeaLLM-A ablation);
-- ``dedicated``: the vLLM baseline of spec §9.5: GPUs split evenly, one instance per service with TP
+- ``dedicated``: SeaLLM's vLLM baseline: GPUs split evenly, one instance per service with TP
   equal to its share (never below tp_min), vLLM continuous batching (prefill first, FCFS);
 - ``dedicated:replicas``: the same share as replicas of tp_min GPUs (the operator's dedicated plan);
 - ``round-robin``: services paired round-robin, each pair on its even share of GPUs, services alternate
@@ -29,9 +29,9 @@ across switches):
 Every row serves until every request has finished (no censoring; ``unfinished`` counts only the
 ``rejected`` requests). A request whose prompt no instance of its service can hold in KV (the
 LongBench-like lognormal tail reaches 75k tokens; a TP-1 group shared by two models holds fewer) is
-rejected, as vLLM refuses such a prompt: it counts as an SLO miss with the spec's censored latency
+rejected, as vLLM refuses such a prompt: it counts as an SLO miss with SeaLLM's censored latency
 ``T_end − a + exec_ref``, and each row reports how many (``rejected``).
-Options (``--set``): services=16, gpus=32, minutes=60 (the spec §9.3 window), interval_minutes=5 (I_0),
+Options (``--set``): services=16, gpus=32, minutes=60 (the window), interval_minutes=5 (I_0),
 min_interval_minutes=1, max_interval_minutes=30, beta=0.1, slo_scale=5, rates=R1,R2,... (a sweep; one
 row per system and rate), part=serve|planner. ``--set part=planner`` instead times the planner on 32
 services over 64 GPUs and reports the greedy's gap to the exact MILP on a small case.
@@ -69,9 +69,10 @@ from tessera.core.profile import StepProfile
 DESCRIPTION = "SeaLLM placement + DB scheduling vs dedicated GPUs and round-robin sharing (16 services)"
 GIB = 2**30
 
-# Spec part C (A100/A800-class) linear step models at TP 1: c0, c1, c2 (per context token), p0, p1 (per prompt
-# token), with fp16 weights and KV bytes per token (spec §8 item 1). An instance's KV capacity follows from
-# the pool's memory and what shares it (tessera.control.placement_sim), not from the profile.
+# A100/A800-class linear step models at TP 1 (docs/papers.md, "Engine: step-time model"): c0, c1, c2 (per
+# context token), p0, p1 (per prompt token), with fp16 weights and KV bytes per token (2·layers·kv_heads·128·2
+# B). An instance's KV capacity follows from the pool's memory and what shares it
+# (tessera.control.placement_sim), not from the profile.
 MODELS: dict[str, StepProfile] = {
     name: StepProfile(name, c0, c1, c2, p0, p1, 0, kv_bytes_per_token=kvb, weights_bytes=weights)
     for name, (c0, c1, c2, p0, p1, weights, kvb) in {
@@ -80,11 +81,11 @@ MODELS: dict[str, StepProfile] = {
         "llama2-13b": (0.013, 2e-5, 4e-7, 0.008, 1.4e-4, int(26e9), 800 * 1024),
     }.items()
 }
-# (mean prompt, cv prompt, mean output, cv output) — Tab. 1 means, spec §9.3 CVs.
+# (mean prompt, cv prompt, mean output, cv output) — SeaLLM Tab. 1 means, our CVs.
 PROFILES = {"sharegpt": (73.0, 1.0, 427.0, 1.0), "longbench": (13187.0, 0.5, 21.0, 1.0)}
 POOL_REQUESTS = 4000  # size of the length pool that K-means splits into services
 WARMUP_MINUTES = 5  # warm-up generated before the window whatever I_0 is, so an I_0 sweep replays the same
-# requests; the initial plan sees only its last I_0 of it (spec §7: history of length I_0)
+# requests; the initial plan sees only its last I_0 of it (its history is one interval)
 
 
 def _lognormal(rng: np.random.Generator, mean: float, cv: float, n: int) -> np.ndarray:
@@ -95,7 +96,7 @@ def _lognormal(rng: np.random.Generator, mean: float, cv: float, n: int) -> np.n
 def maf_like_counts(
     rng: np.random.Generator, n_services: int, minutes: int, functions: int = 64
 ) -> np.ndarray:
-    """Per-service, per-minute relative rates of a synthetic MAF-like trace (spec §9.3 PROPOSAL)."""
+    """Per-service, per-minute relative rates of a synthetic MAF-like trace (our choice)."""
     base = rng.lognormal(0.0, 2.0, functions)
     rates = np.zeros((n_services, minutes))
     order = np.argsort(-base)  # functions in a fixed order (by size), round-robin to services
@@ -131,7 +132,7 @@ def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iterations: int = 50
 
 
 def length_clusters(rng: np.random.Generator, n_services: int) -> list[np.ndarray]:
-    """Spec §9.3: K-means of a 50/50 ShareGPT-like / LongBench-like pool by standardised
+    """SeaLLM §6.1 with our choices: K-means of a 50/50 ShareGPT-like / LongBench-like pool by standardised
     (log(1+in), log(1+out)); one (prompt, output) array per cluster, largest mean execution first is
     not implied (clusters come in label order)."""
     half = POOL_REQUESTS // 2
@@ -212,7 +213,7 @@ def with_history(s: ServiceInput, history: Sequence[HistoryRequest], span_s: flo
 def fixed_stats(
     services: Sequence[ServiceInput], window: dict[str, list[HistoryRequest]]
 ) -> dict[str, ServiceStats]:
-    """L̂_s, Var_s from every request of the service (warm-up and window): its profile (spec §9.1)."""
+    """L̂_s, Var_s from every request of the service (warm-up and window): its profile (exec_ref)."""
     return {
         s.name: stats_of(s, [(h.prompt_tokens, h.output_tokens) for h in (*s.history, *window[s.name])])
         for s in services
@@ -220,8 +221,9 @@ def fixed_stats(
 
 
 def dedicated_plan(pool: PoolInput, services: Sequence[ServiceInput], *, replicas: bool) -> PlacementPlan:
-    """vLLM baseline (spec §9.5, §12-20): GPUs split evenly; one instance per service with TP equal to its
-    share (a power of two, never below tp_min), or (``replicas``) the share as replicas of tp_min GPUs."""
+    """vLLM baseline (SeaLLM §6.1; layout our choice): GPUs split evenly; one instance per service with TP
+    equal to its share (a power of two, never below tp_min), or (``replicas``) the share as replicas of tp_min
+    GPUs."""
     share = pool.max_gpus // len(services)
     groups = []
     for s in services:
@@ -271,7 +273,7 @@ def serve_adaptive(
     *,
     adaptive: bool = True,
 ) -> tuple[list[RequestOutcome], ClusterSim, PlacementPlan, list[dict[str, Any]]]:
-    """SeaLLM's timeline (spec §7): P_0 from the warm-up history; at every boundary T_{t+1} = T_t + I_t,
+    """SeaLLM's timeline (SeaLLM §4.3): P_0 from the warm-up history; at every boundary T_{t+1} = T_t + I_t,
     M_real of the interval (requests that arrived in it, censored at the boundary), I_{t+1} by Eq. 8 from
     M_est, then P_{t+1} = Alg. 1 on the interval's history, rolled out with the least churn. After the
     window the last plan serves until every request has finished. Returns outcomes, the cluster, the
