@@ -3,7 +3,7 @@
 An arrival that joins an open group goes where that group is (groups are never split
 across instances, and a started group never migrates). A new group goes to the VQ
 with the smallest estimated start of a tail append, ``wt_tail + S [tail model differs]``
-(spec A4 step 5), preferring a VQ whose tail has the same model on ties; the chosen
+(our choice; QLM leaves it to the MILP), preferring a VQ whose tail has the same model on ties; the chosen
 instance's agent then runs the violation check and reorders its VQ.
 """
 

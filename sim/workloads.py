@@ -1,9 +1,9 @@
 """Synthetic and trace-driven workloads: arrivals, lengths, request classes and models.
 
-Arrival processes (qlm_chiron_spec part C): Poisson(λ); Gamma inter-arrivals with
+Arrival processes (docs/papers.md, "Engine: synthetic workloads"): Poisson(λ); Gamma inter-arrivals with
 ``shape`` and ``scale`` (CV² = 1/shape); bursty surges (the rate is multiplied for
 a fraction of the time, in alternating windows). Lengths come from a trace, a
-prompt/response JSONL file, or the spec's ShareGPT lognormal fit. Everything is
+prompt/response JSONL file, or a ShareGPT lognormal fit. Everything is
 seeded by the caller's ``numpy.random.Generator``.
 """
 
@@ -109,7 +109,7 @@ def scale_to_rate(arrivals: Sequence[float], rate: float) -> np.ndarray:
 
 # ---- lengths ----------------------------------------------------------------------------------
 def sharegpt_lengths(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """(input, output) lengths from the lognormal ShareGPT fit of qlm_chiron_spec part C."""
+    """(input, output) lengths from the lognormal ShareGPT fit of docs/papers.md."""
     inp = np.clip(np.round(rng.lognormal(4.58, 1.0, n)), 4, 2048).astype(int)
     out = np.clip(np.round(rng.lognormal(5.50, 0.8, n)), 4, 2048).astype(int)
     out = np.minimum(out, 4096 - inp)

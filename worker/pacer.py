@@ -1,4 +1,4 @@
-"""Token pacer (elis_andes_spec §B.8; Andes paper §5, Fig. 10).
+"""Token pacer (Andes §5, Fig. 10; docs/papers.md, "Andes: token pacer").
 
 A pacer takes a request's tokens as they are generated (delivery times ``D_i``)
 and releases token i at its consumption time ``A_i = max(D_i, A_{i-1} + 1/r)``
@@ -67,7 +67,7 @@ class TokenPacer:
         return self._release[i] if i < len(self._release) else None
 
     def slack(self, t: float) -> float:
-        """Seconds the server may stop generating at ``t`` before the user stalls (spec §B.8 CHOICE):
+        """Seconds the server may stop generating at ``t`` before the user stalls (CHOICE):
         ``max(A_n + 1/r, I_{n+1}) - t``; ``arrival + T* - t`` before the first token."""
         n = self.delivered
         due = self.params.ideal_time(n + 1)

@@ -1,9 +1,9 @@
-"""Exact placement for one stage-1 partition as a PuLP/CBC MILP (seallm_spec §12, optional variant).
+"""Exact placement for one stage-1 partition as a PuLP/CBC MILP (our variant; docs/papers.md).
 
 Variables ``x[s,b] ∈ {0,1}`` (s placed on b), ``f[s,b] ∈ [0,1]`` (share of s's traffic on b), ``U ≥ 0``.
 Constraints: ``f ≤ x``; ``Σ_b f[s,b] = 1`` (Eq. 3); ``Σ_s x[s,b] ≤ K_max``; ``x = 0`` where TP < tp_min;
 memory per GPU (``Σ x·W/p + A + KV_min ≤ γM``); load ``Σ_s f·λ_s·w_s(p_b) ≤ U`` with ``w_s`` the
-estimator's per-request group time. Objective: ``min U + ε·Σx`` (the spec's; ε avoids needless replicas).
+estimator's per-request group time. Objective: ``min U + ε·Σx`` (ε avoids needless replicas).
 For small problems; the greedy (``placement.py``) is the default.
 """
 
