@@ -1,11 +1,11 @@
-"""Simulated cluster of SeaLLM sharing groups: the request dispatcher and plan roll-outs (seallm_spec §4, §7).
+"""Simulated cluster of SeaLLM sharing groups: the request dispatcher and plan roll-outs (SeaLLM §3, §4.3).
 
 Every instance of a placement plan is a ``GroupEngine``. The dispatcher sends each request to the ready
 instance hosting its service with the fewest outstanding (queued + running) requests, ties to the lowest
-instance id (spec §4 PROPOSAL). Instances are independent between dispatches, so only the hosts of a
+instance id (CHOICE). Instances are independent between dispatches, so only the hosts of a
 request's service are advanced to its arrival before the choice (cost grows with events).
 
-``apply(plan, at)`` rolls a new plan out with the least churn (spec §7 PROPOSAL): instances whose
+``apply(plan, at)`` rolls a new plan out with the least churn (CHOICE, docs/papers.md): instances whose
 (services, TP) stay in the plan keep running with their queues and KV; other instances stop, and their
 unfinished requests are re-dispatched keeping their generated tokens, budget and arrival (their KV is
 recomputed where they land); new instances start after the switch stall ``W_group/p / BW_h2d + t_init``.
@@ -32,7 +32,7 @@ from tessera.core.policies.seallm import ServiceStats
 
 @dataclass(frozen=True, slots=True)
 class SwitchCost:
-    """Stall of a newly started group (spec §7 PROPOSAL): weights per GPU over host-to-device bandwidth,
+    """Stall of a newly started group (CHOICE): weights per GPU over host-to-device bandwidth,
     plus engine initialisation. Pulls from storage are overlapped with serving (not charged)."""
 
     h2d_bytes_per_s: float = 20e9

@@ -1,4 +1,4 @@
-"""Discrete-event simulator of SeaLLM sharing groups (seallm_spec §4, §5, §8, §9.1).
+"""Discrete-event simulator of SeaLLM sharing groups (SeaLLM §3-§4; docs/papers.md, "SeaLLM").
 
 One group = one engine on ``tp`` GPUs hosting one or more services. Each iteration runs **one service in
 one phase** (temporal sharing): a prefill batch (prompts up to the token budget) or a decode batch.
@@ -17,7 +17,7 @@ taken every ``chunk`` decode iterations, so cost grows with events, not tokens).
 
 ``GroupEngine`` is the steppable engine (requests can be submitted at any time, and taken out for
 migration); ``simulate_group`` replays a fixed request list on one group. Requests left at a ``horizon``
-are censored as in spec §6.2: ``L_r = horizon − a_r + exec_ref(r)``. Pure: no clock, no I/O.
+are censored as in SeaLLM's unserved index: ``L_r = horizon − a_r + exec_ref(r)``. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from tessera.core.policies.seallm import Budget, DBBook, ServiceStats
 
 Scheduler = Literal["db", "fcfs", "vllm", "rr"]
 SCHEDULERS: tuple[Scheduler, ...] = ("db", "fcfs", "vllm", "rr")
-SHARING_OVERHEAD = 0.04  # ε_share: iteration time x (1 + ε) when several models share the group (§9.1)
-PREFILL_WATERMARK = 0.99  # spec §5.2 EnoughResource: keep 1 % of the KV pool free when admitting prefills
+SHARING_OVERHEAD = 0.04  # ε_share: iteration time x (1 + ε) when several models share the group (CHOICE)
+PREFILL_WATERMARK = 0.99  # DB's admission test (CHOICE): keep 1 % of the KV pool free when admitting prefills
 
 
 @dataclass(slots=True, eq=False)
@@ -79,7 +79,7 @@ class GroupResult:
 
 
 def kv_capacity_bytes(pool: PoolInput, services: Sequence[ServiceInput], tp: int) -> float:
-    """Per-GPU bytes of the unified KV pool: γ·M − Σ W/p − max A (spec §8 item 4)."""
+    """Per-GPU bytes of the unified KV pool: γ·M − Σ W/p − max A (SeaLLM §4.4)."""
     return (
         pool.memory_fraction * pool.gpu_memory_bytes
         - sum(s.weights_bytes for s in services) / tp
@@ -97,7 +97,7 @@ def service_stats(services: Sequence[ServiceInput]) -> dict[str, ServiceStats]:
 
 def stats_of(s: ServiceInput, lengths: Sequence[tuple[int, int]]) -> ServiceStats:
     """L̂_s and Var_s (std) of isolated execution time at tp_min over ``lengths`` (prompt, output);
-    the service's mean lengths when empty. Starvation threshold θ_s = 0.5·SLO_s (spec §5.2)."""
+    the service's mean lengths when empty. Starvation threshold θ_s = 0.5·SLO_s (CHOICE)."""
     if lengths:
         execs = [s.profile.at_tp(s.tp_min).exec_time(p, max(1, o)) for p, o in lengths]
         mean = sum(execs) / len(execs)
@@ -205,7 +205,7 @@ class GroupEngine:
         return h[0][3] if h else None
 
     def _evict(self, target: float, keep: set) -> None:
-        """Recompute-preempt resident requests, largest priority key first, outside ``keep`` (spec §8.8)."""
+        """Recompute-preempt resident requests, largest priority key first, outside ``keep`` (CHOICE)."""
         victims = sorted(
             (r for n in self.names for r in self._resident[n] if r not in keep), key=self._prio, reverse=True
         )
@@ -225,7 +225,7 @@ class GroupEngine:
     # --- public interface ---
     @property
     def outstanding(self) -> int:
-        """Requests queued or running here (the dispatcher's load measure, spec §4)."""
+        """Requests queued or running here (the dispatcher's load measure, SeaLLM §3)."""
         return self.active
 
     def _kv(self, r: SimRequest) -> float:
@@ -244,7 +244,7 @@ class GroupEngine:
         """Queue ``r`` (new, or migrated with its progress and budget); it runs from the next decision.
         A request the pool cannot hold is rejected, as vLLM refuses a prompt its KV cache cannot
         hold: it is marked, counted in ``rejected`` and never served (its outcome is an SLO miss
-        with the spec's censored latency)."""
+        with SeaLLM's censored latency)."""
         if r.service not in self.by_name:
             raise ValueError(f"group of {self.names} does not host service {r.service!r}")
         if not self.holds(r):
@@ -267,8 +267,8 @@ class GroupEngine:
         return done
 
     def evacuate(self) -> list[SimRequest]:
-        """Take every unfinished request out (group stopped for re-placement): KV freed, progress kept;
-        the caller re-dispatches them (their KV is recomputed where they land, spec §7)."""
+        """Take every unfinished request out (group stopped for re-placement): KV freed, progress kept; the
+        caller re-dispatches them (their KV is recomputed where they land: TP and block shape may differ)."""
         out = [r for r in self._members if r.finished is None]
         for r in out:
             r.resident = False
@@ -307,7 +307,7 @@ class GroupEngine:
 
     def _admissible(self, seed: SimRequest) -> SimRequest:
         """``seed``, or a resident request to decode when ``seed`` is a prefill that does not fit the free
-        KV slots: prefills are admitted only into free slots (spec §8 item 8); evicting residents for a
+        KV slots: prefills are admitted only into free slots (CHOICE); evicting residents for a
         prefill would let requests whose priorities cross evict each other without end."""
         if seed.resident:
             return seed
@@ -417,7 +417,7 @@ class GroupEngine:
             if self.used + kvt * k * len(batch) > cap:
                 self._evict(cap - kvt * k * len(batch), set(batch))
                 while len(batch) > 1 and self.used + kvt * k * len(batch) > cap:
-                    # still no room: preempt (recompute) from the batch's low-priority end (spec §8.8);
+                    # still no room: preempt (recompute) from the batch's low-priority end (CHOICE);
                     # merely leaving it out would keep its KV and starve the pool
                     self._preempt(batch.pop())
             b = len(batch)
