@@ -75,7 +75,7 @@ def row_group(pair: Pair) -> str:
 def by_row(pairs: list[Pair]) -> list[Pair]:
     """The pairs with each row its own split group (``row_group``).
 
-    Only to compare with ELIS' reported accuracy (spec §A.12 #7): a row split puts other models'
+    Only to compare with ELIS' reported accuracy (ELIS §4.2 splits rows 6:2:2): a row split puts other models'
     answers to the same prompt on both sides, so held-out figures leak."""
     return [Pair(p.prompt, p.response, row_group(p), p.source, p.model) for p in pairs]
 
@@ -131,7 +131,7 @@ def sample_rows(pairs: list[Pair], max_rows: int | None, seed: int) -> list[Pair
 
 
 def log_iqr_bounds(lengths: list[int], k: float = 1.5) -> tuple[float, float]:
-    """ELIS' outlier rule (spec §A.3 step 4): keep lengths within ``k``·IQR of the quartiles of log length."""
+    """ELIS' outlier rule (§4.2): keep lengths within ``k``·IQR of the quartiles of log length."""
     if not lengths:
         raise ValueError("no lengths to compute outlier bounds from")
     q1, q3 = np.percentile(np.log(np.maximum(np.asarray(lengths, dtype=np.float64), 1.0)), [25, 75])

@@ -28,7 +28,7 @@ def feature_dim(embed_dim: int) -> int:
 
 def prompt_chunk(ids: Sequence[int], max_tokens: int) -> list[int]:
     """The prompt's encoder ids kept for embedding: all, or the first and last halves of ``max_tokens``
-    (spec §A.12 #6: keep the head and the most recent tokens)."""
+    (CHOICE: keep the head and the most recent tokens)."""
     if len(ids) <= max_tokens:
         return list(ids)
     head = max_tokens // 2

@@ -70,7 +70,7 @@ class TrainConfig:
     steps: StepSettings = field(default_factory=StepSettings)
     val_fraction: float = 0.2
     # "prompt" (the default and the only honest one) or "row": every row its own group, which leaks
-    # prompts across the split; kept to compare with ELIS' row-split figure (spec §A.12 #7).
+    # prompts across the split; kept to compare with ELIS' row-split figure (ELIS §4.2).
     split_by: str = "prompt"
     # Share of the training prompts held out as the dev split that picks the best epoch, so the
     # validation figures come from prompts no training choice has seen.
