@@ -142,7 +142,7 @@ class Plan:
 class SolverSettings:
     """Knobs of the global scheduler (size control and solver settings: our choices)."""
 
-    time_limit_s: float = 5.0  # spec: the paper's 5 s budget; bounds build + solve
+    time_limit_s: float = 5.0  # QLM's 5 s solver budget (Fig. 20); bounds build + solve
     mip_gap: float = 0.01
     slots_factor: float = 1.25  # L = min(N_q, ceil(slots_factor * N / |G|) + 2); module docstring
     tail_aware: bool = True  # compare start + W_last + P with the slack (Eq. 11: start only)
