@@ -28,9 +28,9 @@ Protocol (the same for the simulator and the worker; both shells call every hook
    It exists for policies with expensive work (ISRTF's predictor, QLM's MILP): the worker
    calls it before each decision and runs the callable on a thread, so its event loop keeps
    streaming; the callable may only touch the policy's own state and numbers taken in
-   ``prepare``. ``schedule`` must still do whatever work is due itself, which is why the
-   simulator, with no stream to keep flowing, skips ``prepare``: a decision is the same
-   with or without it.
+   ``prepare``. ``schedule`` must still do whatever work is due itself, so a shell may skip
+   ``prepare``: the simulator, with no stream to keep flowing, does, and its decisions do
+   that work inline.
 
 ``InstanceView`` is filled the same way by both shells (``kv_blocks`` and
 ``resident_kv_tokens`` are the KV accounting both use; ``tests/test_conformance.py``
