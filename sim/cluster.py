@@ -22,7 +22,7 @@ import heapq
 import itertools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from tessera.core.policy import Policy
@@ -36,6 +36,11 @@ INF = float("inf")
 MAX_IDLE_TICKS = 10_000  # controller ticks with only held requests left before the run is declared stalled
 
 PolicyFactory = Callable[[], Policy]
+
+
+class Unservable(LookupError):
+    """A router's answer for a request no instance can ever serve (its KV fits none): the cluster
+    drops it and counts it in ``Cluster.rejected``, as vLLM refuses a prompt its KV cache cannot hold."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +127,7 @@ class AddInstance:
     role: str = "default"
     models: tuple[str, ...] | None = None  # None: the cluster's models
     max_batch: int | None = None
+    profiles: Mapping[str, StepProfile] | None = None  # the models' profiles here; None: the cluster's
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +230,7 @@ class Cluster:
         self._names = itertools.count()
         self._pending: list[Request] = []  # removed instances' requests to route again
         self._held: dict[Request, None] = {}  # the global queue: requests a router held, in order
+        self.rejected: list[Request] = []  # requests a router found unservable (never served)
         self.log: list[tuple[float, str, str]] = []
         for _ in range(config.instances):
             self.add_instance(role=config.role, cold=False)
@@ -239,15 +246,17 @@ class Cluster:
         max_batch: int | None = None,
         *,
         cold: bool = True,
+        profiles: Mapping[str, StepProfile] | None = None,
     ) -> Instance:
-        """Create an instance now; with ``cold`` it is ready after its profile's cold start."""
-        names = list(models) if models is not None else list(self.config.profiles)
-        unknown = [m for m in names if m not in self.config.profiles]
+        """Create an instance now; with ``cold`` it is ready after its profile's cold start.
+        ``profiles`` replaces the cluster's profiles of these models on this instance (its own
+        tensor-parallel degree or KV pool)."""
+        known = self.config.profiles if profiles is None else profiles
+        names = list(models) if models is not None else list(known)
+        unknown = [m for m in names if m not in known]
         if unknown or not names:
-            raise ValueError(
-                f"cannot add an instance for models {names}; known: {list(self.config.profiles)}"
-            )
-        profiles = {m: self.config.profiles[m] for m in names}
+            raise ValueError(f"cannot add an instance for models {names}; known: {list(known)}")
+        profiles = {m: known[m] for m in names}
         first = profiles[names[0]]
         inst = Instance(
             f"i{next(self._names)}",
@@ -289,7 +298,7 @@ class Cluster:
         """Apply controller actions at the current time."""
         for act in actions:
             if isinstance(act, AddInstance):
-                self.add_instance(act.role, act.models, act.max_batch)
+                self.add_instance(act.role, act.models, act.max_batch, profiles=act.profiles)
             elif isinstance(act, DrainInstance):
                 inst = self._find(act.name)
                 inst.draining = True
@@ -317,7 +326,11 @@ class Cluster:
                 self._route(req)
 
     def _route(self, req: Request) -> None:
-        inst = self.router.route(req, self.view())
+        try:
+            inst = self.router.route(req, self.view())
+        except Unservable:
+            self.rejected.append(req)
+            return
         if inst is None:
             self._held[req] = None
             return
@@ -398,7 +411,8 @@ class Cluster:
         end = self.now
         if progress is not None and n - done_before > 0:
             progress(n - done_before)
-        unfinished = [r for r in requests if not r.finished]
+        rejected = set(self.rejected)
+        unfinished = [r for r in requests if not r.finished and r not in rejected]
         if unfinished:
             raise RuntimeError(f"{len(unfinished)} requests did not finish (first: {unfinished[0].id})")
         everyone = self.instances + self.retired

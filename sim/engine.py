@@ -1,6 +1,6 @@
 """One simulated continuous-batching engine instance (vLLM V0 semantics).
 
-Spec: elis_andes_spec.md §0.2, qlm_chiron_spec.md part C, seallm_spec.md §9.1.
+Model: docs/papers.md, "Engine: iteration semantics" and "Engine: step-time model".
 
 - KV cache in blocks of ``profile.block_size``; a resident request with context
   ``c = P + n_gen`` holds ``ceil((c + 1) / block)`` blocks, i.e. what its next
@@ -30,7 +30,12 @@ Spec: elis_andes_spec.md §0.2, qlm_chiron_spec.md part C, seallm_spec.md §9.1.
 - Models: ``profiles`` maps each model the instance can serve to its step
   profile. One model is active; loading a model that is not resident costs
   ``weights_bytes / host_link`` (a model swap) and evicts the least recently
-  used resident model beyond ``max_resident_models``.
+  used resident model beyond ``max_resident_models``. With ``shared_kv`` every model's weights
+  stay resident and the models share one KV pool (SeaLLM's temporal sharing): switching the
+  active model costs nothing and pauses the running requests with their KV kept; the policy is
+  asked again at once, seeing the new model's view. Each model's
+  profile then gives its block size so that a block holds the same bytes for every model, and
+  admissions take free KV only (the other models' requests keep theirs).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ _generated_of = operator.attrgetter("generated")
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Settings of one simulated engine instance (each a CHOICE with the specs' default)."""
+    """Settings of one simulated engine instance (each a CHOICE; defaults in docs/papers.md)."""
 
     max_batch: int = 256  # vLLM max_num_seqs default
     chunked_prefill: bool = False  # Sarathi-Serve style mixed iterations
@@ -66,6 +71,7 @@ class EngineConfig:
     swap_space_tokens: int | None = None  # host swap space; None: 4 GiB (vLLM default) of KV
     max_resident_models: int = 1  # models whose weights fit at once
     prefix_caching: bool = False  # reuse the KV of a prompt's leading blocks cached by earlier requests
+    shared_kv: bool = False  # every model resident, one KV pool: model switches keep requests' KV
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -317,7 +323,7 @@ class Instance:
                 self._start(req, now, prefill=0)
                 continue
             need = blocks_for(context, block)
-            while cap - self.used_blocks - need < reserve and self.paused_kv:
+            while cap - self.used_blocks - need < reserve and self.paused_kv and not self.config.shared_kv:
                 self._preempt(self.paused_kv[-1], "recompute", now, engine=True)  # paused KV gives way
             if cap - self.used_blocks - need < reserve:
                 break
@@ -379,7 +385,7 @@ class Instance:
 
     def _preempt(self, req: Request, mode: PreemptMode, now: float, *, engine: bool) -> None:
         """Take ``req`` out of the batch (or drop the KV of a paused one)."""
-        block = self.profile.block_size
+        block = self.profiles[req.model].block_size
         context = req.prompt_tokens + req.generated
         if req in self._prefill_left:
             del self._prefill_left[req]
@@ -414,6 +420,19 @@ class Instance:
     def _load_model(self, model: str, now: float) -> bool:
         if model not in self.profiles:
             raise ValueError(f"instance {self.name}: policy asked to load unknown model {model!r}")
+        if self.config.shared_kv:
+            for req in list(self.running):
+                if req in self._prefill_left:
+                    self._preempt(req, "recompute", now, engine=True)
+                    continue
+                req.tokens.detach()  # paused with its KV kept: not a preemption
+                self.running.remove(req)
+                req.phase = Phase.PREEMPTED
+                self.paused_kv.append(req)
+            self.active_model = model
+            self.profile = self.profiles[model]
+            self.seg = _Segment("wait", now, now)  # the policy decides again at once, in this model's view
+            return True
         for req in list(self.running) + list(self.paused_kv):
             self._preempt(req, "recompute", now, engine=True)
         self.active_model = model
@@ -537,7 +556,7 @@ class Instance:
                 done.append(r)
             used += (r.prompt_tokens + r.generated) // block + 1
         for r in self.paused_kv:
-            used += blocks_for(r.prompt_tokens + r.generated, block)
+            used += blocks_for(r.prompt_tokens + r.generated, self.profiles[r.model].block_size)
         self.used_blocks = used
         for r in done:
             self._finish(r, seg.end)

@@ -25,7 +25,7 @@ SHELLS = {"worker", "operator", "sim", "router", "models"}
 MAY_IMPORT: dict[str, set[str]] = {
     "core": set(),
     "api": {"core"},
-    "control": {"core", "api"},
+    "control": {"core", "api", "sim"},
     "predictor": {"core", "api"},
     "worker": {"core", "api", "predictor"},
     "operator": {"core", "api", "control"},

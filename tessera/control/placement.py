@@ -1,6 +1,6 @@
 """Placement of LLM services onto GPU groups.
 
-- ``dedicated``: one group per service, the pool's GPUs split evenly (SeaLLM's vLLM baseline, §9.5).
+- ``dedicated``: one group per service, the pool's GPUs split evenly (SeaLLM's vLLM baseline, §6.1).
 - ``seallm``: SeaLLM §4.1 / Alg. 1 — GPU-group partition (stage 1) and the greedy unserved-index
   allocation (stage 2), scored by an estimator of the group's serving under DB scheduling.
 """
@@ -11,8 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tessera.control.cluster_sim import serve
-from tessera.control.group_sim import SHARING_OVERHEAD, service_stats
+from tessera.control.placement_sim import SHARING_OVERHEAD, serve, service_stats
 from tessera.core.planners.naming import group_name
 from tessera.core.planners.types import (
     GroupPlan,
@@ -122,7 +121,7 @@ class Group:
 
     index: int
     tp: int
-    reserved: bool = False  # merged for a service with tp_min > candidate TP (spec §6.1)
+    reserved: bool = False  # merged for a service with tp_min > candidate TP (SeaLLM §4.1)
     services: list[str] = field(default_factory=list)
 
 
@@ -232,7 +231,7 @@ def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s
         g.index: [sum(load[(g.index, n)][m] for n in g.services) for m in range(n_bins)] for g in groups
     }
     # What a service's requests queue behind (CHOICE, priority-aware sharing): DB ranks by budget x L̂_s,
-    # so a short service's requests run ahead of a co-located long service's (spec §5.2: a new request's
+    # so a short service's requests run ahead of a co-located long service's (SeaLLM §4.2: a new request's
     # O grows with L̂_s²); each service sees its own load plus that of neighbours with L̂ not longer.
     # Pooling every neighbour's load instead made a short service on an overloaded group violate all its
     # requests, and the greedy kept piling it onto such groups (tessera bench seallm, seed 0).
@@ -285,7 +284,7 @@ def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s
 def can_allocate(
     pool: PoolInput, g: Group, s: ServiceInput, k_max: int, by_name: dict[str, ServiceInput]
 ) -> bool:
-    """CanAllocate (spec §6.2): not there yet, room, TP, reservation rule, memory."""
+    """CanAllocate (SeaLLM Alg. 1): not there yet, room, TP, reservation rule, memory."""
     if s.name in g.services or len(g.services) >= k_max or g.tp < s.tp_min:
         return False
     if g.reserved and not any(by_name[n].tp_min == g.tp for n in g.services) and s.tp_min != g.tp:
@@ -373,10 +372,11 @@ def plan_seallm(
     """SeaLLM Alg. 1 over every stage-1 candidate; the best by (estimated SLO attainment, then L_N).
 
     The greedy steps use the analytic estimator (fast SimulateUI); with ``simulate`` and a history, each
-    candidate's final plan is scored by replaying the services' history through the simulated cluster
-    (group engines under DB scheduling, the dispatcher; the paper's SimulatePerformance), which gives
+    candidate's final plan is scored by replaying the services' history through the simulator
+    (``tessera.sim`` instances under the core's DB policy, the dispatcher; the paper's
+    SimulatePerformance), which gives
     M_est. ``stats`` are the services' L̂_s / Var_s (the service monitor's); default: from the history.
-    ``k_choices``: the K_max values of the candidate set (spec §6.1 INFERRED reading: {1, 2}).
+    ``k_choices``: the K_max values of the candidate set (our reading of SeaLLM §4.1: {1, 2}).
 
     Least churn (CHOICE): if ``previous`` still places every service and the best new plan is not better
     by more than ``keep_margin`` attainment (or 2 % L_N at equal attainment), both scored the same way,
@@ -450,8 +450,9 @@ def simulate_performance(
     groups: Sequence[Group],
     stats: dict[str, ServiceStats] | None = None,
 ) -> Estimate:
-    """Replay every service's history on ``groups`` through the simulated cluster (DB scheduling, the
-    dispatcher), censoring what is left at twice the history's span plus a minute."""
+    """Replay every service's history on ``groups`` through the simulator (``tessera.sim`` instances
+    under the core's DB policy, the dispatcher; ``placement_sim``), censoring what is left at twice
+    the history's span plus a minute."""
     stats = stats or service_stats(services)
     t0 = min((h.arrival for s in services for h in s.history), default=0.0)
     t1 = max((h.arrival for s in services for h in s.history), default=0.0)
@@ -463,7 +464,7 @@ def simulate_performance(
     if not reqs:
         return estimate(services, groups)
     plan = to_plan("seallm", groups, None)
-    outcomes, _ = serve(pool, services, plan, reqs, stats=stats, scheduler="db", horizon=2 * (t1 - t0) + 60.0)
+    outcomes, _ = serve(pool, services, plan, reqs, stats=stats, horizon=2 * (t1 - t0) + 60.0)
     per_service: dict[str, float] = {}
     for o in outcomes:
         per_service[o.service] = per_service.get(o.service, 0.0) + (not o.slo_met)
@@ -485,7 +486,7 @@ def plan_placement(
 
     ``strategy="dedicated"``: one group per service (GPUs split evenly). ``strategy="seallm"``: SeaLLM's
     two-stage search over the services' recent history; services without history or rate get their
-    minimum dedicated placement first (SeaLLM §4). ``previous`` is the plan in effect: groups that stay
+    minimum dedicated placement first (SeaLLM §3). ``previous`` is the plan in effect: groups that stay
     keep their names (and so their pods). ``now`` is the planning time (for the history window).
     Raises ``PlacementError`` when the pool cannot host every service."""
     if strategy == "dedicated":

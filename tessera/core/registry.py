@@ -51,6 +51,10 @@ POLICIES: dict[str, tuple[str, str]] = {
     "qoe": ("tessera.core.policies.qoe:AndesQoE", "tessera.core.policies.qoe:QoESettings"),
     "qlm": ("tessera.core.policies.qlm:QLMPolicy", "tessera.core.policies.qlm.policy:QLMSettings"),
     "seallm": ("tessera.core.policies.seallm:DoublingBudget", "tessera.core.policies.seallm:SeaLLMSettings"),
+    "round-robin-sharing": (
+        "tessera.core.policies.seallm:RoundRobinSharing",
+        "tessera.core.policies.seallm:RoundRobinSharingSettings",
+    ),
 }
 
 

@@ -1,4 +1,4 @@
-"""SeaLLM doubling-budget (DB) scheduling (seallm_spec §5, Alg. 2).
+"""SeaLLM doubling-budget (DB) scheduling (SeaLLM §4.2, Alg. 2; see docs/papers.md).
 
 Priority ``O_r = Q_r · L̂_s`` (smaller first), where ``Q_r`` is the execution-time budget the request
 has left and ``L̂_s`` its service's mean isolated execution time. The initial budget is
@@ -6,14 +6,23 @@ has left and ``L̂_s`` its service's mean isolated execution time. The initial b
 time since the previous decision (the iterations they took part in); at exhaustion the k-th renewal
 grants ``2^k·Q⁰_s`` (flag ``doubling="constant"``: always ``2·Q⁰_s``), with no carry-over. A request
 that has not run for longer than its service's starvation threshold (default ``0.5·SLO_s``) seeds the
-next batch. Every batch holds one service: the seed's, filled in ``O`` order.
+next batch. Every batch holds one service: the seed's, filled in ``O`` order. Prefills are admitted
+only into free KV (our eviction choice): a seed without KV that does not fit the free KV while others hold
+some yields to the best request of its service holding KV (else of any service), whose progress frees
+room; evicting resident requests for it would let requests whose priorities cross evict each other
+without end. On an instance of several models (``InstanceView.active_model``) the decision loads the
+seed's model; the simulator's shared-KV engine switches models keeping every request's KV.
 
-The same ``DBBook`` drives the worker policy and the SeaLLM group simulator used by the planner.
+``RoundRobinSharing`` is SeaLLM's round-robin sharing baseline: the models of an instance take turns.
+
+The same policies drive the worker and the simulator, which the planner's estimator runs
+(``tessera.control.placement_sim``).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
@@ -22,9 +31,10 @@ from pydantic import Field
 
 from tessera.core.policy import Decision, InstanceView, Policy
 from tessera.core.registry import PolicySettings
-from tessera.core.request import Request
+from tessera.core.request import Phase, Request
 
 Doubling = Literal["geometric", "constant"]
+PREFILL_WATERMARK = 0.01  # share of the KV pool admissions keep free (CHOICE; the engines' watermark)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +128,14 @@ class SeaLLMSettings(PolicySettings):
         return {"services": services, "default_exec_s": self.default_exec_s}
 
 
+class RoundRobinSharingSettings(PolicySettings):
+    """Settings of ``round-robin-sharing``."""
+
+    turn_tokens: Annotated[int, Field(ge=1)] = Field(
+        default=8, description="Decode iterations of one model's turn before the next model's."
+    )
+
+
 class DoublingBudget(Policy):
     """SeaLLM's DB rule as a worker policy (one service per batch; preemptive at decision points).
 
@@ -139,6 +157,7 @@ class DoublingBudget(Policy):
         self._held: dict[Request, Budget] = {}
         self._last_now: float | None = None
         self._running: set[Request] = set()
+        self._blocks: dict[str, int] = {}  # KV block size of each model seen active (shared-KV instances)
 
     def _service(self, req: Request) -> str:
         if req.model not in self.book.stats:
@@ -178,6 +197,16 @@ class DoublingBudget(Policy):
             seed = max(starved, key=lambda x: (x[0], -x[1].arrival))[1]
         else:
             seed = min(self._held, key=lambda r: (book.priority(r.model, self._held[r]), r.arrival))
+        if view.active_model is not None:
+            self._blocks[view.active_model] = view.profile.block_size
+        block = self._blocks.get(seed.model) if view.active_model is not None else view.profile.block_size
+        if not seed.kv_resident and block is None:
+            return Decision(run=[], load_model=seed.model)  # learn its model's KV block first
+        if not seed.kv_resident and not fits_free_kv(view, seed, block or view.profile.block_size):
+            holding = [r for r in self._held if r.kv_resident]
+            if holding:
+                own = [r for r in holding if r.model == seed.model] or holding
+                seed = min(own, key=lambda r: (book.priority(r.model, self._held[r]), r.arrival))
         same = [(book.priority(r.model, b), r.arrival, i, r) for i, (r, b) in enumerate(self._held.items())]
         same = [x for x in same if x[3].model == seed.model and x[3] is not seed]
         run = (
@@ -188,4 +217,75 @@ class DoublingBudget(Policy):
         self._running = set(run)
         # Re-decide when the first running budget runs out, so demotion happens exactly at exhaustion.
         soonest = min(self._held[r].left for r in run)
-        return Decision(run=run, recheck_at=now + soonest)
+        return Decision(run=run, recheck_at=now + soonest, load_model=_switch(view, seed.model))
+
+
+def fits_free_kv(view: InstanceView, req: Request, block: int) -> bool:
+    """Whether ``req``'s prompt and progress, in blocks of ``block`` tokens of its model, fit the free
+    KV now, keeping the admission watermark free, as the engine counts them (on a shared-KV instance
+    a block holds the same bytes for every model)."""
+    active = view.profile.block_size
+    capacity = view.kv_capacity_tokens // active
+    need = (req.prompt_tokens + req.generated) // block + 1
+    return capacity - view.kv_used_tokens // active - need >= int(PREFILL_WATERMARK * capacity)
+
+
+def _switch(view: InstanceView, model: str) -> str | None:
+    """The model to load before running ``model``'s requests (None when it is active or the instance
+    serves one model)."""
+    return model if view.active_model is not None and model != view.active_model else None
+
+
+class RoundRobinSharing(Policy):
+    """Round-robin sharing (SeaLLM's baseline): the models of an instance take turns, one prefill or
+    at most ``turn_tokens`` decode iterations each; inside a turn vLLM's order (running requests, then
+    waiting ones in arrival order). A model whose oldest waiting request does not fit the free KV while
+    it holds none skips its turn (as DB, prefills only into free KV: turns that evict each other's KV
+    would recompute long prompts without end). Requests holding KV run first, then waiting ones."""
+
+    name: ClassVar[str] = "round-robin-sharing"
+
+    def __init__(self, turn_tokens: int = 8) -> None:
+        if turn_tokens < 1:
+            raise ValueError(f"turn_tokens must be >= 1, got {turn_tokens}")
+        self.turn_tokens = turn_tokens
+        self._queues: dict[str, dict[Request, None]] = {}  # model -> its requests in arrival order
+        self._turn = 0
+
+    def add(self, req: Request, now: float) -> None:
+        """Queue ``req`` behind its model's other requests."""
+        self._queues.setdefault(req.model, {})[req] = None
+
+    def remove(self, req: Request, now: float) -> None:
+        """Forget a finished or cancelled request."""
+        self._queues.get(req.model, {}).pop(req, None)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._queues.values()))
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """The next model with requests takes its turn."""
+        models = [m for m, q in self._queues.items() if q]
+        if not models:
+            return Decision(run=[])
+        start = self._turn % len(models)
+        for model in models[start:] + models[:start]:
+            queue = self._queues[model]
+            if view.kv_used_tokens and not any(r.kv_resident for r in queue):
+                if _switch(view, model) is not None:
+                    break  # whether its prefill fits is known in its own model's KV units
+                if not fits_free_kv(view, next(iter(queue)), view.profile.block_size):
+                    continue
+            break
+        else:
+            model = models[start]
+        if _switch(view, model) is not None:
+            self._turn = models.index(model)  # its turn starts once it is loaded
+            return Decision(run=[], load_model=model)
+        self._turn = models.index(model) + 1
+        queue = self._queues[model]
+        resident = [r for r in view.running if r.model == model]
+        resident += [r for r in queue if r.kv_resident and r.phase is not Phase.RUNNING]
+        waiting = (r for r in queue if not r.kv_resident)
+        run = resident + list(itertools.islice(waiting, max(0, view.max_batch - len(resident))))
+        return Decision(run=run, recheck_after_tokens=self.turn_tokens)

@@ -1,0 +1,260 @@
+"""A placement plan served on the simulator (``tessera.sim``): SeaLLM's SimulatePerformance.
+
+Every instance of a plan is a ``tessera.sim`` engine instance on ``tp`` GPUs holding the group's
+services (SeaLLM §3, §4.4; docs/papers.md, "SeaLLM"):
+
+- each service's step profile at the group's TP (``StepProfile.at_tp``), every iteration time x
+  ``1 + SHARING_OVERHEAD`` when several models share the group;
+- one KV pool per group, ``γ·M − Σ W/p − A`` bytes per GPU (``kv_capacity_bytes``), shared by the
+  models (the engine's ``shared_kv``: every model resident, switching keeps every request's KV); a
+  block holds the same bytes for every model, so each model's block is ``BLOCK_TOKENS`` tokens of
+  the group's largest KV per token in its own tokens (rounded to whole tokens);
+- the policy is a core policy (``DoublingBudget`` for SeaLLM, ``FCFS``, ``RoundRobinSharing``);
+- the dispatcher is the core ``least-loaded`` route (fewest outstanding requests, SeaLLM §3) over the
+  instances whose KV pool can hold the request; a request none can hold is rejected (never served).
+
+Outcomes follow SeaLLM's unserved index (§4.1): ``L_r`` is the latency, or ``end − a_r + exec_ref(r)`` for a
+request not finished by ``end`` (censored); the SLO is met when ``L_r ≤ slo_scale·exec_ref(r)`` (isolated
+execution time at the service's tp_min); ``L_N = L_r / L̂_s``. Pure: a virtual clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from tessera.core.planners.types import HistoryRequest, PlacementPlan, PoolInput, ServiceInput
+from tessera.core.policies.seallm import DoublingBudget, ServiceStats
+from tessera.core.policy import Policy
+from tessera.core.profile import StepProfile
+from tessera.core.request import Request
+from tessera.sim.cluster import (
+    Cluster,
+    ClusterConfig,
+    ClusterController,
+    ClusterView,
+    RouteRouter,
+    Unservable,
+)
+from tessera.sim.engine import EngineConfig, Instance, blocks_for
+
+SHARING_OVERHEAD = 0.04  # ε_share: iteration time x (1 + ε) when several models share the group (CHOICE)
+BLOCK_TOKENS = 16  # KV block of the group's largest model per token
+# DB's admission test keeps 1 % of the KV pool free when admitting prefills (CHOICE): the engine's watermark
+ENGINE = EngineConfig(max_batch=256, token_budget=8192, watermark=0.01, shared_kv=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchCost:
+    """Stall of a newly started group (CHOICE): weights per GPU over host-to-device bandwidth,
+    plus engine initialisation. Pulls from storage are overlapped with serving (not charged)."""
+
+    h2d_bytes_per_s: float = 20e9
+    init_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.h2d_bytes_per_s <= 0 or self.init_s < 0:
+            raise ValueError("switch cost needs h2d_bytes_per_s > 0 and init_s >= 0")
+
+    def stall_s(self, services: Sequence[ServiceInput], tp: int) -> float:
+        """Seconds a new group of ``services`` on ``tp`` GPUs is unavailable."""
+        return sum(s.weights_bytes for s in services) / tp / self.h2d_bytes_per_s + self.init_s
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """One request's result: its service, latency (censored if unfinished), SLO met, TTFT."""
+
+    service: str
+    arrival: float
+    latency: float
+    norm_latency: float
+    slo_met: bool
+    ttft: float | None
+    finished: bool
+
+
+def kv_capacity_bytes(pool: PoolInput, services: Sequence[ServiceInput], tp: int) -> float:
+    """Per-GPU bytes of the unified KV pool: γ·M − Σ W/p − max A (SeaLLM §4.4)."""
+    return (
+        pool.memory_fraction * pool.gpu_memory_bytes
+        - sum(s.weights_bytes for s in services) / tp
+        - pool.activation_bytes_per_gpu
+    )
+
+
+def group_profiles(
+    pool: PoolInput, services: Sequence[ServiceInput], tp: int, *, stall_s: float = 0.0
+) -> dict[str, StepProfile]:
+    """Each service's step profile on a group of ``tp`` GPUs shared with the others (see the module
+    docstring); ``stall_s`` is the group's start-up time. ValueError when no KV memory is left."""
+    capacity = kv_capacity_bytes(pool, services, tp)
+    if capacity <= 0:
+        raise ValueError(f"services {sorted(s.name for s in services)} leave no KV memory on a TP{tp} group")
+    per_token = {s.name: max(1.0, s.kv_bytes_per_token / tp) for s in services}
+    block_bytes = BLOCK_TOKENS * max(per_token.values())
+    blocks = int(capacity // block_bytes)
+    slow = 1 + SHARING_OVERHEAD if len(services) > 1 else 1.0
+    out = {}
+    for s in services:
+        p = s.profile.at_tp(tp)
+        block = max(1, round(block_bytes / per_token[s.name]))
+        out[s.name] = replace(
+            p,
+            name=s.name,
+            decode_c0=p.decode_c0 * slow,
+            decode_c1=p.decode_c1 * slow,
+            decode_c2=p.decode_c2 * slow,
+            prefill_p0=p.prefill_p0 * slow,
+            prefill_p1=p.prefill_p1 * slow,
+            block_size=block,
+            kv_capacity_tokens=blocks * block,
+            kv_bytes_per_token=s.kv_bytes_per_token,
+            weights_bytes=s.weights_bytes,
+            cold_start_s=stall_s,
+        )
+    return out
+
+
+def exec_ref(s: ServiceInput, prompt: int, output: int) -> float:
+    """Isolated execution time of one request at the service's tp_min (its SLO and censoring)."""
+    return s.profile.at_tp(s.tp_min).exec_time(prompt, max(1, output))
+
+
+def service_stats(services: Sequence[ServiceInput]) -> dict[str, ServiceStats]:
+    """DB statistics from each service's history at its reference TP (L̂_s, std, θ_s = 0.5·SLO_s)."""
+    return {s.name: stats_of(s, [(h.prompt_tokens, h.output_tokens) for h in s.history]) for s in services}
+
+
+def stats_of(s: ServiceInput, lengths: Sequence[tuple[int, int]]) -> ServiceStats:
+    """L̂_s and Var_s (std) of isolated execution time at tp_min over ``lengths`` (prompt, output);
+    the service's mean lengths when empty. Starvation threshold θ_s = 0.5·SLO_s (CHOICE)."""
+    if lengths:
+        execs = [exec_ref(s, p, o) for p, o in lengths]
+        mean = sum(execs) / len(execs)
+        std = math.sqrt(sum((e - mean) ** 2 for e in execs) / len(execs))
+    else:
+        mean, std = s.mean_exec_s(), 0.0
+    return ServiceStats(mean_exec_s=mean, std_exec_s=std, starvation_s=0.5 * s.slo_scale * mean)
+
+
+def holds(inst: Instance, req: Request) -> bool:
+    """Whether ``inst``'s KV pool, emptied of everything else, holds ``req`` to its last token (the
+    engine's own admission test)."""
+    prof = inst.profiles[req.model]
+    cap = prof.kv_capacity_tokens // prof.block_size
+    need = blocks_for(req.prompt_tokens + req.target_output_tokens, prof.block_size)
+    return need <= cap - int(inst.config.watermark * cap)
+
+
+class Dispatcher(RouteRouter):
+    """SeaLLM's dispatcher (SeaLLM §3): the core ``least-loaded`` route over the instances whose KV pool
+    can hold the request; a request none can hold is unservable (the cluster rejects it)."""
+
+    def __init__(self) -> None:
+        super().__init__("least-loaded")
+
+    def route(self, req: Request, view: ClusterView) -> Instance:
+        """The instance with the fewest outstanding requests among those that can hold ``req``."""
+        able = [i for i in view.serving(req.model) if holds(i, req)]
+        if not able:
+            raise Unservable(f"request {req.id}: no instance of {req.model!r} holds its KV")
+        return super().route(req, replace(view, instances=able))
+
+
+def to_requests(requests: Iterable[tuple[str, HistoryRequest]]) -> list[Request]:
+    """Simulator requests (model = service name), in arrival order."""
+    ordered = sorted(requests, key=lambda x: x[1].arrival)
+    return [
+        Request(
+            f"r{i}", h.arrival, h.prompt_tokens, max(1, h.output_tokens), model=name,
+            true_output_tokens=max(1, h.output_tokens),
+        )
+        for i, (name, h) in enumerate(ordered)
+    ]  # fmt: skip
+
+
+def new_cluster(
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    policy: Callable[[], Policy],
+    controller: ClusterController | None = None,
+) -> Cluster:
+    """An empty cluster for ``services`` (instances come from ``add_group``)."""
+    profiles = {s.name: s.profile.at_tp(s.tp_min) for s in services}
+    config = ClusterConfig(profiles=profiles, instances=0, engine=ENGINE)
+    return Cluster(config, policy, router=Dispatcher(), controller=controller)
+
+
+def add_group(
+    cluster: Cluster,
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    tp: int,
+    *,
+    switch: SwitchCost | None = None,
+) -> Instance:
+    """Start one instance of a group of ``services`` on ``tp`` GPUs now (after ``switch``'s stall)."""
+    stall = switch.stall_s(services, tp) if switch is not None else 0.0
+    profiles = group_profiles(pool, services, tp, stall_s=stall)
+    return cluster.add_instance(models=list(profiles), profiles=profiles, cold=switch is not None)
+
+
+def outcomes(
+    services: Sequence[ServiceInput],
+    stats: dict[str, ServiceStats],
+    requests: Iterable[Request],
+    end: float,
+) -> list[RequestOutcome]:
+    """The requests' outcomes as seen at ``end``: a request not finished by then (or never served) is
+    censored at ``end``: ``end − a + exec_ref``."""
+    by_name = {s.name: s for s in services}
+    out = []
+    for r in requests:
+        s = by_name[r.model]
+        ref = exec_ref(s, r.prompt_tokens, r.target_output_tokens)
+        done = r.finished_at is not None and r.finished_at <= end
+        lat = r.finished_at - r.arrival if done else max(end, r.arrival) - r.arrival + ref
+        first = r.first_token_at
+        out.append(
+            RequestOutcome(
+                service=r.model,
+                arrival=r.arrival,
+                latency=lat,
+                norm_latency=lat / stats[r.model].mean_exec_s,
+                slo_met=done and lat <= s.slo_scale * ref,
+                ttft=first - r.arrival if done and first is not None else None,
+                finished=done,
+            )
+        )
+    return out
+
+
+def serve(
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    plan: PlacementPlan,
+    requests: Sequence[tuple[str, HistoryRequest]],
+    *,
+    stats: dict[str, ServiceStats],
+    policy: Callable[[], Policy] | None = None,
+    horizon: float = math.inf,
+) -> tuple[list[RequestOutcome], Cluster]:
+    """Serve ``requests`` (service name, request) on a fixed ``plan`` until every one has finished;
+    outcomes are censored at ``horizon`` (default: none). ``policy`` makes each instance's policy
+    (default: SeaLLM's DB with ``stats``)."""
+    by_name = {s.name: s for s in services}
+    unplaced = sorted({n for n, _ in requests} - {n for g in plan.groups for n in g.services})
+    if unplaced:
+        raise ValueError(f"plan hosts no instance of services {unplaced} that have requests")
+    factory = policy or (lambda: DoublingBudget(dict(stats)))
+    cluster = new_cluster(pool, services, factory)
+    for g in plan.groups:
+        for _ in range(g.replicas.total):
+            add_group(cluster, pool, [by_name[n] for n in g.services], g.tp)
+    reqs = to_requests(requests)
+    if reqs:
+        cluster.run(reqs)
+    end = horizon if math.isfinite(horizon) else max((r.finished_at or 0.0 for r in reqs), default=0.0)
+    return outcomes(services, stats, reqs, end), cluster
