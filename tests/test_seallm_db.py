@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.control.group_sim import service_stats, simulate_group
 from tessera.core import InstanceView, Request, StepProfile
-from tessera.core.planners import HistoryRequest, PoolInput, ServiceInput
 from tessera.core.policies.seallm import DBBook, DoublingBudget, ServiceStats
 
 PROFILE = StepProfile("t", 0.01, 0.0, 0.0, 0.01, 0.0, kv_capacity_tokens=100_000)
@@ -64,41 +62,3 @@ def test_starved_request_seeds_the_batch():
     pol.add(short, 0.0)
     assert pol.schedule(view(0.0, [])).run == [short]
     assert pol.schedule(view(6.0, [short])).run == [long_r]  # waited 6 s > θ = 5 s
-
-
-LM_SHORT = StepProfile("lm", 0.01, 0.0, 0.0, 0.01, 0.0, 65536)
-
-
-def _svc(name, rate=1.0):
-    return ServiceInput(
-        name, 0, 1024, LM_SHORT, request_rate=rate, mean_prompt_tokens=10, mean_output_tokens=50
-    )
-
-
-def test_fig2_toy_db_beats_rr_beats_fcfs():
-    """A long S1 job followed by a burst of short S0 jobs (spec §13 check 2)."""
-    pool = PoolInput("p", "A800", 80 * 2**30, 1)
-    s0, s1 = _svc("s0"), _svc("s1")
-    reqs = [("s1", HistoryRequest(0.0, 10, 400))] + [
-        ("s0", HistoryRequest(0.05 + 0.01 * i, 10, 20)) for i in range(4)
-    ]
-    stats = service_stats(
-        [
-            ServiceInput("s0", 0, 1024, LM_SHORT, mean_prompt_tokens=10, mean_output_tokens=20),
-            ServiceInput("s1", 0, 1024, LM_SHORT, mean_prompt_tokens=10, mean_output_tokens=400),
-        ]
-    )
-    ln = {}
-    for sched in ("db", "rr", "fcfs"):
-        res = simulate_group(pool, [s0, s1], 1, reqs, scheduler=sched, horizon=1e4, stats=stats, max_batch=1)
-        assert all(o.finished for o in res.outcomes)
-        ln[sched] = sum(o.norm_latency for o in res.outcomes) / len(res.outcomes)
-    assert ln["db"] < ln["rr"] < ln["fcfs"], ln
-
-
-def test_group_sim_censors_unfinished_requests():
-    pool = PoolInput("p", "A800", 80 * 2**30, 1)
-    reqs = [("s0", HistoryRequest(0.0, 10, 10_000))]
-    res = simulate_group(pool, [_svc("s0")], 1, reqs, scheduler="db", horizon=5.0)
-    (o,) = res.outcomes
-    assert not o.finished and not o.slo_met and o.latency > 5.0

@@ -180,10 +180,11 @@ def new_cluster(
     services: Sequence[ServiceInput],
     policy: Callable[[], Policy],
     controller: ClusterController | None = None,
+    engine: EngineConfig = ENGINE,
 ) -> Cluster:
     """An empty cluster for ``services`` (instances come from ``add_group``)."""
     profiles = {s.name: s.profile.at_tp(s.tp_min) for s in services}
-    config = ClusterConfig(profiles=profiles, instances=0, engine=ENGINE)
+    config = ClusterConfig(profiles=profiles, instances=0, engine=engine)
     return Cluster(config, policy, router=Dispatcher(), controller=controller)
 
 
@@ -240,16 +241,17 @@ def serve(
     stats: dict[str, ServiceStats],
     policy: Callable[[], Policy] | None = None,
     horizon: float = math.inf,
+    engine: EngineConfig = ENGINE,
 ) -> tuple[list[RequestOutcome], Cluster]:
     """Serve ``requests`` (service name, request) on a fixed ``plan`` until every one has finished;
     outcomes are censored at ``horizon`` (default: none). ``policy`` makes each instance's policy
-    (default: SeaLLM's DB with ``stats``)."""
+    (default: SeaLLM's DB with ``stats``); ``engine`` sets the instances' engine (shared KV)."""
     by_name = {s.name: s for s in services}
     unplaced = sorted({n for n, _ in requests} - {n for g in plan.groups for n in g.services})
     if unplaced:
         raise ValueError(f"plan hosts no instance of services {unplaced} that have requests")
     factory = policy or (lambda: DoublingBudget(dict(stats)))
-    cluster = new_cluster(pool, services, factory)
+    cluster = new_cluster(pool, services, factory, engine=engine)
     for g in plan.groups:
         for _ in range(g.replicas.total):
             add_group(cluster, pool, [by_name[n] for n in g.services], g.tp)

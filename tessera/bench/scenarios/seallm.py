@@ -11,20 +11,19 @@ last ``I_0`` is the initial placement's history, so runs with different ``I_0`` 
 and Var_s (weights, normalisers, budgets) are fixed per service from all its requests (exec_ref at tp_min),
 the same for every row.
 
-Rows (same requests, seed, group engines and dispatcher — every instance is a ``GroupEngine`` of
-``tessera.control.group_sim``, fed by the fewest-outstanding-requests dispatcher of
-``cluster_sim``; the tessera.sim engine is not used, because it cannot hold several models with KV kept
-across switches):
+Rows (same requests, seed, engines and dispatcher: every instance is a ``tessera.sim`` engine holding its
+group's models with one shared KV pool, fed by the fewest-outstanding-requests dispatcher, as the
+planner's estimator simulates them: ``tessera.control.placement_sim``):
 - ``seallm``: Alg. 1 placement on the warm-up history, then re-placement at every interval boundary on
   the last interval's history, the interval adapted by Eq. 8 from M_est vs M_real, rolled out with the
   least churn (unchanged groups keep serving; changed groups stall for the weight load; their requests
   migrate and recompute their KV); DB scheduling; unified KV cache; temporal sharing;
 - ``seallm:fixed``: the initial placement kept for the whole window (the paper's SeaLLM-A ablation);
 - ``dedicated``: SeaLLM's vLLM baseline: GPUs split evenly, one instance per service with TP
-  equal to its share (never below tp_min), vLLM continuous batching (prefill first, FCFS);
+  equal to its share (never below tp_min), vLLM continuous batching (prefill first, FCFS: core ``FCFS``);
 - ``dedicated:replicas``: the same share as replicas of tp_min GPUs (the operator's dedicated plan);
-- ``round-robin``: services paired round-robin, each pair on its even share of GPUs, services alternate
-  iterations (vLLM order inside a service).
+- ``round-robin``: services paired round-robin, each pair on its even share of GPUs, services take turns
+  (core ``RoundRobinSharing``: a prefill or 8 decode iterations each, vLLM order inside a service).
 
 Every row serves until every request has finished (no censoring; ``unfinished`` counts only the
 ``rejected`` requests). A request whose prompt no instance of its service can hold in KV (the
@@ -41,16 +40,26 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
-from tessera.control.cluster_sim import ClusterSim, serve
-from tessera.control.group_sim import RequestOutcome, Scheduler, stats_of
 from tessera.control.placement import fits, plan_placement, plan_seallm
+from tessera.control.placement_sim import (
+    RequestOutcome,
+    SwitchCost,
+    add_group,
+    group_profiles,
+    new_cluster,
+    outcomes,
+    serve,
+    stats_of,
+    to_requests,
+)
+from tessera.core.baselines import FCFS
 from tessera.core.planners import (
     HistoryRequest,
     IntervalMetrics,
@@ -63,8 +72,19 @@ from tessera.core.planners import (
 )
 from tessera.core.planners.naming import group_name
 from tessera.core.planners.types import GroupPlan, RoleCounts
-from tessera.core.policies.seallm import ServiceStats
+from tessera.core.policies.seallm import DoublingBudget, RoundRobinSharing, ServiceStats
+from tessera.core.policy import Policy
 from tessera.core.profile import StepProfile
+from tessera.core.request import Request
+from tessera.sim.cluster import (
+    AddInstance,
+    Cluster,
+    ClusterAction,
+    ClusterController,
+    ClusterView,
+    RemoveInstance,
+)
+from tessera.sim.engine import Instance
 
 DESCRIPTION = "SeaLLM placement + DB scheduling vs dedicated GPUs and round-robin sharing (16 services)"
 GIB = 2**30
@@ -264,56 +284,68 @@ def interval_metrics(outcomes: Sequence[RequestOutcome]) -> IntervalMetrics | No
     return IntervalMetrics(sum(o.slo_met for o in outcomes) / n, sum(o.norm_latency for o in outcomes) / n)
 
 
-def serve_adaptive(
-    pool: PoolInput,
-    services: Sequence[ServiceInput],
-    window: dict[str, list[HistoryRequest]],
-    stats: dict[str, ServiceStats],
-    settings: IntervalSettings,
-    *,
-    adaptive: bool = True,
-) -> tuple[list[RequestOutcome], ClusterSim, PlacementPlan, list[dict[str, Any]]]:
-    """SeaLLM's timeline (SeaLLM §4.3): P_0 from the warm-up history; at every boundary T_{t+1} = T_t + I_t,
-    M_real of the interval (requests that arrived in it, censored at the boundary), I_{t+1} by Eq. 8 from
-    M_est, then P_{t+1} = Alg. 1 on the interval's history, rolled out with the least churn. After the
-    window the last plan serves until every request has finished. Returns outcomes, the cluster, the
-    initial plan and one log entry per boundary."""
-    plan = plan_seallm(pool, services, now=0.0, stats=stats)
-    first = plan
-    sim = ClusterSim(pool, services, stats, "db")
-    sim.apply(plan, 0.0, stall=False)
-    arrivals = sorted(((h.arrival, n, h) for n, reqs in window.items() for h in reqs), key=lambda x: x[0])
-    log: list[dict[str, Any]] = []
-    start, interval, i = 0.0, settings.initial_s, 0
-    while True:
-        boundary = start + interval if adaptive else math.inf
-        while i < len(arrivals) and arrivals[i][0] < boundary:
-            sim.submit(arrivals[i][1], arrivals[i][2])
-            i += 1
-        if i >= len(arrivals):
-            break
-        sim.advance(boundary)
-        batch = [r for r in sim.requests if r.arrival >= start]
-        measured = interval_metrics(sim.outcomes(boundary, batch))
+class Replanner(ClusterController):
+    """SeaLLM's timeline (SeaLLM §4.3) as a simulator controller: at every boundary T_{t+1} = T_t + I_t
+    (on the next whole second: the controller ticks every second), M_real of the interval (requests
+    that arrived in it, censored at the boundary), I_{t+1} by Eq. 8 from M_est, then P_{t+1} = Alg. 1
+    on the interval's history, rolled out with the least churn: instances whose (services, TP) stay
+    keep serving (the busiest ones), the others stop and their requests move with their generated
+    tokens (their KV is recomputed where they land), new instances start after the weight-load stall.
+    No boundary after the last arrival."""
+
+    interval_s = 1.0
+
+    def __init__(
+        self,
+        pool: PoolInput,
+        services: Sequence[ServiceInput],
+        stats: dict[str, ServiceStats],
+        settings: IntervalSettings,
+        plan: PlacementPlan,
+        requests: Sequence[Request],
+    ) -> None:
+        self.pool, self.services, self.stats, self.settings = pool, services, stats, settings
+        self.by_name = {s.name: s for s in services}
+        self.plan = plan
+        self.requests = requests  # in arrival order
+        self.last_arrival = max((r.arrival for r in requests), default=0.0)
+        self.start, self.interval, self.first = 0.0, settings.initial_s, 0
+        self.switch = SwitchCost()
+        self.migrated = 0
+        self.log: list[dict[str, Any]] = []
+
+    def tick(self, view: ClusterView) -> list[ClusterAction]:
+        """Re-place at a boundary; nothing otherwise."""
+        boundary = self.start + self.interval
+        if view.now < boundary or self.last_arrival < boundary:
+            return []
+        now = view.now
+        end = self.first
+        while end < len(self.requests) and self.requests[end].arrival < now:
+            end += 1
+        batch = self.requests[self.first : end]
+        measured = interval_metrics(outcomes(self.services, self.stats, batch, now))
+        plan = self.plan
         estimated = (
             IntervalMetrics(plan.estimated_slo_attainment, plan.estimated_norm_latency)
             if plan.estimated_slo_attainment is not None and plan.estimated_norm_latency is not None
             else None
         )
-        nxt = next_replacement_interval(interval, estimated, measured, settings)
-        hist = {n: [] for n in window}
+        nxt = next_replacement_interval(self.interval, estimated, measured, self.settings)
+        hist: dict[str, list[HistoryRequest]] = {s.name: [] for s in self.services}
         for r in batch:
-            hist[r.service].append(HistoryRequest(r.arrival, r.prompt, r.output))
-        current = [with_history(s, hist[s.name], interval) for s in services]
+            hist[r.model].append(HistoryRequest(r.arrival, r.prompt_tokens, r.target_output_tokens))
+        current = [with_history(s, hist[s.name], now - self.start) for s in self.services]
         t = time.perf_counter()
-        new = plan_seallm(pool, current, now=boundary, previous=plan, stats=stats)
+        new = plan_seallm(self.pool, current, now=now, previous=plan, stats=self.stats)
         plan_wall = time.perf_counter() - t
         diff = rollout_diff(plan, new)
-        churn = sim.apply(new, boundary)
-        log.append(
+        actions, started, stopped, moved = self._rollout(new, view)
+        self.migrated += moved
+        self.log.append(
             {
-                "boundary_s": round(boundary, 1),
-                "interval_s": round(interval, 1),
+                "boundary_s": round(now, 1),
+                "interval_s": round(self.interval, 1),
                 "next_interval_s": round(nxt, 1),
                 "m_est": None
                 if estimated is None
@@ -324,16 +356,67 @@ def serve_adaptive(
                 "groups_kept": len(diff.keep),
                 "groups_created": len(diff.create),
                 "groups_deleted": len(diff.delete),
-                "instances_started": churn.started,
-                "instances_stopped": churn.stopped,
-                "requests_migrated": churn.migrated,
+                "instances_started": started,
+                "instances_stopped": stopped,
+                "requests_migrated": moved,
                 "plan_wall_s": round(plan_wall, 2),
             }
         )
-        plan, start, interval = new, boundary, nxt
-    sim.advance(math.inf)
-    finish = max((r.finished or 0.0 for r in sim.requests), default=0.0)
-    return sim.outcomes(finish), sim, first, log
+        self.plan, self.start, self.interval, self.first = new, now, nxt, end
+        return actions
+
+    def _rollout(self, plan: PlacementPlan, view: ClusterView) -> tuple[list[ClusterAction], int, int, int]:
+        """Least-churn actions from the running instances to ``plan``: starts first (so moved requests
+        see them), then stops; with the counts started, stopped and requests moved."""
+        current: dict[tuple[tuple[str, ...], int], list[Instance]] = {}
+        for inst in view.instances:
+            current.setdefault((tuple(sorted(inst.profiles)), inst.gpus), []).append(inst)
+        actions: list[ClusterAction] = []
+        for g in plan.groups:
+            have = len(current.get(g.key, []))
+            services = [self.by_name[n] for n in g.services]
+            stall = self.switch.stall_s(services, g.tp)
+            profiles = group_profiles(self.pool, services, g.tp, stall_s=stall)
+            for _ in range(g.replicas.total - have):
+                actions.append(AddInstance(models=tuple(profiles), profiles=profiles))
+        started = len(actions)
+        want = {g.key: g.replicas.total for g in plan.groups}
+        moved = 0
+        for key, insts in current.items():
+            for inst in sorted(insts, key=lambda i: -i.outstanding)[want.get(key, 0) :]:
+                actions.append(RemoveInstance(inst.name))
+                moved += inst.outstanding
+        return actions, started, len(actions) - started, moved
+
+
+def serve_adaptive(
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    window: dict[str, list[HistoryRequest]],
+    stats: dict[str, ServiceStats],
+    settings: IntervalSettings,
+    *,
+    adaptive: bool = True,
+) -> tuple[list[RequestOutcome], Cluster, PlacementPlan, Replanner | None]:
+    """P_0 from the warm-up history, then (``adaptive``) the ``Replanner``'s re-placements; the last
+    plan serves until every request has finished. Returns outcomes, the cluster, the initial plan and
+    the replanner (its log has one entry per boundary)."""
+    plan = plan_seallm(pool, services, now=0.0, stats=stats)
+    reqs = to_requests((n, h) for n, hs in window.items() for h in hs)
+    replanner = Replanner(pool, services, stats, settings, plan, reqs) if adaptive else None
+    cluster = new_cluster(pool, services, lambda: DoublingBudget(dict(stats)), replanner)
+    by_name = {s.name: s for s in services}
+    for g in plan.groups:
+        for _ in range(g.replicas.total):
+            add_group(cluster, pool, [by_name[n] for n in g.services], g.tp)
+    cluster.run(reqs)
+    finish = max((r.finished_at or 0.0 for r in reqs), default=0.0)
+    return outcomes(services, stats, reqs, finish), cluster, plan, replanner
+
+
+def preemptions(cluster: Cluster) -> int:
+    """KV preemptions (recompute) over every instance the cluster ran, stopped ones included."""
+    return sum(i.preemptions for i in (*cluster.instances, *cluster.retired))
 
 
 def metrics(outcomes: Sequence[RequestOutcome], gpus: int) -> dict[str, Any]:
@@ -439,28 +522,32 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         batch: list[dict[str, Any]] = []
         for name in ("seallm", "seallm:fixed"):
             t = time.perf_counter()
-            out, sim, first, log = serve_adaptive(
+            out, sim, first, replanner = serve_adaptive(
                 pool, initial, window, stats, settings, adaptive=name == "seallm"
             )
             row = {"policy": name + suffix, **metrics(out, gpus), "wall_s": time.perf_counter() - t}
-            row.update(preemptions=sim.preemptions, requests_migrated=sim.migrated, rejected=sim.rejected)
+            row.update(
+                preemptions=preemptions(sim),
+                requests_migrated=replanner.migrated if replanner is not None else 0,
+                rejected=len(sim.rejected),
+            )
             row["initial_plan"] = [
                 f"{'+'.join(g.services)} x{g.replicas.total} tp{g.tp}" for g in first.groups
             ]
-            if name == "seallm":
-                row["replacements"] = log
+            if replanner is not None:
+                row["replacements"] = replanner.log
             batch.append(row)
             progress(1)
-        setups: list[tuple[str, PlacementPlan, Scheduler]] = [
-            ("dedicated", dedicated_plan(pool, services, replicas=False), "vllm"),
-            ("dedicated:replicas", dedicated_plan(pool, services, replicas=True), "vllm"),
-            ("round-robin", round_robin_plan(pool, services), "rr"),
+        setups: list[tuple[str, PlacementPlan, Callable[[], Policy]]] = [
+            ("dedicated", dedicated_plan(pool, services, replicas=False), FCFS),
+            ("dedicated:replicas", dedicated_plan(pool, services, replicas=True), FCFS),
+            ("round-robin", round_robin_plan(pool, services), RoundRobinSharing),
         ]
-        for name, plan, sched in setups:
+        for name, plan, policy in setups:
             t = time.perf_counter()
-            out, sim = serve(pool, services, plan, reqs, stats=stats, scheduler=sched)
+            out, sim = serve(pool, services, plan, reqs, stats=stats, policy=policy)
             row = {"policy": name + suffix, **metrics(out, plan.gpus), "wall_s": time.perf_counter() - t}
-            row.update(preemptions=sim.preemptions, groups=len(plan.groups), rejected=sim.rejected)
+            row.update(preemptions=preemptions(sim), groups=len(plan.groups), rejected=len(sim.rejected))
             batch.append(row)
             progress(1)
         rows.extend(batch)
