@@ -191,24 +191,34 @@ class DoublingBudget(Policy):
         if not self._held:
             self._running = set()
             return Decision(run=[])
-        book = self.book
-        starved = [(now - b.last_run, r) for r, b in self._held.items() if book.starved(r.model, b, now)]
-        if starved:
-            seed = max(starved, key=lambda x: (x[0], -x[1].arrival))[1]
-        else:
-            seed = min(self._held, key=lambda r: (book.priority(r.model, self._held[r]), r.arrival))
+        # One pass: each request's (O_r, arrival, order) by model, the starved seed and the O seed.
+        stats = self.book.stats
+        by_model: dict[str, list[tuple[float, float, int, Request]]] = {}
+        best: tuple[float, float, int, Request] | None = None
+        starved_key: tuple[float, float] | None = None
+        starved_seed: Request | None = None
+        for i, (r, b) in enumerate(self._held.items()):
+            s = stats[r.model]
+            entry = (b.left * s.mean_exec_s, r.arrival, i, r)
+            by_model.setdefault(r.model, []).append(entry)
+            if best is None or entry[:2] < best[:2]:
+                best = entry
+            wait = now - b.last_run
+            if wait > s.starvation_s and (starved_key is None or (wait, -r.arrival) > starved_key):
+                starved_key, starved_seed = (wait, -r.arrival), r
+        assert best is not None
+        seed = starved_seed if starved_seed is not None else best[3]
         if view.active_model is not None:
             self._blocks[view.active_model] = view.profile.block_size
         block = self._blocks.get(seed.model) if view.active_model is not None else view.profile.block_size
         if not seed.kv_resident and block is None:
             return Decision(run=[], load_model=seed.model)  # learn its model's KV block first
         if not seed.kv_resident and not fits_free_kv(view, seed, block or view.profile.block_size):
-            holding = [r for r in self._held if r.kv_resident]
+            holding = [e for entries in by_model.values() for e in entries if e[3].kv_resident]
             if holding:
-                own = [r for r in holding if r.model == seed.model] or holding
-                seed = min(own, key=lambda r: (book.priority(r.model, self._held[r]), r.arrival))
-        same = [(book.priority(r.model, b), r.arrival, i, r) for i, (r, b) in enumerate(self._held.items())]
-        same = [x for x in same if x[3].model == seed.model and x[3] is not seed]
+                own = [e for e in holding if e[3].model == seed.model] or holding
+                seed = min(own, key=lambda e: (e[0], e[1], e[2]))[3]
+        same = [x for x in by_model[seed.model] if x[3] is not seed]
         run = (
             [seed, *(x[3] for x in heapq.nsmallest(view.max_batch - 1, same))]
             if view.max_batch > 1
