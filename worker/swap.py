@@ -10,8 +10,8 @@ and wakes the requested one. Requests are never dropped: waiting ones stay queue
 
 Fallback (documented): models whose engine cannot sleep — vLLM 0.32 on CPU has no sleep mode —
 stay resident all the time (``active_for`` gives None; the scheduler's view shows their own model,
-as a simulated single-model instance does), admissions are never held and load requests are no-ops. A pod with fewer than two
-sleep-capable models swaps nothing.
+as a simulated single-model instance does), admissions are never held and load requests are no-ops.
+A pod with fewer than two sleep-capable models swaps nothing.
 """
 
 from __future__ import annotations
