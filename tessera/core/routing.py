@@ -231,7 +231,6 @@ SCORERS: dict[str, tuple[type[BaseModel], Callable[[Any], Scorer]]] = {
     "outstanding": (NoSettings, _fixed(outstanding)),
     "name": (NoSettings, _fixed(by_name)),
 }
-PICKERS = ("min", "round-robin")
 
 
 class ScorerSpec(BaseModel):

@@ -43,7 +43,7 @@ from starlette.requests import ClientDisconnect
 from tessera.api.openai_errors import ApiError
 from tessera.api.worker_config import WorkerConfig
 from tessera.core.policies.qlm.estimator import TokenStats
-from tessera.core.prefix import PrefixIndex, text_block_hashes
+from tessera.core.prefix import DEFAULT_TEXT_BLOCK_CHARS, PrefixIndex, text_block_hashes
 from tessera.core.request import ServiceClass
 from tessera.core.routing import (
     CHARS_PER_TOKEN,
@@ -123,7 +123,6 @@ def class_infos(config: WorkerConfig) -> dict[str, ClassInfo]:
 SESSION_HEADER = "x-tessera-session"  # a client's session key (else the body's OpenAI "user" field)
 MAX_SESSIONS = 100_000  # sessions remembered for sticky routing, least recently used forgotten first
 RECENT_DECISIONS = 20  # cache-aware decisions /router/status shows with their scores
-PREFIX_BLOCK_CHARS = 64  # characters per block of the router's prefix index (it does not tokenize)
 
 
 def _wait_settings(route: str, z: float) -> dict[str, Any]:
@@ -213,9 +212,9 @@ class RouterState:
             return self.route.pick(RouteRequest(model, kind, self.stats[model], ttft_slo_s=ttft_slo_s), loads)
         index = self._prefix_index(model)
         sticky = self.sessions.get(session) if session else None
-        hashes = text_block_hashes(prompt_text, PREFIX_BLOCK_CHARS)
+        hashes = text_block_hashes(prompt_text)
         matched = index.matched(hashes, (x.instance for x in loads if x.model == model))
-        cached = {name: n * PREFIX_BLOCK_CHARS // CHARS_PER_TOKEN for name, n in matched.items()}
+        cached = {name: n * DEFAULT_TEXT_BLOCK_CHARS // CHARS_PER_TOKEN for name, n in matched.items()}
         req = RouteRequest(model, kind, self.stats[model], time.monotonic(),
                            prompt_tokens=len(prompt_text) // CHARS_PER_TOKEN, cached_tokens=cached,
                            ttft_slo_s=ttft_slo_s, session_instance=sticky)  # fmt: skip
@@ -241,7 +240,7 @@ class RouterState:
             config = self.configs[model].model(model)
             capacity = config.kv_capacity_tokens if config is not None else 1_000_000
             index = self.prefixes[model] = PrefixIndex(
-                max(1, capacity * CHARS_PER_TOKEN // PREFIX_BLOCK_CHARS)
+                max(1, capacity * CHARS_PER_TOKEN // DEFAULT_TEXT_BLOCK_CHARS)
             )
         return index
 
