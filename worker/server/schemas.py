@@ -120,7 +120,9 @@ class _Generation(BaseModel):
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields that were set, for the engine."""
-        out = {k: getattr(self, k) for k in SAMPLING_FIELDS if getattr(self, k) not in (None, False)}
+        # Identity tests, not ``in (None, False)``: 0 == False, and temperature 0 (greedy) must reach
+        # the engine, whose default is to sample.
+        out = {k: v for k in SAMPLING_FIELDS if (v := getattr(self, k)) is not None and v is not False}
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             out["min_tokens"] = self.max_tokens
         return out
