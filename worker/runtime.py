@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Mapping
 from pathlib import Path
 
 from tessera.api.worker_config import ConfigError, ModelEntry, WorkerConfig, load_config
@@ -22,10 +23,6 @@ from tessera.worker.engines.base import Engine
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.scheduler import ModelScheduler
 from tessera.worker.swap import ModelSwapper
-
-
-class UnknownClass(ValueError):
-    """The request names a class the service does not accept."""
 
 
 def _policy(config: WorkerConfig) -> Policy:
@@ -144,18 +141,12 @@ class Worker:
         """Ready for traffic: not draining, every engine healthy and no policy failing repeatedly."""
         return not self.draining and all(s.engine_ok and s.policy_ok for s in self.schedulers.values())
 
-    def resolve_class(self, model: ModelEntry, header_value: str | None) -> ServiceClass:
-        """The class named by the header, else the model's default class."""
-        if header_value is None or header_value == "":
-            return self.classes[self.config.default_class(model)]
-        name = self.config.class_for_header(header_value)
-        if name is None:
-            known = ", ".join(self.config.classes[n].header_value(n) for n in self.config.classes)
-            raise UnknownClass(
-                f"unknown request class {header_value!r} in header {self.config.class_header}; "
-                f"this service accepts: {known}"
-            )
-        return self.classes[name]
+    def resolve_class(self, model: ModelEntry, headers: Mapping[str, str]) -> ServiceClass:
+        """The class the request's class headers select (each class's own ``match.header``), else the
+        model's default class; ClassHeaderError for an unknown value or two headers naming different
+        classes."""
+        name = self.config.class_from_headers(headers)
+        return self.classes[name if name is not None else self.config.default_class(model)]
 
     def reload(self, new: WorkerConfig | None = None) -> WorkerConfig:
         """Apply a new configuration (default: re-read the file) without a restart.

@@ -24,6 +24,7 @@ Example (YAML)::
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,7 +32,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 
 from tessera.api.base import ApiModel
 from tessera.api.files import read_json_or_yaml
-from tessera.api.request_class import DEFAULT_CLASS_HEADER, RequestClassSpec
+from tessera.api.request_class import RequestClassSpec
 from tessera.core.profile import StepProfile
 
 Positive = Annotated[float, Field(gt=0)]
@@ -41,6 +42,15 @@ BENCH_TRUE_LENGTH_HEADER = "X-Tessera-True-Output-Tokens"
 
 class ConfigError(ValueError):
     """The worker configuration is invalid; the message says where and how to fix it."""
+
+
+class ClassHeaderError(ValueError):
+    """A request's class headers name no class this service accepts, or name two different ones.
+    ``header`` is the header at fault (the error's parameter)."""
+
+    def __init__(self, message: str, header: str) -> None:
+        super().__init__(message)
+        self.header = header
 
 
 class LaunchSpec(ApiModel):
@@ -230,7 +240,6 @@ class WorkerConfig(ApiModel):
         default_factory=lambda: {"default": RequestClassSpec.model_validate({"slo": {"ttftSeconds": 10}})},
         description="Request classes by name.",
     )
-    class_header: str = Field(default=DEFAULT_CLASS_HEADER, description="Header naming the class.")
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     admin: AdminSpec = Field(default_factory=AdminSpec)
 
@@ -242,6 +251,15 @@ class WorkerConfig(ApiModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        selectors: dict[tuple[str, str], str] = {}
+        for name, spec in self.classes.items():
+            key = (spec.match.header.lower(), spec.header_value(name))
+            if key in selectors:
+                raise ValueError(
+                    f"classes {selectors[key]!r} and {name!r} are both selected by the header "
+                    f"{spec.match.header}: {key[1]}; give one of them another match.value"
+                )
+            selectors[key] = name
         for m in self.models:
             if m.default_class is not None and m.default_class not in self.classes:
                 raise ValueError(
@@ -258,12 +276,46 @@ class WorkerConfig(ApiModel):
         """The class of requests to ``model`` that name none."""
         return model.default_class or next(iter(self.classes))
 
-    def class_for_header(self, value: str) -> str | None:
-        """The class a header value selects (the class's match value, else its name)."""
+    @property
+    def class_header(self) -> str:
+        """The header of the first class: the one to name where a single class header is shown."""
+        return next(iter(self.classes.values())).match.header
+
+    def class_from_headers(self, headers: Mapping[str, str]) -> str | None:
+        """The class a request's headers select, each class by its own ``match.header`` (names compared
+        case-insensitively) carrying its ``match.value`` (else its name); None when no class header is
+        present (the model's default class applies). ClassHeaderError when a class header carries a
+        value no class takes, or when two headers select different classes."""
+        sent = {k.lower(): v for k, v in headers.items()}
+        chosen: dict[str, tuple[str, str]] = {}  # header as configured -> (value sent, class)
+        for header, by_value in self._selectors().items():
+            value = sent.get(header.lower())
+            if not value:
+                continue
+            name = by_value.get(value)
+            if name is None:
+                known = ", ".join(by_value)
+                raise ClassHeaderError(
+                    f"unknown request class {value!r} in header {header}; this service accepts: {known}",
+                    header,
+                )
+            chosen[header] = (value, name)
+        if len({name for _, name in chosen.values()}) > 1:
+            named = "; ".join(f"{h}: {v} selects class {n!r}" for h, (v, n) in chosen.items())
+            raise ClassHeaderError(
+                f"the request's headers name different classes ({named}); send only one of them",
+                next(iter(chosen)),
+            )
+        return next(iter(chosen.values()))[1] if chosen else None
+
+    def _selectors(self) -> dict[str, dict[str, str]]:
+        """Class header (first spelling) -> header value -> class name."""
+        spelled: dict[str, str] = {}
+        out: dict[str, dict[str, str]] = {}
         for name, spec in self.classes.items():
-            if spec.header_value(name) == value:
-                return name
-        return None
+            header = spelled.setdefault(spec.match.header.lower(), spec.match.header)
+            out.setdefault(header, {})[spec.header_value(name)] = name
+        return out
 
 
 def parse_config(data: Any, where: str = "configuration") -> WorkerConfig:

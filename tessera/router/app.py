@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from tessera.api.openai_errors import ApiError
-from tessera.api.worker_config import WorkerConfig
+from tessera.api.worker_config import ClassHeaderError, WorkerConfig
 from tessera.core.policies.qlm.estimator import TokenStats
 from tessera.core.prefix import DEFAULT_TEXT_BLOCK_CHARS, PrefixIndex, text_block_hashes
 from tessera.core.request import ServiceClass
@@ -178,22 +178,21 @@ class RouterState:
         self.class_header = next(iter(self.configs.values())).class_header if self.configs else ""
 
     def classify(self, model: str, headers: Mapping[str, str]) -> tuple[str, str]:
-        """The class name and kind of a request (class header in ``headers``); ApiError 404/400 for an
+        """The class name and kind of a request (class headers in ``headers``); ApiError 404/400 for an
         unknown model or class."""
         config = self.configs.get(model)
         if config is None:
             known = ", ".join(sorted(self.configs)) or "(none)"
             raise ApiError(404, f"the model {model!r} is not served here; models: {known}",
                            code="model_not_found", param="model")  # fmt: skip
-        header_value = headers.get(config.class_header)
         entry = config.model(model)
         assert entry is not None
-        name = config.default_class(entry) if not header_value else config.class_for_header(header_value)
+        try:
+            name = config.class_from_headers(headers)
+        except ClassHeaderError as exc:
+            raise ApiError(400, str(exc), code="unknown_class", param=exc.header) from None
         if name is None:
-            known = ", ".join(spec.header_value(n) for n, spec in config.classes.items())
-            raise ApiError(400, f"unknown request class {header_value!r} in header {config.class_header}; "
-                           f"this service accepts: {known}", code="unknown_class",
-                           param=config.class_header)  # fmt: skip
+            name = config.default_class(entry)
         return name, config.classes[name].kind
 
     def pick(
@@ -433,7 +432,7 @@ def create_router_app(
             model = payload.model if payload.model in state.configs else ""
             class_name, kind = state.classify(payload.model, http.headers)
             if caller is not None:
-                caller.check_class(class_name, state.configs[payload.model].class_header)
+                caller.check_class(class_name, state.configs[payload.model].classes[class_name].match.header)
             headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
             slo = state.configs[payload.model].classes[class_name].slo.ttft_seconds
             session = http.headers.get(SESSION_HEADER) or payload.user

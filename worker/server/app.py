@@ -4,10 +4,11 @@
 ``/health`` (process alive), ``/ready`` (engines healthy, not draining), ``/metrics``
 (Prometheus), ``POST /admin/reload`` (bearer token), ``/openapi.json``.
 
-A request is tokenized, checked against the context length, classified by the class header (or
-the model's default class) and handed to the model's scheduler; the handler then relays its tokens.
-While a request waits, the handler polls for a client disconnect, so an abandoned request leaves the
-queue (or is aborted in the engine) within ``DISCONNECT_POLL_S``.
+A request is tokenized, checked against the context length, classified by its class headers (each
+class's own ``match.header``; else the model's default class) and handed to the model's scheduler;
+the handler then relays its tokens. While a request waits, the handler polls for a client
+disconnect, so an abandoned request leaves the queue (or is aborted in the engine) within
+``DISCONNECT_POLL_S``.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tessera.api.openai_errors import ApiError
-from tessera.api.worker_config import BENCH_TRUE_LENGTH_HEADER, ConfigError, parse_config
+from tessera.api.worker_config import BENCH_TRUE_LENGTH_HEADER, ClassHeaderError, ConfigError, parse_config
 from tessera.core.request import Request
 from tessera.worker.engines.base import EngineError, TokenDelta
-from tessera.worker.runtime import UnknownClass, Worker
+from tessera.worker.runtime import Worker
 from tessera.worker.scheduler import Job, QueueFull
 from tessera.worker.server.schemas import AdminReloadResult, ChatCompletionRequest, CompletionRequest
 
@@ -182,9 +183,9 @@ def _route(worker: Worker, model: str, http: HttpRequest) -> tuple[Any, Any, Any
     if worker.draining:
         raise ApiError(503, "the worker is shutting down; retry on another replica", code="draining")
     try:
-        cls = worker.resolve_class(entry, http.headers.get(worker.config.class_header))
-    except UnknownClass as exc:
-        raise ApiError(400, str(exc), code="unknown_class", param=worker.config.class_header) from None
+        cls = worker.resolve_class(entry, http.headers)
+    except ClassHeaderError as exc:
+        raise ApiError(400, str(exc), code="unknown_class", param=exc.header) from None
     return entry, worker.schedulers[model], cls
 
 
