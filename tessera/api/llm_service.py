@@ -161,6 +161,30 @@ class ReplicaBounds(ApiModel):
     max: int = Field(default=4, ge=1, description="Most replicas.")
 
 
+class ExpectedLoad(ApiModel):
+    """The load a service expects: placement uses it until the workers' metrics measure the real one."""
+
+    requests_per_second: float | None = Field(
+        default=None,
+        ge=0,
+        le=1e6,
+        allow_inf_nan=False,
+        description="Expected request rate in requests/s; unset means 0 (placed by memory only).",
+    )
+    prompt_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description="Expected mean prompt length in tokens; unset means 128.",
+    )
+    output_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description="Expected mean output length in tokens; unset means 256.",
+    )
+
+
 class LLMServiceSpec(ApiModel):
     """Desired state of an LLMService."""
 
@@ -182,6 +206,11 @@ class LLMServiceSpec(ApiModel):
     scheduling: SchedulingSpec = nested(SchedulingSpec, "Queue scheduling policy and its settings.")
     predictor: PredictorSpec = nested(PredictorSpec, "Response-length predictor settings.")
     replicas: ReplicaBounds = nested(ReplicaBounds, "Replica bounds.")
+    expected_load: ExpectedLoad | None = Field(
+        default=None,
+        description="Load to place the service for before any is measured (a new service); measured rates "
+        "and output lengths replace it once the workers report them.",
+    )
 
     @field_validator("request_classes")
     @classmethod
