@@ -1,6 +1,8 @@
 """ELIS iterative shortest-remaining-time-first (ELIS Alg. 1, §4.1; docs/papers.md, "ELIS: ISRTF scheduler").
 
-Priority = predicted remaining output tokens ŷ, smallest first, ties by earlier arrival. A request is
+Priority = predicted remaining output tokens ŷ, smallest first; ties go to the higher class priority
+(``ServiceClass.priority``), then to the earlier arrival. Class priority never overrides ŷ: it decides
+only between equal predictions (and so which of them is displaced at a window boundary). A request is
 predicted once on arrival (prompt only, ``Predictor.init``) and again each time it has generated
 ``window_tokens`` more tokens (``Predictor.iter``); requests waiting in the queue keep their last
 prediction. Every prediction due at a decision is made in one batched ``predict_remaining`` call.
@@ -41,7 +43,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from tessera.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
 from tessera.core.prediction import ConstantPredictor, LengthPredictor, RunningMeanPredictor
@@ -53,15 +55,27 @@ PREDICTED_AT = "isrtf_predicted_at"  # annotation: tokens generated when ŷ was 
 log = logging.getLogger(__name__)
 
 
-def _make_predictor(spec: LengthPredictor | str) -> LengthPredictor:
+def _make_predictor(
+    spec: LengthPredictor | str, checkpoint: str | None = None, encoder: str | None = None
+) -> LengthPredictor:
     if not isinstance(spec, str):
         if not isinstance(spec, LengthPredictor):
             raise ValueError(f"predictor must have predict_remaining(requests), got {type(spec).__name__}")
         return spec
     if spec == "text":
         # loaded by name: the text predictor needs torch, which only ISRTF with it configured loads
-        module, _, name = TEXT_PREDICTOR.partition(":")
-        return getattr(importlib.import_module(module), name)()
+        module_name, _, name = TEXT_PREDICTOR.partition(":")
+        module = importlib.import_module(module_name)
+        trained_on = str(module.load_metadata(checkpoint)["encoder"])
+        # A head only reads the embeddings of the encoder it was trained on; ids compare by their last
+        # part ("sentence-transformers/all-MiniLM-L6-v2" is the shipped head's "all-MiniLM-L6-v2").
+        if encoder is not None and encoder.rsplit("/", 1)[-1] != trained_on.rsplit("/", 1)[-1]:
+            raise ValueError(
+                f"predictorEncoder {encoder!r} is not {trained_on!r}, the encoder the predictor at "
+                f"{checkpoint or 'the shipped artifact'} was trained on: name that encoder or train a "
+                "predictor on yours (`tessera predictor train`)"
+            )
+        return getattr(module, name)(artifact_dir=checkpoint)
     if spec == "running-mean":
         return RunningMeanPredictor()
     if spec == "constant":
@@ -89,6 +103,26 @@ class ISRTFSettings(PolicySettings):
         description="How displaced requests leave the batch: keep (KV kept while memory allows), recompute "
         "or swap.",
     )
+    predictor_checkpoint: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Directory of a trained text predictor (what `tessera predictor train --out DIR` "
+        "writes: the head and its metadata); unset: the shipped one. predictor text only.",
+    )
+    predictor_encoder: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Sentence encoder the text predictor must read (a Hugging Face id); refused when the "
+        "checkpoint was trained on another. predictor text only.",
+    )
+
+    @field_validator("predictor_checkpoint", "predictor_encoder")
+    @classmethod
+    def _text_only(cls, value: str | None, info: ValidationInfo) -> str | None:
+        predictor = info.data.get("predictor")
+        if value is not None and predictor is not None and predictor != "text":
+            raise ValueError(f"applies to predictor 'text' only, not {predictor!r}")
+        return value
 
 
 class ISRTF(PriorityPolicy):
@@ -103,6 +137,8 @@ class ISRTF(PriorityPolicy):
         window_tokens: int = 50,
         aging_tokens_per_s: float = 0.0,
         preempt_mode: PreemptMode = "keep",
+        predictor_checkpoint: str | None = None,
+        predictor_encoder: str | None = None,
     ) -> None:
         super().__init__()
         if window_tokens < 1:
@@ -111,7 +147,7 @@ class ISRTF(PriorityPolicy):
             raise ValueError(f"aging_tokens_per_s must be >= 0 (0 = off), got {aging_tokens_per_s}")
         if preempt_mode not in ("recompute", "swap", "keep"):
             raise ValueError(f"preempt_mode must be recompute, swap or keep, got {preempt_mode!r}")
-        self.predictor = _make_predictor(predictor)
+        self.predictor = _make_predictor(predictor, predictor_checkpoint, predictor_encoder)
         self.preempt_mode: PreemptMode = preempt_mode
         self.window = window_tokens
         self.aging = aging_tokens_per_s
@@ -128,9 +164,9 @@ class ISRTF(PriorityPolicy):
         self.fallback_predictions = 0  # requests predicted by the fallback so far
 
     def key(self, req: Request, now: float) -> tuple:
-        """Predicted remaining tokens (minus the aging credit), then arrival."""
+        """Predicted remaining tokens (minus the aging credit), then higher class priority, then arrival."""
         assert req.predicted_remaining is not None, "ISRTF keys only predicted requests"
-        return (req.predicted_remaining + self.aging * req.arrival, req.arrival)
+        return (req.predicted_remaining + self.aging * req.arrival, -req.service_class.priority, req.arrival)
 
     def add(self, req: Request, now: float) -> None:
         """Hold a new request until the next decision predicts it (batched with others)."""
