@@ -85,6 +85,13 @@ RESOURCES: tuple[CRDInfo, ...] = (
             ("Max", "integer", ".spec.instances.max", "Most instances."),
             ("Replicas", "integer", ".status.replicas", "Instances of the pool."),
             ("Ready", "integer", ".status.readyReplicas", "Instances ready to serve."),
+            ("Interval", "number", ".status.replacementIntervalSeconds", "Re-placement interval (s)."),
+            (
+                "EstErr",
+                "number",
+                ".status.estimateError",
+                "Relative error of the last interval's estimate against its measurement.",
+            ),
             _AGE,
         ),
         scale={

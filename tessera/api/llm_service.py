@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tessera.api.base import (
     NAME_MAX_LENGTH,
@@ -137,18 +137,40 @@ class SchedulingSpec(ApiModel):
 
 
 class PredictorSpec(ApiModel):
-    """The ELIS response-length predictor (encoder plus regression head)."""
+    """The ELIS response-length predictor (encoder plus regression head) of the isrtf policy.
 
-    enabled: bool = Field(default=True, description="Predict response lengths (needed by isrtf and qlm).")
+    It becomes isrtf's settings where ``scheduling.settings`` does not set them (those take precedence):
+    enabled → predictor (text, else the running mean per class), repredictEveryTokens → windowTokens,
+    checkpoint → predictorCheckpoint, encoder → predictorEncoder. No other policy predicts lengths from
+    text (QLM estimates from its token statistics), so the block does not concern them.
+    """
+
+    enabled: bool = Field(
+        default=True,
+        description="Predict response lengths with the trained text predictor (isrtf); false: the running "
+        "mean of each class's finished lengths.",
+    )
     encoder: str = Field(
-        default="sentence-transformers/all-MiniLM-L6-v2", min_length=1, description="Sentence encoder model."
+        default="sentence-transformers/all-MiniLM-L6-v2",
+        min_length=1,
+        max_length=256,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?$",
+        description="Sentence encoder (a Hugging Face id) the checkpoint was trained on; the worker refuses "
+        "a checkpoint trained on another.",
     )
     checkpoint: str | None = Field(
         default=None,
-        description="URI or path of trained regression-head weights; unset means the built-in one.",
+        min_length=2,
+        max_length=1024,
+        pattern=r"^/.+$",
+        description="Absolute directory, in the worker container (image or mounted volume), of a trained "
+        "predictor (what `tessera predictor train --out DIR` writes); unset means the shipped one.",
     )
     repredict_every_tokens: int = Field(
-        default=50, ge=1, description="Re-predict the remaining length after this many generated tokens."
+        default=50,
+        ge=1,
+        le=65536,
+        description="Re-predict the remaining length after this many generated tokens (isrtf windowTokens).",
     )
 
 
@@ -221,6 +243,16 @@ class LLMServiceSpec(ApiModel):
             raise ValueError(f"each class may be listed once; duplicated: {duplicates}")
         return classes
 
+    @model_validator(mode="after")
+    def _predictor_consistent(self) -> LLMServiceSpec:
+        chosen = self.scheduling.settings.get("predictor")
+        if not self.predictor.enabled and chosen == "text":
+            raise ValueError(
+                "predictor.enabled is false but scheduling.settings.predictor is 'text': drop one of them "
+                "(settings.predictor 'running-mean' or 'constant' also turns the text predictor off)"
+            )
+        return self
+
     @property
     def default_class_name(self) -> str:
         """The class given to requests that name no accepted class."""
@@ -263,6 +295,30 @@ class ClassAttainment(ApiModel):
     mean_qoe: float | None = Field(default=None, ge=0, le=1, description="Mean Andes QoE.")
 
 
+LoadSource = Literal["measured", "declared", "default"]
+
+
+class LoadSources(ApiModel):
+    """Where each figure of a planned load came from: the workers' metrics (measured), the spec's
+    expectedLoad (declared), or the documented default."""
+
+    requests_per_second: LoadSource = Field(description="Source of the request rate.")
+    prompt_tokens: LoadSource = Field(description="Source of the mean prompt length.")
+    output_tokens: LoadSource = Field(description="Source of the mean output length.")
+
+
+class PlannedLoad(ApiModel):
+    """The load the pool's last placement planned this service for."""
+
+    requests_per_second: float = Field(ge=0, description="Request rate in requests/s.")
+    mean_prompt_tokens: float = Field(ge=0, description="Mean prompt length in tokens.")
+    mean_output_tokens: float = Field(ge=0, description="Mean output length in tokens.")
+    window_seconds: float | None = Field(
+        default=None, gt=0, description="Window the measured figures cover, in seconds."
+    )
+    sources: LoadSources = Field(description="Where each figure came from.")
+
+
 class LLMServiceStatus(ResourceStatus):
     """Observed state of an LLMService."""
 
@@ -282,6 +338,9 @@ class LLMServiceStatus(ResourceStatus):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     measured_at: datetime | None = Field(default=None, description="When SLO attainment was last measured.")
+    load: PlannedLoad | None = Field(
+        default=None, description="The load the last placement planned the service for, and its sources."
+    )
 
 
 class LLMService(Resource):

@@ -236,7 +236,12 @@ class PlacementGroup(ApiModel):
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per instance used by the group.")
     replicas: ReplicasByRole = nested(ReplicasByRole, "Instances by role.")
     ready_replicas: int = Field(default=0, ge=0, description="Instances ready to serve.")
-    batch_size: int | None = Field(default=None, ge=1, description="Current batch size (local autoscaler).")
+    batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Batch size the local autoscaler runs now: the mean of the workers' tessera_batch_size "
+        "over the group's pods and models, rounded (unset until Prometheus reports it).",
+    )
 
 
 class PlacementPlan(ApiModel):
@@ -250,6 +255,12 @@ class PlacementPlan(ApiModel):
     strategy: str | None = Field(default=None, description="Strategy that produced the plan.")
     estimated_slo_attainment: float | None = Field(
         default=None, ge=0, le=1, description="SLO attainment the placement simulator predicted (M_est)."
+    )
+    estimated_norm_latency: float | None = Field(
+        default=None,
+        ge=0,
+        description="Mean normalized latency (latency / isolated execution time) the placement simulator "
+        "predicted (M_est).",
     )
 
 
@@ -267,6 +278,19 @@ class ScalingDecision(ApiModel):
 SCALING_HISTORY_LENGTH = 20
 
 
+class IntervalPerformance(ApiModel):
+    """What the workers measured over one re-placement interval (SeaLLM's M_real)."""
+
+    slo_attainment: float = Field(
+        ge=0, le=1, description="Fraction of finished requests that met their class's SLO."
+    )
+    norm_latency: float = Field(
+        ge=0, description="Mean end-to-end latency over the isolated execution time of a mean request."
+    )
+    requests: int = Field(default=0, ge=0, description="Requests finished in the interval.")
+    window_seconds: float = Field(gt=0, description="Length of the measured interval in seconds.")
+
+
 class ServingPoolStatus(ResourceStatus):
     """Observed state of a ServingPool."""
 
@@ -277,6 +301,15 @@ class ServingPoolStatus(ResourceStatus):
     )
     replacement_interval_seconds: float | None = Field(
         default=None, gt=0, description="Current adaptive re-placement interval I_t in seconds."
+    )
+    measured: IntervalPerformance | None = Field(
+        default=None, description="What the last completed interval measured (compared with its estimate)."
+    )
+    estimate_error: float | None = Field(
+        default=None,
+        ge=0,
+        description="Relative error of the last interval's estimate against its measurement (SeaLLM Eq. 8: "
+        "the larger of the attainment's and the normalized latency's); above beta the interval shrinks.",
     )
     replicas: int = Field(default=0, ge=0, description="Instances of the pool (all groups and roles).")
     ready_replicas: int = Field(default=0, ge=0, description="Instances ready to serve.")
