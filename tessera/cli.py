@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp = sub.add_parser(name, help="(not available in this build)")
             sp.set_defaults(_missing=name)
             continue
-        sp = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        # "resolve": a subcommand may replace -h (bench's also describes the scenario named before it)
+        sp = sub.add_parser(name, help=module.HELP, description=module.HELP, conflict_handler="resolve")
         module.add_arguments(sp)
         sp.set_defaults(_module=module)
     return parser
