@@ -208,7 +208,12 @@ def test_service_settings_reach_the_worker_configuration() -> None:
 
     plan = plan_local(load_documents(EXAMPLE), LocalEngine())
     by_policy = {i.config.scheduling.policy: i.config.scheduling.settings for i in plan.instances}
-    assert by_policy["isrtf"] == {"windowTokens": 50}
+    # isrtf: the service's settings, plus its predictor block (the text predictor and its encoder)
+    assert by_policy["isrtf"] == {
+        "windowTokens": 50,
+        "predictor": "text",
+        "predictorEncoder": "sentence-transformers/all-MiniLM-L6-v2",
+    }
     assert by_policy["qoe"] == {"horizonS": 10}
 
 

@@ -12,14 +12,19 @@ reads the role counts from the (hot-reloaded) ConfigMap and its ordinal from its
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic.alias_generators import to_snake
 
 from tessera.api import API_VERSION, LLMService, RequestClassSpec, ServingPool
+from tessera.api.llm_service import LLMServiceSpec
 from tessera.api.worker_config import WorkerConfig
+from tessera.control.inputs import pool_input, service_input
+from tessera.control.placement_sim import group_profiles
 from tessera.core.planners import GroupPlan, Role
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -52,6 +57,21 @@ WORKER_LIMITS = {"memory": "4Gi"}
 # ServingPool annotation selecting the workers' engine: "vllm" (default) or "sim" (simulated engine,
 # no vLLM containers; the worker container takes the GPUs) for clusters without GPUs (e2e on kind).
 ENGINE_ANNOTATION = "tessera.dev/engine"
+# Pod-template annotation: a hash of what a running worker cannot take from its hot-reloaded ConfigMap.
+RESTART_HASH_ANNOTATION = "tessera.dev/restart-hash"
+# Model entry fields a worker keeps from its start: the reload refuses a change of the model list
+# (name, engine, url, launch, sleepMode, tokenizer), and the engine and the scheduler's step profile are
+# built once from the rest. The policy, its settings, classes and batch bounds reload in place.
+RESTART_FIELDS = (
+    "name", "engine", "url", "launch", "sleepMode", "tokenizer", "maxModelLen", "kvCapacityTokens", "profile",
+)  # fmt: skip
+# Andes pairs its QoE scheduler with the token pacer: it pauses a stream only while the reader's buffer
+# covers the pause, which holds when tokens reach the reader at the reading pace.
+PACED_POLICIES = frozenset({"qoe"})
+BATCHED_TOKENS_FLAG = "--max-num-batched-tokens"
+DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default token budget of one step on GPUs of 70 GiB or more
+# vLLM's sleep mode (model swapping by sleep / wake-up) is a development endpoint: the server needs it on.
+SLEEP_MODE_ENV = {"name": "VLLM_SERVER_DEV_MODE", "value": "1"}
 
 
 ROLE_ORDER: tuple[Role, ...] = ("interactive", "mixed", "batch")  # pods by ordinal: the StatefulSet's order
@@ -148,11 +168,27 @@ def _model_location(service: LLMService) -> tuple[str, dict[str, Any] | None, di
     return model.source, None, None
 
 
+def swaps_models(pool: ServingPool, group: GroupPlan) -> bool:
+    """Whether a group's models swap by sleep / wake-up: several models on the vLLM engine."""
+    return worker_engine(pool) == "vllm" and len(group.services) > 1
+
+
 def vllm_args(pool: ServingPool, group: GroupPlan, service: LLMService, port: int) -> list[str]:
-    """The vLLM OpenAI server arguments of one placed model (the operator-owned flags first)."""
+    """The vLLM OpenAI server arguments of one placed model (the operator-owned flags first).
+
+    ``--max-num-seqs`` is the pool's ``batchSize.max``: the worker's in-flight cap (the static
+    ``batchSize.initial``, or the batch size Chiron's local autoscaler moves within ``[min, max]``) never
+    exceeds it, so vLLM runs every request the worker hands it at once and nothing queues inside vLLM
+    in arrival order, out of the policy's reach; the worker holds the rest in its own queue. A fixed
+    maximum also keeps the arguments, and so the pods, unchanged while the batch size moves.
+    vLLM refuses a ``--max-num-batched-tokens`` below ``--max-num-seqs``, and its default is 2048 on
+    GPUs under 70 GiB: unless ``extraVllmArgs`` sets it, it is ``max(batchSize.max,
+    DEFAULT_BATCHED_TOKENS)`` (vLLM's default on larger GPUs).
+    Co-located models (``swaps_models``) start with ``--enable-sleep-mode`` (their container also gets
+    ``VLLM_SERVER_DEV_MODE=1``) so that the worker can swap them.
+    """
     model_arg, _, _ = _model_location(service)
     model = service.spec.model
-    batch = group.batch_size or pool.spec.autoscaling.batch_size.initial
     args = [
         "--model",
         model_arg,
@@ -165,13 +201,18 @@ def vllm_args(pool: ServingPool, group: GroupPlan, service: LLMService, port: in
         "--tensor-parallel-size",
         str(group.tp),
         "--max-num-seqs",
-        str(batch),
+        str(pool.spec.autoscaling.batch_size.max),
         "--dtype",
         model.dtype,
     ]
     if model.max_model_length is not None:
         args += ["--max-model-len", str(model.max_model_length)]
-    return args + list(pool.spec.extra_vllm_args)
+    extra = pool.spec.extra_vllm_args
+    if not any(a.split("=", 1)[0] == BATCHED_TOKENS_FLAG for a in extra):
+        args += [BATCHED_TOKENS_FLAG, str(max(pool.spec.autoscaling.batch_size.max, DEFAULT_BATCHED_TOKENS))]
+    if swaps_models(pool, group):
+        args.append("--enable-sleep-mode")
+    return args + list(extra)
 
 
 def _gpu_requests(pool: ServingPool, group: GroupPlan, index: int) -> dict[str, Any]:
@@ -188,24 +229,89 @@ def _gpu_requests(pool: ServingPool, group: GroupPlan, index: int) -> dict[str, 
     return {"requests": dict(gpus), "limits": dict(gpus)}
 
 
+def _default(settings: dict[str, Any], alias: str, value: Any) -> None:
+    """Set ``alias`` in ``settings`` unless it (or its snake_case name) is there: the spec's own
+    ``scheduling.settings`` take precedence over values derived from other fields."""
+    if alias not in settings and to_snake(alias) not in settings and value is not None:
+        settings[alias] = value
+
+
+def policy_settings(spec: LLMServiceSpec, policy: str) -> dict[str, Any]:
+    """The settings a service's worker runs ``policy`` with: ``scheduling.settings``, and for isrtf the
+    ``predictor`` block where those settings do not say (enabled → predictor text, else running-mean;
+    repredictEveryTokens → windowTokens; checkpoint → predictorCheckpoint and encoder →
+    predictorEncoder for the text predictor). No other policy predicts lengths from text."""
+    settings = dict(spec.scheduling.settings)
+    if policy == "isrtf":
+        predictor = spec.predictor
+        _default(settings, "predictor", "text" if predictor.enabled else "running-mean")
+        _default(settings, "windowTokens", predictor.repredict_every_tokens)
+        if settings.get("predictor") == "text":
+            _default(settings, "predictorCheckpoint", predictor.checkpoint)
+            _default(settings, "predictorEncoder", predictor.encoder)
+    return settings
+
+
+def _group_settings(
+    pool: ServingPool, group: GroupPlan, services: Mapping[str, LLMService], policy: str, models: list[dict]
+) -> dict[str, Any]:
+    """Settings a group's policy derives from the pool and all its models: QLM's context length (the
+    group's longest), weight sizes (``weightsSize``, else the matched profile's) and the batch size it
+    assumes before the engine reports one (``batchSize.initial``)."""
+    if policy != "qlm":
+        return {}
+    return {
+        "contextLen": max(m["maxModelLen"] for m in models),
+        "modelWeightsBytes": {
+            services[n].spec.model.name: float(service_input(pool, services[n]).weights_bytes)
+            for n in group.services
+        },
+        "defaultBatch": pool.spec.autoscaling.batch_size.initial,
+    }
+
+
+def kv_capacity_tokens(
+    pool: ServingPool, group: GroupPlan, services: Mapping[str, LLMService]
+) -> dict[str, int]:
+    """KV cache tokens of each of a group's services (by service name), as the placement estimator sizes
+    them: the GPUs' usable memory at the group's TP, less every co-located model's weights and the
+    activation reserve (``tessera.control.placement_sim.group_profiles``; weights from ``weightsSize``,
+    else the matched step profile)."""
+    inputs = [service_input(pool, services[name]) for name in group.services]
+    try:
+        profiles = group_profiles(pool_input(pool), inputs, group.tp)
+    except ValueError as err:
+        raise ChildError(f"group {group.name!r}: {err}; use GPUs with more memory or fewer models") from None
+    return {name: profile.kv_capacity_tokens for name, profile in profiles.items()}
+
+
 def worker_config(
     pool: ServingPool,
     group: GroupPlan,
     services: Mapping[str, LLMService],
     classes: Mapping[str, RequestClassSpec],
 ) -> WorkerConfig:
-    """The worker configuration of one group.
+    """The worker configuration of one group: every field of the specs that concerns the worker
+    (tests/test_worker_field_table.py lists each, and those that do not with the reason).
 
-    Classes carry the per-service overrides already applied, so the worker needs no other object.
-    One pod runs one policy: co-located services use the first service's, with its settings (SeaLLM
-    groups run its DB policy across services).
+    Classes carry the per-service overrides already applied (SLOs, QoE, priority, queue bounds, match),
+    so the worker needs no other object. One pod runs one policy: co-located services use the first
+    service's, with its settings (``policy_settings``; SeaLLM groups run its DB policy across services).
+    Streams are paced for the qoe policy (``PACED_POLICIES``). Per model: the KV capacity of the group
+    (``kv_capacity_tokens``), the context length (``maxModelLength``, else the one the placement reserved
+    KV for, within the KV capacity) and model swapping (``sleepMode`` auto where ``swaps_models``: the
+    worker swaps when vLLM reports sleep mode; vLLM on CPU has none, and there every model stays
+    resident; off otherwise). Batch bounds and Chiron's local autoscaler switch come from the pool.
     """
     models: list[dict[str, Any]] = []
     merged_classes: dict[str, dict[str, Any]] = {}
     policies: list[str] = []
     settings: list[dict[str, Any]] = []
+    kv = kv_capacity_tokens(pool, group, services)
+    engine = worker_engine(pool)
     for index, name in enumerate(group.services):
-        spec = services[name].spec
+        service = services[name]
+        spec = service.spec
         for accepted in spec.request_classes:
             merged = classes[accepted.name].with_overrides(accepted.overrides).to_json()
             if merged_classes.setdefault(accepted.name, merged) != merged:
@@ -216,15 +322,18 @@ def worker_config(
                 )
         has_batch = any(classes[c.name].kind == "batch" for c in spec.request_classes)
         policies.append(spec.scheduling.resolved_policy(has_batch))
-        settings.append(spec.scheduling.settings)
-        entry: dict[str, Any] = {"name": spec.model.name, "engine": "sim"}
-        if worker_engine(pool) == "vllm":
-            entry = {"name": spec.model.name, "engine": "vllm",
-                     "url": f"http://127.0.0.1:{VLLM_BASE_PORT + index}"}  # fmt: skip
+        settings.append(policy_settings(spec, policies[-1]))
+        entry: dict[str, Any] = {"name": spec.model.name, "engine": engine}
+        if engine == "vllm":
+            entry["url"] = f"http://127.0.0.1:{VLLM_BASE_PORT + index}"
         entry["defaultClass"] = spec.default_class_name
-        if spec.model.max_model_length is not None:
-            entry["maxModelLen"] = spec.model.max_model_length
+        entry["kvCapacityTokens"] = kv[name]
+        context = spec.model.max_model_length or service_input(pool, service).p99_context_tokens
+        entry["maxModelLen"] = min(context, kv[name])
+        entry["sleepMode"] = "auto" if swaps_models(pool, group) else "off"
         models.append(entry)
+    for alias, value in _group_settings(pool, group, services, policies[0], models).items():
+        _default(settings[0], alias, value)
     bounds = pool.spec.autoscaling.batch_size
     config = {
         "models": models,
@@ -234,12 +343,24 @@ def worker_config(
             "settings": settings[0],
             "batch": {"min": bounds.min, "max": bounds.max, "initial": bounds.initial},
             "autoscale": {"enabled": pool.spec.autoscaling.enabled},
+            "pacing": policies[0] in PACED_POLICIES,
         },
     }
     try:
         return WorkerConfig.model_validate(config)
     except ValidationError as err:
         raise ChildError(f"group {group.name!r}: the worker configuration would be invalid: {err}") from None
+
+
+def restart_hash(config: WorkerConfig, vllm_containers: Sequence[Mapping[str, Any]]) -> str:
+    """Hash of what a running worker pod cannot reload: its models' ``RESTART_FIELDS`` and the vLLM
+    containers' arguments and environment. On the pod template it rolls the StatefulSet when these
+    change; anything else in the ConfigMap (policy, settings, classes, batch bounds) reaches running
+    workers by their reload of the mounted file, without a restart."""
+    models = [{k: v for k, v in m.to_json().items() if k in RESTART_FIELDS} for m in config.models]
+    engines = [{"args": c.get("args", []), "env": c.get("env", [])} for c in vllm_containers]
+    text = json.dumps({"models": models, "vllm": engines}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def placement_info(pool: ServingPool, group: GroupPlan) -> dict[str, Any]:
@@ -380,6 +501,8 @@ def _vllm_container(
         # vLLM's official image runs as root (its caches live under /root); it needs no capabilities.
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
+    if swaps_models(pool, group):
+        container["env"] = [dict(SLEEP_MODE_ENV)]
     resources = _gpu_requests(pool, group, index)
     if resources:
         container["resources"] = resources
@@ -389,9 +512,14 @@ def _vllm_container(
 
 
 def stateful_set(
-    pool: ServingPool, group: GroupPlan, services: Mapping[str, LLMService], namespace: str
+    pool: ServingPool,
+    group: GroupPlan,
+    services: Mapping[str, LLMService],
+    config: WorkerConfig,
+    namespace: str,
 ) -> dict[str, Any]:
-    """The StatefulSet of a group's worker pods: one vLLM container per placed model plus the worker."""
+    """The StatefulSet of a group's worker pods: one vLLM container per placed model plus the worker;
+    the pod template carries the ``restart_hash`` of ``config`` and the vLLM containers."""
     name = group_object_name(pool.name, group.name)
     labels = group_labels(pool.name, group.name)
     pod_labels = {**labels, **{serves_label(s): "true" for s in group.services}}
@@ -437,6 +565,7 @@ def stateful_set(
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(WORKER_PORT),
                         "prometheus.io/path": METRICS_PATH,
+                        RESTART_HASH_ANNOTATION: restart_hash(config, containers[1:]),
                     },
                 },
                 "spec": pod_spec,
@@ -497,7 +626,7 @@ def desired_children(
         children += [
             group_config_map(pool, group, configs[group.name], namespace),
             headless_service(pool, group, namespace),
-            stateful_set(pool, group, services, namespace),
+            stateful_set(pool, group, services, configs[group.name], namespace),
         ]
         placed += [s for s in group.services if s not in placed]
     children += [endpoint_service(pool, services[s], namespace) for s in sorted(placed)]
