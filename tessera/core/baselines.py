@@ -11,6 +11,11 @@
   ``preempt_mode`` (CHOICE: ``keep``) is how its own preemptions leave the batch:
   as a bound it pauses requests with their KV kept instead of paying a recompute;
   the engine drops paused KV first when memory runs short.
+
+Class priority (``ServiceClass.priority``, higher first) breaks ties of each policy's own order and
+never overrides it: a key is (the policy's quantity, -priority, arrival). FCFS: among equal arrival
+times the higher class runs first and, under KV pressure, the lower one is preempted first; EDF:
+among equal deadlines; the oracles: among equal true (remaining) lengths, before arrival.
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ class FCFS(PriorityPolicy):
     static_keys: ClassVar[bool] = True
 
     def key(self, req: Request, now: float) -> tuple:
-        """Arrival time."""
-        return (req.arrival,)
+        """Arrival time, then the higher class priority."""
+        return (req.arrival, -req.service_class.priority)
 
 
 class EDF(PriorityPolicy):
@@ -42,8 +47,8 @@ class EDF(PriorityPolicy):
     static_keys: ClassVar[bool] = True
 
     def key(self, req: Request, now: float) -> tuple:
-        """Absolute SLO deadline, then arrival."""
-        return (req.slo_deadline, req.arrival)
+        """Absolute SLO deadline, then the higher class priority, then arrival."""
+        return (req.slo_deadline, -req.service_class.priority, req.arrival)
 
 
 def _true_length(req: Request) -> int:
@@ -60,8 +65,8 @@ class SJFOracle(PriorityPolicy):
     oracle: ClassVar[bool] = True
 
     def key(self, req: Request, now: float) -> tuple:
-        """True total output length, then arrival."""
-        return (_true_length(req), req.arrival)
+        """True total output length, then the higher class priority, then arrival."""
+        return (_true_length(req), -req.service_class.priority, req.arrival)
 
 
 class SRTFOracleSettings(PolicySettings):
@@ -99,8 +104,8 @@ class SRTFOracle(PriorityPolicy):
         return decision
 
     def key(self, req: Request, now: float) -> tuple:
-        """True remaining output tokens, then arrival."""
-        return (_true_length(req) - req.generated, req.arrival)
+        """True remaining output tokens, then the higher class priority, then arrival."""
+        return (_true_length(req) - req.generated, -req.service_class.priority, req.arrival)
 
     def recheck_tokens(self) -> int | None:
         """Re-rank every ``recheck_tokens`` decode iterations."""

@@ -25,7 +25,10 @@ class ServiceClass:
     ``ttft_slo_s`` / ``itl_slo_s`` are the interactive SLOs; ``deadline_s`` is the
     completion deadline of batch work, relative to arrival. ``reading_speed_tps`` and
     ``ttft_target_s`` are Andes' QoE parameters (r and T*); ``ttft_target_s`` None
-    means Andes' default ``max(P / 5000, 1)`` seconds.
+    means Andes' default ``max(P / 5000, 1)`` seconds. ``priority`` (RequestClass ``spec.priority``,
+    0-1000, higher first) breaks the ties and decides the overload choices of each policy and never
+    overrides the order the policy itself computes; with equal priorities every decision is as
+    without it (each policy's module docstring says where it acts).
     """
 
     name: str = "default"

@@ -2,7 +2,8 @@
 
 Interactive requests that find no instance with room wait here first in, first out, ahead of any
 batch work; batch requests wait in deadline order (EDF over deadline groups, first come first served
-inside one; a request routed back keeps its place by deadline and arrival). The batch autoscaler
+inside one; a request routed back keeps its place by deadline and arrival). Among equal deadlines
+the higher class priority (``ServiceClass.priority``) goes first, before arrival. The batch autoscaler
 reads the queue as deadline groups; batch and mixed instances pull from it up to their room.
 """
 
@@ -51,7 +52,7 @@ class GlobalQueue:
 
     group_s: float  # deadline bucket width of a batch group (1% of the batch deadline in Chiron)
     interactive: deque[Request] = field(default_factory=deque)
-    batch: list[tuple[float, float, int, Request]] = field(default_factory=list)
+    batch: list[tuple[float, int, float, int, Request]] = field(default_factory=list)
     groups: dict[int, int] = field(default_factory=dict)  # deadline bucket -> queued count
     _seq: itertools.count = field(default_factory=itertools.count)
 
@@ -61,13 +62,13 @@ class GlobalQueue:
             self.interactive.append(req)
             return
         deadline = req.slo_deadline
-        heapq.heappush(self.batch, (deadline, req.arrival, next(self._seq), req))
+        heapq.heappush(self.batch, (deadline, -req.service_class.priority, req.arrival, next(self._seq), req))
         bucket = int(deadline // self.group_s)
         self.groups[bucket] = self.groups.get(bucket, 0) + 1
 
     def pop_batch(self) -> Request:
         """The next batch request (earliest deadline)."""
-        deadline, _, _, req = heapq.heappop(self.batch)
+        deadline, *_, req = heapq.heappop(self.batch)
         bucket = int(deadline // self.group_s)
         self.groups[bucket] -= 1
         if not self.groups[bucket]:

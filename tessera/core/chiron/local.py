@@ -19,7 +19,8 @@ with these fixes of ours, which make it stable:
   running requests changes, switch to that level's BS at once.
 
 ``ChironPolicy`` wraps an inner policy: the inner policy orders the queue, ``ChironLocal`` owns the
-batch size, and interactive requests that find the batch full evict the latest batch requests.
+batch size, and interactive requests that find the batch full evict batch requests: the lowest class
+priority (``ServiceClass.priority``) first, and among equal priorities the latest in the inner order.
 
 Pure logic: the caller passes time and token counts in.
 """
@@ -282,18 +283,16 @@ class ChironPolicy(Policy):
         if self.interactive == 0 or self.batch == 0:
             return self.inner.schedule(replace(view, max_batch=bs))
         # Room for queued interactive requests: let the inner order admit them, then evict batch
-        # requests from the end of the batch (the latest admitted) down to the cap.
+        # requests down to the cap, the lowest class priority first, then from the end of the batch.
         int_running = sum(1 for r in view.running if r.service_class.kind != "batch")
         extra = self.interactive - int_running
         d = self.inner.schedule(replace(view, max_batch=bs + extra))
         excess = len(d.run) - max(bs, sum(1 for r in d.run if r.service_class.kind != "batch"))
         if excess <= 0:
             return d
-        keep: list[Request] = []
-        for req in reversed(d.run):
-            if excess > 0 and req.service_class.kind == "batch":
-                excess -= 1
-                continue
-            keep.append(req)
-        keep.reverse()
+        batch = [
+            (r.service_class.priority, -pos) for pos, r in enumerate(d.run) if r.service_class.kind == "batch"
+        ]
+        evicted = {-neg_pos for _, neg_pos in sorted(batch)[:excess]}
+        keep = [r for pos, r in enumerate(d.run) if pos not in evicted]
         return Decision(run=keep, preempt_mode="swap", recheck_after_tokens=d.recheck_after_tokens)

@@ -19,6 +19,13 @@ Triggered it
    the stall costs the requests that keep running.
 
 Every choice where the paper is silent is a constructor setting (docs/papers.md names the defaults).
+
+Class priority (``ServiceClass.priority``, higher first) only breaks ties, never outweighs a gain:
+untriggered, among equal arrival times (FCFS); triggered, the requests are lined up running first,
+then waiting, each by class priority then arrival, and every stable sort of the greedy solver keeps that
+order among equal gains per KV (gains, for ``lqsf``). So among equal-gain items the knapsack takes
+the higher class first and drops the lower one, and the refiner evicts, among running requests of
+equal gain per KV, the lower class first (then the later arrival).
 """
 
 from __future__ import annotations
@@ -94,7 +101,15 @@ def exact_pack(value: np.ndarray, weight: np.ndarray, capacity: int, batch: int)
 
 # ---- per-request state kept between decisions ----------------------------------------------------
 
-_FLOAT_COLUMNS = ("arrival", "ideal_start", "speed", "prompt", "delivered", "last_consumption")
+_FLOAT_COLUMNS = (
+    "arrival",
+    "class_priority",
+    "ideal_start",
+    "speed",
+    "prompt",
+    "delivered",
+    "last_consumption",
+)
 _BOOL_COLUMNS = ("resident", "swapped", "active")
 
 
@@ -114,6 +129,7 @@ class _Table:
         self.size = 0  # rows ever used; rows at or past it are empty
         self._free: list[int] = []
         self.arrival = np.zeros(capacity)
+        self.class_priority = np.zeros(capacity)  # ServiceClass.priority: ties of the gain order
         self.ideal_start = np.zeros(capacity)
         self.speed = np.ones(capacity)
         self.prompt = np.zeros(capacity)
@@ -138,6 +154,7 @@ class _Table:
         self.reqs[s] = req
         self.trackers[s] = ConsumptionTracker(params.reading_speed_tps)
         self.arrival[s] = req.arrival
+        self.class_priority[s] = req.service_class.priority
         self.ideal_start[s] = params.ideal_start
         self.speed[s] = params.reading_speed_tps
         self.prompt[s] = req.prompt_tokens
@@ -193,7 +210,7 @@ class _Table:
 @dataclass(slots=True)
 class _Ongoing:
     """Arrays over the ongoing requests of one decision, in tie-break order (running, then
-    waiting; each by arrival)."""
+    waiting; each by class priority, higher first, then arrival)."""
 
     rows: np.ndarray  # table rows
     running: np.ndarray  # bool
@@ -439,18 +456,18 @@ class AndesQoE(Policy):
         return latency > 1.0 / fastest_reader
 
     def _fcfs(self, view: InstanceView, rows: np.ndarray, waiting: np.ndarray) -> Decision:
-        """vLLM's order: running keep their slots; swapped-out requests resume first, then arrivals.
-        The queue is proposed only up to the first request that cannot start now (KV, prefill
-        budget): the engine stops there anyway."""
+        """vLLM's order: running keep their slots; swapped-out requests resume first, then arrivals
+        (equal arrivals: the higher class first). The queue is proposed only up to the first request
+        that cannot start now (KV, prefill budget): the engine stops there anyway."""
         tab = self._table
-        run = sorted((tab.reqs[s] for s in rows), key=lambda r: r.arrival)  # type: ignore[union-attr]
+        run = [tab.reqs[s] for s in rows[np.lexsort((-tab.class_priority[rows], tab.arrival[rows]))]]
         slots = max(0, view.max_batch - rows.size)
         if not slots or not waiting.any():
             return Decision(run=run, recheck_after_tokens=self.quantum_iterations)  # type: ignore[arg-type]
         if self.untriggered_order == "priority":
             return self._solve(view, self._gather(view, rows, waiting), admit_only=True)
         w = np.flatnonzero(waiting)
-        head = w[np.lexsort((tab.arrival[w], ~tab.swapped[w]))[:slots]]
+        head = w[np.lexsort((-tab.class_priority[w], tab.arrival[w], ~tab.swapped[w]))[:slots]]
         need = np.where(tab.resident[head], 0.0, tab.prompt[head] + tab.delivered[head] + 1.0)
         count = int(np.searchsorted(np.cumsum(need), view.kv_free_tokens, side="right")) + 1
         if view.prefill_budget_tokens is not None:
@@ -460,11 +477,12 @@ class AndesQoE(Policy):
         return Decision(run=run, recheck_after_tokens=self.quantum_iterations)  # type: ignore[arg-type]
 
     def _gather(self, view: InstanceView, rows: np.ndarray, waiting: np.ndarray) -> _Ongoing:
-        """The ongoing requests' arrays, running first, each group by arrival."""
+        """The ongoing requests' arrays, running first, each group by class priority (higher first),
+        then arrival."""
         tab = self._table
-        r = rows[np.argsort(tab.arrival[rows], kind="stable")]
+        r = rows[np.lexsort((tab.arrival[rows], -tab.class_priority[rows]))]
         w = np.flatnonzero(waiting)
-        w = w[np.argsort(tab.arrival[w], kind="stable")]
+        w = w[np.lexsort((tab.arrival[w], -tab.class_priority[w]))]
         idx = np.concatenate([r, w])
         prof = view.profile
         block = prof.block_size
@@ -658,7 +676,8 @@ class AndesQoE(Policy):
         admit = np.flatnonzero(selected & ~st.running)
         admit = admit[np.argsort(-priority[admit], kind="stable")]
         pool = np.flatnonzero(~selected & st.running)
-        pool = pool[np.lexsort((-pool, priority[pool]))]  # lowest priority first, later arrival first
+        # lowest gain per KV first; among equal ones the later index: the lower class, then the later arrival
+        pool = pool[np.lexsort((-pool, priority[pool]))]
         free = memory - float(st.weight[st.running].sum())
         size = int(st.running.sum())
         budget = view.prefill_budget_tokens

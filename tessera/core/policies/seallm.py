@@ -13,6 +13,11 @@ room; evicting resident requests for it would let requests whose priorities cros
 without end. On an instance of several models (``InstanceView.active_model``) the decision loads the
 seed's model; the simulator's shared-KV engine switches models keeping every request's KV.
 
+Class priority (``ServiceClass.priority``, higher first) breaks ties of ``O_r``, before arrival: fresh
+requests of one service start with equal budgets, so among them the higher class is seeded and
+batched first; among requests starved equally long, the higher class seeds. It never outweighs a
+smaller ``O_r`` or a longer starvation. Round-robin sharing keeps vLLM's arrival order (no priority).
+
 ``RoundRobinSharing`` is SeaLLM's round-robin sharing baseline: the models of an instance take turns.
 
 The same policies drive the worker and the simulator, which the planner's estimator runs
@@ -191,36 +196,38 @@ class DoublingBudget(Policy):
         if not self._held:
             self._running = set()
             return Decision(run=[])
-        # One pass: each request's (O_r, arrival, order) by model, the starved seed and the O seed.
+        # One pass: each request's (O_r, -class priority, arrival, order) by model, the starved seed
+        # and the O seed.
         stats = self.book.stats
-        by_model: dict[str, list[tuple[float, float, int, Request]]] = {}
-        best: tuple[float, float, int, Request] | None = None
-        starved_key: tuple[float, float] | None = None
+        by_model: dict[str, list[tuple[float, int, float, int, Request]]] = {}
+        best: tuple[float, int, float, int, Request] | None = None
+        starved_key: tuple[float, int, float] | None = None
         starved_seed: Request | None = None
         for i, (r, b) in enumerate(self._held.items()):
             s = stats[r.model]
-            entry = (b.left * s.mean_exec_s, r.arrival, i, r)
+            priority = r.service_class.priority
+            entry = (b.left * s.mean_exec_s, -priority, r.arrival, i, r)
             by_model.setdefault(r.model, []).append(entry)
-            if best is None or entry[:2] < best[:2]:
+            if best is None or entry[:3] < best[:3]:
                 best = entry
             wait = now - b.last_run
-            if wait > s.starvation_s and (starved_key is None or (wait, -r.arrival) > starved_key):
-                starved_key, starved_seed = (wait, -r.arrival), r
+            if wait > s.starvation_s and (starved_key is None or (wait, priority, -r.arrival) > starved_key):
+                starved_key, starved_seed = (wait, priority, -r.arrival), r
         assert best is not None
-        seed = starved_seed if starved_seed is not None else best[3]
+        seed = starved_seed if starved_seed is not None else best[-1]
         if view.active_model is not None:
             self._blocks[view.active_model] = view.profile.block_size
         block = self._blocks.get(seed.model) if view.active_model is not None else view.profile.block_size
         if not seed.kv_resident and block is None:
             return Decision(run=[], load_model=seed.model)  # learn its model's KV block first
         if not seed.kv_resident and not fits_free_kv(view, seed, block or view.profile.block_size):
-            holding = [e for entries in by_model.values() for e in entries if e[3].kv_resident]
+            holding = [e for entries in by_model.values() for e in entries if e[-1].kv_resident]
             if holding:
-                own = [e for e in holding if e[3].model == seed.model] or holding
-                seed = min(own, key=lambda e: (e[0], e[1], e[2]))[3]
-        same = [x for x in by_model[seed.model] if x[3] is not seed]
+                own = [e for e in holding if e[-1].model == seed.model] or holding
+                seed = min(own, key=lambda e: e[:4])[-1]
+        same = [x for x in by_model[seed.model] if x[-1] is not seed]
         run = (
-            [seed, *(x[3] for x in heapq.nsmallest(view.max_batch - 1, same))]
+            [seed, *(x[-1] for x in heapq.nsmallest(view.max_batch - 1, same))]
             if view.max_batch > 1
             else [seed]
         )

@@ -114,6 +114,11 @@ class RequestGroup:
                 return  # already removed
         self.unfinished -= 1
 
+    @property
+    def priority(self) -> int:
+        """Class priority of the group's requests (one class per group; higher first)."""
+        return self.members[0].service_class.priority if self.members else 0
+
     def deadline(self) -> float:
         """Earliest SLO deadline among waiting members (+inf if none wait)."""
         return min((r.slo_deadline for r in self.pending()), default=float("inf"))

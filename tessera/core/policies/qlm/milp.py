@@ -64,6 +64,13 @@ on 4 VQs; measured p50 0.1 s, optimal). Above it a rolling-horizon MILP (``windo
   identical VQs without deadlines or swaps, P||sum C_j) and, per VQ, one block per model in the
   best block order with Smith's rule inside (exact for a single-model VQ).
 
+Class priority (``GroupSpec.priority``, its requests' ``ServiceClass.priority``, higher first) never
+outweighs wait or slack; it breaks their ties: the EDF fallback (the plan when no order meets every
+SLO, so the one that decides which group misses) puts the higher class first among equal slack, the
+heuristic's list scheduling places it first among equal drains, Smith's rule puts the lower class
+last among groups of equal drain and latest end, and the rolling horizon's window takes late groups
+of equal slack higher class first. Among MILP optima of equal total wait CBC's pick stands.
+
 Pure: inputs are numbers, no clock except the solver's own time limit.
 """
 
@@ -117,6 +124,7 @@ class GroupSpec:
     costs: Mapping[str, GroupCosts]  # VQ name -> costs; a VQ missing here cannot host the model
     pinned: str | None = None  # started there: no migration (QLM §5)
     current: str | None = None  # VQ it sits in now (EDF fallback keeps it; warm start)
+    priority: int = 0  # its class's priority, higher first: breaks ties of slack and drain
 
     def __post_init__(self) -> None:
         if not self.costs:
@@ -191,9 +199,10 @@ def evaluate(
 
 def edf_plan(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], status: PlanStatus) -> Plan:
     """EDF fallback (QLM §9; as QLM's reference code): each group stays on its VQ (pinned, else
-    current, else the first that can host it) and every VQ is sorted by slack ascending."""
+    current, else the first that can host it) and every VQ is sorted by slack ascending (equal
+    slack: the higher class priority first)."""
     order: dict[str, list[int]] = {q.name: [] for q in queues}
-    for g in sorted(groups, key=lambda g: (g.slack, g.id)):
+    for g in sorted(groups, key=lambda g: (g.slack, -g.priority, g.id)):
         vq = g.pinned or g.current or next(q.name for q in queues if q.name in g.costs)
         order[vq].append(g.id)
     return Plan(order=order, status=status)
@@ -226,7 +235,7 @@ def heuristic_plan(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], tai
             place(g, g.pinned)
         else:
             free.append(g)
-    for g in sorted(free, key=lambda g: (min(c.drain for c in g.costs.values()), g.id)):
+    for g in sorted(free, key=lambda g: (min(c.drain for c in g.costs.values()), -g.priority, g.id)):
         vq = min(
             g.costs,
             key=lambda n: (load[n] + g.costs[n].drain + _switch_cost(g, by_name[n], models[n]), n),
@@ -293,7 +302,9 @@ def _smith_blocks(
         backward: list[GroupSpec] = []
         while remaining:
             fits = [g for g in remaining if latest_end(g) >= end - 1e-9]
-            pick = max(fits or remaining, key=lambda g: (g.costs[q.name].drain, -latest_end(g), g.id))
+            pick = max(
+                fits or remaining, key=lambda g: (g.costs[q.name].drain, -latest_end(g), -g.priority, g.id)
+            )
             remaining.remove(pick)
             backward.append(pick)
             end -= pick.costs[q.name].drain
@@ -740,8 +751,8 @@ def _window(
             entries.append((start, pos, q.name, gid))
             g = by_id[gid]
             if start + (g.costs[q.name].tail if settings.tail_aware else 0.0) > g.slack + 1e-6:
-                late.append((g.slack, gid))
-    head = [gid for _, gid in sorted(late)[: settings.window_groups]]
+                late.append((g.slack, -g.priority, gid))
+    head = [gid for *_, gid in sorted(late)[: settings.window_groups]]
     chosen = set(head)
     for *_, gid in sorted(entries):
         if len(head) >= settings.window_groups:

@@ -13,6 +13,10 @@ At every decision point the agent
    now, and **pulling** from the head group FCFS, then the following groups of the
    loaded model, while batch slots last (the engine admits while KV fits).
 
+Class priority (``ServiceClass.priority``, higher first) acts only where the global scheduler's
+order ties (``milp``: equal slack in the EDF fallback, which decides who misses when no order meets
+every SLO; equal drains in its heuristic); eviction and pulling follow the VQ order it produced.
+
 Load balancing (which instance's VQ a group joins) is ``QLMRouter``'s job.
 Assumes one GPU-resident model per instance (a swap flushes the KV cache), as the paper.
 """
@@ -464,7 +468,10 @@ class QLMPolicy(Policy):
         self._check_due = False
         self._last_solve = now
         groups = [
-            GroupSpec(g.id, g.model, q.slack, {self.vq.name: q.costs}, current=self.vq.name) for g, q in pairs
+            GroupSpec(
+                g.id, g.model, q.slack, {self.vq.name: q.costs}, current=self.vq.name, priority=g.priority
+            )
+            for g, q in pairs
         ]
         queues = [QueueSpec(self.vq.name, view.active_model, residual, swap)]
         return groups, queues, {g.id: g for g, _ in pairs}
