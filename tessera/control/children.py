@@ -59,12 +59,9 @@ WORKER_LIMITS = {"memory": "4Gi"}
 ENGINE_ANNOTATION = "tessera.dev/engine"
 # Pod-template annotation: a hash of what a running worker cannot take from its hot-reloaded ConfigMap.
 RESTART_HASH_ANNOTATION = "tessera.dev/restart-hash"
-# Model entry fields a worker keeps from its start: the reload refuses a change of the model list
-# (name, engine, url, launch, sleepMode, tokenizer), and the engine and the scheduler's step profile are
-# built once from the rest. The policy, its settings, classes and batch bounds reload in place.
-RESTART_FIELDS = (
-    "name", "engine", "url", "launch", "sleepMode", "tokenizer", "maxModelLen", "kvCapacityTokens", "profile",
-)  # fmt: skip
+# Model entry fields a running worker keeps from its start: its reload refuses a change of the model
+# list (tessera.worker.runtime.Worker.reload); everything else in the ConfigMap reloads in place.
+RESTART_FIELDS = ("name", "engine", "url", "launch", "sleepMode", "tokenizer", "maxModelLen")
 # Andes pairs its QoE scheduler with the token pacer: it pauses a stream only while the reader's buffer
 # covers the pause, which holds when tokens reach the reader at the reading pace.
 PACED_POLICIES = frozenset({"qoe"})
@@ -355,8 +352,8 @@ def worker_config(
 def restart_hash(config: WorkerConfig, vllm_containers: Sequence[Mapping[str, Any]]) -> str:
     """Hash of what a running worker pod cannot reload: its models' ``RESTART_FIELDS`` and the vLLM
     containers' arguments and environment. On the pod template it rolls the StatefulSet when these
-    change; anything else in the ConfigMap (policy, settings, classes, batch bounds) reaches running
-    workers by their reload of the mounted file, without a restart."""
+    change; anything else in the ConfigMap (policy, settings, classes, batch bounds, KV capacity, step
+    profile) reaches running workers by their reload of the mounted file, without a restart."""
     models = [{k: v for k, v in m.to_json().items() if k in RESTART_FIELDS} for m in config.models]
     engines = [{"args": c.get("args", []), "env": c.get("env", [])} for c in vllm_containers]
     text = json.dumps({"models": models, "vllm": engines}, sort_keys=True)
