@@ -300,7 +300,7 @@ async def test_worker_serves_the_higher_class_first_under_overload(
 
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
-            long = asyncio.create_task(post(c, "a", 30))
+            long = asyncio.create_task(post(c, "a", 60))
             while sched.waiting or not sched.inflight:
                 await asyncio.sleep(0.01)
             frozen = time.monotonic()
@@ -309,6 +309,7 @@ async def test_worker_serves_the_higher_class_first_under_overload(
             while sched.waiting < 2:
                 await asyncio.sleep(0)
             sched.clock = time.monotonic
+            assert not long.done()  # both arrived while the slot was taken
             answers = await asyncio.wait_for(asyncio.gather(long, *tasks), 30)
         assert [r.status_code for r in answers] == [200, 200, 200]
         assert done == ["a", winner, {"a": "b", "b": "a"}[winner]]
