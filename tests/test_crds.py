@@ -12,6 +12,7 @@ from tessera.api.crd import RESOURCES, crd, generated_files, structural_schema
 from tessera.api.llm_service import LLMServiceSpec
 from tessera.api.request_class import RequestClassSpec
 from tessera.api.rules import (
+    ExcludedWhen,
     KeysAllowed,
     LessOrEqual,
     ListedIn,
@@ -185,6 +186,16 @@ PARITY_CASES = [
             {"policy": "b", "settings": {"x": 1}},
             {"policy": "c", "settings": {}},
             {"policy": "c", "settings": {"x": 1}},
+        ],
+    ),
+    (
+        ExcludedWhen("s.p", "text", "e", False),
+        [
+            {},
+            {"e": False},
+            {"e": False, "s": {"p": "mean"}},
+            {"e": True, "s": {"p": "text"}},
+            {"e": False, "s": {"p": "text"}},
         ],
     ),
 ]

@@ -569,15 +569,25 @@ def test_the_restart_hash_covers_what_the_worker_refuses_to_reload(field: str) -
         ({"repredictEveryTokens": 70000}, "repredictEveryTokens"),
         ({"checkpoint": "s3://bucket/head"}, "checkpoint"),
         ({"encoder": "not an id"}, "encoder"),
-        ({"enabled": False, "_settings": {"predictor": "text"}}, "predictor.enabled is false"),
+        (
+            {"enabled": False, "_settings": {"predictor": "text"}},
+            "predictor may not be 'text' when predictor.enabled",
+        ),
     ],
 )
 def test_bad_predictor_fields_are_refused_naming_them(predictor: dict[str, Any], problem: str) -> None:
+    """By the API server (the CRD's schema and CEL rules) and by the models the operator loads."""
     from tessera.api import LLMService
+    from tessera.api.crd_check import server_side_problems
 
     settings = predictor.pop("_settings", {})
     body = copy.deepcopy(SERVICE)
     body["spec"]["scheduling"] = {"policy": "isrtf", "settings": settings}
     body["spec"]["predictor"] = predictor
+    (refused,) = server_side_problems(body)
+    assert problem in refused, refused
     with pytest.raises(ValueError, match=problem):
         LLMService.model_validate(body)
+    body["spec"]["predictor"] = {}
+    body["spec"]["scheduling"]["settings"] = {}
+    assert server_side_problems(body) == []

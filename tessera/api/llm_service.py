@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from tessera.api.base import (
     NAME_MAX_LENGTH,
@@ -19,7 +19,7 @@ from tessera.api.base import (
     nested,
 )
 from tessera.api.request_class import ClassOverrides, RequestClassSpec
-from tessera.api.rules import KeysAllowed, LessOrEqual, ListedIn, MutuallyExclusive
+from tessera.api.rules import ExcludedWhen, KeysAllowed, LessOrEqual, ListedIn, MutuallyExclusive
 from tessera.core.registry import settings_model, validate_settings
 from tessera.core.request import ServiceClass
 
@@ -210,7 +210,13 @@ class ExpectedLoad(ApiModel):
 class LLMServiceSpec(ApiModel):
     """Desired state of an LLMService."""
 
-    RULES = (ListedIn(field="defaultClass", items="requestClasses"),)
+    RULES = (
+        ListedIn(field="defaultClass", items="requestClasses"),
+        # predictor.enabled false turns isrtf's text predictor off; settings that turn it on contradict it
+        ExcludedWhen(
+            field="scheduling.settings.predictor", value="text", when="predictor.enabled", when_value=False
+        ),
+    )
 
     model: ModelSpec = Field(description="The model to serve.")
     pool_ref: PoolReference = Field(description="The ServingPool to place the model on.")
@@ -242,16 +248,6 @@ class LLMServiceSpec(ApiModel):
         if duplicates:
             raise ValueError(f"each class may be listed once; duplicated: {duplicates}")
         return classes
-
-    @model_validator(mode="after")
-    def _predictor_consistent(self) -> LLMServiceSpec:
-        chosen = self.scheduling.settings.get("predictor")
-        if not self.predictor.enabled and chosen == "text":
-            raise ValueError(
-                "predictor.enabled is false but scheduling.settings.predictor is 'text': drop one of them "
-                "(settings.predictor 'running-mean' or 'constant' also turns the text predictor off)"
-            )
-        return self
 
     @property
     def default_class_name(self) -> str:

@@ -8,6 +8,7 @@ defaults applied), which is what CEL sees after the API server's defaulting.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -192,7 +193,34 @@ class KeysAllowed:
         return f"{self.message} ({selector}: {', '.join(keys) or 'none'}); got {unknown}" if unknown else None
 
 
-Rule = LessOrEqual | RequiredWhen | MutuallyExclusive | ListedIn | NoFlags | KeysAllowed
+@dataclass(frozen=True)
+class ExcludedWhen:
+    """``field``, when set, is not ``value`` while ``when`` is ``when_value``: two fields that would say
+    opposite things."""
+
+    field: str
+    value: str
+    when: str
+    when_value: bool
+
+    @property
+    def message(self) -> str:
+        """Human-readable statement of the rule."""
+        return f"{self.field} may not be '{self.value}' when {self.when} is {json.dumps(self.when_value)}"
+
+    def cel(self) -> str:
+        """The rule as a CEL expression over ``self``."""
+        when = f"({_cel_has(self.when)}) && self.{self.when} == {json.dumps(self.when_value)}"
+        return f"!({when}) || !({_cel_has(self.field)}) || self.{self.field} != '{self.value}'"
+
+    def violation(self, obj: Mapping[str, Any]) -> str | None:
+        """Why ``obj`` breaks the rule, or None when it holds."""
+        if _get(obj, self.when) is not self.when_value or _get(obj, self.field) != self.value:
+            return None
+        return f"{self.message}: drop one of them"
+
+
+Rule = LessOrEqual | RequiredWhen | MutuallyExclusive | ListedIn | NoFlags | KeysAllowed | ExcludedWhen
 
 
 def cel_validations(rules: tuple[Rule, ...]) -> list[dict[str, str]]:
