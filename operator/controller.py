@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from tessera.api.serving_pool import SCALING_HISTORY_LENGTH
+from tessera.api.serving_pool import SCALING_HISTORY_LENGTH, ReplacementInterval
 from tessera.control.children import desired_children, endpoint_url, pool_labels
+from tessera.control.inputs import interval_metrics
+from tessera.control.metrics_queries import ModelLoad
 from tessera.control.pool_plan import (
     POOL_NOT_FOUND,
     PoolDesired,
@@ -30,11 +32,13 @@ from tessera.core.chiron import GroupMemory, evaluate_group
 from tessera.core.planners import (
     AutoscalerState,
     GroupPlan,
+    IntervalMetrics,
     IntervalSettings,
     MetricsSnapshot,
     PlacementPlan,
     next_replacement_interval,
 )
+from tessera.core.planners.replacement import prediction_error
 from tessera.operator import status as st
 from tessera.operator.kube import Kube
 from tessera.operator.reconcile import contains, plan_actions
@@ -42,6 +46,9 @@ from tessera.operator.reconcile import contains, plan_actions
 log = logging.getLogger(__name__)
 
 POOLS, SERVICES, CLASSES = "servingpools", "llmservices", "requestclasses"
+# Longest history placement reads (CHOICE: re-placement intervals may reach a week; SeaLLM replays the
+# history through its simulator, whose cost grows with it).
+MAX_HISTORY_S = 1800.0
 # (object body, event type "Normal"/"Warning", reason, message)
 EventSink = Callable[[Mapping[str, Any], str, str, str], None]
 
@@ -64,6 +71,14 @@ class MetricsSource(Protocol):
 
     def attainment(self, namespace: str, pool: str, model: str) -> list[dict[str, Any]] | None:
         """Measured SLO attainment per class of one served model (ClassAttainment JSON); None if unknown."""
+        ...
+
+    def loads(self, namespace: str, pool: str, window_s: float) -> dict[str, ModelLoad] | None:
+        """Each served model's load over the last ``window_s`` seconds, by model name; None if unknown."""
+        ...
+
+    def batch_sizes(self, namespace: str, pool: str) -> dict[str, int] | None:
+        """Each placement group's batch size as its workers report it, by group name; None if unknown."""
         ...
 
 
@@ -139,15 +154,31 @@ class Controller:
         previous = st.plan_from_status(status.get("placement"))
         fingerprint = inputs_fingerprint(body, services, classes)
         due = st.parse_time(status.get("nextPlacementTime"))
-        replan = (
-            self._fingerprints.get((namespace, name)) != fingerprint
-            or previous is None
-            or (due is not None and now >= due)
+        # A re-placement boundary needs measurements: without them the inputs are the specs, which the
+        # fingerprint watches.
+        boundary = self.metrics is not None and previous is not None and due is not None and now >= due
+        replan = self._fingerprints.get((namespace, name)) != fingerprint or previous is None or boundary
+        measured: dict[str, ModelLoad] | None = None
+        window = None
+        if replan and self.metrics is not None:
+            window = min(MAX_HISTORY_S, status.get("replacementIntervalSeconds") or _initial_interval(body))
+            measured = self.metrics.loads(namespace, name, window)
+        decided = desired_pool(
+            body, services, classes, previous, now, replan=replan, measured=measured, window_s=window
         )
-        decided = desired_pool(body, services, classes, previous, now, replan=replan)
         if isinstance(decided, Problem):
             self._report_invalid(POOLS, body, decided, now)
             return
+        real = None
+        if boundary and measured is not None:
+            by_service = {
+                n: measured[s.spec.model.name]
+                for n, s in decided.services.items()
+                if s.spec.model.name in measured
+            }
+            real = interval_metrics(decided.inputs, by_service)
+        if not boundary and previous is not None and decided.plan is not None:
+            decided = _keep_unchanged(decided, previous)
         history = list(status.get("scalingHistory") or [])
         autoscale = autoscale and self.metrics is not None
         if autoscale and decided.plan is not None and decided.pool.spec.autoscaling.enabled:
@@ -155,7 +186,8 @@ class Controller:
         elif autoscale:  # nothing to autoscale: the resync (and events) will look again
             self._autoscale_due[(namespace, name)] = math.inf
         observed = self._apply(namespace, body, decided)
-        self._report_pool(namespace, body, services, observed, decided, previous, history, now)
+        timeline = _Timeline(boundary, real, window)
+        self._report_pool(namespace, body, services, observed, decided, previous, history, timeline, now)
         self._fingerprints[(namespace, name)] = fingerprint
 
     def _apply(self, namespace: str, body: Mapping[str, Any], decided: PoolDesired) -> list[dict[str, Any]]:
@@ -243,6 +275,7 @@ class Controller:
         decided: PoolDesired,
         previous: PlacementPlan | None,
         history: list[dict[str, Any]],
+        timeline: _Timeline,
         now: float,
     ) -> None:
         pool = decided.pool
@@ -290,38 +323,82 @@ class Controller:
             f"{ready_total}/{replicas} instances ready",
             now,
         )
-        settings = pool.spec.placement.replacement_interval
-        interval = next_replacement_interval(
-            status.get("replacementIntervalSeconds"),
-            None,
-            None,
-            IntervalSettings(
-                settings.initial_seconds, settings.min_seconds, settings.max_seconds, settings.beta
-            ),
-        )
         replanned = (
             previous is None
             or plan is None
             or {g.key for g in previous.groups} != {g.key for g in plan.groups}
         )
-        last_placement = status.get("lastPlacementTime") if not replanned else st.rfc3339(now)
+        last_placement = (
+            status.get("lastPlacementTime") if not (replanned or timeline.boundary) else st.rfc3339(now)
+        )
+        batch_sizes = self.metrics.batch_sizes(namespace, pool.name) if self.metrics else None
+        if batch_sizes is None:  # unknown now: keep what the status shows
+            batch_sizes = {
+                g["name"]: g["batchSize"]
+                for g in (status.get("placement") or {}).get("groups") or []
+                if "batchSize" in g
+            }
         new_status: dict[str, Any] = {
             "conditions": conditions,
-            "placement": st.plan_to_status(plan, ready) if plan else {"groups": []},
+            "placement": st.plan_to_status(plan, ready, batch_sizes) if plan else {"groups": []},
             "replicas": replicas,
             "readyReplicas": ready_total,
             "selector": f"tessera.dev/pool={pool.name}",
             "scalingHistory": history,
-            "replacementIntervalSeconds": interval,
+            **self._interval_status(status, pool.spec.placement.replacement_interval, previous, timeline),
             "lastPlacementTime": last_placement or st.rfc3339(now),
-            "nextPlacementTime": st.rfc3339((st.parse_time(last_placement) or now) + interval),
         }
+        new_status["nextPlacementTime"] = st.rfc3339(
+            (st.parse_time(last_placement) or now) + new_status["replacementIntervalSeconds"]
+        )
         generation = body.get("metadata", {}).get("generation")
         if generation is not None:
             new_status["observedGeneration"] = generation
         if _changed(status, new_status):
             self.kube.patch_status(POOLS, namespace, pool.name, new_status)
         self._report_services(namespace, service_bodies, decided, ready, now)
+
+    def _interval_status(
+        self,
+        status: Mapping[str, Any],
+        spec: ReplacementInterval,
+        previous: PlacementPlan | None,
+        timeline: _Timeline,
+    ) -> dict[str, Any]:
+        """SeaLLM Eq. 8 at a boundary: the plan in effect's estimate against what its interval measured
+        sets the next interval (unchanged without a measurement or an estimate); between boundaries the
+        interval stays (I_0 at first, clamped to the spec's bounds)."""
+        settings = IntervalSettings(spec.initial_seconds, spec.min_seconds, spec.max_seconds, spec.beta)
+        current = status.get("replacementIntervalSeconds")
+        if not timeline.boundary:
+            return {"replacementIntervalSeconds": next_replacement_interval(current, None, None, settings)}
+        estimated = (
+            IntervalMetrics(previous.estimated_slo_attainment, previous.estimated_norm_latency)
+            if previous is not None
+            and previous.estimated_slo_attainment is not None
+            and previous.estimated_norm_latency is not None
+            else None
+        )
+        real = timeline.measured
+        out: dict[str, Any] = {
+            "replacementIntervalSeconds": next_replacement_interval(current, estimated, real, settings)
+        }
+        if real is not None and timeline.window_s:
+            out["measured"] = {
+                "sloAttainment": real.slo_attainment,
+                "normLatency": real.norm_latency,
+                "windowSeconds": timeline.window_s,
+            }
+            if estimated is not None:
+                out["estimateError"] = prediction_error(estimated, real)
+        log.info(
+            "re-placement boundary: estimate %s, measured %s, interval %s -> %.1f s",
+            estimated,
+            real,
+            current,
+            out["replacementIntervalSeconds"],
+        )
+        return out
 
     def _report_services(
         self,
@@ -381,12 +458,15 @@ class Controller:
                 "endpoint": endpoint_url(name, namespace),
                 "policy": service.spec.scheduling.resolved_policy(has_batch),
             }
+            if name in decided.loads:
+                new_status["load"] = decided.loads[name].to_status()
             measured = (
                 self.metrics.attainment(namespace, decided.pool.name, service.spec.model.name)
                 if self.metrics
                 else None
             )
-            if measured:
+            # measuredAt moves only with the figures: an idle service's status is not patched every pass.
+            if measured and measured != status.get("sloAttainmentByClass"):
                 total = sum(c.get("requests", 0) for c in measured)
                 new_status["sloAttainmentByClass"] = measured
                 if total:
@@ -463,6 +543,31 @@ class Controller:
         self._last_sync.pop((namespace, name), None)
         self._autoscale_due.pop((namespace, name), None)
         return len(actions)
+
+
+@dataclass(frozen=True, slots=True)
+class _Timeline:
+    """What a pass knows of the re-placement timeline: whether a boundary was reached, what the interval
+    ending there measured (M_real) and over how many seconds."""
+
+    boundary: bool
+    measured: IntervalMetrics | None
+    window_s: float | None
+
+
+def _initial_interval(body: Mapping[str, Any]) -> float:
+    """The pool body's replacementInterval.initialSeconds (read raw: the pass validates the spec after)."""
+    spec = ((body.get("spec") or {}).get("placement") or {}).get("replacementInterval") or {}
+    value = spec.get("initialSeconds")
+    return float(value) if isinstance(value, int | float) and value > 0 else IntervalSettings().initial_s
+
+
+def _keep_unchanged(decided: PoolDesired, previous: PlacementPlan) -> PoolDesired:
+    """Between boundaries a re-plan (a spec changed, or the operator restarted) that gives the groups in
+    effect keeps the plan in effect with its estimate and loads: it writes nothing."""
+    if decided.plan is None or decided.plan.groups != previous.groups:
+        return decided
+    return replace(decided, plan=previous, loads={}, inputs={})
 
 
 def _reason(status: Mapping[str, Any], type_: str) -> str | None:

@@ -9,10 +9,15 @@ from typing import Any
 
 from tessera.control.metrics_queries import (
     DEFAULT_WINDOW,
+    ModelLoad,
     Query,
     attainment_from_results,
     attainment_queries,
+    batch_size_query,
+    batch_sizes_from_result,
     group_queries,
+    load_queries,
+    loads_from_results,
     snapshot_from_results,
 )
 from tessera.core.planners import GroupPlan, MetricsSnapshot
@@ -56,3 +61,14 @@ class PrometheusMetrics:
         """Measured SLO attainment per class of one served model; None when unknown."""
         results = self._run(attainment_queries(namespace, pool, model, self.window))
         return attainment_from_results(results) if results else None
+
+    def loads(self, namespace: str, pool: str, window_s: float) -> dict[str, ModelLoad] | None:
+        """Every model's load in the pool over the last ``window_s`` seconds; None when Prometheus
+        cannot be reached."""
+        results = self._run(load_queries(namespace, pool, window_s))
+        return loads_from_results(results) if results is not None else None
+
+    def batch_sizes(self, namespace: str, pool: str) -> dict[str, int] | None:
+        """Each group's batch size (the mean over its pods and models); None when unknown."""
+        results = self._run({"batch": batch_size_query(namespace, pool)})
+        return batch_sizes_from_result(results["batch"]) if results is not None else None

@@ -104,8 +104,13 @@ def history_entries(
     ]
 
 
-def plan_to_status(plan: PlacementPlan, ready: Mapping[str, int]) -> dict[str, Any]:
-    """The plan as the ServingPool's ``status.placement`` JSON; ``ready`` maps group name to ready pods."""
+def plan_to_status(
+    plan: PlacementPlan, ready: Mapping[str, int], batch_sizes: Mapping[str, int] | None = None
+) -> dict[str, Any]:
+    """The plan as the ServingPool's ``status.placement`` JSON; ``ready`` maps group name to ready pods,
+    ``batch_sizes`` group name to the batch size its workers report (a measurement, not part of the
+    plan: ``plan_from_status`` does not read it back)."""
+    batch_sizes = batch_sizes or {}
     status: dict[str, Any] = {
         "strategy": plan.strategy,
         "groups": [
@@ -115,13 +120,15 @@ def plan_to_status(plan: PlacementPlan, ready: Mapping[str, int]) -> dict[str, A
                 "tensorParallelSize": g.tp,
                 "replicas": {r: g.replicas.get(r) for r in ROLES},
                 "readyReplicas": ready.get(g.name, 0),
-                **({"batchSize": g.batch_size} if g.batch_size is not None else {}),
+                **({"batchSize": batch_sizes[g.name]} if g.name in batch_sizes else {}),
             }
             for g in plan.groups
         ],
     }
     if plan.estimated_slo_attainment is not None:
         status["estimatedSloAttainment"] = plan.estimated_slo_attainment
+    if plan.estimated_norm_latency is not None:
+        status["estimatedNormLatency"] = plan.estimated_norm_latency
     return status
 
 
@@ -137,7 +144,6 @@ def plan_from_status(placement: Mapping[str, Any] | None) -> PlacementPlan | Non
                 services=tuple(str(s) for s in g["services"]),
                 tp=int(g.get("tensorParallelSize", 1)),
                 replicas=RoleCounts(**{r: int(g.get("replicas", {}).get(r, 0)) for r in ROLES}),
-                batch_size=g.get("batchSize"),
             )
             for g in placement.get("groups", [])
         )
@@ -147,4 +153,5 @@ def plan_from_status(placement: Mapping[str, Any] | None) -> PlacementPlan | Non
         strategy=str(placement["strategy"]),
         groups=groups,
         estimated_slo_attainment=placement.get("estimatedSloAttainment"),
+        estimated_norm_latency=placement.get("estimatedNormLatency"),
     )

@@ -5,15 +5,28 @@ token). They come from the named step profiles (``tessera.core.profiles.PROFILES
 the pool's GPU type and the model's size (``named_profile``). Where none matches, the fallback is
 ``FALLBACK_PROFILE``, the 8B-class model on one H100 (CHOICE, documented: the most common serving
 setup; placement only uses the step profile to weigh services with traffic).
+
+Each service's load (``service_load``) is measured where its workers report one
+(``tessera.control.metrics_queries.ModelLoad``: the rate and output lengths of the last interval),
+else declared (``spec.expectedLoad``), else the defaults: no traffic, 128 prompt and 256 output tokens.
+The workers export no prompt length, so prompts are always declared or default. The load becomes the
+planner's rate, mean lengths and history: arrivals spread evenly over each measured step (CHOICE: the
+metrics give counts per step, not arrival times), each with its step's mean output length. The SLO
+scale of SeaLLM's estimator (a request meets its SLO when its latency is at most ``slo_scale`` times
+its isolated execution time) comes from the service's classes (``slo_scale``).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from tessera.api import LLMService, ServingPool, parse_quantity
-from tessera.core.planners import ChironSettings, PoolInput, ServiceInput
+from tessera.api import LLMService, RequestClassSpec, ServingPool, parse_quantity
+from tessera.control.metrics_queries import ModelLoad, load_step_s
+from tessera.core.planners import ChironSettings, HistoryRequest, IntervalMetrics, PoolInput, ServiceInput
 from tessera.core.profile import StepProfile
 from tessera.core.profiles import PROFILES
 
@@ -78,26 +91,182 @@ def service_profile(pool: ServingPool, service: LLMService) -> StepProfile:
     return named_profile(pool, service) or PROFILES[FALLBACK_PROFILE]
 
 
-def service_input(pool: ServingPool, service: LLMService) -> ServiceInput:
-    """The planners' view of an LLMService placed on ``pool``."""
+DEFAULT_PROMPT_TOKENS = 128
+DEFAULT_OUTPUT_TOKENS = 256
+# SLO_r = slo_scale x exec_ref(r) for services whose classes set no SLO (SeaLLM §6.1's scale).
+DEFAULT_SLO_SCALE = 5.0
+# Most requests of one service's history that placement replays (CHOICE: the simulated estimator's cost
+# grows with them); a longer history keeps its most recent steps, so the rate stays the measured one.
+MAX_HISTORY_REQUESTS = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceLoad:
+    """The load placement plans one service for, with where each figure came from
+    ("measured", "declared" or "default")."""
+
+    rate: float
+    prompt_tokens: float
+    output_tokens: float
+    rate_source: str
+    prompt_source: str
+    output_source: str
+    window_s: float | None = None  # what the measured figures cover
+    history: tuple[HistoryRequest, ...] = ()
+
+    def to_status(self) -> dict[str, Any]:
+        """The LLMService's ``status.load`` JSON (PlannedLoad)."""
+        status: dict[str, Any] = {
+            "requestsPerSecond": round(self.rate, 4),
+            "meanPromptTokens": round(self.prompt_tokens, 1),
+            "meanOutputTokens": round(self.output_tokens, 1),
+            "sources": {
+                "requestsPerSecond": self.rate_source,
+                "promptTokens": self.prompt_source,
+                "outputTokens": self.output_source,
+            },
+        }
+        if self.window_s is not None:
+            status["windowSeconds"] = round(self.window_s, 1)
+        return status
+
+
+def spread_history(
+    counts: Sequence[float], step_s: float, prompt_tokens: int, outputs: Sequence[int]
+) -> tuple[HistoryRequest, ...]:
+    """Requests spread evenly over each step (``counts[j]`` arrivals in step j, fractions carried to the
+    next step), each with its step's output length ``outputs[j]``; at most ``MAX_HISTORY_REQUESTS``,
+    the most recent kept."""
+    out: list[HistoryRequest] = []
+    carry = 0.0
+    for j, count in enumerate(counts):
+        carry += count
+        n = math.floor(carry + 1e-9)
+        carry -= n
+        out += [HistoryRequest((j + (k + 0.5) / n) * step_s, prompt_tokens, outputs[j]) for k in range(n)]
+    return tuple(out[-MAX_HISTORY_REQUESTS:])
+
+
+def service_load(service: LLMService, measured: ModelLoad | None, window_s: float) -> ServiceLoad:
+    """The load to plan ``service`` for: ``measured`` where its workers reported one, else
+    ``spec.expectedLoad``, else the defaults; ``window_s`` is the history a declared rate spans."""
+    declared = service.spec.expected_load
+
+    def pick(value: float | None, default: float) -> tuple[float, str]:
+        return (value, "declared") if value is not None else (default, "default")
+
+    prompt, prompt_source = pick(declared and declared.prompt_tokens, DEFAULT_PROMPT_TOKENS)
+    output, output_source = pick(declared and declared.output_tokens, DEFAULT_OUTPUT_TOKENS)
+    if measured is not None:
+        if measured.mean_output_tokens is not None:
+            output, output_source = measured.mean_output_tokens, "measured"
+        outputs = [
+            max(1, round(tokens / done)) if done > 0 else max(1, round(output))
+            for tokens, done in zip(measured.output_tokens, measured.finished, strict=True)
+        ]
+        history = spread_history(measured.arrivals, measured.step_s, round(prompt), outputs)
+        return ServiceLoad(
+            measured.rate, prompt, output, "measured", prompt_source, output_source, measured.span_s, history
+        )
+    rate, rate_source = pick(declared and declared.requests_per_second, 0.0)
+    step = load_step_s(window_s)
+    steps = max(1, round(window_s / step))
+    history = spread_history([rate * step] * steps, step, round(prompt), [max(1, round(output))] * steps)
+    return ServiceLoad(rate, prompt, output, rate_source, prompt_source, output_source, None, history)
+
+
+def slo_scale(
+    service: LLMService,
+    classes: Mapping[str, RequestClassSpec],
+    profile: StepProfile,
+    prompt: int,
+    output: int,
+) -> float:
+    """SeaLLM's SLO scale for ``service`` from its strictest class (CHOICE: the estimator judges latency,
+    the classes TTFT, ITL or a deadline): a mean request's latency budget over its isolated execution
+    time. A batch class's budget is its deadline; an interactive class's is its TTFT bound plus its ITL
+    bound per later token, a bound it leaves unset taking the isolated prefill or decode time (no
+    slack). ``DEFAULT_SLO_SCALE`` when no class sets an SLO."""
+    exec_s = profile.exec_time(prompt, max(1, output))
+    prefill = profile.prefill(prompt)
+    budgets = []
+    for accepted in service.spec.request_classes:
+        spec = classes[accepted.name].with_overrides(accepted.overrides)
+        slo = spec.slo
+        if spec.kind == "batch":
+            if slo.deadline_seconds is not None:
+                budgets.append(slo.deadline_seconds)
+        elif slo.ttft_seconds is not None or slo.itl_seconds is not None:
+            first = slo.ttft_seconds if slo.ttft_seconds is not None else prefill
+            rest = slo.itl_seconds * (max(1, output) - 1) if slo.itl_seconds is not None else exec_s - prefill
+            budgets.append(first + rest)
+    return min(budgets) / exec_s if budgets else DEFAULT_SLO_SCALE
+
+
+def service_input(
+    pool: ServingPool,
+    service: LLMService,
+    load: ServiceLoad | None = None,
+    classes: Mapping[str, RequestClassSpec] | None = None,
+) -> ServiceInput:
+    """The planners' view of an LLMService placed on ``pool`` under ``load`` (default: declared or
+    default, no history); ``classes`` (the RequestClass specs by name) set its SLO scale."""
     model = service.spec.model
     profile = service_profile(pool, service)
     weights = parse_quantity(model.weights_size) if model.weights_size else profile.weights_bytes
+    load = load or service_load(service, None, 0.0)
+    prompt, output = round(load.prompt_tokens), max(1, round(load.output_tokens))
+    scale = (
+        slo_scale(service, classes, profile.at_tp(model.tensor_parallel_size), prompt, output)
+        if classes is not None
+        else DEFAULT_SLO_SCALE
+    )
     return ServiceInput(
         name=service.name,
         weights_bytes=int(weights),
         kv_bytes_per_token=profile.kv_bytes_per_token,
         profile=profile,
         tp_min=model.tensor_parallel_size,
+        request_rate=load.rate,
+        mean_prompt_tokens=load.prompt_tokens,
+        mean_output_tokens=load.output_tokens,
+        p99_context_tokens=model.max_model_length or 4096,
+        slo_scale=scale,
+        history=load.history,
         min_replicas=service.spec.replicas.min,
         max_replicas=service.spec.replicas.max,
-        p99_context_tokens=model.max_model_length or 4096,
     )
 
 
-def service_inputs(pool: ServingPool, services: Iterable[LLMService]) -> list[ServiceInput]:
-    """Planner inputs of several services, sorted by name (plans must not depend on listing order)."""
-    return [service_input(pool, s) for s in sorted(services, key=lambda s: s.name)]
+def service_inputs(
+    pool: ServingPool,
+    services: Iterable[LLMService],
+    loads: Mapping[str, ServiceLoad] | None = None,
+    classes: Mapping[str, RequestClassSpec] | None = None,
+) -> list[ServiceInput]:
+    """Planner inputs of several services (``loads`` by service name), sorted by name (plans must not
+    depend on listing order)."""
+    loads = loads or {}
+    return [
+        service_input(pool, s, loads.get(s.name), classes) for s in sorted(services, key=lambda s: s.name)
+    ]
+
+
+def interval_metrics(
+    inputs: Mapping[str, ServiceInput], measured: Mapping[str, ModelLoad]
+) -> IntervalMetrics | None:
+    """SeaLLM's M_real of an interval from the services' measured loads (by service name): SLO
+    attainment over the requests the classes judged, and mean normalized latency (end-to-end latency
+    over the service's isolated execution time of a mean request, ``inputs``' L̂_s). None when nothing
+    finished or no finished request was judged."""
+    loads = {name: m for name, m in measured.items() if name in inputs}
+    judged = sum(m.slo_met + m.slo_missed for m in loads.values())
+    finished = sum(m.finished_total for m in loads.values())
+    if judged <= 0 or finished <= 0:
+        return None
+    met = sum(m.slo_met for m in loads.values())
+    norm = sum(m.e2e_seconds / inputs[name].mean_exec_s() for name, m in loads.items())
+    return IntervalMetrics(min(1.0, met / judged), norm / finished)
 
 
 def chiron_settings(pool: ServingPool, max_instances: int) -> ChironSettings:

@@ -6,6 +6,13 @@ and ``tessera.dev/group`` labels). The worker exports ``tessera_inflight`` and `
 gauges, ``tessera_slo_met`` / ``tessera_slo_missed`` counters and ``tessera_ttft_seconds`` /
 ``tessera_itl_seconds`` histograms, labelled ``model`` and ``class`` (``tessera.worker.metrics``).
 
+Placement reads each model's load over the last re-placement interval from the same worker series
+(``load_queries``): the counters sampled at a fixed step by a subquery, their increases per step
+computed here (a counter that drops was reset: it counts from zero; a series that appears later is a
+new pod or class: it counts from zero too). The router's ``tessera_router_*`` series are not used:
+they carry no pool label, and a model name is only unique within a pool. The workers export no
+prompt length, so a measured load has none (``tessera.control.inputs`` takes the declared one).
+
 Pure: the operator's ``PrometheusMetrics`` (``tessera.operator.prometheus``) sends the queries; local
 mode reads the same series from direct scrapes.
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tessera.core.planners import ROLES, BatchGroup, GroupPlan, MetricsSnapshot, RoleCounts
@@ -173,3 +181,162 @@ def attainment_from_results(results: Mapping[str, list[dict[str, Any]]]) -> list
             row["meanItlSeconds"] = itl_sum.get(name, 0.0) / itl_count[name]
         rows.append(row)
     return rows
+
+
+# Counters whose increases make up a model's load: every request a worker accepts ends in exactly one
+# of the first three (finished, refused, failed), so together they count arrivals.
+LOAD_COUNTERS = {
+    "finished": "tessera_e2e_seconds_count",
+    "rejected": "tessera_rejected_total",
+    "failed": "tessera_failed_total",
+    # One ITL sample per output token after the first (see group_queries).
+    "later_tokens": "tessera_itl_seconds_count",
+    "e2e_seconds": "tessera_e2e_seconds_sum",
+    "slo_met": "tessera_slo_met_total",
+    "slo_missed": "tessera_slo_missed_total",
+}
+MAX_BIN_S = 60.0  # SeaLLM's estimator bins history per minute (tessera.control.placement.BIN_S)
+BINS_PER_WINDOW = 5  # short windows get shorter bins, so a 10 s interval still has a rate history
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoad:
+    """What a pool's workers measured of one model over a window, per step of the subqueries.
+
+    ``arrivals`` and ``finished`` are per step (oldest first); ``span_s`` is how long the model's
+    workers were seen in the window (a new service is measured over its own life)."""
+
+    model: str
+    step_s: float
+    span_s: float
+    arrivals: tuple[float, ...]
+    finished: tuple[float, ...]
+    output_tokens: tuple[float, ...]
+    e2e_seconds: float
+    slo_met: float
+    slo_missed: float
+
+    @property
+    def requests(self) -> float:
+        """Requests that arrived in the window."""
+        return sum(self.arrivals)
+
+    @property
+    def finished_total(self) -> float:
+        """Requests that finished in the window."""
+        return sum(self.finished)
+
+    @property
+    def rate(self) -> float:
+        """Arrivals per second over the span the model was seen."""
+        return self.requests / self.span_s
+
+    @property
+    def mean_output_tokens(self) -> float | None:
+        """Mean output tokens of the finished requests; None when none finished."""
+        done = self.finished_total
+        return sum(self.output_tokens) / done if done > 0 else None
+
+
+def load_step_s(window_s: float) -> float:
+    """The subqueries' step for a window: a fifth of it, at most a minute, at least a second."""
+    return float(max(1, min(MAX_BIN_S, math.floor(window_s / BINS_PER_WINDOW))))
+
+
+def load_queries(namespace: str, pool: str, window_s: float) -> dict[str, str]:
+    """The PromQL subqueries of every model's load in a pool over the last ``window_s`` seconds: each
+    counter sampled every step, one step before the window included (the baseline of the first step)."""
+    sel = selector(namespace=namespace, pool=pool)
+    step = load_step_s(window_s)
+    span = f"[{int(math.ceil(window_s / step) * step + step)}s:{int(step)}s]"
+    queries = {key: f"{name}{{{sel}}}{span}" for key, name in LOAD_COUNTERS.items()}
+    # Present from a worker's start (unlike the counters, created on first use): which models were up.
+    queries["up"] = f"tessera_batch_size{{{sel}}}{span}"
+    return queries
+
+
+def _points(sample: Mapping[str, Any]) -> list[tuple[float, float]]:
+    out = []
+    for point in sample.get("values") or []:
+        try:
+            out.append((float(point[0]), float(point[1])))
+        except (IndexError, TypeError, ValueError):
+            continue
+    return sorted(p for p in out if not math.isnan(p[1]))
+
+
+def _increases(samples: Sequence[Mapping[str, Any]], grid: Sequence[float]) -> dict[str, list[float]]:
+    """Per model, the counters' increase at each grid point after the first (reset-aware)."""
+    index = {t: i for i, t in enumerate(grid)}
+    out: dict[str, list[float]] = {}
+    for sample in samples:
+        model = (sample.get("metric") or {}).get("model")
+        points = _points(sample)
+        if not model or not points:
+            continue
+        row = out.setdefault(model, [0.0] * max(0, len(grid) - 1))
+        previous: float | None = None if points[0][0] > grid[0] else points[0][1]
+        for t, value in points:
+            i = index.get(t)
+            if i is None or i == 0:
+                continue
+            if previous is None or value < previous:  # a new series or a reset counts from zero
+                row[i - 1] += value
+            else:
+                row[i - 1] += value - previous
+            previous = value
+    return out
+
+
+def loads_from_results(results: Mapping[str, list[dict[str, Any]]]) -> dict[str, ModelLoad]:
+    """Every model's ModelLoad from the results of ``load_queries``; models whose workers were seen at
+    fewer than two steps are left out (not measured yet)."""
+    grid = sorted({t for samples in results.values() for s in samples for t, _ in _points(s)})
+    if len(grid) < 2:
+        return {}
+    step = grid[1] - grid[0]
+    seen: dict[str, set[float]] = {}
+    for sample in results.get("up") or []:
+        model = (sample.get("metric") or {}).get("model")
+        if model:
+            seen.setdefault(model, set()).update(t for t, _ in _points(sample))
+    counters = {key: _increases(results.get(key) or [], grid) for key in LOAD_COUNTERS}
+    empty = [0.0] * (len(grid) - 1)
+    loads = {}
+    for model, times in sorted(seen.items()):
+        if len(times) < 2:
+            continue
+
+        def row(key: str, model: str = model) -> list[float]:
+            return counters[key].get(model, empty)
+
+        arrivals = [sum(v) for v in zip(row("finished"), row("rejected"), row("failed"), strict=True)]
+        finished = row("finished")
+        loads[model] = ModelLoad(
+            model=model,
+            step_s=step,
+            span_s=max(times) - min(times),
+            arrivals=tuple(arrivals),
+            finished=tuple(finished),
+            output_tokens=tuple(f + t for f, t in zip(finished, row("later_tokens"), strict=True)),
+            e2e_seconds=sum(row("e2e_seconds")),
+            slo_met=sum(row("slo_met")),
+            slo_missed=sum(row("slo_missed")),
+        )
+    return loads
+
+
+def batch_size_query(namespace: str, pool: str) -> str:
+    """The PromQL query of each group's batch size: the mean over its pods and models."""
+    return f"avg by (group) (tessera_batch_size{{{selector(namespace=namespace, pool=pool)}}})"
+
+
+def batch_sizes_from_result(result: list[dict[str, Any]]) -> dict[str, int]:
+    """Group name -> its mean batch size rounded (at least 1), from ``batch_size_query``'s result."""
+    out = {}
+    for sample in result:
+        group = (sample.get("metric") or {}).get("group")
+        value = _value(sample)
+        if group and math.isfinite(value):
+            out[group] = max(1, round(value))
+    return out

@@ -15,13 +15,15 @@ from typing import Any
 from tessera.api import LLMService, RequestClass, RequestClassSpec, ServingPool, SpecError, parse_document
 from tessera.api.worker_config import WorkerConfig
 from tessera.control.children import ChildError, desired_children, group_configs
-from tessera.control.inputs import chiron_settings, pool_input, service_inputs
+from tessera.control.inputs import ServiceLoad, chiron_settings, pool_input, service_inputs, service_load
+from tessera.control.metrics_queries import ModelLoad
 from tessera.control.placement import PlacementError, plan_placement
 from tessera.core.planners import (
     ChironSettings,
     GroupPlan,
     PlacementPlan,
     RoleCounts,
+    ServiceInput,
 )
 
 # Reasons used in conditions and events.
@@ -109,6 +111,9 @@ class PoolDesired:
     placement_problem: str | None = None
     children: list[dict[str, Any]] = field(default_factory=list)
     configs: dict[str, WorkerConfig] = field(default_factory=dict)  # group name -> its worker configuration
+    # What a new plan was planned from, by service name (empty when the plan in effect was kept).
+    loads: dict[str, ServiceLoad] = field(default_factory=dict)
+    inputs: dict[str, ServiceInput] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,11 +289,16 @@ def desired_pool(
     previous: PlacementPlan | None,
     now: float,
     replan: bool = True,
+    measured: Mapping[str, ModelLoad] | None = None,
+    window_s: float | None = None,
 ) -> PoolDesired | Problem:
     """Decide a pool: its valid services, the placement plan and the children it should own.
 
     With ``replan`` false and a plan in effect, that plan stays (planning can be costly: SeaLLM
     simulates); the caller replans when the inputs change or the re-placement interval is due.
+    ``measured`` are the loads the workers reported by model name; services without one are planned
+    for their declared or default load over ``window_s`` seconds (default: the pool's first
+    re-placement interval).
     Returns a Problem (reason InvalidSpec) when the pool's own spec is invalid: nothing is created.
     When no placement exists, the plan in effect stays (``placement_problem`` says why).
     """
@@ -305,9 +315,15 @@ def desired_pool(
             configs = group_configs(pool, previous.groups, services, classes)
             children = desired_children(pool, previous.groups, services, configs, namespace)
             return PoolDesired(pool, services, classes, rejected, previous, None, children, configs)
+        window = window_s or pool.spec.placement.replacement_interval.initial_seconds
+        loads = {
+            name: service_load(service, (measured or {}).get(service.spec.model.name), window)
+            for name, service in services.items()
+        }
+        planned = service_inputs(pool, services.values(), loads, classes)
         plan = plan_placement(
             pool_input(pool),
-            service_inputs(pool, services.values()),
+            planned,
             strategy=pool.spec.placement.strategy,
             now=now,
             previous=previous,
@@ -323,4 +339,5 @@ def desired_pool(
         configs = group_configs(pool, kept.groups, services, classes) if kept else {}
         children = desired_children(pool, kept.groups, services, configs, namespace) if kept else []
         return PoolDesired(pool, services, classes, rejected, kept, str(err), children, configs)
-    return PoolDesired(pool, services, classes, rejected, plan, None, children, configs)
+    inputs = {s.name: s for s in planned}
+    return PoolDesired(pool, services, classes, rejected, plan, None, children, configs, loads, inputs)

@@ -1,0 +1,452 @@
+"""Placement from measured load and the adaptive re-placement interval, pure parts and the controller's
+timeline over an in-memory cluster: the workers' counters sampled by Prometheus become each model's
+load, the load becomes the planner's inputs (with declared or default figures where none is measured),
+the plan's estimate is kept in status and compared at the next boundary with what was measured, and
+Eq. 8 sets the next interval. Passes that change nothing write nothing."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from tessera.api import parse_document
+from tessera.control.inputs import (
+    DEFAULT_SLO_SCALE,
+    MAX_HISTORY_REQUESTS,
+    interval_metrics,
+    service_input,
+    service_load,
+    slo_scale,
+    spread_history,
+)
+from tessera.control.metrics_queries import (
+    ModelLoad,
+    batch_size_query,
+    batch_sizes_from_result,
+    load_queries,
+    load_step_s,
+    loads_from_results,
+)
+from tessera.control.pool_plan import desired_pool, parse_classes
+from tessera.core.planners import GroupPlan, IntervalMetrics, PlacementPlan, RoleCounts
+from tessera.core.planners.replacement import IntervalSettings, next_replacement_interval, prediction_error
+from tessera.operator import status as st
+from tessera.operator.controller import Controller
+from tessera.operator.reconcile import Action
+
+NS, POOL = "ns", "p"
+MODELS = {"a": "org/a-8B", "b": "org/b-8B"}
+
+
+def pool_body(**placement: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "tessera.dev/v1alpha1",
+        "kind": "ServingPool",
+        "metadata": {"name": POOL, "namespace": NS, "uid": "pool-uid", "generation": 1},
+        "spec": {
+            "gpu": {"type": "H100", "memory": "80Gi"},
+            "instances": {"min": 1, "max": 4},
+            "autoscaling": {"enabled": False},
+            "placement": {
+                "strategy": "seallm",
+                "replacementInterval": {"initialSeconds": 100, "minSeconds": 50, "maxSeconds": 200},
+                **placement,
+            },
+        },
+    }
+
+
+def class_body(name: str = "chat", **slo: float) -> dict[str, Any]:
+    return {
+        "apiVersion": "tessera.dev/v1alpha1",
+        "kind": "RequestClass",
+        "metadata": {"name": name, "namespace": NS, "uid": f"class-{name}"},
+        "spec": {"kind": "interactive", "slo": slo or {"ttftSeconds": 1, "itlSeconds": 0.05}},
+    }
+
+
+def service_body(name: str, expected: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"name": MODELS[name]},
+        "poolRef": {"name": POOL},
+        "requestClasses": [{"name": "chat"}],
+        "replicas": {"min": 1, "max": 4},
+    }
+    if expected is not None:
+        spec["expectedLoad"] = expected
+    return {
+        "apiVersion": "tessera.dev/v1alpha1",
+        "kind": "LLMService",
+        "metadata": {"name": name, "namespace": NS, "uid": f"svc-{name}", "creationTimestamp": name},
+        "spec": spec,
+    }
+
+
+def model_load(
+    model: str, rate: float, *, out: float = 200, window: float = 300, step: float = 60, met: float = 0.9
+) -> ModelLoad:
+    n = round(window / step)
+    per = rate * step
+    total = per * n
+    return ModelLoad(
+        model,
+        step,
+        window,
+        (per,) * n,
+        (per,) * n,
+        (per * out,) * n,
+        total * 3.0,
+        total * met,
+        total * (1 - met),
+    )
+
+
+# -- the queries and their parsing ----------------------------------------------------------------------
+
+
+def test_load_queries_sample_every_counter_one_step_before_the_window() -> None:
+    assert load_step_s(300) == 60 and load_step_s(20) == 4 and load_step_s(3) == 1 and load_step_s(7200) == 60
+    queries = load_queries(NS, POOL, 300)
+    assert queries["finished"] == 'tessera_e2e_seconds_count{namespace="ns",pool="p"}[360s:60s]'
+    assert queries["up"] == 'tessera_batch_size{namespace="ns",pool="p"}[360s:60s]'
+    assert set(queries) == {
+        "finished", "rejected", "failed", "later_tokens", "e2e_seconds", "slo_met", "slo_missed", "up"
+    }  # fmt: skip
+
+
+def series(model: str, points: list[tuple[float, float]], **labels: str) -> dict[str, Any]:
+    return {"metric": {"model": model, **labels}, "values": [[t, str(v)] for t, v in points]}
+
+
+def test_loads_count_increases_per_step_across_resets_and_new_series() -> None:
+    grid = [0.0, 10.0, 20.0, 30.0]
+    a, b = MODELS["a"], MODELS["b"]
+    results = {
+        "up": [
+            series(a, [(t, 8) for t in grid], pod="p-0"),
+            series(b, [(30.0, 4)], pod="p-1"),  # seen once: not measured yet
+        ],
+        # pod 0's counter resets between 10 and 20 (a restart): 5 -> 2 counts 2.
+        "finished": [
+            series(a, [(0, 100), (10, 105), (20, 2), (30, 12)], pod="p-0", **{"class": "chat"}),
+            # a class first used at 20: its first value counts from zero.
+            series(a, [(20, 3), (30, 3)], pod="p-0", **{"class": "batch"}),
+        ],
+        "rejected": [series(a, [(0, 1), (10, 1), (20, 1), (30, 4)], pod="p-0")],
+        "later_tokens": [series(a, [(0, 1000), (10, 1100), (20, 40), (30, 240)], pod="p-0")],
+        "e2e_seconds": [series(a, [(0, 50), (10, 60), (20, 4), (30, 24)], pod="p-0")],
+        "slo_met": [series(a, [(0, 90), (10, 94), (20, 2), (30, 10)], pod="p-0")],
+        "slo_missed": [series(a, [(0, 10), (10, 11), (20, 0), (30, 2)], pod="p-0")],
+    }
+    loads = loads_from_results(results)
+    assert set(loads) == {a}
+    load = loads[a]
+    assert load.step_s == 10 and load.span_s == 30
+    assert load.finished == (5, 5, 10)
+    assert load.arrivals == (5, 5, 13)  # finished + rejected
+    assert load.output_tokens == (105, 45, 210)  # a first token per finished request + later tokens
+    assert load.rate == pytest.approx(23 / 30)
+    assert load.mean_output_tokens == pytest.approx(360 / 20)
+    assert load.e2e_seconds == 10 + 4 + 20 and load.slo_met == 4 + 2 + 8 and load.slo_missed == 1 + 0 + 2
+    assert loads_from_results({"up": [series(a, [(0, 1)])]}) == {}
+
+
+def test_batch_sizes_are_each_groups_mean_rounded() -> None:
+    assert batch_size_query(NS, POOL) == 'avg by (group) (tessera_batch_size{namespace="ns",pool="p"})'
+    result = [
+        {"metric": {"group": "g1"}, "value": [0, "12.5"]},
+        {"metric": {"group": "g2"}, "value": [0, "0.2"]},
+        {"metric": {"group": "g3"}, "value": [0, "NaN"]},
+    ]
+    assert batch_sizes_from_result(result) == {"g1": 12, "g2": 1}
+
+
+# -- loads into planner inputs ---------------------------------------------------------------------------
+
+
+def parsed(body: dict[str, Any]) -> Any:
+    return parse_document(body, where="test")
+
+
+def test_a_service_without_metrics_is_planned_for_its_declared_load_else_the_defaults() -> None:
+    declared = service_load(
+        parsed(service_body("a", {"requestsPerSecond": 2, "promptTokens": 500})), None, 100
+    )
+    assert (declared.rate, declared.prompt_tokens, declared.output_tokens) == (2, 500, 256)
+    assert (declared.rate_source, declared.prompt_source, declared.output_source) == (
+        "declared",
+        "declared",
+        "default",
+    )
+    assert len(declared.history) == 200 and declared.window_s is None
+    assert {h.prompt_tokens for h in declared.history} == {500}
+    default = service_load(parsed(service_body("b")), None, 100)
+    assert (default.rate, default.rate_source, default.history) == (0, "default", ())
+    assert default.to_status()["sources"] == {
+        "requestsPerSecond": "default",
+        "promptTokens": "default",
+        "outputTokens": "default",
+    }
+
+
+def test_a_measured_load_replaces_the_declared_rate_and_output_but_not_the_prompt() -> None:
+    service = parsed(service_body("a", {"requestsPerSecond": 50, "promptTokens": 500, "outputTokens": 9}))
+    load = service_load(service, model_load(MODELS["a"], 2.0, out=40), 300)
+    assert (load.rate, load.output_tokens, load.prompt_tokens) == (2.0, 40, 500)
+    assert (load.rate_source, load.prompt_source, load.output_source) == ("measured", "declared", "measured")
+    assert len(load.history) == 600 and load.window_s == 300
+    assert {h.output_tokens for h in load.history} == {40} and load.history[-1].arrival < 300
+    status = load.to_status()
+    assert status["requestsPerSecond"] == 2.0 and status["windowSeconds"] == 300
+
+
+def test_spread_history_carries_fractions_and_keeps_the_most_recent_requests() -> None:
+    history = spread_history([0.5, 0.5, 2], 10.0, 7, [1, 2, 3])
+    assert [(h.arrival, h.output_tokens) for h in history] == [(15.0, 2), (22.5, 3), (27.5, 3)]
+    long = spread_history([MAX_HISTORY_REQUESTS, 10], 1.0, 7, [1, 2])
+    assert len(long) == MAX_HISTORY_REQUESTS and long[-1].output_tokens == 2
+
+
+def test_slo_scale_is_the_strictest_class_budget_over_the_isolated_execution() -> None:
+    pool = parsed(pool_body())
+    service = parsed(service_body("a"))
+    profile = service_input(pool, service).profile
+    classes, _ = parse_classes([class_body(ttftSeconds=1, itlSeconds=0.05)])
+    exec_s = profile.exec_time(128, 100)
+    assert slo_scale(service, classes, profile, 128, 100) == pytest.approx((1 + 0.05 * 99) / exec_s)
+    ttft_only, _ = parse_classes([class_body(ttftSeconds=2)])
+    rest = exec_s - profile.prefill(128)
+    assert slo_scale(service, ttft_only, profile, 128, 100) == pytest.approx((2 + rest) / exec_s)
+    none, _ = parse_classes([class_body(ttftSeconds=1)])
+    none["chat"] = none["chat"].model_copy(
+        update={"slo": none["chat"].slo.model_copy(update={"ttft_seconds": None})}
+    )
+    assert slo_scale(service, none, profile, 128, 100) == DEFAULT_SLO_SCALE
+
+
+def test_interval_metrics_weigh_services_by_finished_requests() -> None:
+    pool = parsed(pool_body())
+    inputs = {n: service_input(pool, parsed(service_body(n))) for n in ("a", "b")}
+    a = model_load(MODELS["a"], 1.0, met=1.0)
+    b = model_load(MODELS["b"], 3.0, met=0.5)
+    real = interval_metrics(inputs, {"a": a, "b": b})
+    assert real is not None
+    assert real.slo_attainment == pytest.approx((300 + 450) / 1200)
+    expected = (a.e2e_seconds / inputs["a"].mean_exec_s() + b.e2e_seconds / inputs["b"].mean_exec_s()) / 1200
+    assert real.norm_latency == pytest.approx(expected)
+    assert interval_metrics(inputs, {"a": model_load(MODELS["a"], 0.0)}) is None
+
+
+def test_measured_rates_move_the_placement() -> None:
+    pool, classes = pool_body(), [class_body()]
+    services = [service_body("a"), service_body("b")]
+
+    def replicas(rate_a: float, rate_b: float) -> dict[str, int]:
+        measured = {
+            MODELS["a"]: model_load(MODELS["a"], rate_a),
+            MODELS["b"]: model_load(MODELS["b"], rate_b),
+        }
+        decided = desired_pool(pool, services, classes, None, 0.0, measured=measured, window_s=300)
+        assert decided.inputs["a"].request_rate == rate_a and decided.loads["b"].rate_source == "measured"
+        return {g.services[0]: g.replicas.total for g in decided.plan.groups}
+
+    assert replicas(8, 0.5) == {"a": 3, "b": 1}
+    assert replicas(0.5, 8) == {"a": 1, "b": 3}
+
+
+# -- status ------------------------------------------------------------------------------------------------
+
+
+def test_plan_status_keeps_the_estimate_and_shows_measured_batch_sizes_it_does_not_read_back() -> None:
+    plan = PlacementPlan(
+        "seallm",
+        (GroupPlan("g1", ("a",), 1, RoleCounts(interactive=2)),),
+        estimated_slo_attainment=0.9,
+        estimated_norm_latency=1.7,
+    )
+    status = st.plan_to_status(plan, {"g1": 1}, {"g1": 48})
+    assert status["groups"][0]["batchSize"] == 48
+    assert status["estimatedNormLatency"] == 1.7
+    back = st.plan_from_status(status)
+    assert back == plan  # the batch size is a measurement, not part of the plan (pods do not change)
+
+
+# -- the controller's timeline -------------------------------------------------------------------------------
+
+
+def merge(target: dict[str, Any], patch: Mapping[str, Any]) -> None:
+    for k, v in patch.items():
+        if isinstance(v, Mapping) and isinstance(target.get(k), dict):
+            merge(target[k], v)
+        else:
+            target[k] = copy.deepcopy(v)
+
+
+class FakeKube:
+    """Tessera objects and children in memory; counts status patches and child writes."""
+
+    def __init__(self, bodies: list[dict[str, Any]]) -> None:
+        plural = {
+            "ServingPool": "servingpools",
+            "LLMService": "llmservices",
+            "RequestClass": "requestclasses",
+        }
+        self.objects = {(plural[b["kind"]], b["metadata"]["name"]): copy.deepcopy(b) for b in bodies}
+        self.children: dict[tuple[str, str], dict[str, Any]] = {}
+        self.status_patches: list[tuple[str, str]] = []
+        self.child_writes: list[str] = []
+
+    def get_custom(self, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        body = self.objects.get((plural, name))
+        return copy.deepcopy(body) if body else None
+
+    def patch_status(self, plural: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        self.status_patches.append((plural, name))
+        merge(self.objects[(plural, name)].setdefault("status", {}), status)
+
+    def list_children(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        return [copy.deepcopy(c) for c in self.children.values()]
+
+    def apply(self, namespace: str, action: Action) -> None:
+        self.child_writes.append(action.describe())
+        if action.verb == "delete":
+            del self.children[(action.kind, action.name)]
+        else:
+            assert action.body is not None
+            self.children[(action.kind, action.name)] = copy.deepcopy(dict(action.body))
+
+    def bodies(self, plural: str) -> list[dict[str, Any]]:
+        return [copy.deepcopy(b) for (p, _), b in self.objects.items() if p == plural]
+
+
+class FakeMetrics:
+    """Loads set by the test; every query recorded."""
+
+    def __init__(self) -> None:
+        self.rates: dict[str, float] = {}
+        self.met = 1.0
+        self.windows: list[float] = []
+        self.batch: dict[str, int] = {}
+
+    def snapshot(self, *args: Any) -> None:
+        return None
+
+    def attainment(self, namespace: str, pool: str, model: str) -> None:
+        return None
+
+    def loads(self, namespace: str, pool: str, window_s: float) -> dict[str, ModelLoad]:
+        self.windows.append(window_s)
+        return {
+            m: model_load(m, r, window=window_s, step=load_step_s(window_s), met=self.met)
+            for m, r in self.rates.items()
+        }
+
+    def batch_sizes(self, namespace: str, pool: str) -> dict[str, int]:
+        return dict(self.batch)
+
+
+def run_pass(controller: Controller, kube: FakeKube, now: float) -> None:
+    controller.reconcile_pool(NS, POOL, kube.bodies("llmservices"), kube.bodies("requestclasses"), now)
+
+
+def test_the_interval_adapts_at_each_boundary_from_the_kept_estimate_and_quiet_passes_write_nothing() -> None:
+    kube = FakeKube(
+        [pool_body(), class_body(), service_body("a", {"requestsPerSecond": 1}), service_body("b")]
+    )
+    metrics = FakeMetrics()
+    controller = Controller(kube, lambda *event: None, metrics)
+    t0 = 1_700_000_000.0
+    run_pass(controller, kube, t0)
+    pool = kube.objects[("servingpools", POOL)]["status"]
+    assert pool["replacementIntervalSeconds"] == 100  # I_0
+    assert pool["nextPlacementTime"] == st.rfc3339(t0 + 100)
+    load_a = kube.objects[("llmservices", "a")]["status"]["load"]
+    assert load_a["requestsPerSecond"] == 1 and load_a["sources"]["requestsPerSecond"] == "declared"
+    assert kube.objects[("llmservices", "b")]["status"]["load"]["sources"]["requestsPerSecond"] == "default"
+    estimate = IntervalMetrics(
+        pool["placement"]["estimatedSloAttainment"], pool["placement"]["estimatedNormLatency"]
+    )
+
+    # Quiet passes before the boundary, and a pass of a fresh operator (restart): nothing written.
+    patches, writes = len(kube.status_patches), len(kube.child_writes)
+    metrics.batch = {}
+    run_pass(controller, kube, t0 + 10)
+    run_pass(Controller(kube, lambda *event: None, metrics), kube, t0 + 20)
+    assert (len(kube.status_patches), len(kube.child_writes)) == (patches, writes)
+
+    # The boundary: traffic measured, Eq. 8 from the kept estimate, the new plan on the measured rates.
+    metrics.rates = {MODELS["a"]: 6.0, MODELS["b"]: 0.5}
+    metrics.met = 0.5
+    run_pass(controller, kube, t0 + 101)
+    pool = kube.objects[("servingpools", POOL)]["status"]
+    assert metrics.windows[-1] == 100
+    real = IntervalMetrics(pool["measured"]["sloAttainment"], pool["measured"]["normLatency"])
+    assert real.slo_attainment == pytest.approx(0.5)
+    settings = IntervalSettings(100, 50, 200, 0.1)
+    assert pool["estimateError"] == pytest.approx(prediction_error(estimate, real))
+    assert pool["replacementIntervalSeconds"] == pytest.approx(
+        next_replacement_interval(100, estimate, real, settings)
+    )
+    assert pool["replacementIntervalSeconds"] == pytest.approx(90)  # the estimate missed by more than beta
+    assert pool["lastPlacementTime"] == st.rfc3339(t0 + 101)
+    assert pool["nextPlacementTime"] == st.rfc3339(t0 + 101 + 90)
+    load_a = kube.objects[("llmservices", "a")]["status"]["load"]
+    assert load_a["requestsPerSecond"] == 6.0 and load_a["sources"]["requestsPerSecond"] == "measured"
+    assert {g["services"][0]: g["replicas"]["interactive"] for g in pool["placement"]["groups"]} == {
+        "a": 3,
+        "b": 1,
+    }
+
+    # Before the next boundary nothing is written, although the load keeps changing.
+    patches, writes = len(kube.status_patches), len(kube.child_writes)
+    metrics.rates = {MODELS["a"]: 0.5, MODELS["b"]: 6.0}
+    run_pass(controller, kube, t0 + 150)
+    assert (len(kube.status_patches), len(kube.child_writes)) == (patches, writes)
+    # The next one uses the new interval as its window, and the estimate the last boundary stored.
+    stored = copy.deepcopy(kube.objects[("servingpools", POOL)]["status"]["placement"])
+    run_pass(controller, kube, t0 + 192)
+    pool = kube.objects[("servingpools", POOL)]["status"]
+    assert metrics.windows[-1] == pytest.approx(90)
+    real = IntervalMetrics(pool["measured"]["sloAttainment"], pool["measured"]["normLatency"])
+    kept = IntervalMetrics(stored["estimatedSloAttainment"], stored["estimatedNormLatency"])
+    assert pool["estimateError"] == pytest.approx(prediction_error(kept, real))
+    assert {g["services"][0]: g["replicas"]["interactive"] for g in pool["placement"]["groups"]} == {
+        "a": 1,
+        "b": 3,
+    }
+
+
+def test_a_boundary_without_traffic_keeps_the_interval_and_batch_sizes_reach_the_groups() -> None:
+    kube = FakeKube([pool_body(), class_body(), service_body("a"), service_body("b")])
+    metrics = FakeMetrics()
+    controller = Controller(kube, lambda *event: None, metrics)
+    t0 = 1_700_000_000.0
+    run_pass(controller, kube, t0)
+    groups = kube.objects[("servingpools", POOL)]["status"]["placement"]["groups"]
+    metrics.batch = {g["name"]: 32 + i for i, g in enumerate(groups)}
+    patches, writes = len(kube.status_patches), len(kube.child_writes)
+    run_pass(controller, kube, t0 + 5)
+    status = kube.objects[("servingpools", POOL)]["status"]
+    assert [g["batchSize"] for g in status["placement"]["groups"]] == [32, 33]
+    assert len(kube.status_patches) == patches + 1 and len(kube.child_writes) == writes  # pods unchanged
+    metrics.rates = {MODELS["a"]: 0.0, MODELS["b"]: 0.0}
+    run_pass(controller, kube, t0 + 101)  # measured, but nothing finished: Eq. 8 has nothing to compare
+    status = kube.objects[("servingpools", POOL)]["status"]
+    assert status["replacementIntervalSeconds"] == 100 and "estimateError" not in status
+    assert status["lastPlacementTime"] == st.rfc3339(t0 + 101)
+    assert kube.objects[("llmservices", "a")]["status"]["load"]["sources"]["requestsPerSecond"] == "measured"
+
+
+def test_without_prometheus_no_boundary_replans() -> None:
+    kube = FakeKube([pool_body(), class_body(), service_body("a"), service_body("b")])
+    controller = Controller(kube, lambda *event: None, None)
+    t0 = 1_700_000_000.0
+    run_pass(controller, kube, t0)
+    patches = len(kube.status_patches)
+    run_pass(controller, kube, t0 + 500)
+    assert len(kube.status_patches) == patches
+    assert math.isclose(kube.objects[("servingpools", POOL)]["status"]["replacementIntervalSeconds"], 100)
