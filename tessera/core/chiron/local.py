@@ -94,6 +94,10 @@ class ChironLocal:
         self._window_gap_sum += gap_sum
         self._window_gaps += gaps
         self._window_iterations += iterations
+        self.note_running(running)
+
+    def note_running(self, running: int) -> None:
+        """``running`` requests are (or are about to be) in flight: a full batch saturates the window."""
         if running >= self.batch_size():
             self._window_saturated = True
 
@@ -184,6 +188,7 @@ class ChironPolicy(Policy):
         self.batch_tokens = 0  # batch output tokens produced here so far (as last observed)
         self._int_waiting: dict[Request, None] = {}  # interactive requests here not yet started
         self._int_levels: Counter[float] = Counter()  # ITL SLO of each held interactive request
+        self._levels: Counter[float] = Counter()  # ITL SLO of each held request, batch ones too
         self._seen: dict[Request, tuple[int, float]] = {}  # running request -> (tokens, last token time)
         self._iteration: int | None = None  # the engine's iteration count at the previous decision
 
@@ -199,6 +204,7 @@ class ChironPolicy(Policy):
 
     def add(self, req: Request, now: float) -> None:
         """Queue a request."""
+        self._levels[self.itl_slo(req.service_class)] += 1
         if req.service_class.kind == "batch":
             self.batch += 1
         else:
@@ -209,6 +215,10 @@ class ChironPolicy(Policy):
 
     def remove(self, req: Request, now: float) -> None:
         """A request finished (or left with its instance)."""
+        level = self.itl_slo(req.service_class)
+        self._levels[level] -= 1
+        if not self._levels[level]:
+            del self._levels[level]
         if req.service_class.kind == "batch":
             self.batch -= 1
         else:
@@ -219,8 +229,13 @@ class ChironPolicy(Policy):
             if not self._int_levels[level]:
                 del self._int_levels[level]
         self.inner.remove(req, now)
-        self._account(req)
+        # The tokens since the last decision belong to the current window: without them a request
+        # that finishes between two decisions (at batch size 1, every one) would leave no trace of
+        # its ITL or throughput, and the batch size could never grow.
+        tokens, gap_sum = self._account(req)
         self._seen.pop(req, None)
+        if tokens:
+            self.local.observe(now, tokens=tokens, gap_sum=gap_sum, gaps=tokens, iterations=0, running=0)
         if self.on_finish is not None and req.phase is Phase.FINISHED:
             self.on_finish(req)
 
@@ -249,8 +264,9 @@ class ChironPolicy(Policy):
             return 0, 0.0
         last = req.tokens.last_time()
         self._seen[req] = (total, last)
-        if prev is None:
-            return 0, 0.0
+        if prev is None:  # first sighting: count from its first token, which closes no gap
+            first = req.tokens.first_time()
+            prev = (1, last if first is None else first)
         tokens = total - prev[0]
         if tokens > 0 and req.service_class.kind == "batch":
             self.batch_tokens += tokens
@@ -258,6 +274,14 @@ class ChironPolicy(Policy):
 
     def schedule(self, view: InstanceView) -> Decision:
         """The inner decision under the local batch size; interactive work evicts batch work."""
+        d = self._decide(view)
+        # A decision that fills the batch saturates the window, even when no later decision sees it
+        # full: the worker decides at changes of the running set, so at batch size 1 every decision
+        # comes after a finish, with nothing running.
+        self.local.note_running(len(d.run))
+        return d
+
+    def _decide(self, view: InstanceView) -> Decision:
         tokens = 0
         gap_sum = 0.0
         for req in view.running:
@@ -279,6 +303,8 @@ class ChironPolicy(Policy):
             slo = min(self.itl_slo(r.service_class) for r in view.running)
             if self._int_levels:
                 slo = min(slo, min(self._int_levels))
+        elif self._levels:  # nothing runs yet: the level of the held requests about to run
+            slo = min(self._levels)
         bs = min(view.max_batch, self.local.update(view.now, slo))
         if self.interactive == 0 or self.batch == 0:
             return self.inner.schedule(replace(view, max_batch=bs))
