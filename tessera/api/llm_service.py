@@ -56,7 +56,9 @@ class ModelSpec(ApiModel):
         default="auto", description="Weight and activation dtype passed to vLLM (--dtype)."
     )
     max_model_length: Annotated[int, Field(ge=16)] | None = Field(
-        default=None, description="Context length limit in tokens (--max-model-len); unset means the model's."
+        default=None,
+        description="Context length limit in tokens (--max-model-len); unset: vLLM serves the model's own, "
+        "while placement and the worker assume 4096 tokens (within the KV cache).",
     )
     tensor_parallel_size: Literal[1, 2, 4, 8] = Field(
         default=1, description="Smallest number of GPUs one replica of the model needs (tensor parallel)."
