@@ -2,7 +2,8 @@
 
 Arrival processes (docs/papers.md, "Engine: synthetic workloads"): Poisson(λ); Gamma inter-arrivals with
 ``shape`` and ``scale`` (CV² = 1/shape); bursty surges (the rate is multiplied for
-a fraction of the time, in alternating windows). Lengths come from a trace, a
+a fraction of the time, in alternating windows); a per-window rate series (Poisson, or Gamma with
+each window's CV). Lengths come from a trace, a
 prompt/response JSONL file, or a ShareGPT lognormal fit. Everything is
 seeded by the caller's ``numpy.random.Generator``.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tessera.api.traces import HASH_BLOCK_TOKENS, TraceRow
+from tessera.api.traces import HASH_BLOCK_TOKENS, RateSeries, TraceRow
 from tessera.core.request import Request, ServiceClass
 
 
@@ -90,6 +91,50 @@ def bursty_arrivals(
             times.append(t)
     out = np.asarray(times)
     return out - out[0]
+
+
+SERIES_DISTRIBUTIONS = ("poisson", "gamma")
+
+
+def series_arrivals(
+    series: RateSeries, n: int, rng: np.random.Generator, distribution: str = "poisson"
+) -> np.ndarray:
+    """``n`` arrival times following a rate series, repeated end to end until there are ``n``.
+
+    ``poisson``: exponential gaps; ``gamma``: Gamma gaps with each window's ``cv``. Within a window
+    a gap is drawn in units of that window's mean gap, and the part of a gap that crosses into the
+    next window continues at the next window's rate (a time change of one renewal process), so
+    rates and burstiness switch at the window boundaries and windows at rate 0 stay empty.
+    """
+    if distribution not in SERIES_DISTRIBUTIONS:
+        raise ValueError(f"arrival distribution {distribution!r}: one of {', '.join(SERIES_DISTRIBUTIONS)}")
+    if distribution == "gamma" and not series.has_cv:
+        raise ValueError("gamma arrivals from a rate series need its cv column (or use poisson)")
+    if n < 1:
+        raise ValueError(f"need at least one arrival, got n={n}")
+    windows = series.windows
+    ends = [w.start_s for w in windows[1:]] + [series.end_s]
+    out: list[float] = []
+    offset = 0.0
+    work = 0.0  # the current gap left to cover, in mean gaps
+    while len(out) < n:
+        for w, end in zip(windows, ends, strict=True):
+            t = offset + w.start_s
+            stop = offset + end
+            while len(out) < n:
+                if work <= 0.0:
+                    if distribution == "poisson" or w.cv is None:
+                        work = rng.exponential(1.0)
+                    else:
+                        work = rng.gamma(1.0 / w.cv**2, w.cv**2)
+                if w.rate_rps <= 0 or t + work / w.rate_rps >= stop:
+                    work -= (stop - t) * w.rate_rps
+                    break
+                t += work / w.rate_rps
+                work = 0.0
+                out.append(t)
+        offset += series.end_s
+    return np.asarray(out)
 
 
 def _check_rate(rate: float) -> None:

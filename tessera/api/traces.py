@@ -11,6 +11,10 @@ Recognised formats (the benchmark contract):
   ``output_tokens``; optional ``model``, ``class``, ``prompt``, ``response``.
 
 Timestamps become seconds from the first arrival (rows may come unsorted).
+
+A rate series (``window_start_s, rate_rps[, cv]``: one line per window, each lasting until the next
+starts, the last as long as the one before it) describes arrivals without requests; ``read_trace``
+tells the two kinds apart, and ``tessera.sim.workloads.series_arrivals`` samples a series.
 """
 
 from __future__ import annotations
@@ -140,6 +144,11 @@ def load_trace(path: Path | str) -> list[TraceRow]:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"trace {path} does not exist")
+    if _is_series(path):
+        raise ValueError(
+            f"{path} is a rate series ({', '.join(SERIES_COLS)}), not a trace of requests: it has no "
+            "token lengths; read it with read_trace"
+        )
     rows: list[tuple[float, int, int, dict]] = []
     cols: tuple[str, str, str] | None = None
     time_scale = 1.0
@@ -193,3 +202,100 @@ def load_trace(path: Path | str) -> list[TraceRow]:
         )
         for t, i, o, rec in rows
     ]
+
+
+# ---- rate series --------------------------------------------------------------------------------
+SERIES_COLS = ("window_start_s", "rate_rps", "cv")
+
+
+@dataclass(frozen=True, slots=True)
+class RateWindow:
+    """One window of a rate series: from ``start_s`` (seconds from the series' start) at ``rate_rps``."""
+
+    start_s: float
+    rate_rps: float
+    cv: float | None = None  # coefficient of variation of the inter-arrival gaps; None: not given
+
+
+@dataclass(frozen=True, slots=True)
+class RateSeries:
+    """Per-window arrival rates; the last window ends at ``end_s``."""
+
+    windows: tuple[RateWindow, ...]
+    end_s: float
+
+    @property
+    def has_cv(self) -> bool:
+        """Whether every window gives a coefficient of variation."""
+        return all(w.cv is not None for w in self.windows)
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """What a trace file holds: requests (``rows``) or a rate series (``series``), never both."""
+
+    path: Path
+    rows: list[TraceRow] | None = None
+    series: RateSeries | None = None
+
+
+def _is_series(path: Path) -> bool:
+    for _, rec in _records(path):
+        return SERIES_COLS[0] in rec and SERIES_COLS[1] in rec
+    return False
+
+
+def _parse_number(value: object, column: str, where: str) -> float:
+    try:
+        number = float(str(value).strip())
+    except ValueError as exc:
+        raise ValueError(f"{where}: {column} must be a number, got {value!r}") from exc
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError(f"{where}: {column} must be a finite number, got {value!r}")
+    return number
+
+
+def load_rate_series(path: Path | str) -> RateSeries:
+    """Read a rate series: ``window_start_s`` strictly increasing, ``rate_rps`` >= 0 (some > 0), and
+    optionally ``cv`` > 0 on every line. Starts become seconds from the first window's start."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"trace {path} does not exist")
+    windows: list[RateWindow] = []
+    for lineno, rec in _records(path):
+        where = f"{path}:{lineno}"
+        start = _parse_number(rec.get(SERIES_COLS[0]), SERIES_COLS[0], where)
+        rate = _parse_number(rec.get(SERIES_COLS[1]), SERIES_COLS[1], where)
+        if rate < 0:
+            raise ValueError(f"{where}: rate_rps must be >= 0 requests/s, got {rate:g}")
+        cv = None
+        if rec.get("cv") not in (None, ""):
+            cv = _parse_number(rec["cv"], "cv", where)
+            if cv <= 0:
+                raise ValueError(f"{where}: cv must be > 0 (1 is Poisson-like), got {cv:g}")
+        if windows and start <= windows[-1].start_s:
+            raise ValueError(f"{where}: window_start_s {start:g} must be after the previous window's "
+                             f"{windows[-1].start_s:g} (list the windows in time order)")  # fmt: skip
+        windows.append(RateWindow(start, rate, cv))
+    if len(windows) < 2:
+        raise ValueError(
+            f"{path}: a rate series needs at least two windows (each lasts until the next starts)"
+        )
+    if not any(w.rate_rps > 0 for w in windows):
+        raise ValueError(f"{path}: every window has rate_rps 0; no request would arrive")
+    if len({w.cv is None for w in windows}) > 1:
+        raise ValueError(f"{path}: give cv on every window or on none")
+    t0 = windows[0].start_s
+    shifted = tuple(RateWindow(w.start_s - t0, w.rate_rps, w.cv) for w in windows)
+    last = shifted[-1].start_s + (shifted[-1].start_s - shifted[-2].start_s)
+    return RateSeries(shifted, last)
+
+
+def read_trace(path: Path | str) -> Trace:
+    """The one reader of ``--trace`` files: a trace of requests (any format above) or a rate series."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"trace {path} does not exist")
+    if _is_series(path):
+        return Trace(path, series=load_rate_series(path))
+    return Trace(path, rows=load_trace(path))

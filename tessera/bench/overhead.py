@@ -37,6 +37,11 @@ from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 
 DESCRIPTION = "worker in front of real vLLM vs vLLM directly (tiny model, 32 streams) + decision time"
 
+TRACE_REFUSED = (
+    "it sends bursts of random-token streams to a real vLLM server and to its worker; size them with "
+    "--set streams=, prompt_tokens=, max_tokens="
+)
+
 
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` so far (Linux /proc)."""

@@ -51,6 +51,10 @@ from tessera.bench.runner import SHARED_DATA, option
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 
 DESCRIPTION = "policies through the worker on real vLLM (tiny model) vs the simulator: JCT and burst QoE"
+TRACE_REFUSED = (
+    "it sends held-out AlpacaEval prompts (mixed) and bursts to real workers; size them with "
+    "--set requests=, burst= and --load"
+)
 READING_TPS = 20.0
 TTFT_TARGET_S = 1.0
 BUDGET_TOKENS = 2048  # vLLM --max-num-batched-tokens, and the simulator's token budget

@@ -43,6 +43,10 @@ from tessera.local.supervisor import Supervisor
 from tessera.worker.engines.vllm_process import free_port
 
 DESCRIPTION = "Router overhead: TTFT and throughput through the router vs straight to the workers"
+TRACE_REFUSED = (
+    "it sends waves of streamed requests through the router and straight to the workers; size them "
+    "with --set streams=, max_tokens="
+)
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 READY_TIMEOUT_S = 60.0
 

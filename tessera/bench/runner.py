@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tessera.api.traces import load_trace
+from tessera.api.traces import TraceRow, load_trace, read_trace
 from tessera.bench.scenarios import BenchConfig, Progress
 from tessera.core.policy import Policy
 from tessera.core.profiles import DEFAULT_PROFILE, load_profile
@@ -27,7 +28,7 @@ from tessera.core.request import Request
 from tessera.core.slo import jct, mean_itl, slo_met, summarize, ttft
 from tessera.sim.cluster import Cluster, ClusterConfig, ClusterController, ClusterRouter
 from tessera.sim.engine import EngineConfig
-from tessera.sim.workloads import copy_requests, requests_from_trace
+from tessera.sim.workloads import copy_requests, requests_from_trace, series_arrivals
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"  # beside the repository
 AZURE_CONV = SHARED_DATA / "azure_llm_2023_conv.csv"
@@ -87,13 +88,70 @@ def cluster_config_from(options: dict[str, Any], **defaults: Any) -> ClusterConf
     )
 
 
+@dataclass(frozen=True, slots=True)
+class BenchTrace:
+    """The rows a scenario replays and where they came from."""
+
+    rows: list[TraceRow]
+    label: str  # the file's name without its suffixes ("azure_llm_2023_conv")
+    series: bool  # arrivals sampled from a rate series; lengths (and the rest) from the default trace
+
+
+def trace_label(path: Path) -> str:
+    """A trace file's name without its suffixes, for row names."""
+    return path.name.split(".")[0]
+
+
+def bench_trace(config: BenchConfig, default_trace: Path, limit: int | None = None) -> BenchTrace:
+    """The one trace loader of the scenarios: ``--trace`` (or ``default_trace``), first ``limit`` rows.
+
+    A trace of requests (any format of ``tessera.api.traces``) gives its rows. A rate series
+    (``window_start_s, rate_rps[, cv]``) gives the arrivals: ``default_trace``'s rows keep their
+    lengths (and prompt blocks, models, classes) and take arrival times sampled from the series by
+    ``--set rate_dist``: ``poisson``, or ``gamma`` with each window's cv (the default when the series
+    has a cv column).
+    """
+    trace = read_trace(config.trace or default_trace)
+    if trace.rows is not None:
+        return BenchTrace(trace.rows[:limit] if limit else trace.rows, trace_label(trace.path), False)
+    assert trace.series is not None
+    rows = load_trace(default_trace)
+    rows = rows[:limit] if limit else rows
+    dist = option(config.options, "rate_dist", "gamma" if trace.series.has_cv else "poisson", str)
+    # An RNG of its own: the draws that follow (classes, lengths) stay those of the default trace.
+    times = series_arrivals(trace.series, len(rows), np.random.default_rng([config.seed, 2]), dist)
+    rows = [replace(r, arrival=float(t - times[0])) for r, t in zip(rows, times, strict=True)]
+    return BenchTrace(rows, trace_label(trace.path), True)
+
+
+def trace_arrivals(config: BenchConfig, n: int, seed: int | None = None) -> np.ndarray | None:
+    """Arrival times (the first at 0) of ``n`` requests from ``--trace``, for a scenario whose requests
+    come from elsewhere: a trace's first ``n`` rows, or ``n`` sampled from a rate series (``rate_dist``,
+    seeded by ``seed``, default ``--seed``). None without ``--trace``."""
+    if config.trace is None:
+        return None
+    trace = read_trace(config.trace)
+    if trace.rows is not None:
+        if len(trace.rows) < n:
+            raise ValueError(f"--trace {config.trace} has {len(trace.rows)} requests; this run needs {n} "
+                             "arrivals (lower --set requests)")  # fmt: skip
+        times = np.array([r.arrival for r in trace.rows[:n]])
+    else:
+        assert trace.series is not None
+        dist = option(config.options, "rate_dist", "gamma" if trace.series.has_cv else "poisson", str)
+        rng = np.random.default_rng([config.seed if seed is None else seed, 2])
+        times = series_arrivals(trace.series, n, rng, dist)
+    return times - times[0]
+
+
 def trace_requests(
     config: BenchConfig, default_trace: Path, limit: int | None, rate: float | None = None
 ) -> list[Request]:
-    """Requests replaying ``--trace`` (or ``default_trace``), first ``limit`` rows, at ``rate`` if given."""
-    rows = load_trace(config.trace or default_trace)
+    """Requests replaying ``--trace`` (or ``default_trace``; see ``bench_trace``), first ``limit``
+    rows, at ``rate`` if given."""
+    rows = bench_trace(config, default_trace, limit).rows
     rng = np.random.default_rng(config.seed)
-    return requests_from_trace(rows, rng, rate=rate, limit=limit)
+    return requests_from_trace(rows, rng, rate=rate)
 
 
 def run_one(
@@ -136,10 +194,9 @@ def run_policies(
 ) -> list[dict[str, Any]]:
     """One result row per policy (``{"policy": row_name, <metrics>}``), all on the same requests.
 
-    ``progress`` advances by one per finished request of every policy; the caller may set its total
-    to ``len(requests) * len(policies)`` (done here when it is called with ``total=``).
+    ``progress`` advances by one per finished request of every policy; the caller sets the bar's
+    total (``len(requests) * len(policies)`` per call) once for all its calls.
     """
-    progress(0, total=len(requests) * len(policies))
     rows = []
     for name, factory in policies.items():
         reqs, metrics = run_one(

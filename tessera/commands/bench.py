@@ -14,12 +14,43 @@ from tessera.bench.scenarios import SCENARIOS
 HELP = "Replay a trace through the simulator (or a real engine) and compare policies side by side."
 
 
+class ScenarioHelp(argparse.Action):
+    """``-h``: the flags, and after a scenario's name (``tessera bench elis -h``) its description with
+    its ``--set`` options and what it does with ``--trace`` (the scenario module's docstring)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None
+    ) -> None:
+        parser.print_help()
+        name = getattr(namespace, "scenario", None)
+        if name in SCENARIOS:
+            try:
+                doc = importlib.import_module(SCENARIOS[name]).__doc__ or ""
+            except ModuleNotFoundError as exc:
+                doc = f"(not available in this build: {exc})"
+            print(f"\nscenario {name}:\n\n{doc.strip()}")
+        parser.exit()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the benchmark contract."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = "scenarios: " + ", ".join(SCENARIOS)
+    parser.epilog = (
+        "scenarios: "
+        + ", ".join(SCENARIOS)
+        + "\n`tessera bench SCENARIO -h` lists a scenario's --set options."
+    )
+    parser.add_argument("-h", "--help", action=ScenarioHelp, help="show this help (and SCENARIO's) and exit")
     parser.add_argument("scenario", metavar="SCENARIO", help="one of: " + ", ".join(SCENARIOS))
-    parser.add_argument("--trace", type=Path, help="trace file (CSV or JSONL, optionally .gz)")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="trace file (CSV or JSONL, optionally .gz): requests, or a rate series "
+        "window_start_s,rate_rps[,cv] (docs/bench.md)",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--rate", type=float, help="arrival rate in requests/s")
     group.add_argument("--load", type=float, help="offered load relative to the measured capacity")
@@ -106,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None and not args.trace.exists():
         err.print(f"--trace {args.trace}: no such file")
         return 2
+    refused = getattr(module, "TRACE_REFUSED", None)
+    if args.trace is not None and refused:
+        err.print(f"tessera bench {args.scenario} takes no --trace: {refused}")
+        return 2
     if args.requests_csv is not None and args.requests_csv.exists():
         args.requests_csv.unlink()  # rows are appended per policy
     config = BenchConfig(
@@ -165,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     if unused:
         err.print(
             f"tessera bench {args.scenario}: --set {', '.join(unused)} had no effect: not an option of "
-            "this scenario (or not used by the parts that ran); check the spelling in its docstring"
+            "this scenario (or not used by the parts that ran, or by this --trace); "
+            f"`tessera bench {args.scenario} -h` lists its options"
         )
         return 2
     return 0

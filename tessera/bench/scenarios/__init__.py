@@ -6,7 +6,11 @@ A scenario is a module exposing:
 - ``run(config: BenchConfig, progress: Progress) -> BenchReport`` — runs every
   policy (or autoscaler, or placement) of the scenario on the same requests,
   seed and engine, side by side;
-- optionally ``plot(report: BenchReport, out_dir: Path) -> list[Path]`` — PNGs.
+- optionally ``plot(report: BenchReport, out_dir: Path) -> list[Path]`` — PNGs;
+- optionally ``TRACE_REFUSED: str`` — why it takes no ``--trace`` and what it takes instead (the CLI
+  refuses the flag with it). A scenario that takes ``--trace`` loads it with
+  ``tessera.bench.runner.bench_trace`` (or ``trace_arrivals``) and says in its docstring what it does
+  with a trace of requests and with a rate series, refusing (``ValueError``) the parts that cannot.
 
 Rows name what they ran by configuration name, with a variant after a colon
 (``isrtf:batch=4``). Metric keys follow the contract (``mean_ttft_s``, ...).

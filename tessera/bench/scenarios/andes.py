@@ -11,6 +11,11 @@ Workloads (``--set workload=...``, default ``both``):
 - ``azure``: replay of the Azure conversation trace (first ``requests`` rows, 3000), its
   arrival pattern rescaled to ``--rate`` or to the rate where FCFS's average QoE is
   ``fcfs_qoe_azure`` (0.85).
+
+``--trace``: a trace of requests gives the bursty workload its lengths and is the replay (rows
+named after the file instead of ``azure``); a rate series gives the replay its arrivals (``rate_dist``:
+poisson | gamma) with the Azure lengths, and the bursty workload (its own arrivals) refuses it, so
+the default ``both`` runs the replay alone. ``solver`` times a synthetic queue and refuses a trace.
 - ``solver``: solver time of one triggered decision with ``queued`` (1000) requests waiting
   (p50/p99 over ``solver_calls``), and greedy against the exact DP on small random
   knapsacks (N <= 30, M <= 500) built from real gain values: mean value ratio and speed-up.
@@ -22,7 +27,8 @@ a100-llama-70b-tp4, the paper's Llama-70B class on A100s; prefill 4,500 tok/s, n
 5,000), ``kv_tokens`` (KV capacity M, default 200k: calibrated so FCFS's TDS
 under load is about 11 tok/s), ``max_batch`` 512 so that KV memory, not the sequence limit,
 bounds the batch as in the paper's setting; ``swap_gib`` (16: vLLM's 4 GiB per GPU × TP 4)
-of host swap space. Rate search brackets: ``rate_lo`` 1, ``rate_hi`` 4 req/s. Rows carry
+of host swap space. Rate search brackets: ``rate_lo`` 1, ``rate_hi`` 4 req/s (moved by factors of 2,
+up to 6 times, when FCFS's QoE at both ends is on one side of the target). Rows carry
 ``mean_tds_tps``, the per-request TDS ``(n-1)/(D_n - D_1)`` averaged.
 Andes settings pass through as ``qoe.<name>=value`` (e.g. ``--set qoe.horizon_s=5``).
 
@@ -36,13 +42,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tessera.api.traces import load_trace
-from tessera.bench.runner import AZURE_CONV, cluster_config_from, option, run_one, run_policies
+from tessera.api.traces import TraceRow, load_trace, read_trace
+from tessera.bench.runner import (
+    AZURE_CONV,
+    bench_trace,
+    cluster_config_from,
+    option,
+    run_one,
+    run_policies,
+    trace_label,
+)
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import mean_row, seed_checks, with_rate
 from tessera.core.policies.qoe import AndesQoE, exact_pack, greedy_pack
@@ -63,6 +78,7 @@ READING_BOUNDS = (3.0, 7.0)
 # req/s (QoE 0.51) and 11.1 tok/s at 2.2 req/s (QoE 0.42). The profile's own 439k tokens (A100 80 GB x 4 less
 # weights) make FCFS prefill-bound instead: 6.1 tok/s at 3.0 req/s.
 CALIBRATED_KV_TOKENS = 200_000
+BRACKET_MOVES = 6  # rate calibration: how often the bracket may halve or double to hold the target
 
 
 # ---- workload -----------------------------------------------------------------------------------
@@ -107,8 +123,11 @@ def reading_classes(n: int, kind: str, rng: np.random.Generator) -> list[Service
     return [replace(base, reading_speed_tps=float(s)) for s in speeds]
 
 
-def bursty_requests(rate: float, opts: dict[str, Any], seed: int) -> list[Request]:
-    """Cyclic-burst arrivals with Azure-conversation lengths and per-request reading speeds."""
+def bursty_requests(
+    rate: float, opts: dict[str, Any], seed: int, rows: list[TraceRow] | None = None
+) -> list[Request]:
+    """Cyclic-burst arrivals with lengths drawn from ``rows`` (default: the Azure conversation trace)
+    and per-request reading speeds."""
     rng = np.random.default_rng(seed)
     arrivals = cyclic_burst_arrivals(
         rate,
@@ -117,7 +136,7 @@ def bursty_requests(rate: float, opts: dict[str, Any], seed: int) -> list[Reques
         option(opts, "burst_fraction", 0.35, float),
         rng,
     )
-    rows = load_trace(AZURE_CONV)
+    rows = rows if rows is not None else load_trace(AZURE_CONV)
     pick = rng.integers(0, len(rows), arrivals.size)
     reqs = build_requests(
         arrivals,
@@ -129,10 +148,11 @@ def bursty_requests(rate: float, opts: dict[str, Any], seed: int) -> list[Reques
 
 
 def azure_requests(config: BenchConfig, opts: dict[str, Any]) -> list[Request]:
-    """The first ``requests`` rows of the Azure conversation trace (or ``--trace``)."""
+    """The first ``requests`` rows of the Azure conversation trace (or ``--trace``: see
+    ``tessera.bench.runner.bench_trace``)."""
     rng = np.random.default_rng(config.seed)
-    rows = load_trace(config.trace or AZURE_CONV)
-    reqs = requests_from_trace(rows, rng, limit=option(opts, "requests", 3000, int))
+    rows = bench_trace(config, AZURE_CONV, option(opts, "requests", 3000, int)).rows
+    reqs = requests_from_trace(rows, rng)
     return _with_classes(reqs, opts, rng)
 
 
@@ -225,10 +245,22 @@ def calibrate(
     ``make(rate)`` builds the request sets (one per seed). ``below``: return a rate whose QoE is
     just below the target (else the bracket end closest to it). Returns (rate, FCFS QoE there)."""
     q_lo, q_hi = fcfs_qoe(make(lo), cluster), fcfs_qoe(make(hi), cluster)
+    # A trace can sit outside the default bracket (a burstier one, or one whose timestamps are
+    # quantised to seconds so that many requests arrive at once, loses QoE at lower rates): move the
+    # bracket by factors of 2 until it holds the target.
+    for _ in range(BRACKET_MOVES):
+        if q_lo > target > q_hi:
+            break
+        if q_lo <= target:
+            lo, hi, q_hi = lo / 2, lo, q_lo
+            q_lo = fcfs_qoe(make(lo), cluster)
+        else:
+            lo, hi, q_lo = hi, hi * 2, q_hi
+            q_hi = fcfs_qoe(make(hi), cluster)
     if not q_lo > target > q_hi:
         raise ValueError(
-            f"FCFS QoE {q_lo:.3f} at rate {lo:g} and {q_hi:.3f} at {hi:g} do not bracket {target}; "
-            "pass --rate or set rate_lo/rate_hi"
+            f"FCFS QoE {q_lo:.3f} at rate {lo:g} and {q_hi:.3f} at {hi:g} do not bracket {target} (after "
+            f"moving the bracket {BRACKET_MOVES} times by factors of 2); pass --rate or set rate_lo/rate_hi"
         )
     for _ in range(steps):
         mid = (lo + hi) / 2
@@ -251,7 +283,6 @@ def compare(
         f"fcfs:{label}": lambda: make_policy("fcfs"),
         f"qoe:{label}": lambda: AndesQoE(**settings),
     }
-    progress(0, total=len(reqs) * len(policies))
     rows = []
     for name, factory in policies.items():
         done, metrics = run_one(reqs, factory, cluster, progress=progress)
@@ -388,6 +419,18 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     chosen = {"both": ("bursty", "azure"), "all": WORKLOADS}.get(workload, (workload,))
     if any(w not in WORKLOADS for w in chosen):
         raise ValueError(f"--set workload={workload!r}: expected both, all, {', '.join(WORKLOADS)}")
+    trace = read_trace(config.trace) if config.trace is not None else None
+    replay = "azure" if trace is None else trace_label(trace.path)  # the replay rows' name
+    if trace is not None:
+        takes = ("azure",) if trace.series else ("bursty", "azure")
+        if workload == "both":
+            chosen = takes
+        elif refused := [w for w in chosen if w not in takes]:
+            what = "a rate series" if trace.series else "a trace"
+            raise ValueError(
+                f"--set workload={workload}: {', '.join(refused)} cannot take {what} as --trace; "
+                f"with it choose among {', '.join(takes)} (azure: the replay of --trace)"
+            )
     cluster = andes_cluster(opts)
     steps = option(opts, "calibrate_steps", 5, int)
     n_seeds = option(opts, "seeds", 3, int)
@@ -399,8 +442,11 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                            "max_batch": cluster.engine.max_batch}  # fmt: skip
     checks: list[str] = []
     cfg["seeds"] = seeds
+    # Every workload's requests first, so that the bar's total is known before the first run.
+    runs = []
     if "bursty" in chosen:
-        make = lambda r: [bursty_requests(r, opts, s) for s in seeds]  # noqa: E731
+        lengths = trace.rows if trace is not None else None
+        make = lambda r: [bursty_requests(r, opts, s, lengths) for s in seeds]  # noqa: E731
         rate = config.rate
         if rate is None:
             lo, hi = option(opts, "rate_lo", 1.0, float), option(opts, "rate_hi", 4.0, float)
@@ -410,16 +456,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         sets = dict(zip(seeds, make(rate), strict=True))
         cfg["bursty_rate"] = rate
         cfg["bursty_requests"] = {s: len(r) for s, r in sets.items()}
-        got, pairs = compare_seeds(sets, f"bursty,rate={rate:.3g}", cluster, opts, progress)
-        rows += got
-        checks += seed_checks(pairs, seeds, lambda p: bursty_checks(*p))
-        bounds = {s: burst_qoe_bound(r, opts, cluster) for s, r in sets.items()}
-        cfg["bursty_qoe_bound"] = {s: b for s, (b, _) in bounds.items()}
-        checks += [
-            f"  seed {s}: capacity bound on any policy's avg QoE {b:.3f} ({n} burst arrivals cannot "
-            "start before the burst ends)"
-            for s, (b, n) in bounds.items()
-        ]
+        runs.append((f"bursty,rate={rate:.3g}", sets, bursty_checks, True))
     if "azure" in chosen:
         bases = [azure_requests(replace(config, seed=s), opts) for s in seeds]
         make = lambda r: [with_rate(base, r) for base in bases]  # noqa: E731
@@ -432,9 +469,20 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         sets = dict(zip(seeds, make(rate), strict=True))
         cfg["azure_rate"] = rate
         cfg["azure_requests"] = len(next(iter(sets.values())))
-        got, pairs = compare_seeds(sets, f"azure,rate={rate:.3g}", cluster, opts, progress)
+        runs.append((f"{replay},rate={rate:.3g}", sets, partial(azure_checks, label=replay), False))
+    progress(0, total=sum(2 * len(reqs) for _, sets, _, _ in runs for reqs in sets.values()))
+    for label, sets, check, bursty in runs:
+        got, pairs = compare_seeds(sets, label, cluster, opts, progress)
         rows += got
-        checks += seed_checks(pairs, seeds, lambda p: azure_checks(*p))
+        checks += seed_checks(pairs, seeds, lambda p, check=check: check(*p))
+        if bursty:
+            bounds = {s: burst_qoe_bound(r, opts, cluster) for s, r in sets.items()}
+            cfg["bursty_qoe_bound"] = {s: b for s, (b, _) in bounds.items()}
+            checks += [
+                f"  seed {s}: capacity bound on any policy's avg QoE {b:.3f} ({n} burst arrivals cannot "
+                "start before the burst ends)"
+                for s, (b, n) in bounds.items()
+            ]
     if "solver" in chosen:
         got = solver_rows(opts, config.seed)
         rows += got
@@ -460,14 +508,14 @@ def bursty_checks(fcfs: dict[str, Any], qoe: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
 
 
-def azure_checks(fcfs: dict[str, Any], qoe: dict[str, Any]) -> list[str]:
-    """The Azure-replay targets (each check names its threshold)."""
+def azure_checks(fcfs: dict[str, Any], qoe: dict[str, Any], label: str = "azure") -> list[str]:
+    """The replay's targets (each check names its threshold); ``label`` names the replayed trace."""
     fq, aq = fcfs["avg_qoe"], qoe["avg_qoe"]
     ft, at = fcfs["mean_ttft_s"], qoe["mean_ttft_s"]
     return [
-        _check(f"azure: fcfs avg QoE {fq:.3f} (target about 0.85)", abs(fq - 0.85) <= 0.03),
-        _check(f"azure: qoe avg QoE {aq:.3f} (target >= 0.95)", aq >= 0.95),
-        _check(f"azure: qoe mean TTFT {at:.2f}s vs fcfs {ft:.2f}s (target lower)", at < ft),
+        _check(f"{label}: fcfs avg QoE {fq:.3f} (target about 0.85)", abs(fq - 0.85) <= 0.03),
+        _check(f"{label}: qoe avg QoE {aq:.3f} (target >= 0.95)", aq >= 0.95),
+        _check(f"{label}: qoe mean TTFT {at:.2f}s vs fcfs {ft:.2f}s (target lower)", at < ft),
     ]
 
 

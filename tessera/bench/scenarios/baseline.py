@@ -1,6 +1,7 @@
 """Scenario ``baseline``: vLLM-FCFS, EDF and the oracle bounds SJF / SRTF at several loads.
 
-Workload: the Azure 2023 conversation trace (or ``--trace``), first ``requests``
+Workload: the Azure 2023 conversation trace (or ``--trace``: any trace of requests, or a rate series
+whose arrivals the Azure lengths take, see ``tessera.bench.runner.bench_trace``), first ``requests``
 rows, arrivals rescaled to ``load`` × the cluster's measured capacity (FCFS on the
 same requests all arriving at once). Each request is drawn (seeded) into one of two
 classes, as QLM and Chiron define them (docs/papers.md, "Chiron: request classes": interactive
@@ -15,7 +16,8 @@ EDF then orders by real differences in slack, so it differs from FCFS; every row
 ``slo_attainment_by_class``.
 
 Options (``--set``): requests (2000), loads ("0.5,0.8,1.0,1.2"), ttft_slo (10.0),
-batch_deadline (600.0), batch_share (0.5), and the cluster options of
+batch_deadline (600.0), batch_share (0.5), rate_dist (a rate series' arrivals: poisson | gamma), and
+the cluster options of
 ``tessera.bench.runner.CLUSTER_OPTIONS`` (max_batch default 32).
 """
 
@@ -57,7 +59,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     for rate, label in zip(rates, labels, strict=True):
         reqs = with_rate(base, rate)
         policies = {f"{p}:{label}": (lambda p=p: make_policy(p)) for p in POLICIES}
-        rows += run_policies(reqs, policies, cluster, _no_total(progress), requests_csv=config.requests_csv)
+        rows += run_policies(reqs, policies, cluster, progress, requests_csv=config.requests_csv)
     checks = []
     for label in labels:
         by = {r["policy"].split(":")[0]: r for r in rows if r["policy"].endswith(":" + label)}
@@ -103,16 +105,6 @@ def assign_classes(requests: list[Request], mix: Mix, rng: np.random.Generator) 
     classes, _ = mix.draw(len(requests), rng)
     for req, cls in zip(requests, classes, strict=True):
         req.service_class = cls
-
-
-def _no_total(progress: Progress) -> Progress:
-    """The scenario sets the bar's total once; drop the per-call totals of run_policies."""
-
-    def advance(n: int = 1, total: int | None = None) -> None:
-        if n:
-            progress(n)
-
-    return advance
 
 
 def plot(report: BenchReport, out_dir: Path) -> list[Path]:

@@ -6,8 +6,11 @@ requests (SLO TTFT 10 s, ITL 200 ms) arrive by a Gamma process of CV ``interacti
 own timestamps rescaled to the rate (Azure 2023 conversation trace); at ``batch_at`` (60 s) a bulk of
 ``batch_requests`` (30,000; paper: 1M) batch requests arrives that must finish within
 ``batch_deadline_s`` (600 s; paper: 1 h; ITL SLO 2 s). Token lengths come from the trace or from a
-lognormal ShareGPT fit (``lengths=sharegpt``). The cap is 25 instances (paper: 50 GPUs). Every row
-gets the same requests, seed, profile, instance bounds, initial instances and cold start.
+lognormal ShareGPT fit (``lengths=sharegpt``). ``--trace`` takes a trace of requests (its lengths, and
+its timestamps with ``interactive_arrivals=trace``) or a rate series: the interactive arrivals then
+come from the series (sampled by ``rate_dist``: poisson, or gamma with each window's cv; rescaled to the
+rate like a trace's timestamps), with the Azure conversation lengths. The cap is 25 instances (paper:
+50 GPUs). Every row gets the same requests, seed, profile, instance bounds, initial instances and cold start.
 
 Rows (mechanisms: ``tessera.core.chiron``; the simulator's adapters: ``tessera.sim.autoscaling``):
 
@@ -28,9 +31,12 @@ Metrics: the contract's keys plus mean / peak instances, scaling actions, hyster
 scale-ups), ``instances_over_time`` ([t, interactive, mixed, batch] every 10 s) and
 ``batch_size_over_time`` (mean batch size of the same roles).
 
-Other options (``--set``): initial_instances (2), min_instances (1), max_instances (25), eval_interval_s
-(5), dispatch_interval_s (1), over_provisioning (1/3), prefill_backlog_s (1.0), batch_exec_margin_s
-(60), profile (a100-llama3-8b), cold_start_s (profile's), static_batch (256).
+Other options (``--set``): interactive_requests, interactive_rate, interactive_arrivals, interactive_cv,
+lengths, batch_requests, batch_at, batch_deadline_s (above), dispatch, bands, utilization, defer_variant,
+op_history_variant (rows above), rate_dist (a rate series' arrivals), initial_instances (2),
+min_instances (1), max_instances (25), eval_interval_s (5), dispatch_interval_s (1), over_provisioning
+(1/3), prefill_backlog_s (1.0), batch_exec_margin_s (60), profile (a100-llama3-8b), cold_start_s
+(profile's), static_batch (256).
 """
 
 from __future__ import annotations
@@ -44,8 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from tessera.api.traces import load_trace
-from tessera.bench.runner import AZURE_CONV, option, run_one
+from tessera.bench.runner import AZURE_CONV, bench_trace, option, run_one
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.core.chiron import (
     PREFILL_BACKLOG_S,
@@ -107,7 +112,14 @@ def build_workload(config: BenchConfig) -> Workload:
     opts = config.options
     n_int = option(opts, "interactive_requests", 7000, int)
     rate = config.rate if config.rate is not None else option(opts, "interactive_rate", 10.0, float)
-    arrival_kind = option(opts, "interactive_arrivals", "gamma", str)
+    trace = bench_trace(config, AZURE_CONV)
+    rows = trace.rows
+    arrival_kind = option(opts, "interactive_arrivals", "trace" if trace.series else "gamma", str)
+    _require(
+        not trace.series or arrival_kind == "trace",
+        f"--set interactive_arrivals={arrival_kind}: a rate series as --trace gives the interactive "
+        "arrivals; leave interactive_arrivals unset (or trace), or pass a trace of requests",
+    )
     cv = option(opts, "interactive_cv", 4.0, float)
     lengths = option(opts, "lengths", "trace", str)
     n_batch = option(opts, "batch_requests", 30000, int)
@@ -122,7 +134,6 @@ def build_workload(config: BenchConfig) -> Workload:
     )
     _require(lengths in LENGTH_SOURCES, f"--set lengths={lengths!r}: one of {', '.join(LENGTH_SOURCES)}")
     _require(cv > 0, "--set interactive_cv must be > 0")
-    rows = load_trace(config.trace or AZURE_CONV)
     _require(
         arrival_kind != "trace" or len(rows) >= n_int,
         f"the trace has {len(rows)} rows; --set interactive_requests={n_int} needs more",

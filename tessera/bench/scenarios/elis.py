@@ -5,7 +5,9 @@ another JSONL with prompt/response), restricted to the prompts the shipped predi
 training (so the predictor never saw them); lengths counted with the predictor's tokenizer. Arrivals are Gamma
 with ELIS' FabriX shape 0.73 (scale = 1/(0.73·λ); docs/papers.md, "ELIS: evaluation workload") at ``load`` ×
 the measured capacity (FCFS with every request at time 0) of each batch size. One instance, batch sizes 1, 2
-and 4 as in ELIS Fig 6.
+and 4 as in ELIS Fig 6. ``--trace`` replaces the Gamma arrivals: a trace's first ``requests`` arrival
+times, or as many sampled from a rate series (``rate_dist``: poisson | gamma), rescaled to the same rate;
+the prompts and their lengths still come from ``data`` (a trace has token counts, not text).
 
 Seeds (at least 5, compare means): ``seeds`` (5) workloads, ``--seed`` and the next ones,
 each its own draw of requests and arrivals. 400 requests at load 0.9 with Gamma(0.73) arrivals swing
@@ -16,11 +18,11 @@ Rows: ``fcfs:batch=B``, ``isrtf:batch=B``, ``isrtf:batch=B,aging=A`` (the starva
 seed, each seed's rows come first as ``...,seed=N``. The checks are on the means, then each seed's
 reductions for information.
 
-Options (``--set``): requests (400), batches ("1,2,4"), seeds (5), data (AlpacaEval text), predictor
-(text | running-mean | constant), artifact (a trained head's folder for ``text``; default the shipped
-one), window (50), aging (tokens/s of credit per second of age; default: one
-token per single-stream decode step of the profile), and the cluster options of
-``tessera.bench.runner.CLUSTER_OPTIONS``.
+Options (``--set``): requests (400), batches ("1,2,4"), seeds (5), data (AlpacaEval text; any JSONL
+with ``prompt`` and ``response`` text), predictor (text | running-mean | constant), artifact (a trained
+head's folder for ``text``; default the shipped one), window (50), aging (tokens/s of credit per second
+of age; default: one token per single-stream decode step of the profile), rate_dist (with a rate
+series as ``--trace``), and the cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -30,14 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from tessera.bench.runner import SHARED_DATA, cluster_config_from, option, run_policies
+from tessera.bench.runner import SHARED_DATA, cluster_config_from, option, run_policies, trace_arrivals
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import mean_row, saturation_rate, seed_checks
 from tessera.core.policies.isrtf import ISRTF
 from tessera.core.registry import make_policy
 from tessera.core.request import Request
 from tessera.predictor.dataset import heldout, load_pairs, sample_rows
-from tessera.sim.workloads import gamma_arrivals
+from tessera.sim.workloads import gamma_arrivals, scale_to_rate
 
 DESCRIPTION = (
     "ELIS: FCFS vs ISRTF with the trained length predictor vs oracle SRTF, Gamma arrivals, batch 1/2/4"
@@ -126,11 +128,12 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
 
         # Same predictions, computed ahead in batched passes (one per window step), not per decision.
         predictor = PrecomputedPredictor(predictor, [r for base in bases.values() for r in base], window)
+    shapes = {s: trace_arrivals(config, n, s) for s in seeds}  # None each without --trace
     rows: list[dict[str, Any]] = []
     checks: list[str] = []
     capacities: dict[int, list[float]] = {}
     aging_used: dict[int, float] = {}
-    for b in batches:
+    for index, b in enumerate(batches):
         cluster = cluster_config_from(opts, max_batch=b)
         profile = next(iter(cluster.profiles.values()))
         aging = option(opts, "aging", 1.0 / profile.decode_step(1, 0), float)
@@ -144,12 +147,20 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             ),
             f"srtf-oracle:batch={b}": lambda: make_policy("srtf-oracle", recheck_tokens=window),
         }
+        if index == 0:
+            progress(0, total=n * len(policies) * len(batches) * len(seeds))
         per_seed: dict[int, list[dict[str, Any]]] = {}
         for seed, base in bases.items():
             capacity = saturation_rate(base, cluster)
             capacities.setdefault(b, []).append(capacity)
             rate = config.rate if config.rate is not None else load * capacity
-            arrivals = gamma_arrivals(n, GAMMA_SHAPE, 1.0 / (GAMMA_SHAPE * rate), np.random.default_rng(seed))
+            shape = shapes[seed]
+            if shape is None:
+                arrivals = gamma_arrivals(
+                    n, GAMMA_SHAPE, 1.0 / (GAMMA_SHAPE * rate), np.random.default_rng(seed)
+                )
+            else:
+                arrivals = scale_to_rate(shape, rate)
             for r, t in zip(base, arrivals, strict=True):
                 r.arrival = float(t)
             per_seed[seed] = run_policies(base, policies, cluster, progress, requests_csv=config.requests_csv)
@@ -172,7 +183,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         **config.as_dict(),
         "requests": n,
         "load": load,
-        "gamma_shape": GAMMA_SHAPE,
+        "gamma_shape": None if config.trace else GAMMA_SHAPE,
         "batches": batches,
         "seeds": seeds,
         "window": window,

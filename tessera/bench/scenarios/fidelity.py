@@ -21,10 +21,11 @@
    the 2 loaded cores with the server and reads streamed tokens late and in bursts, which is a
    property of this machine, not of the engine the simulator models.
 
-Arrivals (``arrivals``): ``trace`` (default), the Azure conversation trace's first rows, rescaled
-to ``rate``; or ``burst``, every request at time 0, which compares the engine's capacity (makespan,
-throughput) without the queueing that makes mean TTFT at high load swing with small capacity
-errors. For ``trace`` the rate is ``--rate``, or by default
+Arrivals (``arrivals``): ``trace`` (default), the Azure conversation trace's first rows (or
+``--trace``'s: a trace of requests, or a rate series whose sampled arrivals the Azure lengths take,
+``rate_dist``: poisson | gamma), rescaled to ``rate``; or ``burst``, every request at time 0, which
+compares the engine's capacity (makespan, throughput) without the queueing that makes mean TTFT at
+high load swing with small capacity errors. For ``trace`` the rate is ``--rate``, or by default
 ``load`` (0.7) × the capacity the simulator predicts with the fitted profile for these requests,
 so the server is busy enough for queueing and batching to matter (the point of fidelity; an idle
 server only shows its idle latency). Lengths are scaled down to fit the tiny model
@@ -38,7 +39,7 @@ queue, prefill and decode histograms: queue = arrival at the engine to scheduled
 scheduled to first token, decode = first to last token) next to the simulator's, to show where
 a gap comes from.
 Options: requests (200), load (0.7), arrivals (trace), max_num_seqs (16), kv_cache_gib (1),
-token_budget (2048), in_div (4), out_div (2).
+token_budget (2048), in_div (4), out_div (2), rate_dist.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ from pathlib import Path
 
 import numpy as np
 
-from tessera.api.traces import load_trace
+from tessera.api.traces import TraceRow
 from tessera.bench.machine import MachineWatch
 from tessera.bench.measure import E2E, ITL, PREFILL, QUEUE, TTFT, MetricsDelta
-from tessera.bench.runner import AZURE_CONV, option, run_one
+from tessera.bench.runner import AZURE_CONV, bench_trace, option, run_one
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import saturation_rate
 from tessera.core.profiles import Measurements, describe_profile, fit_profile, profile_to_dict
@@ -106,6 +107,17 @@ def other_vllm_servers(own_pid: int | None = None) -> int:
     return count
 
 
+def replay_rows(
+    config: BenchConfig, n: int, in_div: float, out_div: float
+) -> tuple[list[TraceRow], np.ndarray, np.ndarray]:
+    """The first ``n`` rows of ``--trace`` (or the Azure conversation trace) and their prompt and
+    output lengths scaled down to the tiny model (``/in_div`` in [4, 1024], ``/out_div`` in [1, 512])."""
+    rows = bench_trace(config, AZURE_CONV, n).rows
+    inp = np.clip(np.round(np.array([r.input_tokens for r in rows]) / in_div), 4, 1024).astype(int)
+    out = np.clip(np.round(np.array([r.output_tokens for r in rows]) / out_div), 1, 512).astype(int)
+    return rows, inp, out
+
+
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
     """Real and simulated replay of the same requests."""
     from tessera.bench.measure import measure_and_fit, replay
@@ -125,9 +137,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     if pattern not in ("trace", "burst"):
         raise ValueError(f"--set arrivals must be trace or burst, got {pattern!r}")
     out_div = option(opts, "out_div", 2.0, float)
-    rows = load_trace(config.trace or AZURE_CONV)[:n]
-    inp = np.clip(np.round(np.array([r.input_tokens for r in rows]) / in_div), 4, 1024).astype(int)
-    out = np.clip(np.round(np.array([r.output_tokens for r in rows]) / out_div), 1, 512).astype(int)
+    rows, inp, out = replay_rows(config, n, in_div, out_div)
     progress(0, total=4)  # model, server, profile + rate, replay + second profile
     with tempfile.TemporaryDirectory(prefix="tessera-fidelity-") as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny")

@@ -1,9 +1,10 @@
 """Scenario ``perf``: simulator speed. 100k requests over 16 instances with FCFS, then the same with
 10× longer outputs.
 
-Lengths are drawn (with replacement, seeded) from the Azure 2023 conversation trace (or
-``--trace``); arrivals are Poisson at ``load`` × the measured capacity of the cluster for that
-length mix, so both variants run at the same utilisation and differ only in tokens per request
+Lengths are drawn (with replacement, seeded) from the Azure 2023 conversation trace (or a trace of
+requests as ``--trace``); arrivals are Poisson at ``load`` × the measured capacity of the cluster for
+that length mix (a rate series as ``--trace`` gives their shape instead: sampled by ``rate_dist``,
+rescaled to the same rate), so both variants run at the same utilisation and differ only in tokens per request
 (the 10× variant has 10× the decode iterations but about the same number of events).
 Targets: the 1× run within 30 s; the 10× run within 1.5× of the 1× run's time.
 The checks use the CPU time of this process (``time.process_time``): the machines this runs on are
@@ -11,7 +12,7 @@ shared (2 cores, other engineers' servers and tests), so wall time mostly measur
 process waited for a core, which says nothing about the simulator. Wall time, its ratio and the
 load average are reported next to it; on an idle machine the two agree.
 
-Options: requests (100000), instances (16), load (0.8), capacity_requests (2000), and the
+Options: requests (100000), instances (16), load (0.8), capacity_requests (2000), rate_dist, and the
 cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS``.
 """
 
@@ -21,12 +22,12 @@ import os
 
 import numpy as np
 
-from tessera.api.traces import load_trace
-from tessera.bench.runner import AZURE_CONV, cluster_config_from, option, run_one
+from tessera.api.traces import load_trace, read_trace
+from tessera.bench.runner import AZURE_CONV, cluster_config_from, option, run_one, trace_arrivals
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import saturation_rate
 from tessera.core.registry import make_policy
-from tessera.sim.workloads import build_requests, poisson_arrivals
+from tessera.sim.workloads import build_requests, poisson_arrivals, scale_to_rate
 
 DESCRIPTION = "simulator speed: 100k requests on 16 instances (FCFS), and 10x longer outputs"
 
@@ -38,7 +39,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     load = config.load if config.load is not None else option(opts, "load", 0.8, float)
     cap_n = option(opts, "capacity_requests", 2000, int)
     cluster = cluster_config_from(opts, instances=16)
-    rows_in = load_trace(config.trace or AZURE_CONV)
+    trace = read_trace(config.trace or AZURE_CONV)
+    rows_in = trace.rows if trace.rows is not None else load_trace(AZURE_CONV)
     rng = np.random.default_rng(config.seed)
     idx = rng.integers(0, len(rows_in), n)
     inp = np.array([max(1, rows_in[i].input_tokens) for i in idx])
@@ -50,7 +52,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         probe = build_requests(np.zeros(cap_n), inp[:cap_n], outs[:cap_n], np.random.default_rng(config.seed))
         capacity = saturation_rate(probe, cluster)
         rate = config.rate if config.rate is not None else load * capacity
-        arrivals = poisson_arrivals(n, rate, np.random.default_rng(config.seed + 1))
+        if trace.series is None:
+            arrivals = poisson_arrivals(n, rate, np.random.default_rng(config.seed + 1))
+        else:
+            arrivals = scale_to_rate(trace_arrivals(config, n), rate)
         reqs = build_requests(arrivals, inp, outs, np.random.default_rng(config.seed))
         _, metrics = run_one(reqs, lambda: make_policy("fcfs"), cluster, progress=progress)
         load_avg = os.getloadavg()[0]

@@ -24,7 +24,14 @@ Parts (``--set part=NAME``, default ``all``):
   limit, default and joint-forced: the fallback (heuristic plan, or EDF if it is infeasible)
   engages and every group is still placed.
 
-Options: part, requests, load, interactive_share, max_batch, seeds, time_limit, snapshot_s, burst.
+``--trace``: ``estimator``, ``single`` and ``multi`` take a trace of requests (its first ``requests``
+rows' lengths, and their arrival times rescaled to the part's rate; eps profiling draws its sample
+from the trace's lengths); ``single`` and ``multi`` take a rate series (its sampled arrivals,
+``rate_dist``: poisson | gamma, with ShareGPT-like lengths). ``eviction`` and ``solver`` build their
+own workloads and refuse a trace; with ``--trace`` the default ``part=all`` runs the parts that take it.
+
+Options: part, requests, load, interactive_share, max_batch, multi_rate, seeds, time_limit, snapshot_s,
+burst, profile, rate_dist.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from tessera.bench.runner import option, run_one
+from tessera.api.traces import read_trace
+from tessera.bench.runner import option, run_one, trace_arrivals
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import saturation_rate, with_rate
 from tessera.core.policies.qlm import QLMPolicy
@@ -59,10 +67,11 @@ from tessera.core.request import Request, ServiceClass
 from tessera.sim.cluster import ClusterConfig
 from tessera.sim.engine import EngineConfig
 from tessera.sim.qlm_router import QLMRouter
-from tessera.sim.workloads import Mix, build_requests, poisson_arrivals, sharegpt_lengths
+from tessera.sim.workloads import Mix, build_requests, poisson_arrivals, scale_to_rate, sharegpt_lengths
 
 DESCRIPTION = "QLM: RWT estimator R², SLO attainment, multi-model swapping, eviction, MILP solver time"
 PARTS = ("estimator", "single", "multi", "eviction", "solver")
+TRACE_PARTS = ("estimator", "single", "multi")  # the parts that replay --trace
 INTERACTIVE = ServiceClass("interactive", "interactive", ttft_slo_s=20.0)
 BATCH = ServiceClass("batch", "batch", deadline_s=3600.0)
 
@@ -75,6 +84,16 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         raise ValueError(f"--set part: unknown {unknown}; choose from {', '.join(PARTS)} or all")
+    if config.trace is not None:
+        takes = ("single", "multi") if read_trace(config.trace).series else TRACE_PARTS
+        refused = [p for p in parts if p not in takes]
+        if part == "all":
+            parts = takes
+        elif refused:
+            raise ValueError(
+                f"--set part={part}: {', '.join(refused)} take no --trace (they build their own workloads); "
+                f"with this trace choose among {', '.join(takes)}"
+            )
     progress(0, total=len(parts))
     rows: list[dict[str, Any]] = []
     checks: list[str] = []
@@ -91,9 +110,31 @@ def _profile(opts: dict[str, Any]) -> Any:
     return load_profile(str(option(opts, "profile", "a100-llama3-8b", str)))
 
 
-def _requests(n: int, rng: np.random.Generator, mix: Mix, rate: float) -> list[Request]:
-    inputs, outputs = sharegpt_lengths(n, rng)
-    return build_requests(poisson_arrivals(n, rate, rng), inputs, outputs, rng, mix)
+def _requests(
+    n: int,
+    rng: np.random.Generator,
+    mix: Mix,
+    rate: float,
+    config: BenchConfig | None = None,
+    sample: bool = False,
+) -> list[Request]:
+    """``n`` requests of ``mix`` at ``rate``: ShareGPT-like lengths and Poisson arrivals, or from
+    ``config.trace``: a trace's lengths (its first ``n`` rows; ``sample``: ``n`` drawn with
+    replacement) and arrival times rescaled to ``rate`` (``sample``: Poisson), or a rate series'
+    arrivals with ShareGPT-like lengths."""
+    trace = read_trace(config.trace) if config is not None and config.trace is not None else None
+    if trace is not None and trace.rows is not None:
+        rows = trace.rows
+        if not sample and len(rows) < n:
+            raise ValueError(f"--trace {trace.path} has {len(rows)} requests; --set requests={n} needs more")
+        picks = rng.integers(0, len(rows), n) if sample else range(n)
+        inputs = [max(1, rows[i].input_tokens) for i in picks]
+        outputs = [max(1, rows[i].output_tokens) for i in picks]
+    else:
+        inputs, outputs = sharegpt_lengths(n, rng)
+    shape = None if config is None or sample else trace_arrivals(config, n)
+    arrivals = poisson_arrivals(n, rate, rng) if shape is None else scale_to_rate(shape, rate)
+    return build_requests(arrivals, inputs, outputs, rng, mix)
 
 
 def _seeds(reqs: list[Request], sample: int = 500) -> dict[tuple[str, str], tuple[float, float, float]]:
@@ -111,12 +152,13 @@ def _seeds(reqs: list[Request], sample: int = 500) -> dict[tuple[str, str], tupl
     }
 
 
-def _profiled_eps(opts: dict[str, Any], max_batch: int, mix: Mix, seed: int) -> float:
+def _profiled_eps(config: BenchConfig, max_batch: int, mix: Mix) -> float:
     """Offline hardware profiling of eps (QLM §6): ``4 x max_batch`` requests of the workload's
     distribution (an independent draw) through one saturated instance in FCFS order; the
     policy's own meter gives ``eps = B_mean / (Theta_measured * d_mean)`` over the whole run."""
+    opts, seed = config.options, config.seed
     rng = np.random.default_rng(seed + 1_000_003)
-    sample = _requests(4 * max_batch, rng, mix, 1e6)
+    sample = _requests(4 * max_batch, rng, mix, 1e6, config, sample=True)
     made: list[QLMPolicy] = []
 
     def factory() -> QLMPolicy:
@@ -159,9 +201,9 @@ def _part_estimator(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str
     max_batch = option(opts, "max_batch", 64, int)
     rng = np.random.default_rng(config.seed)
     mix = Mix(classes=((BATCH, 1.0),))
-    reqs = _requests(n, rng, mix, 1e6)  # a burst: the queue forms at once
+    reqs = _requests(n, rng, mix, 1e6, config)  # a burst: the queue forms at once
     seeds = _seeds(reqs)
-    eps = _profiled_eps(opts, max_batch, mix, config.seed)
+    eps = _profiled_eps(config, max_batch, mix)
     snaps: list[tuple[float, dict[int, float], dict[int, int]]] = []
 
     class Probe(QLMPolicy):
@@ -229,7 +271,7 @@ def _part_single(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
     max_batch = option(opts, "max_batch", 64, int)
     rng = np.random.default_rng(config.seed)
     mix = Mix(classes=((INTERACTIVE, share), (BATCH, 1 - share)))
-    base = _requests(n, rng, mix, 1.0)
+    base = _requests(n, rng, mix, 1.0, config)
     cluster = ClusterConfig(profiles={"default": _profile(opts)}, engine=EngineConfig(max_batch=max_batch))
     capacity = saturation_rate(base, cluster)
     rate = config.rate if config.rate is not None else load * capacity
@@ -276,7 +318,7 @@ def _part_multi(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
     models = ("model-a", "model-b", "model-c")
     batch1 = ServiceClass("batch-1", "batch", deadline_s=600.0)
     mix = Mix(classes=((batch1, 0.5), (BATCH, 0.5)), models=tuple((m, 1.0) for m in models))
-    base = _requests(n, rng, mix, 1.0)
+    base = _requests(n, rng, mix, 1.0, config)
     cluster = ClusterConfig(
         profiles={m: profile for m in models}, instances=2, engine=EngineConfig(max_batch=max_batch)
     )

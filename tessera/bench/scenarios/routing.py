@@ -1,7 +1,8 @@
 """Scenario ``routing``: the router's routes on prefix-sharing traffic, with prefix caching on.
 
 Workload: the Mooncake synthetic trace (multi-turn prefix sharing; ``--trace`` takes any file in its
-format: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of 512-token blocks),
+format: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of 512-token blocks; or
+a rate series, whose sampled arrivals (``rate_dist``: poisson | gamma) the Mooncake requests take),
 first ``requests`` rows, arrivals rescaled to ``load`` × the cluster's capacity measured without a
 prefix cache (FCFS, every request at once). Every instance caches prompt blocks (the simulator's
 prefix cache: a prompt's leading blocks it holds are not prefilled again; least recently used blocks
@@ -15,7 +16,7 @@ first token: wait plus prefill backlog plus the uncached prompt's prefill) and `
 holding most of the prompt). Each reports TTFT mean and p99, SLO attainment, the prompt tokens
 prefilled and the prefix-cache hit rate (prompt tokens served from the cache over all prompt tokens).
 
-Options (``--set``): requests (2000), loads ("0.5,0.7,0.9"), ttft_slo (3.0), instances (8), and the
+Options (``--set``): requests (2000), loads ("0.5,0.7,0.9"), ttft_slo (3.0), instances (8), rate_dist, and the
 cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS``.
 """
 

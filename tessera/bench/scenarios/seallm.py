@@ -87,6 +87,10 @@ from tessera.sim.cluster import (
 from tessera.sim.engine import Instance
 
 DESCRIPTION = "SeaLLM placement + DB scheduling vs dedicated GPUs and round-robin sharing (16 services)"
+TRACE_REFUSED = (
+    "it builds its own multi-service workload (16 services with their own length clusters and MAF-like "
+    "per-minute rates); set its total rate with --rate or --set rates=R1,R2"
+)
 GIB = 2**30
 
 # A100/A800-class linear step models at TP 1 (docs/papers.md, "Engine: step-time model"): c0, c1, c2 (per
@@ -475,10 +479,6 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         return run_planner(config, progress)
     if part != "serve":
         raise ValueError(f"--set part= must be 'serve' or 'planner', got {part!r}")
-    if config.trace is not None:
-        raise ValueError(
-            "bench seallm builds its MAF-like multi-service trace; --trace is not supported here"
-        )
     known = {
         "part",
         "services",
