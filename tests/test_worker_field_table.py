@@ -455,9 +455,11 @@ def test_the_workers_in_flight_cap_never_exceeds_vllms_max_num_seqs(autoscale: b
     assert int(r.flag("--max-num-batched-tokens")) >= seqs  # vLLM refuses fewer
 
 
-def _shared(engine: str = "vllm") -> tuple[list[dict[str, Any]], WorkerConfig]:
+def _shared(engine: str = "vllm", extra: tuple[str, ...] = ()) -> tuple[list[dict[str, Any]], WorkerConfig]:
     """Two 8B services on a pool of one GPU: placement co-locates them in one group."""
-    pool, service, classes = _docs((("ServingPool", "spec.instances.max", 1),))
+    pool, service, classes = _docs(
+        (("ServingPool", "spec.instances.max", 1), ("ServingPool", "spec.extraVllmArgs", list(extra)))
+    )
     pool["metadata"]["annotations"] = {children.ENGINE_ANNOTATION: engine}
     other = copy.deepcopy(service)
     other["metadata"].update(name="qwen", uid="u-qwen")
@@ -479,6 +481,20 @@ def test_co_located_vllm_models_swap_by_sleep_mode() -> None:
     assert all(e["name"] != "VLLM_SERVER_DEV_MODE" for e in worker["env"])
     # auto: the worker swaps where vLLM reports sleep mode; vLLM on CPU has none and keeps both resident
     assert [m.sleep_mode for m in _shared()[1].models] == ["auto", "auto"]
+
+
+@pytest.mark.parametrize(("extra", "budget"), [((), 0.9), (("--gpu-memory-utilization=0.8",), 0.8)])
+def test_co_located_vllm_processes_split_the_gpu_memory(extra: tuple[str, ...], budget: float) -> None:
+    """Each vLLM process takes its --gpu-memory-utilization at start and refuses to start when less is
+    free: two processes at the pool's share would not both start."""
+    containers, config = _shared(extra=extra)
+    shares = []
+    for engine in containers[1:]:
+        (at,) = [i for i, a in enumerate(engine["args"]) if a.startswith("--gpu-memory-utilization")]
+        shares.append(float(engine["args"][at + 1]))
+    assert budget - 0.01 < sum(shares) <= budget
+    alone = render().config.models[0].kv_capacity_tokens
+    assert all(0 < m.kv_capacity_tokens < alone / 2 for m in config.models)
 
 
 def test_a_single_model_and_the_sim_engine_never_sleep() -> None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,7 +26,7 @@ from tessera.api import API_VERSION, LLMService, RequestClassSpec, ServingPool
 from tessera.api.llm_service import LLMServiceSpec
 from tessera.api.worker_config import WorkerConfig
 from tessera.control.inputs import pool_input, service_input
-from tessera.control.placement_sim import group_profiles
+from tessera.control.placement_sim import BLOCK_TOKENS, group_profiles
 from tessera.core.planners import GroupPlan, Role
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -66,6 +68,7 @@ RESTART_FIELDS = ("name", "engine", "url", "launch", "sleepMode", "tokenizer", "
 # covers the pause, which holds when tokens reach the reader at the reading pace.
 PACED_POLICIES = frozenset({"qoe"})
 BATCHED_TOKENS_FLAG = "--max-num-batched-tokens"
+GPU_MEMORY_FLAG = "--gpu-memory-utilization"
 DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default token budget of one step on GPUs of 70 GiB or more
 # vLLM's sleep mode (model swapping by sleep / wake-up) is a development endpoint: the server needs it on.
 SLEEP_MODE_ENV = {"name": "VLLM_SERVER_DEV_MODE", "value": "1"}
@@ -165,12 +168,32 @@ def _model_location(service: LLMService) -> tuple[str, dict[str, Any] | None, di
     return model.source, None, None
 
 
+def _without_flag(args: list[str], flag: str) -> list[str]:
+    """``args`` without ``flag`` and its value (``flag value`` or ``flag=value``)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(f"{flag}="):
+            out.append(arg)
+    return out
+
+
 def swaps_models(pool: ServingPool, group: GroupPlan) -> bool:
     """Whether a group's models swap by sleep / wake-up: several models on the vLLM engine."""
     return worker_engine(pool) == "vllm" and len(group.services) > 1
 
 
-def vllm_args(pool: ServingPool, group: GroupPlan, service: LLMService, port: int) -> list[str]:
+def vllm_args(
+    pool: ServingPool,
+    group: GroupPlan,
+    service: LLMService,
+    port: int,
+    gpu_memory_utilization: float | None = None,
+) -> list[str]:
     """The vLLM OpenAI server arguments of one placed model (the operator-owned flags first).
 
     ``--max-num-seqs`` is the pool's ``batchSize.max``: the worker's in-flight cap (the static
@@ -181,6 +204,7 @@ def vllm_args(pool: ServingPool, group: GroupPlan, service: LLMService, port: in
     vLLM refuses a ``--max-num-batched-tokens`` below ``--max-num-seqs``, and its default is 2048 on
     GPUs under 70 GiB: unless ``extraVllmArgs`` sets it, it is ``max(batchSize.max,
     DEFAULT_BATCHED_TOKENS)`` (vLLM's default on larger GPUs).
+    ``gpu_memory_utilization`` (a co-located model's share, ``memory_plan``) replaces the pool's.
     Co-located models (``swaps_models``) start with ``--enable-sleep-mode`` (their container also gets
     ``VLLM_SERVER_DEV_MODE=1``) so that the worker can swap them.
     """
@@ -204,7 +228,10 @@ def vllm_args(pool: ServingPool, group: GroupPlan, service: LLMService, port: in
     ]
     if model.max_model_length is not None:
         args += ["--max-model-len", str(model.max_model_length)]
-    extra = pool.spec.extra_vllm_args
+    extra = list(pool.spec.extra_vllm_args)
+    if gpu_memory_utilization is not None:
+        extra = _without_flag(extra, GPU_MEMORY_FLAG)
+        args += [GPU_MEMORY_FLAG, str(gpu_memory_utilization)]
     if not any(a.split("=", 1)[0] == BATCHED_TOKENS_FLAG for a in extra):
         args += [BATCHED_TOKENS_FLAG, str(max(pool.spec.autoscaling.batch_size.max, DEFAULT_BATCHED_TOKENS))]
     if swaps_models(pool, group):
@@ -267,19 +294,68 @@ def _group_settings(
     }
 
 
-def kv_capacity_tokens(
+@dataclass(frozen=True, slots=True)
+class ModelMemory:
+    """One model's share of its group's GPU memory."""
+
+    kv_capacity_tokens: int  # KV cache of the model, tokens
+    gpu_memory_utilization: float | None  # vLLM's --gpu-memory-utilization; None: the pool's (one model)
+
+
+def _utilization_budget(pool: ServingPool) -> float:
+    """The share of GPU memory vLLM may take: ``--gpu-memory-utilization`` of ``extraVllmArgs``, else the
+    placement's (vLLM's default, 0.9)."""
+    args = list(pool.spec.extra_vllm_args)
+    for i, arg in enumerate(args):
+        flag, _, value = arg.partition("=")
+        if flag == GPU_MEMORY_FLAG:
+            value = value or (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                budget = float(value)
+            except ValueError:
+                budget = -1.0
+            if not 0 < budget <= 1:
+                raise ChildError(f"extraVllmArgs: {GPU_MEMORY_FLAG} {value!r} must be a number in (0, 1]")
+            return budget
+    return pool_input(pool).memory_fraction
+
+
+def memory_plan(
     pool: ServingPool, group: GroupPlan, services: Mapping[str, LLMService]
-) -> dict[str, int]:
-    """KV cache tokens of each of a group's services (by service name), as the placement estimator sizes
-    them: the GPUs' usable memory at the group's TP, less every co-located model's weights and the
-    activation reserve (``tessera.control.placement_sim.group_profiles``; weights from ``weightsSize``,
-    else the matched step profile)."""
-    inputs = [service_input(pool, services[name]) for name in group.services]
-    try:
-        profiles = group_profiles(pool_input(pool), inputs, group.tp)
-    except ValueError as err:
-        raise ChildError(f"group {group.name!r}: {err}; use GPUs with more memory or fewer models") from None
-    return {name: profile.kv_capacity_tokens for name, profile in profiles.items()}
+) -> dict[str, ModelMemory]:
+    """Each of a group's models' KV cache (and, when several share the GPUs, vLLM's memory share), by
+    service name.
+
+    One model: the KV cache the placement estimator gives it (``placement_sim.group_profiles``: usable
+    memory at the group's TP, less the weights and an activation reserve). Several models: each runs its
+    own vLLM process, which takes ``--gpu-memory-utilization`` of the GPUs at start and refuses to start
+    when less is free, so the budget (the pool's utilization) is split: each model gets its weights, an
+    activation reserve and an equal share of what is left as KV cache. Weights come from ``weightsSize``,
+    else the matched step profile.
+    """
+    inputs = {name: service_input(pool, services[name]) for name in group.services}
+    if len(inputs) == 1:
+        try:
+            profiles = group_profiles(pool_input(pool), list(inputs.values()), group.tp)
+        except ValueError as err:
+            raise ChildError(f"group {group.name!r}: {err}; use GPUs with more memory") from None
+        return {name: ModelMemory(p.kv_capacity_tokens, None) for name, p in profiles.items()}
+    gpu = pool_input(pool)
+    budget = _utilization_budget(pool) * gpu.gpu_memory_bytes
+    weights = {name: s.weights_bytes / group.tp for name, s in inputs.items()}
+    kv_each = (budget - sum(weights.values()) - len(inputs) * gpu.activation_bytes_per_gpu) / len(inputs)
+    if kv_each <= 0:
+        raise ChildError(
+            f"group {group.name!r}: the models {sorted(inputs)} leave no KV cache in separate vLLM processes "
+            f"on {group.tp} GPU(s) of {pool.spec.gpu.memory}; use GPUs with more memory or fewer models"
+        )
+    plan = {}
+    for name, s in inputs.items():
+        tokens = int(kv_each // (s.kv_bytes_per_token / group.tp))
+        share = (weights[name] + gpu.activation_bytes_per_gpu + kv_each) / gpu.gpu_memory_bytes
+        # rounded down: the shares' sum stays within the budget
+        plan[name] = ModelMemory(tokens - tokens % BLOCK_TOKENS, math.floor(share * 1e4) / 1e4)
+    return plan
 
 
 def worker_config(
@@ -295,7 +371,7 @@ def worker_config(
     so the worker needs no other object. One pod runs one policy: co-located services use the first
     service's, with its settings (``policy_settings``; SeaLLM groups run its DB policy across services).
     Streams are paced for the qoe policy (``PACED_POLICIES``). Per model: the KV capacity of the group
-    (``kv_capacity_tokens``), the context length (``maxModelLength``, else the one the placement reserved
+    (``memory_plan``), the context length (``maxModelLength``, else the one the placement reserved
     KV for, within the KV capacity) and model swapping (``sleepMode`` auto where ``swaps_models``: the
     worker swaps when vLLM reports sleep mode; vLLM on CPU has none, and there every model stays
     resident; off otherwise). Batch bounds and Chiron's local autoscaler switch come from the pool.
@@ -304,7 +380,7 @@ def worker_config(
     merged_classes: dict[str, dict[str, Any]] = {}
     policies: list[str] = []
     settings: list[dict[str, Any]] = []
-    kv = kv_capacity_tokens(pool, group, services)
+    memory = memory_plan(pool, group, services)
     engine = worker_engine(pool)
     for index, name in enumerate(group.services):
         service = services[name]
@@ -324,9 +400,9 @@ def worker_config(
         if engine == "vllm":
             entry["url"] = f"http://127.0.0.1:{VLLM_BASE_PORT + index}"
         entry["defaultClass"] = spec.default_class_name
-        entry["kvCapacityTokens"] = kv[name]
+        entry["kvCapacityTokens"] = memory[name].kv_capacity_tokens
         context = spec.model.max_model_length or service_input(pool, service).p99_context_tokens
-        entry["maxModelLen"] = min(context, kv[name])
+        entry["maxModelLen"] = min(context, memory[name].kv_capacity_tokens)
         entry["sleepMode"] = "auto" if swaps_models(pool, group) else "off"
         models.append(entry)
     for alias, value in _group_settings(pool, group, services, policies[0], models).items():
@@ -478,7 +554,7 @@ def _worker_container(pool: ServingPool) -> dict[str, Any]:
 
 
 def _vllm_container(
-    pool: ServingPool, group: GroupPlan, service: LLMService, index: int
+    pool: ServingPool, group: GroupPlan, service: LLMService, index: int, utilization: float | None
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     port = VLLM_BASE_PORT + index
     _, volume, mount = _model_location(service)
@@ -486,7 +562,7 @@ def _vllm_container(
         "name": f"vllm-{index}",
         "image": pool.spec.images.vllm,
         "imagePullPolicy": pool.spec.images.pull_policy,
-        "args": vllm_args(pool, group, service, port),
+        "args": vllm_args(pool, group, service, port, utilization),
         "ports": [{"name": f"vllm-{index}", "containerPort": port, "protocol": "TCP"}],
         # Loading weights takes minutes for large models: wait for /health before liveness applies.
         "startupProbe": {
@@ -529,8 +605,11 @@ def stateful_set(
         gpus = _gpu_requests(pool, group, 0)
         for kind in ("requests", "limits"):
             containers[0]["resources"][kind].update(gpus[kind])
-    for index, service_name in enumerate(group.services if worker_engine(pool) == "vllm" else ()):
-        container, volume = _vllm_container(pool, group, services[service_name], index)
+    vllm = worker_engine(pool) == "vllm"
+    memory = memory_plan(pool, group, services) if vllm else {}
+    for index, service_name in enumerate(group.services if vllm else ()):
+        share = memory[service_name].gpu_memory_utilization
+        container, volume = _vllm_container(pool, group, services[service_name], index, share)
         containers.append(container)
         if volume is not None:
             volumes.append(volume)
