@@ -174,7 +174,12 @@ class PlacementSpec(ApiModel):
         description="seallm: co-locate services on GPU groups (SeaLLM); dedicated: one group per service.",
     )
     max_services_per_group: int = Field(
-        default=2, ge=1, le=8, description="Most services sharing one group (SeaLLM K_max)."
+        default=2,
+        ge=1,
+        le=8,
+        description="Most services sharing one group (SeaLLM K_max). Co-located models split the GPU memory "
+        "and swap by vLLM's sleep mode where it has one (CUDA/ROCm); elsewhere (vLLM on CPU) they stay "
+        "resident.",
     )
     replacement_interval: ReplacementInterval = nested(ReplacementInterval, "Adaptive re-placement interval.")
 
