@@ -321,6 +321,9 @@ TABLE: tuple[Row, ...] = (
         (("ServingPool", "spec.autoscaling.batchSize.max", 128),), honoured="vLLM: sequences run at once"),
     Row("ServingPool.spec.extraVllmArgs", "vllm:--enable-prefix-caching",
         (("ServingPool", "spec.extraVllmArgs", ["--enable-prefix-caching"]),), honoured="vLLM"),
+    Row("ServingPool.spec.extraVllmArgs", "config:models.0.kvCapacityTokens",
+        (("ServingPool", "spec.extraVllmArgs", ["--gpu-memory-utilization", "0.5"]),),
+        honoured="every policy's KV capacity (vLLM's share of the GPU memory)"),
 )  # fmt: skip
 
 NOT_FOR_WORKER: dict[str, str] = {

@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -277,7 +277,11 @@ def policy_settings(spec: LLMServiceSpec, policy: str) -> dict[str, Any]:
 
 
 def _group_settings(
-    pool: ServingPool, group: GroupPlan, services: Mapping[str, LLMService], policy: str, models: list[dict]
+    pool: ServingPool,
+    group: GroupPlan,
+    services: Mapping[str, LLMService],
+    policy: str,
+    models: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """Settings a group's policy derives from the pool and all its models: QLM's context length (the
     group's longest), weight sizes (``weightsSize``, else the matched profile's) and the batch size it
@@ -326,22 +330,22 @@ def memory_plan(
     """Each of a group's models' KV cache (and, when several share the GPUs, vLLM's memory share), by
     service name.
 
-    One model: the KV cache the placement estimator gives it (``placement_sim.group_profiles``: usable
-    memory at the group's TP, less the weights and an activation reserve). Several models: each runs its
-    own vLLM process, which takes ``--gpu-memory-utilization`` of the GPUs at start and refuses to start
-    when less is free, so the budget (the pool's utilization) is split: each model gets its weights, an
-    activation reserve and an equal share of what is left as KV cache. Weights come from ``weightsSize``,
-    else the matched step profile.
+    One model: the KV cache the placement estimator gives it (``placement_sim.group_profiles``: the
+    pool's utilization of the memory at the group's TP, less the weights and an activation reserve).
+    Several models: each runs its own vLLM process, which takes ``--gpu-memory-utilization`` of the GPUs
+    at start and refuses to start when less is free, so the budget (the pool's utilization) is split:
+    each model gets its weights, an activation reserve and an equal share of what is left as KV cache.
+    Weights come from ``weightsSize``, else the matched step profile.
     """
     inputs = {name: service_input(pool, services[name]) for name in group.services}
+    gpu = replace(pool_input(pool), memory_fraction=_utilization_budget(pool))
     if len(inputs) == 1:
         try:
-            profiles = group_profiles(pool_input(pool), list(inputs.values()), group.tp)
+            profiles = group_profiles(gpu, list(inputs.values()), group.tp)
         except ValueError as err:
             raise ChildError(f"group {group.name!r}: {err}; use GPUs with more memory") from None
         return {name: ModelMemory(p.kv_capacity_tokens, None) for name, p in profiles.items()}
-    gpu = pool_input(pool)
-    budget = _utilization_budget(pool) * gpu.gpu_memory_bytes
+    budget = gpu.memory_fraction * gpu.gpu_memory_bytes
     weights = {name: s.weights_bytes / group.tp for name, s in inputs.items()}
     kv_each = (budget - sum(weights.values()) - len(inputs) * gpu.activation_bytes_per_gpu) / len(inputs)
     if kv_each <= 0:
