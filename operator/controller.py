@@ -118,17 +118,21 @@ class Controller:
         self._last_sync: dict[tuple[str, str], float] = {}
         # When each pool's next autoscaler evaluation is due (the earliest of its groups).
         self._autoscale_due: dict[tuple[str, str], float] = {}
+        # When each pool's next re-placement boundary is (status.nextPlacementTime).
+        self._placement_due: dict[tuple[str, str], float] = {}
 
     # -- pools ---------------------------------------------------------------------------------------
 
     def due(self, namespace: str, name: str, now: float) -> bool:
-        """Whether a timed pass of the pool is due: when the autoscaler (with Prometheus configured) is
-        due, and a resync now and then (events drive the rest; a periodic pass repairs drift such as a
-        hand-edited StatefulSet)."""
+        """Whether a timed pass of the pool is due: when the autoscaler or a re-placement boundary (with
+        Prometheus configured) is due, and a resync now and then (events drive the rest; a periodic pass
+        repairs drift such as a hand-edited StatefulSet)."""
         key = (namespace, name)
         if now - self._last_sync.get(key, -math.inf) >= self.resync_seconds:
             return True
-        return self.metrics is not None and now >= self._autoscale_due.get(key, -math.inf)
+        return self.metrics is not None and (
+            now >= self._autoscale_due.get(key, -math.inf) or now >= self._placement_due.get(key, math.inf)
+        )
 
     def reconcile_pool(
         self,
@@ -348,9 +352,9 @@ class Controller:
             **self._interval_status(status, pool.spec.placement.replacement_interval, previous, timeline),
             "lastPlacementTime": last_placement or st.rfc3339(now),
         }
-        new_status["nextPlacementTime"] = st.rfc3339(
-            (st.parse_time(last_placement) or now) + new_status["replacementIntervalSeconds"]
-        )
+        next_placement = (st.parse_time(last_placement) or now) + new_status["replacementIntervalSeconds"]
+        new_status["nextPlacementTime"] = st.rfc3339(next_placement)
+        self._placement_due[(namespace, pool.name)] = next_placement
         generation = body.get("metadata", {}).get("generation")
         if generation is not None:
             new_status["observedGeneration"] = generation
@@ -542,6 +546,7 @@ class Controller:
         self._fingerprints.pop((namespace, name), None)
         self._last_sync.pop((namespace, name), None)
         self._autoscale_due.pop((namespace, name), None)
+        self._placement_due.pop((namespace, name), None)
         return len(actions)
 
 

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +25,9 @@ from tessera.control.metrics_queries import (
 from tessera.core.planners import GroupPlan, MetricsSnapshot
 
 log = logging.getLogger(__name__)
+# After a failed query (the client has retried it for seconds), the queries of the next seconds give up at
+# once: one pass then waits for an unreachable Prometheus once, not once per query.
+GIVE_UP_S = 2.0
 
 
 class PrometheusMetrics:
@@ -36,12 +41,16 @@ class PrometheusMetrics:
             query = connection.custom_query
         self.query = query
         self.window = window
+        self._failed_at = -math.inf
 
     def _run(self, queries: Mapping[str, str]) -> dict[str, list[dict[str, Any]]] | None:
+        if time.monotonic() - self._failed_at < GIVE_UP_S:
+            return None
         try:
             return {k: list(self.query(q)) for k, q in queries.items()}
         except Exception as err:  # an unreachable Prometheus must not stop the reconcile
             log.warning("Prometheus query failed: %s", err)
+            self._failed_at = time.monotonic()
             return None
 
     def snapshot(

@@ -36,6 +36,7 @@ from tessera.core.planners import GroupPlan, IntervalMetrics, PlacementPlan, Rol
 from tessera.core.planners.replacement import IntervalSettings, next_replacement_interval, prediction_error
 from tessera.operator import status as st
 from tessera.operator.controller import Controller
+from tessera.operator.prometheus import PrometheusMetrics
 from tessera.operator.reconcile import Action
 
 NS, POOL = "ns", "p"
@@ -450,3 +451,23 @@ def test_without_prometheus_no_boundary_replans() -> None:
     run_pass(controller, kube, t0 + 500)
     assert len(kube.status_patches) == patches
     assert math.isclose(kube.objects[("servingpools", POOL)]["status"]["replacementIntervalSeconds"], 100)
+
+
+def test_prometheus_adapter_sends_the_queries_and_gives_up_at_once_after_a_failure() -> None:
+    sent: list[str] = []
+
+    def answer(query: str) -> list[dict[str, Any]]:
+        sent.append(query)
+        return [{"metric": {"group": "g1"}, "value": [0, "7"]}]
+
+    assert PrometheusMetrics("http://prometheus", query=answer).batch_sizes(NS, POOL) == {"g1": 7}
+    assert sent == [batch_size_query(NS, POOL)]
+
+    def down(query: str) -> list[dict[str, Any]]:
+        sent.append(query)
+        raise ConnectionError("refused")
+
+    sent.clear()
+    metrics = PrometheusMetrics("http://prometheus", query=down)
+    assert metrics.loads(NS, POOL, 60) is None and metrics.batch_sizes(NS, POOL) is None
+    assert len(sent) == 1  # the second query gave up without waiting for another failure
