@@ -21,7 +21,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from kmock_harness import Harness, emulated_cluster
-from test_operator_autoscaling_prometheus import Prometheus, meta_labels
+from test_operator_autoscaling_prometheus import Prometheus, meta_labels, promql
 
 from tessera.bench.harness import WorkerChild, stream_one
 from tessera.control import pool_plan
@@ -175,11 +175,10 @@ async def test_measured_rates_reach_placement_and_the_interval_adapts(
                 url_of.setdefault(model["name"], worker.url)
         prom.set_targets(targets)
 
-        # Load until a boundary has measured it: the busy service at four times the quiet one's streams.
+        # Load over two boundaries: the busy service at four times the quiet one's streams.
         start = time.time()
-        stop = start + 40
         load = {
-            name: asyncio.create_task(clients(url_of[MODELS[name]], MODELS[name], STREAMS[name], stop))
+            name: asyncio.create_task(clients(url_of[MODELS[name]], MODELS[name], STREAMS[name], start + 60))
             for name in MODELS
         }
 
@@ -194,11 +193,18 @@ async def test_measured_rates_reach_placement_and_the_interval_adapts(
 
         status = await harness.eventually(adapted, timeout=40)
         boundary = time.time()
-        stop = boundary  # the clients stop after their current request
+        services = {name: await harness.get(doc) for name, doc in services_docs.items()}
+        gauge = await promql(prom.url, f'tessera_batch_size{{namespace="{NAMESPACE}",pool="{POOL}"}}')
+
+        async def next_boundary() -> dict[str, Any] | None:
+            body = await harness.get(pool)
+            later = (body or {}).get("status") or {}
+            return later if later.get("lastPlacementTime") != status["lastPlacementTime"] else None
+
+        second = await harness.eventually(next_boundary, timeout=status["replacementIntervalSeconds"] + 5)
         for task in load.values():
             task.cancel()
         await asyncio.gather(*load.values(), return_exceptions=True)
-        services = {name: await harness.get(doc) for name, doc in services_docs.items()}
     finally:
         await harness.stop()
         await asyncio.to_thread(lambda: [w.stop() for w in workers] and None)
@@ -211,7 +217,9 @@ async def test_measured_rates_reach_placement_and_the_interval_adapts(
         assert load_status["sources"]["outputTokens"] == "measured"
         assert load_status["meanOutputTokens"] == pytest.approx(TOKENS, rel=0.15)
     assert loads["busy"]["requestsPerSecond"] > 2 * loads["quiet"]["requestsPerSecond"] > 0
-    measured_plans = [(t, inputs) for t, inputs in planned if t > start and any(s.history for s in inputs)]
+    measured_plans = [
+        (t, inputs) for t, inputs in planned if start < t <= boundary and any(s.history for s in inputs)
+    ]
     assert measured_plans, planned
     _, inputs = measured_plans[-1]
     rates = {s.name: s.request_rate for s in inputs}
@@ -228,9 +236,26 @@ async def test_measured_rates_reach_placement_and_the_interval_adapts(
     interval = status["replacementIntervalSeconds"]
     assert interval == pytest.approx(next_replacement_interval(12, estimate, real, settings))
     assert interval != INTERVAL["initialSeconds"]
+    # The next boundary compares the estimate of the plan made on the measured load.
+    kept = IntervalMetrics(
+        status["placement"]["estimatedSloAttainment"], status["placement"]["estimatedNormLatency"]
+    )
+    later = IntervalMetrics(second["measured"]["sloAttainment"], second["measured"]["normLatency"])
+    assert second["estimateError"] == pytest.approx(prediction_error(kept, later))
+    assert second["replacementIntervalSeconds"] == pytest.approx(
+        next_replacement_interval(interval, kept, later, settings)
+    )
+    # Each group's batch size is what its workers report (no autoscaling: batchSize.initial).
+    reported = {s["metric"]["group"]: float(s["value"][1]) for s in gauge}
+    assert {g["name"]: g["batchSize"] for g in status["placement"]["groups"]} == {
+        group: round(value) for group, value in reported.items()
+    }
+    assert set(reported.values()) == {256.0}
     print(
         f"boundary {boundary - start:.1f}s after the load started: rates busy "
         f"{loads['busy']['requestsPerSecond']:.2f}/s, quiet {loads['quiet']['requestsPerSecond']:.2f}/s "
         f"(over {loads['busy'].get('windowSeconds')}s); estimate {estimate}, measured {real}, error "
-        f"{status['estimateError']:.3f}; interval 12 -> {interval:.1f}s"
+        f"{status['estimateError']:.3f}; interval 12 -> {interval:.1f}s; next boundary: estimate {kept}, "
+        f"measured {later}, error {second['estimateError']:.3f}, interval -> "
+        f"{second['replacementIntervalSeconds']:.1f}s"
     )
