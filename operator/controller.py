@@ -161,12 +161,15 @@ class Controller:
         # A re-placement boundary needs measurements: without them the inputs are the specs, which the
         # fingerprint watches.
         boundary = self.metrics is not None and previous is not None and due is not None and now >= due
-        replan = self._fingerprints.get((namespace, name)) != fingerprint or previous is None or boundary
+        changed = self._fingerprints.get((namespace, name)) != fingerprint or previous is None
         measured: dict[str, ModelLoad] | None = None
         window = None
-        if replan and self.metrics is not None:
+        if (changed or boundary) and self.metrics is not None:
             window = min(MAX_HISTORY_S, status.get("replacementIntervalSeconds") or _initial_interval(body))
             measured = self.metrics.loads(namespace, name, window)
+        # Prometheus unreachable at a boundary: no re-placement on defaults; the boundary stays due.
+        boundary = boundary and measured is not None
+        replan = changed or boundary
         decided = desired_pool(
             body, services, classes, previous, now, replan=replan, measured=measured, window_s=window
         )

@@ -332,6 +332,7 @@ class FakeMetrics:
         self.met = 1.0
         self.windows: list[float] = []
         self.batch: dict[str, int] = {}
+        self.down = False
 
     def snapshot(self, *args: Any) -> None:
         return None
@@ -339,8 +340,10 @@ class FakeMetrics:
     def attainment(self, namespace: str, pool: str, model: str) -> None:
         return None
 
-    def loads(self, namespace: str, pool: str, window_s: float) -> dict[str, ModelLoad]:
+    def loads(self, namespace: str, pool: str, window_s: float) -> dict[str, ModelLoad] | None:
         self.windows.append(window_s)
+        if self.down:
+            return None
         return {
             m: model_load(m, r, window=window_s, step=load_step_s(window_s), met=self.met)
             for m, r in self.rates.items()
@@ -351,7 +354,10 @@ class FakeMetrics:
 
 
 def run_pass(controller: Controller, kube: FakeKube, now: float) -> None:
-    controller.reconcile_pool(NS, POOL, kube.bodies("llmservices"), kube.bodies("requestclasses"), now)
+    # As the pool's daemon runs a timed pass (its pool has autoscaling off: nothing to evaluate).
+    controller.reconcile_pool(
+        NS, POOL, kube.bodies("llmservices"), kube.bodies("requestclasses"), now, autoscale=True
+    )
 
 
 def test_the_interval_adapts_at_each_boundary_from_the_kept_estimate_and_quiet_passes_write_nothing() -> None:
@@ -440,6 +446,26 @@ def test_a_boundary_without_traffic_keeps_the_interval_and_batch_sizes_reach_the
     assert status["replacementIntervalSeconds"] == 100 and "estimateError" not in status
     assert status["lastPlacementTime"] == st.rfc3339(t0 + 101)
     assert kube.objects[("llmservices", "a")]["status"]["load"]["sources"]["requestsPerSecond"] == "measured"
+
+
+def test_an_unreachable_prometheus_defers_the_boundary_instead_of_placing_on_defaults() -> None:
+    kube = FakeKube([pool_body(), class_body(), service_body("a"), service_body("b")])
+    metrics = FakeMetrics()
+    metrics.rates = {MODELS["a"]: 8.0, MODELS["b"]: 0.5}
+    controller = Controller(kube, lambda *event: None, metrics)
+    t0 = 1_700_000_000.0
+    run_pass(controller, kube, t0)
+    before = copy.deepcopy(kube.objects[("servingpools", POOL)]["status"])
+    metrics.down = True
+    assert controller.due(NS, POOL, t0 + 101)
+    run_pass(controller, kube, t0 + 101)
+    assert kube.objects[("servingpools", POOL)]["status"] == before
+    assert controller.due(NS, POOL, t0 + 102)  # still due: the next tick tries again
+    metrics.down = False
+    run_pass(controller, kube, t0 + 102)
+    status = kube.objects[("servingpools", POOL)]["status"]
+    assert status["lastPlacementTime"] == st.rfc3339(t0 + 102) and "estimateError" in status
+    assert not controller.due(NS, POOL, t0 + 103)
 
 
 def test_without_prometheus_no_boundary_replans() -> None:
