@@ -176,7 +176,7 @@ class Controller:
         if isinstance(decided, Problem):
             self._report_invalid(POOLS, body, decided, now)
             return
-        real = None
+        real, finished = None, 0
         if boundary and measured is not None:
             by_service = {
                 n: measured[s.spec.model.name]
@@ -184,6 +184,7 @@ class Controller:
                 if s.spec.model.name in measured
             }
             real = interval_metrics(decided.inputs, by_service)
+            finished = round(sum(m.finished_total for m in by_service.values()))
         if not boundary and previous is not None and decided.plan is not None:
             decided = _keep_unchanged(decided, previous)
         history = list(status.get("scalingHistory") or [])
@@ -193,7 +194,7 @@ class Controller:
         elif autoscale:  # nothing to autoscale: the resync (and events) will look again
             self._autoscale_due[(namespace, name)] = math.inf
         observed = self._apply(namespace, body, decided)
-        timeline = _Timeline(boundary, real, window)
+        timeline = _Timeline(boundary, real, finished, window)
         self._report_pool(namespace, body, services, observed, decided, previous, history, timeline, now)
         self._fingerprints[(namespace, name)] = fingerprint
 
@@ -394,6 +395,7 @@ class Controller:
             out["measured"] = {
                 "sloAttainment": real.slo_attainment,
                 "normLatency": real.norm_latency,
+                "requests": timeline.finished,
                 "windowSeconds": timeline.window_s,
             }
             if estimated is not None:
@@ -556,10 +558,11 @@ class Controller:
 @dataclass(frozen=True, slots=True)
 class _Timeline:
     """What a pass knows of the re-placement timeline: whether a boundary was reached, what the interval
-    ending there measured (M_real) and over how many seconds."""
+    ending there measured (M_real, over how many requests) and over how many seconds."""
 
     boundary: bool
     measured: IntervalMetrics | None
+    finished: int  # requests the interval finished
     window_s: float | None
 
 

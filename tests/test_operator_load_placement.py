@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from tessera.api import parse_document
+from tessera.api.llm_service import LLMServiceStatus
+from tessera.api.serving_pool import ServingPoolStatus
 from tessera.control.inputs import (
     DEFAULT_SLO_SCALE,
     MAX_HISTORY_REQUESTS,
@@ -401,6 +403,10 @@ def test_the_interval_adapts_at_each_boundary_from_the_kept_estimate_and_quiet_p
     assert pool["replacementIntervalSeconds"] == pytest.approx(90)  # the estimate missed by more than beta
     assert pool["lastPlacementTime"] == st.rfc3339(t0 + 101)
     assert pool["nextPlacementTime"] == st.rfc3339(t0 + 101 + 90)
+    assert pool["measured"]["requests"] == round(6.5 * 100) and pool["measured"]["windowSeconds"] == 100
+    # What the operator writes is what the CRD's status schema holds.
+    ServingPoolStatus.model_validate(pool)
+    LLMServiceStatus.model_validate(kube.objects[("llmservices", "a")]["status"])
     load_a = kube.objects[("llmservices", "a")]["status"]["load"]
     assert load_a["requestsPerSecond"] == 6.0 and load_a["sources"]["requestsPerSecond"] == "measured"
     assert {g["services"][0]: g["replicas"]["interactive"] for g in pool["placement"]["groups"]} == {
