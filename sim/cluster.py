@@ -38,6 +38,10 @@ MAX_IDLE_TICKS = 10_000  # controller ticks with only held requests left before 
 PolicyFactory = Callable[[], Policy]
 
 
+class SimulationStalled(RuntimeError):
+    """A real deadlock: requests are left that nothing will ever serve (the message says which)."""
+
+
 class Unservable(LookupError):
     """A router's answer for a request no instance can ever serve (its KV fits none): the cluster
     drops it and counts it in ``Cluster.rejected``, as vLLM refuses a prompt its KV cache cannot hold."""
@@ -325,6 +329,22 @@ class Cluster:
             for req in pending:
                 self._route(req)
 
+    def _stall_message(self) -> str:
+        """What a run stalled on held requests holds, and what could have served them."""
+        kinds: dict[str, int] = {}
+        for req in self._held:
+            kinds[req.service_class.kind] = kinds.get(req.service_class.kind, 0) + 1
+        roles: dict[str, int] = {}
+        for inst in self.instances:
+            roles[inst.role] = roles.get(inst.role, 0) + 1
+        held = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        alive = ", ".join(f"{n} {role}" for role, n in sorted(roles.items())) or "none"
+        return (
+            f"simulation stalled at t={self.now:.3f}s: {len(self._held)} requests held in the global queue "
+            f"({held}), nothing running, and the controller dispatched none for {MAX_IDLE_TICKS} ticks "
+            f"(instances: {alive}); the controller never gives held work an instance that takes it"
+        )
+
     def _route(self, req: Request) -> None:
         try:
             inst = self.router.route(req, self.view())
@@ -375,7 +395,7 @@ class Cluster:
             t = min(t_arr, t_inst, next_tick)
             if t == INF:
                 stuck = sum(i.outstanding for i in self.instances)
-                raise RuntimeError(
+                raise SimulationStalled(
                     f"simulation stalled at t={self.now:.3f}s with {stuck} unfinished requests: "
                     "the policy left them unscheduled and asked for no re-check"
                 )
@@ -388,10 +408,7 @@ class Cluster:
                 if ai >= n and self._held and not any(i.outstanding for i in self.instances):
                     idle_ticks += 1  # only held requests are left; a controller must dispatch them
                     if idle_ticks > MAX_IDLE_TICKS:
-                        raise RuntimeError(
-                            f"simulation stalled at t={self.now:.3f}s: {len(self._held)} requests held in "
-                            f"the global queue and no controller dispatched any for {MAX_IDLE_TICKS} ticks"
-                        )
+                        raise SimulationStalled(self._stall_message())
                 else:
                     idle_ticks = 0
             elif t == t_arr:  # arrivals of an instant first, so they share the next iteration

@@ -4,6 +4,7 @@ with a message that says what it takes; rate series are read, validated and samp
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,81 @@ def test_andes_calibration_moves_its_bracket(monkeypatch: pytest.MonkeyPatch) ->
     assert 16 <= rate <= 32
     with pytest.raises(ValueError, match="do not bracket"):
         andes.calibrate(lambda r: [r], None, 1.0, 4.0, 1.5, 3, below=True)  # type: ignore[arg-type]
+
+
+# ---- Chiron: held batch work is served, a real deadlock fails clearly ---------------------------------
+def test_chiron_keeps_an_instance_for_batch_work_past_saving() -> None:
+    """Every queued group is past its deadline (no launch saves any), nothing but an interactive
+    instance is left: the planner must still give the queue an instance, or it is never served."""
+    from tessera.core.planners.chiron import chiron_decide
+    from tessera.core.planners.types import (
+        AutoscalerState,
+        BatchGroup,
+        ChironSettings,
+        MetricsSnapshot,
+        RoleCounts,
+    )
+
+    settings = ChironSettings(max_instances=4, load_time_s=30.0)
+    late = MetricsSnapshot(
+        ready=RoleCounts(interactive=1),
+        batch_queue=(BatchGroup(deadline=100.0, count=500),),
+        mean_output_tokens=200.0,
+        std_output_tokens=50.0,
+    )
+    decision = chiron_decide(late, AutoscalerState(), settings, now=400.0)
+    assert decision.desired.batch == 1 and "no batch or mixed instance" in " ".join(decision.reasons)
+    with_mixed = replace(late, ready=RoleCounts(interactive=1, mixed=1))
+    assert chiron_decide(with_mixed, AutoscalerState(), settings, now=400.0).desired.batch == 0
+
+
+def test_chiron_serves_every_held_request_of_a_hopeless_bulk() -> None:
+    """A bulk whose deadline no launch can meet, on mixed instances that scale down while it is queued:
+    this stalled ("requests held in the global queue"); every request must finish, late."""
+    from tessera.bench.scenarios import chiron
+
+    opts = {"interactive_requests": 50, "batch_requests": 1200, "batch_deadline_s": 10.0,
+            "dispatch": "arrival", "max_instances": 4}  # fmt: skip
+    rows = chiron.run(BenchConfig("chiron", options=Options(opts)), _no_progress).results
+    assert [r["requests"] for r in rows] == [1250, 1250]
+    assert rows[0]["slo_attainment_by_class"]["batch"] == 0.0  # served, after the deadline
+
+
+def test_a_stalled_simulation_says_why_and_exits_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tessera.bench.scenarios import baseline
+    from tessera.core.baselines import FCFS
+    from tessera.core.profiles import load_profile
+    from tessera.sim.cluster import (
+        Cluster,
+        ClusterConfig,
+        ClusterController,
+        ClusterRouter,
+        SimulationStalled,
+    )
+    from tessera.sim.workloads import build_requests
+
+    class Hold(ClusterRouter):
+        def route(self, req, view):  # type: ignore[no-untyped-def]
+            return None
+
+    class Never(ClusterController):
+        interval_s = 1.0
+
+        def tick(self, view):  # type: ignore[no-untyped-def]
+            return []
+
+    reqs = build_requests([0.0, 0.0], [50, 60], [20, 10], np.random.default_rng(0))
+    config = ClusterConfig(profiles={"default": load_profile("a100-llama3-8b")}, instances=1)
+    with pytest.raises(
+        SimulationStalled, match=r"2 requests held .*\(2 interactive\).*\(instances: 1 default\)"
+    ):
+        Cluster(config, FCFS, router=Hold(), controller=Never()).run(reqs)
+
+    def stalls(config: BenchConfig, progress: Any) -> BenchReport:
+        raise SimulationStalled("simulation stalled at t=1.000s: 2 requests held")
+
+    monkeypatch.setattr(baseline, "run", stalls)
+    assert main(["bench", "baseline"]) == 1
+    assert "tessera bench baseline: simulation stalled at t=1.000s" in capsys.readouterr().err

@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from tessera.bench.scenarios import BenchConfig, Options
+    from tessera.sim.cluster import SimulationStalled
 
     err = Console(stderr=True)
     if args.scenario not in SCENARIOS:
@@ -175,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             err.print(f"tessera bench {args.scenario}: {exc}")
             return 2
+        except SimulationStalled as exc:
+            err.print(f"tessera bench {args.scenario}: {exc}")
+            return 1
     keys = [k for k in TABLE_KEYS if any(k in row for row in report.results)]
     table = Table(title=f"tessera bench {args.scenario}")
     table.add_column("policy")

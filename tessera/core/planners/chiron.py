@@ -8,7 +8,8 @@ See docs/papers.md, "Chiron: global autoscaler, interactive" and "..., batch".
   consecutive evaluations and past the scale-down cooldown: shrink to N_IM*, mixed first.
 - Batch (§5.3, Alg. 2 corrected as docs/papers.md says): the fewest extra batch instances k with
   BBP(k) = 0, where BBP counts deadline groups whose QLM-style waiting estimate exceeds their slack.
-  Batch instances retire all together once no batch request is queued or running.
+  Batch instances retire all together once no batch request is queued or running; while batch work
+  is queued and no batch or mixed instance would pull it, one batch instance is kept (our choice).
 
 Pure: the caller passes a metrics snapshot, the previous state and the time; it gets desired counts,
 reasons and the next state.
@@ -211,6 +212,11 @@ def chiron_decide(
             reasons.append(
                 f"batch backpressure {bbp_now} but the pool is at its cap of {settings.max_instances}"
             )
+        if batch == 0 and mixed == 0:
+            # No instance would ever pull the queue: when every group is past saving (BBP the same
+            # whatever is launched) or deferred, Alg. 2 launches none, and held work must still run.
+            batch = 1
+            reasons.append(f"{queued} batch requests queued, no batch or mixed instance: +1 batch instance")
     elif snapshot.batch_running == 0 and batch > 0:
         reasons.append(f"batch queue empty and idle: retire {batch} batch instances")
         batch = 0
