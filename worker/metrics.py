@@ -86,6 +86,37 @@ class WorkerMetrics:
             ["model"],
             registry=r,
         )
+        self.engine_kv_capacity = Gauge(
+            "tessera_engine_kv_capacity_tokens",
+            "KV cache capacity the policies see, in tokens (the engine's, or the configured one).",
+            ["model"],
+            registry=r,
+        )
+        self.engine_kv_used = Gauge(
+            "tessera_engine_kv_used_tokens", "KV cache in use as the engine last reported, tokens.",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.engine_running = Gauge(
+            "tessera_engine_running", "Requests the engine last reported running.", ["model"], registry=r
+        )
+        self.engine_waiting = Gauge(
+            "tessera_engine_waiting",
+            "Requests the engine last reported holding in its own queue.",
+            ["model"],
+            registry=r,
+        )
+        self.engine_stats_fallback = Gauge(
+            "tessera_engine_stats_fallback",
+            "1 when the engine reports no KV cache figures and the configured kvCapacityTokens is used.",
+            ["model"],
+            registry=r,
+        )
+        self.config_reloads = Counter(
+            "tessera_config_reloads",
+            "Configuration reloads by result: applied, invalid (refused), restart_required (refused).",
+            ["result"],
+            registry=r,
+        )
         self.decision_time = Histogram(
             "tessera_decision_seconds",
             "Time of one scheduling decision.",

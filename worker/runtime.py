@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -23,6 +25,12 @@ from tessera.worker.engines.base import Engine
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.scheduler import ModelScheduler
 from tessera.worker.swap import ModelSwapper
+
+log = logging.getLogger(__name__)
+
+
+class RestartRequired(ConfigError):
+    """The new configuration changes what only a restart applies (the model list)."""
 
 
 def _policy(config: WorkerConfig) -> Policy:
@@ -56,6 +64,9 @@ class Worker:
         self.draining = False
         self.swapper: ModelSwapper | None = None
         self._servers: list[object] = []  # vLLM servers this worker launched itself
+        self._max_num_seqs: dict[str, int] = {}  # model -> --max-num-seqs of the vLLM launched here
+        self._watch_task: asyncio.Task[None] | None = None
+        self._file_digest: bytes | None = None  # of the configuration file content last seen
 
     @staticmethod
     def _service_classes(config: WorkerConfig) -> dict[str, ServiceClass]:
@@ -83,8 +94,12 @@ class Worker:
                 class_queue_times=_class_queue_times(self.config),
                 metrics=self.metrics,
                 swapper=self.swapper,
+                stats_interval_s=self.config.polling.engine_stats_seconds,
             )
             await self.schedulers[entry.name].start()
+        if self.config_path is not None:
+            self._file_digest = _digest(self.config_path)
+            self._watch_task = asyncio.create_task(self._watch_file(), name="config-watch")
 
     async def _make_engine(self, entry: ModelEntry) -> Engine:
         if entry.engine == "sim":
@@ -104,11 +119,14 @@ class Worker:
             tokenizer = tokenizer or entry.launch.model_dir
             from tessera.worker.engines.vllm_process import VLLMServer
 
+            seqs = self._max_num_seqs[entry.name] = (
+                entry.launch.max_num_seqs or self.config.scheduling.batch.max
+            )
             server = VLLMServer(
                 entry.launch.model_dir,
                 served_model_name=entry.name,
                 max_model_len=entry.max_model_len,
-                max_num_seqs=entry.launch.max_num_seqs,
+                max_num_seqs=seqs,
                 kv_cache_gib=entry.launch.kv_cache_gib,
                 dtype=entry.launch.dtype,
                 extra_args=["--enforce-eager"] if entry.launch.enforce_eager else [],
@@ -125,6 +143,10 @@ class Worker:
 
     async def stop(self) -> None:
         """Stop schedulers and engines, and any vLLM server launched here."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
         for sched in self.schedulers.values():
             await sched.stop()
         for engine in self.engines.values():
@@ -149,10 +171,25 @@ class Worker:
         return self.classes[name if name is not None else self.config.default_class(model)]
 
     def reload(self, new: WorkerConfig | None = None) -> WorkerConfig:
-        """Apply a new configuration (default: re-read the file) without a restart.
+        """Apply a new configuration (default: re-read the file) without a restart; the outcome is
+        counted in ``tessera_config_reloads_total``.
 
-        Policy, settings, classes, queue and batch bounds change in place; the model list may not.
+        Policy, settings, classes, queue and batch bounds, profiles and polling change in place;
+        requests in flight keep running and move to the new policy. The model list may not change
+        (RestartRequired); anything invalid is refused (ConfigError) and the old configuration stays.
         """
+        try:
+            applied = self._reload(new)
+        except RestartRequired:
+            self.metrics.config_reloads.labels("restart_required").inc()
+            raise
+        except ConfigError:
+            self.metrics.config_reloads.labels("invalid").inc()
+            raise
+        self.metrics.config_reloads.labels("applied").inc()
+        return applied
+
+    def _reload(self, new: WorkerConfig | None) -> WorkerConfig:
         if new is None:
             if self.config_path is None:
                 raise ConfigError(
@@ -161,15 +198,30 @@ class Worker:
             new = load_config(self.config_path)
 
         def fixed(config: WorkerConfig) -> list[tuple]:
-            return [(m.name, m.engine, m.url, m.launch, m.sleep_mode, m.tokenizer) for m in config.models]
+            return [(m.name, m.engine, m.url, m.launch, m.sleep_mode, m.tokenizer, m.max_model_len)
+                    for m in config.models]  # fmt: skip
 
-        old_models, new_models = fixed(self.config), fixed(new)
-        if old_models != new_models:
-            raise ConfigError("the model list cannot change without a restart; restart the worker pod")
-        policies = {name: _policy(new) for name in self.schedulers}  # fail before changing anything
+        if fixed(self.config) != fixed(new):
+            raise RestartRequired(
+                "the model list (names, engines, URLs, launch settings, sleep mode, tokenizers, context "
+                "lengths) cannot change without a restart; restart the worker pod"
+            )
+        batch_max = new.scheduling.batch.max
+        for model, seqs in self._max_num_seqs.items():
+            if batch_max > seqs:
+                raise RestartRequired(
+                    f"scheduling.batch.max {batch_max} exceeds the --max-num-seqs {seqs} that the vLLM "
+                    f"of model {model} was started with; restart the worker pod to raise it"
+                )
+        try:
+            policies = {name: _policy(new) for name in self.schedulers}  # fail before changing anything
+        except ValueError as exc:
+            raise ConfigError(f"scheduling: {exc}") from None
         self.config = new
         self.classes = self._service_classes(new)
         for name, sched in self.schedulers.items():
+            entry = new.model(name)
+            assert entry is not None  # the model list is unchanged
             sched.reconfigure(
                 policies[name],
                 batch=new.scheduling.batch,
@@ -177,5 +229,41 @@ class Worker:
                 max_queued=new.scheduling.max_queued,
                 class_limits=_class_limits(new),
                 class_queue_times=_class_queue_times(new),
+                profile=entry.profile.to_profile(name, entry.kv_capacity_tokens),
+                stats_interval_s=new.polling.engine_stats_seconds,
             )
         return new
+
+    async def _watch_file(self) -> None:
+        """Apply the configuration file when its content changes. Kubernetes updates a mounted
+        ConfigMap by swapping a symlink, which need not change the file's mtime: the content's digest
+        is compared. A refused content is logged once and not retried until the file changes again."""
+        assert self.config_path is not None
+        path = self.config_path
+        while (interval := self.config.polling.config_file_seconds) > 0:
+            await asyncio.sleep(interval)
+            try:
+                digest = await asyncio.to_thread(_digest, path)
+            except OSError as exc:
+                log.warning("cannot read the configuration file %s: %s; keeping the running one", path, exc)
+                continue
+            if digest == self._file_digest:
+                continue
+            self._file_digest = digest
+            try:
+                self.reload()
+            except RestartRequired as exc:
+                log.error("the configuration file %s changed what needs a restart; the worker keeps its "
+                          "configuration until the pod restarts: %s", path, exc)  # fmt: skip
+            except ConfigError as exc:
+                log.error("refused the new content of the configuration file %s; the worker keeps its "
+                          "configuration: %s", path, exc)  # fmt: skip
+            else:
+                log.warning("applied the new configuration file %s (policy %s)", path,
+                            self.config.scheduling.policy)  # fmt: skip
+        log.info("polling.configFileSeconds is 0: the worker stops watching %s", path)
+
+
+def _digest(path: Path) -> bytes:
+    """SHA-256 of the file's content (through any symlinks)."""
+    return hashlib.sha256(path.read_bytes()).digest()

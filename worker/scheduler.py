@@ -37,7 +37,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds
@@ -47,7 +47,14 @@ from tessera.core.profile import StepProfile
 from tessera.core.qoe import request_qoe
 from tessera.core.request import Phase, Request
 from tessera.core.slo import slo_met
-from tessera.worker.engines.base import Engine, EngineError, EngineJob, EngineUnavailable, TokenDelta
+from tessera.worker.engines.base import (
+    Engine,
+    EngineError,
+    EngineJob,
+    EngineStats,
+    EngineUnavailable,
+    TokenDelta,
+)
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.swap import ModelSwapper
 
@@ -127,10 +134,15 @@ class ModelScheduler:
         metrics: WorkerMetrics,
         class_queue_times: dict[str, float | None] | None = None,
         swapper: ModelSwapper | None = None,
+        stats_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
-        self.profile = profile
+        self.configured_profile = profile
+        self.profile = profile  # the configured one with the engine's KV capacity and block size
+        self.stats_interval_s = stats_interval_s
+        self.engine_stats: EngineStats | None = None  # the engine's latest report
+        self.engine_reports: bool | None = None  # None until the engine was first asked
         self.metrics = metrics
         self.clock = clock
         self.max_queued = max_queued
@@ -154,6 +166,7 @@ class ModelScheduler:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._probe_task: asyncio.Task[None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None
         self._recheck_tokens: int | None = None
         self._recheck_at: float | None = None
         self._iters = 0.0  # decode iterations since the last decision (estimated from tokens)
@@ -180,11 +193,14 @@ class ModelScheduler:
         self.engine_ok = await self.engine.healthy()
         if not self.engine_ok:
             self._start_probe()
+        if self.engine_ok:
+            await self._read_stats()  # the first decisions already see the engine's capacity
         self._loop_task = asyncio.create_task(self._run(), name=f"scheduler-{self.engine.model}")
+        self._stats_task = asyncio.create_task(self._poll_stats(), name=f"stats-{self.engine.model}")
 
     async def stop(self) -> None:
         """Stop the loop and end every stream (requests still held end with an error)."""
-        for task in (self._loop_task, self._probe_task):
+        for task in (self._loop_task, self._probe_task, self._stats_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -240,11 +256,19 @@ class ModelScheduler:
         max_queued: int,
         class_limits: dict[str, int | None],
         class_queue_times: dict[str, float | None] | None = None,
+        profile: StepProfile | None = None,
+        stats_interval_s: float | None = None,
     ) -> None:
         """Switch policy and bounds in place; every held request moves to the new policy.
 
-        A changed queue-time bound applies to requests that arrive after the change."""
+        A changed queue-time bound applies to requests that arrive after the change; a new profile
+        keeps the KV capacity and block size the engine reports."""
         now = self.clock()
+        if profile is not None:
+            self.configured_profile = self.profile = profile
+            self._apply_stats(self.engine_stats)
+        if stats_interval_s is not None:
+            self.stats_interval_s = stats_interval_s
         self.max_queued = max_queued
         self.class_limits = class_limits
         self.class_queue_times = class_queue_times or {}
@@ -380,20 +404,26 @@ class ModelScheduler:
 
     def _view(self, now: float) -> InstanceView:
         """The policy's view, every field filled as the simulator fills it. In-flight requests are the
-        resident ones (a preempted stream is aborted: its KV is gone) and their KV is the core's block
-        accounting, as neither engine adapter reports its KV use. Prefill has no per-iteration budget
+        resident ones (a preempted stream is aborted: its KV is gone). KV capacity is the engine's
+        (``stats``; the configured one if it reports none); KV use is the larger of the core's block
+        accounting of the in-flight requests, which is current but blind to what else the engine
+        holds, and the engine's own figure, which is true but up to a poll old: memory pressure is
+        never under-stated. Prefill has no per-iteration budget
         (vLLM V1 chunks prompts; the sim adapter prefills all joining streams in one step) and nothing
         is swapped out (preemption recomputes). A model that is not swapped is always the loaded one."""
         running = tuple(job.req for job in self.inflight)
         model = self.engine.model
         profile = self.profile
+        used = resident_kv_tokens(running, profile.block_size)
+        if self.engine_stats is not None:
+            used = max(used, self.engine_stats.kv_used_tokens)
         return InstanceView(
             now=now,
             instance=model,
             running=running,
             max_batch=self.max_batch,
             kv_capacity_tokens=kv_capacity_whole_blocks(profile),
-            kv_used_tokens=resident_kv_tokens(running, profile.block_size),
+            kv_used_tokens=used,
             profile=profile,
             active_model=(None if self.swapper is None else self.swapper.active_for(model)) or model,
             # Whole iterations; the float sum of 1/B per token can land just below an integer.
@@ -558,6 +588,58 @@ class ModelScheduler:
         met = slo_met(req)
         if met is not None:  # a class without an SLO counts in neither
             (self.metrics.slo_met if met else self.metrics.slo_missed).labels(*labels).inc()
+
+    # ---------------------------------------------------------------- engine stats
+
+    async def _poll_stats(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_interval_s)
+            if self.engine_ok:
+                await self._read_stats()
+
+    async def _read_stats(self) -> None:
+        """Ask the engine for its KV cache and request counts; without them, fall back (said once)."""
+        model = self.engine.model
+        try:
+            stats = await self.engine.stats()
+        except EngineUnavailable:
+            return  # the health probe deals with it; the last report stands meanwhile
+        except Exception:  # a malformed report must not stop the poll
+            log.exception("reading the engine stats of model %s failed", model)
+            stats = None
+        reports = stats is not None
+        if reports != self.engine_reports:
+            configured = self.configured_profile.kv_capacity_tokens
+            if stats is None:
+                log.warning("the engine of model %s reports no KV cache figures; policies see the "
+                            "configured kvCapacityTokens %d", model, configured)  # fmt: skip
+            else:
+                log.info("the engine of model %s reports a KV cache of %d tokens in blocks of %d "
+                         "(configured: %d)", model, stats.kv_capacity_tokens, stats.block_size,
+                         configured)  # fmt: skip
+            self.engine_reports = reports
+        capacity_before = self.profile.kv_capacity_tokens
+        self._apply_stats(stats)
+        m = self.metrics
+        m.engine_stats_fallback.labels(model).set(0 if reports else 1)
+        m.engine_kv_capacity.labels(model).set(kv_capacity_whole_blocks(self.profile))
+        if stats is not None:
+            m.engine_kv_used.labels(model).set(stats.kv_used_tokens)
+            m.engine_running.labels(model).set(stats.running)
+            m.engine_waiting.labels(model).set(stats.waiting)
+        if self.profile.kv_capacity_tokens != capacity_before:
+            self._wake.set()  # the policy may admit more (or must admit less) now
+
+    def _apply_stats(self, stats: EngineStats | None) -> None:
+        """The effective profile: the configured one with the engine's KV capacity and block size."""
+        self.engine_stats = stats
+        base = self.configured_profile
+        kv = (base.kv_capacity_tokens, base.block_size) if stats is None else (
+            stats.kv_capacity_tokens, stats.block_size)  # fmt: skip
+        if kv == (base.kv_capacity_tokens, base.block_size):
+            self.profile = base
+        elif kv != (self.profile.kv_capacity_tokens, self.profile.block_size):
+            self.profile = replace(base, kv_capacity_tokens=kv[0], block_size=kv[1])
 
     # ---------------------------------------------------------------- health
 

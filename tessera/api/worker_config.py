@@ -1,8 +1,9 @@
 """The worker configuration file: what the operator writes into the worker pod's ConfigMap.
 
 JSON or YAML, camelCase keys (like the custom resources), unknown keys rejected. The worker
-re-reads it on ``POST /admin/reload`` without a restart: policy, classes and batch-size bounds
-change in place; the model list is fixed for the pod's life (a changed model list is refused).
+applies a new content of the file without a restart (it checks every ``polling.configFileSeconds``,
+and on ``POST /admin/reload``): policy, classes and batch-size bounds change in place; the model
+list is fixed for the pod's life (a changed model list is refused: restart the pod).
 
 Example (YAML)::
 
@@ -58,7 +59,13 @@ class LaunchSpec(ApiModel):
 
     model_dir: str = Field(min_length=1, description="Hugging Face model directory to serve.")
     kv_cache_gib: Annotated[int, Field(ge=1)] = Field(default=1, description="VLLM_CPU_KVCACHE_SPACE.")
-    max_num_seqs: Annotated[int, Field(ge=1)] = Field(default=256, description="--max-num-seqs.")
+    max_num_seqs: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description=(
+            "--max-num-seqs: at least scheduling.batch.max, so that vLLM runs every request the worker "
+            "lets in and queues none out of the policy's reach; unset: scheduling.batch.max."
+        ),
+    )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(default="auto", description="--dtype.")
     enforce_eager: bool = Field(
         default=False,
@@ -213,6 +220,22 @@ class SchedulingSpec(ApiModel):
         return self
 
 
+class PollingSpec(ApiModel):
+    """How often the worker looks, off the request path, at what may change under it."""
+
+    config_file_seconds: Annotated[float, Field(ge=0)] = Field(
+        default=2.0,
+        description=(
+            "Seconds between checks of the configuration file's content (a mounted ConfigMap is updated "
+            "by a symlink swap); new content is applied as POST /admin/reload would; 0: never."
+        ),
+    )
+    engine_stats_seconds: Positive = Field(
+        default=1.0,
+        description="Seconds between reads of each engine's KV cache and request counts (vLLM: /metrics).",
+    )
+
+
 class AdminSpec(ApiModel):
     """Where the admin token comes from; without one the admin endpoint is disabled."""
 
@@ -241,6 +264,7 @@ class WorkerConfig(ApiModel):
         description="Request classes by name.",
     )
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    polling: PollingSpec = Field(default_factory=PollingSpec)
     admin: AdminSpec = Field(default_factory=AdminSpec)
 
     @model_validator(mode="after")
@@ -260,7 +284,15 @@ class WorkerConfig(ApiModel):
                     f"{spec.match.header}: {key[1]}; give one of them another match.value"
                 )
             selectors[key] = name
-        for m in self.models:
+        batch_max = self.scheduling.batch.max
+        for i, m in enumerate(self.models):
+            seqs = m.launch.max_num_seqs if m.launch is not None else None
+            if seqs is not None and seqs < batch_max:
+                raise ValueError(
+                    f"models.{i}.launch.maxNumSeqs {seqs} is below scheduling.batch.max {batch_max}: vLLM "
+                    "would queue the requests beyond it in arrival order, out of the policy's reach; raise "
+                    "maxNumSeqs, lower batch.max, or unset maxNumSeqs (it then follows batch.max)"
+                )
             if m.default_class is not None and m.default_class not in self.classes:
                 raise ValueError(
                     f"model {m.name!r}: defaultClass {m.default_class!r} is not among the classes "

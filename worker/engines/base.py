@@ -51,6 +51,18 @@ class TokenDelta:
     finish_reason: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What an engine reports of itself, in the simulator's terms (``tessera.core.policy.InstanceView``):
+    KV capacity in whole blocks and the blocks in use, both in tokens, and its request counts."""
+
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    block_size: int
+    running: int  # requests in the engine's batch
+    waiting: int  # requests the engine holds but does not run (its own queue)
+
+
 class Engine(ABC):
     """An engine serving one model."""
 
@@ -84,6 +96,11 @@ class Engine(ABC):
     @abstractmethod
     def stream(self, job: EngineJob) -> AsyncIterator[TokenDelta]:
         """Generate; closing the iterator early aborts the request in the engine."""
+
+    async def stats(self) -> EngineStats | None:
+        """The engine's KV cache and request counts now; None when this engine does not report them
+        (the worker then uses its configured capacity). Raises EngineUnavailable when unreachable."""
+        return None
 
     async def sleep(self) -> None:
         """Free the model's accelerator memory (model swapping)."""

@@ -20,8 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.core.policy import kv_blocks, kv_capacity_whole_blocks
 from tessera.core.profile import StepProfile
-from tessera.worker.engines.base import Engine, EngineJob, EngineRejected, TokenDelta
+from tessera.worker.engines.base import Engine, EngineJob, EngineRejected, EngineStats, TokenDelta
 
 VOCAB = 32000
 
@@ -94,6 +95,13 @@ class SimEngine(Engine):
         await asyncio.sleep(self.profile.model_load_time())
         self.asleep = False
         self.wake_calls += 1
+
+    async def stats(self) -> EngineStats:
+        """The simulated KV cache: the profile's capacity in whole blocks, and the blocks its streams'
+        contexts hold (the simulator's accounting); every stream runs, none waits."""
+        block = self.profile.block_size
+        used = sum(kv_blocks(len(s.context), block) for s in self._streams) * block
+        return EngineStats(kv_capacity_whole_blocks(self.profile), used, block, len(self._streams), 0)
 
     async def tokenize(self, text: str) -> list[int]:
         """One token per UTF-8 byte (shifted past the special ids 0-2), after a BOS of 0; a long text on

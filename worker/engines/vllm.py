@@ -12,9 +12,8 @@
   ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (CUDA/ROCm only in vLLM 0.32). With
   ``sleep_mode="auto"`` the adapter asks the server at start: dev mode serves ``/server_info``, whose
   ``vllm_config.model_config.enable_sleep_mode`` says whether sleep works; without dev mode (404)
-  the endpoints are absent and the model stays resident.
-
-
+  the endpoints are absent and the model stays resident;
+- reports its KV cache and request counts (``stats``) from the server's Prometheus ``/metrics``.
 
 HTTP client: aiohttp, not httpx. Measured with ``tessera bench worker-overhead``'s path on a fake
 instant upstream (32 concurrent streams): httpx cost about 1.2 ms of CPU to set up each request
@@ -32,8 +31,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-from tessera.worker.engines.base import Engine, EngineJob, EngineRejected, EngineUnavailable, TokenDelta
+from tessera.worker.engines.base import (
+    Engine,
+    EngineJob,
+    EngineRejected,
+    EngineStats,
+    EngineUnavailable,
+    TokenDelta,
+)
 
 # Generation streams may last minutes: no read timeout; a dead server closes the socket instead.
 _STREAM_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
@@ -225,6 +232,16 @@ class VLLMEngine(Engine):
         except _ERRORS as exc:
             raise EngineUnavailable(f"vLLM for {self.model} failed mid-request: {exc!r}") from exc
 
+    async def stats(self) -> EngineStats | None:
+        """KV capacity and use, running and waiting counts from the server's ``/metrics``: capacity is
+        ``num_gpu_blocks`` x ``block_size`` of ``vllm:cache_config_info``, use
+        ``vllm:kv_cache_usage_perc`` of it in whole blocks; None when a series is missing."""
+        try:
+            status, text = await self._request("GET", "/metrics", 5.0)
+        except _ERRORS as exc:
+            raise EngineUnavailable(f"vLLM for {self.model} is unreachable: {exc!r}") from exc
+        return parse_vllm_metrics(text, self.model) if status == 200 else None
+
     async def sleep(self) -> None:
         """``POST /sleep?level=1``: offload weights, drop the KV cache."""
         await self._post_admin("/sleep", {"level": "1"})
@@ -241,6 +258,36 @@ class VLLMEngine(Engine):
         except _ERRORS as exc:
             raise EngineUnavailable(f"vLLM for {self.model} is unreachable: {exc!r}") from exc
         _raise_for_status(status, text, self.model)
+
+
+def parse_vllm_metrics(text: str, model: str) -> EngineStats | None:
+    """The EngineStats in a vLLM ``/metrics`` page (the series of ``model``, summed over engines);
+    None when one of them is missing."""
+    values: dict[str, float] = {}
+    cache: dict[str, str] | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info":
+                cache = sample.labels
+            elif sample.name in _GAUGES and sample.labels.get("model_name", model) == model:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    if cache is None or len(values) < len(_GAUGES):
+        return None
+    try:
+        blocks, block = int(cache["num_gpu_blocks"]), int(cache["block_size"])
+    except (KeyError, ValueError):  # "None" before the engine has profiled its memory
+        return None
+    used = min(blocks, round(values["vllm:kv_cache_usage_perc"] * blocks))
+    return EngineStats(
+        kv_capacity_tokens=blocks * block,
+        kv_used_tokens=used * block,
+        block_size=block,
+        running=int(values["vllm:num_requests_running"]),
+        waiting=int(values["vllm:num_requests_waiting"]),
+    )
+
+
+_GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def _load_tokenizer(path: str, model: str) -> Any:
