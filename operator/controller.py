@@ -113,8 +113,6 @@ class Controller:
         self.emit = emit
         self.metrics = metrics
         self._scalers: dict[tuple[str, str, str], GroupMemory] = {}
-        # Digest of the inputs each pool was last planned from: replan only when they change.
-        self._fingerprints: dict[tuple[str, str], str] = {}
         self._last_sync: dict[tuple[str, str], float] = {}
         # When each pool's next autoscaler evaluation is due (the earliest of its groups).
         self._autoscale_due: dict[tuple[str, str], float] = {}
@@ -161,7 +159,9 @@ class Controller:
         # A re-placement boundary needs measurements: without them the inputs are the specs, which the
         # fingerprint watches.
         boundary = self.metrics is not None and previous is not None and due is not None and now >= due
-        changed = self._fingerprints.get((namespace, name)) != fingerprint or previous is None
+        # The digest of the specs the plan in effect came from is in status: a restart re-plans only
+        # when they changed meanwhile.
+        changed = status.get("inputsDigest") != fingerprint or previous is None
         measured: dict[str, ModelLoad] | None = None
         window = None
         if (changed or boundary) and self.metrics is not None:
@@ -195,8 +195,9 @@ class Controller:
             self._autoscale_due[(namespace, name)] = math.inf
         observed = self._apply(namespace, body, decided)
         timeline = _Timeline(boundary, real, finished, window)
-        self._report_pool(namespace, body, services, observed, decided, previous, history, timeline, now)
-        self._fingerprints[(namespace, name)] = fingerprint
+        self._report_pool(
+            namespace, body, services, observed, decided, previous, history, timeline, fingerprint, now
+        )
 
     def _apply(self, namespace: str, body: Mapping[str, Any], decided: PoolDesired) -> list[dict[str, Any]]:
         """Apply the pool's children; returns the children observed before (their status is what the
@@ -284,6 +285,7 @@ class Controller:
         previous: PlacementPlan | None,
         history: list[dict[str, Any]],
         timeline: _Timeline,
+        fingerprint: str,
         now: float,
     ) -> None:
         pool = decided.pool
@@ -355,6 +357,7 @@ class Controller:
             "scalingHistory": history,
             **self._interval_status(status, pool.spec.placement.replacement_interval, previous, timeline),
             "lastPlacementTime": last_placement or st.rfc3339(now),
+            "inputsDigest": fingerprint,
         }
         next_placement = (st.parse_time(last_placement) or now) + new_status["replacementIntervalSeconds"]
         new_status["nextPlacementTime"] = st.rfc3339(next_placement)
@@ -548,7 +551,6 @@ class Controller:
             self.kube.apply(namespace, action)
         for key in [k for k in list(self._scalers) if k[:2] == (namespace, name)]:
             del self._scalers[key]
-        self._fingerprints.pop((namespace, name), None)
         self._last_sync.pop((namespace, name), None)
         self._autoscale_due.pop((namespace, name), None)
         self._placement_due.pop((namespace, name), None)
@@ -574,11 +576,12 @@ def _initial_interval(body: Mapping[str, Any]) -> float:
 
 
 def _keep_unchanged(decided: PoolDesired, previous: PlacementPlan) -> PoolDesired:
-    """Between boundaries a re-plan (a spec changed, or the operator restarted) that gives the groups in
-    effect keeps the plan in effect with its estimate and loads: it writes nothing."""
+    """Between boundaries a re-plan (a spec changed) that gives the groups in effect keeps the plan in
+    effect and its estimate, which the next boundary compares (the services' loads still show what the
+    specs now declare)."""
     if decided.plan is None or decided.plan.groups != previous.groups:
         return decided
-    return replace(decided, plan=previous, loads={}, inputs={})
+    return replace(decided, plan=previous)
 
 
 def _reason(status: Mapping[str, Any], type_: str) -> str | None:

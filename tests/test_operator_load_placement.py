@@ -474,6 +474,24 @@ def test_an_unreachable_prometheus_defers_the_boundary_instead_of_placing_on_def
     assert not controller.due(NS, POOL, t0 + 103)
 
 
+def test_a_restarted_operator_replans_only_when_the_specs_changed_meanwhile() -> None:
+    kube = FakeKube([pool_body(), class_body(), service_body("a"), service_body("b")])
+    metrics = FakeMetrics()
+    t0 = 1_700_000_000.0
+    run_pass(Controller(kube, lambda *event: None, metrics), kube, t0)
+    assert kube.objects[("servingpools", POOL)]["status"]["inputsDigest"]
+    windows = len(metrics.windows)
+    run_pass(Controller(kube, lambda *event: None, metrics), kube, t0 + 5)
+    assert len(metrics.windows) == windows  # no re-plan: not even the load was read
+    placement = copy.deepcopy(kube.objects[("servingpools", POOL)]["status"]["placement"])
+    kube.objects[("llmservices", "b")]["spec"]["expectedLoad"] = {"outputTokens": 300}
+    run_pass(Controller(kube, lambda *event: None, metrics), kube, t0 + 10)
+    load = kube.objects[("llmservices", "b")]["status"]["load"]
+    assert load["meanOutputTokens"] == 300 and load["sources"]["outputTokens"] == "declared"
+    # The same groups: the plan in effect and its estimate stay.
+    assert kube.objects[("servingpools", POOL)]["status"]["placement"] == placement
+
+
 def test_without_prometheus_no_boundary_replans() -> None:
     kube = FakeKube([pool_body(), class_body(), service_body("a"), service_body("b")])
     controller = Controller(kube, lambda *event: None, None)

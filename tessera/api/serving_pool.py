@@ -307,6 +307,11 @@ class ServingPoolStatus(ResourceStatus):
     replacement_interval_seconds: float | None = Field(
         default=None, gt=0, description="Current adaptive re-placement interval I_t in seconds."
     )
+    inputs_digest: str | None = Field(
+        default=None,
+        description="Digest of the specs the plan in effect was made from (the pool's, its services' and "
+        "their classes'): the operator re-plans when they change, and not on a restart when they did not.",
+    )
     measured: IntervalPerformance | None = Field(
         default=None, description="What the last completed interval measured (compared with its estimate)."
     )
