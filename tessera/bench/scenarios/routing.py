@@ -59,7 +59,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     base = trace_requests(config, MOONCAKE, n)
     if not any(r.prefix_blocks for r in base):
         raise ValueError(
-            "the trace has no hash_ids: routing needs a Mooncake-format trace with prompt blocks"
+            "the trace has no hash_ids: routing needs a Mooncake-format trace with prompt blocks, or a "
+            "rate series (window_start_s,rate_rps[,cv]) whose arrivals the Mooncake requests take"
         )
     interactive = ServiceClass(name="interactive", kind="interactive", ttft_slo_s=slo)
     for r in base:
