@@ -401,8 +401,9 @@ class Controller:
                 "requests": timeline.finished,
                 "windowSeconds": timeline.window_s,
             }
-            if estimated is not None:
-                out["estimateError"] = prediction_error(estimated, real)
+            error = prediction_error(estimated, real) if estimated is not None else math.inf
+            if math.isfinite(error):  # an estimate of 0 has no relative error (JSON has no infinity)
+                out["estimateError"] = error
         log.info(
             "re-placement boundary: estimate %s, measured %s, interval %s -> %.1f s",
             estimated,
