@@ -39,6 +39,9 @@ from tessera.core.registry import PolicySettings
 from tessera.core.request import Phase, Request
 
 Doubling = Literal["geometric", "constant"]
+# A heap entry: (key, -class priority, arrival, request's sequence number, push number, request); the
+# push number keeps two entries of one request apart so that no comparison reaches the request.
+_Entry = tuple[float, int, float, int, int, Request]
 PREFILL_WATERMARK = 0.01  # share of the KV pool admissions keep free (CHOICE; the engines' watermark)
 
 
@@ -163,6 +166,15 @@ class DoublingBudget(Policy):
         self._last_now: float | None = None
         self._running: set[Request] = set()
         self._blocks: dict[str, int] = {}  # KV block size of each model seen active (shared-KV instances)
+        # Incremental order (a decision costs O(batch · log n), not O(n), with thousands held): per
+        # model, a heap by O order (O_r, -class priority, arrival, seq) and one by starvation order
+        # (last run, -class priority, arrival, seq). A budget changes only when it is charged, and then
+        # its request is pushed again; entries whose key no longer matches are skipped when met.
+        self._seq: dict[Request, int] = {}
+        self._counter = itertools.count()
+        self._by_o: dict[str, list[_Entry]] = {}
+        self._by_wait: dict[str, list[_Entry]] = {}
+        self._entries = 0  # heap entries, live or stale (compaction bound)
 
     def _service(self, req: Request) -> str:
         if req.model not in self.book.stats:
@@ -174,11 +186,79 @@ class DoublingBudget(Policy):
         budget = self.book.start(self._service(req), req.arrival)
         self._held[req] = budget
         req.annotations["db_budget"] = budget
+        self._seq[req] = next(self._counter)
+        self._push(req, budget)
 
     def remove(self, req: Request, now: float) -> None:
         """Forget a finished or cancelled request."""
         self._held.pop(req, None)
+        self._seq.pop(req, None)
         self._running.discard(req)
+
+    def _o_key(self, req: Request, b: Budget) -> _Entry:
+        o = b.left * self.book.stats[req.model].mean_exec_s
+        return (o, -req.service_class.priority, req.arrival, self._seq[req], next(self._counter), req)
+
+    def _wait_key(self, req: Request, b: Budget) -> _Entry:
+        return (
+            b.last_run,
+            -req.service_class.priority,
+            req.arrival,
+            self._seq[req],
+            next(self._counter),
+            req,
+        )
+
+    def _push(self, req: Request, b: Budget) -> None:
+        heapq.heappush(self._by_o.setdefault(req.model, []), self._o_key(req, b))
+        heapq.heappush(self._by_wait.setdefault(req.model, []), self._wait_key(req, b))
+        self._entries += 2
+        if self._entries > 4 * len(self._held) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heaps from the live requests (drops stale entries)."""
+        self._by_o = {}
+        self._by_wait = {}
+        for r, b in self._held.items():
+            self._by_o.setdefault(r.model, []).append(self._o_key(r, b))
+            self._by_wait.setdefault(r.model, []).append(self._wait_key(r, b))
+        for heap in (*self._by_o.values(), *self._by_wait.values()):
+            heapq.heapify(heap)
+        self._entries = 2 * len(self._held)
+
+    def _live_o(self, entry: _Entry) -> bool:
+        b = self._held.get(entry[-1])
+        return (
+            b is not None
+            and self._seq[entry[-1]] == entry[3]
+            and b.left * self.book.stats[entry[-1].model].mean_exec_s == entry[0]
+        )
+
+    def _live_wait(self, entry: _Entry) -> bool:
+        b = self._held.get(entry[-1])
+        return b is not None and self._seq[entry[-1]] == entry[3] and b.last_run == entry[0]
+
+    @staticmethod
+    def _top(heap: list[_Entry], live: Any) -> _Entry | None:
+        """The heap's least live entry (stale ones popped on the way)."""
+        while heap and not live(heap[0]):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def _smallest(self, model: str, k: int, skip: Request) -> list[Request]:
+        """The ``k`` live requests of ``model`` first in O order, ``skip`` left out."""
+        heap = self._by_o.get(model, [])
+        taken: list[_Entry] = []
+        seen: set[int] = set()
+        while heap and len(taken) < k + 1:
+            entry = heapq.heappop(heap)
+            if self._live_o(entry) and entry[3] not in seen:
+                seen.add(entry[3])
+                taken.append(entry)
+        for entry in taken:
+            heapq.heappush(heap, entry)
+        return [e[-1] for e in taken if e[-1] is not skip][:k]
 
     def __len__(self) -> int:
         return len(self._held)
@@ -192,45 +272,37 @@ class DoublingBudget(Policy):
                 b = self._held.get(req)
                 if b is not None:
                     self.book.charge(req.model, b, elapsed, now)
+                    self._push(req, b)
         self._last_now = now
         if not self._held:
             self._running = set()
             return Decision(run=[])
-        # One pass: each request's (O_r, -class priority, arrival, order) by model, the starved seed
-        # and the O seed.
+        # The O seed and the starved seed, from each model's heap tops.
         stats = self.book.stats
-        by_model: dict[str, list[tuple[float, int, float, int, Request]]] = {}
-        best: tuple[float, int, float, int, Request] | None = None
-        starved_key: tuple[float, int, float] | None = None
-        starved_seed: Request | None = None
-        for i, (r, b) in enumerate(self._held.items()):
-            s = stats[r.model]
-            priority = r.service_class.priority
-            entry = (b.left * s.mean_exec_s, -priority, r.arrival, i, r)
-            by_model.setdefault(r.model, []).append(entry)
-            if best is None or entry[:3] < best[:3]:
-                best = entry
-            wait = now - b.last_run
-            if wait > s.starvation_s and (starved_key is None or (wait, priority, -r.arrival) > starved_key):
-                starved_key, starved_seed = (wait, priority, -r.arrival), r
+        best: _Entry | None = None
+        starved: _Entry | None = None
+        for model, heap in self._by_o.items():
+            top = self._top(heap, self._live_o)
+            if top is not None and (best is None or top[:4] < best[:4]):
+                best = top
+            oldest = self._top(self._by_wait[model], self._live_wait)
+            # Longest wait first (earliest last run), then class priority, arrival, arrival order.
+            waited = oldest is not None and now - oldest[0] > stats[model].starvation_s
+            if waited and (starved is None or oldest[:4] < starved[:4]):
+                starved = oldest
         assert best is not None
-        seed = starved_seed if starved_seed is not None else best[-1]
+        seed = starved[-1] if starved is not None else best[-1]
         if view.active_model is not None:
             self._blocks[view.active_model] = view.profile.block_size
         block = self._blocks.get(seed.model) if view.active_model is not None else view.profile.block_size
         if not seed.kv_resident and block is None:
             return Decision(run=[], load_model=seed.model)  # learn its model's KV block first
         if not seed.kv_resident and not fits_free_kv(view, seed, block or view.profile.block_size):
-            holding = [e for entries in by_model.values() for e in entries if e[-1].kv_resident]
+            holding = [self._o_key(r, b) for r, b in self._held.items() if r.kv_resident]
             if holding:
                 own = [e for e in holding if e[-1].model == seed.model] or holding
                 seed = min(own, key=lambda e: e[:4])[-1]
-        same = [x for x in by_model[seed.model] if x[-1] is not seed]
-        run = (
-            [seed, *(x[-1] for x in heapq.nsmallest(view.max_batch - 1, same))]
-            if view.max_batch > 1
-            else [seed]
-        )
+        run = [seed, *self._smallest(seed.model, view.max_batch - 1, seed)] if view.max_batch > 1 else [seed]
         self._running = set(run)
         # Re-decide when the first running budget runs out, so demotion happens exactly at exhaustion.
         soonest = min(self._held[r].left for r in run)
