@@ -124,10 +124,18 @@ class _Silent(SimEngine):
         return None
 
 
+class _Garbled(SimEngine):
+    """An engine whose report cannot be read."""
+
+    async def stats(self) -> None:
+        raise ValueError("not a Prometheus page")
+
+
+@pytest.mark.parametrize("engine", [_Silent, _Garbled])
 async def test_an_engine_without_figures_falls_back_to_the_configured_capacity_said_once(
-    caplog: pytest.LogCaptureFixture,
+    engine: type[SimEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
-    worker = Worker(_config(), engines={"m": _Silent("m", PROFILE.to_profile("m", 4096), 512)})
+    worker = Worker(_config(), engines={"m": engine("m", PROFILE.to_profile("m", 4096), 512)})
     with caplog.at_level(logging.WARNING, logger="tessera.worker.scheduler"):
         await worker.start()
         try:
@@ -138,7 +146,12 @@ async def test_an_engine_without_figures_falls_back_to_the_configured_capacity_s
         finally:
             await worker.stop()
     said = [r for r in caplog.records if "reports no KV cache figures" in r.getMessage()]
-    assert len(said) == 1 and "configured kvCapacityTokens 65536" in said[0].getMessage()
+    failed = [r for r in caplog.records if "reading the engine stats" in r.getMessage()]
+    assert (
+        len(failed) == (engine is _Garbled)
+        and len(said) == 1
+        and "configured kvCapacityTokens 65536" in said[0].getMessage()
+    )
     assert _metric(metrics, "tessera_engine_stats_fallback") == 1
     assert _metric(metrics, "tessera_engine_kv_capacity_tokens") == CONFIGURED_KV
 

@@ -604,8 +604,9 @@ class ModelScheduler:
             stats = await self.engine.stats()
         except EngineUnavailable:
             return  # the health probe deals with it; the last report stands meanwhile
-        except Exception:  # a malformed report must not stop the poll
-            log.exception("reading the engine stats of model %s failed", model)
+        except Exception:  # a malformed report must not stop the poll; said once, as a fallback
+            if self.engine_reports is not False:
+                log.exception("reading the engine stats of model %s failed", model)
             stats = None
         reports = stats is not None
         if reports != self.engine_reports:
