@@ -42,6 +42,15 @@ def _series_csv(path: Path, windows: list[tuple[float, float]], cv: list[float] 
     return path
 
 
+def _lengths_csv(path: Path, seed: int, n: int = 20000) -> Path:
+    """An output-length file in the SSJF/LMSYS layout: no arrival times, no prompt lengths."""
+    rng = np.random.default_rng(seed)
+    lines = ["row,output_token_length,model"]
+    lines += [f"{i},{int(x)},vicuna-13b" for i, x in enumerate(rng.integers(4 * seed, 120 * seed, n))]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def _mooncake(path: Path, seed: int, n: int = 120) -> Path:
     """A Mooncake-format trace: turns of a few conversations sharing prompt blocks."""
     rng = np.random.default_rng(seed)
@@ -69,6 +78,8 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "series_b": _series_csv(
             d / "sb.csv", [(0, 0.5), (5, 8.0), (6, 0.5), (20, 3.0)], [1.0, 3.0, 1.0, 0.5]
         ),
+        "lengths_a": _lengths_csv(d / "la.csv", 1),
+        "lengths_b": _lengths_csv(d / "lb.csv", 5),
         "mooncake_a": _mooncake(d / "ma.jsonl", 1),
         "mooncake_b": _mooncake(d / "mb.jsonl", 2),
     }
@@ -99,6 +110,8 @@ def test_rate_series_is_read_and_told_apart_from_requests(traces: dict[str, Path
     assert series is not None and series.has_cv and series.end_s == 34.0
     assert [w.rate_rps for w in series.windows] == [0.5, 8.0, 0.5, 3.0]
     assert read_trace(traces["a"]).rows is not None and read_trace(traces["a"]).series is None
+    lengths = read_trace(traces["lengths_a"]).lengths
+    assert lengths is not None and len(lengths) == 20000 and lengths[0][0] is None
     with pytest.raises(ValueError, match="rate series"):
         load_trace(traces["series_a"])
     bad = {
@@ -145,6 +158,7 @@ def test_baseline_honours_trace_and_series(traces: dict[str, Path]) -> None:
 
     _differ(baseline, traces["a"], traces["b"], requests=40, loads="0.8")
     _differ(baseline, traces["series_a"], traces["series_b"], requests=40, loads="0.8")
+    _differ(baseline, traces["lengths_a"], traces["lengths_b"], requests=40, loads="0.8")
 
 
 def test_perf_honours_trace_and_series(traces: dict[str, Path]) -> None:
@@ -153,6 +167,7 @@ def test_perf_honours_trace_and_series(traces: dict[str, Path]) -> None:
     opts = {"requests": 150, "instances": 2, "capacity_requests": 40}
     _differ(perf, traces["a"], traces["b"], **opts)
     _differ(perf, traces["series_a"], traces["series_b"], **opts)
+    _differ(perf, traces["lengths_a"], traces["lengths_b"], **opts)
 
 
 def test_elis_honours_trace_series_and_data(traces: dict[str, Path], tmp_path: Path) -> None:
@@ -164,6 +179,8 @@ def test_elis_honours_trace_series_and_data(traces: dict[str, Path], tmp_path: P
     assert with_trace != default  # the trace's arrivals replace the Gamma ones
     assert with_trace != _run(elis, traces["b"], **opts)
     _differ(elis, traces["series_a"], traces["series_b"], **opts)
+    with pytest.raises(ValueError, match=r"no arrival times.*a trace of requests or a rate series"):
+        _run(elis, traces["lengths_a"], **opts)
     sets = []
     for k in (1, 4):
         path = tmp_path / f"data{k}.jsonl"
@@ -182,6 +199,8 @@ def test_andes_honours_trace_and_series(traces: dict[str, Path]) -> None:
     assert one[0]["policy"].startswith("fcfs:a,rate=1")  # named after the replayed file, not "azure"
     assert one != _run(andes, traces["b"], 1.0, **opts)
     _differ(andes, traces["series_a"], traces["series_b"], 1.0, **opts)
+    _differ(andes, traces["lengths_a"], traces["lengths_b"], 1.0, **opts)
+    _differ(andes, traces["lengths_a"], traces["lengths_b"], 1.0, seeds=1, workload="bursty", duration_s=30)
     # The bursty workload draws its lengths from the trace.
     _differ(andes, traces["a"], traces["b"], 1.0, seeds=1, workload="bursty", duration_s=30)
     with pytest.raises(ValueError, match="bursty cannot take a rate series"):
@@ -195,6 +214,7 @@ def test_qlm_honours_trace_and_series(traces: dict[str, Path]) -> None:
 
     _differ(qlm, traces["a"], traces["b"], part="single", requests=80)
     _differ(qlm, traces["series_a"], traces["series_b"], part="single", requests=80)
+    _differ(qlm, traces["lengths_a"], traces["lengths_b"], part="single", requests=80)
     _differ(qlm, traces["a"], traces["b"], part="multi", requests=60)
     _differ(qlm, traces["a"], traces["b"], part="estimator", requests=120, max_batch=8, snapshot_s=5)
     with pytest.raises(ValueError, match="eviction take no --trace"):
@@ -209,6 +229,7 @@ def test_chiron_honours_trace_and_series(traces: dict[str, Path]) -> None:
     opts = {"interactive_requests": 60, "batch_requests": 20, "dispatch": "arrival", "max_instances": 4}
     _differ(chiron, traces["a"], traces["b"], **opts)
     _differ(chiron, traces["series_a"], traces["series_b"], **opts)
+    _differ(chiron, traces["lengths_a"], traces["lengths_b"], **opts)
     with pytest.raises(ValueError, match="rate series as --trace gives the interactive arrivals"):
         _run(chiron, traces["series_a"], interactive_arrivals="gamma", **opts)
 
@@ -219,6 +240,7 @@ def test_routing_honours_trace_and_series(traces: dict[str, Path]) -> None:
     opts = {"requests": 60, "loads": "0.8", "instances": 2}
     _differ(routing, traces["mooncake_a"], traces["mooncake_b"], **opts)
     _differ(routing, traces["series_a"], traces["series_b"], **opts)
+    _differ(routing, traces["lengths_a"], traces["lengths_b"], **opts)
     with pytest.raises(ValueError, match="no hash_ids"):
         _run(routing, traces["a"], **opts)
 
@@ -234,6 +256,8 @@ def test_fidelity_replays_the_trace(traces: dict[str, Path]) -> None:
     assert rows(traces["a"]) != rows(traces["b"])
     series_a, series_b = rows(traces["series_a"]), rows(traces["series_b"])
     assert series_a[0] != series_b[0] and series_a[1:] == series_b[1:]  # arrivals differ, Azure lengths
+    lengths_a, lengths_b = rows(traces["lengths_a"]), rows(traces["lengths_b"])
+    assert lengths_a[:2] == lengths_b[:2] and lengths_a[2] != lengths_b[2]  # Azure arrivals, their outputs
 
 
 @pytest.mark.parametrize("scenario", ["seallm", "worker-overhead", "real-policy", "router"])

@@ -13,8 +13,10 @@ Recognised formats (the benchmark contract):
 Timestamps become seconds from the first arrival (rows may come unsorted).
 
 A rate series (``window_start_s, rate_rps[, cv]``: one line per window, each lasting until the next
-starts, the last as long as the one before it) describes arrivals without requests; ``read_trace``
-tells the two kinds apart, and ``tessera.sim.workloads.series_arrivals`` samples a series.
+starts, the last as long as the one before it) describes arrivals without requests, and a lengths
+file (output tokens, optionally input tokens, no arrival column: an output-length distribution)
+requests without arrivals; ``read_trace`` tells the three kinds apart, and
+``tessera.sim.workloads.series_arrivals`` samples a series.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from pathlib import Path
 
 ARRIVAL_COLS = ("arrival_s", "timestamp", "TIMESTAMP", "Timestamp", "arrival", "time")
 INPUT_COLS = ("input_tokens", "prompt_tokens", "ContextTokens", "Request tokens", "input_length")
-OUTPUT_COLS = ("output_tokens", "GeneratedTokens", "Response tokens", "output_length", "completion_tokens")
+OUTPUT_COLS = (
+    "output_tokens",
+    "GeneratedTokens",
+    "Response tokens",
+    "output_length",
+    "completion_tokens",
+    "output_token_length",  # the SSJF proxy-model data set's LMSYS-Chat output lengths
+)
 MODEL_COLS = ("model", "Model")
 CLASS_COLS = ("class", "service_class", "request_class")
 
@@ -144,7 +153,7 @@ def load_trace(path: Path | str) -> list[TraceRow]:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"trace {path} does not exist")
-    if _is_series(path):
+    if _kind(path) == "series":
         raise ValueError(
             f"{path} is a rate series ({', '.join(SERIES_COLS)}), not a trace of requests: it has no "
             "token lengths; read it with read_trace"
@@ -232,17 +241,51 @@ class RateSeries:
 
 @dataclass(frozen=True, slots=True)
 class Trace:
-    """What a trace file holds: requests (``rows``) or a rate series (``series``), never both."""
+    """What a trace file holds, one of: requests (``rows``), a rate series (``series``), or request
+    lengths without arrival times (``lengths``: (input tokens or None, output tokens) each)."""
 
     path: Path
     rows: list[TraceRow] | None = None
     series: RateSeries | None = None
+    lengths: list[tuple[int | None, int]] | None = None
 
 
-def _is_series(path: Path) -> bool:
+def _kind(path: Path) -> str:
+    """``series``, ``lengths`` (an output column and no arrival column) or ``requests``."""
     for _, rec in _records(path):
-        return SERIES_COLS[0] in rec and SERIES_COLS[1] in rec
-    return False
+        names = list(rec)
+        if SERIES_COLS[0] in rec and SERIES_COLS[1] in rec:
+            return "series"
+        if _pick(names, ARRIVAL_COLS) is None and _pick(names, OUTPUT_COLS) is not None:
+            return "lengths"
+        break
+    return "requests"
+
+
+def load_lengths(path: Path | str) -> list[tuple[int | None, int]]:
+    """(input tokens or None, output tokens) per line of a file without arrival times, in file order."""
+    path = Path(path)
+    out: list[tuple[int | None, int]] = []
+    cols: tuple[str | None, str] | None = None
+    for lineno, rec in _records(path):
+        where = f"{path}:{lineno}"
+        if cols is None:
+            out_col = _pick(list(rec), OUTPUT_COLS)
+            if out_col is None:
+                raise ValueError(f"{path}: no output tokens column ({' | '.join(OUTPUT_COLS)})")
+            cols = (_pick(list(rec), INPUT_COLS), out_col)
+        inp, outp = cols
+        if rec.get(outp) in (None, "") or (inp is not None and rec.get(inp) in (None, "")):
+            raise ValueError(f"{where}: empty value in {outp if inp is None else f'{inp} or {outp}'}")
+        out.append(
+            (
+                None if inp is None else _parse_count(rec[inp], inp, where),
+                _parse_count(rec[outp], outp, where),
+            )
+        )
+    if not out:
+        raise ValueError(f"trace {path} has no rows")
+    return out
 
 
 def _parse_number(value: object, column: str, where: str) -> float:
@@ -292,10 +335,14 @@ def load_rate_series(path: Path | str) -> RateSeries:
 
 
 def read_trace(path: Path | str) -> Trace:
-    """The one reader of ``--trace`` files: a trace of requests (any format above) or a rate series."""
+    """The one reader of ``--trace`` files: a trace of requests (any format above), a rate series or
+    a lengths file."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"trace {path} does not exist")
-    if _is_series(path):
+    kind = _kind(path)
+    if kind == "series":
         return Trace(path, series=load_rate_series(path))
+    if kind == "lengths":
+        return Trace(path, lengths=load_lengths(path))
     return Trace(path, rows=load_trace(path))

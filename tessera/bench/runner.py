@@ -109,14 +109,27 @@ def bench_trace(config: BenchConfig, default_trace: Path, limit: int | None = No
     (``window_start_s, rate_rps[, cv]``) gives the arrivals: ``default_trace``'s rows keep their
     lengths (and prompt blocks, models, classes) and take arrival times sampled from the series by
     ``--set rate_dist``: ``poisson``, or ``gamma`` with each window's cv (the default when the series
-    has a cv column).
+    has a cv column). A lengths file (no arrival times) gives the lengths, in its order: output tokens,
+    and input tokens where it has them; the rest comes from ``default_trace``'s rows.
     """
     trace = read_trace(config.trace or default_trace)
     if trace.rows is not None:
         return BenchTrace(trace.rows[:limit] if limit else trace.rows, trace_label(trace.path), False)
-    assert trace.series is not None
     rows = load_trace(default_trace)
     rows = rows[:limit] if limit else rows
+    if trace.lengths is not None:
+        rows = rows if limit else rows[: len(trace.lengths)]
+        if len(trace.lengths) < len(rows):
+            raise ValueError(f"--trace {trace.path} has {len(trace.lengths)} lengths; this run needs "
+                             f"{len(rows)} (lower --set requests)")  # fmt: skip
+        rows = [  # new prompt lengths no longer match the default's prompt blocks: those go
+            replace(r, output_tokens=o)
+            if i is None
+            else replace(r, input_tokens=i, output_tokens=o, hash_ids=None)
+            for r, (i, o) in zip(rows, trace.lengths, strict=False)
+        ]
+        return BenchTrace(rows, trace_label(trace.path), False)
+    assert trace.series is not None
     dist = option(config.options, "rate_dist", "gamma" if trace.series.has_cv else "poisson", str)
     # An RNG of its own: the draws that follow (classes, lengths) stay those of the default trace.
     times = series_arrivals(trace.series, len(rows), np.random.default_rng([config.seed, 2]), dist)
@@ -131,6 +144,9 @@ def trace_arrivals(config: BenchConfig, n: int, seed: int | None = None) -> np.n
     if config.trace is None:
         return None
     trace = read_trace(config.trace)
+    if trace.lengths is not None:
+        raise ValueError(f"--trace {config.trace} has request lengths but no arrival times; this run takes "
+                         "its arrivals from --trace: give a trace of requests or a rate series")  # fmt: skip
     if trace.rows is not None:
         if len(trace.rows) < n:
             raise ValueError(f"--trace {config.trace} has {len(trace.rows)} requests; this run needs {n} "

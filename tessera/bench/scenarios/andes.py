@@ -13,7 +13,8 @@ Workloads (``--set workload=...``, default ``both``):
   ``fcfs_qoe_azure`` (0.85).
 
 ``--trace``: a trace of requests gives the bursty workload its lengths and is the replay (rows
-named after the file instead of ``azure``); a rate series gives the replay its arrivals (``rate_dist``:
+named after the file instead of ``azure``), and so does a lengths file (no arrival times: the Azure
+rows take its lengths); a rate series gives the replay its arrivals (``rate_dist``:
 poisson | gamma) with the Azure lengths, and the bursty workload (its own arrivals) refuses it, so
 the default ``both`` runs the replay alone. ``solver`` times a synthetic queue and refuses a trace.
 - ``solver``: solver time of one triggered decision with ``queued`` (1000) requests waiting
@@ -445,7 +446,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     # Every workload's requests first, so that the bar's total is known before the first run.
     runs = []
     if "bursty" in chosen:
-        lengths = trace.rows if trace is not None else None
+        lengths = bench_trace(config, AZURE_CONV).rows if trace is not None else None
         make = lambda r: [bursty_requests(r, opts, s, lengths) for s in seeds]  # noqa: E731
         rate = config.rate
         if rate is None:

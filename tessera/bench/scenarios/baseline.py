@@ -1,7 +1,8 @@
 """Scenario ``baseline``: vLLM-FCFS, EDF and the oracle bounds SJF / SRTF at several loads.
 
-Workload: the Azure 2023 conversation trace (or ``--trace``: any trace of requests, or a rate series
-whose arrivals the Azure lengths take, see ``tessera.bench.runner.bench_trace``), first ``requests``
+Workload: the Azure 2023 conversation trace (or ``--trace``: any trace of requests, a rate series
+whose arrivals the Azure requests take, or a lengths file whose lengths they take: see
+``tessera.bench.runner.bench_trace``), first ``requests``
 rows, arrivals rescaled to ``load`` × the cluster's measured capacity (FCFS on the
 same requests all arriving at once). Each request is drawn (seeded) into one of two
 classes, as QLM and Chiron define them (docs/papers.md, "Chiron: request classes": interactive

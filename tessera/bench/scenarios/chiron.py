@@ -7,10 +7,11 @@ own timestamps rescaled to the rate (Azure 2023 conversation trace); at ``batch_
 ``batch_requests`` (30,000; paper: 1M) batch requests arrives that must finish within
 ``batch_deadline_s`` (600 s; paper: 1 h; ITL SLO 2 s). Token lengths come from the trace or from a
 lognormal ShareGPT fit (``lengths=sharegpt``). ``--trace`` takes a trace of requests (its lengths, and
-its timestamps with ``interactive_arrivals=trace``) or a rate series: the interactive arrivals then
-come from the series (sampled by ``rate_dist``: poisson, or gamma with each window's cv; rescaled to the
-rate like a trace's timestamps), with the Azure conversation lengths. The cap is 25 instances (paper:
-50 GPUs). Every row gets the same requests, seed, profile, instance bounds, initial instances and cold start.
+its timestamps with ``interactive_arrivals=trace``), a lengths file (its lengths) or a rate series:
+the interactive arrivals then come from the series (sampled by ``rate_dist``: poisson, or gamma with
+each window's cv; rescaled to the rate like a trace's timestamps), with the Azure conversation lengths.
+The cap is 25 instances (paper: 50 GPUs). Every row gets the same requests, seed, profile, instance
+bounds, initial instances and cold start.
 
 Rows (mechanisms: ``tessera.core.chiron``; the simulator's adapters: ``tessera.sim.autoscaling``):
 

@@ -22,7 +22,8 @@
    property of this machine, not of the engine the simulator models.
 
 Arrivals (``arrivals``): ``trace`` (default), the Azure conversation trace's first rows (or
-``--trace``'s: a trace of requests, or a rate series whose sampled arrivals the Azure lengths take,
+``--trace``'s: a trace of requests, a lengths file whose lengths the Azure rows take, or a rate series
+whose sampled arrivals they take,
 ``rate_dist``: poisson | gamma), rescaled to ``rate``; or ``burst``, every request at time 0, which
 compares the engine's capacity (makespan, throughput) without the queueing that makes mean TTFT at
 high load swing with small capacity errors. For ``trace`` the rate is ``--rate``, or by default

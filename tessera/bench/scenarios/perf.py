@@ -2,9 +2,10 @@
 10× longer outputs.
 
 Lengths are drawn (with replacement, seeded) from the Azure 2023 conversation trace (or a trace of
-requests as ``--trace``); arrivals are Poisson at ``load`` × the measured capacity of the cluster for
-that length mix (a rate series as ``--trace`` gives their shape instead: sampled by ``rate_dist``,
-rescaled to the same rate), so both variants run at the same utilisation and differ only in tokens per request
+requests or a lengths file as ``--trace``); arrivals are Poisson at ``load`` × the measured capacity
+of the cluster for that length mix (a rate series as ``--trace`` gives their shape instead: sampled
+by ``rate_dist``, rescaled to the same rate), so both variants run at the same utilisation and
+differ only in tokens per request
 (the 10× variant has 10× the decode iterations but about the same number of events).
 Targets: the 1× run within 30 s; the 10× run within 1.5× of the 1× run's time.
 The checks use the CPU time of this process (``time.process_time``): the machines this runs on are
@@ -23,7 +24,7 @@ import os
 import numpy as np
 
 from tessera.api.traces import load_trace, read_trace
-from tessera.bench.runner import AZURE_CONV, cluster_config_from, option, run_one, trace_arrivals
+from tessera.bench.runner import AZURE_CONV, bench_trace, cluster_config_from, option, run_one, trace_arrivals
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import saturation_rate
 from tessera.core.registry import make_policy
@@ -40,7 +41,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     cap_n = option(opts, "capacity_requests", 2000, int)
     cluster = cluster_config_from(opts, instances=16)
     trace = read_trace(config.trace or AZURE_CONV)
-    rows_in = trace.rows if trace.rows is not None else load_trace(AZURE_CONV)
+    rows_in = load_trace(AZURE_CONV) if trace.series else bench_trace(config, AZURE_CONV).rows
     rng = np.random.default_rng(config.seed)
     idx = rng.integers(0, len(rows_in), n)
     inp = np.array([max(1, rows_in[i].input_tokens) for i in idx])

@@ -26,9 +26,10 @@ Parts (``--set part=NAME``, default ``all``):
 
 ``--trace``: ``estimator``, ``single`` and ``multi`` take a trace of requests (its first ``requests``
 rows' lengths, and their arrival times rescaled to the part's rate; eps profiling draws its sample
-from the trace's lengths); ``single`` and ``multi`` take a rate series (its sampled arrivals,
-``rate_dist``: poisson | gamma, with ShareGPT-like lengths). ``eviction`` and ``solver`` build their
-own workloads and refuse a trace; with ``--trace`` the default ``part=all`` runs the parts that take it.
+from the trace's lengths) or a lengths file (its lengths, Poisson arrivals); ``single`` and ``multi``
+take a rate series (its sampled arrivals, ``rate_dist``: poisson | gamma, with ShareGPT-like
+lengths). ``eviction`` and ``solver`` build their own workloads and refuse a trace; with ``--trace``
+the default ``part=all`` runs the parts that take it.
 
 Options: part, requests, load, interactive_share, max_batch, multi_rate, seeds, time_limit, snapshot_s,
 burst, profile, rate_dist.
@@ -120,19 +121,29 @@ def _requests(
 ) -> list[Request]:
     """``n`` requests of ``mix`` at ``rate``: ShareGPT-like lengths and Poisson arrivals, or from
     ``config.trace``: a trace's lengths (its first ``n`` rows; ``sample``: ``n`` drawn with
-    replacement) and arrival times rescaled to ``rate`` (``sample``: Poisson), or a rate series'
+    replacement) and arrival times rescaled to ``rate`` (``sample``: Poisson), a lengths file's
+    lengths (ShareGPT-like prompts where it has none) with Poisson arrivals, or a rate series'
     arrivals with ShareGPT-like lengths."""
     trace = read_trace(config.trace) if config is not None and config.trace is not None else None
+    pool: list[tuple[int | None, int]] | None = None
     if trace is not None and trace.rows is not None:
-        rows = trace.rows
-        if not sample and len(rows) < n:
-            raise ValueError(f"--trace {trace.path} has {len(rows)} requests; --set requests={n} needs more")
-        picks = rng.integers(0, len(rows), n) if sample else range(n)
-        inputs = [max(1, rows[i].input_tokens) for i in picks]
-        outputs = [max(1, rows[i].output_tokens) for i in picks]
-    else:
+        pool = [(r.input_tokens, r.output_tokens) for r in trace.rows]
+    elif trace is not None and trace.lengths is not None:
+        pool = trace.lengths
+    if pool is None:
         inputs, outputs = sharegpt_lengths(n, rng)
-    shape = None if config is None or sample else trace_arrivals(config, n)
+    else:
+        if not sample and len(pool) < n:
+            raise ValueError(
+                f"--trace {config.trace} has {len(pool)} requests; --set requests={n} needs more"
+            )
+        picks = rng.integers(0, len(pool), n) if sample else range(n)
+        # prompts for a lengths file without input tokens
+        fill = sharegpt_lengths(n, rng)[0] if any(i is None for i, _ in pool) else None
+        inputs = [max(1, int(fill[k]) if fill is not None else pool[i][0] or 1) for k, i in enumerate(picks)]
+        outputs = [max(1, pool[i][1]) for i in picks]
+    with_arrivals = trace is not None and trace.lengths is None
+    shape = trace_arrivals(config, n) if with_arrivals and not sample else None
     arrivals = poisson_arrivals(n, rate, rng) if shape is None else scale_to_rate(shape, rate)
     return build_requests(arrivals, inputs, outputs, rng, mix)
 

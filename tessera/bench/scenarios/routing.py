@@ -2,7 +2,8 @@
 
 Workload: the Mooncake synthetic trace (multi-turn prefix sharing; ``--trace`` takes any file in its
 format: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of 512-token blocks; or
-a rate series, whose sampled arrivals (``rate_dist``: poisson | gamma) the Mooncake requests take),
+a rate series, whose sampled arrivals (``rate_dist``: poisson | gamma) the Mooncake requests take, or
+a lengths file with output lengths only, which they take),
 first ``requests`` rows, arrivals rescaled to ``load`` × the cluster's capacity measured without a
 prefix cache (FCFS, every request at once). Every instance caches prompt blocks (the simulator's
 prefix cache: a prompt's leading blocks it holds are not prefilled again; least recently used blocks
