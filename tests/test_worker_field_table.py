@@ -335,6 +335,9 @@ NOT_FOR_WORKER: dict[str, str] = {
     "LLMService.spec.expectedLoad.requestsPerSecond": "placement: load before the workers measure one",
     "LLMService.spec.expectedLoad.promptTokens": "placement: load before the workers measure one",
     "LLMService.spec.expectedLoad.outputTokens": "placement: load before the workers measure one",
+    "LLMService.spec.scaleToZero.afterSeconds": "router's activator, local mode: when an idle service sleeps",
+    "LLMService.spec.scaleToZero.holdSeconds": "router's activator: how long a request waits for a wake-up",
+    "LLMService.spec.scaleToZero.maxHeld": "router's activator: requests held while the service wakes",
     "ServingPool.spec.gpu.type": "placement: picks the step profile; the profiles' weights and KV bytes per "
     "token, which size the worker's KV capacity, do not depend on the GPU type",
     "ServingPool.spec.gpu.resourceName": "pod: the extended resource the first vLLM container requests",
@@ -361,6 +364,20 @@ NOT_FOR_WORKER: dict[str, str] = {
     "ServingPool.spec.images.worker": "pod: container image",
     "ServingPool.spec.images.vllm": "pod: container image",
     "ServingPool.spec.images.pullPolicy": "pod: image pull policy",
+    "ServingPool.spec.pod.resources.cpuPerGpu": "pod: the model-server container's CPU request",
+    "ServingPool.spec.pod.resources.memoryPerGpu": "pod: the model-server container's memory",
+    "ServingPool.spec.pod.shmSize": "pod: the /dev/shm volume of the model servers",
+    "ServingPool.spec.pod.modelCache.claimName": "pod: the model-weight cache volume (HF_HOME)",
+    "ServingPool.spec.pod.modelCache.hostPath": "pod: the model-weight cache volume (HF_HOME)",
+    "ServingPool.spec.pod.modelCache.mountPath": "pod: where the model servers' HF_HOME is",
+    "ServingPool.spec.pod.hubTokenSecret.name": "pod: the model servers' HF_TOKEN",
+    "ServingPool.spec.pod.hubTokenSecret.key": "pod: the model servers' HF_TOKEN",
+    "ServingPool.spec.pod.topologySpread[].topologyKey": "pod scheduling",
+    "ServingPool.spec.pod.topologySpread[].maxSkew": "pod scheduling",
+    "ServingPool.spec.pod.topologySpread[].whenUnsatisfiable": "pod scheduling",
+    "ServingPool.spec.pod.engineSecurity.runAsRoot": "pod: the model servers' user",
+    "ServingPool.spec.pod.engineSecurity.runAsUser": "pod: the model servers' user",
+    "ServingPool.spec.pod.disruptionBudget.maxUnavailable": "the group's PodDisruptionBudget",
 }
 
 

@@ -209,6 +209,32 @@ class ExpectedLoad(ApiModel):
     )
 
 
+class ScaleToZero(ApiModel):
+    """The idle policy: a service without requests for ``afterSeconds`` is put to sleep, and the router's
+    activator holds the requests that arrive for it until it is awake again."""
+
+    after_seconds: float = Field(
+        ge=1,
+        le=7 * 86400,
+        allow_inf_nan=False,
+        description="Seconds without any request after which the service sleeps (1 to 604800).",
+    )
+    hold_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="Longest wait of a held request for the wake-up before a 503 with Retry-After; unset "
+        "means its class's TTFT SLO, or 60 for a class without one.",
+    )
+    max_held: int = Field(
+        default=100,
+        ge=1,
+        le=100_000,
+        description="Requests held at most while the service wakes; beyond it the router answers 429.",
+    )
+
+
 class LLMServiceSpec(ApiModel):
     """Desired state of an LLMService."""
 
@@ -240,6 +266,10 @@ class LLMServiceSpec(ApiModel):
         default=None,
         description="Load to place the service for before any is measured (a new service); measured rates "
         "and output lengths replace it once the workers report them.",
+    )
+    scale_to_zero: ScaleToZero | None = Field(
+        default=None,
+        description="Put the service to sleep when idle and wake it on the first request; unset: always on.",
     )
 
     @field_validator("request_classes")
