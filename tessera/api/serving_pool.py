@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from tessera.api.base import ApiModel, Quantity, Resource, ResourceStatus, nested
-from tessera.api.rules import LessOrEqual, NoFlags
+from tessera.api.rules import LessOrEqual, MutuallyExclusive, NoFlags
 
 # Flags the operator sets on the vLLM command line from the specs; extra args may not repeat them.
 OPERATOR_OWNED_VLLM_FLAGS = (
@@ -27,6 +27,8 @@ DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 
 MAX_INSTANCES = 1000  # instances of one pool: planning cost and memory grow with them
 MAX_BATCH = 65536  # sequences in one engine batch
+LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+DNS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 
 
 class GPUSpec(ApiModel):
@@ -194,6 +196,126 @@ class ImagesSpec(ApiModel):
     )
 
 
+class EngineResources(ApiModel):
+    """CPU and memory of the model-server container, per GPU of the group's instance (a group at tensor
+    parallel size 2 gets twice these); the worker container has its own fixed, small share."""
+
+    cpu_per_gpu: Quantity = Field(
+        default="4",
+        description="CPU requested per GPU, e.g. '4' or '3500m' (tokenization, scheduling and the API "
+        "server of each model run on CPU). No CPU limit is set: throttling an engine stalls its batch.",
+    )
+    memory_per_gpu: Quantity = Field(
+        default="32Gi",
+        description="Host memory per GPU, requested and limited (weights pass through host memory while "
+        "loading). The /dev/shm size is added to it, since a memory-backed volume counts against the limit.",
+    )
+
+
+class ModelCacheSpec(ApiModel):
+    """Where the model servers keep downloaded weights (HF_HOME). Unset claimName and hostPath: an
+    emptyDir, so every pod start downloads the weights again."""
+
+    RULES = (MutuallyExclusive("claimName", "hostPath"),)
+
+    claim_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=DNS_NAME_PATTERN,
+        description="PersistentVolumeClaim in the pool's namespace (ReadWriteMany to share it between "
+        "pods), mounted read-write.",
+    )
+    host_path: str | None = Field(
+        default=None,
+        min_length=2,
+        max_length=1024,
+        pattern=r"^/",
+        description="Absolute directory on the node (created when missing): a per-node cache.",
+    )
+    mount_path: str = Field(
+        default="/var/cache/huggingface",
+        min_length=2,
+        max_length=1024,
+        pattern=r"^/",
+        description="Where the cache is mounted in the model-server container; HF_HOME points there.",
+    )
+
+
+class SecretKeyRef(ApiModel):
+    """A key of a Secret in the pool's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_NAME_PATTERN, description="Secret name.")
+    key: str = Field(
+        default="token",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="Key in the Secret holding the value.",
+    )
+
+
+class TopologySpread(ApiModel):
+    """A topology spread constraint over the pods of one placement group (the operator sets the selector)."""
+
+    topology_key: str = Field(
+        min_length=1,
+        max_length=316,
+        pattern=LABEL_KEY_PATTERN,
+        description="Node label to spread over, e.g. kubernetes.io/hostname or topology.kubernetes.io/zone.",
+    )
+    max_skew: int = Field(default=1, ge=1, le=MAX_INSTANCES, description="Largest allowed pod-count skew.")
+    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"] = Field(
+        default="ScheduleAnyway",
+        description="ScheduleAnyway: prefer spreading; DoNotSchedule: leave pods pending rather than skew.",
+    )
+
+
+class EngineSecurity(ApiModel):
+    """The user the model-server container runs as."""
+
+    run_as_root: bool = Field(
+        default=False,
+        description="Run the model servers as root (the vLLM image's default user). false: as runAsUser, "
+        "with HOME and the caches on writable volumes; set true only for an image that needs root.",
+    )
+    run_as_user: int = Field(
+        default=1000, ge=1, le=2147483647, description="Non-root UID (and GID, fsGroup) of the model servers."
+    )
+
+
+class DisruptionBudget(ApiModel):
+    """The PodDisruptionBudget of each placement group (voluntary evictions such as node drains)."""
+
+    max_unavailable: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_INSTANCES,
+        description="Most pods of a group evicted at once; at least 1, so that node drains can proceed.",
+    )
+
+
+class WorkerPodSpec(ApiModel):
+    """How the worker pods run on a GPU cluster."""
+
+    resources: EngineResources = nested(EngineResources, "CPU and memory of the model servers.")
+    shm_size: Quantity | None = Field(
+        default=None,
+        description="Size of /dev/shm (a memory-backed emptyDir) of the model servers; unset: 1Gi at "
+        "tensor parallel size 1, 4Gi per GPU above (NCCL and vLLM's workers exchange data through it).",
+    )
+    model_cache: ModelCacheSpec = nested(ModelCacheSpec, "Model-weight cache (HF_HOME).")
+    hub_token_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding a Hugging Face token (HF_TOKEN), for gated models.",
+    )
+    topology_spread: list[TopologySpread] = Field(
+        default_factory=list, max_length=4, description="Topology spread constraints of each group's pods."
+    )
+    engine_security: EngineSecurity = nested(EngineSecurity, "User of the model-server container.")
+    disruption_budget: DisruptionBudget = nested(DisruptionBudget, "PodDisruptionBudget of each group.")
+
+
 class ServingPoolSpec(ApiModel):
     """Desired state of a ServingPool."""
 
@@ -210,6 +332,9 @@ class ServingPoolSpec(ApiModel):
     autoscaling: AutoscalingSpec = nested(AutoscalingSpec, "Autoscaling settings (Chiron).")
     placement: PlacementSpec = nested(PlacementSpec, "Placement settings (SeaLLM).")
     images: ImagesSpec = nested(ImagesSpec, "Container images.")
+    pod: WorkerPodSpec = nested(
+        WorkerPodSpec, "Resources, volumes, security and disruption budget of the pods."
+    )
     extra_vllm_args: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
         default_factory=list,
         max_length=64,
