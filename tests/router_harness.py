@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tessera.api import load_documents
 from tessera.local.control_plane import LocalEngine, plan_local
 from tessera.local.supervisor import Supervisor, WorkerProcess
+from tessera.router.activator import Activator
 from tessera.router.app import RouterState, create_router_app
 from tessera.router.auth import ApiKeys
 from tessera.router.limits import RouterLimits
@@ -75,10 +76,13 @@ async def serve_router(
     api_keys: ApiKeys | None = None,
     poll_interval_s: float = 0.5,
     route: str = "least-wait",
+    activator: Callable[[RouterState], Activator] | None = None,
 ) -> AsyncIterator[RouterUnderTest]:
-    """The router over ``workers`` (picking by ``route``) on a free loopback port until the block ends."""
+    """The router over ``workers`` (picking by ``route``) on a free loopback port until the block ends;
+    ``activator`` builds the router's activator over its state (scale to zero)."""
     state = RouterState([w.backend() for w in workers], route=route)
-    app = create_router_app(state, poll_interval_s=poll_interval_s, limits=limits, api_keys=api_keys)
+    app = create_router_app(state, poll_interval_s=poll_interval_s, limits=limits, api_keys=api_keys,
+                            activator=activator(state) if activator is not None else None)  # fmt: skip
     port = free_port()
     server = uvicorn.Server(router_server_config(app, host="127.0.0.1", port=port))
     task = asyncio.create_task(server.serve())

@@ -56,13 +56,14 @@ from tessera.core.routing import (
     make_route,
     seed_stats,
 )
+from tessera.router.activator import Activator
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
 from tessera.router.headers import downstream_headers, upstream_headers
 from tessera.router.limits import RouterLimits
 from tessera.router.metrics import RouterMetrics
 from tessera.router.payload import parse_payload, read_body
-from tessera.router.relay import Upstream, UpstreamClients, relay_events, send, unless_client_leaves
+from tessera.router.relay import Answer, Upstream, UpstreamClients, relay_events, send, unless_client_leaves
 
 POLL_INTERVAL_S = 1.0
 log = logging.getLogger(__name__)
@@ -149,6 +150,9 @@ class RouterState:
         self.configs: dict[str, WorkerConfig] = {}  # model -> configuration of its first instance
         self.stats: dict[str, TokenStats] = {}
         self.class_header = ""
+        # model -> configuration, for models whose instances all sleep (scale to zero): still listed
+        # and classified, while the activator holds their requests
+        self.dormant: dict[str, WorkerConfig] = {}
         self.update(backends)
 
     def update(self, backends: Sequence[Backend]) -> None:
@@ -174,6 +178,8 @@ class RouterState:
                     batch_size=b.config.scheduling.batch.start,
                     healthy=False,  # until a poll sees it ready
                 )
+        for model, config in self.dormant.items():
+            self.configs.setdefault(model, config)
         self.stats = {m: self.stats.get(m) or seed_stats() for m in self.configs}
         self.class_header = next(iter(self.configs.values())).class_header if self.configs else ""
 
@@ -318,13 +324,15 @@ def create_router_app(
     discover: Callable[[], list[Backend]] | None = None,
     limits: RouterLimits | None = None,
     api_keys: ApiKeys | None = None,
+    activator: Activator | None = None,
 ) -> FastAPI:
     """The router's HTTP application over ``state`` (polling runs while the app runs).
 
     ``discover`` (cluster mode) is called before every poll round to refresh the backends; when it
     fails the backends stay as they were (logged). ``limits`` bound what one client may send (default
     ``RouterLimits()``); ``api_keys`` turns on API-key authentication (re-read at every poll round when
-    the file changed). ``app.state.limits`` and ``app.state.metrics`` are what
+    the file changed). ``activator`` turns on scale to zero (``tessera.router.activator``): requests for
+    a sleeping model are held until it has woken. ``app.state.limits`` and ``app.state.metrics`` are what
     ``tessera.router.protocol.router_server_config`` serves the app with."""
     limits = limits or RouterLimits()
     upstreams = UpstreamClients(client)
@@ -353,13 +361,16 @@ def create_router_app(
                 await asyncio.sleep(poll_interval_s)
                 await refresh()
 
-        task = asyncio.create_task(poller(), name="router-poller")
+        tasks = [asyncio.create_task(poller(), name="router-poller")]
+        if activator is not None:
+            tasks.append(asyncio.create_task(activator.run(), name="router-activator"))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await upstreams.aclose()
             if client is None:
                 await http.aclose()
@@ -404,7 +415,9 @@ def create_router_app(
 
     @app.get("/router/status", summary="Instances, their load and estimated waits; the classes.")
     async def status() -> dict[str, Any]:
-        return state.status()
+        if activator is None:
+            return state.status()
+        return {**state.status(), "activation": activator.status()}
 
     @app.get("/metrics", summary="Prometheus metrics of the router and its view of the instances.")
     async def prometheus_metrics() -> Response:
@@ -434,11 +447,12 @@ def create_router_app(
             if caller is not None:
                 caller.check_class(class_name, state.configs[payload.model].classes[class_name].match.header)
             headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
-            slo = state.configs[payload.model].classes[class_name].slo.ttft_seconds
+            spec = state.configs[payload.model].classes[class_name]
+            slo = spec.slo.ttft_seconds
             session = http.headers.get(SESSION_HEADER) or payload.user
             up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text, slo,
                           session)  # fmt: skip
-            answer = await unless_client_leaves(http, send(state, metrics, upstreams, up))
+            answer = await unless_client_leaves(http, _activate_and_send(up, spec.priority))
         except ApiError as exc:
             metrics.answered(model, kind, exc.status, time.perf_counter() - start)
             raise
@@ -457,6 +471,11 @@ def create_router_app(
         if upstream.status_code == 200:
             _observe_usage(state, model, upstream.content)
         return Response(upstream.content, upstream.status_code, headers=out_headers)
+
+    async def _activate_and_send(up: Upstream, priority: int) -> Answer:
+        if activator is not None:  # held here while the model sleeps or wakes
+            await activator.admit(up.model, up.ttft_slo_s, priority)
+        return await send(state, metrics, upstreams, up)
 
     @app.post("/v1/completions", summary="OpenAI completions, routed to a worker instance.")
     async def completions(http: HttpRequest) -> Response:
