@@ -29,6 +29,7 @@ CHILD_KINDS: dict[str, tuple[str, str, str]] = {
     "ConfigMap": ("core", "config_map", "v1"),
     "Service": ("core", "service", "v1"),
     "StatefulSet": ("apps", "stateful_set", "apps/v1"),
+    "PodDisruptionBudget": ("policy", "pod_disruption_budget", "policy/v1"),
 }
 
 
@@ -55,6 +56,7 @@ class Kube:
     ) -> None:
         self.core = client.CoreV1Api(api)
         self.apps = client.AppsV1Api(api)
+        self.policy = client.PolicyV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.attempts = attempts
         self.sleep = sleep
@@ -83,7 +85,7 @@ class Kube:
     # -- children -----------------------------------------------------------------------------------
 
     def list_children(self, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-        """Every ConfigMap, Service and StatefulSet in ``namespace`` carrying all of ``labels``."""
+        """Every child (``CHILD_KINDS``) in ``namespace`` carrying all of ``labels``."""
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         found: list[dict[str, Any]] = []
         for kind, (_, _, api_version) in CHILD_KINDS.items():

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 Verb = Literal["create", "patch", "delete"]
 # Apply order: configuration first (pods mount it), then Services, then workloads; deletions last.
-_KIND_ORDER = {"ConfigMap": 0, "Service": 1, "StatefulSet": 2}
+_KIND_ORDER = {"ConfigMap": 0, "Service": 1, "PodDisruptionBudget": 2, "StatefulSet": 3}
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ RESOURCES = {
     f"{GROUP}/{VERSION}/llmservices": "LLMService",
     f"{GROUP}/{VERSION}/requestclasses": "RequestClass",
     "apps/v1/statefulsets": "StatefulSet",
+    "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
     "v1/services": "Service",
     "v1/configmaps": "ConfigMap",
     "v1/events": "Event",
@@ -47,6 +48,7 @@ PLURALS = {"ServingPool": "servingpools", "LLMService": "llmservices", "RequestC
 CLUSTER_SCOPED = {"Namespace", "CustomResourceDefinition"}
 CHILD_PATHS = {
     "StatefulSet": "/apis/apps/v1/namespaces/{ns}/statefulsets",
+    "PodDisruptionBudget": "/apis/policy/v1/namespaces/{ns}/poddisruptionbudgets",
     "Service": "/api/v1/namespaces/{ns}/services",
     "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
 }

@@ -99,6 +99,7 @@ def test_rbac_is_least_privilege(objects: list[dict[str, Any]]) -> None:
             for r in ("servingpools", "llmservices", "requestclasses")
         },
         ("apps", "statefulsets"): owns,
+        ("policy", "poddisruptionbudgets"): owns,
         ("", "services"): owns,
         ("", "configmaps"): owns,
         ("", "pods"): read,

@@ -48,6 +48,7 @@ def expected_children(
     for group in status["placement"]["groups"]:
         obj = f"{name}-{group['name']}"
         expected |= {("StatefulSet", obj), ("Service", obj), ("ConfigMap", f"{obj}-worker")}
+        expected.add(("PodDisruptionBudget", obj))
     return expected
 
 
@@ -93,7 +94,8 @@ def writes(h: Harness, namespace: str) -> list[str]:
         method, path = getattr(r.method, "value", str(r.method)), r.url.path
         if method not in ("POST", "PATCH", "PUT", "DELETE") or f"/namespaces/{namespace}/" not in path:
             continue
-        if any(k in path for k in ("/statefulsets", "/configmaps", "/services")) or path.endswith("/status"):
+        children = ("/statefulsets", "/configmaps", "/services", "/poddisruptionbudgets")
+        if any(k in path for k in children) or path.endswith("/status"):
             found.append(f"{method} {path}")
     return found
 
@@ -124,9 +126,9 @@ async def test_example_creates_exactly_the_expected_children(cluster: Harness, e
         pod = obj["spec"]["template"]["spec"]
         assert pod["nodeSelector"] == spec["nodeSelector"]
         assert [t["key"] for t in pod["tolerations"]] == [t["key"] for t in spec["tolerations"]]
-        vllm = [c for c in pod["containers"] if c["name"].startswith("vllm-")]
-        assert len(vllm) == len(group["services"])
-        assert vllm[0]["resources"]["limits"]["nvidia.com/gpu"] == str(group["tensorParallelSize"])
+        (engine,) = [c for c in pod["containers"] if c["name"] == "engine"]
+        assert engine["args"].count(";") == len(group["services"]) - 1  # one vLLM server per model
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == str(group["tensorParallelSize"])
         assert obj["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
 
     async def all_events():

@@ -58,6 +58,7 @@ def test_quickstart_children_carry_owner_gpu_requests_scheduling_and_config() ->
     group = decided.plan.groups[0].name
     assert kinds == [
         ("ConfigMap", f"h100-pool-{group}-worker"),
+        ("PodDisruptionBudget", f"h100-pool-{group}"),
         ("Service", f"h100-pool-{group}"),
         ("Service", "llama-8b"),
         ("StatefulSet", f"h100-pool-{group}"),
@@ -68,7 +69,7 @@ def test_quickstart_children_carry_owner_gpu_requests_scheduling_and_config() ->
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     vllm = pod["containers"][1]
-    assert vllm["resources"]["requests"] == {"nvidia.com/gpu": "1"}
+    assert vllm["resources"]["requests"]["nvidia.com/gpu"] == "1"
     assert "--enable-prefix-caching" in vllm["args"] and "--max-model-len" in vllm["args"]
     endpoint = next(c for c in decided.children if c["metadata"]["name"] == "llama-8b")
     assert endpoint["metadata"]["ownerReferences"][0]["uid"] == docs["LLMService"][0]["metadata"]["uid"]
@@ -105,7 +106,7 @@ def test_contains_ignores_server_fields_but_not_changes() -> None:
 def test_plan_actions_creates_patches_deletes_and_second_pass_is_empty() -> None:
     decided = decide(example("quickstart.yaml"))
     first = plan_actions(decided.children, [])
-    assert [a.verb for a in first] == ["create"] * 4
+    assert [a.verb for a in first] == ["create"] * 5
     assert first[0].kind == "ConfigMap" and first[-1].kind == "StatefulSet"
     observed = copy.deepcopy(decided.children)
     for obj in observed:

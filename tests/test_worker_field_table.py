@@ -340,7 +340,7 @@ NOT_FOR_WORKER: dict[str, str] = {
     "LLMService.spec.scaleToZero.maxHeld": "router's activator: requests held while the service wakes",
     "ServingPool.spec.gpu.type": "placement: picks the step profile; the profiles' weights and KV bytes per "
     "token, which size the worker's KV capacity, do not depend on the GPU type",
-    "ServingPool.spec.gpu.resourceName": "pod: the extended resource the first vLLM container requests",
+    "ServingPool.spec.gpu.resourceName": "pod: the extended resource the engine container requests",
     "ServingPool.spec.nodeSelector": "pod scheduling",
     "ServingPool.spec.tolerations[].key": "pod scheduling",
     "ServingPool.spec.tolerations[].operator": "pod scheduling",
@@ -492,12 +492,24 @@ def _shared(engine: str = "vllm", extra: tuple[str, ...] = ()) -> tuple[list[dic
     return sts["spec"]["template"]["spec"]["containers"], decided.configs[group.name]
 
 
+def _servers(engine: dict[str, Any]) -> list[list[str]]:
+    """Each model server's vLLM arguments in the engine container (separated by SERVER_SEPARATOR)."""
+    servers: list[list[str]] = [[]]
+    for arg in engine["args"]:
+        if arg == children.SERVER_SEPARATOR:
+            servers.append([])
+        else:
+            servers[-1].append(arg)
+    return servers
+
+
 def test_co_located_vllm_models_swap_by_sleep_mode() -> None:
-    worker, *engines = _shared()[0]
-    assert len(engines) == 2
-    for engine in engines:
-        assert "--enable-sleep-mode" in engine["args"]
-        assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in engine["env"]
+    worker, engine = _shared()[0]
+    servers = _servers(engine)
+    assert len(servers) == 2
+    for args in servers:
+        assert "--enable-sleep-mode" in args
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in engine["env"]
     assert all(e["name"] != "VLLM_SERVER_DEV_MODE" for e in worker["env"])
     # auto: the worker swaps where vLLM reports sleep mode; vLLM on CPU has none and keeps both resident
     assert [m.sleep_mode for m in _shared()[1].models] == ["auto", "auto"]
@@ -509,9 +521,9 @@ def test_co_located_vllm_processes_split_the_gpu_memory(extra: tuple[str, ...], 
     free: two processes at the pool's share would not both start."""
     containers, config = _shared(extra=extra)
     shares = []
-    for engine in containers[1:]:
-        (at,) = [i for i, a in enumerate(engine["args"]) if a.startswith("--gpu-memory-utilization")]
-        shares.append(float(engine["args"][at + 1]))
+    for args in _servers(containers[1]):
+        (at,) = [i for i, a in enumerate(args) if a.startswith("--gpu-memory-utilization")]
+        shares.append(float(args[at + 1]))
     assert budget - 0.01 < sum(shares) <= budget
     alone = render().config.models[0].kv_capacity_tokens
     assert all(0 < m.kv_capacity_tokens < alone / 2 for m in config.models)
@@ -520,7 +532,8 @@ def test_co_located_vllm_processes_split_the_gpu_memory(extra: tuple[str, ...], 
 def test_a_single_model_and_the_sim_engine_never_sleep() -> None:
     r = render()
     assert r.flag("--enable-sleep-mode") is False
-    assert "env" not in r.sts["spec"]["template"]["spec"]["containers"][1]
+    engine = r.sts["spec"]["template"]["spec"]["containers"][1]
+    assert all(e["name"] != "VLLM_SERVER_DEV_MODE" for e in engine["env"])
     assert [m.sleep_mode for m in r.config.models] == ["off"]
     containers, config = _shared("sim")
     assert len(containers) == 1 and [m.sleep_mode for m in config.models] == ["off", "off"]

@@ -1,8 +1,29 @@
 """Pure builders of the Kubernetes objects the operator owns.
 
-Per placement group of a ServingPool: a StatefulSet of worker pods, a headless Service and a ConfigMap
-with the worker configuration. Per LLMService: a ClusterIP Service, its endpoint. Every builder returns
-the exact dict the operator applies; nothing here talks to Kubernetes or reads a clock.
+Per placement group of a ServingPool: a StatefulSet of worker pods, a headless Service, a ConfigMap
+with the worker configuration and a PodDisruptionBudget. Per LLMService: a ClusterIP Service, its
+endpoint. Every builder returns the exact dict the operator applies; nothing here talks to Kubernetes
+or reads a clock.
+
+A worker pod has two containers: the worker (Tessera's image, non-root, no GPU) and one ``engine``
+container (the vLLM image) that holds all the instance's GPUs and runs one vLLM OpenAI server per
+placed model, each on its own loopback port (``ENGINE_SCRIPT``: a small bash supervisor). One container
+because the device plugin gives an extended resource such as ``nvidia.com/gpu`` to one container only:
+per-model containers would leave every model but the first without a GPU, and sharing by
+``NVIDIA_VISIBLE_DEVICES`` in unrequested containers depends on the node's runtime settings (refused
+where unprivileged containers may not choose devices, all of the node's GPUs where they may). The
+worker does not launch the servers itself (as local mode does) because its image carries no CUDA
+vLLM and it should stay small, unprivileged and independent of the engine's version. The engine's
+args list each server's vLLM arguments, separated by ``SERVER_SEPARATOR``; co-located servers split
+the GPU memory (``memory_plan``) and start with sleep mode for swapping.
+
+Upgrades: any change of the pod template (an image, vLLM arguments, the restart hash) rolls the
+StatefulSet, highest ordinal first, one pod at a time, each new pod Ready (worker ``/ready`` and every
+model server's ``/health``) before the next. A stopping pod drains: the worker refuses new requests and
+finishes its in-flight ones within ``WORKER_GRACE_SECONDS``; the engine supervisor keeps the model
+servers up until the worker has stopped serving (or that grace ran out), then stops them; the pod's
+``terminationGracePeriodSeconds`` adds ``TERMINATION_MARGIN_SECONDS`` for vLLM's own shutdown. The
+group's PodDisruptionBudget bounds voluntary evictions (node drains) the same way.
 
 Roles inside a group (Chiron): one StatefulSet holds all the group's instances, ordered interactive,
 then mixed, then batch by pod ordinal. Scaling a StatefulSet down removes the highest ordinals first, so
@@ -23,6 +44,7 @@ from pydantic import ValidationError
 from pydantic.alias_generators import to_snake
 
 from tessera.api import API_VERSION, LLMService, RequestClassSpec, ServingPool
+from tessera.api.base import parse_quantity
 from tessera.api.llm_service import LLMServiceSpec
 from tessera.api.worker_config import WorkerConfig
 from tessera.control.inputs import pool_input, service_input
@@ -54,6 +76,51 @@ WORKER_GRACE_SECONDS = 30
 TERMINATION_MARGIN_SECONDS = 10
 MODELS_DIR = "/models"
 WORKER_UID = 10001  # the worker image's user (Dockerfile)
+ENGINE_CONTAINER = "engine"
+SERVER_SEPARATOR = ";"  # between two model servers' arguments in the engine container's args
+ENGINE_HOME = "/home/engine"  # HOME of the model servers: vLLM, torch and triton write caches under it
+SHM_TP1_BYTES = 2**30  # /dev/shm at tensor parallel size 1 (vLLM's processes still exchange through it)
+SHM_PER_GPU_BYTES = 4 * 2**30  # /dev/shm per GPU above (NCCL's buffers between the TP workers)
+# The engine container's supervisor: starts one vLLM OpenAI server per SERVER_SEPARATOR-separated part of
+# its arguments; stops them all when one exits (the kubelet restarts the container). On SIGTERM it keeps
+# them up while the worker still listens or holds a connection on its port (read from /proc/net/tcp: the
+# pod shares one network namespace, and the image need not carry curl), at most the worker's grace.
+ENGINE_SCRIPT = f"""set -u
+pids=()
+start() {{ python3 -m vllm.entrypoints.openai.api_server "$@" & pids+=("$!"); }}
+part=()
+for arg in "$@"; do
+  if [ "$arg" = "{SERVER_SEPARATOR}" ]; then start "${{part[@]}}"; part=(); else part+=("$arg"); fi
+done
+start "${{part[@]}}"
+worker_busy() {{
+  local sl local_addr remote state rest
+  for table in /proc/net/tcp /proc/net/tcp6; do
+    [ -r "$table" ] || continue
+    while read -r sl local_addr remote state rest; do
+      case "$local_addr:$state" in *:{WORKER_PORT:04X}:01 | *:{WORKER_PORT:04X}:0A) return 0 ;; esac
+    done < "$table"
+  done
+  return 1
+}}
+drain() {{
+  local end=$((SECONDS + {WORKER_GRACE_SECONDS}))
+  while [ "$SECONDS" -lt "$end" ] && worker_busy; do sleep 1; done
+  kill -TERM "${{pids[@]}}" 2>/dev/null
+}}
+trap drain TERM INT
+wait -n
+code=$?
+kill -TERM "${{pids[@]}}" 2>/dev/null
+wait
+exit "$code"
+"""
+# Readiness of the engine container: every model server answers /health (python3 is in the vLLM image).
+HEALTH_CHECK = (
+    "import sys, urllib.request\n"
+    "for port in sys.argv[1:]:\n"
+    "    urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=5)"
+)
 WORKER_REQUESTS = {"cpu": "500m", "memory": "1Gi"}  # the worker process, its predictor included
 WORKER_LIMITS = {"memory": "4Gi"}
 # ServingPool annotation selecting the workers' engine: "vllm" (default) or "sim" (simulated engine,
@@ -239,18 +306,9 @@ def vllm_args(
     return args + list(extra)
 
 
-def _gpu_requests(pool: ServingPool, group: GroupPlan, index: int) -> dict[str, Any]:
-    """GPU requests of the index-th vLLM container.
-
-    The group's instance has ``group.tp`` GPUs that all its models share (SeaLLM co-location). The
-    device plugin cannot split an extended resource between containers, so the first vLLM container
-    requests the instance's GPUs and the others request none (CHOICE, see the module report: sharing
-    needs DRA resource claims, not yet used).
-    """
-    if index > 0:
-        return {}
-    gpus = {pool.spec.gpu.resource_name: str(group.tp)}
-    return {"requests": dict(gpus), "limits": dict(gpus)}
+def _gpus(pool: ServingPool, group: GroupPlan) -> dict[str, str]:
+    """The GPUs of one instance of the group (requested and limited: extended resources need both)."""
+    return {pool.spec.gpu.resource_name: str(group.tp)}
 
 
 def _default(settings: dict[str, Any], alias: str, value: Any) -> None:
@@ -557,35 +615,126 @@ def _worker_container(pool: ServingPool) -> dict[str, Any]:
     }
 
 
-def _vllm_container(
-    pool: ServingPool, group: GroupPlan, service: LLMService, index: int, utilization: float | None
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    port = VLLM_BASE_PORT + index
-    _, volume, mount = _model_location(service)
+def _mebibytes(n_bytes: float) -> str:
+    return f"{math.ceil(n_bytes / 2**20)}Mi"
+
+
+def shm_bytes(pool: ServingPool, group: GroupPlan) -> float:
+    """Size of the engine's /dev/shm: ``pod.shmSize``, else ``SHM_TP1_BYTES`` at TP 1 and
+    ``SHM_PER_GPU_BYTES`` per GPU above."""
+    if pool.spec.pod.shm_size is not None:
+        return parse_quantity(pool.spec.pod.shm_size)
+    return SHM_TP1_BYTES if group.tp == 1 else SHM_PER_GPU_BYTES * group.tp
+
+
+def engine_resources(pool: ServingPool, group: GroupPlan) -> dict[str, Any]:
+    """Requests and limits of the engine container: the group's GPUs, ``pod.resources`` per GPU, and the
+    memory-backed /dev/shm on top of the memory (it counts against the limit). Memory is limited at its
+    request (an engine past it is killed rather than starving its node); CPU is not limited."""
+    spec = pool.spec.pod.resources
+    cpu = f"{math.ceil(parse_quantity(spec.cpu_per_gpu) * group.tp * 1000)}m"
+    memory = _mebibytes(parse_quantity(spec.memory_per_gpu) * group.tp + shm_bytes(pool, group))
+    gpus = _gpus(pool, group)
+    return {"requests": {"cpu": cpu, "memory": memory, **gpus}, "limits": {"memory": memory, **gpus}}
+
+
+def _engine_security(pool: ServingPool) -> dict[str, Any]:
+    """The engine's securityContext. The vLLM image runs as root by default; it needs root only to write
+    its caches under /root, so unless ``engineSecurity.runAsRoot`` it runs as ``runAsUser`` with HOME,
+    /tmp and the weight cache on writable volumes. No capabilities either way."""
+    context: dict[str, Any] = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    security = pool.spec.pod.engine_security
+    if not security.run_as_root:
+        uid = security.run_as_user
+        context |= {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid}
+    return context
+
+
+def _model_cache_volume(pool: ServingPool) -> dict[str, Any]:
+    cache = pool.spec.pod.model_cache
+    if cache.claim_name is not None:
+        return {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache.claim_name}}
+    if cache.host_path is not None:
+        return {"name": "model-cache", "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
+    return {"name": "model-cache", "emptyDir": {}}
+
+
+def _engine_container(
+    pool: ServingPool,
+    group: GroupPlan,
+    services: Mapping[str, LLMService],
+    memory: Mapping[str, ModelMemory],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The engine container (one vLLM server per placed model) and the volumes only it uses."""
+    args: list[str] = []
+    mounts: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = []
+    ports = [VLLM_BASE_PORT + index for index in range(len(group.services))]
+    for index, name in enumerate(group.services):
+        if index:
+            args.append(SERVER_SEPARATOR)
+        args += vllm_args(pool, group, services[name], ports[index], memory[name].gpu_memory_utilization)
+        _, volume, mount = _model_location(services[name])
+        if volume is not None and mount is not None:
+            volumes.append(volume)
+            mounts.append(mount)
+    pod = pool.spec.pod
+    volumes += [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": _mebibytes(shm_bytes(pool, group))}},
+        _model_cache_volume(pool),
+        {"name": "engine-home", "emptyDir": {}},
+        {"name": "engine-tmp", "emptyDir": {}},
+    ]
+    mounts += [
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "model-cache", "mountPath": pod.model_cache.mount_path},
+        {"name": "engine-home", "mountPath": ENGINE_HOME},
+        {"name": "engine-tmp", "mountPath": "/tmp"},
+    ]
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": ENGINE_HOME},
+        {"name": "HF_HOME", "value": pod.model_cache.mount_path},
+    ]
+    if pod.hub_token_secret is not None:
+        ref = {"name": pod.hub_token_secret.name, "key": pod.hub_token_secret.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    if swaps_models(pool, group):
+        env.append(dict(SLEEP_MODE_ENV))
+    health = {"exec": {"command": ["python3", "-c", HEALTH_CHECK, *map(str, ports)]}, "timeoutSeconds": 10}
     container: dict[str, Any] = {
-        "name": f"vllm-{index}",
+        "name": ENGINE_CONTAINER,
         "image": pool.spec.images.vllm,
         "imagePullPolicy": pool.spec.images.pull_policy,
-        "args": vllm_args(pool, group, service, port, utilization),
-        "ports": [{"name": f"vllm-{index}", "containerPort": port, "protocol": "TCP"}],
-        # Loading weights takes minutes for large models: wait for /health before liveness applies.
-        "startupProbe": {
-            "httpGet": {"path": "/health", "port": port},
-            "periodSeconds": 10,
-            "failureThreshold": 90,
-        },
-        "livenessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 15},
-        # vLLM's official image runs as root (its caches live under /root); it needs no capabilities.
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "command": ["/bin/bash", "-c", ENGINE_SCRIPT, ENGINE_CONTAINER],
+        "args": args,
+        "ports": [
+            {"name": f"vllm-{i}", "containerPort": port, "protocol": "TCP"} for i, port in enumerate(ports)
+        ],
+        "env": env,
+        "resources": engine_resources(pool, group),
+        # Downloading and loading weights takes minutes for large models: liveness waits for startup.
+        "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": 120},
+        "readinessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
+        "livenessProbe": {**health, "periodSeconds": 20, "failureThreshold": 3},
+        "securityContext": _engine_security(pool),
+        "volumeMounts": mounts,
     }
-    if swaps_models(pool, group):
-        container["env"] = [dict(SLEEP_MODE_ENV)]
-    resources = _gpu_requests(pool, group, index)
-    if resources:
-        container["resources"] = resources
-    if mount is not None:
-        container["volumeMounts"] = [mount]
-    return container, volume
+    return container, volumes
+
+
+def disruption_budget(pool: ServingPool, group: GroupPlan, namespace: str) -> dict[str, Any]:
+    """The PodDisruptionBudget of a group's pods: at most ``pod.disruptionBudget.maxUnavailable``
+    evicted at once (node drains, cluster upgrades)."""
+    labels = group_labels(pool.name, group.name)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(group_object_name(pool.name, group.name), namespace, labels, owner_reference(pool)),
+        "spec": {
+            "maxUnavailable": pool.spec.pod.disruption_budget.max_unavailable,
+            "selector": {"matchLabels": dict(labels)},
+        },
+    }
 
 
 def stateful_set(
@@ -595,8 +744,9 @@ def stateful_set(
     config: WorkerConfig,
     namespace: str,
 ) -> dict[str, Any]:
-    """The StatefulSet of a group's worker pods: one vLLM container per placed model plus the worker;
-    the pod template carries the ``restart_hash`` of ``config`` and the vLLM containers."""
+    """The StatefulSet of a group's worker pods: the worker and (vLLM engine) the engine container
+    running every placed model's server; the pod template carries the ``restart_hash`` of ``config``
+    and the engine container."""
     name = group_object_name(pool.name, group.name)
     labels = group_labels(pool.name, group.name)
     pod_labels = {**labels, **{serves_label(s): "true" for s in group.services}}
@@ -605,29 +755,33 @@ def stateful_set(
         {"name": "worker-config", "configMap": {"name": config_map_name(pool.name, group.name)}},
         {"name": "tmp", "emptyDir": {}},
     ]
+    pod_security: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
     if worker_engine(pool) == "sim":  # no vLLM: the worker holds the instance's GPUs for scheduling
-        gpus = _gpu_requests(pool, group, 0)
         for kind in ("requests", "limits"):
-            containers[0]["resources"][kind].update(gpus[kind])
-    vllm = worker_engine(pool) == "vllm"
-    memory = memory_plan(pool, group, services) if vllm else {}
-    for index, service_name in enumerate(group.services if vllm else ()):
-        share = memory[service_name].gpu_memory_utilization
-        container, volume = _vllm_container(pool, group, services[service_name], index, share)
-        containers.append(container)
-        if volume is not None:
-            volumes.append(volume)
+            containers[0]["resources"][kind].update(_gpus(pool, group))
+    else:
+        engine, engine_volumes = _engine_container(pool, group, services, memory_plan(pool, group, services))
+        containers.append(engine)
+        volumes += engine_volumes
+        if not pool.spec.pod.engine_security.run_as_root:
+            # Volumes that support ownership (the weight cache's claim) become writable by the engine.
+            pod_security["fsGroup"] = pool.spec.pod.engine_security.run_as_user
     pod_spec: dict[str, Any] = {
         "containers": containers,
         "volumes": volumes,
         "terminationGracePeriodSeconds": WORKER_GRACE_SECONDS + TERMINATION_MARGIN_SECONDS,
         "automountServiceAccountToken": False,  # workers never call the Kubernetes API
-        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": pod_security,
     }
     if pool.spec.node_selector:
         pod_spec["nodeSelector"] = dict(pool.spec.node_selector)
     if pool.spec.tolerations:
         pod_spec["tolerations"] = [t.to_json() for t in pool.spec.tolerations]
+    if pool.spec.pod.topology_spread:
+        pod_spec["topologySpreadConstraints"] = [
+            {**t.to_json(), "labelSelector": {"matchLabels": dict(labels)}}
+            for t in pool.spec.pod.topology_spread
+        ]
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -637,6 +791,8 @@ def stateful_set(
             "replicas": group.replicas.total,
             # Instances are independent: start and stop them together, not one by one.
             "podManagementPolicy": "Parallel",
+            # A template change replaces pods one at a time, each Ready before the next (module docstring).
+            "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": dict(labels)},
             "template": {
                 "metadata": {
@@ -698,14 +854,15 @@ def desired_children(
     namespace: str,
 ) -> list[dict[str, Any]]:
     """Every object a pool should own for a plan and its groups' worker configurations
-    (``group_configs``): per group a ConfigMap, headless Service and StatefulSet; per placed
-    LLMService its endpoint Service."""
+    (``group_configs``): per group a ConfigMap, headless Service, PodDisruptionBudget and StatefulSet;
+    per placed LLMService its endpoint Service."""
     children: list[dict[str, Any]] = []
     placed: list[str] = []
     for group in groups:
         children += [
             group_config_map(pool, group, configs[group.name], namespace),
             headless_service(pool, group, namespace),
+            disruption_budget(pool, group, namespace),
             stateful_set(pool, group, services, configs[group.name], namespace),
         ]
         placed += [s for s in group.services if s not in placed]
