@@ -47,12 +47,12 @@ from tessera.sim.cluster import (
     RemoveInstance,
     SetRole,
 )
-from tessera.sim.engine import Instance
+from tessera.sim.engine import SimInstance
 
 TIMELINE_STEP_S = 10.0
 
 
-def queue_of(inst: Instance) -> ChironPolicy:
+def queue_of(inst: SimInstance) -> ChironPolicy:
     """The Chiron policy of an instance of a Chiron cluster."""
     policy = inst.policy
     assert isinstance(policy, ChironPolicy)
@@ -64,7 +64,7 @@ class InstanceTarget:
 
     __slots__ = ("inst",)
 
-    def __init__(self, inst: Instance) -> None:
+    def __init__(self, inst: SimInstance) -> None:
         self.inst = inst
 
     @property
@@ -99,11 +99,11 @@ class InstanceTarget:
         return self.inst.profile.prefill(tokens)
 
 
-def _active(view: ClusterView) -> list[Instance]:
+def _active(view: ClusterView) -> list[SimInstance]:
     return [i for i in view.instances if not i.draining]
 
 
-def _pick(req: Request, serving: Sequence[Instance], backlog_s: float) -> Instance | None:
+def _pick(req: Request, serving: Sequence[SimInstance], backlog_s: float) -> SimInstance | None:
     target = chiron_pick(req, [InstanceTarget(i) for i in serving], backlog_s)
     return None if target is None else target.inst
 
@@ -159,7 +159,7 @@ class HoldingRouter(ClusterRouter):
         self.queue = queue
         self.backlog_s = backlog_s
 
-    def route(self, req: Request, view: ClusterView) -> Instance | None:
+    def route(self, req: Request, view: ClusterView) -> SimInstance | None:
         """An instance for interactive requests with room now; otherwise hold it."""
         inst = None
         if req.service_class.kind != "batch":
@@ -177,7 +177,7 @@ class PullRouter(ClusterRouter):
     def __init__(self, queue: GlobalQueue) -> None:
         self.queue = queue
 
-    def route(self, req: Request, view: ClusterView) -> Instance | None:
+    def route(self, req: Request, view: ClusterView) -> SimInstance | None:
         """Hold ``req``."""
         self.queue.push(req)
         return None
@@ -189,7 +189,7 @@ class LeastLoadedRouter(ClusterRouter):
 
     name = "least-loaded"
 
-    def route(self, req: Request, view: ClusterView) -> Instance | None:
+    def route(self, req: Request, view: ClusterView) -> SimInstance | None:
         """The least-loaded instance."""
         cands = _active(view)
         ready = [i for i in cands if i.ready_at <= view.now] or cands
@@ -283,7 +283,7 @@ class ChironController(ClusterController):
         ready = [i for i in insts if i.ready_at <= now]
         pending = [i for i in insts if i.ready_at > now]
 
-        def counts(xs: list[Instance]) -> RoleCounts:
+        def counts(xs: list[SimInstance]) -> RoleCounts:
             return RoleCounts(
                 interactive=sum(1 for i in xs if i.role == "interactive"),
                 mixed=sum(1 for i in xs if i.role == "mixed"),
@@ -324,9 +324,9 @@ class ChironController(ClusterController):
         self.timeline.reasons += [f"{view.now:.0f}s {r}" for r in step.decision.reasons]
         return self._apply(step.decision.desired, _active(view), view.now)
 
-    def _apply(self, desired: RoleCounts, insts: list[Instance], now: float) -> list[ClusterAction]:
+    def _apply(self, desired: RoleCounts, insts: list[SimInstance], now: float) -> list[ClusterAction]:
         """Actions moving the live instances to ``desired`` (conversions first: they are free)."""
-        by_role: dict[str, list[Instance]] = {r: [i for i in insts if i.role == r] for r in ROLES}
+        by_role: dict[str, list[SimInstance]] = {r: [i for i in insts if i.role == r] for r in ROLES}
         actions: list[ClusterAction] = []
         # Convert between interactive and mixed before launching or removing (no cold start).
         for src, dst in (("mixed", "interactive"), ("interactive", "mixed")):
@@ -408,7 +408,7 @@ class ThresholdController(ClusterController):
         self.timeline.record(view)
         return actions
 
-    def _utilization(self, ready: list[Instance], view: ClusterView) -> float:
+    def _utilization(self, ready: list[SimInstance], view: ClusterView) -> float:
         """KV-token utilization of the ready instances taken together (Llumnix's average load sums the
         instances' blocks before dividing). With ``demand`` the prompts of requests waiting (on the
         instances or in the global queue) count too, as Llumnix's scaling load does, so a backlog reads
@@ -423,7 +423,7 @@ class ThresholdController(ClusterController):
             used += sum(r.prompt_tokens for r in view.held)
         return min(1.0, used / cap)
 
-    def _pull(self, live: list[Instance]) -> list[ClusterAction]:
+    def _pull(self, live: list[SimInstance]) -> list[ClusterAction]:
         """FCFS over the whole held queue (interactive and batch alike, by arrival); with
         ``priority`` every held interactive request goes before any batch one."""
         assert self.queue is not None

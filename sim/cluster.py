@@ -6,7 +6,7 @@ time) and controller ticks every ``interval_s``. Cost grows with events.
 
 Extension points (other engineers build on these):
 
-- ``ClusterRouter``: ``route(req, view) -> Instance``. QLM's global scheduler assigns
+- ``ClusterRouter``: ``route(req, view) -> SimInstance``. QLM's global scheduler assigns
   requests to instance queues by subclassing it. A router may return ``None`` to
   hold the request in the cluster's global queue (``ClusterView.held``); a
   controller hands it to an instance later with ``Dispatch`` (Chiron's batch queue).
@@ -30,7 +30,7 @@ from tessera.core.prefix import PrefixIndex
 from tessera.core.profile import StepProfile
 from tessera.core.request import Request
 from tessera.core.routing import PREFIX_ROUTES, ROUTES, InstanceLoad, RouteRequest, make_route, seed_stats
-from tessera.sim.engine import EngineConfig, Instance
+from tessera.sim.engine import EngineConfig, SimInstance
 
 INF = float("inf")
 MAX_IDLE_TICKS = 10_000  # controller ticks with only held requests left before the run is declared stalled
@@ -52,11 +52,11 @@ class ClusterView:
     """What routers and controllers see (live objects: read, never mutate)."""
 
     now: float
-    instances: Sequence[Instance]  # alive (not retired), in creation order
+    instances: Sequence[SimInstance]  # alive (not retired), in creation order
     waiting_arrivals: int = 0  # requests not yet arrived
     held: Collection[Request] = ()  # requests a router held in the global queue, in arrival order
 
-    def serving(self, model: str) -> list[Instance]:
+    def serving(self, model: str) -> list[SimInstance]:
         """Instances that can serve ``model`` and accept new requests (ready or warming up)."""
         return [i for i in self.instances if not i.draining and model in i.profiles]
 
@@ -67,7 +67,7 @@ class ClusterRouter(ABC):
     name: str = "router"
 
     @abstractmethod
-    def route(self, req: Request, view: ClusterView) -> Instance | None:
+    def route(self, req: Request, view: ClusterView) -> SimInstance | None:
         """The instance ``req`` goes to (one of ``view.serving(req.model)``), or None to hold it in the
         global queue until a controller dispatches it."""
 
@@ -85,7 +85,7 @@ class RouteRouter(ClusterRouter):
         self.stats = seed_stats()  # the live router's seed statistics (it refines them from answers)
         self._index: PrefixIndex | None = None
 
-    def route(self, req: Request, view: ClusterView) -> Instance:
+    def route(self, req: Request, view: ClusterView) -> SimInstance:
         """The instance the core route picks among those serving ``req``'s model."""
         cands = view.serving(req.model)
         if not cands:
@@ -110,7 +110,7 @@ class RouteRouter(ClusterRouter):
             self._prefix_index(cands[0], req.prefix_block_tokens).record(chosen.instance, full, view.now)
         return next(i for i, x in zip(cands, loads, strict=True) if x is chosen)
 
-    def _prefix_index(self, inst: Instance, block_tokens: int) -> PrefixIndex:
+    def _prefix_index(self, inst: SimInstance, block_tokens: int) -> PrefixIndex:
         if self._index is None:
             self._index = PrefixIndex(max(1, inst.capacity_blocks * inst.profile.block_size // block_tokens))
         return self._index
@@ -226,10 +226,10 @@ class Cluster:
         self.policy_factory = policy_factory
         self.router = router or make_router(config.router)
         self.controller = controller
-        self.instances: list[Instance] = []
-        self.retired: list[Instance] = []
+        self.instances: list[SimInstance] = []
+        self.retired: list[SimInstance] = []
         self.now = 0.0
-        self._heap: list[tuple[float, int, Instance]] = []
+        self._heap: list[tuple[float, int, SimInstance]] = []
         self._seq = itertools.count()
         self._names = itertools.count()
         self._pending: list[Request] = []  # removed instances' requests to route again
@@ -251,7 +251,7 @@ class Cluster:
         *,
         cold: bool = True,
         profiles: Mapping[str, StepProfile] | None = None,
-    ) -> Instance:
+    ) -> SimInstance:
         """Create an instance now; with ``cold`` it is ready after its profile's cold start.
         ``profiles`` replaces the cluster's profiles of these models on this instance (its own
         tensor-parallel degree or KV pool)."""
@@ -262,7 +262,7 @@ class Cluster:
             raise ValueError(f"cannot add an instance for models {names}; known: {list(known)}")
         profiles = {m: known[m] for m in names}
         first = profiles[names[0]]
-        inst = Instance(
+        inst = SimInstance(
             f"i{next(self._names)}",
             profiles,
             self.policy_factory(),
@@ -278,21 +278,21 @@ class Cluster:
         self._reschedule(inst)
         return inst
 
-    def _reschedule(self, inst: Instance) -> None:
+    def _reschedule(self, inst: SimInstance) -> None:
         t = inst.next_time
         if t < INF:
             seq = next(self._seq)
             inst.heap_seq = seq  # older entries of this instance are stale
             heapq.heappush(self._heap, (t, seq, inst))
 
-    def _retire(self, inst: Instance) -> None:
+    def _retire(self, inst: SimInstance) -> None:
         inst.retired_at = self.now
         inst.heap_seq = -1
         self.instances.remove(inst)
         self.retired.append(inst)
         self.log.append((self.now, inst.name, "retire"))
 
-    def _find(self, name: str) -> Instance:
+    def _find(self, name: str) -> SimInstance:
         for inst in self.instances:
             if inst.name == name:
                 return inst

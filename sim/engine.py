@@ -108,7 +108,7 @@ class _Segment:
     chunks: tuple[tuple[Request, int], ...] = ()  # prefill work of the iteration
 
 
-class Instance:
+class SimInstance:
     """A continuous-batching engine driven by a policy; time is always passed in."""
 
     def __init__(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from tessera.core.policies.qlm.policy import QLMPolicy
 from tessera.core.request import Request
 from tessera.sim.cluster import ClusterRouter, ClusterView
-from tessera.sim.engine import Instance
+from tessera.sim.engine import SimInstance
 
 
 class QLMRouter(ClusterRouter):
@@ -20,7 +20,7 @@ class QLMRouter(ClusterRouter):
 
     name = "qlm"
 
-    def route(self, req: Request, view: ClusterView) -> Instance:
+    def route(self, req: Request, view: ClusterView) -> SimInstance:
         """The instance whose VQ gets ``req``'s group."""
         cands = view.serving(req.model)
         if not cands:

@@ -26,7 +26,7 @@ from tessera.core.profile import StepProfile
 from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.sim.cluster import Cluster, ClusterConfig
-from tessera.sim.engine import EngineConfig, Instance
+from tessera.sim.engine import EngineConfig, SimInstance
 from tessera.worker.engines.base import TokenDelta
 from tessera.worker.engines.sim_realtime import SimEngine
 from tessera.worker.metrics import WorkerMetrics
@@ -133,7 +133,7 @@ async def test_the_same_queue_state_gives_the_same_view(policy: str) -> None:
     block accounting, which the simulator keeps incrementally."""
     profile, max_batch = _profile(), 4
     sim_rec = Recorder(make_policy(policy))
-    inst = Instance(MODEL, {MODEL: profile}, sim_rec, _engine_config(max_batch))
+    inst = SimInstance(MODEL, {MODEL: profile}, sim_rec, _engine_config(max_batch))
     for req in _requests(STATE_TRACE):
         inst.add(req, 0.0)
     while inst.seg is not None:

@@ -11,7 +11,7 @@ from tessera.core.profile import StepProfile
 from tessera.core.registry import make_policy
 from tessera.core.request import Phase, Request
 from tessera.sim.cluster import Cluster, ClusterConfig
-from tessera.sim.engine import EngineConfig, Instance, blocks_for
+from tessera.sim.engine import EngineConfig, SimInstance, blocks_for
 from tessera.sim.workloads import build_requests, copy_requests, poisson_arrivals
 
 PROF = StepProfile(
@@ -81,7 +81,7 @@ def test_closed_form_runs_equal_iterating(seed, chunked):
         assert x.preemptions == y.preemptions
 
 
-class Checked(Instance):
+class Checked(SimInstance):
     """An instance that checks the KV invariant after every segment."""
 
     def advance(self) -> None:
@@ -98,7 +98,7 @@ class Checked(Instance):
 def test_kv_never_exceeded_and_conservation(monkeypatch, policy, mode):
     import tessera.sim.cluster as cluster_mod
 
-    monkeypatch.setattr(cluster_mod, "Instance", Checked)
+    monkeypatch.setattr(cluster_mod, "SimInstance", Checked)
     tight = StepProfile("t", 0.01, 0.001, 1e-5, 0.02, 1e-4, kv_capacity_tokens=1600, block_size=16)
     reqs = random_requests(7, n=80, rate=50.0, max_out=200)
     finished: list[str] = []

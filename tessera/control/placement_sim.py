@@ -37,7 +37,7 @@ from tessera.sim.cluster import (
     RouteRouter,
     Unservable,
 )
-from tessera.sim.engine import EngineConfig, Instance, blocks_for
+from tessera.sim.engine import EngineConfig, SimInstance, blocks_for
 
 SHARING_OVERHEAD = 0.04  # ε_share: iteration time x (1 + ε) when several models share the group (CHOICE)
 BLOCK_TOKENS = 16  # KV block of the group's largest model per token
@@ -139,7 +139,7 @@ def stats_of(s: ServiceInput, lengths: Sequence[tuple[int, int]]) -> ServiceStat
     return ServiceStats(mean_exec_s=mean, std_exec_s=std, starvation_s=0.5 * s.slo_scale * mean)
 
 
-def holds(inst: Instance, req: Request) -> bool:
+def holds(inst: SimInstance, req: Request) -> bool:
     """Whether ``inst``'s KV pool, emptied of everything else, holds ``req`` to its last token (the
     engine's own admission test)."""
     prof = inst.profiles[req.model]
@@ -155,7 +155,7 @@ class Dispatcher(RouteRouter):
     def __init__(self) -> None:
         super().__init__("least-loaded")
 
-    def route(self, req: Request, view: ClusterView) -> Instance:
+    def route(self, req: Request, view: ClusterView) -> SimInstance:
         """The instance with the fewest outstanding requests among those that can hold ``req``."""
         able = [i for i in view.serving(req.model) if holds(i, req)]
         if not able:
@@ -195,7 +195,7 @@ def add_group(
     tp: int,
     *,
     switch: SwitchCost | None = None,
-) -> Instance:
+) -> SimInstance:
     """Start one instance of a group of ``services`` on ``tp`` GPUs now (after ``switch``'s stall)."""
     stall = switch.stall_s(services, tp) if switch is not None else 0.0
     profiles = group_profiles(pool, services, tp, stall_s=stall)

@@ -84,7 +84,7 @@ from tessera.sim.cluster import (
     ClusterView,
     RemoveInstance,
 )
-from tessera.sim.engine import Instance
+from tessera.sim.engine import SimInstance
 
 DESCRIPTION = "SeaLLM placement + DB scheduling vs dedicated GPUs and round-robin sharing (16 services)"
 TRACE_REFUSED = (
@@ -372,7 +372,7 @@ class Replanner(ClusterController):
     def _rollout(self, plan: PlacementPlan, view: ClusterView) -> tuple[list[ClusterAction], int, int, int]:
         """Least-churn actions from the running instances to ``plan``: starts first (so moved requests
         see them), then stops; with the counts started, stopped and requests moved."""
-        current: dict[tuple[tuple[str, ...], int], list[Instance]] = {}
+        current: dict[tuple[tuple[str, ...], int], list[SimInstance]] = {}
         for inst in view.instances:
             current.setdefault((tuple(sorted(inst.profiles)), inst.gpus), []).append(inst)
         actions: list[ClusterAction] = []
