@@ -132,9 +132,8 @@ def _body(tokens: int = 3) -> dict[str, object]:
     return {"model": MODEL, "prompt": "hello", "max_tokens": tokens}
 
 
-pytestmark = pytest.mark.timeout(120)
-
-
+@pytest.mark.integration
+@pytest.mark.timeout(120)
 async def test_held_requests_wake_the_model_and_are_served_and_models_stay_listed(tmp_path: Path) -> None:
     actuator = ScriptedActuator()
     policy = IdlePolicy(after_s=1.0, hold_s=30.0)
@@ -163,6 +162,8 @@ async def test_held_requests_wake_the_model_and_are_served_and_models_stay_liste
         assert status["state"] == "Ready" and status["wakes"] == 1 and status["lastWakeSeconds"] >= 0.3
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(120)
 async def test_a_full_hold_queue_answers_429_and_the_deadline_503_with_retry_after(tmp_path: Path) -> None:
     actuator = ScriptedActuator()
     policy = IdlePolicy(after_s=1.0, hold_s=1.5, max_held=2)
@@ -191,6 +192,8 @@ async def test_a_full_hold_queue_answers_429_and_the_deadline_503_with_retry_aft
             assert [c for c, _ in actuator.calls] == ["sleep", "wake"]
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(120)
 async def test_a_failing_wake_up_is_retried_with_backoff_then_503_names_the_reason(tmp_path: Path) -> None:
     actuator = ScriptedActuator(failures=3)
     backoff = Backoff(base_s=0.2, factor=2.0, max_s=5.0, attempts=3)

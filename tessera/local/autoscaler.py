@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 import httpx
@@ -64,7 +64,9 @@ class LocalAutoscaler:
         report: Callable[[str], None] = print,
         clock: Callable[[], float] = time.monotonic,
         drain_timeout_s: float = 600.0,
+        paused: Collection[str] = (),
     ) -> None:
+        """``paused``: groups (by name, a live view) scaled to zero, which the autoscaler leaves alone."""
         self.groups = [
             _Group(
                 g, group_scaling(g.desired, g.group, g.instance_cap), effective_counts(g, g.group.replicas)
@@ -77,6 +79,7 @@ class LocalAutoscaler:
         self.report = report
         self.clock = clock
         self.drain_timeout_s = drain_timeout_s
+        self.paused = paused
         self.actions: list[str] = []  # every scaling decision carried out, as reported
         self._drains: set[asyncio.Task[None]] = set()
 
@@ -100,7 +103,7 @@ class LocalAutoscaler:
     async def step(self, client: httpx.AsyncClient, now: float) -> None:
         """One pass: every group whose interval has passed is measured, decided and resized."""
         for g in self.groups:
-            if not g.memory.due(g.scaling.settings, now):
+            if g.local.group.name in self.paused or not g.memory.due(g.scaling.settings, now):
                 continue
             workers = self._workers(g)
             texts = await asyncio.gather(*(_scrape(client, w.url) for w in workers))

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 import httpx
 import uvicorn
 
+from tessera.core.activation import Backoff
 from tessera.local.autoscaler import LocalAutoscaler
 from tessera.local.control_plane import LocalPlan
 from tessera.local.load import LiveCounters, Outcome, Workload, drive, outstanding_of
@@ -34,7 +35,9 @@ from tessera.local.report import (
     write_comparison_plot,
     write_plots,
 )
+from tessera.local.scale_to_zero import LocalActuator, idle_units
 from tessera.local.supervisor import Supervisor
+from tessera.router.activator import TICK_S, Activator
 from tessera.router.app import ClassInfo, RouterState, create_router_app
 from tessera.router.protocol import router_server_config
 
@@ -223,7 +226,11 @@ class LocalStack:
         *,
         autoscale: bool = True,
         report: Callable[[str], None] = print,
+        wake_backoff: Backoff | None = None,
+        activation_tick_s: float = TICK_S,
     ) -> None:
+        """``wake_backoff`` and ``activation_tick_s``: the activator's retries of a failed wake-up and how
+        often it looks for idle groups (services with ``spec.scaleToZero``)."""
         self.plan = plan
         self.supervisor = Supervisor(run_dir)
         self.host = host
@@ -232,6 +239,10 @@ class LocalStack:
         self.report = report
         self.state: RouterState | None = None
         self.autoscaler: LocalAutoscaler | None = None
+        self.actuator: LocalActuator | None = None
+        self.activator: Activator | None = None
+        self.wake_backoff = wake_backoff
+        self.activation_tick_s = activation_tick_s
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
         self._scaling: asyncio.Task[None] | None = None
@@ -244,8 +255,21 @@ class LocalStack:
     async def start(self, ready_timeout_s: float) -> None:
         """Start every worker (waiting until ready), then the router on ``host:port``."""
         await asyncio.to_thread(self.supervisor.start_all, self.plan.instances, ready_timeout_s)
-        self.state = RouterState([w.backend() for w in self.supervisor.workers])
-        app = create_router_app(self.state)
+        self.state = state = RouterState([w.backend() for w in self.supervisor.workers])
+        idle = idle_units(self.plan.groups)
+        for problem in idle.problems:
+            self.report(problem)
+        if idle.units:
+            self.actuator = LocalActuator(self.plan.groups, self.supervisor, state)
+            self.activator = Activator(
+                idle.units,
+                idle.policies,
+                self.actuator,
+                lambda model: sum(x.outstanding for x in state.loads.values() if x.model == model),
+                backoff=self.wake_backoff,
+                tick_s=self.activation_tick_s,
+            )
+        app = create_router_app(self.state, activator=self.activator)
         self._server = _RouterServer(router_server_config(app, host=self.host, port=self.port))
         self._task = asyncio.create_task(self._server.serve(), name="router")
         while not self._server.started:
@@ -256,7 +280,9 @@ class LocalStack:
             await asyncio.sleep(0.05)
         if self.autoscale:
             groups = self.plan.groups
-            self.autoscaler = LocalAutoscaler(groups, self.supervisor, self.state, report=self.report)
+            paused = self.actuator.asleep if self.actuator is not None else set()
+            self.autoscaler = LocalAutoscaler(groups, self.supervisor, self.state, report=self.report,
+                                              paused=paused)  # fmt: skip
             self._scaling = asyncio.create_task(self.autoscaler.run(), name="autoscaler")
 
     async def wait(self) -> None:
@@ -265,8 +291,12 @@ class LocalStack:
             await self._task
 
     async def status(self) -> dict[str, Any] | None:
-        """The router's status (in process)."""
-        return self.state.status() if self.state is not None else None
+        """The router's status (in process), with the activator's view of every unit that may sleep."""
+        if self.state is None:
+            return None
+        if self.activator is None:
+            return self.state.status()
+        return {**self.state.status(), "activation": self.activator.status()}
 
     async def stop(self) -> None:
         """Stop the autoscaler, the router, then the workers (those draining too)."""

@@ -1,0 +1,127 @@
+"""Local mode scale to zero with the sim engine, through the router as a user meets it: the quickstart
+service with ``scaleToZero`` goes Cold after its idle time (its worker process stops, the model stays
+in /v1/models), a request wakes it (a new worker process) and is served; a request that arrives while
+the group is being put to sleep is served too; a service sharing its group with an always-on one
+stays on, and the plan says why."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tessera.api import load_documents
+from tessera.core.activation import unit_idle_after
+from tessera.local.control_plane import LocalEngine, plan_local
+from tessera.local.runner import LocalStack
+from tessera.local.scale_to_zero import IdleUnits, idle_units
+from tessera.worker.engines.vllm_process import free_port
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+IDLE = "  scaleToZero:\n    afterSeconds: 1\n    holdSeconds: 60\n"
+
+
+def _spec(tmp_path: Path, extra: str = "") -> Path:
+    text = (EXAMPLES / "quickstart.yaml").read_text()
+    text = text.replace("  defaultClass: chat\n", "  defaultClass: chat\n" + IDLE) + extra
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    return path
+
+
+async def _status(stack: LocalStack) -> dict:  # type: ignore[type-arg]
+    status = await stack.status()
+    assert status is not None
+    return status
+
+
+async def _until_state(stack: LocalStack, state: str, timeout: float = 30.0) -> dict:  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout
+    while True:
+        unit = next(iter((await _status(stack))["activation"].values()))
+        if unit["state"] == state:
+            return unit  # type: ignore[no-any-return]
+        assert time.monotonic() < deadline, f"still {unit['state']}, expected {state}"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+async def test_an_idle_service_goes_cold_and_a_held_request_wakes_it_and_is_served(tmp_path: Path) -> None:
+    plan = plan_local(load_documents(_spec(tmp_path)), LocalEngine(), max_instances_per_group=1)
+    stack = LocalStack(plan, tmp_path / "run", "127.0.0.1", free_port(), autoscale=False,
+                       activation_tick_s=0.1)  # fmt: skip
+    await stack.start(60.0)
+    model = plan.instances[0].config.models[0].name
+    body = {"model": model, "prompt": "hello", "max_tokens": 5}
+    try:
+        async with httpx.AsyncClient(base_url=stack.endpoint, timeout=60.0) as client:
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            first = stack.supervisor.workers[0]
+            assert first.proc is not None
+            cold = await _until_state(stack, "Cold")
+            assert cold["sleeps"] == 1 and cold["models"] == [model]
+            assert first.proc.poll() is not None and not stack.supervisor.workers  # the process stopped
+            assert (await _status(stack))["instances"] == []
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert [m["id"] for m in listed] == [model]  # still listed while cold
+            # The user's request wakes it: held, a new worker process starts, the answer comes.
+            answer = await client.post("/v1/completions", json=body, headers={"X-Tessera-Class": "chat"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["completion_tokens"] == 5
+            unit = await _until_state(stack, "Ready", timeout=1.0)
+            assert unit["wakes"] == 1 and unit["lastWakeSeconds"] > 0
+            assert len(stack.supervisor.workers) == 1 and stack.supervisor.workers[0] is not first
+            assert [x["healthy"] for x in (await _status(stack))["instances"]] == [True]
+
+            # A request sent while the group is being put to sleep is held, then served after a wake-up.
+            await _until_state(stack, "Sleeping")
+            late = await client.post("/v1/completions", json=body)
+            assert late.status_code == 200, late.text
+            unit = await _until_state(stack, "Ready", timeout=1.0)
+            assert (unit["sleeps"], unit["wakes"]) == (2, 2)
+    finally:
+        await stack.stop()
+
+
+def _shared_plan(tmp_path: Path, idle: dict[str, float]) -> IdleUnits:
+    """multi-model.yaml on two instances (llama-8b shares a group with each other service, one override
+    removed so that they may), with ``scaleToZero.afterSeconds`` set on the services named in ``idle``."""
+    text = (
+        (EXAMPLES / "multi-model.yaml")
+        .read_text()
+        .replace("    min: 2\n    max: 6\n", "    min: 2\n    max: 2\n", 1)
+    )
+    text = text.replace("      overrides:\n        slo:\n          ttftSeconds: 2\n", "")
+    bodies = [d.to_json() for d in load_documents(_write(tmp_path, text))]
+    for body in bodies:
+        if body["kind"] == "LLMService" and body["metadata"]["name"] in idle:
+            body["spec"]["scaleToZero"] = {"afterSeconds": idle[body["metadata"]["name"]]}
+    plan = plan_local(load_documents(_write(tmp_path, yaml.safe_dump_all(bodies))), LocalEngine())
+    assert sorted(g.group.services for g in plan.groups) == [
+        ("llama-8b", "mistral-7b"),
+        ("llama-8b", "qwen-7b"),
+    ]
+    return idle_units(plan.groups)
+
+
+def test_a_group_sleeps_only_when_every_service_on_it_may(tmp_path: Path) -> None:
+    one = _shared_plan(tmp_path, {"llama-8b": 30})
+    assert one.units == {} and len(one.problems) == 2
+    assert all("scaleToZero is ignored" in p for p in one.problems)
+    assert any("mistral-7b, which has none" in p for p in one.problems)
+    two = _shared_plan(tmp_path, {"llama-8b": 30, "mistral-7b": 600})
+    (unit,) = two.units.values()
+    assert sorted(unit) == ["meta-llama/Llama-3.1-8B-Instruct", "mistralai/Mistral-7B-Instruct-v0.3"]
+    assert unit_idle_after([two.policies[m] for m in unit]) == 600
+    assert len(two.problems) == 1 and "qwen-7b, which has none" in two.problems[0]
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    return path
