@@ -7,7 +7,8 @@ completion, a cancellation, a recheck the policy asked for, the engine coming ba
 
 - in-flight requests not in ``run`` are preempted: their stream is closed, which aborts them in
   the engine (vLLM V1 preempts by recompute anyway; ``Decision.preempt_mode`` is therefore not
-  applied: the KV stays only as far as vLLM's prefix cache keeps it);
+  applied: the KV stays only as far as vLLM's prefix cache keeps it); a pinned job (structured
+  outputs: a resumed stream would restart the grammar) keeps running and holds its slot;
 - requests of ``run`` not in flight start, in order, while the batch size allows (head-of-line);
   a resumed request is submitted as prompt ids + the ids it generated so far, with the remaining
   ``max_tokens``, so its output continues exactly (greedy decoding gives identical ids).
@@ -103,6 +104,9 @@ class Job:
     first_prediction: float | None = None
     stops: tuple[str, ...] = ()  # stop strings, matched here (see __post_init__)
     held: str = ""  # text withheld from the client: it may be the start of a stop string
+    # Never preempted once started: a resumed stream would restart the engine's state of it (the
+    # grammar of structured outputs), not continue it.
+    pinned: bool = False
 
     def __post_init__(self) -> None:
         # Stop strings are matched by the worker over the whole output, not by the engine: an
@@ -218,25 +222,28 @@ class ModelScheduler:
 
     # ---------------------------------------------------------------- requests
 
-    def submit(self, job: Job) -> None:
-        """Accept ``job`` or raise QueueFull (nothing accepted is ever dropped)."""
-        cls = job.class_name
+    def submit(self, *jobs: Job) -> None:
+        """Accept ``jobs`` (one, or the choices of one request: one class, one arrival time, hence one
+        deadline) or raise QueueFull for all of them (nothing accepted is ever dropped)."""
+        cls = jobs[0].class_name
         limit = self.class_limits.get(cls)
-        if self.waiting >= self.max_queued:
+        excess = self.waiting + len(jobs) - self.max_queued
+        if excess > 0:
             raise QueueFull(f"the queue of model {self.engine.model} is full ({self.max_queued} waiting)",
-                            self._retry_after(self.waiting - self.max_queued + 1))  # fmt: skip
+                            self._retry_after(excess))  # fmt: skip
         class_waiting = self._live[cls] - self._running[cls]
-        if limit is not None and class_waiting >= limit:
+        if limit is not None and class_waiting + len(jobs) > limit:
             raise QueueFull(f"the queue of class {cls} is full ({limit} waiting)",
-                            self._retry_after(class_waiting - limit + 1))  # fmt: skip
+                            self._retry_after(class_waiting + len(jobs) - limit))  # fmt: skip
         now = self.clock()
-        job.req.arrival = now
-        self.jobs[job.req] = job
-        self._live[cls] += 1
-        self.policy.add(job.req, now)
         max_wait = self.class_queue_times.get(cls)
-        if max_wait is not None:
-            heapq.heappush(self._expiries, (now + max_wait, next(self._seq), job))
+        for job in jobs:
+            job.req.arrival = now
+            self.jobs[job.req] = job
+            self._live[cls] += 1
+            self.policy.add(job.req, now)
+            if max_wait is not None:
+                heapq.heappush(self._expiries, (now + max_wait, next(self._seq), job))
         self._gauges(cls)
         self._wake.set()
 
@@ -381,7 +388,7 @@ class ModelScheduler:
         self._iters = 0.0
         chosen = {id(r) for r in decision.run}
         for job in list(self.inflight):
-            if id(job.req) not in chosen:
+            if id(job.req) not in chosen and not job.pinned:
                 self._preempt(job, now)
         if self.swapper is not None and not self._swap_allows(decision):
             return
@@ -684,11 +691,11 @@ def _match_stops(job: Job, delta: TokenDelta) -> tuple[TokenDelta, bool]:
     hits = [i for i in (text.find(s) for s in job.stops) if i >= 0]
     if hits:
         job.held = ""
-        return TokenDelta(delta.token_ids, text[: min(hits)], "stop"), True
+        return replace(delta, text=text[: min(hits)], finish_reason="stop"), True
     if delta.finish_reason is not None:
         job.held = ""
-        return TokenDelta(delta.token_ids, text, delta.finish_reason), False
+        return replace(delta, text=text), False
     keep = max(len(s) for s in job.stops) - 1
     cut = max(0, len(text) - keep)
     job.held = text[cut:]
-    return TokenDelta(delta.token_ids, text[:cut], None), False
+    return replace(delta, text=text[:cut]), False

@@ -39,16 +39,29 @@ class EngineJob:
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
-    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, seed, stop, ignore_eos...
+    # temperature, top_p, seed, ignore_eos..., logprobs (candidates per token), response_format
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log probability and the engine's candidates at its position (the sampled
+    token first, then the most likely ones; as many as the request's ``logprobs`` asked for)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(slots=True)
 class TokenDelta:
-    """Tokens produced since the previous delta of a stream; ``finish_reason`` set on the last."""
+    """Tokens produced since the previous delta of a stream; ``finish_reason`` set on the last;
+    ``logprobs``, one per token, when the request asked for them (sampling ``logprobs``)."""
 
     token_ids: list[int]
     text: str = ""
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)

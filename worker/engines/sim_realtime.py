@@ -7,6 +7,8 @@ and an iteration in which streams join also pays their prefill. Token ids are a 
 function of the context (``next = (31·last + len(context)) mod vocab``), so a stream resumed from
 prompt + generated ids continues exactly as an uninterrupted one would, like greedy decoding.
 Streams end at ``max_tokens`` (the simulated model never emits an end-of-sequence token).
+Log probabilities, when asked for, are a deterministic function of the token (``token_logprob``);
+structured outputs (``response_format``) are accepted but do not shape the simulated text.
 
 The discrete-event simulator (``tessera.sim``) owns its own policy loop; this adapter instead
 lets the worker's scheduler drive the policy, which is what the worker needs.
@@ -22,7 +24,14 @@ from typing import Any
 
 from tessera.core.policy import kv_blocks, kv_capacity_whole_blocks
 from tessera.core.profile import StepProfile
-from tessera.worker.engines.base import Engine, EngineJob, EngineRejected, EngineStats, TokenDelta
+from tessera.worker.engines.base import (
+    Engine,
+    EngineJob,
+    EngineRejected,
+    EngineStats,
+    TokenDelta,
+    TokenLogprob,
+)
 
 VOCAB = 32000
 
@@ -33,10 +42,20 @@ def next_token(context: list[int]) -> int:
     return (31 * last + len(context)) % VOCAB
 
 
+def token_logprob(token: int, top: int) -> TokenLogprob:
+    """The simulated model's log probability of ``token`` (the likeliest: decoding is greedy) and its
+    ``top`` candidates, the token first, as vLLM lists them (at least the token itself)."""
+    lp = -0.125 * (token % 8)
+    return TokenLogprob(
+        f" t{token}", lp, tuple((f" t{(token + j) % VOCAB}", lp - j) for j in range(max(top, 1)))
+    )
+
+
 @dataclass(eq=False, slots=True)
 class _Stream:
     context: list[int]
     remaining: int
+    logprobs: int | None  # candidates per token, when the request asked for log probabilities
     queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
     prefilled: bool = False
 
@@ -128,7 +147,7 @@ class SimEngine(Engine):
                 f"prompt ({len(job.prompt_ids)} tokens) plus max_tokens ({job.max_tokens}) exceeds "
                 f"the context length {self.max_model_len}"
             )
-        s = _Stream(list(job.prompt_ids), job.max_tokens)
+        s = _Stream(list(job.prompt_ids), job.max_tokens, job.sampling.get("logprobs"))
         self._streams[s] = None
         self._work.set()
         try:
@@ -161,4 +180,5 @@ class SimEngine(Engine):
                 finish = "length" if s.remaining <= 0 else None
                 if finish:
                     self._streams.pop(s, None)
-                s.queue.put_nowait(TokenDelta([token], f" t{token}", finish))
+                lps = None if s.logprobs is None else [token_logprob(token, s.logprobs)]
+                s.queue.put_nowait(TokenDelta([token], f" t{token}", finish, lps))

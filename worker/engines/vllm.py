@@ -6,7 +6,8 @@
   renders them), which saves an HTTP round trip through vLLM's busy event loop per request;
 - submits prompt token ids to ``/v1/completions`` with ``stream`` and ``return_token_ids``, so the
   worker knows every generated id and can resume a preempted request exactly from
-  prompt + generated ids (vLLM's prefix cache makes the re-prefill cheap);
+  prompt + generated ids (vLLM's prefix cache makes the re-prefill cheap); the request's
+  ``logprobs`` and ``response_format`` (structured outputs) go with it, as vLLM's completions take them;
 - preempts by closing the stream: vLLM aborts a request whose client went away;
 - sleep / wake-up through ``/sleep`` and ``/wake_up`` where the server was started with
   ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1`` (CUDA/ROCm only in vLLM 0.32). With
@@ -40,6 +41,7 @@ from tessera.worker.engines.base import (
     EngineStats,
     EngineUnavailable,
     TokenDelta,
+    TokenLogprob,
 )
 
 # Generation streams may last minutes: no read timeout; a dead server closes the socket instead.
@@ -221,6 +223,7 @@ class VLLMEngine(Engine):
                                 token_ids=list(choice.get("token_ids") or ()),
                                 text=choice.get("text") or "",
                                 finish_reason=choice.get("finish_reason"),
+                                logprobs=_logprobs(choice.get("logprobs")),
                             )
                             finished = finished or delta.finish_reason is not None
                             yield delta
@@ -301,6 +304,18 @@ def _load_tokenizer(path: str, model: str) -> Any:
             f"cannot load the tokenizer of {model} from {path}: {exc}; fix models[].tokenizer or unset "
             "it to tokenize through vLLM's /tokenize"
         ) from exc
+
+
+def _logprobs(block: dict[str, Any] | None) -> list[TokenLogprob] | None:
+    """The per-token log probabilities of a completions chunk (``tokens``, ``token_logprobs``,
+    ``top_logprobs``: the sampled token's entry first, as vLLM orders them)."""
+    if not block:
+        return None
+    tops = block.get("top_logprobs") or [None] * len(block["tokens"])
+    return [
+        TokenLogprob(token, float(lp if lp is not None else -9999.0), tuple((top or {}).items()))
+        for token, lp, top in zip(block["tokens"], block["token_logprobs"], tops, strict=True)
+    ]
 
 
 def _raise_for_status(status: int, text: str, model: str) -> None:
