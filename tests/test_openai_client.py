@@ -1,6 +1,7 @@
 """What real clients send, through the router to sim workers, with the official `openai` client:
-content parts, developer and tool messages are served; features this worker does not serve yet are
-refused with a 400 that names the field and the reason (never dropped silently)."""
+content parts, developer and tool messages, n > 1, logprobs, echo and JSON mode are served; features
+this worker does not serve yet (function calling) are refused with a 400 that names the field and the
+reason (never dropped silently)."""
 
 from __future__ import annotations
 
@@ -40,18 +41,28 @@ async def test_openai_client_request_shapes_through_the_router(tmp_path: Path) -
             )  # fmt: skip
             chunks = [c async for c in stream]
             assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
-            refused = {
-                "tools": {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-                "response_format": {"response_format": {"type": "json_object"}},
-                "logprobs": {"logprobs": True},
-                "n": {"n": 2},
-            }
-            for field, extra in refused.items():
-                with pytest.raises(openai.BadRequestError) as err:
-                    await client.chat.completions.create(
-                        model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}], **extra
-                    )
-                assert field in str(err.value), (field, err.value)
+            served = await client.chat.completions.create(
+                model=MODEL, max_tokens=3, n=2, logprobs=True, top_logprobs=2, seed=1,
+                response_format={"type": "json_object"}, messages=[{"role": "user", "content": "x"}],
+            )  # fmt: skip
+            assert [c.index for c in served.choices] == [0, 1] and served.usage.completion_tokens == 6
+            first = served.choices[0].logprobs.content[0]
+            assert len(first.top_logprobs) == 2 and first.top_logprobs[0].token == first.token
+            streamed = await client.chat.completions.create(
+                model=MODEL, max_tokens=2, n=2, logprobs=True, stream=True,
+                messages=[{"role": "user", "content": "x"}],
+            )  # fmt: skip
+            indexes = {c.index async for chunk in streamed for c in chunk.choices if c.logprobs}
+            assert indexes == {0, 1}
+            completion = await client.completions.create(model=MODEL, prompt="Say", max_tokens=2, echo=True)
+            assert completion.choices[0].text.startswith("Say")
+            with_lp = await client.completions.create(model=MODEL, prompt="Say", max_tokens=2, logprobs=1)
+            assert len(with_lp.choices[0].logprobs.tokens) == 2
+            with pytest.raises(openai.BadRequestError, match="tools"):
+                await client.chat.completions.create(
+                    model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
+                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                )  # fmt: skip
             with pytest.raises(openai.BadRequestError, match="text only"):
                 await client.chat.completions.create(
                     model=MODEL, max_tokens=2,

@@ -165,7 +165,10 @@ CASES: dict[str, Case] = {
     "stop_empty": Case(400, ("stop",), body=_with(stop="")),
     "stop_too_many": Case(400, ("stop",), body=_with(stop=[f"s{i}" for i in range(17)])),
     "stop_number": Case(400, ("stop",), body=_with(stop=5)),
-    "n_two": Case(400, ("n",), body=_with(n=2)),
+    "n_zero": Case(400, ("n",), body=_with(n=0)),
+    "n_huge": Case(400, ("n",), body=_with(n=1000)),
+    "logprobs_too_many": Case(400, ("logprobs",), body=_with(logprobs=21)),
+    "echo_with_logprobs": Case(400, ("echo with logprobs",), body=_with(echo=True, logprobs=1)),
     "unknown_field": Case(400, ("best_of",), body=_with(best_of=3)),
     "stream_options_unknown": Case(400, ("stream_options",), body=_with(stream_options={"x": 1})),
     "include_usage_string": Case(

@@ -144,8 +144,8 @@ async def test_http_layer_on_the_sim_engine() -> None:
             assert ok.json()["choices"][0]["token_ids"] == _expected([5], 4)
             bad = await c.post("/v1/completions", content=b"{", headers={"content-type": "application/json"})
             assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
-            two = await c.post("/v1/completions", json={"model": "m", "prompt": "a", "n": 2})
-            assert two.status_code == 400 and two.json()["error"]["param"] == "n"
+            none = await c.post("/v1/completions", json={"model": "m", "prompt": "a", "n": 0})
+            assert none.status_code == 400 and none.json()["error"]["param"] == "n"
             surrogate = b'{"model": "m", "prompt": "\\ud800"}'
             r = await c.post(
                 "/v1/completions", content=surrogate, headers={"content-type": "application/json"}
@@ -166,7 +166,7 @@ async def test_http_layer_on_the_sim_engine() -> None:
 
 async def test_pacing_releases_tokens_at_reading_speed() -> None:
     worker, app = _sim_app(pacing=True)
-    worker.classes["chat"] = ServiceClass("chat", ttft_slo_s=1, reading_speed_tps=20.0)
+    worker.classes["m"]["chat"] = ServiceClass("chat", ttft_slo_s=1, reading_speed_tps=20.0)
     await worker.start()
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:

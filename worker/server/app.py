@@ -112,7 +112,10 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
             prompt_ids = list(body.prompt)
             prompt_text = await _engine_call(sched.engine.detokenize(prompt_ids))
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        return await _serve(worker, body, http, prompt_ids, prompt_text, max_tokens, cls, chat=False)
+        echo = prompt_text if body.echo else ""
+        return await _serve(
+            worker, body, http, prompt_ids, prompt_text, max_tokens, cls, chat=False, echo=echo
+        )
 
     @app.post(
         "/v1/chat/completions", summary="OpenAI chat completions (streaming or not).", responses=_ERRORS
@@ -206,7 +209,10 @@ async def _serve(
     cls: Any,
     *,
     chat: bool,
+    echo: str = "",
 ) -> Response:
+    """Schedule the request's ``n`` choices as separate jobs of one class and arrival (hence one
+    deadline), relay them as one answer; ``echo`` is text prepended to every choice."""
     entry = worker.config.model(body.model)
     assert entry is not None
     if len(prompt_ids) + max_tokens > entry.max_model_len:
@@ -222,69 +228,167 @@ async def _serve(
         )
     sched = worker.schedulers[body.model]
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    req = Request(
-        id=rid,
-        arrival=0.0,
-        prompt_tokens=len(prompt_ids),
-        max_tokens=max_tokens,
-        model=body.model,
-        service_class=cls,
-        prompt_text=prompt_text,
-    )
-    req.true_output_tokens = _true_length_hint(worker, http)
-    job = Job(req, prompt_ids, body.sampling())
+    true_length = _true_length_hint(worker, http)
+    sampling = body.sampling()
+    jobs = []
+    for i in range(body.n):
+        req = Request(
+            id=rid if body.n == 1 else f"{rid}-{i}",
+            arrival=0.0,
+            prompt_tokens=len(prompt_ids),
+            max_tokens=max_tokens,
+            model=body.model,
+            service_class=cls,
+            prompt_text=prompt_text,
+        )
+        req.true_output_tokens = true_length
+        job_sampling = dict(sampling)  # each job takes its stop strings out of its own copy
+        if i and "seed" in job_sampling:  # n samples, not n copies of one
+            job_sampling["seed"] = (job_sampling["seed"] + i) % 2**63
+        jobs.append(Job(req, prompt_ids, job_sampling, pinned="response_format" in sampling))
     try:
-        sched.submit(job)
+        sched.submit(*jobs)
     except QueueFull as exc:
-        worker.metrics.rejected.labels(body.model, cls.name, "queue_full").inc()
+        worker.metrics.rejected.labels(body.model, cls.name, "queue_full").inc(len(jobs))
         raise ApiError(429, f"{exc}; retry later", code="queue_full",
                        headers={"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
-    first = await _next_event(job, http)
-    if first is _DISCONNECTED:
-        sched.cancel(job)
-        return Response(status_code=499)
-    if first is None and job.error is not None:
-        retry = getattr(job.error, "retry_after_s", None)  # QueueTimeout: when to try again
-        raise ApiError(job.error.status, str(job.error), code=job.error.code,
-                       headers={"Retry-After": str(retry)} if retry else None)  # fmt: skip
     created = int(time.time())
+    render = _Render(chat, body, echo)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _sse(worker, job, first, rid, created, chat=chat, include_usage=include_usage,
-                      token_ids=body.return_token_ids)  # fmt: skip
-        return StreamingResponse(events, media_type="text/event-stream")
-    # Not streamed: wait for the end (checking for a disconnect), not for every token.
-    while not job.done.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(job.done.wait(), DISCONNECT_POLL_S)
-        if not job.done.is_set() and await http.is_disconnected():
-            sched.cancel(job)
+        first = await _next_event(jobs[0], http)
+        if first is _DISCONNECTED:
+            _cancel(sched, jobs)
             return Response(status_code=499)
-    deltas: list[TokenDelta] = [first] if isinstance(first, TokenDelta) else []
-    while not job.events.empty():
-        item = job.events.get_nowait()
-        if item is not None:
-            deltas.append(item)
-    if job.error is not None:
-        raise ApiError(job.error.status, str(job.error), code=job.error.code)
-    text = "".join(d.text for d in deltas)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    if body.return_token_ids:
-        choice["token_ids"] = job.output_ids
+        if first is None and jobs[0].error is not None:
+            _cancel(sched, jobs)
+            raise _job_error(jobs[0])
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _sse(worker, jobs, first, rid, created, render, include_usage=include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
+    # Not streamed: wait for the ends (checking for a disconnect), not for every token.
+    if not await _wait_done(jobs, http):
+        _cancel(sched, jobs)
+        return Response(status_code=499)
+    failed = next((job for job in jobs if job.error is not None), None)
+    if failed is not None:
+        _cancel(sched, jobs)
+        raise _job_error(failed)
+    choices = []
+    for i, job in enumerate(jobs):
+        deltas: list[TokenDelta] = []
+        while not job.events.empty():
+            item = job.events.get_nowait()
+            if item is not None:
+                deltas.append(item)
+        whole = _merge(deltas) if deltas else TokenDelta([])
+        choice = render.choice(i, whole, job.finish_reason, stream=False)
+        if body.return_token_ids:
+            choice["token_ids"] = job.output_ids
+        choices.append(choice)
     return JSONResponse(
         {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": body.model,
-            "choices": [choice],
-            "usage": _usage(job),
+            "choices": choices,
+            "usage": _usage(jobs),
         }
     )
+
+
+class _Render:
+    """The OpenAI shape of a choice (chat or completion), log probabilities and echo included; keeps
+    each choice's text offset for the completions' ``text_offset``."""
+
+    def __init__(self, chat: bool, body: CompletionRequest | ChatCompletionRequest, echo: str) -> None:
+        self.chat = chat
+        self.top = body.logprobs_count()
+        self.echo = echo
+        self.token_ids = body.return_token_ids
+        self.offsets = [len(echo)] * body.n
+
+    def choice(self, index: int, delta: TokenDelta, finish: str | None, *, stream: bool) -> dict[str, Any]:
+        """One choice of a non-streamed answer (the whole output) or of a chunk (a delta)."""
+        out: dict[str, Any] = {
+            "index": index,
+            "finish_reason": finish,
+            "logprobs": self.logprobs(index, delta),
+        }
+        if self.chat:
+            out["delta" if stream else "message"] = (
+                {"content": delta.text} if stream else {"role": "assistant", "content": delta.text}
+            )
+        else:
+            out["text"] = delta.text if stream else self.echo + delta.text
+        return out
+
+    def logprobs(self, index: int, delta: TokenDelta) -> dict[str, Any] | None:
+        """The delta's log probabilities: chat's ``content`` list, or the completions' four lists."""
+        if self.top is None:
+            return None
+        lps = delta.logprobs or []
+        if self.chat:
+            top = self.top
+            return {
+                "content": [
+                    _chat_logprob(t.token, t.logprob, [_chat_logprob(*c) for c in t.top[:top]]) for t in lps
+                ]
+            }
+        offsets = []
+        for t in lps:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(t.token)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [t.logprob for t in lps],
+            "tokens": [t.token for t in lps],
+            "top_logprobs": [dict(t.top) for t in lps],
+        }
+
+
+def _chat_logprob(token: str, logprob: float, top: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"token": token, "logprob": logprob, "bytes": list(token.encode(errors="replace"))}
+    if top is not None:
+        out["top_logprobs"] = top
+    return out
+
+
+def _merge(deltas: list[TokenDelta]) -> TokenDelta:
+    """One delta holding ``deltas`` in order (the last one's finish reason)."""
+    lps = [lp for d in deltas for lp in d.logprobs or ()]
+    return TokenDelta(
+        [t for d in deltas for t in d.token_ids],
+        "".join(d.text for d in deltas),
+        deltas[-1].finish_reason,
+        lps if any(d.logprobs is not None for d in deltas) else None,
+    )
+
+
+def _cancel(sched: Any, jobs: list[Job]) -> None:
+    for job in jobs:
+        sched.cancel(job)
+
+
+def _job_error(job: Job) -> ApiError:
+    """The client's answer for a job that ended with an error (Retry-After for a queue timeout)."""
+    assert job.error is not None
+    retry = getattr(job.error, "retry_after_s", None)
+    return ApiError(job.error.status, str(job.error), code=job.error.code,
+                    headers={"Retry-After": str(retry)} if retry else None)  # fmt: skip
+
+
+async def _wait_done(jobs: list[Job], http: HttpRequest) -> bool:
+    """Wait until every job ended, or one failed; False if the client left first."""
+    for job in jobs:
+        while not job.done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(job.done.wait(), DISCONNECT_POLL_S)
+            if any(j.error is not None for j in jobs):
+                return True
+            if not job.done.is_set() and await http.is_disconnected():
+                return False
+    return True
 
 
 _DISCONNECTED = object()
@@ -323,90 +427,126 @@ async def _next_event(job: Job, http: HttpRequest) -> Any:
                 return _DISCONNECTED
 
 
-def _usage(job: Job) -> dict[str, int]:
-    prompt = job.req.prompt_tokens
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": job.req.generated,
-        "total_tokens": prompt + job.req.generated,
-    }
+def _usage(jobs: list[Job]) -> dict[str, int]:
+    """Tokens of the answer: the prompt once, the completions of every choice."""
+    prompt = jobs[0].req.prompt_tokens
+    completion = sum(job.req.generated for job in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 async def _sse(
     worker: Worker,
-    job: Job,
+    jobs: list[Job],
     first: TokenDelta | None,
     rid: str,
     created: int,
+    render: _Render,
     *,
-    chat: bool,
     include_usage: bool,
-    token_ids: bool,
 ) -> AsyncIterator[str]:
-    """Server-sent events of one job; leaving early (client gone) cancels the job."""
-    sched = worker.schedulers[job.req.model]
+    """Server-sent events of a request's jobs (``first``: the first job's first event, already read);
+    leaving early (client gone) cancels them."""
+    model = jobs[0].req.model
+    sched = worker.schedulers[model]
+    chat = render.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        body = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": job.req.model,
-            "choices": choices,
-            **extra,
-        }
+        body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    async def deltas() -> AsyncIterator[TokenDelta]:
-        item: TokenDelta | None = first
-        while item is not None:
-            yield item
-            item = await job.events.get()
+    sources = [_source(worker, job, first if i == 0 else _UNREAD) for i, job in enumerate(jobs)]
+    try:
+        for i in range(len(jobs)):
+            if chat:
+                yield chunk(
+                    [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+                )
+            elif render.echo:
+                yield chunk([{"index": i, "text": render.echo, "finish_reason": None, "logprobs": None}])
+        async for i, delta in _interleave(sources):
+            choice = render.choice(i, delta, None, stream=True)
+            if render.token_ids:
+                choice["token_ids"] = delta.token_ids
+            yield chunk([choice])
+        for job in jobs:
+            await job.done.wait()
+        failed = next((job for job in jobs if job.error is not None), None)
+        if failed is not None:
+            yield f"data: {json.dumps(_job_error(failed).body())}\n\n"
+        else:
+            for i, job in enumerate(jobs):
+                end: dict[str, Any] = {"index": i, "finish_reason": job.finish_reason, "logprobs": None}
+                end["delta" if chat else "text"] = {} if chat else ""
+                yield chunk([end])
+            if include_usage:
+                yield chunk([], usage=_usage(jobs))
+        yield "data: [DONE]\n\n"
+    finally:
+        _cancel(sched, jobs)
 
-    async def coalesced() -> AsyncIterator[TokenDelta]:
-        # Deltas that piled up while this stream waited for the event loop leave as one SSE
-        # event: under load the relay's cost per event (JSON, ASGI send) otherwise delays every
-        # stream's tokens, first tokens included. Without a backlog nothing is held back.
-        item: TokenDelta | None = first
-        while item is not None:
-            more = job.events
-            while not more.empty() and item.finish_reason is None:
-                nxt = more.get_nowait()
-                if nxt is None:
-                    more.put_nowait(None)  # the end stays queued: yield what we have first
-                    break
-                item = TokenDelta(item.token_ids + nxt.token_ids, item.text + nxt.text, nxt.finish_reason)
-            yield item
-            item = await job.events.get()
 
-    source: AsyncIterator[TokenDelta] = coalesced()
+_UNREAD: Any = object()  # a job's first event is still in its queue
+
+
+def _source(worker: Worker, job: Job, first: TokenDelta | None) -> AsyncIterator[TokenDelta]:
+    """The job's deltas as the client gets them: paced when the pacer is on, else coalesced."""
     if worker.config.scheduling.pacing:  # the pacer releases tokens one delta at a time
         from tessera.worker.pacer import TokenPacer, pace
 
-        source = pace(deltas(), TokenPacer.for_request(job.req), time.monotonic)
+        return pace(_deltas(job, first), TokenPacer.for_request(job.req), time.monotonic)
+    return _coalesced(job, first)
+
+
+async def _deltas(job: Job, first: TokenDelta | None) -> AsyncIterator[TokenDelta]:
+    item = await job.events.get() if first is _UNREAD else first
+    while item is not None:
+        yield item
+        item = await job.events.get()
+
+
+async def _coalesced(job: Job, first: TokenDelta | None) -> AsyncIterator[TokenDelta]:
+    # Deltas that piled up while this stream waited for the event loop leave as one SSE
+    # event: under load the relay's cost per event (JSON, ASGI send) otherwise delays every
+    # stream's tokens, first tokens included. Without a backlog nothing is held back.
+    item = await job.events.get() if first is _UNREAD else first
+    while item is not None:
+        more = job.events
+        pile = [item]
+        while not more.empty() and pile[-1].finish_reason is None:
+            nxt = more.get_nowait()
+            if nxt is None:
+                more.put_nowait(None)  # the end stays queued: yield what we have first
+                break
+            pile.append(nxt)
+        yield pile[0] if len(pile) == 1 else _merge(pile)
+        item = await job.events.get()
+
+
+async def _interleave(sources: list[AsyncIterator[TokenDelta]]) -> AsyncIterator[tuple[int, TokenDelta]]:
+    """(choice index, delta) of every source as they come; one source is relayed without a task."""
+    if len(sources) == 1:
+        async for delta in sources[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, TokenDelta | None]] = asyncio.Queue()
+
+    async def pump(i: int, source: AsyncIterator[TokenDelta]) -> None:
+        try:
+            async for delta in source:
+                queue.put_nowait((i, delta))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, source)) for i, source in enumerate(sources)]
     try:
-        if chat:
-            yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        async for delta in source:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
-            if chat:
-                choice["delta"] = {"content": delta.text}
+        left = len(tasks)
+        while left:
+            i, delta = await queue.get()
+            if delta is None:
+                left -= 1
             else:
-                choice["text"] = delta.text
-            if token_ids:
-                choice["token_ids"] = delta.token_ids
-            yield chunk([choice])
-        await job.done.wait()
-        if job.error is not None:
-            error = ApiError(job.error.status, str(job.error), code=job.error.code)
-            yield f"data: {json.dumps(error.body())}\n\n"
-        else:
-            end: dict[str, Any] = {"index": 0, "finish_reason": job.finish_reason, "logprobs": None}
-            end["delta" if chat else "text"] = {} if chat else ""
-            yield chunk([end])
-            if include_usage:
-                yield chunk([], usage=_usage(job))
-        yield "data: [DONE]\n\n"
+                yield i, delta
     finally:
-        sched.cancel(job)
+        for task in tasks:
+            task.cancel()

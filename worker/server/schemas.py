@@ -5,7 +5,7 @@ Sampling fields are passed to the engine as given; fields left unset are not sen
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -37,20 +37,44 @@ def _utf8(value: str) -> str:
 
 # Fields of the OpenAI API this worker does not serve yet, with the reason: refused by name rather
 # than rejected as unknown or dropped.
-CALLING = "function calling is not supported by this worker yet"
-LOGPROBS = "log probabilities are not returned by this worker yet"
+CALLING = (
+    "function calling is not supported by this worker yet (the tool-call parsers are vLLM's own, which "
+    "the worker does not run)"
+)
 UNSUPPORTED = {
     "tools": CALLING,
     "tool_choice": CALLING,
     "functions": CALLING,
     "function_call": CALLING,
-    "response_format": "structured outputs (JSON mode, JSON schema) are not supported by this worker yet",
-    "logprobs": LOGPROBS,
-    "top_logprobs": LOGPROBS,
-    "echo": "echo is not supported by this worker yet",
-    "best_of": "best_of is not supported by this worker (send one request per candidate)",
+    "best_of": "best_of is not supported by this worker (send n for several choices)",
     "logit_bias": "logit_bias is not supported by this worker yet",
 }
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_CHOICES = 128
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: a named JSON schema the output must follow."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema", description="The JSON schema.")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: free text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only with it")
+        return self
 
 
 class StreamOptions(BaseModel):
@@ -80,8 +104,10 @@ class _Generation(BaseModel):
     ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = Field(
-        default=1, description="One choice per request: send n requests for n choices (n > 1 is refused)."
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = Field(
+        default=1,
+        description="Choices to generate: each is its own scheduled request (same class and deadline); "
+        "with a seed, choice i samples with seed + i.",
     )
     ignore_eos: bool = False
     min_tokens: NonNegInt | None = None
@@ -90,12 +116,18 @@ class _Generation(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     user: str | None = None
     return_token_ids: bool = Field(default=False, description="Include generated token ids in the response.")
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description="Structured outputs through the engine's guided decoding; such a request is never "
+        "preempted once it runs (a resumed stream would restart the grammar).",
+    )
+    _unsupported: ClassVar[dict[str, str]] = UNSUPPORTED
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, reason in UNSUPPORTED.items():
+            for name, reason in cls._unsupported.items():
                 if data.get(name) not in (None, False):
                     raise PydanticCustomError(
                         "unsupported_field",
@@ -119,13 +151,22 @@ class _Generation(BaseModel):
         return None if value is None else _utf8(value)
 
     def sampling(self) -> dict[str, Any]:
-        """The sampling fields that were set, for the engine."""
+        """The sampling fields that were set, for the engine (vLLM's completions names): log
+        probabilities as the number of candidates per token, structured outputs as ``response_format``."""
         # Identity tests, not ``in (None, False)``: 0 == False, and temperature 0 (greedy) must reach
         # the engine, whose default is to sample.
         out = {k: v for k in SAMPLING_FIELDS if (v := getattr(self, k)) is not None and v is not False}
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             out["min_tokens"] = self.max_tokens
+        if (top := self.logprobs_count()) is not None:
+            out["logprobs"] = top
+        if self.response_format is not None and self.response_format.type != "text":
+            out["response_format"] = self.response_format.model_dump(by_alias=True, exclude_none=True)
         return out
+
+    def logprobs_count(self) -> int | None:
+        """Candidates per token the engine returns log probabilities for; None: none asked for."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_Generation):
@@ -134,6 +175,24 @@ class CompletionRequest(_Generation):
     prompt: str | Annotated[list[NonNegInt], Field(min_length=1)] = Field(
         description="Prompt text, or prompt token ids."
     )
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        default=None, description="Log probabilities of each token and of this many likeliest candidates."
+    )
+    echo: bool = Field(default=False, description="Prepend the prompt's text to the completion.")
+
+    @model_validator(mode="after")
+    def _echo_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise PydanticCustomError(
+                "unsupported_field",
+                "echo with logprobs: the prompt's log probabilities are not returned by this worker; "
+                "send echo or logprobs, not both",
+            )
+        return self
+
+    def logprobs_count(self) -> int | None:
+        """``logprobs``."""
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -202,6 +261,24 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
         default=None, description="Same as max_tokens (newer OpenAI name); max_tokens wins when both are set."
     )
+    logprobs: bool = Field(default=False, description="Log probabilities of each generated token.")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        default=None, description="With logprobs: also this many likeliest candidates per token."
+    )
+    _unsupported: ClassVar[dict[str, str]] = {
+        **UNSUPPORTED,
+        "echo": "echo is served on /v1/completions only",
+    }
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprobs_count(self) -> int | None:
+        """``top_logprobs`` (0 when unset) when ``logprobs`` is true."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class AdminReloadResult(BaseModel):
