@@ -69,6 +69,12 @@ async def test_an_idle_service_goes_cold_and_a_held_request_wakes_it_and_is_serv
             assert (await _status(stack))["instances"] == []
             listed = (await client.get("/v1/models")).json()["data"]
             assert [m["id"] for m in listed] == [model]  # still listed while cold
+            ready = await client.get("/ready")  # the router stays ready: the model can wake
+            assert ready.status_code == 200 and ready.json() == {
+                "ready": True,
+                "instances": [],
+                "sleeping": [model],
+            }
             # The user's request wakes it: held, a new worker process starts, the answer comes.
             answer = await client.post("/v1/completions", json=body, headers={"X-Tessera-Class": "chat"})
             assert answer.status_code == 200, answer.text

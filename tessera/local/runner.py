@@ -38,7 +38,7 @@ from tessera.local.report import (
 from tessera.local.scale_to_zero import LocalActuator, idle_units
 from tessera.local.supervisor import Supervisor
 from tessera.router.activator import TICK_S, Activator
-from tessera.router.app import ClassInfo, RouterState, create_router_app
+from tessera.router.app import ClassInfo, RouterState, create_router_app, router_status
 from tessera.router.protocol import router_server_config
 
 LIVE_PERIOD_S = 1.0
@@ -292,11 +292,7 @@ class LocalStack:
 
     async def status(self) -> dict[str, Any] | None:
         """The router's status (in process), with the activator's view of every unit that may sleep."""
-        if self.state is None:
-            return None
-        if self.activator is None:
-            return self.state.status()
-        return {**self.state.status(), "activation": self.activator.status()}
+        return router_status(self.state, self.activator) if self.state is not None else None
 
     async def stop(self) -> None:
         """Stop the autoscaler, the router, then the workers (those draining too)."""

@@ -408,16 +408,16 @@ def create_router_app(
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", summary="Readiness: at least one instance is ready.")
+    @app.get("/ready", summary="Readiness: at least one instance is ready, or a sleeping model can wake.")
     async def ready() -> JSONResponse:
         up = sorted({x.instance for x in state.loads.values() if x.healthy})
-        return JSONResponse({"ready": bool(up), "instances": up}, 200 if up else 503)
+        asleep = sorted(m for m in state.dormant if activator is not None and m in activator.unit_of)
+        ok = bool(up or asleep)
+        return JSONResponse({"ready": ok, "instances": up, "sleeping": asleep}, 200 if ok else 503)
 
     @app.get("/router/status", summary="Instances, their load and estimated waits; the classes.")
     async def status() -> dict[str, Any]:
-        if activator is None:
-            return state.status()
-        return {**state.status(), "activation": activator.status()}
+        return router_status(state, activator)
 
     @app.get("/metrics", summary="Prometheus metrics of the router and its view of the instances.")
     async def prometheus_metrics() -> Response:
@@ -486,6 +486,13 @@ def create_router_app(
         return await relay(http, "/v1/chat/completions")
 
     return app
+
+
+def router_status(state: RouterState, activator: Activator | None) -> dict[str, Any]:
+    """What ``/router/status`` shows: the state's view, and the activator's units when it has one."""
+    if activator is None:
+        return state.status()
+    return {**state.status(), "activation": activator.status()}
 
 
 def _observe_usage(state: RouterState, model: str, content: bytes) -> None:
