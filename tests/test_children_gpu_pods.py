@@ -20,10 +20,12 @@ import pytest
 
 from tessera.api import LLMService, RequestClass, ServingPool, SpecError, load_documents
 from tessera.api.base import parse_quantity
+from tessera.api.worker_config import WorkerConfig
 from tessera.control import children
 from tessera.control.pool_plan import PoolDesired, desired_pool
 from tessera.core.planners import GroupPlan
 from tessera.core.planners.types import RoleCounts
+from tessera.worker.runtime import Worker
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MODELS = ("llama-8b", "mistral-7b", "qwen-7b")
@@ -299,3 +301,55 @@ def test_a_server_that_exits_stops_the_container(tmp_path: Path) -> None:
     finally:
         if engine.poll() is None:
             engine.kill()
+
+
+# -- co-located services that override a shared class differently -----------------------------------
+
+
+def test_multi_model_on_two_instances_places_every_service_with_its_own_class_objectives() -> None:
+    """Two instances make SeaLLM co-locate llama-8b (chat as declared, ttft 1 s) with mistral-7b (chat
+    overridden to ttft 2 s): each model's requests of class chat get their own service's objectives."""
+    docs = [d.to_json() for d in load_documents(EXAMPLES / "multi-model.yaml")]
+    for d in docs:
+        d["metadata"]["uid"] = "u"
+    by_kind = {k: [d for d in docs if d["kind"] == k] for k in ("ServingPool", "LLMService", "RequestClass")}
+    by_kind["ServingPool"][0]["spec"]["instances"] = {"min": 0, "max": 2}
+    decided = desired_pool(
+        by_kind["ServingPool"][0], by_kind["LLMService"], by_kind["RequestClass"], None, 0.0
+    )
+    assert isinstance(decided, PoolDesired) and decided.placement_problem is None and not decided.rejected
+    assert decided.plan is not None
+    assert {s for g in decided.plan.groups for s in g.services} == {"llama-8b", "mistral-7b", "qwen-7b"}
+    (group,) = [g for g in decided.plan.groups if {"llama-8b", "mistral-7b"} <= set(g.services)]
+    config = decided.configs[group.name]
+    worker = Worker(config)
+    objectives = {}
+    for entry in config.models:
+        chosen = worker.resolve_class(entry, {"X-Tessera-Class": "chat"})
+        objectives[entry.name] = (
+            chosen.name,
+            chosen.ttft_slo_s,
+            config.class_spec(entry, "chat").slo.ttft_seconds,
+        )
+    assert objectives["meta-llama/Llama-3.1-8B-Instruct"] == ("chat", 1, 1)
+    assert objectives["mistralai/Mistral-7B-Instruct-v0.3"] == ("chat", 2, 2)
+    # a changed override reaches running workers by their reload: no pod restart
+    assert "classSpecs" not in children.RESTART_FIELDS
+
+
+def test_a_model_may_not_change_a_shared_class_kind_or_match() -> None:
+    base = {
+        "models": [{"name": "m", "engine": "sim", "classSpecs": {}}],
+        "classes": {"chat": {"kind": "interactive", "slo": {"ttftSeconds": 1}}},
+    }
+    for own, problem in [
+        ({"batch": {"kind": "batch", "slo": {"deadlineSeconds": 60}}}, "classSpecs.batch must be one of"),
+        ({"chat": {"kind": "batch", "slo": {"deadlineSeconds": 60}}}, "classSpecs.chat must be one of"),
+        ({"chat": {"slo": {"ttftSeconds": 1}, "match": {"value": "talk"}}}, "same kind and match"),
+    ]:
+        base["models"][0]["classSpecs"] = own
+        with pytest.raises(ValueError, match=problem):
+            WorkerConfig.model_validate(base)
+    base["models"][0]["classSpecs"] = {"chat": {"kind": "interactive", "slo": {"ttftSeconds": 3}}}
+    config = WorkerConfig.model_validate(base)
+    assert config.class_spec(config.models[0], "chat").slo.ttft_seconds == 3

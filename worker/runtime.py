@@ -37,12 +37,12 @@ def _policy(config: WorkerConfig) -> Policy:
     return make_policy(config.scheduling.policy, **config.scheduling.settings)
 
 
-def _class_limits(config: WorkerConfig) -> dict[str, int | None]:
-    return {name: spec.queue.max_queued for name, spec in config.classes.items()}
+def _class_limits(config: WorkerConfig, model: ModelEntry) -> dict[str, int | None]:
+    return {name: config.class_spec(model, name).queue.max_queued for name in config.classes}
 
 
-def _class_queue_times(config: WorkerConfig) -> dict[str, float | None]:
-    return {name: spec.queue.max_queue_time_seconds for name, spec in config.classes.items()}
+def _class_queue_times(config: WorkerConfig, model: ModelEntry) -> dict[str, float | None]:
+    return {name: config.class_spec(model, name).queue.max_queue_time_seconds for name in config.classes}
 
 
 class Worker:
@@ -69,8 +69,12 @@ class Worker:
         self._file_digest: bytes | None = None  # of the configuration file content last seen
 
     @staticmethod
-    def _service_classes(config: WorkerConfig) -> dict[str, ServiceClass]:
-        return {name: spec.to_service_class(name) for name, spec in config.classes.items()}
+    def _service_classes(config: WorkerConfig) -> dict[str, dict[str, ServiceClass]]:
+        """Model -> class name -> runtime class (a model's ``classSpecs`` replace the pod's)."""
+        return {
+            m.name: {name: config.class_spec(m, name).to_service_class(name) for name in config.classes}
+            for m in config.models
+        }
 
     async def start(self) -> None:
         """Create engines (launching vLLM where asked), put all but one swappable model to sleep,
@@ -90,8 +94,8 @@ class Worker:
                 batch=self.config.scheduling.batch,
                 autoscale=self.config.scheduling.autoscale,
                 max_queued=self.config.scheduling.max_queued,
-                class_limits=_class_limits(self.config),
-                class_queue_times=_class_queue_times(self.config),
+                class_limits=_class_limits(self.config, entry),
+                class_queue_times=_class_queue_times(self.config, entry),
                 metrics=self.metrics,
                 swapper=self.swapper,
                 stats_interval_s=self.config.polling.engine_stats_seconds,
@@ -168,7 +172,7 @@ class Worker:
         model's default class; ClassHeaderError for an unknown value or two headers naming different
         classes."""
         name = self.config.class_from_headers(headers)
-        return self.classes[name if name is not None else self.config.default_class(model)]
+        return self.classes[model.name][name if name is not None else self.config.default_class(model)]
 
     def reload(self, new: WorkerConfig | None = None) -> WorkerConfig:
         """Apply a new configuration (default: re-read the file) without a restart; the outcome is
@@ -227,8 +231,8 @@ class Worker:
                 batch=new.scheduling.batch,
                 autoscale=new.scheduling.autoscale,
                 max_queued=new.scheduling.max_queued,
-                class_limits=_class_limits(new),
-                class_queue_times=_class_queue_times(new),
+                class_limits=_class_limits(new, entry),
+                class_queue_times=_class_queue_times(new, entry),
                 profile=entry.profile.to_profile(name, entry.kv_capacity_tokens),
                 stats_interval_s=new.polling.engine_stats_seconds,
             )

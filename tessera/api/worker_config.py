@@ -124,6 +124,14 @@ class ModelEntry(ApiModel):
         default=65536, description="KV cache size in tokens (what policies see as capacity)."
     )
     profile: ProfileSpec = Field(default_factory=ProfileSpec, description="Step-time model.")
+    class_specs: dict[str, RequestClassSpec] = Field(
+        default_factory=dict,
+        description=(
+            "This model's own spec of some of the pod's classes (co-located services that override a "
+            "shared class differently: SLOs, QoE, priority, queue bounds), by class name; same kind and "
+            "match as the pod's class. Other classes: the pod's spec."
+        ),
+    )
     sleep_mode: Literal["auto", "on", "off"] = Field(
         default="auto",
         description=(
@@ -293,6 +301,14 @@ class WorkerConfig(ApiModel):
                     "would queue the requests beyond it in arrival order, out of the policy's reach; raise "
                     "maxNumSeqs, lower batch.max, or unset maxNumSeqs (it then follows batch.max)"
                 )
+            for name, spec in m.class_specs.items():
+                shared = self.classes.get(name)
+                if shared is None or (shared.kind, shared.match) != (spec.kind, spec.match):
+                    raise ValueError(
+                        f"model {m.name!r}: classSpecs.{name} must be one of the classes "
+                        f"({', '.join(sorted(self.classes))}) with the same kind and match; a model "
+                        "changes only a class's SLOs, QoE, priority and queue bounds"
+                    )
             if m.default_class is not None and m.default_class not in self.classes:
                 raise ValueError(
                     f"model {m.name!r}: defaultClass {m.default_class!r} is not among the classes "
@@ -303,6 +319,10 @@ class WorkerConfig(ApiModel):
     def model(self, name: str) -> ModelEntry | None:
         """The model entry called ``name``."""
         return next((m for m in self.models if m.name == name), None)
+
+    def class_spec(self, model: ModelEntry, name: str) -> RequestClassSpec:
+        """The spec of class ``name`` for requests to ``model`` (its ``classSpecs``, else the pod's)."""
+        return model.class_specs.get(name) or self.classes[name]
 
     def default_class(self, model: ModelEntry) -> str:
         """The class of requests to ``model`` that name none."""

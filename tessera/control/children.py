@@ -429,8 +429,11 @@ def worker_config(
     """The worker configuration of one group: every field of the specs that concerns the worker
     (tests/test_worker_field_table.py lists each, and those that do not with the reason).
 
-    Classes carry the per-service overrides already applied (SLOs, QoE, priority, queue bounds, match),
-    so the worker needs no other object. One pod runs one policy: co-located services use the first
+    Classes carry the per-service overrides already applied (SLOs, QoE, priority, queue bounds), so the
+    worker needs no other object; where co-located services override a shared class differently, the
+    first service's spec is the pod's and each other model carries its own in ``classSpecs`` (the class
+    a header selects is the same for every model, its objectives are the model's).
+    One pod runs one policy: co-located services use the first
     service's, with its settings (``policy_settings``; SeaLLM groups run its DB policy across services).
     Streams are paced for the qoe policy (``PACED_POLICIES``). Per model: the KV capacity of the group
     (``memory_plan``), the context length (``maxModelLength``, else the one the placement reserved
@@ -447,14 +450,11 @@ def worker_config(
     for index, name in enumerate(group.services):
         service = services[name]
         spec = service.spec
+        own: dict[str, dict[str, Any]] = {}  # this model's spec of classes it overrides differently
         for accepted in spec.request_classes:
             merged = classes[accepted.name].with_overrides(accepted.overrides).to_json()
             if merged_classes.setdefault(accepted.name, merged) != merged:
-                raise ChildError(
-                    f"LLMServices {list(group.services)} share group {group.name!r} but override "
-                    f"RequestClass {accepted.name!r} differently; a pod holds one spec per class: make "
-                    "the overrides equal or use separate classes"
-                )
+                own[accepted.name] = merged
         has_batch = any(classes[c.name].kind == "batch" for c in spec.request_classes)
         policies.append(spec.scheduling.resolved_policy(has_batch))
         settings.append(policy_settings(spec, policies[-1]))
@@ -466,6 +466,8 @@ def worker_config(
         context = spec.model.max_model_length or service_input(pool, service).p99_context_tokens
         entry["maxModelLen"] = min(context, memory[name].kv_capacity_tokens)
         entry["sleepMode"] = "auto" if swaps_models(pool, group) else "off"
+        if own:
+            entry["classSpecs"] = own
         models.append(entry)
     for alias, value in _group_settings(pool, group, services, policies[0], models).items():
         _default(settings[0], alias, value)

@@ -447,7 +447,10 @@ def create_router_app(
             if caller is not None:
                 caller.check_class(class_name, state.configs[payload.model].classes[class_name].match.header)
             headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
-            spec = state.configs[payload.model].classes[class_name]
+            config = state.configs[payload.model]
+            entry = config.model(payload.model)
+            assert entry is not None  # classify refused a model no worker serves
+            spec = config.class_spec(entry, class_name)  # the model's own SLO and priority of the class
             slo = spec.slo.ttft_seconds
             session = http.headers.get(SESSION_HEADER) or payload.user
             up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text, slo,
