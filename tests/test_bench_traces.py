@@ -319,9 +319,10 @@ def test_andes_calibration_moves_its_bracket(monkeypatch: pytest.MonkeyPatch) ->
 
 
 # ---- Chiron: held batch work is served, a real deadlock fails clearly ---------------------------------
-def test_chiron_keeps_an_instance_for_batch_work_past_saving() -> None:
-    """Every queued group is past its deadline (no launch saves any), nothing but an interactive
-    instance is left: the planner must still give the queue an instance, or it is never served."""
+def test_chiron_gives_held_batch_work_an_instance() -> None:
+    """Queued batch work with nothing but an interactive instance left must get an instance: a group
+    past its deadline (late whatever is launched) counts against one more batch SLO, and a queue the
+    backpressure does not see (one request: nothing ahead of it) keeps one batch instance."""
     from tessera.core.planners.chiron import chiron_decide
     from tessera.core.planners.types import (
         AutoscalerState,
@@ -331,17 +332,24 @@ def test_chiron_keeps_an_instance_for_batch_work_past_saving() -> None:
         RoleCounts,
     )
 
-    settings = ChironSettings(max_instances=4, load_time_s=30.0)
+    settings = ChironSettings(max_instances=8, load_time_s=30.0, batch_slo_s=600.0)
     late = MetricsSnapshot(
         ready=RoleCounts(interactive=1),
-        batch_queue=(BatchGroup(deadline=100.0, count=500),),
+        batch_queue=(BatchGroup(deadline=100.0, count=5000),),
         mean_output_tokens=200.0,
         std_output_tokens=50.0,
     )
     decision = chiron_decide(late, AutoscalerState(), settings, now=400.0)
+    reasons = " ".join(decision.reasons)
+    assert decision.desired.batch >= 1 and "batch backpressure: 1 groups late" in reasons
+    one = replace(late, batch_queue=(BatchGroup(deadline=900.0, count=1),))
+    decision = chiron_decide(one, AutoscalerState(), settings, now=400.0)
     assert decision.desired.batch == 1 and "no batch or mixed instance" in " ".join(decision.reasons)
-    with_mixed = replace(late, ready=RoleCounts(interactive=1, mixed=1))
+    with_mixed = replace(one, ready=RoleCounts(interactive=1, mixed=1))
     assert chiron_decide(with_mixed, AutoscalerState(), settings, now=400.0).desired.batch == 0
+    deferred = replace(settings, defer=True)  # far from its deadline: defer holds it back on purpose
+    far = replace(one, batch_queue=(BatchGroup(deadline=4000.0, count=1),))
+    assert chiron_decide(far, AutoscalerState(), deferred, now=400.0).desired.batch == 0
 
 
 def test_chiron_serves_every_held_request_of_a_hopeless_bulk() -> None:

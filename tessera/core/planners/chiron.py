@@ -8,8 +8,9 @@ See docs/papers.md, "Chiron: global autoscaler, interactive" and "..., batch".
   consecutive evaluations and past the scale-down cooldown: shrink to N_IM*, mixed first.
 - Batch (§5.3, Alg. 2 corrected as docs/papers.md says): the fewest extra batch instances k with
   BBP(k) = 0, where BBP counts deadline groups whose QLM-style waiting estimate exceeds their slack.
-  Batch instances retire all together once no batch request is queued or running; while batch work
-  is queued and no batch or mixed instance would pull it, one batch instance is kept (our choice).
+  A group past its deadline counts against one more batch SLO from now (our choice). Batch instances
+  retire all together once no batch request is queued or running; while batch work is queued, not
+  deferred, and no batch or mixed instance would pull it, one batch instance is kept (our choice).
 
 Pure: the caller passes a metrics snapshot, the previous state and the time; it gets desired counts,
 reasons and the next state.
@@ -75,11 +76,21 @@ def batch_backpressure(
         tokens = n_before_last * mean_tokens + settings.z * std_tokens * math.sqrt(n_before_last)
         ahead_n += g.count
         slack = g.deadline - now
-        if settings.defer and slack > horizon:
+        if slack <= 0:
+            # Missed already: the rest should still finish within one more batch SLO (our choice; late
+            # whatever is launched, it would otherwise never call for an instance). Never deferred.
+            slack = settings.batch_slo_s
+        elif settings.defer and slack > horizon:
             continue
         if waiting_time(tokens, rate_now, extra_instances, per_instance, settings.load_time_s) > slack:
             late += 1
     return late
+
+
+def _deferred(groups: tuple[BatchGroup, ...], settings: ChironSettings, now: float) -> bool:
+    """Whether ``defer`` holds back every queued group (each further than the horizon from its deadline)."""
+    horizon = settings.defer_horizon_fraction * settings.batch_slo_s
+    return settings.defer and all(g.deadline - now > horizon for g in groups if g.count)
 
 
 def _batch_instances_needed(
@@ -212,9 +223,9 @@ def chiron_decide(
             reasons.append(
                 f"batch backpressure {bbp_now} but the pool is at its cap of {settings.max_instances}"
             )
-        if batch == 0 and mixed == 0:
-            # No instance would ever pull the queue: when every group is past saving (BBP the same
-            # whatever is launched) or deferred, Alg. 2 launches none, and held work must still run.
+        if batch == 0 and mixed == 0 and not _deferred(snapshot.batch_queue, settings, now):
+            # No instance would ever pull the queue (BBP 0 with no batch capacity: a group of one
+            # request has nothing ahead of it), and held work must still run.
             batch = 1
             reasons.append(f"{queued} batch requests queued, no batch or mixed instance: +1 batch instance")
     elif snapshot.batch_running == 0 and batch > 0:
