@@ -17,7 +17,7 @@ import yaml
 from tessera.api import load_documents
 from tessera.core.activation import unit_idle_after
 from tessera.local.control_plane import LocalEngine, plan_local
-from tessera.local.runner import LocalStack
+from tessera.local.runner import LocalStack, describe_plan
 from tessera.local.scale_to_zero import IdleUnits, idle_units
 from tessera.worker.engines.vllm_process import free_port
 
@@ -53,6 +53,7 @@ async def _until_state(stack: LocalStack, state: str, timeout: float = 30.0) -> 
 @pytest.mark.timeout(180)
 async def test_an_idle_service_goes_cold_and_a_held_request_wakes_it_and_is_served(tmp_path: Path) -> None:
     plan = plan_local(load_documents(_spec(tmp_path)), LocalEngine(), max_instances_per_group=1)
+    assert f"scale to zero: group {plan.groups[0].group.name} stops after 1 s" in describe_plan(plan, False)
     stack = LocalStack(plan, tmp_path / "run", "127.0.0.1", free_port(), autoscale=False,
                        activation_tick_s=0.1)  # fmt: skip
     await stack.start(60.0)

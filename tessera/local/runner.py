@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import httpx
 import uvicorn
 
-from tessera.core.activation import Backoff
+from tessera.core.activation import Backoff, unit_idle_after
 from tessera.local.autoscaler import LocalAutoscaler
 from tessera.local.control_plane import LocalPlan
 from tessera.local.load import LiveCounters, Outcome, Workload, drive, outstanding_of
@@ -71,6 +71,11 @@ def describe_plan(plan: LocalPlan, autoscale: bool = True) -> str:
             f"{g.group.name} every {g.desired.pool.spec.autoscaling.interval_seconds:g} s" for g in scaled
         ]
         lines.append("autoscaling (Chiron, as the operator does): " + ", ".join(every))
+    idle = idle_units(plan.groups)
+    for group, models in idle.units.items():
+        after = unit_idle_after([idle.policies[m] for m in models])
+        lines.append(f"scale to zero: group {group} stops after {after:g} s without requests")
+    lines += idle.problems
     return "\n".join(lines)
 
 
@@ -257,8 +262,6 @@ class LocalStack:
         await asyncio.to_thread(self.supervisor.start_all, self.plan.instances, ready_timeout_s)
         self.state = state = RouterState([w.backend() for w in self.supervisor.workers])
         idle = idle_units(self.plan.groups)
-        for problem in idle.problems:
-            self.report(problem)
         if idle.units:
             self.actuator = LocalActuator(self.plan.groups, self.supervisor, state)
             self.activator = Activator(
