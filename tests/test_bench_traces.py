@@ -159,6 +159,8 @@ def test_baseline_honours_trace_and_series(traces: dict[str, Path]) -> None:
     _differ(baseline, traces["a"], traces["b"], requests=40, loads="0.8")
     _differ(baseline, traces["series_a"], traces["series_b"], requests=40, loads="0.8")
     _differ(baseline, traces["lengths_a"], traces["lengths_b"], requests=40, loads="0.8")
+    with pytest.raises(ValueError, match="--set rate_dist=uniform: one of poisson, gamma"):
+        _run(baseline, traces["series_a"], requests=40, rate_dist="uniform")
 
 
 def test_perf_honours_trace_and_series(traces: dict[str, Path]) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tessera.api.traces import TraceRow, load_trace, read_trace
+from tessera.api.traces import RateSeries, TraceRow, load_trace, read_trace
 from tessera.bench.scenarios import BenchConfig, Progress
 from tessera.core.policy import Policy
 from tessera.core.profiles import DEFAULT_PROFILE, load_profile
@@ -28,7 +28,7 @@ from tessera.core.request import Request
 from tessera.core.slo import jct, mean_itl, slo_met, summarize, ttft
 from tessera.sim.cluster import Cluster, ClusterConfig, ClusterController, ClusterRouter
 from tessera.sim.engine import EngineConfig
-from tessera.sim.workloads import copy_requests, requests_from_trace, series_arrivals
+from tessera.sim.workloads import SERIES_DISTRIBUTIONS, copy_requests, requests_from_trace, series_arrivals
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / ".." / "shared" / "data"  # beside the repository
 AZURE_CONV = SHARED_DATA / "azure_llm_2023_conv.csv"
@@ -130,11 +130,19 @@ def bench_trace(config: BenchConfig, default_trace: Path, limit: int | None = No
         ]
         return BenchTrace(rows, trace_label(trace.path), False)
     assert trace.series is not None
-    dist = option(config.options, "rate_dist", "gamma" if trace.series.has_cv else "poisson", str)
-    # An RNG of its own: the draws that follow (classes, lengths) stay those of the default trace.
-    times = series_arrivals(trace.series, len(rows), np.random.default_rng([config.seed, 2]), dist)
+    times = _series_times(config, trace.series, len(rows), config.seed)
     rows = [replace(r, arrival=float(t - times[0])) for r, t in zip(rows, times, strict=True)]
     return BenchTrace(rows, trace_label(trace.path), True)
+
+
+def _series_times(config: BenchConfig, series: RateSeries, n: int, seed: int) -> np.ndarray:
+    """``n`` arrivals sampled from ``series`` by ``--set rate_dist`` (default: gamma where the series
+    has a cv column, else poisson), from an RNG of their own so that the draws that follow (classes,
+    lengths) stay those of the default workload."""
+    dist = option(config.options, "rate_dist", "gamma" if series.has_cv else "poisson", str)
+    if dist not in SERIES_DISTRIBUTIONS:
+        raise ValueError(f"--set rate_dist={dist}: one of {', '.join(SERIES_DISTRIBUTIONS)}")
+    return series_arrivals(series, n, np.random.default_rng([seed, 2]), dist)
 
 
 def trace_arrivals(config: BenchConfig, n: int, seed: int | None = None) -> np.ndarray | None:
@@ -154,9 +162,7 @@ def trace_arrivals(config: BenchConfig, n: int, seed: int | None = None) -> np.n
         times = np.array([r.arrival for r in trace.rows[:n]])
     else:
         assert trace.series is not None
-        dist = option(config.options, "rate_dist", "gamma" if trace.series.has_cv else "poisson", str)
-        rng = np.random.default_rng([config.seed if seed is None else seed, 2])
-        times = series_arrivals(trace.series, n, rng, dist)
+        times = _series_times(config, trace.series, n, config.seed if seed is None else seed)
     return times - times[0]
 
 
