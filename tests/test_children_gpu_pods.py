@@ -76,7 +76,8 @@ def _render(models: int, tp: int, pod: Mapping[str, Any] | None = None) -> tuple
     return pool, group, services, config, sts["spec"]["template"]["spec"]
 
 
-def _servers(engine: Mapping[str, Any]) -> list[list[str]]:
+def engine_servers(engine: Mapping[str, Any]) -> list[list[str]]:
+    """Each model server's vLLM arguments in an engine container (separated by SERVER_SEPARATOR)."""
     servers: list[list[str]] = [[]]
     for arg in engine["args"]:
         if arg == children.SERVER_SEPARATOR:
@@ -101,7 +102,7 @@ def test_one_engine_container_holds_the_gpus_and_runs_every_model(models: int, t
     assert engine["name"] == "engine" and engine["image"] == pool.spec.images.vllm
     assert engine["resources"]["requests"]["nvidia.com/gpu"] == str(tp)
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == str(tp)
-    servers = _servers(engine)
+    servers = engine_servers(engine)
     assert len(servers) == models
     memory = children.memory_plan(pool, group, services)
     shares = []
@@ -238,6 +239,8 @@ def stop(*_):
 signal.signal(signal.SIGTERM, stop)
 (out / f"{port}.args").write_text(" ".join(sys.argv[1:]))
 if "--crash" in sys.argv:
+    while len(list(out.glob("*.args"))) < 2:  # the other server is up (and handles SIGTERM)
+        time.sleep(0.05)
     sys.exit(3)
 while True:
     time.sleep(0.1)

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel
+from test_children_gpu_pods import engine_servers
 
 from tessera.api import LLMServiceSpec, RequestClassSpec, ServingPoolSpec
 from tessera.api.worker_config import ClassHeaderError, WorkerConfig
@@ -492,20 +493,9 @@ def _shared(engine: str = "vllm", extra: tuple[str, ...] = ()) -> tuple[list[dic
     return sts["spec"]["template"]["spec"]["containers"], decided.configs[group.name]
 
 
-def _servers(engine: dict[str, Any]) -> list[list[str]]:
-    """Each model server's vLLM arguments in the engine container (separated by SERVER_SEPARATOR)."""
-    servers: list[list[str]] = [[]]
-    for arg in engine["args"]:
-        if arg == children.SERVER_SEPARATOR:
-            servers.append([])
-        else:
-            servers[-1].append(arg)
-    return servers
-
-
 def test_co_located_vllm_models_swap_by_sleep_mode() -> None:
     worker, engine = _shared()[0]
-    servers = _servers(engine)
+    servers = engine_servers(engine)
     assert len(servers) == 2
     for args in servers:
         assert "--enable-sleep-mode" in args
@@ -521,7 +511,7 @@ def test_co_located_vllm_processes_split_the_gpu_memory(extra: tuple[str, ...], 
     free: two processes at the pool's share would not both start."""
     containers, config = _shared(extra=extra)
     shares = []
-    for args in _servers(containers[1]):
+    for args in engine_servers(containers[1]):
         (at,) = [i for i, a in enumerate(args) if a.startswith("--gpu-memory-utilization")]
         shares.append(float(args[at + 1]))
     assert budget - 0.01 < sum(shares) <= budget
