@@ -34,6 +34,7 @@ SCENARIOS: dict[str, str] = {
     "chiron": "tessera.bench.scenarios.chiron",
     "seallm": "tessera.bench.scenarios.seallm",
     "routing": "tessera.bench.scenarios.routing",
+    "scale-to-zero": "tessera.bench.scenarios.scale_to_zero",
     "worker-overhead": "tessera.bench.overhead",
     "real-policy": "tessera.bench.real_policy",
     "router": "tessera.bench.router_overhead",
