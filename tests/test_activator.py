@@ -154,12 +154,18 @@ async def test_held_requests_wake_the_model_and_are_served_and_models_stay_liste
         await asyncio.sleep(0.3)
         assert not any(t.done() for t in sent)
         assert (await client.get("/router/status")).json()["activation"]["g"]["held"] == {MODEL: 3}
+        assert await router.metric("tessera_router_held_requests", model=MODEL) == 3
+        assert await router.metric("tessera_router_unit_state", unit="g", state="Waking") == 1
+        assert await router.metric("tessera_router_unit_state", unit="g", state="Cold") == 0
         actuator.gate.set()
         answers = await asyncio.gather(*sent)
         assert [a.status_code for a in answers] == [200, 200, 200]
         assert [c for c, _ in actuator.calls] == ["sleep", "wake"]
         status = (await client.get("/router/status")).json()["activation"]["g"]
         assert status["state"] == "Ready" and status["wakes"] == 1 and status["lastWakeSeconds"] >= 0.3
+        assert await router.metric("tessera_router_held_requests", model=MODEL) == 0
+        assert await router.metric("tessera_router_unit_wakes_total", unit="g") == 1
+        assert await router.metric("tessera_router_unit_sleeps_total", unit="g") == 1
 
 
 @pytest.mark.integration

@@ -21,9 +21,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from tessera.api.openai_errors import ApiError
 from tessera.core.activation import (
@@ -249,3 +252,30 @@ class Activator:
             }
             for unit in self.units.values()
         }
+
+
+class ActivationCollector(Collector):
+    """The activator's view for Prometheus, read at scrape time: each unit's state (1 for the current
+    one), its sleeps and wake-ups, and the requests held per model (the demand a cold unit has)."""
+
+    def __init__(self, activator: Activator) -> None:
+        self.activator = activator
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        what = "1 for the unit's current scale-to-zero state (Ready, Sleeping, Cold, Waking)."
+        state = GaugeMetricFamily("tessera_router_unit_state", what, labels=["unit", "state"])
+        held = GaugeMetricFamily(
+            "tessera_router_held_requests", "Requests held while the model's unit wakes.", labels=["model"]
+        )
+        sleeps = CounterMetricFamily("tessera_router_unit_sleeps", "Times the unit was put to sleep.",
+                                     labels=["unit"])  # fmt: skip
+        wakes = CounterMetricFamily("tessera_router_unit_wakes", "Wake-ups of the unit that succeeded.",
+                                    labels=["unit"])  # fmt: skip
+        for unit in self.activator.units.values():
+            for value in UnitState:
+                state.add_metric([unit.name, value.value], 1.0 if unit.state is value else 0.0)
+            sleeps.add_metric([unit.name], float(unit.sleeps))
+            wakes.add_metric([unit.name], float(unit.wakes))
+            for model in unit.models:
+                held.add_metric([model], float(len(self.activator.queues[model])))
+        yield from (state, held, sleeps, wakes)

@@ -56,7 +56,7 @@ from tessera.core.routing import (
     make_route,
     seed_stats,
 )
-from tessera.router.activator import Activator
+from tessera.router.activator import ActivationCollector, Activator
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
 from tessera.router.headers import downstream_headers, upstream_headers
@@ -377,6 +377,8 @@ def create_router_app(
 
     app = FastAPI(title="Tessera router", version="0.1.0", lifespan=lifespan)
     metrics = RouterMetrics(state.instance_rows)
+    if activator is not None:
+        metrics.registry.register(ActivationCollector(activator))
     app.state.limits = limits
     app.state.metrics = metrics
 
