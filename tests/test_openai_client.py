@@ -21,6 +21,11 @@ async def test_openai_client_request_shapes_through_the_router(tmp_path: Path) -
         async with serve_router(supervisor.workers) as router:
             client = openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="unused",
                                         default_headers={CLASS_HEADER: "chat"}, max_retries=0)  # fmt: skip
+            models = [m async for m in client.models.list()]
+            assert models[0].id == MODEL and models[0].model_extra["max_model_len"] > 0
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.completions.create(model="nope", prompt="x", max_tokens=1)
+            assert missing.value.body["type"] == "not_found_error" and missing.value.body["param"] == "model"
             parts = await client.chat.completions.create(
                 model=MODEL, max_tokens=3,
                 messages=[{"role": "developer", "content": "Answer briefly."},
