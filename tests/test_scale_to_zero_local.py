@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tessera.api import load_documents
-from tessera.core.activation import unit_idle_after
+from tessera.core.activation import Backoff, unit_idle_after
 from tessera.local.control_plane import LocalEngine, plan_local
 from tessera.local.runner import LocalStack, describe_plan
 from tessera.local.scale_to_zero import IdleUnits, idle_units
@@ -132,3 +132,35 @@ def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "spec.yaml"
     path.write_text(text)
     return path
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+async def test_a_wake_up_that_fails_is_retried_then_503_names_the_reason_and_the_next_request_wakes_it(
+    tmp_path: Path,
+) -> None:
+    plan = plan_local(load_documents(_spec(tmp_path)), LocalEngine(), max_instances_per_group=1)
+    stack = LocalStack(plan, tmp_path / "run", "127.0.0.1", free_port(), autoscale=False,
+                       activation_tick_s=0.1, wake_backoff=Backoff(base_s=0.2, attempts=2))  # fmt: skip
+    await stack.start(60.0)
+    model = plan.instances[0].config.models[0].name
+    body = {"model": model, "prompt": "hello", "max_tokens": 3}
+    try:
+        async with httpx.AsyncClient(base_url=stack.endpoint, timeout=60.0) as client:
+            await _until_state(stack, "Cold")
+            assert stack.actuator is not None
+            stack.actuator.ready_timeout_s = 0.01  # no worker process is ready that fast: the wake-up fails
+            failed = await client.post("/v1/completions", json=body)
+            assert failed.status_code == 503 and "Retry-After" in failed.headers
+            error = failed.json()["error"]
+            assert error["code"] == "wake_failed" and "failed 2 times" in error["message"]
+            assert "WorkerStartError" in error["message"] and "not ready in time" in error["message"]
+            assert "\n" not in error["message"]  # the reason's first line; the worker's log stays in the log
+            unit = await _until_state(stack, "Cold", timeout=1.0)
+            assert unit["failedTries"] == 2 and unit["wakes"] == 0
+            assert not stack.supervisor.workers  # the processes of the failed tries were stopped
+            stack.actuator.ready_timeout_s = 60.0
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            assert (await _until_state(stack, "Ready", timeout=1.0))["wakes"] == 1
+    finally:
+        await stack.stop()

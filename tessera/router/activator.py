@@ -167,9 +167,11 @@ class Activator:
                 break
             except Exception as exc:  # any reason: retried, then reported to the held requests
                 unit.failures += 1
-                unit.last_error = f"{type(exc).__name__}: {exc}"
+                # Clients see the first line; the rest (a worker's log tail) goes to the router's log.
+                unit.last_error = f"{type(exc).__name__}: {next(iter(str(exc).splitlines()), '')}"
                 delay = self.backoff.delay(unit.failures)
-                log.warning("wake-up of %s failed (try %d): %s", unit.name, unit.failures, unit.last_error)
+                log.warning("wake-up of %s failed (try %d): %s: %s", unit.name, unit.failures,
+                            type(exc).__name__, exc)  # fmt: skip
                 if delay is None:
                     unit.state = UnitState.COLD
                     reason = f"the wake-up failed {unit.failures} times; last: {unit.last_error}"
