@@ -221,3 +221,21 @@ async def test_a_failing_wake_up_is_retried_with_backoff_then_503_names_the_reas
             actuator.gate.set()
             assert (await client.post("/v1/completions", json=_body())).status_code == 200
             assert act.state_of(MODEL) is UnitState.READY
+
+
+async def test_retry_after_counts_the_whole_wake_up_while_the_unit_is_not_waking_yet() -> None:
+    from tessera.api.openai_errors import ApiError
+
+    activator = Activator({"g": ("m",)}, {"m": IdlePolicy(after_s=1.0, max_held=1)}, ScriptedActuator(),
+                          lambda _: 0)  # fmt: skip
+    unit = activator.units["g"]
+    unit.state, unit.last_wake_s, unit.wake_started = UnitState.SLEEPING, 12.3, 0.0  # woke long ago
+    first = asyncio.create_task(activator.admit("m", 30.0, 0))
+    await asyncio.sleep(0.01)
+    with pytest.raises(ApiError) as full:
+        await activator.admit("m", 30.0, 0)
+    assert full.value.status == 429 and full.value.headers == {"Retry-After": "13"}
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert len(activator.queues["m"]) == 0  # a client that leaves is no longer held

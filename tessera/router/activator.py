@@ -152,7 +152,9 @@ class Activator:
             queue.remove(held)
 
     def _retry_after(self, unit: _Unit, now: float) -> int:
-        return retry_after_s(now, unit.wake_started, unit.last_wake_s)
+        # Not waking yet (asleep, or going to sleep): the whole wake-up is still ahead.
+        started = unit.wake_started if unit.state is UnitState.WAKING else now
+        return retry_after_s(now, started, unit.last_wake_s)
 
     def _start_wake(self, unit: _Unit) -> None:
         unit.state = UnitState.WAKING
