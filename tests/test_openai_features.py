@@ -34,11 +34,13 @@ def _expected(prompt: list[int], n: int) -> list[int]:
 
 
 @asynccontextmanager
-async def _worker(**scheduling: Any) -> AsyncIterator[tuple[httpx.AsyncClient, Worker]]:
+async def _worker(
+    queue: dict[str, Any] | None = None, **scheduling: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, Worker]]:
     config = parse_config(
         {
             "models": [{"name": "m", "engine": "sim", "maxModelLen": 512}],
-            "classes": {"chat": {"slo": {"ttftSeconds": 5}}},
+            "classes": {"chat": {"slo": {"ttftSeconds": 5}, **({"queue": queue} if queue else {})}},
             "scheduling": {"batch": {"min": 1, "max": 1, "initial": 1}, **scheduling},
         }
     )
@@ -171,6 +173,15 @@ async def test_n_choices_are_scheduled_requests_of_one_arrival_joined_into_one_a
             await c.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2, "n": 2})
         ).json()
         assert [ch["index"] for ch in comp["choices"]] == [0, 1]
+
+
+async def test_more_choices_than_the_class_may_queue_are_refused_naming_n() -> None:
+    async with _worker(queue={"maxQueued": 2}) as (c, _):
+        body = {"model": "m", "prompt": "x", "max_tokens": 2}
+        assert (await c.post("/v1/completions", json={**body, "n": 2})).status_code == 200
+        resp = await c.post("/v1/completions", json={**body, "n": 3})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+    assert "at most 2" in resp.json()["error"]["message"]
 
 
 async def test_echo_prepends_the_prompt_text() -> None:

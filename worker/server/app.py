@@ -227,6 +227,11 @@ async def _serve(
             else ("messages" if chat else "prompt"),
         )
     sched = worker.schedulers[body.model]
+    bound = min(b for b in (sched.max_queued, sched.class_limits.get(cls.name)) if b is not None)
+    if body.n > bound:  # the choices queue together: more than fit would be refused forever
+        message = (f"n={body.n} choices cannot queue together here: model {body.model} and class {cls.name} "
+                   f"queue at most {bound} requests; ask for fewer choices")  # fmt: skip
+        raise ApiError(400, message, param="n")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     true_length = _true_length_hint(worker, http)
     sampling = body.sampling()
