@@ -12,25 +12,14 @@ from typing import Any
 
 import httpx
 import pytest
+from test_worker_request_matrix import _expected, _tokens
 
 from tessera.api.worker_config import BENCH_TRUE_LENGTH_HEADER, parse_config
-from tessera.worker.engines.sim_realtime import next_token, token_logprob
+from tessera.worker.engines.sim_realtime import token_logprob
 from tessera.worker.runtime import Worker
 from tessera.worker.server.app import create_app
 
 TRUE = BENCH_TRUE_LENGTH_HEADER
-
-
-def _tokens(text: str) -> list[int]:
-    """The sim engine's tokenizer (BOS 0, then one id per byte shifted past the specials)."""
-    return [0, *(b + 3 for b in text.encode())]
-
-
-def _expected(prompt: list[int], n: int) -> list[int]:
-    ctx = list(prompt)
-    for _ in range(n):
-        ctx.append(next_token(ctx))
-    return ctx[len(prompt) :]
 
 
 @asynccontextmanager
