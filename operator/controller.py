@@ -14,19 +14,21 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from tessera.api.serving_pool import SCALING_HISTORY_LENGTH, ReplacementInterval
-from tessera.control.children import desired_children, endpoint_url, pool_labels
+from tessera.control.children import GROUP_LABEL, desired_children, endpoint_url, pool_labels
 from tessera.control.inputs import interval_metrics
 from tessera.control.metrics_queries import ModelLoad
 from tessera.control.pool_plan import (
     POOL_NOT_FOUND,
     PoolDesired,
     Problem,
+    Retiring,
     desired_pool,
     group_scaling,
     inputs_fingerprint,
     parse,
     parse_classes,
     pool_ref,
+    retiring_groups,
 )
 from tessera.core.chiron import GroupMemory, evaluate_group
 from tessera.core.planners import (
@@ -37,6 +39,7 @@ from tessera.core.planners import (
     MetricsSnapshot,
     PlacementPlan,
     next_replacement_interval,
+    rollout_diff,
 )
 from tessera.core.planners.replacement import prediction_error
 from tessera.operator import status as st
@@ -49,6 +52,9 @@ POOLS, SERVICES, CLASSES = "servingpools", "llmservices", "requestclasses"
 # Longest history placement reads (CHOICE: re-placement intervals may reach a week; SeaLLM replays the
 # history through its simulator, whose cost grows with it).
 MAX_HISTORY_S = 1800.0
+# How often a pool whose old groups wait for their successors to become ready looks again (CHOICE: the
+# operator does not watch StatefulSets; pods take tens of seconds to minutes to become ready).
+HANDOVER_POLL_S = 5.0
 # (object body, event type "Normal"/"Warning", reason, message)
 EventSink = Callable[[Mapping[str, Any], str, str, str], None]
 
@@ -118,15 +124,20 @@ class Controller:
         self._autoscale_due: dict[tuple[str, str], float] = {}
         # When each pool's next re-placement boundary is (status.nextPlacementTime).
         self._placement_due: dict[tuple[str, str], float] = {}
+        # When a pool handing groups over to a new placement looks at their readiness again.
+        self._handover_due: dict[tuple[str, str], float] = {}
 
     # -- pools ---------------------------------------------------------------------------------------
 
     def due(self, namespace: str, name: str, now: float) -> bool:
         """Whether a timed pass of the pool is due: when the autoscaler or a re-placement boundary (with
-        Prometheus configured) is due, and a resync now and then (events drive the rest; a periodic pass
-        repairs drift such as a hand-edited StatefulSet)."""
+        Prometheus configured) is due, while old groups wait for new ones to become ready, and a resync
+        now and then (events drive the rest; a periodic pass repairs drift such as a hand-edited
+        StatefulSet)."""
         key = (namespace, name)
         if now - self._last_sync.get(key, -math.inf) >= self.resync_seconds:
+            return True
+        if now >= self._handover_due.get(key, math.inf):
             return True
         return self.metrics is not None and (
             now >= self._autoscale_due.get(key, -math.inf) or now >= self._placement_due.get(key, math.inf)
@@ -171,7 +182,15 @@ class Controller:
         boundary = boundary and measured is not None
         replan = changed or boundary
         decided = desired_pool(
-            body, services, classes, previous, now, replan=replan, measured=measured, window_s=window
+            body,
+            services,
+            classes,
+            previous,
+            now,
+            replan=replan,
+            measured=measured,
+            window_s=window,
+            unplaced=_unplaced(status),
         )
         if isinstance(decided, Problem):
             self._report_invalid(POOLS, body, decided, now)
@@ -193,20 +212,66 @@ class Controller:
             decided, history = self._autoscale(namespace, body, decided, history, now)
         elif autoscale:  # nothing to autoscale: the resync (and events) will look again
             self._autoscale_due[(namespace, name)] = math.inf
-        observed = self._apply(namespace, body, decided)
+        observed, retiring = self._apply(namespace, body, decided, status, now)
         timeline = _Timeline(boundary, real, finished, window)
         self._report_pool(
-            namespace, body, services, observed, decided, previous, history, timeline, fingerprint, now
+            namespace,
+            body,
+            services,
+            _Observed(observed, retiring),
+            decided,
+            previous,
+            history,
+            timeline,
+            fingerprint,
+            now,
         )
 
-    def _apply(self, namespace: str, body: Mapping[str, Any], decided: PoolDesired) -> list[dict[str, Any]]:
+    def _apply(
+        self,
+        namespace: str,
+        body: Mapping[str, Any],
+        decided: PoolDesired,
+        status: Mapping[str, Any],
+        now: float,
+    ) -> tuple[list[dict[str, Any]], list[Retiring]]:
         """Apply the pool's children; returns the children observed before (their status is what the
-        report reads: objects created or patched now have no newer status yet)."""
+        report reads: objects created or patched now have no newer status yet) and the groups the plan
+        no longer has. Those still handing their services over stay as they are: their objects count as
+        desired unchanged."""
         observed = self.kube.list_children(namespace, pool_labels(decided.pool.name))
-        for action in plan_actions(decided.children, observed):
+        retiring: list[Retiring] = []
+        if decided.plan is not None:
+            since = {
+                r.get("name"): st.parse_time(r.get("since"))
+                for r in (status.get("placement") or {}).get("retiring") or []
+            }
+            timeout = decided.pool.spec.placement.handover_timeout_seconds
+            retiring = retiring_groups(
+                decided.plan, observed, {g: t for g, t in since.items() if t is not None}, now, timeout
+            )
+        held = {r.group for r in retiring if r.held}
+        kept = [o for o in observed if (o["metadata"].get("labels") or {}).get(GROUP_LABEL) in held]
+        for action in plan_actions([*decided.children, *kept], observed):
             self.kube.apply(namespace, action)
             self.emit(body, "Normal", action.verb.capitalize() + "d", f"{action.kind} {action.name}")
-        return observed
+        for r in retiring:
+            if r.held:
+                continue
+            if r.timed_out and r.waiting_for:
+                message = (
+                    f"group {r.group} removed after the handover timeout "
+                    f"({decided.pool.spec.placement.handover_timeout_seconds} s); "
+                    f"{list(r.waiting_for)} not all ready yet"
+                )
+                self.emit(body, "Warning", "HandoverTimedOut", message)
+            else:
+                self.emit(
+                    body, "Normal", "Retired", f"group {r.group} removed: its services are served elsewhere"
+                )
+        key = (namespace, decided.pool.name)
+        self._handover_due[key] = now + HANDOVER_POLL_S if held else math.inf
+        return observed, retiring
 
     def _autoscale(
         self,
@@ -280,7 +345,7 @@ class Controller:
         namespace: str,
         body: Mapping[str, Any],
         service_bodies: list[dict[str, Any]],
-        observed: list[dict[str, Any]],
+        seen: _Observed,
         decided: PoolDesired,
         previous: PlacementPlan | None,
         history: list[dict[str, Any]],
@@ -292,12 +357,14 @@ class Controller:
         status = dict(body.get("status") or {})
         conditions = list(status.get("conditions") or [])
         ready = {
-            (o["metadata"].get("labels") or {}).get("tessera.dev/group", ""): int(
+            (o["metadata"].get("labels") or {}).get(GROUP_LABEL, ""): int(
                 (o.get("status") or {}).get("readyReplicas") or 0
             )
-            for o in observed
+            for o in seen.children
             if o["kind"] == "StatefulSet"
         }
+        unplaced = {n: p for n, p in decided.rejected.items() if p.unplaced}
+        held = [r for r in seen.retiring if r.held]
         plan = decided.plan
         conditions = st.set_condition(conditions, st.INVALID, False, "Valid", "spec is valid", now)
         if decided.placement_problem:
@@ -309,9 +376,14 @@ class Controller:
         elif plan is not None:
             summary = ", ".join(f"{g.name}: {'+'.join(g.services)} x{g.replicas.total}" for g in plan.groups)
             message = f"{plan.strategy} placement: {summary or 'no services'}"
-            conditions = st.set_condition(conditions, st.PLACED, True, "Placed", message, now)
+            if unplaced:
+                message += f"; not placed: {sorted(unplaced)} (see their Placed conditions)"
+            reason = "PartiallyPlaced" if unplaced else "Placed"
+            conditions = st.set_condition(conditions, st.PLACED, True, reason, message, now)
             if previous is None or {g.key for g in previous.groups} != {g.key for g in plan.groups}:
                 self.emit(body, "Normal", "Placed", message)
+                if previous is not None:
+                    self.emit(body, "Normal", "Rollout", _churn(previous, plan, held))
         replicas = sum(g.replicas.total for g in plan.groups) if plan else 0
         ready_total = sum(ready.get(g.name, 0) for g in plan.groups) if plan else 0
         autoscaling = pool.spec.autoscaling.enabled
@@ -348,9 +420,22 @@ class Controller:
                 for g in (status.get("placement") or {}).get("groups") or []
                 if "batchSize" in g
             }
+        placement = st.plan_to_status(plan, ready, batch_sizes) if plan else {"groups": []}
+        placement["unplaced"] = [
+            {"name": n, "reason": p.reason, "message": p.message} for n, p in sorted(unplaced.items())
+        ]
+        placement["retiring"] = [
+            {
+                "name": r.group,
+                "services": list(r.services),
+                "waitingFor": list(r.waiting_for),
+                "since": st.rfc3339(r.since),
+            }
+            for r in held
+        ]
         new_status: dict[str, Any] = {
             "conditions": conditions,
-            "placement": st.plan_to_status(plan, ready, batch_sizes) if plan else {"groups": []},
+            "placement": placement,
             "replicas": replicas,
             "readyReplicas": ready_total,
             "selector": f"tessera.dev/pool={pool.name}",
@@ -367,7 +452,7 @@ class Controller:
             new_status["observedGeneration"] = generation
         if _changed(status, new_status):
             self.kube.patch_status(POOLS, namespace, pool.name, new_status)
-        self._report_services(namespace, service_bodies, decided, ready, now)
+        self._report_services(namespace, service_bodies, decided, ready, held, now)
 
     def _interval_status(
         self,
@@ -419,6 +504,7 @@ class Controller:
         service_bodies: list[dict[str, Any]],
         decided: PoolDesired,
         ready: Mapping[str, int],
+        held: list[Retiring],
         now: float,
     ) -> None:
         bodies = {b["metadata"]["name"]: b for b in service_bodies if pool_ref(b) == decided.pool.name}
@@ -447,13 +533,18 @@ class Controller:
                 else (decided.placement_problem or "no plan"),
                 now,
             )
-            is_ready = placed and ready_count > 0
+            # A moved service's old groups serve it until its new groups are ready.
+            handing_over = sum(ready.get(r.group, 0) for r in held if name in r.services)
+            is_ready = placed and ready_count + handing_over > 0
+            message = f"{ready_count}/{replicas} replicas ready"
+            if handing_over:
+                message += f", and {handing_over} in groups of the previous placement until then"
             conditions = st.set_condition(
                 conditions,
                 st.READY,
                 is_ready,
                 "Serving" if is_ready else "NoReadyReplicas",
-                f"{ready_count}/{replicas} replicas ready",
+                message,
                 now,
             )
             has_batch = any(
@@ -497,13 +588,18 @@ class Controller:
         meta = body["metadata"]
         status = dict(body.get("status") or {})
         conditions = list(status.get("conditions") or [])
-        before = st.condition_status(conditions, st.READY)
+        before = next((c for c in conditions if c.get("type") == st.READY), {})
         conditions = st.set_condition(conditions, st.INVALID, False, "Valid", "spec is valid", now)
+        conditions = st.set_condition(conditions, st.PLACED, False, problem.reason, problem.message, now)
         conditions = st.set_condition(conditions, st.READY, False, problem.reason, problem.message, now)
         new_status = {"conditions": conditions, "replicas": 0, "readyReplicas": 0, "placement": []}
         if _changed(status, new_status):
             self.kube.patch_status(SERVICES, meta.get("namespace"), meta["name"], new_status)
-        if before != "False" or _reason(status, st.READY) != problem.reason:
+        if (before.get("status"), before.get("reason"), before.get("message")) != (
+            "False",
+            problem.reason,
+            problem.message,
+        ):
             self.emit(body, "Warning", problem.reason, problem.message)
 
     # -- services and classes --------------------------------------------------------------------------
@@ -555,6 +651,7 @@ class Controller:
         self._last_sync.pop((namespace, name), None)
         self._autoscale_due.pop((namespace, name), None)
         self._placement_due.pop((namespace, name), None)
+        self._handover_due.pop((namespace, name), None)
         return len(actions)
 
 
@@ -567,6 +664,38 @@ class _Timeline:
     measured: IntervalMetrics | None
     finished: int  # requests the interval finished
     window_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Observed:
+    """The pool's children as listed before this pass applied anything, and the groups no longer in
+    the plan."""
+
+    children: list[dict[str, Any]]
+    retiring: list[Retiring]
+
+
+def _unplaced(status: Mapping[str, Any]) -> dict[str, Problem]:
+    """The placement problems of the plan in effect (status.placement.unplaced), by service name."""
+    entries = (status.get("placement") or {}).get("unplaced") or []
+    return {
+        e["name"]: Problem(str(e.get("reason", "")), str(e.get("message", "")))
+        for e in entries
+        if isinstance(e, Mapping) and isinstance(e.get("name"), str)
+    }
+
+
+def _churn(previous: PlacementPlan, plan: PlacementPlan, held: list[Retiring]) -> str:
+    """A re-placement's churn for the pool's Rollout event (the groups compared as the simulator's
+    re-placements compare them, ``rollout_diff``)."""
+    diff = rollout_diff(previous, plan)
+    message = (
+        f"groups kept {list(diff.keep)}, created {[g.name for g in diff.create]}, retiring "
+        f"{list(diff.delete)}; services moved {list(diff.moved_services)}"
+    )
+    for r in held:
+        message += f"; {r.group} serves {list(r.services)} until {list(r.waiting_for)} are ready"
+    return message
 
 
 def _initial_interval(body: Mapping[str, Any]) -> float:
@@ -583,10 +712,6 @@ def _keep_unchanged(decided: PoolDesired, previous: PlacementPlan) -> PoolDesire
     if decided.plan is None or decided.plan.groups != previous.groups:
         return decided
     return replace(decided, plan=previous)
-
-
-def _reason(status: Mapping[str, Any], type_: str) -> str | None:
-    return next((c.get("reason") for c in status.get("conditions") or [] if c.get("type") == type_), None)
 
 
 def _changed(current: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

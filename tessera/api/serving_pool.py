@@ -184,6 +184,14 @@ class PlacementSpec(ApiModel):
         "resident.",
     )
     replacement_interval: ReplacementInterval = nested(ReplacementInterval, "Adaptive re-placement interval.")
+    handover_timeout_seconds: int = Field(
+        default=900,
+        ge=0,
+        le=86400,
+        description="Longest a group that a re-placement removes keeps serving while the groups taking over "
+        "its services start (image pull, weights, warm-up); it is removed as soon as they are all ready, "
+        "else after this many seconds (a cluster without room for both at once). 0 removes it at once.",
+    )
 
 
 class ImagesSpec(ApiModel):
@@ -374,6 +382,26 @@ class PlacementGroup(ApiModel):
     )
 
 
+class UnplacedService(ApiModel):
+    """A valid LLMService of the pool that the placement in effect leaves out, and why."""
+
+    name: str = Field(description="LLMService name.")
+    reason: str = Field(description="Unplaceable, PoolFull or CannotShareGroup.")
+    message: str = Field(description="What is short, and how to fix it.")
+
+
+class RetiringGroup(ApiModel):
+    """A group of an earlier placement that keeps serving until the groups taking over its services are
+    ready (or the handover times out)."""
+
+    name: str = Field(description="Group name.")
+    services: list[str] = Field(default_factory=list, description="LLMServices its pods serve.")
+    waiting_for: list[str] = Field(
+        default_factory=list, description="Groups of the placement in effect not all ready yet."
+    )
+    since: datetime = Field(description="When the placement in effect stopped including it.")
+
+
 class PlacementPlan(ApiModel):
     """The placement in effect."""
 
@@ -391,6 +419,17 @@ class PlacementPlan(ApiModel):
         ge=0,
         description="Mean normalized latency (latency / isolated execution time) the placement simulator "
         "predicted (M_est).",
+    )
+    unplaced: list[UnplacedService] = Field(
+        default_factory=list,
+        description="The pool's valid LLMServices it cannot place (each also says so in its Placed "
+        "condition); the others are placed.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    retiring: list[RetiringGroup] = Field(
+        default_factory=list,
+        description="Groups an earlier placement had, serving until their services' new groups are ready.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
 
 

@@ -378,9 +378,9 @@ def plan_seallm(
     M_est. ``stats`` are the services' L̂_s / Var_s (the service monitor's); default: from the history.
     ``k_choices``: the K_max values of the candidate set (our reading of SeaLLM §4.1: {1, 2}).
 
-    Least churn (CHOICE): if ``previous`` still places every service and the best new plan is not better
-    by more than ``keep_margin`` attainment (or 2 % L_N at equal attainment), both scored the same way,
-    the previous plan stays."""
+    Least churn (CHOICE): if ``previous`` still places every service, its groups still fit in memory (the
+    specs may have changed), and the best new plan is not better by more than ``keep_margin`` attainment
+    (or 2 % L_N at equal attainment), both scored the same way, the previous plan stays."""
     validate_services(pool, services)
     if not services:
         return PlacementPlan(strategy="seallm", groups=())
@@ -421,7 +421,10 @@ def plan_seallm(
         and within_replica_caps(previous, services)
     ):
         prev_groups = groups_of_plan(previous)
-        if sum(g.tp for g in prev_groups) <= pool.max_gpus:
+        by_name = {s.name: s for s in services}
+        if sum(g.tp for g in prev_groups) <= pool.max_gpus and all(
+            fits(pool, [by_name[n] for n in g.services], g.tp) for g in prev_groups
+        ):
             try:
                 prev = score(prev_groups)
             except ValueError:

@@ -14,10 +14,19 @@ from typing import Any
 
 from tessera.api import LLMService, RequestClass, RequestClassSpec, ServingPool, SpecError, parse_document
 from tessera.api.worker_config import WorkerConfig
-from tessera.control.children import ChildError, desired_children, group_configs
+from tessera.control.children import (
+    GROUP_LABEL,
+    SERVES_PREFIX,
+    ChildError,
+    desired_children,
+    group_configs,
+    owner_reference,
+    worker_config,
+    worker_engine,
+)
 from tessera.control.inputs import ServiceLoad, chiron_settings, pool_input, service_inputs, service_load
 from tessera.control.metrics_queries import ModelLoad
-from tessera.control.placement import PlacementError, plan_placement
+from tessera.control.placement import PlacementError, plan_placement, validate_services
 from tessera.core.planners import (
     ChironSettings,
     GroupPlan,
@@ -25,6 +34,7 @@ from tessera.core.planners import (
     RoleCounts,
     ServiceInput,
 )
+from tessera.core.planners.naming import group_name
 
 # Reasons used in conditions and events.
 INVALID_SPEC = "InvalidSpec"
@@ -32,6 +42,11 @@ CLASS_NOT_FOUND = "RequestClassNotFound"
 POOL_NOT_FOUND = "PoolNotFound"
 PLACEMENT_FAILED = "PlacementFailed"
 DUPLICATE_MODEL = "DuplicateModel"
+# Reasons of a valid service the pool cannot place (the others are placed without it).
+UNPLACEABLE = "Unplaceable"  # fits no instance of the pool, or its group's pods cannot be built
+POOL_FULL = "PoolFull"  # the pool's GPU budget holds the older services only
+CANNOT_SHARE = "CannotShareGroup"  # fine alone, but not in the group the planner put it in
+PLACEMENT_REASONS = frozenset({UNPLACEABLE, POOL_FULL, CANNOT_SHARE})
 
 
 def spec_only(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -78,6 +93,11 @@ class Problem:
         """Whether the object's own spec is at fault (the Invalid condition)."""
         return self.reason == INVALID_SPEC
 
+    @property
+    def unplaced(self) -> bool:
+        """Whether a valid service was left out of its pool's placement (the pool places the others)."""
+        return self.reason in PLACEMENT_REASONS
+
 
 def parse_classes(
     bodies: Iterable[Mapping[str, Any]],
@@ -104,9 +124,10 @@ class PoolDesired:
     """What a pool reconcile should make true."""
 
     pool: ServingPool
-    services: dict[str, LLMService]  # the pool's valid services, placed by ``plan``
+    services: dict[str, LLMService]  # the pool's services placed by ``plan`` (valid and placeable)
     classes: dict[str, RequestClassSpec]
-    rejected: dict[str, Problem] = field(default_factory=dict)  # the pool's services left out, by name
+    # The pool's services left out, by name: invalid ones and those the pool cannot place.
+    rejected: dict[str, Problem] = field(default_factory=dict)
     plan: PlacementPlan | None = None
     placement_problem: str | None = None
     children: list[dict[str, Any]] = field(default_factory=list)
@@ -291,16 +312,20 @@ def desired_pool(
     replan: bool = True,
     measured: Mapping[str, ModelLoad] | None = None,
     window_s: float | None = None,
+    unplaced: Mapping[str, Problem] | None = None,
 ) -> PoolDesired | Problem:
     """Decide a pool: its valid services, the placement plan and the children it should own.
 
     With ``replan`` false and a plan in effect, that plan stays (planning can be costly: SeaLLM
-    simulates); the caller replans when the inputs change or the re-placement interval is due.
+    simulates), and ``unplaced`` (the placement problems found when it was made, by service name) still
+    explain the valid services it leaves out; the caller replans when the inputs change or the
+    re-placement interval is due.
     ``measured`` are the loads the workers reported by model name; services without one are planned
     for their declared or default load over ``window_s`` seconds (default: the pool's first
     re-placement interval).
+    A service the pool cannot place is left out with its own problem (``place``); the others are placed.
     Returns a Problem (reason InvalidSpec) when the pool's own spec is invalid: nothing is created.
-    When no placement exists, the plan in effect stays (``placement_problem`` says why).
+    When the pool as a whole cannot be built, the plan in effect stays (``placement_problem`` says why).
     """
     try:
         pool = parse(pool_body)
@@ -312,23 +337,24 @@ def desired_pool(
     services, rejected = pool_services(pool.name, service_bodies, classes)
     try:
         if not replan and previous is not None:
+            placed = {s for g in previous.groups for s in g.services}
+            left_out = {n: p for n, p in (unplaced or {}).items() if n in services and n not in placed}
+            rejected.update(left_out)
+            services = {n: s for n, s in services.items() if n not in left_out}
             configs = group_configs(pool, previous.groups, services, classes)
             children = desired_children(pool, previous.groups, services, configs, namespace)
             return PoolDesired(pool, services, classes, rejected, previous, None, children, configs)
+        # Faults of the pool's own spec would fail every group: the pool reports them, not its services.
+        worker_engine(pool)
+        owner_reference(pool)
         window = window_s or pool.spec.placement.replacement_interval.initial_seconds
         loads = {
             name: service_load(service, (measured or {}).get(service.spec.model.name), window)
             for name, service in services.items()
         }
-        planned = service_inputs(pool, services.values(), loads, classes)
-        plan = plan_placement(
-            pool_input(pool),
-            planned,
-            strategy=pool.spec.placement.strategy,
-            now=now,
-            previous=previous,
-        )
-        plan = carry_counts(pool, plan, previous)
+        plan, planned, left_out = place(pool, services, classes, loads, previous, now, namespace)
+        rejected.update(left_out)
+        services = {n: s for n, s in services.items() if n not in left_out}
         configs = group_configs(pool, plan.groups, services, classes)
         children = desired_children(pool, plan.groups, services, configs, namespace)
     except (PlacementError, ChildError, ValueError) as err:
@@ -341,3 +367,145 @@ def desired_pool(
         return PoolDesired(pool, services, classes, rejected, kept, str(err), children, configs)
     inputs = {s.name: s for s in planned}
     return PoolDesired(pool, services, classes, rejected, plan, None, children, configs, loads, inputs)
+
+
+def place(
+    pool: ServingPool,
+    services: Mapping[str, LLMService],
+    classes: Mapping[str, RequestClassSpec],
+    loads: Mapping[str, ServiceLoad],
+    previous: PlacementPlan | None,
+    now: float,
+    namespace: str,
+) -> tuple[PlacementPlan, list[ServiceInput], dict[str, Problem]]:
+    """The plan of every service the pool can place, their planner inputs, and the problem of each
+    service left out.
+
+    ``services`` are in age order (``pool_services``). A service is left out when it fits no instance of
+    the pool alone (``UNPLACEABLE``), when a plan exists only without it, the newest, as for a model name
+    (``POOL_FULL``), or when a group the planner gave it cannot be built: alone (``UNPLACEABLE``) or
+    beside the group's older services (``CANNOT_SHARE``, the newest of the group leaves). Each leaving
+    service re-plans the rest, so one bad spec never takes the others down."""
+    gpu = pool_input(pool)
+    left_out: dict[str, Problem] = {}
+    inputs: dict[str, ServiceInput] = {}
+    for name, service in services.items():
+        try:
+            (one,) = service_inputs(pool, [service], {name: loads[name]}, classes)
+            validate_services(gpu, [one])
+        except ValueError as err:  # PlacementError included
+            left_out[name] = Problem(UNPLACEABLE, str(err))
+            continue
+        inputs[name] = one
+    while True:
+        planned = sorted(inputs.values(), key=lambda s: s.name)  # plans must not depend on listing order
+        try:
+            plan = plan_placement(
+                gpu, planned, strategy=pool.spec.placement.strategy, now=now, previous=previous
+            )
+        except PlacementError as err:
+            *older, newest = inputs  # a plan of no service always exists
+            left_out[newest] = Problem(
+                POOL_FULL,
+                f"ServingPool {pool.name!r} cannot place it beside the older services {older}: {err}",
+            )
+            del inputs[newest]
+            continue
+        plan = carry_counts(pool, plan, previous)
+        blamed: dict[str, Problem] = {}
+        for group in plan.groups:
+            blamed.update(_group_fault(pool, group, services, classes, namespace))
+        if not blamed:
+            return plan, planned, left_out
+        left_out.update(blamed)
+        for name in blamed:
+            del inputs[name]
+
+
+def _group_fault(
+    pool: ServingPool,
+    group: GroupPlan,
+    services: Mapping[str, LLMService],
+    classes: Mapping[str, RequestClassSpec],
+    namespace: str,
+) -> dict[str, Problem]:
+    """The services to leave out because ``group``'s objects cannot be built (none when they can)."""
+
+    def fault(candidate: GroupPlan) -> str | None:
+        try:
+            config = worker_config(pool, candidate, services, classes)
+            desired_children(pool, [candidate], services, {candidate.name: config}, namespace)
+        except ChildError as err:
+            return str(err)
+        return None
+
+    error = fault(group)
+    if error is None:
+        return {}
+    alone = {
+        name: fault(GroupPlan(group_name((name,), group.tp), (name,), group.tp, RoleCounts(interactive=1)))
+        for name in group.services
+    }
+    blamed = {n: Problem(UNPLACEABLE, e) for n, e in alone.items() if e is not None}
+    if blamed:
+        return blamed
+    newest = max(group.services, key=list(services).index)
+    older = [n for n in group.services if n != newest]
+    message = f"it cannot share placement group {group.name!r} with {older}: {error}"
+    return {newest: Problem(CANNOT_SHARE, message)}
+
+
+@dataclass(frozen=True, slots=True)
+class Retiring:
+    """A group the plan in effect no longer has, whose objects still exist: it keeps serving while the
+    plan's groups that take over its services start (``waiting_for``), unless ``timed_out``."""
+
+    group: str
+    services: tuple[str, ...]  # the LLMServices its pods serve
+    waiting_for: tuple[str, ...]  # the plan's groups serving some of them, not all ready yet
+    since: float  # when it left the plan
+    timed_out: bool
+
+    @property
+    def held(self) -> bool:
+        """Whether its objects stay this pass (else they are deleted and its pods drain)."""
+        return bool(self.waiting_for) and not self.timed_out
+
+
+def retiring_groups(
+    plan: PlacementPlan,
+    observed: Iterable[Mapping[str, Any]],
+    since: Mapping[str, float],
+    now: float,
+    timeout_s: float,
+) -> list[Retiring]:
+    """The observed groups (their StatefulSets) that ``plan`` no longer has, sorted by name.
+
+    A moved service's old group keeps serving until every group of ``plan`` that serves it reports all
+    its replicas ready, so its requests always find a ready pod (make before break); it is released at
+    once when none of its services is in ``plan`` any more, and after ``timeout_s`` seconds from when it
+    left the plan (``since`` by group name; ``now`` when not known) in any case."""
+    current = {g.name for g in plan.groups}
+    ready: dict[str, int] = {}
+    retired: dict[str, tuple[str, ...]] = {}
+    for obj in observed:
+        meta = obj.get("metadata") or {}
+        group = (meta.get("labels") or {}).get(GROUP_LABEL)
+        if obj.get("kind") != "StatefulSet" or group is None or meta.get("deletionTimestamp"):
+            continue
+        ready[group] = int((obj.get("status") or {}).get("readyReplicas") or 0)
+        if group not in current:
+            labels = ((obj.get("spec") or {}).get("template") or {}).get("metadata", {}).get("labels") or {}
+            retired[group] = tuple(
+                sorted(k[len(SERVES_PREFIX) :] for k in labels if k.startswith(SERVES_PREFIX))
+            )
+    out = []
+    for group, services in sorted(retired.items()):
+        waiting = tuple(
+            g.name
+            for g in plan.groups
+            if set(g.services) & set(services) and ready.get(g.name, 0) < g.replicas.total
+        )
+        start = since.get(group, now)
+        out.append(Retiring(group, services, waiting, start, now - start >= timeout_s))
+    return out
