@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from tessera.core.activation import IdlePolicy, unit_idle_after
 from tessera.local.control_plane import LocalGroup, LocalInstance
-from tessera.local.supervisor import Supervisor, WorkerProcess, WorkerStartError
+from tessera.local.supervisor import Supervisor, WorkerStartError
 from tessera.router.app import RouterState
 
 
@@ -86,24 +86,20 @@ class LocalActuator:
         await asyncio.to_thread(self.supervisor.stop, workers)
 
     async def wake(self, unit: str) -> None:
-        """Start the group's instances again and put them in the router once ready; WorkerStartError
-        (with the worker's log tail) when one does not start."""
+        """Start the group's instances again; returns once the first is ready and in the router (the
+        others join the rotation when the router's poll sees them ready). WorkerStartError (with a
+        worker's log tail) when none starts."""
         group = self._group(unit)
         started = [self.supervisor.launch(i) for i in self._parked[unit]]
+        deadline = time.monotonic() + self.ready_timeout_s
         try:
-            await asyncio.to_thread(self._wait_ready, started)
+            first = await asyncio.to_thread(self.supervisor.wait_first_ready, started, deadline)
         except WorkerStartError:
             await asyncio.to_thread(self.supervisor.stop, started)
             raise
         for model in group.config.models:
             self.router.dormant.pop(model.name, None)
         self._refresh_router()
-        for w in started:
-            self.router.set_health(w.instance.name, True)
+        self.router.set_health(first.instance.name, True)
         self.asleep.discard(unit)
         self._parked.pop(unit, None)
-
-    def _wait_ready(self, workers: list[WorkerProcess]) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        for w in workers:
-            self.supervisor.wait_ready(w, deadline)

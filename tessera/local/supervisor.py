@@ -92,20 +92,29 @@ class Supervisor:
 
     def wait_ready(self, worker: WorkerProcess, deadline: float) -> None:
         """Block until the worker answers /ready; WorkerStartError if it exits or time runs out."""
-        while time.monotonic() < deadline:
-            assert worker.proc is not None
-            if worker.proc.poll() is not None:
+        self.wait_first_ready([worker], deadline)
+
+    def wait_first_ready(self, workers: list[WorkerProcess], deadline: float) -> WorkerProcess:
+        """Block until one of ``workers`` answers /ready and return it; WorkerStartError (with a log's
+        tail) when every one has exited or time runs out."""
+        while True:
+            live = [w for w in workers if w.proc is not None and w.proc.poll() is None]
+            if not live:
+                worker = workers[0]
+                assert worker.proc is not None
                 raise WorkerStartError(
                     f"worker {worker.instance.name} exited with code {worker.proc.returncode} while "
                     f"starting (log {worker.log_path}):\n{worker.log_tail()}"
                 )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{worker.url}/ready", timeout=2.0).status_code == 200:
-                    return
+            for worker in live:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{worker.url}/ready", timeout=2.0).status_code == 200:
+                        return worker
+            if time.monotonic() >= deadline:
+                worker = live[0]
+                raise WorkerStartError(f"worker {worker.instance.name} not ready in time (log "
+                                       f"{worker.log_path}):\n{worker.log_tail()}")  # fmt: skip
             time.sleep(0.25)
-        raise WorkerStartError(
-            f"worker {worker.instance.name} not ready in time (log {worker.log_path}):\n{worker.log_tail()}"
-        )
 
     def start_all(self, instances: list[LocalInstance] | tuple[LocalInstance, ...], timeout_s: float) -> None:
         """Launch every instance's worker and wait until all are ready (stopping all on failure)."""
