@@ -129,7 +129,15 @@ class Kube:
             except client.ApiException as error:
                 if error.status != 409:
                     raise
-        self.patch_child(namespace, action.kind, action.name, body)
+        try:
+            self.patch_child(namespace, action.kind, action.name, body)
+        except client.ApiException as error:
+            if error.status != 404:
+                raise
+            # Deleted since it was seen (another pool's pass released it, e.g. a moved service's
+            # endpoint): create it, or this pass fails and nothing retries it until the next mark.
+            call = self._child_call(action.kind, "create")
+            self._retry(what, lambda: call(namespace=namespace, body=body, _preload_content=False))
 
     def patch_child(self, namespace: str, kind: str, name: str, body: Mapping[str, Any]) -> None:
         """JSON merge patch of one child: the operator owns its fields and lists whole."""

@@ -275,6 +275,16 @@ def test_permanent_errors_raise_and_create_conflict_becomes_patch() -> None:
     assert patched.calls == 1
 
 
+def test_a_child_deleted_between_create_and_patch_is_created() -> None:
+    """Another pool's pass may delete an object (a moved service's endpoint) after this one met it."""
+    kube = Kube(client.ApiClient(), attempts=3, sleep=lambda _: None)
+    created = _Flaky([409])
+    kube.core.create_namespaced_service = created
+    kube.core.patch_namespaced_service = _Flaky([404])
+    kube.apply("ns", Action("create", "Service", "s", {"metadata": {"name": "s"}}))
+    assert created.calls == 2
+
+
 async def test_marks_before_a_pool_wakes_cost_one_pass_and_other_pools_are_not_held_up() -> None:
     """A burst of marks for one pool wakes its daemon once; an unmarked pool's wait runs out, and a
     stopping daemon wakes at once."""
