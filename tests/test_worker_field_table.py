@@ -190,7 +190,7 @@ TABLE: tuple[Row, ...] = (
     Row("LLMService.spec.model.volume.claimName", "pod:volumes",
         (("LLMService", "spec.model.volume", {"claimName": "w2", "path": "/llama"}),),
         base=(("LLMService", "spec.model.volume", {"claimName": "w1", "path": "/llama"}),),
-        honoured="vLLM container's weights volume"),
+        honoured="the engine container's weights volume"),
     Row("LLMService.spec.model.volume.path", "vllm:--model",
         (("LLMService", "spec.model.volume", {"claimName": "w1", "path": "/other"}),),
         base=(("LLMService", "spec.model.volume", {"claimName": "w1", "path": "/llama"}),),

@@ -124,7 +124,7 @@ HEALTH_CHECK = (
 WORKER_REQUESTS = {"cpu": "500m", "memory": "1Gi"}  # the worker process, its predictor included
 WORKER_LIMITS = {"memory": "4Gi"}
 # ServingPool annotation selecting the workers' engine: "vllm" (default) or "sim" (simulated engine,
-# no vLLM containers; the worker container takes the GPUs) for clusters without GPUs (e2e on kind).
+# no engine container; the worker container takes the GPUs) for clusters without GPUs (e2e on kind).
 ENGINE_ANNOTATION = "tessera.dev/engine"
 # Pod-template annotation: a hash of what a running worker cannot take from its hot-reloaded ConfigMap.
 RESTART_HASH_ANNOTATION = "tessera.dev/restart-hash"
