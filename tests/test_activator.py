@@ -185,7 +185,7 @@ async def test_a_full_hold_queue_answers_429_and_the_deadline_503_with_retry_aft
             assert full.json()["error"]["code"] == "activator_queue_full" and "Retry-After" in full.headers
             start = time.monotonic()
             late = await asyncio.gather(*held)  # the wake-up never ends here: both reach the deadline
-            assert 1.0 <= time.monotonic() - start <= 3.0
+            assert 1.0 <= time.monotonic() - start <= 6.0  # 1.5 s, with room for a loaded machine
             for answer in late:
                 assert answer.status_code == 503
                 error = answer.json()["error"]
