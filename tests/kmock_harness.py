@@ -215,8 +215,9 @@ class Harness:
         response = await self.session.get(self.url + f"/api/v1/namespaces/{namespace}/events")
         return (await response.json()).get("items", [])
 
-    async def eventually(self, check: Callable[[], Any], timeout: float = 15.0) -> Any:
-        """Poll the async ``check`` until it returns a truthy value; fail with its last value."""
+    async def eventually(self, check: Callable[[], Any], timeout: float = 45.0) -> Any:
+        """Poll the async ``check`` until it returns a truthy value; fail with its last value. The default
+        timeout is generous: a pass makes several API calls, each slow on a loaded 2-core machine."""
         deadline = time.monotonic() + timeout
         value = None
         while time.monotonic() < deadline:
