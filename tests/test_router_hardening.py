@@ -346,6 +346,35 @@ def test_a_stream_the_worker_ends_with_an_error_event_counts_as_a_failure() -> N
     assert f'tessera_router_requests_total{{code="502",kind="interactive",model="{MODEL}"}} 1.0' in metrics
 
 
+def test_a_draining_worker_s_refusal_is_retried_on_another_instance() -> None:
+    # A pod whose group a re-placement removes drains: it refuses new requests with 503 "draining"
+    # until the readiness poll takes it out; the router sends them elsewhere, so none is dropped.
+    calls: list[str] = []
+    answer = {"choices": [{"text": "a", "finish_reason": "length"}], "usage": {"completion_tokens": 1}}
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/ready":
+            return httpx.Response(200, json={"ready": True})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="")
+        calls.append(request.url.host)
+        if request.url.host == "w0":
+            refusal = {"error": {"message": "shutting down", "type": "server_error", "code": "draining"}}
+            return httpx.Response(503, json=refusal)
+        return httpx.Response(200, json=answer)
+
+    backends = [
+        Backend(name=i.name, url=f"http://w{n}", role=i.role, config=i.config)
+        for n, i in enumerate(PLAN.instances)
+    ]
+    client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    app = create_router_app(RouterState(backends), poll_interval_s=3600.0, client=client)
+    with TestClient(app) as http:
+        codes = [http.post("/v1/completions", json=BODY).status_code for _ in range(4)]
+    assert codes == [200] * 4, calls
+    assert calls.count("w0") == 1, calls  # it was tried, then left out
+
+
 # API keys. ------------------------------------------------------------------------------------------
 
 KEYS = """

@@ -153,6 +153,11 @@ async def send(state: RouterState, metrics: RouterMetrics, clients: UpstreamClie
                 kept_open = True
                 return Answer(load, response, streaming=True, prompt_tokens=up.prompt_tokens)
             await response.aread()  # an answer in one piece (errors included) is relayed in one piece
+            if response.status_code == 503 and _draining(response):
+                # A pod being replaced finishes its requests but takes no new one: another instance
+                # does (the next readiness poll would take the pod out of the rotation too).
+                state.set_health(load.instance, False)
+                continue
         except (httpx.ConnectError, httpx.ConnectTimeout):
             state.set_health(load.instance, False)  # not reachable: out until a poll sees it ready
             metrics.upstream_failures.labels(load.instance).inc()
@@ -173,6 +178,15 @@ async def send(state: RouterState, metrics: RouterMetrics, clients: UpstreamClie
                 if response is not None:
                     await response.aclose()
         return Answer(load, response, streaming=False)
+
+
+def _draining(response: httpx.Response) -> bool:
+    """Whether a worker's answer says it is shutting down (its error code ``draining``)."""
+    try:
+        error = response.json().get("error")
+    except ValueError:
+        return False
+    return isinstance(error, dict) and error.get("code") == "draining"
 
 
 async def relay_events(
