@@ -1,7 +1,7 @@
 """What real clients send, through the router to sim workers, with the official `openai` client:
-content parts, developer and tool messages, n > 1, logprobs, echo and JSON mode are served; features
-this worker does not serve yet (function calling) are refused with a 400 that names the field and the
-reason (never dropped silently)."""
+content parts, developer and tool messages, n > 1, logprobs, echo, JSON mode and forced tool calls are
+served; what this worker does not serve (tool_choice auto) is refused with a 400 that names the field
+and the reason (never dropped silently)."""
 
 from __future__ import annotations
 
@@ -63,11 +63,16 @@ async def test_openai_client_request_shapes_through_the_router(tmp_path: Path) -
             assert completion.choices[0].text.startswith("Say")
             with_lp = await client.completions.create(model=MODEL, prompt="Say", max_tokens=2, logprobs=1)
             assert len(with_lp.choices[0].logprobs.tokens) == 2
-            with pytest.raises(openai.BadRequestError, match="tools"):
+            tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+            called = await client.chat.completions.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}], tools=tools,
+                tool_choice={"type": "function", "function": {"name": "f"}},
+            )  # fmt: skip
+            assert called.choices[0].message.tool_calls[0].function.name == "f"
+            with pytest.raises(openai.BadRequestError, match="tool_choice 'auto'"):
                 await client.chat.completions.create(
-                    model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
-                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                )  # fmt: skip
+                    model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}], tools=tools
+                )
             with pytest.raises(openai.BadRequestError, match="text only"):
                 await client.chat.completions.create(
                     model=MODEL, max_tokens=2,

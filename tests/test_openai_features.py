@@ -183,11 +183,108 @@ async def test_echo_prepends_the_prompt_text() -> None:
         assert "".join(ch["text"] for e in events for ch in e["choices"]) == echoed
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+PARIS = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def _named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+async def test_forced_tool_calls_are_generated_under_their_schema_and_returned_as_calls() -> None:
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": PARIS}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "user", "content": "And Rome?"},
+    ]  # fmt: skip
+    body = {"model": "m", "max_tokens": 4, "messages": history, "tools": TOOLS}
+    async with _worker() as (c, worker):
+        sched = worker.schedulers["m"]
+        named = asyncio.create_task(
+            c.post("/v1/chat/completions", json={**body, "tool_choice": _named("get_weather")})
+        )
+        while not sched.inflight:
+            await asyncio.sleep(0.002)
+        job = next(iter(sched.inflight))
+        schema = TOOLS[0]["function"]["parameters"]
+        assert job.pinned and job.sampling["response_format"]["json_schema"]["schema"] == schema
+        answer = (await named).json()
+        forced = {**body, "tool_choice": _named("get_weather")}
+        streamed = _events(await c.post("/v1/chat/completions", json={**forced, "stream": True}))
+        required = (await c.post("/v1/chat/completions", json={**body, "tool_choice": "required"})).json()
+        none = (await c.post("/v1/chat/completions", json={**body, "tool_choice": "none"})).json()
+    prompt = _tokens(
+        "tools: get_weather\nuser: Weather in Paris?\nassistant: \ntool: sunny\nuser: And Rome?\nassistant:"
+    )
+    assert answer["usage"]["prompt_tokens"] == len(prompt)  # the tools were rendered with the conversation
+    choice = answer["choices"][0]
+    call = choice["message"]["tool_calls"][0]
+    text = "".join(f" t{t}" for t in _expected(prompt, 4))  # the sim model's text: the call's arguments
+    assert call["type"] == "function" and call["function"] == {"name": "get_weather", "arguments": text}
+    assert choice["message"]["content"] == "" and choice["finish_reason"] == "length"
+    deltas = [
+        ch["delta"]["tool_calls"][0] for e in streamed for ch in e["choices"] if ch["delta"].get("tool_calls")
+    ]
+    assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["id"].startswith("chatcmpl-tool-")
+    assert "".join(d["function"]["arguments"] for d in deltas) == text
+    # 'required' reads a JSON array of calls; the sim model's text is none, so there are no calls
+    assert required["choices"][0]["message"]["tool_calls"] == []
+    assert (
+        none["choices"][0]["message"]["content"] == text and "tool_calls" not in none["choices"][0]["message"]
+    )
+
+
+def test_required_tool_calls_are_read_as_vllm_reads_them() -> None:
+    from tessera.worker.server.app import _Render
+    from tessera.worker.server.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+         "tool_choice": "required", "parallel_tool_calls": False}
+    )  # fmt: skip
+    schema = body.tool_schema()
+    assert (
+        schema is not None
+        and schema["maxItems"] == 1
+        and schema["items"]["anyOf"][0]["required"]
+        == [
+            "name",
+            "parameters",
+        ]
+    )
+    render = _Render(True, body, "")
+    render.texts[0] = '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'
+    assert [c["function"] for c in render.calls(0)] == [
+        {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    ]
+    assert render.finish("stop") == "tool_calls" and render.finish("length") == "length"
+
+
 @pytest.mark.parametrize(
     ("path", "extra", "named"),
     [
-        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "'auto'"),
+        ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "auto"}, "tool parser"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice needs tools"),
+        ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": _named("nope")}, "'nope', which is not in"),
+        ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "send tools and tool_choice"),
+        ("/v1/completions", {"tools": TOOLS}, "served on /v1/chat/completions"),
         ("/v1/chat/completions", {"echo": True}, "echo is served on /v1/completions only"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

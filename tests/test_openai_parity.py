@@ -233,3 +233,23 @@ async def test_logprobs_of_a_preempted_request_are_vllms_own_uninterrupted_ones(
     async with httpx.AsyncClient(timeout=120) as direct:
         want = normalize(COMPLETIONS, await direct.post(f"{vllm_server.url}{COMPLETIONS}", json=body))
     assert_same(got, want, "preempted")
+
+
+@pytest.mark.integration
+def test_a_named_tool_call_is_what_vllm_generates_under_the_same_schema(
+    vllm_server: VLLMServer, vllm_worker: WorkerChild
+) -> None:
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    body = {"model": TINY_MODEL_NAME, "max_tokens": 16, "temperature": 0, "tools": tools,
+            "messages": [{"role": "user", "content": "Weather in Paris?"}]}  # fmt: skip
+    forced = {**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    got = httpx.post(f"{vllm_worker.url}{CHAT}", json=forced, timeout=120).json()["choices"][0]
+    # vLLM's own named tool_choice needs a tool parser (--enable-auto-tool-choice); the same grammar
+    # through response_format, with the tools rendered (tool_choice none), is what the worker sends.
+    fmt = {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": params}}
+    plain = {**body, "tool_choice": "none", "response_format": fmt}
+    want = httpx.post(f"{vllm_server.url}{CHAT}", json=plain, timeout=120).json()["choices"][0]
+    call = got["message"]["tool_calls"][0]["function"]
+    assert call == {"name": "get_weather", "arguments": want["message"]["content"]}
+    assert got["finish_reason"] == want["finish_reason"]

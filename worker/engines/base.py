@@ -99,8 +99,11 @@ class Engine(ABC):
         """Token ids of a completion prompt (with the model's special tokens)."""
 
     @abstractmethod
-    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of a chat conversation rendered by the model's chat template."""
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a chat conversation rendered by the model's chat template (with the tool
+        definitions given, OpenAI's shape)."""
 
     @abstractmethod
     async def detokenize(self, ids: list[int]) -> str:

@@ -133,9 +133,14 @@ class SimEngine(Engine):
         """Inverse of ``tokenize``: ids 3-258 are bytes, others (specials, out of range) are left out."""
         return bytes(i - 3 for i in ids if 3 <= i < 259).decode(errors="replace")
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """``role: content`` lines, then ``assistant:``, tokenized like ``tokenize``."""
-        text = "".join(f"{m.get('role')}: {m.get('content')}\n" for m in messages) + "assistant:"
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """``role: content`` lines, then ``assistant:``, tokenized like ``tokenize``; tools first, as a
+        ``tools:`` line of their names."""
+        text = "".join(f"{m.get('role')}: {m.get('content') or ''}\n" for m in messages) + "assistant:"
+        if tools:
+            text = "tools: " + ", ".join(t["function"]["name"] for t in tools) + "\n" + text
         return await self.tokenize(text)
 
     async def stream(self, job: EngineJob) -> AsyncIterator[TokenDelta]:

@@ -147,15 +147,19 @@ class VLLMEngine(Engine):
             return await asyncio.to_thread(lambda: list(tokenizer.encode(text, add_special_tokens=True)))
         return await self._tokenize({"model": self.model, "prompt": text})
 
-    async def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of ``messages`` rendered by the chat template, ready for the assistant's turn
-        (on a thread, as ``tokenize``)."""
+    async def tokenize_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of ``messages`` (and ``tools``) rendered by the chat template, ready for the
+        assistant's turn (on a thread, as ``tokenize``)."""
         tokenizer = self._tokenizer
         if tokenizer is not None:
 
             def render() -> list[int]:
                 try:
-                    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                    text = tokenizer.apply_chat_template(
+                        _template_messages(messages), tools=tools, add_generation_prompt=True, tokenize=False
+                    )
                 except Exception as exc:  # jinja errors: the template rejects these messages
                     raise EngineRejected(
                         f"the chat template of {self.model} rejected the messages: {exc}"
@@ -163,9 +167,8 @@ class VLLMEngine(Engine):
                 return list(tokenizer.encode(text, add_special_tokens=False))
 
             return await asyncio.to_thread(render)
-        return await self._tokenize(
-            {"model": self.model, "messages": messages, "add_generation_prompt": True}
-        )
+        body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
+        return await self._tokenize(body if tools is None else {**body, "tools": tools})
 
     async def detokenize(self, ids: list[int]) -> str:
         """The text of ``ids`` (the local tokenizer, else vLLM's ``/detokenize``)."""
@@ -304,6 +307,24 @@ def _load_tokenizer(path: str, model: str) -> Any:
             f"cannot load the tokenizer of {model} from {path}: {exc}; fix models[].tokenizer or unset "
             "it to tokenize through vLLM's /tokenize"
         ) from exc
+
+
+def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as chat templates take them, as vLLM renders them: the arguments of an assistant's
+    tool calls as objects (OpenAI sends JSON text; unreadable or empty: an empty object)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for call in m["tool_calls"]:
+                try:
+                    args = json.loads(call["function"].get("arguments") or "{}")
+                except json.JSONDecodeError:
+                    args = {}
+                calls.append({**call, "function": {**call["function"], "arguments": args}})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
 
 
 def _logprobs(block: dict[str, Any] | None) -> list[TokenLogprob] | None:

@@ -34,7 +34,12 @@ from tessera.core.request import Request
 from tessera.worker.engines.base import EngineError, TokenDelta
 from tessera.worker.runtime import Worker
 from tessera.worker.scheduler import Job, QueueFull
-from tessera.worker.server.schemas import AdminReloadResult, ChatCompletionRequest, CompletionRequest
+from tessera.worker.server.schemas import (
+    AdminReloadResult,
+    ChatCompletionRequest,
+    CompletionRequest,
+    NamedToolChoice,
+)
 
 DISCONNECT_POLL_S = 0.2
 _ERRORS = {
@@ -123,7 +128,11 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
         entry, sched, cls = _route(worker, body.model, http)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        prompt_ids = await _engine_call(sched.engine.tokenize_chat(messages))
+        tools = body.tool_dicts()
+        rendered = (
+            sched.engine.tokenize_chat(messages, tools) if tools else sched.engine.tokenize_chat(messages)
+        )
+        prompt_ids = await _engine_call(rendered)
         max_tokens = (
             body.max_tokens or body.max_completion_tokens or max(1, entry.max_model_len - len(prompt_ids))
         )
@@ -312,21 +321,65 @@ class _Render:
         self.echo = echo
         self.token_ids = body.return_token_ids
         self.offsets = [len(echo)] * body.n
+        # A forced tool call: the function's name (named), or "" ('required': a JSON array of calls).
+        self.forced: str | None = None
+        if isinstance(body, ChatCompletionRequest) and body.tool_schema() is not None:
+            choice = body.tool_choice
+            self.forced = choice.function.name if isinstance(choice, NamedToolChoice) else ""
+        self.texts = [""] * body.n  # each choice's text so far (forced calls)
+        self.call_ids = [f"chatcmpl-tool-{uuid.uuid4().hex[:24]}" for _ in range(body.n)]
 
     def choice(self, index: int, delta: TokenDelta, finish: str | None, *, stream: bool) -> dict[str, Any]:
         """One choice of a non-streamed answer (the whole output) or of a chunk (a delta)."""
         out: dict[str, Any] = {
             "index": index,
-            "finish_reason": finish,
+            "finish_reason": self.finish(finish),
             "logprobs": self.logprobs(index, delta),
         }
-        if self.chat:
+        if self.chat and self.forced is not None:
+            self.texts[index] += delta.text
+            if not stream:
+                calls = self.calls(index)
+                out["message"] = {"role": "assistant", "content": "", "tool_calls": calls}
+            elif self.forced and delta.text:  # a named call's arguments stream as they come
+                first = len(self.texts[index]) == len(delta.text)
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": delta.text}}
+                if first:
+                    call.update(id=self.call_ids[index], type="function")
+                    call["function"] = {"name": self.forced, "arguments": delta.text}
+                out["delta"] = {"tool_calls": [call]}
+            else:  # 'required': the calls leave whole at the end (``calls``)
+                out["delta"] = {}
+        elif self.chat:
             out["delta" if stream else "message"] = (
                 {"content": delta.text} if stream else {"role": "assistant", "content": delta.text}
             )
         else:
             out["text"] = delta.text if stream else self.echo + delta.text
         return out
+
+    def finish(self, reason: str | None) -> str | None:
+        """The finish reason the client sees: 'tool_calls' for a 'required' call that ended by itself
+        (a named one keeps 'stop', as OpenAI and vLLM answer)."""
+        return "tool_calls" if self.forced == "" and reason == "stop" else reason
+
+    def calls(self, index: int) -> list[dict[str, Any]]:
+        """The forced tool calls in a choice's text, as vLLM reads them: a named call's arguments are the
+        text; 'required' text is a JSON array of ``{name, parameters}`` (none when it does not parse)."""
+        text = self.texts[index]
+        if self.forced:
+            found = [(self.forced, text)] if text.strip() else []
+        else:
+            try:
+                items = json.loads(text)
+                found = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items]
+            except (ValueError, TypeError, KeyError):
+                found = []
+        return [
+            {"id": self.call_ids[index] if i == 0 else f"chatcmpl-tool-{uuid.uuid4().hex[:24]}",
+             "type": "function", "function": {"name": name, "arguments": args}}
+            for i, (name, args) in enumerate(found)
+        ]  # fmt: skip
 
     def logprobs(self, index: int, delta: TokenDelta) -> dict[str, Any] | None:
         """The delta's log probabilities: chat's ``content`` list, or the completions' four lists."""
@@ -481,7 +534,11 @@ async def _sse(
             yield f"data: {json.dumps(_job_error(failed).body())}\n\n"
         else:
             for i, job in enumerate(jobs):
-                end: dict[str, Any] = {"index": i, "finish_reason": job.finish_reason, "logprobs": None}
+                if render.forced == "":  # 'required': the calls, whole, once the text is complete
+                    calls = [{"index": k, **c} for k, c in enumerate(render.calls(i))]
+                    yield chunk([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}])
+                end: dict[str, Any] = {"index": i, "finish_reason": render.finish(job.finish_reason)}
+                end["logprobs"] = None
                 end["delta" if chat else "text"] = {} if chat else ""
                 yield chunk([end])
             if include_usage:

@@ -35,20 +35,20 @@ def _utf8(value: str) -> str:
     return value
 
 
-# Fields of the OpenAI API this worker does not serve yet, with the reason: refused by name rather
+# Fields of the OpenAI API this worker does not serve (yet), with the reason: refused by name rather
 # than rejected as unknown or dropped.
-CALLING = (
-    "function calling is not supported by this worker yet (the tool-call parsers are vLLM's own, which "
-    "the worker does not run)"
-)
 UNSUPPORTED = {
-    "tools": CALLING,
-    "tool_choice": CALLING,
-    "functions": CALLING,
-    "function_call": CALLING,
     "best_of": "best_of is not supported by this worker (send n for several choices)",
     "logit_bias": "logit_bias is not supported by this worker yet",
 }
+LEGACY_FUNCTIONS = "the deprecated functions/function_call are not served: send tools and tool_choice"
+CHAT_ONLY = "function calling is served on /v1/chat/completions"
+AUTO_TOOLS = (
+    "tool_choice 'auto' (the default when tools are given) is not served by this worker: the model's own "
+    "tool-call format would have to be parsed back by vLLM's tool parser for this model, which the worker "
+    "does not run; send tool_choice 'required' or {'type': 'function', 'function': {'name': ...}} (the "
+    "call is then generated as JSON under structured outputs), or 'none'"
+)
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_CHOICES = 128
 
@@ -75,6 +75,56 @@ class ResponseFormat(BaseModel):
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema is required with type json_schema, and only with it")
         return self
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: its name, description and JSON schema of its arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """``tools[]``: a function tool."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    """The function a named ``tool_choice`` forces."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    """A call's function: its name and its arguments as JSON text."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """An assistant's tool call (in the conversation's history)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class StreamOptions(BaseModel):
@@ -179,6 +229,10 @@ class CompletionRequest(_Generation):
         default=None, description="Log probabilities of each token and of this many likeliest candidates."
     )
     echo: bool = Field(default=False, description="Prepend the prompt's text to the completion.")
+    _unsupported: ClassVar[dict[str, str]] = {
+        **UNSUPPORTED,
+        **dict.fromkeys(("tools", "tool_choice", "functions", "function_call"), CHAT_ONLY),
+    }
 
     @model_validator(mode="after")
     def _echo_logprobs(self) -> CompletionRequest:
@@ -227,9 +281,13 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str = Field(description="Text, or a list of text parts.")
+    content: str | None = Field(
+        default=None,
+        description="Text, or a list of text parts; may be left out by an assistant's tool calls.",
+    )
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -242,8 +300,8 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _content(cls, value: str) -> str:
-        return _utf8(value)
+    def _content(cls, value: str | None) -> str | None:
+        return None if value is None else _utf8(value)
 
     @model_validator(mode="after")
     def _roles(self) -> ChatMessage:
@@ -251,6 +309,10 @@ class ChatMessage(BaseModel):
             self.role = "system"  # chat templates know "system"; OpenAI treats the two alike
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs tool_call_id (the call it answers)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (it may be left out only by an assistant's tool calls)")
         return self
 
 
@@ -265,8 +327,19 @@ class ChatCompletionRequest(_Generation):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         default=None, description="With logprobs: also this many likeliest candidates per token."
     )
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = Field(
+        default=None, description="Functions the model may call, rendered by the model's chat template."
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        description="'required' or a named function: the call is generated as JSON under structured outputs "
+        "(never preempted, as response_format); 'none': the tools are shown, not called; 'auto' is refused.",
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="False: at most one call (required).")
     _unsupported: ClassVar[dict[str, str]] = {
         **UNSUPPORTED,
+        "functions": LEGACY_FUNCTIONS,
+        "function_call": LEGACY_FUNCTIONS,
         "echo": "echo is served on /v1/completions only",
     }
 
@@ -275,6 +348,70 @@ class ChatCompletionRequest(_Generation):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice(self) -> ChatCompletionRequest:
+        if self.tools is None:
+            if self.tool_choice not in (None, "none"):
+                raise ValueError("tool_choice needs tools (the functions it may call)")
+            return self
+        names = [t.function.name for t in self.tools]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tools: function names must be unique, got {names}")
+        if self.tool_choice in (None, "auto"):
+            raise PydanticCustomError("unsupported_field", AUTO_TOOLS)
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools {names}"
+            )
+        if self.tool_choice != "none" and self.response_format is not None:
+            raise ValueError(
+                "response_format with a forced tool call: both shape the output; send one of them"
+            )
+        return self
+
+    def tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a forced tool call is generated under, as vLLM builds it: the named
+        function's arguments, or for 'required' an array of ``{name, parameters}`` objects."""
+        if self.tools is None or self.tool_choice in (None, "none", "auto"):
+            return None
+        params = {
+            t.function.name: t.function.parameters or {"type": "object", "properties": {}} for t in self.tools
+        }
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return params[self.tool_choice.function.name]
+        defs: dict[str, Any] = {}
+        calls = []
+        for name, schema in params.items():
+            schema = dict(schema)
+            defs.update(schema.pop("$defs", {}))  # references resolve at the top of the whole schema
+            calls.append(
+                {
+                    "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+                    "required": ["name", "parameters"],
+                }
+            )
+        out: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+        if self.parallel_tool_calls is False:
+            out["maxItems"] = 1
+        if defs:
+            out["$defs"] = defs
+        return out
+
+    def sampling(self) -> dict[str, Any]:
+        """As ``_Generation.sampling``, with a forced tool call's schema as structured outputs."""
+        out = super().sampling()
+        schema = self.tool_schema()
+        if schema is not None:
+            out["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "tool_call", "schema": schema},
+            }
+        return out
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools for the chat template (OpenAI's shape)."""
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
 
     def logprobs_count(self) -> int | None:
         """``top_logprobs`` (0 when unset) when ``logprobs`` is true."""
