@@ -335,6 +335,13 @@ def test_local_tokenizer_gives_the_ids_of_vllms_tokenize(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcödé?"}],
     ]
 
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    tool_chat = (
+        [{"role": "user", "content": "f?"}, {"role": "assistant", "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "c1", "content": "2"}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    )  # fmt: skip
+
     async def run() -> tuple[list, list]:
         local = VLLMEngine(
             TINY_MODEL_NAME, vllm_server.url, TINY_MAX_MODEL_LEN, tokenizer=str(tiny_model_dir)
@@ -345,6 +352,7 @@ def test_local_tokenizer_gives_the_ids_of_vllms_tokenize(
         try:
             pairs = [(await local.tokenize(t), await remote.tokenize(t)) for t in texts]
             pairs += [(await local.tokenize_chat(m), await remote.tokenize_chat(m)) for m in chats]
+            pairs.append((await local.tokenize_chat(*tool_chat), await remote.tokenize_chat(*tool_chat)))
             return [a for a, _ in pairs], [b for _, b in pairs]
         finally:
             await local.close()
