@@ -5,7 +5,8 @@ arrival; ITL of a request = (last − first) / (n − 1) (CHOICE: ``mean_itl_s``
 mean over requests with ≥ 2 tokens); normalized latency = JCT / output tokens;
 p99 latency = p99 of end-to-end latency. SLO attainment is the
 share of requests that met their class's SLO (``slo_met``); requests whose class has
-none are left out.
+none are left out. Goodput = requests that met their SLO per second of makespan (absent, like
+attainment, when no request has an SLO).
 """
 
 from __future__ import annotations
@@ -91,6 +92,29 @@ def _p99(values: np.ndarray) -> float:
     return float(np.percentile(values, 99))
 
 
+def latency_metrics(
+    ttfts: Sequence[float], jcts: Sequence[float], met: Sequence[bool | None], makespan_s: float
+) -> dict[str, Any]:
+    """The keys every bench row carries next to its headline, in one place: mean, p50 and p99 of TTFT
+    (None without any first token) and JCT, throughput and goodput (requests that met their SLO per
+    second; absent when no request has an SLO, ``met`` None) over ``makespan_s``."""
+    t, j = np.asarray(ttfts, dtype=float), np.asarray(jcts, dtype=float)
+    judged = [m for m in met if m is not None]
+    per_s = 1.0 / makespan_s if makespan_s > 0 else None
+    out: dict[str, Any] = {
+        "mean_ttft_s": float(t.mean()) if t.size else None,
+        "p50_ttft_s": float(np.median(t)) if t.size else None,
+        "p99_ttft_s": _p99(t) if t.size else None,
+        "mean_jct_s": float(j.mean()),
+        "p50_jct_s": float(np.median(j)),
+        "p99_jct_s": _p99(j),
+        "throughput_rps": len(j) * per_s if per_s is not None else None,
+    }
+    if judged:
+        out["goodput_rps"] = sum(judged) * per_s if per_s is not None else None
+    return out
+
+
 def summarize(
     requests: Sequence[Request],
     *,
@@ -106,27 +130,23 @@ def summarize(
     unfinished = [r.id for r in requests if not r.finished]
     if unfinished:
         raise ValueError(f"{len(unfinished)} requests unfinished (first {unfinished[0]})")
-    ttfts = np.array([ttft(r) for r in requests])
     jcts = np.array([jct(r) for r in requests])
     outs = np.array([r.generated for r in requests], dtype=float)
     itls = [x for x in (mean_itl(r) for r in requests) if x is not None]
     if makespan_s is None:
         makespan_s = max(r.finished_at or 0.0 for r in requests) - min(r.arrival for r in requests)
+    met = [slo_met(r) for r in requests]
     out: dict[str, Any] = {
         "requests": len(requests),
-        "mean_ttft_s": float(ttfts.mean()),
-        "p99_ttft_s": _p99(ttfts),
+        **latency_metrics([ttft(r) for r in requests], jcts, met, makespan_s),
         "mean_itl_s": float(np.mean(itls)) if itls else None,
-        "mean_jct_s": float(jcts.mean()),
-        "p99_jct_s": _p99(jcts),
         "normalized_latency_mean": float((jcts / outs).mean()),
         "p99_latency_s": _p99(jcts),
     }
     by_class: dict[str, list[bool]] = defaultdict(list)
-    for r in requests:
-        met = slo_met(r)
-        if met is not None:
-            by_class[r.service_class.name].append(met)
+    for r, m in zip(requests, met, strict=True):
+        if m is not None:
+            by_class[r.service_class.name].append(m)
     if by_class:
         everything = [m for ms in by_class.values() for m in ms]
         out["slo_attainment"] = sum(everything) / len(everything)
@@ -136,7 +156,6 @@ def summarize(
         qoes = np.array([request_qoe(r) for r in requests])
         out["avg_qoe"] = float(qoes.mean())
         out["qoe_ge_095_share"] = float((qoes >= 0.95).mean())
-    out["throughput_rps"] = len(requests) / makespan_s if makespan_s > 0 else None
     out["output_tokens_per_s"] = float(outs.sum()) / makespan_s if makespan_s > 0 else None
     if gpu_seconds is not None:
         out["gpu_seconds"] = gpu_seconds
