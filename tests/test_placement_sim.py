@@ -211,7 +211,8 @@ def test_bench_scenario_small_run_counts_every_request_and_replans():
             or ratio == pytest.approx(1.1, abs=0.01)
             or (entry["next_interval_s"] in (60.0, 1800.0))
         )
-    assert len(report.checks) == 3
+    assert len(report.checks) == 5  # the targets, then seallm and seallm:fixed vs the better baseline
+    assert report.checks[-1].startswith("seallm:fixed vs ") and "p99_jct" in report.checks[-1]
     with pytest.raises(ValueError, match="unknown --set options"):
         run(BenchConfig("seallm", options={"minute": 3}), lambda *a, **k: None)
 

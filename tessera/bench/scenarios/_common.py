@@ -117,3 +117,44 @@ def seed_checks(
             for line in (per_seed_check or check)(item)
         ]
     return out
+
+
+TOLERANCE = 0.10  # default of --set tolerance: how much worse than the baseline a row may be
+
+
+def tolerance(options: dict[str, Any]) -> float:
+    """``--set tolerance`` (default 0.10): the share by which a row may trail its baseline on
+    throughput and exceed it on p99 JCT."""
+    from tessera.bench.runner import option
+
+    value = option(options, "tolerance", TOLERANCE, float)
+    if not 0 <= value < 1:
+        raise ValueError(f"--set tolerance={value}: must be >= 0 and < 1 (0.10 = 10%)")
+    return value
+
+
+def baseline_checks(
+    rows: Sequence[dict[str, Any]], baseline: dict[str, Any], tol: float, metric: str = "p99_jct_s"
+) -> list[str]:
+    """One line per row: throughput no more than ``tol`` below ``baseline``'s and ``metric`` (a tail,
+    default p99 JCT) no more than ``tol`` above it, PASS/FAIL. A metric either row lacks is skipped."""
+    out = []
+    base_name = baseline["policy"]
+    for row in rows:
+        parts, ok = [], True
+        for key, label, worse in (
+            ("throughput_rps", "throughput", -1),
+            (metric, metric.removesuffix("_s"), 1),
+        ):
+            mine, theirs = row.get(key), baseline.get(key)
+            if not isinstance(mine, int | float) or not isinstance(theirs, int | float) or theirs <= 0:
+                continue
+            change = mine / theirs - 1
+            ok &= worse * change <= tol + 1e-12
+            parts.append(f"{label} {change:+.1%}")
+        if parts:
+            out.append(
+                f"{row['policy']} vs {base_name}: {', '.join(parts)} (no worse than {tol:.0%}): "
+                + ("PASS" if ok else "FAIL")
+            )
+    return out

@@ -36,7 +36,8 @@ Andes settings pass through as ``qoe.<name>=value`` (e.g. ``--set qoe.horizon_s=
 Seeds (3 per point, compare means): the bursty and azure workloads run
 ``seeds`` (3) seeds, ``--seed`` and the next ones. The rate is one for all seeds, found on the
 seed-mean FCFS QoE; rows are per seed (``...,seed=N``) and the seed mean (``...,mean``), and the
-targets are checked on the means, with per-seed lines for information.
+targets are checked on the means, with per-seed lines for information. On every workload the
+checks include ``qoe`` against ``fcfs`` on throughput and p99 JCT: no worse than ``tolerance`` (0.10).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from tessera.bench.runner import (
     trace_label,
 )
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
-from tessera.bench.scenarios._common import mean_row, seed_checks, with_rate
+from tessera.bench.scenarios._common import baseline_checks, mean_row, seed_checks, tolerance, with_rate
 from tessera.core.policies.qoe import AndesQoE, exact_pack, greedy_pack
 from tessera.core.policy import InstanceView
 from tessera.core.qoe import gains, qoe_params
@@ -433,6 +434,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 f"with it choose among {', '.join(takes)} (azure: the replay of --trace)"
             )
     cluster = andes_cluster(opts)
+    tol = tolerance(opts)
     steps = option(opts, "calibrate_steps", 5, int)
     n_seeds = option(opts, "seeds", 3, int)
     if n_seeds < 1:
@@ -443,6 +445,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                            "max_batch": cluster.engine.max_batch}  # fmt: skip
     checks: list[str] = []
     cfg["seeds"] = seeds
+    cfg["tolerance"] = tol
     # Every workload's requests first, so that the bar's total is known before the first run.
     runs = []
     if "bursty" in chosen:
@@ -475,7 +478,12 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     for label, sets, check, bursty in runs:
         got, pairs = compare_seeds(sets, label, cluster, opts, progress)
         rows += got
-        checks += seed_checks(pairs, seeds, lambda p, check=check: check(*p))
+        checks += seed_checks(
+            pairs,
+            seeds,
+            lambda p, check=check: check(*p) + baseline_checks([p[1]], p[0], tol),
+            lambda p, check=check: check(*p),
+        )
         if bursty:
             bounds = {s: burst_qoe_bound(r, opts, cluster) for s, r in sets.items()}
             cfg["bursty_qoe_bound"] = {s: b for s, (b, _) in bounds.items()}

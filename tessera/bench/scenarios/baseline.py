@@ -16,10 +16,13 @@ classes, as QLM and Chiron define them (docs/papers.md, "Chiron: request classes
 EDF then orders by real differences in slack, so it differs from FCFS; every row reports
 ``slo_attainment_by_class``.
 
+Checks: the oracle bounds never lose to FCFS on mean JCT, EDF's attainment per class, and every row
+against ``fcfs`` at its load on throughput and p99 JCT (no worse than ``tolerance``).
+
 Options (``--set``): requests (2000), loads ("0.5,0.8,1.0,1.2"), ttft_slo (10.0),
-batch_deadline (600.0), batch_share (0.5), rate_dist (a rate series' arrivals: poisson | gamma), and
-the cluster options of
-``tessera.bench.runner.CLUSTER_OPTIONS`` (max_batch default 32).
+batch_deadline (600.0), batch_share (0.5), tolerance (0.10), rate_dist (a rate series' arrivals:
+poisson | gamma), and the cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS`` (max_batch
+default 32).
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ import numpy as np
 
 from tessera.bench.runner import AZURE_CONV, cluster_config_from, option, run_policies, trace_requests
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
-from tessera.bench.scenarios._common import parse_loads, plot_metric_vs_load, saturation_rate, with_rate
+from tessera.bench.scenarios._common import (
+    baseline_checks,
+    parse_loads,
+    plot_metric_vs_load,
+    saturation_rate,
+    tolerance,
+    with_rate,
+)
 from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.sim.workloads import Mix
@@ -49,6 +59,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         option(opts, "batch_deadline", 600.0, float),
         option(opts, "batch_share", 0.5, float),
     )
+    tol = tolerance(opts)
     cluster = cluster_config_from(opts, max_batch=32)
     base = trace_requests(config, AZURE_CONV, n)
     assign_classes(base, classes, np.random.default_rng(config.seed + 7))
@@ -81,7 +92,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 f"{fcfs_cls['interactive']:.1%}; batch {edf.get('batch', float('nan')):.1%} vs "
                 f"{fcfs_cls.get('batch', float('nan')):.1%}"
             )
-    cfg = {**config.as_dict(), "requests": n, "capacity_rps": capacity, "rates": rates}
+        checks += baseline_checks([by[p] for p in POLICIES if p != "fcfs"], by["fcfs"], tol)
+    cfg = {**config.as_dict(), "requests": n, "capacity_rps": capacity, "rates": rates, "tolerance": tol}
     cfg["cluster"] = {
         "instances": cluster.instances,
         "max_batch": cluster.engine.max_batch,

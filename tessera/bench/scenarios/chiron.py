@@ -37,7 +37,8 @@ lengths, batch_requests, batch_at, batch_deadline_s (above), dispatch, bands, ut
 op_history_variant (rows above), rate_dist (a rate series' arrivals), initial_instances (2),
 min_instances (1), max_instances (25), eval_interval_s (5), dispatch_interval_s (1), over_provisioning
 (1/3), prefill_backlog_s (1.0), batch_exec_margin_s (60), profile (a100-llama3-8b), cold_start_s
-(profile's), static_batch (256).
+(profile's), static_batch (256), tolerance (0.10: every Chiron row against the best threshold variant on
+throughput and p99 JCT, no worse than this share).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import numpy as np
 
 from tessera.bench.runner import AZURE_CONV, bench_trace, option, run_one
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
+from tessera.bench.scenarios._common import baseline_checks, tolerance
 from tessera.core.chiron import (
     PREFILL_BACKLOG_S,
     ChironLocal,
@@ -258,7 +260,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             work.requests, factory, cluster, router=router, controller=controller, progress=progress
         )
         rows.append({"policy": name, **metrics, **controller.timeline.metrics()})
-    checks = _checks(rows)
+    checks = _checks(rows, tolerance(opts))
     cfg = {
         **config.as_dict(),
         "profile": profile.name,
@@ -314,11 +316,12 @@ def _chiron_parts(
     )
 
 
-def _checks(rows: list[dict[str, Any]]) -> list[str]:
+def _checks(rows: list[dict[str, Any]], tol: float) -> list[str]:
     """The target (>= +30 points of SLO attainment at similar GPU-seconds, or <= 0.7x GPU-seconds at
     equal attainment) against every threshold variant, then against the best of them: the paper's
     "Llumnix (tuned)" is the per-workload configuration that maximizes SLO attainment, so the last line
-    compares Chiron with the variant of highest attainment (ties: fewest GPU-seconds) among those run."""
+    compares Chiron with the variant of highest attainment (ties: fewest GPU-seconds) among those run.
+    Last, every Chiron row against that best variant on throughput and p99 JCT (``tol``)."""
     chiron = next(r for r in rows if r["policy"] == "chiron")
     bases = [r for r in rows if r["policy"].startswith("threshold")]
     out = [_check_line(chiron, base, base["policy"]) for base in bases]
@@ -329,7 +332,7 @@ def _checks(rows: list[dict[str, Any]]) -> list[str]:
     for other in (r for r in rows if r["policy"].startswith("chiron:")):
         for base in {id(b): b for b in (bases[0], best)}.values():
             out.append(_check_line(other, base, base["policy"]))
-    return out
+    return out + baseline_checks([r for r in rows if r["policy"].startswith("chiron")], best, tol)
 
 
 def _check_line(chiron: dict[str, Any], base: dict[str, Any], label: str) -> str:

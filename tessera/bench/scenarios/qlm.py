@@ -31,8 +31,12 @@ take a rate series (its sampled arrivals, ``rate_dist``: poisson | gamma, with S
 lengths). ``eviction`` and ``solver`` build their own workloads and refuse a trace; with ``--trace``
 the default ``part=all`` runs the parts that take it.
 
+The parts that serve a workload (``single``, ``multi``, ``eviction``) also check every row against
+the part's baseline (``fcfs``; ``qlm:eviction=off`` for ``eviction``) on throughput and p99 JCT: no
+worse than ``tolerance``.
+
 Options: part, requests, load, interactive_share, max_batch, multi_rate, seeds, time_limit, snapshot_s,
-burst, profile, rate_dist.
+burst, profile, rate_dist, tolerance (0.10).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import numpy as np
 from tessera.api.traces import read_trace
 from tessera.bench.runner import option, run_one, trace_arrivals
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
-from tessera.bench.scenarios._common import saturation_rate, with_rate
+from tessera.bench.scenarios._common import baseline_checks, saturation_rate, tolerance, with_rate
 from tessera.core.policies.qlm import QLMPolicy
 from tessera.core.policies.qlm.baseline import SwapFCFS
 from tessera.core.policies.qlm.estimator import GroupCosts
@@ -95,6 +99,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 f"--set part={part}: {', '.join(refused)} take no --trace (they build their own workloads); "
                 f"with this trace choose among {', '.join(takes)}"
             )
+    tolerance(opts)  # checked before any part runs
     progress(0, total=len(parts))
     rows: list[dict[str, Any]] = []
     checks: list[str] = []
@@ -316,6 +321,7 @@ def _part_single(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
         f"{'OK' if fcfs < 0.6 else 'NOT IN REGIME'}",
         f"single: qlm {mine:.3f} vs fcfs {fcfs:.3f}: +{(mine - fcfs) * 100:.1f} points (target >= +40): "
         f"{'PASS' if mine - fcfs >= 0.40 else 'FAIL'}",
+        *baseline_checks(rows[1:], rows[0], tolerance(opts)),
     ]
     return rows, checks
 
@@ -355,6 +361,7 @@ def _part_multi(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
         f"{'PASS' if ratio >= 2 else 'FAIL'}",
         f"multi: SLO attainment qlm {m_qlm['slo_attainment']:.3f} vs fcfs {m_fcfs['slo_attainment']:.3f} "
         f"(target higher): {'PASS' if m_qlm['slo_attainment'] > m_fcfs['slo_attainment'] else 'FAIL'}",
+        *baseline_checks(rows[1:], rows[0], tolerance(opts)),
     ]
     return rows, checks
 
@@ -405,7 +412,8 @@ def _part_eviction(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]
     checks = [
         f"eviction: interactive head-of-line wait p50 {waits['qlm']:.3f}s with vs "
         f"{waits['qlm:eviction=off']:.3f}s "
-        f"without = {ratio:.1f}x shorter (target >= 10x): {'PASS' if ratio >= 10 else 'FAIL'}"
+        f"without = {ratio:.1f}x shorter (target >= 10x): {'PASS' if ratio >= 10 else 'FAIL'}",
+        *baseline_checks(rows[:1], rows[1], tolerance(opts)),
     ]
     return rows, checks
 

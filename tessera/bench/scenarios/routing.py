@@ -17,8 +17,12 @@ first token: wait plus prefill backlog plus the uncached prompt's prefill) and `
 holding most of the prompt). Each reports TTFT mean and p99, SLO attainment, the prompt tokens
 prefilled and the prefix-cache hit rate (prompt tokens served from the cache over all prompt tokens).
 
-Options (``--set``): requests (2000), loads ("0.5,0.7,0.9"), ttft_slo (3.0), instances (8), rate_dist, and the
-cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS``.
+Checks: ``combined`` against every baseline route on SLO attainment and TTFT p99, and every route
+against ``least-loaded`` (the cluster's default route) on throughput and TTFT p99: no worse than
+``tolerance``.
+
+Options (``--set``): requests (2000), loads ("0.5,0.7,0.9"), ttft_slo (3.0), instances (8), rate_dist,
+tolerance (0.10), and the cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from typing import Any
 
 from tessera.bench.runner import SHARED_DATA, cluster_config_from, option, run_one, trace_requests
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
-from tessera.bench.scenarios._common import parse_loads, plot_metric_vs_load, saturation_rate, with_rate
+from tessera.bench.scenarios._common import (
+    baseline_checks,
+    parse_loads,
+    plot_metric_vs_load,
+    saturation_rate,
+    tolerance,
+    with_rate,
+)
 from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.sim.cluster import RouteRouter
@@ -80,7 +91,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     cfg = {**config.as_dict(), "requests": n, "capacity_rps": capacity, "rates": rates, "ttft_slo_s": slo}
     cfg["cluster"] = {"instances": cached.instances, "max_batch": cached.engine.max_batch,
                       "profile": next(iter(cached.profiles.values())).name}  # fmt: skip
-    return BenchReport("routing", cfg, rows, _checks(rows, labels))
+    tol = tolerance(opts)
+    cfg["tolerance"] = tol
+    return BenchReport("routing", cfg, rows, _checks(rows, labels, tol))
 
 
 def _cache_metrics(requests: list[Request]) -> dict[str, Any]:
@@ -89,9 +102,10 @@ def _cache_metrics(requests: list[Request]) -> dict[str, Any]:
     return {"prefill_tokens": prompt - hit, "cache_hit_rate": hit / prompt if prompt else 0.0}
 
 
-def _checks(rows: list[dict[str, Any]], labels: list[str]) -> list[str]:
+def _checks(rows: list[dict[str, Any]], labels: list[str], tol: float) -> list[str]:
     """The goal: combined beats every baseline route on SLO attainment and TTFT p99 at each load;
-    against cache-aware (its own ablation without the SLO filter) the figures are only reported."""
+    against cache-aware (its own ablation without the SLO filter) the figures are only reported. Then
+    every route against least-loaded on throughput and TTFT p99 (``tol``)."""
     checks = []
     for label in labels:
         by = {r["policy"].split(":")[0]: r for r in rows if r["policy"].endswith(":" + label)}
@@ -110,6 +124,8 @@ def _checks(rows: list[dict[str, Any]], labels: list[str]) -> list[str]:
                 f"{row['slo_attainment']:.1%}, TTFT p99 {mine['p99_ttft_s']:.2f}s vs "
                 f"{row['p99_ttft_s']:.2f}s: {'PASS' if slo_ok and p99_ok else 'FAIL'}"
             )
+        others = [row for name, row in by.items() if name != "least-loaded"]
+        checks += baseline_checks(others, by["least-loaded"], tol, metric="p99_ttft_s")
     return checks
 
 

@@ -32,8 +32,10 @@ rejected, as vLLM refuses such a prompt: it counts as an SLO miss with SeaLLM's 
 ``T_end − a + exec_ref``, and each row reports how many (``rejected``).
 Options (``--set``): services=16, gpus=32, minutes=60 (the window), interval_minutes=5 (I_0),
 min_interval_minutes=1, max_interval_minutes=30, beta=0.1, slo_scale=5, rates=R1,R2,... (a sweep; one
-row per system and rate), part=serve|planner. ``--set part=planner`` instead times the planner on 32
-services over 64 GPUs and reports the greedy's gap to the exact MILP on a small case.
+row per system and rate), tolerance=0.10 (seallm and seallm:fixed against the better baseline on
+throughput and p99 JCT: no worse than this share), part=serve|planner. ``--set part=planner``
+instead times the planner on 32 services over 64 GPUs and reports the greedy's gap to the exact MILP on
+a small case.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
+from tessera.bench.scenarios._common import baseline_checks, tolerance
 from tessera.control.placement import fits, plan_placement, plan_seallm
 from tessera.control.placement_sim import (
     RequestOutcome,
@@ -76,6 +79,7 @@ from tessera.core.policies.seallm import DoublingBudget, RoundRobinSharing, Serv
 from tessera.core.policy import Policy
 from tessera.core.profile import StepProfile
 from tessera.core.request import Request
+from tessera.core.slo import latency_metrics
 from tessera.sim.cluster import (
     AddInstance,
     Cluster,
@@ -432,11 +436,11 @@ def metrics(outcomes: Sequence[RequestOutcome], gpus: int) -> dict[str, Any]:
         by_service.setdefault(o.service, []).append(o.slo_met)
     makespan = max(o.arrival + o.latency for o in outcomes)
     return {
+        **latency_metrics(
+            ttft, lat, [o.slo_met for o in outcomes], makespan - min(o.arrival for o in outcomes)
+        ),
         "normalized_latency_mean": float(np.mean([o.norm_latency for o in outcomes])),
         "p99_latency_s": float(np.percentile(lat, 99)),
-        "mean_jct_s": float(lat.mean()),
-        "p99_jct_s": float(np.percentile(lat, 99)),
-        "mean_ttft_s": float(np.mean(ttft)) if ttft else None,
         "slo_attainment": float(np.mean([o.slo_met for o in outcomes])),
         "slo_attainment_by_class": {k: float(np.mean(v)) for k, v in sorted(by_service.items())},
         "min_service_slo_attainment": float(min(np.mean(v) for v in by_service.values())),
@@ -490,6 +494,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "beta",
         "slo_scale",
         "rates",
+        "tolerance",
     }
     unknown = sorted(set(config.options) - known)
     if unknown:
@@ -505,6 +510,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         beta=_opt(config, "beta", 0.1),
     )
     slo_scale = _opt(config, "slo_scale", 5.0)
+    tol = tolerance(config.options)
     rates = _rates(config)
     pool = PoolInput("bench", "A800", 80 * GIB, gpus)
     rows: list[dict[str, Any]] = []
@@ -564,6 +570,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             f"(ablation) seallm:fixed mean normalized latency "
             f"{best['normalized_latency_mean'] / batch[1]['normalized_latency_mean']:.2f}x lower than the "
             f"better baseline, SLO attainment {batch[1]['slo_attainment']:.3f}{at}",
+            *baseline_checks(batch[:2], best, tol),
         ]
     cfg = {
         **config.as_dict(),
@@ -573,6 +580,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "rates": rates,
         "interval_minutes": i0,
         "slo_scale": slo_scale,
+        "tolerance": tol,
     }
     return BenchReport("seallm", cfg, rows, checks)
 
