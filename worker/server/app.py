@@ -327,7 +327,9 @@ class _Render:
             choice = body.tool_choice
             self.forced = choice.function.name if isinstance(choice, NamedToolChoice) else ""
         self.texts = [""] * body.n  # each choice's text so far (forced calls)
-        self.call_ids = [f"chatcmpl-tool-{uuid.uuid4().hex[:24]}" for _ in range(body.n)]
+        self.call_ids = [
+            f"chatcmpl-tool-{uuid.uuid4().hex[:24]}" for _ in range(body.n if self.forced else 0)
+        ]
 
     def choice(self, index: int, delta: TokenDelta, finish: str | None, *, stream: bool) -> dict[str, Any]:
         """One choice of a non-streamed answer (the whole output) or of a chunk (a delta)."""
