@@ -13,13 +13,34 @@ def test_elis_scenario_rows_and_checks() -> None:
     report = run(BenchConfig(scenario="elis", seed=3, options=opts), lambda *a, **k: None)
     names = [r["policy"] for r in report.results]
     assert names[0] == "fcfs:batch=1" and "isrtf:batch=1" in names and "srtf-oracle:batch=2" in names
-    assert any(n.startswith("isrtf:batch=2,aging=") for n in names)
+    assert {"isrtf:batch=2,aging=0", "isrtf-tail:batch=2"} <= set(names)
     assert all(r["requests"] == 40 for r in report.results)
     by = {r["policy"]: r for r in report.results}
     # the oracle bound never loses to FCFS on the same requests
     assert by["srtf-oracle:batch=1"]["mean_jct_s"] <= by["fcfs:batch=1"]["mean_jct_s"]
     assert report.config["gamma_shape"] == 0.73 and report.config["batches"] == [1, 2]
     assert any(c.startswith("isrtf:batch=1 mean JCT") for c in report.checks)
+    # the guard's tail target, and every row against fcfs at its batch size (default tolerance 10%)
+    assert any(c.startswith("isrtf-tail:batch=2 p99 JCT") and "x fcfs's" in c for c in report.checks)
+    tails = [c for c in report.checks if " vs fcfs:batch=1: throughput " in c]
+    assert len(tails) == 4 and all(c.endswith(("PASS", "FAIL")) and "(no worse than 10%)" in c for c in tails)
+    for row in report.results:  # tails and costs next to the headline
+        assert {"p50_ttft_s", "p99_ttft_s", "p50_jct_s", "p99_jct_s", "throughput_rps", "preemptions"} <= set(
+            row
+        )
+
+
+def test_elis_scenario_aging_and_tolerance_settings() -> None:
+    opts = {"requests": 30, "batches": "1", "predictor": "running-mean", "seeds": 1, "aging": 0.0,
+            "tolerance": 0.5}  # fmt: skip
+    report = run(BenchConfig(scenario="elis", seed=1, options=opts), lambda *a, **k: None)
+    by = {r["policy"]: r for r in report.results}
+    # aging=0 makes the shipped row the guard-off one (fresh predictors: no row learns from another)
+    assert by["isrtf:batch=1"]["mean_jct_s"] == by["isrtf:batch=1,aging=0"]["mean_jct_s"]
+    assert report.config["tolerance"] == 0.5
+    assert any("(no worse than 50%)" in c for c in report.checks)
+    with pytest.raises(ValueError, match="tolerance"):
+        run(BenchConfig(scenario="elis", options={**opts, "tolerance": 1.5}), lambda *a, **k: None)
 
 
 def test_elis_scenario_checks_the_seed_means() -> None:

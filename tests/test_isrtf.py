@@ -1,4 +1,5 @@
-"""ISRTF on hand-built queues: batched prediction at window boundaries, ordering, preemption, aging."""
+"""ISRTF on hand-built queues: batched prediction at window boundaries, ordering, preemption, aging,
+the guard's default, and the wait-bounded variant isrtf-tail."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from tessera.core import InstanceView, Phase, Request, StepProfile
-from tessera.core.policies.isrtf import ISRTF
+from tessera.core.policies.isrtf import ISRTF, TailISRTF
 from tessera.core.registry import make_policy
 from tessera.predictor import ConstantPredictor, RunningMeanPredictor
 
@@ -43,7 +44,7 @@ def run_ids(pol: ISRTF, running: list[Request], **kw: float) -> list[str]:
 
 def test_orders_by_predicted_remaining_with_one_batched_prediction() -> None:
     oracle = TableOracle({"a": 300, "b": 40, "c": 120})
-    pol = ISRTF(predictor=oracle)
+    pol = ISRTF(aging_tokens_per_s=0.0, predictor=oracle)
     for i, rid in enumerate("abc"):
         pol.add(req(rid, float(i)), float(i))
     assert oracle.calls == []  # nothing predicted before a decision
@@ -53,7 +54,7 @@ def test_orders_by_predicted_remaining_with_one_batched_prediction() -> None:
 
 
 def test_ties_go_to_earlier_arrival() -> None:
-    pol = ISRTF(predictor=ConstantPredictor(100))
+    pol = ISRTF(aging_tokens_per_s=0.0, predictor=ConstantPredictor(100))
     late, early = req("late", 5.0), req("early", 1.0)
     pol.add(late, 5.0)
     pol.add(early, 5.0)
@@ -62,7 +63,7 @@ def test_ties_go_to_earlier_arrival() -> None:
 
 def test_repredicts_only_at_the_configured_step() -> None:
     oracle = TableOracle({"x": 500})
-    pol = ISRTF(predictor=oracle, window_tokens=20)
+    pol = ISRTF(aging_tokens_per_s=0.0, predictor=oracle, window_tokens=20)
     x = req("x", 0.0)
     pol.add(x, 0.0)
     decision = pol.schedule(view([]))
@@ -80,7 +81,7 @@ def test_repredicts_only_at_the_configured_step() -> None:
 
 def test_preempts_at_window_boundary_not_mid_window() -> None:
     oracle = TableOracle({"long": 400, "short": 30})
-    pol = ISRTF(predictor=oracle, window_tokens=50)
+    pol = ISRTF(aging_tokens_per_s=0.0, predictor=oracle, window_tokens=50)
     long = req("long", 0.0)
     pol.add(long, 0.0)
     assert run_ids(pol, []) == ["long"]
@@ -95,7 +96,7 @@ def test_preempts_at_window_boundary_not_mid_window() -> None:
 
 def test_running_request_keeps_slot_when_still_shortest() -> None:
     oracle = TableOracle({"a": 60, "b": 500})
-    pol = ISRTF(predictor=oracle, window_tokens=50)
+    pol = ISRTF(aging_tokens_per_s=0.0, predictor=oracle, window_tokens=50)
     a, b = req("a", 0.0), req("b", 0.0)
     pol.add(a, 0.0)
     pol.add(b, 0.0)
@@ -106,7 +107,7 @@ def test_running_request_keeps_slot_when_still_shortest() -> None:
 
 def test_aging_guard_lets_an_old_long_request_win() -> None:
     oracle = TableOracle({"old": 1000, "new": 100})
-    plain = ISRTF(predictor=oracle)
+    plain = ISRTF(aging_tokens_per_s=0.0, predictor=oracle)
     aged = ISRTF(predictor=oracle, aging_tokens_per_s=10.0)
     for pol in (plain, aged):
         pol.add(req("old", 0.0), 0.0)
@@ -118,7 +119,7 @@ def test_aging_guard_lets_an_old_long_request_win() -> None:
 
 def test_running_mean_fallback_learns_from_finished_requests() -> None:
     pred = RunningMeanPredictor(prior=100, prior_weight=1)
-    pol = ISRTF(predictor=pred)
+    pol = ISRTF(aging_tokens_per_s=0.0, predictor=pred)
     done = req("done", 0.0)
     pol.add(done, 0.0)
     pol.schedule(view([]))
@@ -136,7 +137,7 @@ def test_running_mean_fallback_learns_from_finished_requests() -> None:
 def test_predicting_ahead_then_scheduling_predicts_once_and_still_preempts_at_the_boundary() -> None:
     """The worker's path: predictions_due + predict (on a thread), then schedule."""
     oracle = TableOracle({"long": 500, "short": 60})
-    pol = ISRTF(predictor=oracle, window_tokens=50)
+    pol = ISRTF(aging_tokens_per_s=0.0, predictor=oracle, window_tokens=50)
     long = req("long", 0.0)
     pol.add(long, 0.0)
     assert pol.predictions_due([]) == [long]
@@ -166,3 +167,54 @@ def test_registry_and_validation() -> None:
         ISRTF(predictor="magic")
     with pytest.raises(ValueError, match="predict_remaining"):
         ISRTF(predictor=object())  # type: ignore[arg-type]
+
+
+def test_starvation_guard_is_on_by_default_in_the_class_and_the_settings() -> None:
+    from tessera.core.policies.isrtf import DEFAULT_AGING_TOKENS_PER_S
+    from tessera.core.registry import settings_model
+
+    assert DEFAULT_AGING_TOKENS_PER_S > 0
+    assert ISRTF(predictor="constant").aging == DEFAULT_AGING_TOKENS_PER_S
+    assert make_policy("isrtf", predictor="constant").aging == DEFAULT_AGING_TOKENS_PER_S  # type: ignore[attr-defined]
+    assert settings_model("isrtf").model_fields["aging_tokens_per_s"].default == DEFAULT_AGING_TOKENS_PER_S
+    assert make_policy("isrtf", predictor="constant", aging_tokens_per_s=0.0).aging == 0.0  # type: ignore[attr-defined]
+
+
+def finish(pol: ISRTF, r: Request, now: float) -> None:
+    r.phase, r.finished_at = Phase.FINISHED, now
+    pol.remove(r, now)
+
+
+def test_isrtf_tail_promotes_requests_older_than_a_multiple_of_the_recent_mean_jct() -> None:
+    oracle = TableOracle({"done": 10, "long": 1000, "s1": 100, "s2": 100})
+    pol = TailISRTF(predictor=oracle, max_wait_jct_multiple=2.0)
+    assert pol.aging == 0.0  # the wait bound guards instead of aging
+    done = req("done", 0.0)
+    pol.add(done, 0.0)
+    assert run_ids(pol, [], now=0.0) == ["done"]
+    finish(pol, done, 5.0)  # recent mean JCT 5 s: the bound is 10 s of waiting
+    assert pol.mean_jct == 5.0
+    long, s1 = req("long", 5.0), req("s1", 6.0)
+    pol.add(long, 5.0)
+    pol.add(s1, 6.0)
+    assert run_ids(pol, [], now=6.0) == ["s1"]  # shortest first while nobody waited 10 s
+    finish(pol, s1, 8.0)  # JCT 2 s: the mean moves by 1/64 of the difference
+    s2 = req("s2", 14.0)
+    pol.add(s2, 14.0)
+    assert run_ids(pol, [], now=14.0) == ["s2"]  # long waited 9 s < 2 x 4.95 s
+    finish(pol, s2, 15.0)
+    pol.add(s3 := req("s3", 16.0), 16.0)
+    oracle.totals["s3"] = 100
+    assert run_ids(pol, [], now=16.0) == ["long"]  # 11 s > 2 x mean JCT: promoted past the shorter s3
+    assert pol.key(long, 16.0)[0] == 0 and pol.key(s3, 16.0)[0] == 1
+
+
+def test_isrtf_tail_without_finished_requests_keeps_the_plain_order_and_is_registered() -> None:
+    oracle = TableOracle({"old": 1000, "new": 100})
+    assert isinstance(make_policy("isrtf-tail", predictor="constant"), TailISRTF)
+    pol = TailISRTF(predictor=oracle, max_wait_jct_multiple=1.0)
+    pol.add(req("old", 0.0), 0.0)
+    pol.add(req("new", 500.0), 500.0)
+    assert run_ids(pol, [], now=500.0) == ["new"]  # no JCT observed yet: no bound to promote by
+    with pytest.raises(ValueError, match="max_wait_jct_multiple"):
+        make_policy("isrtf-tail", predictor="constant", max_wait_jct_multiple=0.0)

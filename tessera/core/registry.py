@@ -48,6 +48,7 @@ POLICIES: dict[str, tuple[str, str]] = {
     "sjf-oracle": ("tessera.core.baselines:SJFOracle", "tessera.core.registry:NoSettings"),
     "srtf-oracle": ("tessera.core.baselines:SRTFOracle", "tessera.core.baselines:SRTFOracleSettings"),
     "isrtf": ("tessera.core.policies.isrtf:ISRTF", "tessera.core.policies.isrtf:ISRTFSettings"),
+    "isrtf-tail": ("tessera.core.policies.isrtf:TailISRTF", "tessera.core.policies.isrtf:TailISRTFSettings"),
     "qoe": ("tessera.core.policies.qoe:AndesQoE", "tessera.core.policies.qoe:QoESettings"),
     "qlm": ("tessera.core.policies.qlm:QLMPolicy", "tessera.core.policies.qlm.policy:QLMSettings"),
     "seallm": ("tessera.core.policies.seallm:DoublingBudget", "tessera.core.policies.seallm:SeaLLMSettings"),

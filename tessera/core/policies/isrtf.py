@@ -14,9 +14,24 @@ the top ``max_batch`` run; any other decision (an arrival, a completion) only fi
 batches each request's window counts from its own last prediction (CHOICE: the engine re-checks when
 the first running request reaches its boundary, instead of ELIS' batch-synchronous windows).
 
-Aging guard (CHOICE, off by default; ELIS §3.4 mentions starvation control without details): the
+Aging guard (CHOICE, on by default; ELIS §3.4 mentions starvation control without details): the
 key becomes ŷ − ``aging_tokens_per_s`` · age, where age = now − arrival. Subtracting the common
 ``now`` leaves ŷ + a·arrival, so keys stay fixed while a request waits and the heap order stays valid.
+The default (``DEFAULT_AGING_TOKENS_PER_S``) is the smallest credit of a sweep over ``tessera bench
+elis`` (docs/bench.md, "ISRTF's starvation guard") that kept p99 JCT within 1.5× FCFS's at every batch
+size; no credit of the sweep also kept 80% of the guard-off mean-JCT gain at every batch size (the tail
+bound is the guard's purpose, so it decides). 0 turns the guard off.
+
+Tail-aware variant ``isrtf-tail`` (``TailISRTF``): the plain ISRTF order (no aging by default) plus
+a wait bound relative to the service's own latency. A request whose age exceeds
+``max_wait_jct_multiple`` times the recent mean JCT (an exponential average over finished requests,
+weight ``1/64`` each; no bound before the first finishes) is promoted: promoted requests go ahead of
+all others, oldest first, until they finish. A request over the bound therefore waits at most one
+window of the running requests (promotion displaces them only at their window boundary) plus the
+service of the older promoted requests: under overload the tail degrades to FCFS among the starved
+instead of growing without bound, while requests under the bound keep the shortest-first order.
+(Promoting only the oldest one at a time kept more of the mean-JCT gain at batch 2 and 4 but left
+p99 JCT at batch 4 at 1.7x FCFS's for every bound swept: docs/bench.md.)
 
 Predicting off the caller's thread (the worker): ``prepare(view)`` returns the batched prediction of
 what the next decision would predict (``predictions_due``) as work for another thread, so the worker's
@@ -52,6 +67,9 @@ from tessera.core.request import Request
 
 TEXT_PREDICTOR = "tessera.predictor.model:TextLengthPredictor"
 PREDICTED_AT = "isrtf_predicted_at"  # annotation: tokens generated when ŷ was last predicted
+DEFAULT_AGING_TOKENS_PER_S = 13.0  # the starvation guard's default credit (see the module docstring)
+DEFAULT_MAX_WAIT_JCT_MULTIPLE = 2.5  # isrtf-tail's promotion threshold, in recent mean JCTs
+JCT_AVERAGE_WEIGHT = 1 / 64  # weight of each finished request in isrtf-tail's recent mean JCT
 log = logging.getLogger(__name__)
 
 
@@ -95,8 +113,9 @@ class ISRTFSettings(PolicySettings):
         default=50, description="Tokens a request generates between re-predictions (ELIS K)."
     )
     aging_tokens_per_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
-        default=0.0,
-        description="Starvation guard: tokens of priority credit per second of age (0 = off).",
+        default=DEFAULT_AGING_TOKENS_PER_S,
+        description="Starvation guard: tokens of priority credit per second of age (0 = off; the default "
+        "keeps the ELIS bench's p99 JCT within 1.5x FCFS's).",
     )
     preempt_mode: PreemptMode = Field(
         default="keep",
@@ -135,7 +154,7 @@ class ISRTF(PriorityPolicy):
         self,
         predictor: LengthPredictor | str = "text",
         window_tokens: int = 50,
-        aging_tokens_per_s: float = 0.0,
+        aging_tokens_per_s: float = DEFAULT_AGING_TOKENS_PER_S,
         preempt_mode: PreemptMode = "keep",
         predictor_checkpoint: str | None = None,
         predictor_encoder: str | None = None,
@@ -240,10 +259,7 @@ class ISRTF(PriorityPolicy):
     def schedule(self, view: InstanceView) -> Decision:
         """Predict what is due in one batch; re-rank everything at a window boundary, else fill free slots."""
         self.predict(self.predictions_due(view.running))
-        new = list(self._pending.values())
-        self._pending.clear()
-        for req in new:
-            self._push(req, view.now)
+        self._queue_pending(view.now)
         # The instance attribute shadows the class default for this decision only: the base class
         # re-ranks running requests against the queue when preemptive, else only fills free slots.
         self.preemptive, self._rerank = self._rerank, False
@@ -256,6 +272,90 @@ class ISRTF(PriorityPolicy):
         decision.preempt_mode = self.preempt_mode
         return decision
 
+    def _queue_pending(self, now: float) -> None:
+        """Move the requests predicted since the last decision into the priority queue."""
+        new = list(self._pending.values())
+        self._pending.clear()
+        for req in new:
+            self._push(req, now)
+
     def recheck_tokens(self) -> int | None:
         """Decode iterations until the first running request reaches its window boundary."""
         return None if self._next_check is None else max(1, self._next_check)
+
+
+class TailISRTFSettings(ISRTFSettings):
+    """Settings of ``isrtf-tail``: ISRTF's (aging off by default), plus the wait that promotes a request."""
+
+    aging_tokens_per_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        default=0.0,
+        description="Tokens of priority credit per second of age (0 = off: the wait bound guards).",
+    )
+    max_wait_jct_multiple: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        default=DEFAULT_MAX_WAIT_JCT_MULTIPLE,
+        description="A request older than this many recent mean JCTs goes ahead of all unpromoted ones "
+        "(oldest first): bounds the wait of long requests.",
+    )
+
+
+class TailISRTF(ISRTF):
+    """ISRTF with a wait bound: requests older than a multiple of the recent mean JCT go first."""
+
+    name: ClassVar[str] = "isrtf-tail"
+
+    def __init__(
+        self,
+        predictor: LengthPredictor | str = "text",
+        window_tokens: int = 50,
+        aging_tokens_per_s: float = 0.0,
+        preempt_mode: PreemptMode = "keep",
+        predictor_checkpoint: str | None = None,
+        predictor_encoder: str | None = None,
+        max_wait_jct_multiple: float = DEFAULT_MAX_WAIT_JCT_MULTIPLE,
+    ) -> None:
+        super().__init__(
+            predictor,
+            window_tokens,
+            aging_tokens_per_s,
+            preempt_mode,
+            predictor_checkpoint,
+            predictor_encoder,
+        )
+        if not max_wait_jct_multiple > 0:
+            raise ValueError(f"max_wait_jct_multiple must be > 0, got {max_wait_jct_multiple}")
+        self.max_wait_multiple = max_wait_jct_multiple
+        self.mean_jct: float | None = None  # recent mean JCT of finished requests (seconds)
+        self._by_arrival: deque[Request] = deque()  # queued once, not yet promoted, in arrival order
+        self._promoted: set[int] = set()
+
+    def key(self, req: Request, now: float) -> tuple:
+        """Promoted requests first, by arrival; the others by ISRTF's key."""
+        if id(req) in self._promoted:
+            return (0, req.arrival, -req.service_class.priority, req.arrival)
+        return (1, *super().key(req, now))
+
+    def remove(self, req: Request, now: float) -> None:
+        """Forget a request (its promotion too); a finished one updates the recent mean JCT."""
+        self._promoted.discard(id(req))
+        if req.finished:
+            jct = now - req.arrival
+            self.mean_jct = (
+                jct if self.mean_jct is None else self.mean_jct + JCT_AVERAGE_WEIGHT * (jct - self.mean_jct)
+            )
+        super().remove(req, now)
+
+    def _queue_pending(self, now: float) -> None:
+        new = sorted(self._pending.values(), key=lambda r: r.arrival)
+        super()._queue_pending(now)
+        self._by_arrival.extend(new)
+        if self.mean_jct is None:
+            return
+        limit = self.max_wait_multiple * self.mean_jct
+        # Oldest first: the deque is in arrival order, so the scan stops at the first young request.
+        while self._by_arrival and now - self._by_arrival[0].arrival > limit:
+            req = self._by_arrival.popleft()
+            if id(req) not in self._queued and id(req) not in self._running:
+                continue  # finished or removed
+            self._promoted.add(id(req))
+            if id(req) in self._queued:  # re-keyed in the heap; a running one is re-keyed at each decision
+                self._push(req, now)
