@@ -328,7 +328,7 @@ class _Render:
             self.forced = choice.function.name if isinstance(choice, NamedToolChoice) else ""
         self.texts = [""] * body.n  # each choice's text so far (forced calls)
         self.call_ids = [
-            f"chatcmpl-tool-{uuid.uuid4().hex[:24]}" for _ in range(body.n if self.forced else 0)
+            f"chatcmpl-tool-{uuid.uuid4().hex[:24]}" for _ in range(body.n if self.forced is not None else 0)
         ]
 
     def choice(self, index: int, delta: TokenDelta, finish: str | None, *, stream: bool) -> dict[str, Any]:
