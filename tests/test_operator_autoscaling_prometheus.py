@@ -59,8 +59,8 @@ SLACK_S = 1.5
 
 
 def pool_docs() -> list[dict[str, Any]]:
-    """The quickstart, reduced to its interactive class, on the sim engine, 1 to 2 instances, with
-    a short autoscaler interval and scale-down cooldown."""
+    """The quickstart, reduced to its interactive class and FCFS, on the sim engine, 1 to 2 instances,
+    with a short autoscaler interval and scale-down cooldown."""
     docs = load_example(EXAMPLES / "quickstart.yaml", NAMESPACE)
     docs = [d for d in docs if d["metadata"]["name"] != "offline"]
     for doc in docs:
@@ -76,6 +76,9 @@ def pool_docs() -> list[dict[str, Any]]:
         if doc["kind"] == "LLMService":
             doc["spec"]["requestClasses"] = [{"name": "chat"}]
             doc["spec"]["replicas"] = {"min": 1, "max": 2}
+            # FCFS, not auto's Andes: Andes paces streams at the reading speed, so the closed-loop
+            # clients below would keep the engine idle most of the time and the step would not load it.
+            doc["spec"]["scheduling"] = {"policy": "fcfs"}
     return docs
 
 
