@@ -166,10 +166,12 @@ class DoublingBudget(Policy):
         self._last_now: float | None = None
         self._running: set[Request] = set()
         self._blocks: dict[str, int] = {}  # KV block size of each model seen active (shared-KV instances)
-        # Incremental order (a decision costs O(batch · log n), not O(n), with thousands held): per
-        # model, a heap by O order (O_r, -class priority, arrival, seq) and one by starvation order
-        # (last run, -class priority, arrival, seq). A budget changes only when it is charged, and then
-        # its request is pushed again; entries whose key no longer matches are skipped when met.
+        # Incremental order (a decision costs about O(batch + changes · log n), not O(n), with thousands
+        # held): per model, a heap by O order (O_r, -class priority, arrival, seq) and one by starvation
+        # order (last run, -class priority, arrival, seq) of the requests not in the last decision's
+        # batch; the batch's members (whose budgets are charged at every decision) are looked at
+        # directly. A request leaving the batch is pushed with its new keys; entries whose key no
+        # longer matches, or whose request is in the batch, are skipped when met.
         self._seq: dict[Request, int] = {}
         self._counter = itertools.count()
         self._by_o: dict[str, list[_Entry]] = {}
@@ -221,23 +223,39 @@ class DoublingBudget(Policy):
         self._by_o = {}
         self._by_wait = {}
         for r, b in self._held.items():
+            if r in self._running:
+                continue
             self._by_o.setdefault(r.model, []).append(self._o_key(r, b))
             self._by_wait.setdefault(r.model, []).append(self._wait_key(r, b))
         for heap in (*self._by_o.values(), *self._by_wait.values()):
             heapq.heapify(heap)
-        self._entries = 2 * len(self._held)
+        self._entries = 2 * (len(self._held) - len(self._running))
+
+    def _set_running(self, run: set[Request]) -> None:
+        """The new batch; requests leaving it go back to the heaps with their current keys."""
+        leaving, self._running = self._running - run, run  # first: a compaction rebuilds from it
+        for r in leaving:
+            b = self._held.get(r)
+            if b is not None:
+                self._push(r, b)
 
     def _live_o(self, entry: _Entry) -> bool:
         b = self._held.get(entry[-1])
         return (
             b is not None
             and self._seq[entry[-1]] == entry[3]
+            and entry[-1] not in self._running
             and b.left * self.book.stats[entry[-1].model].mean_exec_s == entry[0]
         )
 
     def _live_wait(self, entry: _Entry) -> bool:
         b = self._held.get(entry[-1])
-        return b is not None and self._seq[entry[-1]] == entry[3] and b.last_run == entry[0]
+        return (
+            b is not None
+            and self._seq[entry[-1]] == entry[3]
+            and entry[-1] not in self._running
+            and b.last_run == entry[0]
+        )
 
     @staticmethod
     def _top(heap: list[_Entry], live: Any) -> _Entry | None:
@@ -258,6 +276,10 @@ class DoublingBudget(Policy):
                 taken.append(entry)
         for entry in taken:
             heapq.heappush(heap, entry)
+        taken += [
+            self._o_key(r, self._held[r]) for r in self._running if r.model == model and r in self._held
+        ]
+        taken.sort(key=lambda e: e[:4])
         return [e[-1] for e in taken if e[-1] is not skip][:k]
 
     def __len__(self) -> int:
@@ -272,10 +294,11 @@ class DoublingBudget(Policy):
                 b = self._held.get(req)
                 if b is not None:
                     self.book.charge(req.model, b, elapsed, now)
-                    self._push(req, b)
+                    if req not in self._running:  # the batch's members are looked at directly
+                        self._push(req, b)
         self._last_now = now
         if not self._held:
-            self._running = set()
+            self._set_running(set())
             return Decision(run=[])
         # The O seed and the starved seed, from each model's heap tops.
         stats = self.book.stats
@@ -290,6 +313,17 @@ class DoublingBudget(Policy):
             waited = oldest is not None and now - oldest[0] > stats[model].starvation_s
             if waited and (starved is None or oldest[:4] < starved[:4]):
                 starved = oldest
+        for r in self._running:
+            b = self._held.get(r)
+            if b is None:
+                continue
+            key = self._o_key(r, b)
+            if best is None or key[:4] < best[:4]:
+                best = key
+            if now - b.last_run > stats[r.model].starvation_s:
+                wait_key = self._wait_key(r, b)
+                if starved is None or wait_key[:4] < starved[:4]:
+                    starved = wait_key
         assert best is not None
         seed = starved[-1] if starved is not None else best[-1]
         if view.active_model is not None:
@@ -303,7 +337,7 @@ class DoublingBudget(Policy):
                 own = [e for e in holding if e[-1].model == seed.model] or holding
                 seed = min(own, key=lambda e: e[:4])[-1]
         run = [seed, *self._smallest(seed.model, view.max_batch - 1, seed)] if view.max_batch > 1 else [seed]
-        self._running = set(run)
+        self._set_running(set(run))
         # Re-decide when the first running budget runs out, so demotion happens exactly at exhaustion.
         soonest = min(self._held[r].left for r in run)
         return Decision(run=run, recheck_at=now + soonest, load_model=_switch(view, seed.model))
