@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -221,7 +222,11 @@ async def test_logprobs_of_a_preempted_request_are_vllms_own_uninterrupted_ones(
         ) as c:
             long = asyncio.create_task(c.post(COMPLETIONS, json=body, headers={TRUE_LENGTH: "120"}))
             sched = worker.schedulers[TINY_MODEL_NAME]
+            deadline = time.monotonic() + 60
             while not sched.inflight or next(iter(sched.inflight)).req.generated < 10:
+                # The long request must still be running: if it ended (or failed), fail here, not hang.
+                assert not long.done(), normalize(COMPLETIONS, long.result())
+                assert time.monotonic() < deadline, "the long request never reached 10 tokens"
                 await asyncio.sleep(0.01)
             short = {"model": TINY_MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
             assert (await c.post(COMPLETIONS, json=short, headers={TRUE_LENGTH: "2"})).status_code == 200
