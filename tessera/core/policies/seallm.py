@@ -198,7 +198,7 @@ class DoublingBudget(Policy):
         self._running.discard(req)
 
     def _o_key(self, req: Request, b: Budget) -> _Entry:
-        o = b.left * self.book.stats[req.model].mean_exec_s
+        o = self.book.priority(req.model, b)
         return (o, -req.service_class.priority, req.arrival, self._seq[req], next(self._counter), req)
 
     def _wait_key(self, req: Request, b: Budget) -> _Entry:
@@ -245,7 +245,7 @@ class DoublingBudget(Policy):
             b is not None
             and self._seq[entry[-1]] == entry[3]
             and entry[-1] not in self._running
-            and b.left * self.book.stats[entry[-1].model].mean_exec_s == entry[0]
+            and self.book.priority(entry[-1].model, b) == entry[0]
         )
 
     def _live_wait(self, entry: _Entry) -> bool:
@@ -301,7 +301,6 @@ class DoublingBudget(Policy):
             self._set_running(set())
             return Decision(run=[])
         # The O seed and the starved seed, from each model's heap tops.
-        stats = self.book.stats
         best: _Entry | None = None
         starved: _Entry | None = None
         for model, heap in self._by_o.items():
@@ -310,7 +309,7 @@ class DoublingBudget(Policy):
                 best = top
             oldest = self._top(self._by_wait[model], self._live_wait)
             # Longest wait first (earliest last run), then class priority, arrival, arrival order.
-            waited = oldest is not None and now - oldest[0] > stats[model].starvation_s
+            waited = oldest is not None and self.book.starved(model, self._held[oldest[-1]], now)
             if waited and (starved is None or oldest[:4] < starved[:4]):
                 starved = oldest
         for r in self._running:
@@ -320,7 +319,7 @@ class DoublingBudget(Policy):
             key = self._o_key(r, b)
             if best is None or key[:4] < best[:4]:
                 best = key
-            if now - b.last_run > stats[r.model].starvation_s:
+            if self.book.starved(r.model, b, now):
                 wait_key = self._wait_key(r, b)
                 if starved is None or wait_key[:4] < starved[:4]:
                     starved = wait_key
