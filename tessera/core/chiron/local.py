@@ -204,30 +204,26 @@ class ChironPolicy(Policy):
 
     def add(self, req: Request, now: float) -> None:
         """Queue a request."""
-        self._levels[self.itl_slo(req.service_class)] += 1
+        level = self.itl_slo(req.service_class)
+        self._levels[level] += 1
         if req.service_class.kind == "batch":
             self.batch += 1
         else:
             self.interactive += 1
             self._int_waiting[req] = None
-            self._int_levels[self.itl_slo(req.service_class)] += 1
+            self._int_levels[level] += 1
         self.inner.add(req, now)
 
     def remove(self, req: Request, now: float) -> None:
         """A request finished (or left with its instance)."""
         level = self.itl_slo(req.service_class)
-        self._levels[level] -= 1
-        if not self._levels[level]:
-            del self._levels[level]
+        _drop(self._levels, level)
         if req.service_class.kind == "batch":
             self.batch -= 1
         else:
             self.interactive -= 1
             self._int_waiting.pop(req, None)
-            level = self.itl_slo(req.service_class)
-            self._int_levels[level] -= 1
-            if not self._int_levels[level]:
-                del self._int_levels[level]
+            _drop(self._int_levels, level)
         self.inner.remove(req, now)
         # The tokens since the last decision belong to the current window: without them a request
         # that finishes between two decisions (at batch size 1, every one) would leave no trace of
@@ -322,3 +318,10 @@ class ChironPolicy(Policy):
         evicted = {-neg_pos for _, neg_pos in sorted(batch)[:excess]}
         keep = [r for pos, r in enumerate(d.run) if pos not in evicted]
         return Decision(run=keep, preempt_mode="swap", recheck_after_tokens=d.recheck_after_tokens)
+
+
+def _drop(levels: Counter[float], level: float) -> None:
+    """One request of ``level`` fewer (a level with none left goes)."""
+    levels[level] -= 1
+    if not levels[level]:
+        del levels[level]
