@@ -25,12 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on (default 8000).")
     parser.add_argument("--poll-interval", type=float, default=1.0, help="Seconds between polls (default 1).")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    from tessera.core.routing import ROUTES
+
     parser.add_argument(
         "--route",
         default="least-wait",
-        choices=["least-wait", "cache-aware", "prefix", "least-loaded", "round-robin"],
+        choices=list(ROUTES),
         help="How an instance is picked (default least-wait: class roles, then least estimated wait; "
-        "cache-aware: least estimated wait plus the prefill of the prompt the instance has not cached).",
+        "cache-aware: least estimated wait plus the prefill of the prompt the instance has not cached; "
+        "slo-prefix: most cached prompt among the instances that meet the class's TTFT SLO, a session "
+        "sticking to its instance; see tessera.core.routing).",
     )
     d = RouterLimits()
     limits = parser.add_argument_group("client limits (each answered with an OpenAI-style error)")
