@@ -11,11 +11,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
 import pytest
 
 from tessera.api import parse_document
 from tessera.api.llm_service import LLMServiceStatus
 from tessera.api.serving_pool import ServingPoolStatus
+from tessera.api.worker_config import parse_config
 from tessera.control.inputs import (
     DEFAULT_SLO_SCALE,
     MAX_HISTORY_REQUESTS,
@@ -40,6 +42,8 @@ from tessera.operator import status as st
 from tessera.operator.controller import Controller
 from tessera.operator.prometheus import PrometheusMetrics
 from tessera.operator.reconcile import Action
+from tessera.worker.runtime import Worker
+from tessera.worker.server.app import create_app
 
 NS, POOL = "ns", "p"
 MODELS = {"a": "org/a-8B", "b": "org/b-8B"}
@@ -90,7 +94,14 @@ def service_body(name: str, expected: dict[str, Any] | None = None) -> dict[str,
 
 
 def model_load(
-    model: str, rate: float, *, out: float = 200, window: float = 300, step: float = 60, met: float = 0.9
+    model: str,
+    rate: float,
+    *,
+    out: float = 200,
+    prompt: float = 128,
+    window: float = 300,
+    step: float = 60,
+    met: float = 0.9,
 ) -> ModelLoad:
     n = round(window / step)
     per = rate * step
@@ -102,6 +113,7 @@ def model_load(
         (per,) * n,
         (per,) * n,
         (per * out,) * n,
+        (per * prompt,) * n,
         total * 3.0,
         total * met,
         total * (1 - met),
@@ -117,8 +129,10 @@ def test_load_queries_sample_every_counter_one_step_before_the_window() -> None:
     assert queries["finished"] == 'tessera_e2e_seconds_count{namespace="ns",pool="p"}[360s:60s]'
     assert queries["up"] == 'tessera_batch_size{namespace="ns",pool="p"}[360s:60s]'
     assert set(queries) == {
-        "finished", "rejected", "failed", "later_tokens", "e2e_seconds", "slo_met", "slo_missed", "up"
+        "finished", "rejected", "failed", "later_tokens", "e2e_seconds", "prompt_tokens", "slo_met",
+        "slo_missed", "up",
     }  # fmt: skip
+    assert queries["prompt_tokens"] == 'tessera_prompt_tokens_total{namespace="ns",pool="p"}[360s:60s]'
 
 
 def series(model: str, points: list[tuple[float, float]], **labels: str) -> dict[str, Any]:
@@ -142,6 +156,7 @@ def test_loads_count_increases_per_step_across_resets_and_new_series() -> None:
         "rejected": [series(a, [(0, 1), (10, 1), (20, 1), (30, 4)], pod="p-0")],
         "later_tokens": [series(a, [(0, 1000), (10, 1100), (20, 40), (30, 240)], pod="p-0")],
         "e2e_seconds": [series(a, [(0, 50), (10, 60), (20, 4), (30, 24)], pod="p-0")],
+        "prompt_tokens": [series(a, [(0, 900), (10, 1400), (20, 300), (30, 1300)], pod="p-0")],
         "slo_met": [series(a, [(0, 90), (10, 94), (20, 2), (30, 10)], pod="p-0")],
         "slo_missed": [series(a, [(0, 10), (10, 11), (20, 0), (30, 2)], pod="p-0")],
     }
@@ -154,6 +169,7 @@ def test_loads_count_increases_per_step_across_resets_and_new_series() -> None:
     assert load.output_tokens == (105, 45, 210)  # a first token per finished request + later tokens
     assert load.rate == pytest.approx(23 / 30)
     assert load.mean_output_tokens == pytest.approx(360 / 20)
+    assert load.prompt_tokens == (500, 300, 1000) and load.mean_prompt_tokens == pytest.approx(1800 / 20)
     assert load.e2e_seconds == 10 + 4 + 20 and load.slo_met == 4 + 2 + 8 and load.slo_missed == 1 + 0 + 2
     assert loads_from_results({"up": [series(a, [(0, 1)])]}) == {}
 
@@ -166,6 +182,28 @@ def test_batch_sizes_are_each_groups_mean_rounded() -> None:
         {"metric": {"group": "g3"}, "value": [0, "NaN"]},
     ]
     assert batch_sizes_from_result(result) == {"g1": 12, "g2": 1}
+
+
+async def test_the_worker_counts_the_prompt_tokens_of_finished_requests() -> None:
+    config = parse_config(
+        {
+            "models": [{"name": "m", "engine": "sim", "maxModelLen": 256, "defaultClass": "chat"}],
+            "classes": {"chat": {"slo": {"ttftSeconds": 5}}},
+        }
+    )
+    worker = Worker(config)
+    await worker.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(worker, manage_worker=False))
+        async with httpx.AsyncClient(transport=transport, base_url="http://w") as c:
+            for prompt in ([5], [5, 6, 7, 8]):
+                resp = await c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2})
+                assert resp.status_code == 200, resp.text
+            metrics = (await c.get("/metrics")).text
+    finally:
+        await worker.stop()
+    assert 'tessera_prompt_tokens_total{class="chat",model="m"} 5.0' in metrics
+    assert 'tessera_e2e_seconds_count{class="chat",model="m"} 2.0' in metrics
 
 
 # -- loads into planner inputs ---------------------------------------------------------------------------
@@ -196,21 +234,35 @@ def test_a_service_without_metrics_is_planned_for_its_declared_load_else_the_def
     }
 
 
-def test_a_measured_load_replaces_the_declared_rate_and_output_but_not_the_prompt() -> None:
+def test_a_measured_load_replaces_the_declared_rate_and_lengths() -> None:
     service = parsed(service_body("a", {"requestsPerSecond": 50, "promptTokens": 500, "outputTokens": 9}))
-    load = service_load(service, model_load(MODELS["a"], 2.0, out=40), 300)
-    assert (load.rate, load.output_tokens, load.prompt_tokens) == (2.0, 40, 500)
-    assert (load.rate_source, load.prompt_source, load.output_source) == ("measured", "declared", "measured")
+    load = service_load(service, model_load(MODELS["a"], 2.0, out=40, prompt=700), 300)
+    assert (load.rate, load.output_tokens, load.prompt_tokens) == (2.0, 40, 700)
+    assert (load.rate_source, load.prompt_source, load.output_source) == ("measured", "measured", "measured")
     assert len(load.history) == 600 and load.window_s == 300
     assert {h.output_tokens for h in load.history} == {40} and load.history[-1].arrival < 300
+    assert {h.prompt_tokens for h in load.history} == {700}
     status = load.to_status()
     assert status["requestsPerSecond"] == 2.0 and status["windowSeconds"] == 300
+    assert status["meanPromptTokens"] == 700 and status["sources"]["promptTokens"] == "measured"
+
+
+def test_a_measured_load_without_prompt_tokens_keeps_the_declared_prompt() -> None:
+    # Workers of an image older than the tessera_prompt_tokens counter count none.
+    service = parsed(service_body("a", {"promptTokens": 500}))
+    load = service_load(service, model_load(MODELS["a"], 2.0, prompt=0), 300)
+    assert (load.prompt_tokens, load.prompt_source, load.rate_source) == (500, "declared", "measured")
+    assert {h.prompt_tokens for h in load.history} == {500}
 
 
 def test_spread_history_carries_fractions_and_keeps_the_most_recent_requests() -> None:
-    history = spread_history([0.5, 0.5, 2], 10.0, 7, [1, 2, 3])
-    assert [(h.arrival, h.output_tokens) for h in history] == [(15.0, 2), (22.5, 3), (27.5, 3)]
-    long = spread_history([MAX_HISTORY_REQUESTS, 10], 1.0, 7, [1, 2])
+    history = spread_history([0.5, 0.5, 2], 10.0, [7, 8, 9], [1, 2, 3])
+    assert [(h.arrival, h.prompt_tokens, h.output_tokens) for h in history] == [
+        (15.0, 8, 2),
+        (22.5, 9, 3),
+        (27.5, 9, 3),
+    ]
+    long = spread_history([MAX_HISTORY_REQUESTS, 10], 1.0, [7, 7], [1, 2])
     assert len(long) == MAX_HISTORY_REQUESTS and long[-1].output_tokens == 2
 
 

@@ -52,6 +52,10 @@ class WorkerMetrics:
         self.e2e = Histogram(
             "tessera_e2e_seconds", "Arrival to last token.", MC, buckets=_LATENCY_BUCKETS, registry=r
         )
+        # Counted at the finish, with e2e: per finished request, so over e2e's count it is a mean prompt.
+        self.prompt_tokens = Counter(
+            "tessera_prompt_tokens", "Prompt tokens of finished requests.", MC, registry=r
+        )
         # Judged by tessera.core.slo.slo_met: requests of a class without an SLO count in neither.
         self.slo_met = Counter(
             "tessera_slo_met", "Finished requests that met their class's SLO.", MC, registry=r

@@ -588,6 +588,7 @@ class ModelScheduler:
         req = job.req
         labels = (self.engine.model, job.class_name)
         self.metrics.e2e.labels(*labels).observe(now - req.arrival)
+        self.metrics.prompt_tokens.labels(*labels).inc(req.prompt_tokens)
         if req.generated:
             self.metrics.qoe.labels(*labels).observe(request_qoe(req))
         if job.first_prediction is not None and req.first_scheduled_at is not None:

@@ -7,11 +7,11 @@ the pool's GPU type and the model's size (``named_profile``). Where none matches
 setup; placement only uses the step profile to weigh services with traffic).
 
 Each service's load (``service_load``) is measured where its workers report one
-(``tessera.control.metrics_queries.ModelLoad``: the rate and output lengths of the last interval),
-else declared (``spec.expectedLoad``), else the defaults: no traffic, 128 prompt and 256 output tokens.
-The workers export no prompt length, so prompts are always declared or default. The load becomes the
-planner's rate, mean lengths and history: arrivals spread evenly over each measured step (CHOICE: the
-metrics give counts per step, not arrival times), each with its step's mean output length. The SLO
+(``tessera.control.metrics_queries.ModelLoad``: the rate, prompt and output lengths of the last
+interval), else declared (``spec.expectedLoad``), else the defaults: no traffic, 128 prompt and 256
+output tokens. The load becomes the planner's rate, mean lengths and history: arrivals spread evenly
+over each measured step (CHOICE: the metrics give counts per step, not arrival times), each with its
+step's mean prompt and output lengths. The SLO
 scale of SeaLLM's estimator (a request meets its SLO when its latency is at most ``slo_scale`` times
 its isolated execution time) comes from the service's classes (``slo_scale``).
 """
@@ -132,19 +132,28 @@ class ServiceLoad:
 
 
 def spread_history(
-    counts: Sequence[float], step_s: float, prompt_tokens: int, outputs: Sequence[int]
+    counts: Sequence[float], step_s: float, prompts: Sequence[int], outputs: Sequence[int]
 ) -> tuple[HistoryRequest, ...]:
     """Requests spread evenly over each step (``counts[j]`` arrivals in step j, fractions carried to the
-    next step), each with its step's output length ``outputs[j]``; at most ``MAX_HISTORY_REQUESTS``,
-    the most recent kept."""
+    next step), each with its step's prompt and output lengths ``prompts[j]``, ``outputs[j]``; at most
+    ``MAX_HISTORY_REQUESTS``, the most recent kept."""
     out: list[HistoryRequest] = []
     carry = 0.0
     for j, count in enumerate(counts):
         carry += count
         n = math.floor(carry + 1e-9)
         carry -= n
-        out += [HistoryRequest((j + (k + 0.5) / n) * step_s, prompt_tokens, outputs[j]) for k in range(n)]
+        out += [HistoryRequest((j + (k + 0.5) / n) * step_s, prompts[j], outputs[j]) for k in range(n)]
     return tuple(out[-MAX_HISTORY_REQUESTS:])
+
+
+def _per_step(tokens: Sequence[float], finished: Sequence[float], mean: float, least: int) -> list[int]:
+    """Mean tokens per finished request of each step (at least ``least``); a step where nothing finished,
+    or no token was counted, takes ``mean``."""
+    return [
+        max(least, round(t / done)) if done > 0 and t > 0 else max(least, round(mean))
+        for t, done in zip(tokens, finished, strict=True)
+    ]
 
 
 def service_load(service: LLMService, measured: ModelLoad | None, window_s: float) -> ServiceLoad:
@@ -160,18 +169,20 @@ def service_load(service: LLMService, measured: ModelLoad | None, window_s: floa
     if measured is not None:
         if measured.mean_output_tokens is not None:
             output, output_source = measured.mean_output_tokens, "measured"
-        outputs = [
-            max(1, round(tokens / done)) if done > 0 else max(1, round(output))
-            for tokens, done in zip(measured.output_tokens, measured.finished, strict=True)
-        ]
-        history = spread_history(measured.arrivals, measured.step_s, round(prompt), outputs)
+        if measured.mean_prompt_tokens is not None:
+            prompt, prompt_source = measured.mean_prompt_tokens, "measured"
+        outputs = _per_step(measured.output_tokens, measured.finished, output, 1)
+        prompts = _per_step(measured.prompt_tokens, measured.finished, prompt, 0)
+        history = spread_history(measured.arrivals, measured.step_s, prompts, outputs)
         return ServiceLoad(
             measured.rate, prompt, output, "measured", prompt_source, output_source, measured.span_s, history
         )
     rate, rate_source = pick(declared and declared.requests_per_second, 0.0)
     step = load_step_s(window_s)
     steps = max(1, round(window_s / step))
-    history = spread_history([rate * step] * steps, step, round(prompt), [max(1, round(output))] * steps)
+    history = spread_history(
+        [rate * step] * steps, step, [round(prompt)] * steps, [max(1, round(output))] * steps
+    )
     return ServiceLoad(rate, prompt, output, rate_source, prompt_source, output_source, None, history)
 
 

@@ -10,8 +10,8 @@ Placement reads each model's load over the last re-placement interval from the s
 (``load_queries``): the counters sampled at a fixed step by a subquery, their increases per step
 computed here (a counter that drops was reset: it counts from zero; a series that appears later is a
 new pod or class: it counts from zero too). The router's ``tessera_router_*`` series are not used:
-they carry no pool label, and a model name is only unique within a pool. The workers export no
-prompt length, so a measured load has none (``tessera.control.inputs`` takes the declared one).
+they carry no pool label, and a model name is only unique within a pool. Prompt lengths come from the
+workers' ``tessera_prompt_tokens`` counter (prompt tokens of finished requests).
 
 Pure: the operator's ``PrometheusMetrics`` (``tessera.operator.prometheus``) sends the queries; local
 mode reads the same series from direct scrapes.
@@ -192,6 +192,7 @@ LOAD_COUNTERS = {
     # One ITL sample per output token after the first (see group_queries).
     "later_tokens": "tessera_itl_seconds_count",
     "e2e_seconds": "tessera_e2e_seconds_sum",
+    "prompt_tokens": "tessera_prompt_tokens_total",
     "slo_met": "tessera_slo_met_total",
     "slo_missed": "tessera_slo_missed_total",
 }
@@ -212,6 +213,7 @@ class ModelLoad:
     arrivals: tuple[float, ...]
     finished: tuple[float, ...]
     output_tokens: tuple[float, ...]
+    prompt_tokens: tuple[float, ...]  # of the requests that finished in each step
     e2e_seconds: float
     slo_met: float
     slo_missed: float
@@ -236,6 +238,13 @@ class ModelLoad:
         """Mean output tokens of the finished requests; None when none finished."""
         done = self.finished_total
         return sum(self.output_tokens) / done if done > 0 else None
+
+    @property
+    def mean_prompt_tokens(self) -> float | None:
+        """Mean prompt tokens of the finished requests; None when none finished or the workers count no
+        prompt tokens (an image older than the counter)."""
+        done, tokens = self.finished_total, sum(self.prompt_tokens)
+        return tokens / done if done > 0 and tokens > 0 else None
 
 
 def load_step_s(window_s: float) -> float:
@@ -319,6 +328,7 @@ def loads_from_results(results: Mapping[str, list[dict[str, Any]]]) -> dict[str,
             arrivals=tuple(arrivals),
             finished=tuple(finished),
             output_tokens=tuple(f + t for f, t in zip(finished, row("later_tokens"), strict=True)),
+            prompt_tokens=tuple(row("prompt_tokens")),
             e2e_seconds=sum(row("e2e_seconds")),
             slo_met=sum(row("slo_met")),
             slo_missed=sum(row("slo_missed")),
