@@ -43,8 +43,8 @@ from tessera.core.planners import (
 )
 from tessera.core.planners.replacement import prediction_error
 from tessera.operator import status as st
-from tessera.operator.kube import Kube
-from tessera.operator.reconcile import contains, plan_actions
+from tessera.operator.kube import Kube, OwnershipError
+from tessera.operator.reconcile import Conflict, claim, contains, plan_actions
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ MAX_HISTORY_S = 1800.0
 # How often a pool whose old groups wait for their successors to become ready looks again (CHOICE: the
 # operator does not watch StatefulSets; pods take tens of seconds to minutes to become ready).
 HANDOVER_POLL_S = 5.0
+# Ready's reason while an object the operator did not create holds a child's name.
+OWNERSHIP_CONFLICT = "OwnershipConflict"
 # (object body, event type "Normal"/"Warning", reason, message)
 EventSink = Callable[[Mapping[str, Any], str, str, str], None]
 
@@ -212,13 +214,13 @@ class Controller:
             decided, history = self._autoscale(namespace, body, decided, history, now)
         elif autoscale:  # nothing to autoscale: the resync (and events) will look again
             self._autoscale_due[(namespace, name)] = math.inf
-        observed, retiring = self._apply(namespace, body, decided, status, now)
+        seen = self._apply(namespace, body, decided, status, now)
         timeline = _Timeline(boundary, real, finished, window)
         self._report_pool(
             namespace,
             body,
             services,
-            _Observed(observed, retiring),
+            seen,
             decided,
             previous,
             history,
@@ -234,12 +236,14 @@ class Controller:
         decided: PoolDesired,
         status: Mapping[str, Any],
         now: float,
-    ) -> tuple[list[dict[str, Any]], list[Retiring]]:
-        """Apply the pool's children; returns the children observed before (their status is what the
-        report reads: objects created or patched now have no newer status yet) and the groups the plan
-        no longer has. Those still handing their services over stay as they are: their objects count as
-        desired unchanged."""
-        observed = self.kube.list_children(namespace, pool_labels(decided.pool.name))
+    ) -> _Observed:
+        """Apply the pool's children; returns the children of the pool observed before (their status is
+        what the report reads: objects created or patched now have no newer status yet), the groups the
+        plan no longer has and the objects in the way that the operator did not create. Groups still
+        handing their services over stay as they are: their objects count as desired unchanged."""
+        listed = self.kube.list_children(namespace, pool_labels(decided.pool.name))
+        pool_uid = str(body.get("metadata", {}).get("uid") or "")
+        wanted, observed, conflicts = claim(decided.children, listed, pool_uid)
         retiring: list[Retiring] = []
         if decided.plan is not None:
             since = {
@@ -252,8 +256,12 @@ class Controller:
             )
         held = {r.group for r in retiring if r.held}
         kept = [o for o in observed if (o["metadata"].get("labels") or {}).get(GROUP_LABEL) in held]
-        for action in plan_actions([*decided.children, *kept], observed):
-            self.kube.apply(namespace, action)
+        for action in plan_actions([*wanted, *kept], observed):
+            try:
+                self.kube.apply(namespace, action)
+            except OwnershipError as error:
+                conflicts.append(error.conflict)
+                continue
             self.emit(body, "Normal", action.verb.capitalize() + "d", f"{action.kind} {action.name}")
         for r in retiring:
             if r.held:
@@ -271,7 +279,7 @@ class Controller:
                 )
         key = (namespace, decided.pool.name)
         self._handover_due[key] = now + HANDOVER_POLL_S if held else math.inf
-        return observed, retiring
+        return _Observed(observed, retiring, conflicts)
 
     def _autoscale(
         self,
@@ -405,6 +413,8 @@ class Controller:
             f"{ready_total}/{replicas} instances ready",
             now,
         )
+        if seen.conflicts:
+            conditions = self._report_conflicts(body, status, conditions, seen.conflicts, namespace, now)
         replanned = (
             previous is None
             or plan is None
@@ -452,7 +462,24 @@ class Controller:
             new_status["observedGeneration"] = generation
         if _changed(status, new_status):
             self.kube.patch_status(POOLS, namespace, pool.name, new_status)
-        self._report_services(namespace, service_bodies, decided, ready, held, now)
+        self._report_services(namespace, service_bodies, decided, ready, seen, now)
+
+    def _report_conflicts(
+        self,
+        body: Mapping[str, Any],
+        status: Mapping[str, Any],
+        conditions: list[dict[str, Any]],
+        conflicts: list[Conflict],
+        namespace: str,
+        now: float,
+    ) -> list[dict[str, Any]]:
+        """``conditions`` with Ready=False OwnershipConflict naming each object in the way; a Warning
+        event when that message is new."""
+        message = "; ".join(c.describe(namespace) for c in conflicts)
+        before = next((c for c in status.get("conditions") or [] if c.get("type") == st.READY), {})
+        if (before.get("reason"), before.get("message")) != (OWNERSHIP_CONFLICT, message):
+            self.emit(body, "Warning", OWNERSHIP_CONFLICT, message)
+        return st.set_condition(conditions, st.READY, False, OWNERSHIP_CONFLICT, message, now)
 
     def _interval_status(
         self,
@@ -504,9 +531,10 @@ class Controller:
         service_bodies: list[dict[str, Any]],
         decided: PoolDesired,
         ready: Mapping[str, int],
-        held: list[Retiring],
+        seen: _Observed,
         now: float,
     ) -> None:
+        held = [r for r in seen.retiring if r.held]
         bodies = {b["metadata"]["name"]: b for b in service_bodies if pool_ref(b) == decided.pool.name}
         for name, problem in decided.rejected.items():
             if name in bodies:
@@ -547,6 +575,9 @@ class Controller:
                 message,
                 now,
             )
+            mine = [c for c in seen.conflicts if c.owner == f"LLMService {name}"]
+            if mine:  # its endpoint Service's name is taken
+                conditions = self._report_conflicts(body, status, conditions, mine, namespace, now)
             has_batch = any(
                 c.name in decided.classes and decided.classes[c.name].kind == "batch"
                 for c in service.spec.request_classes
@@ -637,13 +668,15 @@ class Controller:
         if _changed(status, new_status):
             self.kube.patch_status(CLASSES, body["metadata"].get("namespace"), name, new_status)
 
-    def cleanup_pool(self, namespace: str, name: str) -> int:
-        """Delete every child of a pool being deleted; returns how many were deleted.
+    def cleanup_pool(self, namespace: str, name: str, uid: str) -> int:
+        """Delete every child of a pool being deleted (``uid``: the pool's) that the pool owns or marked
+        as its own; returns how many were deleted.
 
         Owner references let the garbage collector do this too; doing it here makes the cleanup
         immediate and visible in events, and works where no collector runs.
         """
-        actions = plan_actions([], self.kube.list_children(namespace, pool_labels(name)))
+        _, mine, _ = claim([], self.kube.list_children(namespace, pool_labels(name)), uid)
+        actions = plan_actions([], mine)
         for action in actions:
             self.kube.apply(namespace, action)
         for key in [k for k in list(self._scalers) if k[:2] == (namespace, name)]:
@@ -668,11 +701,12 @@ class _Timeline:
 
 @dataclass(frozen=True, slots=True)
 class _Observed:
-    """The pool's children as listed before this pass applied anything, and the groups no longer in
-    the plan."""
+    """The pool's own children as listed before this pass applied anything, the groups no longer in
+    the plan, and the objects holding a child's name that the operator did not create."""
 
-    children: list[dict[str, Any]]
+    children: list[Mapping[str, Any]]
     retiring: list[Retiring]
+    conflicts: list[Conflict]
 
 
 def _unplaced(status: Mapping[str, Any]) -> dict[str, Problem]:

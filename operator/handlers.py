@@ -180,7 +180,8 @@ def build_registry(
         marks.forget(key)
         if stopped.reason is not None and kopf.DaemonStoppingReason.RESOURCE_DELETED in stopped.reason:
             # Here, not in a deletion handler: kopf runs those while the daemon may still be in a pass.
-            deleted = await asyncio.to_thread(controller.cleanup_pool, namespace, name)
+            uid = str(body.get("metadata", {}).get("uid") or "")
+            deleted = await asyncio.to_thread(controller.cleanup_pool, namespace, name, uid)
             kopf.info(dict(body), reason="Deleted", message=f"deleted {deleted} child objects")
 
     @kopf.on.update(GROUP, VERSION, POOLS, registry=registry)

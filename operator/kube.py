@@ -2,7 +2,9 @@
 
 Transient: 409 conflicts, 429 throttling, 5xx and lost connections; they are retried with capped
 exponential backoff. A create that meets 409 AlreadyExists becomes a patch (an earlier attempt may
-have succeeded server-side before its response was lost). Everything else raises at once.
+have succeeded server-side before its response was lost) when the existing object is owned by the
+desired one's owner; any other object raises ``OwnershipError`` untouched. Everything else raises at
+once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import urllib3.exceptions
 from kubernetes import client
 
 from tessera.api import GROUP, VERSION
-from tessera.operator.reconcile import Action
+from tessera.operator.reconcile import Action, Conflict, adoptable, conflict
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,6 +33,14 @@ CHILD_KINDS: dict[str, tuple[str, str, str]] = {
     "StatefulSet": ("apps", "stateful_set", "apps/v1"),
     "PodDisruptionBudget": ("policy", "pod_disruption_budget", "policy/v1"),
 }
+
+
+class OwnershipError(Exception):
+    """A child's name is held by an object the operator did not create."""
+
+    def __init__(self, found: Conflict) -> None:
+        super().__init__(f"{found.kind} {found.name} is not ours")
+        self.conflict = found
 
 
 def backoff_delays(attempts: int, base_s: float = 0.2, cap_s: float = 5.0) -> list[float]:
@@ -129,6 +139,10 @@ class Kube:
             except client.ApiException as error:
                 if error.status != 409:
                     raise
+            # It exists but was not listed (no labels of ours, or made since): patch only our own.
+            existing = self.get_child(namespace, action.kind, action.name)
+            if existing is not None and not adoptable(existing, body):
+                raise OwnershipError(conflict(existing, body))
         try:
             self.patch_child(namespace, action.kind, action.name, body)
         except client.ApiException as error:
@@ -138,6 +152,19 @@ class Kube:
             # endpoint): create it, or this pass fails and nothing retries it until the next mark.
             call = self._child_call(action.kind, "create")
             self._retry(what, lambda: call(namespace=namespace, body=body, _preload_content=False))
+
+    def get_child(self, namespace: str, kind: str, name: str) -> dict[str, Any] | None:
+        """One child object; None when it does not exist."""
+        call = self._child_call(kind, "read")
+        try:
+            return self._retry(
+                f"get {kind} {name}",
+                lambda: self._json(call(name=name, namespace=namespace, _preload_content=False)),
+            )
+        except client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
 
     def patch_child(self, namespace: str, kind: str, name: str, body: Mapping[str, Any]) -> None:
         """JSON merge patch of one child: the operator owns its fields and lists whole."""

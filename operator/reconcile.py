@@ -3,6 +3,11 @@
 An observed object matches when everything the operator sets is present and equal in it ("desired is
 a subset of observed"): fields the API server adds (defaults, status, resourceVersion) never cause a
 patch, so a second reconcile after a successful one yields no action.
+
+Labels select the candidates but prove nothing (anyone may copy them): an object is patched only when
+its ownerReferences name the uid of the Tessera resource that owns the desired object, and deleted as
+stale only when owned by the pool or marked with the pool's uid (``POOL_UID_ANNOTATION``). Any other
+object in the way is a ``Conflict``, left untouched.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from tessera.control.children import POOL_UID_ANNOTATION
 
 Verb = Literal["create", "patch", "delete"]
 # Apply order: configuration first (pods mount it), then Services, then workloads; deletions last.
@@ -28,6 +35,75 @@ class Action:
     def describe(self) -> str:
         """Human-readable form for events and logs."""
         return f"{self.verb} {self.kind} {self.name}"
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """An object in the way of a desired child that the operator did not create."""
+
+    kind: str
+    name: str
+    owner: str  # "<kind> <name>" of the Tessera resource the desired child belongs to
+    holders: tuple[str, ...]  # "<kind> <name>" of the object's own owners, if any
+
+    def describe(self, namespace: str) -> str:
+        """What to tell the user: which object, who holds it, how to resolve it."""
+        held = f"owned by {', '.join(self.holders)}" if self.holders else "not created by Tessera"
+        return (
+            f"{self.kind} {namespace}/{self.name} already exists and is {held}; the operator leaves it "
+            f"alone: rename {self.owner} or delete that {self.kind}"
+        )
+
+
+def owner_uids(obj: Mapping[str, Any]) -> set[str]:
+    """The uids an object's ownerReferences name."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return {str(r["uid"]) for r in refs if isinstance(r, Mapping) and r.get("uid")}
+
+
+def adoptable(observed: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Whether the operator may patch ``observed`` into ``desired``: it is owned by the resource that
+    owns ``desired``."""
+    return bool(owner_uids(observed) & owner_uids(desired))
+
+
+def pool_owns(obj: Mapping[str, Any], pool_uid: str) -> bool:
+    """Whether the pool with ``pool_uid`` may delete ``obj``: the pool owns it or marked it as its own."""
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    return pool_uid in owner_uids(obj) or annotations.get(POOL_UID_ANNOTATION) == pool_uid
+
+
+def conflict(observed: Mapping[str, Any], desired: Mapping[str, Any]) -> Conflict:
+    """The ``Conflict`` of a desired child with the foreign object holding its name."""
+    owners = (desired.get("metadata") or {}).get("ownerReferences") or [{}]
+    refs = (observed.get("metadata") or {}).get("ownerReferences") or []
+    return Conflict(
+        str(desired["kind"]),
+        str(desired["metadata"]["name"]),
+        f"{owners[0].get('kind', '?')} {owners[0].get('name', '?')}",
+        tuple(f"{r.get('kind', '?')} {r.get('name', '?')}" for r in refs if isinstance(r, Mapping)),
+    )
+
+
+def claim(
+    desired: Iterable[Mapping[str, Any]], observed: Iterable[Mapping[str, Any]], pool_uid: str
+) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]], list[Conflict]]:
+    """Split a pool's children by ownership: the desired objects the operator may create or patch, the
+    observed ones it may patch or delete, and the conflicts (desired objects whose name a foreign
+    object holds). Foreign objects that are not in the way are left out, never deleted."""
+    wanted = {key(d): d for d in desired}
+    mine: list[Mapping[str, Any]] = []
+    conflicts: dict[tuple[str, str], Conflict] = {}
+    for obj in observed:
+        body = wanted.get(key(obj))
+        if body is None:
+            if pool_owns(obj, pool_uid):
+                mine.append(obj)
+        elif adoptable(obj, body):
+            mine.append(obj)
+        else:
+            conflicts[key(obj)] = conflict(obj, body)
+    return [d for k, d in wanted.items() if k not in conflicts], mine, list(conflicts.values())
 
 
 def key(obj: Mapping[str, Any]) -> tuple[str, str]:

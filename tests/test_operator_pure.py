@@ -4,6 +4,7 @@ decision, Prometheus result parsing and the kube adapter's retries."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from tessera.control.metrics_queries import (
 )
 from tessera.control.pool_plan import INVALID_SPEC, Problem, desired_pool, inputs_fingerprint
 from tessera.core.planners import GroupPlan, RoleCounts
-from tessera.operator.kube import Kube, backoff_delays
+from tessera.operator.kube import Kube, OwnershipError, backoff_delays
 from tessera.operator.reconcile import Action, contains, plan_actions
 from tessera.operator.status import append_history, plan_from_status, plan_to_status, set_condition
 
@@ -263,16 +264,46 @@ def test_transient_errors_are_retried(statuses: list[int]) -> None:
     assert flaky.calls == len(statuses) + 1 and len(sleeps) == len(statuses)
 
 
+OURS = {"name": "c", "ownerReferences": [{"kind": "ServingPool", "name": "p", "uid": "u1"}]}
+
+
+def _reads(obj: dict[str, Any] | None) -> Any:
+    """A read call answering ``obj`` (404 when None)."""
+
+    def read(**_: Any) -> Any:
+        if obj is None:
+            raise client.ApiException(status=404)
+        return type("R", (), {"data": json.dumps(obj).encode()})()
+
+    return read
+
+
 def test_permanent_errors_raise_and_create_conflict_becomes_patch() -> None:
     kube = Kube(client.ApiClient(), attempts=3, sleep=lambda _: None)
     kube.core.patch_namespaced_config_map = _Flaky([422])
     with pytest.raises(client.ApiException):
         kube.patch_child("ns", "ConfigMap", "c", {})
     kube.core.create_namespaced_config_map = _Flaky([409])
+    kube.core.read_namespaced_config_map = _reads({"metadata": OURS})
     patched = _Flaky([])
     kube.core.patch_namespaced_config_map = patched
-    kube.apply("ns", Action("create", "ConfigMap", "c", {"metadata": {"name": "c"}}))
+    kube.apply("ns", Action("create", "ConfigMap", "c", {"kind": "ConfigMap", "metadata": OURS}))
     assert patched.calls == 1
+
+
+def test_create_conflict_with_a_foreign_object_patches_nothing() -> None:
+    """A 409 on create is patched only when the existing object is owned by the desired one's owner."""
+    kube = Kube(client.ApiClient(), attempts=3, sleep=lambda _: None)
+    patched = _Flaky([])
+    kube.core.patch_namespaced_service = patched
+    body = {"kind": "Service", "metadata": {**OURS, "name": "kubernetes"}}
+    for foreign in ({"name": "kubernetes"}, {**OURS, "ownerReferences": [{"kind": "X", "uid": "u2"}]}):
+        kube.core.create_namespaced_service = _Flaky([409])
+        kube.core.read_namespaced_service = _reads({"metadata": foreign})
+        with pytest.raises(OwnershipError) as raised:
+            kube.apply("ns", Action("create", "Service", "kubernetes", body))
+        assert "Service ns/kubernetes already exists" in raised.value.conflict.describe("ns")
+    assert patched.calls == 0
 
 
 def test_a_child_deleted_between_create_and_patch_is_created() -> None:
@@ -280,9 +311,41 @@ def test_a_child_deleted_between_create_and_patch_is_created() -> None:
     kube = Kube(client.ApiClient(), attempts=3, sleep=lambda _: None)
     created = _Flaky([409])
     kube.core.create_namespaced_service = created
+    kube.core.read_namespaced_service = _reads(None)
     kube.core.patch_namespaced_service = _Flaky([404])
-    kube.apply("ns", Action("create", "Service", "s", {"metadata": {"name": "s"}}))
+    kube.apply("ns", Action("create", "Service", "s", {"kind": "Service", "metadata": {"name": "s"}}))
     assert created.calls == 2
+
+
+def test_claim_adopts_owned_objects_and_never_touches_foreign_ones() -> None:
+    """Labels prove nothing: a stale child is deleted only when the pool owns or marked it, and a
+    desired child whose name a foreign object holds is a conflict, neither created nor patched."""
+    from tessera.control.children import POOL_UID_ANNOTATION
+    from tessera.operator.reconcile import claim
+
+    def obj(kind: str, name: str, uids: list[str], pool_uid: str | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "name": name,
+            "ownerReferences": [{"kind": "K", "name": "o", "uid": u} for u in uids],
+        }
+        if pool_uid:
+            meta["annotations"] = {POOL_UID_ANNOTATION: pool_uid}
+        return {"kind": kind, "metadata": meta}
+
+    desired = [obj("Service", "kubernetes", ["svc"]), obj("ConfigMap", "p-g0-worker", ["pool"])]
+    observed = [
+        obj("Service", "kubernetes", []),  # the cluster's own, in the way
+        obj("ConfigMap", "p-g0-worker", ["pool"]),  # ours: patched if it differs
+        obj("ConfigMap", "labelled", []),  # foreign with our labels: left alone
+        obj("Service", "old-endpoint", ["gone-svc"], "pool"),  # a deleted service's endpoint we marked
+        obj("Service", "other-pool-endpoint", ["svc2"], "other"),
+    ]
+    wanted, mine, conflicts = claim(desired, observed, "pool")
+    assert [d["metadata"]["name"] for d in wanted] == ["p-g0-worker"]
+    assert [o["metadata"]["name"] for o in mine] == ["p-g0-worker", "old-endpoint"]
+    assert [(c.kind, c.name) for c in conflicts] == [("Service", "kubernetes")]
+    actions = plan_actions(wanted, mine)
+    assert [(a.verb, a.name) for a in actions] == [("delete", "old-endpoint")]
 
 
 async def test_marks_before_a_pool_wakes_cost_one_pass_and_other_pools_are_not_held_up() -> None:

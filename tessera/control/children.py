@@ -57,6 +57,9 @@ POOL_LABEL = "tessera.dev/pool"
 GROUP_LABEL = "tessera.dev/group"
 SERVICE_LABEL = "tessera.dev/service"
 COMPONENT_LABEL = "app.kubernetes.io/component"
+# The uid of the pool whose passes manage an object the pool does not own (an LLMService's endpoint
+# Service): labels alone may be copied, so a pass deletes only objects owned or marked by its pool.
+POOL_UID_ANNOTATION = "tessera.dev/pool-uid"
 # Pods carry one such label per model they serve; an LLMService's endpoint selects on it.
 SERVES_PREFIX = "serves.tessera.dev/"
 
@@ -815,10 +818,13 @@ def stateful_set(
 def endpoint_service(pool: ServingPool, service: LLMService, namespace: str) -> dict[str, Any]:
     """The ClusterIP Service clients call for one LLMService: every pod that serves its model."""
     labels = {**pool_labels(pool.name), SERVICE_LABEL: service.name}
+    meta = _meta(service.name, namespace, labels, owner_reference(service))
+    # Owned by the LLMService; the pool's uid lets the pool's pass delete it once that is gone.
+    meta["annotations"] = {POOL_UID_ANNOTATION: owner_reference(pool)["uid"]}
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(service.name, namespace, labels, owner_reference(service)),
+        "metadata": meta,
         "spec": {
             "type": "ClusterIP",
             "selector": {POOL_LABEL: pool.name, serves_label(service.name): "true"},
