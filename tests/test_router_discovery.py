@@ -28,9 +28,13 @@ def _children() -> tuple[list[dict], str]:
     return [c for c in children if c["kind"] == "ConfigMap"], sts["metadata"]["name"]
 
 
-def _pod(name: str, labels: dict, ip: str, ready: bool = True) -> dict:
+def _pod(name: str, labels: dict, ip: str, ready: bool = True, owner: str | None = None) -> dict:
+    """A pod as the StatefulSet controller makes it (``owner``: its StatefulSet, by default the name
+    without the ordinal)."""
+    sts = owner if owner is not None else name.rsplit("-", 1)[0]
+    refs = [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts, "uid": "s", "controller": True}]
     return {
-        "metadata": {"name": name, "namespace": "ns", "labels": labels},
+        "metadata": {"name": name, "namespace": "ns", "labels": labels, "ownerReferences": refs},
         "status": {"phase": "Running", "podIP": ip,
                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }  # fmt: skip
@@ -46,7 +50,9 @@ def test_ready_pods_become_backends_with_roles_by_ordinal() -> None:
         _pod(f"{sts}-3", labels, "10.0.0.4", ready=False),  # not ready: left out
         _pod("stranger-0", {**labels, "tessera.dev/group": "other"}, "10.0.0.5"),  # no ConfigMap
     ]
-    backends = backends_from_cluster(config_maps, pods)
+    found = backends_from_cluster(config_maps, pods)
+    backends = found.backends
+    assert found.skipped == {("Pod", "not-owned"): 1}  # stranger-0 is no StatefulSet's group pod
     assert [(b.url, b.role) for b in backends] == [
         ("http://10.0.0.1:8000", "interactive"),
         ("http://10.0.0.2:8000", "mixed"),
@@ -68,3 +74,86 @@ def test_a_group_config_map_is_read_back_as_written_and_a_broken_one_is_named() 
     broken = {"metadata": {"name": "g-config"}, "data": {**cm["data"], "worker.json": "{not json"}}
     with pytest.raises(ChildError, match=r"ConfigMap g-config: invalid worker\.json"):
         read_group_config_map(broken)
+
+
+def test_forged_and_broken_objects_are_skipped_and_counted_not_routed_to() -> None:
+    """Labels prove nothing: a pod or ConfigMap with the group's labels but not made by the group's
+    StatefulSet or ServingPool, or outside the served namespaces, never becomes a backend, and a
+    broken ConfigMap does not stop the other groups from being discovered."""
+    import copy
+
+    config_maps, sts = _children()
+    labels = config_maps[0]["metadata"]["labels"]
+    forged_cm = copy.deepcopy(config_maps[0])
+    forged_cm["metadata"]["ownerReferences"] = []
+    broken = copy.deepcopy(config_maps[0])
+    broken["metadata"] |= {"name": "other-g9-worker", "labels": {**labels, "tessera.dev/group": "g9"}}
+    broken["data"]["worker.json"] = "{not json"
+    elsewhere = copy.deepcopy(config_maps[0])
+    elsewhere["metadata"]["namespace"] = "tenant"
+    pods = [
+        _pod(f"{sts}-0", labels, "10.0.0.1"),
+        _pod(f"{sts}-7", labels, "10.6.6.6", owner="tenant-sts"),  # not the group's StatefulSet
+        _pod("impostor-0", labels, "10.6.6.7", owner=sts),  # claims the StatefulSet, wrong name
+        {
+            **_pod(f"{sts}-1", labels, "10.6.6.8"),
+            "metadata": {"name": f"{sts}-1", "namespace": "ns", "labels": labels},
+        },
+    ]
+    found = backends_from_cluster([broken, config_maps[0], elsewhere], pods, frozenset({"ns"}))
+    assert [b.url for b in found.backends] == ["http://10.0.0.1:8000"]
+    assert found.skipped == {
+        ("ConfigMap", "invalid"): 1,
+        ("ConfigMap", "namespace"): 1,
+        ("Pod", "not-owned"): 3,
+    }
+    # Without its owner the group's ConfigMap itself is refused, and with it the group's pods.
+    found = backends_from_cluster([forged_cm], pods[:1])
+    assert found.backends == []
+    assert found.skipped == {("ConfigMap", "not-owned"): 1, ("Pod", "no-group-config"): 1}
+
+
+class _Core:
+    """The two list calls of the CoreV1Api, answering per namespace and recording which were asked."""
+
+    def __init__(self, objects: dict[str, dict[str, list[dict]]]) -> None:
+        self.objects = objects
+        self.asked: list[str] = []
+
+    def _answer(self, items: list[dict]) -> object:
+        return type("R", (), {"data": json.dumps({"items": items}).encode()})()
+
+    def list_namespaced_config_map(self, namespace: str, **_: object) -> object:
+        self.asked.append(namespace)
+        return self._answer(self.objects.get(namespace, {}).get("cm", []))
+
+    def list_namespaced_pod(self, namespace: str, **_: object) -> object:
+        self.asked.append(namespace)
+        return self._answer(self.objects.get(namespace, {}).get("pod", []))
+
+
+def test_kube_discovery_lists_only_its_namespaces_and_metrics_show_what_it_skipped() -> None:
+    from fastapi.testclient import TestClient
+
+    from tessera.router.app import RouterState, create_router_app
+    from tessera.router.discovery import KubeDiscovery, own_namespace
+
+    config_maps, sts = _children()
+    labels = config_maps[0]["metadata"]["labels"]
+    broken = {**config_maps[0], "data": {**config_maps[0]["data"], "placement.json": "[]"}}
+    core = _Core(
+        {
+            "ns": {"cm": [broken], "pod": [_pod(f"{sts}-0", labels, "10.0.0.1", ready=False)]},
+            "tenant": {"cm": config_maps, "pod": [_pod(f"{sts}-0", labels, "10.6.6.6")]},
+        }
+    )
+    discovery = KubeDiscovery(["ns", "ns"], core=core)
+    app = create_router_app(RouterState([]), discover=discovery.backends, poll_interval_s=60)
+    app.state.metrics.registry.register(discovery.collector())
+    with TestClient(app) as http:
+        text = http.get("/metrics").text
+        assert http.get("/router/status").json()["instances"] == []
+    assert set(core.asked) == {"ns"}
+    assert 'tessera_router_discovery_skipped{kind="ConfigMap",reason="invalid"} 1.0' in text
+    assert 'tessera_router_discovery_skipped{kind="Pod",reason="no-group-config"} 1.0' in text
+    assert own_namespace(Path("/nonexistent")) is None

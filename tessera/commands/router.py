@@ -20,7 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument("--kubernetes", action="store_true",
                         help="Discover the operator's worker pods from the API server.")  # fmt: skip
-    parser.add_argument("--namespace", default=None, help="With --kubernetes: one namespace (default all).")
+    parser.add_argument(
+        "--namespace", action="append", default=None,
+        help="With --kubernetes: a namespace whose worker pods it routes to (repeat for several; default: "
+        "the router pod's own). Only these are trusted: whoever may create pods there may add backends.",
+    )  # fmt: skip
+    parser.add_argument(
+        "--all-namespaces", action="store_true",
+        help="With --kubernetes: discover in every namespace (trusts every namespace's pod creators).",
+    )  # fmt: skip
     parser.add_argument("--host", default="0.0.0.0", help="Address to listen on (default 0.0.0.0).")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on (default 8000).")
     parser.add_argument("--poll-interval", type=float, default=1.0, help="Seconds between polls (default 1).")
@@ -80,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
     if args.poll_interval <= 0:
         print("tessera router: --poll-interval must be > 0 seconds", file=sys.stderr)
         return 2
-    if args.namespace is not None and not args.kubernetes:
-        print("tessera router: --namespace goes with --kubernetes", file=sys.stderr)
+    if (args.namespace is not None or args.all_namespaces) and not args.kubernetes:
+        print("tessera router: --namespace and --all-namespaces go with --kubernetes", file=sys.stderr)
+        return 2
+    if args.namespace is not None and args.all_namespaces:
+        print("tessera router: give --namespace or --all-namespaces, not both", file=sys.stderr)
         return 2
     try:
         limits = RouterLimits(args.max_body_bytes, args.max_header_bytes, args.header_timeout,
@@ -90,11 +101,16 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, ApiKeysError) as exc:
         print(f"tessera router: {exc}", file=sys.stderr)
         return 2
-    discover = None
+    discovery = None
     if args.kubernetes:
-        from tessera.router.discovery import KubeDiscovery
+        from tessera.router.discovery import KubeDiscovery, own_namespace
 
-        discover = KubeDiscovery(args.namespace).backends
+        namespaces = args.namespace or ([] if args.all_namespaces else [own_namespace()])
+        if None in namespaces:
+            print("tessera router: not in a pod: give --namespace NS (repeatable) or --all-namespaces",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        discovery = KubeDiscovery(None if args.all_namespaces else namespaces)
         backends = []
     else:
         try:
@@ -103,8 +119,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"tessera router: {exc}", file=sys.stderr)
             return 2
     state = RouterState(backends, route=args.route)
-    app = create_router_app(state, poll_interval_s=args.poll_interval, discover=discover, limits=limits,
-                            api_keys=api_keys)  # fmt: skip
+    app = create_router_app(state, poll_interval_s=args.poll_interval, limits=limits, api_keys=api_keys,
+                            discover=discovery.backends if discovery else None)  # fmt: skip
+    if discovery is not None:
+        app.state.metrics.registry.register(discovery.collector())
     server = uvicorn.Server(
         router_server_config(app, host=args.host, port=args.port, log_level=args.log_level)
     )

@@ -5,15 +5,31 @@ role counts) and a StatefulSet whose pods ``<group object>-<ordinal>`` carry the
 pod's role follows from its ordinal the way the operator orders them (interactive, then mixed, then
 batch; ``tessera.control.children``). Only running pods with an IP and a true Ready condition count.
 
+Trust: labels are not proof (anyone who may create a pod can copy them, and would then receive other
+users' prompts). Discovery reads only the namespaces it is given (the router's own by default), where
+whoever may create pods is trusted with the workloads anyway; within them a group ConfigMap counts only
+when its name is the group's and its controller is the ServingPool its labels name, and a pod only when
+its controller is the group's StatefulSet and its name that StatefulSet's ``<name>-<ordinal>``. Every
+other labelled object, and a group ConfigMap that does not parse, is skipped and counted
+(``tessera_router_discovery_skipped``) instead of failing the listing.
+
 ``backends_from_cluster`` is pure; ``KubeDiscovery`` is the thin adapter that lists the objects.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+import logging
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tessera.api import GROUP
 from tessera.api.worker_config import WorkerConfig
 from tessera.control.children import (
     GROUP_LABEL,
@@ -21,11 +37,16 @@ from tessera.control.children import (
     MANAGER,
     POOL_LABEL,
     WORKER_PORT,
+    ChildError,
+    config_map_name,
+    group_object_name,
     read_group_config_map,
 )
 from tessera.router.backends import Backend
 
+log = logging.getLogger(__name__)
 SELECTOR = f"{MANAGED_BY}={MANAGER},{GROUP_LABEL}"
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 def _ready(pod: Mapping[str, Any]) -> bool:
@@ -43,25 +64,99 @@ def _ordinal(name: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
+@dataclass(frozen=True)
+class Discovered:
+    """The backends of one listing and the objects it skipped, by (kind, reason)."""
+
+    backends: list[Backend]
+    skipped: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+def _controller(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    refs = meta.get("ownerReferences") or []
+    return next((r for r in refs if isinstance(r, Mapping) and r.get("controller") is True), {})
+
+
+def _group_key(meta: Mapping[str, Any]) -> tuple[str, str, str]:
+    labels = meta.get("labels") or {}
+    return (str(meta.get("namespace", "")), str(labels.get(POOL_LABEL, "")), str(labels.get(GROUP_LABEL, "")))
+
+
+def _object_name(pool: str, group: str) -> str | None:
+    try:
+        return group_object_name(pool, group)
+    except ChildError:
+        return None
+
+
+def _config_map_is_the_pools(meta: Mapping[str, Any], pool: str, group: str) -> bool:
+    owner = _controller(meta)
+    name = _object_name(pool, group)
+    return (
+        name is not None
+        and meta.get("name") == config_map_name(pool, group)
+        and owner.get("kind") == "ServingPool"
+        and str(owner.get("apiVersion", "")).startswith(f"{GROUP}/")
+        and owner.get("name") == pool
+    )
+
+
+def _pod_is_the_groups(meta: Mapping[str, Any], pool: str, group: str) -> bool:
+    owner = _controller(meta)
+    name = _object_name(pool, group)
+    pod = str(meta.get("name", ""))
+    return (
+        name is not None
+        and owner.get("kind") == "StatefulSet"
+        and owner.get("name") == name
+        and pod.startswith(f"{name}-")
+        and pod[len(name) + 1 :].isdigit()
+    )
+
+
 def backends_from_cluster(
-    config_maps: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
-) -> list[Backend]:
-    """The ready worker pods as backends, each with its group's worker configuration and its role."""
+    config_maps: Iterable[Mapping[str, Any]],
+    pods: Iterable[Mapping[str, Any]],
+    namespaces: frozenset[str] | None = None,
+) -> Discovered:
+    """The ready worker pods as backends, each with its group's worker configuration and its role.
+
+    Only objects in ``namespaces`` (None: any) whose controllers are the group's count (module
+    docstring); the others are skipped and counted by (kind, reason)."""
+    skipped: Counter[tuple[str, str]] = Counter()
     groups: dict[tuple[str, str, str], tuple[WorkerConfig, list[str]]] = {}
     for cm in config_maps:
         meta = cm.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        read = read_group_config_map(cm)
+        key = _group_key(meta)
+        if namespaces is not None and key[0] not in namespaces:
+            skipped["ConfigMap", "namespace"] += 1
+            continue
+        try:
+            read = read_group_config_map(cm)
+        except ChildError as err:
+            log.warning("discovery skips %s/%s: %s", key[0], meta.get("name"), err)
+            skipped["ConfigMap", "invalid"] += 1
+            continue
         if read is None:
             continue
-        key = (meta.get("namespace", ""), labels.get(POOL_LABEL, ""), labels.get(GROUP_LABEL, ""))
+        if not _config_map_is_the_pools(meta, key[1], key[2]):
+            skipped["ConfigMap", "not-owned"] += 1
+            continue
         groups[key] = read
     backends: list[Backend] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        key = (meta.get("namespace", ""), labels.get(POOL_LABEL, ""), labels.get(GROUP_LABEL, ""))
-        if key not in groups or not _ready(pod):
+        key = _group_key(meta)
+        if namespaces is not None and key[0] not in namespaces:
+            skipped["Pod", "namespace"] += 1
+            continue
+        if not _pod_is_the_groups(meta, key[1], key[2]):
+            skipped["Pod", "not-owned"] += 1
+            continue
+        if key not in groups:
+            skipped["Pod", "no-group-config"] += 1
+            continue
+        if not _ready(pod):
             continue
         config, roles = groups[key]
         ordinal = _ordinal(meta.get("name", ""))
@@ -75,31 +170,70 @@ def backends_from_cluster(
                 config=config,
             )
         )
-    return sorted(backends, key=lambda b: b.name)
+    return Discovered(sorted(backends, key=lambda b: b.name), dict(skipped))
+
+
+class _SkippedCollector(Collector):
+    """The objects the last listing skipped, read at scrape time."""
+
+    def __init__(self, discovery: KubeDiscovery) -> None:
+        self.discovery = discovery
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gauge = GaugeMetricFamily(
+            "tessera_router_discovery_skipped",
+            "Labelled objects the last discovery left out (kind; reason: namespace, not-owned, invalid, "
+            "no-group-config).",
+            labels=["kind", "reason"],
+        )
+        for (kind, reason), count in sorted(self.discovery.skipped.items()):
+            gauge.add_metric([kind, reason], float(count))
+        yield gauge
 
 
 class KubeDiscovery:
-    """Lists the operator's group ConfigMaps and worker pods (one namespace, or all)."""
+    """Lists the operator's group ConfigMaps and worker pods in the namespaces it serves (None: all)."""
 
-    def __init__(self, namespace: str | None) -> None:
-        from kubernetes import client, config
+    def __init__(self, namespaces: Sequence[str] | None, core: Any = None) -> None:
+        if core is None:
+            from kubernetes import client, config
 
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        self.core = client.CoreV1Api()
-        self.namespace = namespace
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            core = client.CoreV1Api()
+        self.core = core
+        self.namespaces = None if namespaces is None else tuple(dict.fromkeys(namespaces))
+        self.skipped: dict[tuple[str, str], int] = {}
 
     def _list(self, what: str) -> list[dict[str, Any]]:
-        if self.namespace is None:
+        if self.namespaces is None:
             call = getattr(self.core, f"list_{what}_for_all_namespaces")
             response = call(label_selector=SELECTOR, _preload_content=False)
-        else:
+            return json.loads(response.data).get("items", [])
+        items: list[dict[str, Any]] = []
+        for namespace in self.namespaces:
             call = getattr(self.core, f"list_namespaced_{what}")
-            response = call(namespace=self.namespace, label_selector=SELECTOR, _preload_content=False)
-        return json.loads(response.data).get("items", [])
+            response = call(namespace=namespace, label_selector=SELECTOR, _preload_content=False)
+            items += json.loads(response.data).get("items", [])
+        return items
 
     def backends(self) -> list[Backend]:
-        """The current backends."""
-        return backends_from_cluster(self._list("config_map"), self._list("pod"))
+        """The current backends (the skipped objects are kept for ``/metrics``)."""
+        scope = None if self.namespaces is None else frozenset(self.namespaces)
+        found = backends_from_cluster(self._list("config_map"), self._list("pod"), scope)
+        self.skipped = found.skipped
+        return found.backends
+
+    def collector(self) -> Collector:
+        """A Prometheus collector of what the last listing skipped."""
+        return _SkippedCollector(self)
+
+
+def own_namespace(path: Path = SERVICE_ACCOUNT_NAMESPACE) -> str | None:
+    """The namespace the router's pod runs in (its service account's); None outside a cluster."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
