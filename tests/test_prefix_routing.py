@@ -3,6 +3,7 @@ routes, and the router keeping a conversation on the instance that holds its pre
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,5 +158,80 @@ async def test_router_keeps_a_users_requests_on_one_instance(tmp_path: Path) -> 
                         ).outstanding += 1
         assert picked[:3] == [picked[0]] * 3, picked
         assert picked[3] != picked[0]  # bob has no session yet: the less busy instance
+    finally:
+        supervisor.stop_all()
+
+
+def _started(model: str, when: float) -> str:
+    return f'tessera_engine_start_time_seconds{{model="{model}"}} {when}\n'
+
+
+def test_an_engine_whose_start_time_changes_loses_its_prefix_entries_and_sessions() -> None:
+    from tessera.api.worker_config import WorkerConfig
+    from tessera.router.app import RouterState
+    from tessera.router.backends import Backend
+
+    config = WorkerConfig.model_validate({"models": [{"name": "m", "engine": "sim"}]})
+    state = RouterState(
+        [Backend(name=n, url=f"http://{n}", config=config) for n in ("a", "b")], route="slo-prefix"
+    )
+    for name in ("a", "b"):
+        state.set_health(name, True)
+        state.observe(name, _started("m", 100.0))
+    state.pick("m", "interactive", set(), "x" * 640, session="ann")
+    chosen = state.sessions["ann"]
+    other = ({"a", "b"} - {chosen}).pop()
+    state.pick("m", "interactive", {chosen}, "y" * 640, session="bob")
+    assert state.prefixes["m"].blocks(chosen) == 10 and state.prefixes["m"].blocks(other) == 10
+    state.observe(chosen, _started("m", 100.0))  # the same engine: nothing forgotten
+    assert state.prefixes["m"].blocks(chosen) == 10
+    state.observe(chosen, _started("m", 160.0))  # restarted between two polls, never seen down
+    assert state.prefixes["m"].blocks(chosen) == 0 and "ann" not in state.sessions
+    assert state.prefixes["m"].blocks(other) == 10 and state.sessions["bob"] == other
+
+
+@pytest.mark.integration
+async def test_router_drops_the_prefix_entries_of_a_worker_that_restarted(tmp_path: Path) -> None:
+    from tessera.router.app import poll
+
+    supervisor = start_workers(tmp_path, 2)
+    try:
+        # Polled once at start only: the restart below happens between two polls, unseen as an outage.
+        async with (
+            serve_router(supervisor.workers, route="slo-prefix", poll_interval_s=3600) as router,
+            httpx.AsyncClient(timeout=30) as client,
+        ):
+            for user in ("ann", "bob"):
+                body = {
+                    "model": MODEL,
+                    "max_tokens": 2,
+                    "user": user,
+                    "messages": [{"role": "user", "content": f"{user} asks a long question " * 20}],
+                }
+                resp = await client.post(f"{router.url}/v1/chat/completions", json=body,
+                                         headers={CLASS_HEADER: "chat"})  # fmt: skip
+                assert resp.status_code == 200, resp.text
+                if user == "ann":  # her instance looks busier: bob goes to the other one
+                    next(x for x in router.state.loads.values()
+                         if x.instance == router.state.sessions["ann"]).outstanding += 1  # fmt: skip
+
+            async def blocks() -> dict[str, int]:
+                rows = (await client.get(f"{router.url}/router/status")).json()["instances"]
+                return {r["instance"]: r["cachedPrefixBlocks"] for r in rows}
+
+            ann, bob = router.state.sessions["ann"], router.state.sessions["bob"]
+            assert ann != bob
+            await poll(router.state, client)  # a poll of unchanged workers forgets nothing
+            before = await blocks()
+            assert before[ann] > 0 and before[bob] > 0
+            old = next(w for w in supervisor.workers if w.instance.name == ann)
+            supervisor.stop([old])
+            supervisor.wait_ready(supervisor.launch(old.instance), time.monotonic() + 60)
+            router.state.update([w.backend() for w in supervisor.workers])  # its new address
+            await poll(router.state, client)
+            after = await blocks()
+        assert router.healthy() == {ann: True, bob: True}  # never out of the rotation
+        assert after == {ann: 0, bob: before[bob]}
+        assert "ann" not in router.state.sessions and router.state.sessions["bob"] == bob
     finally:
         supervisor.stop_all()

@@ -6,7 +6,9 @@ reports; an engine that reports nothing leaves the configured capacity, said onc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 from typing import Any
 
 import httpx
@@ -180,3 +182,42 @@ def test_vllm_metrics_give_capacity_in_blocks_and_use_in_whole_blocks() -> None:
     assert parse_vllm_metrics(no_blocks, "tiny") is None
     no_usage = "\n".join(ln for ln in VLLM_METRICS.splitlines() if "kv_cache_usage" not in ln)
     assert parse_vllm_metrics(no_usage, "tiny") is None
+
+
+def test_vllm_metrics_give_the_servers_process_start_time() -> None:
+    text = VLLM_METRICS + "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.7e+09\n"
+    assert parse_vllm_metrics(text, "tiny") == EngineStats(40 * 128, 10 * 128, 128, 3, 2, started_at=1.7e9)
+    assert parse_vllm_metrics(VLLM_METRICS, "tiny").started_at is None  # type: ignore[union-attr]
+
+
+class _Restarting(SimEngine):
+    """An engine that reports when its process started; ``started`` moves when it restarts."""
+
+    started = 1000.0
+
+    async def stats(self) -> EngineStats | None:
+        stats = await super().stats()
+        return None if stats is None else dataclasses.replace(stats, started_at=self.started)
+
+
+async def test_the_engines_start_time_is_exported_and_moves_when_it_restarts() -> None:
+    silent = Worker(_config(), engines={"m": _Silent("m", PROFILE.to_profile("m", 4096), 512)})
+    before = time.time()
+    await silent.start()
+    try:  # no start time of its own: when the worker started it
+        assert before <= _metric(silent.metrics.exposition().decode(), "tessera_engine_start_time_seconds")
+        assert (
+            _metric(silent.metrics.exposition().decode(), "tessera_engine_start_time_seconds") <= time.time()
+        )
+    finally:
+        await silent.stop()
+    engine = _Restarting("m", PROFILE.to_profile("m", 4096), 512)
+    worker = Worker(_config(), engines={"m": engine})
+    await worker.start()
+    try:
+        assert _metric(worker.metrics.exposition().decode(), "tessera_engine_start_time_seconds") == 1000.0
+        engine.started = 2000.0
+        await asyncio.sleep(0.1)  # several polls
+        assert _metric(worker.metrics.exposition().decode(), "tessera_engine_start_time_seconds") == 2000.0
+    finally:
+        await worker.stop()

@@ -109,6 +109,13 @@ class WorkerMetrics:
             ["model"],
             registry=r,
         )
+        self.engine_start_time = Gauge(
+            "tessera_engine_start_time_seconds",
+            "Unix time the engine last started, its caches empty (the engine's own process start where it "
+            "reports one, else when this worker started it): a change means the engine restarted.",
+            ["model"],
+            registry=r,
+        )
         self.engine_stats_fallback = Gauge(
             "tessera_engine_stats_fallback",
             "1 when the engine reports no KV cache figures and the configured kvCapacityTokens is used.",

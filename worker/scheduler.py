@@ -194,6 +194,7 @@ class ModelScheduler:
 
     async def start(self) -> None:
         """Start the loop; the engine is probed before anything is admitted."""
+        self.metrics.engine_start_time.labels(self.engine.model).set(time.time())
         self.engine_ok = await self.engine.healthy()
         if not self.engine_ok:
             self._start_probe()
@@ -636,6 +637,8 @@ class ModelScheduler:
             m.engine_kv_used.labels(model).set(stats.kv_used_tokens)
             m.engine_running.labels(model).set(stats.running)
             m.engine_waiting.labels(model).set(stats.waiting)
+            if stats.started_at is not None:
+                m.engine_start_time.labels(model).set(stats.started_at)
         if self.profile.kv_capacity_tokens != capacity_before:
             self._wake.set()  # the policy may admit more (or must admit less) now
 

@@ -145,6 +145,7 @@ class RouterState:
         self.prefix_tokens: dict[str, list[int]] = {}  # instance -> [prompt tokens sent, of them cached]
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)  # cache-aware decisions
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session key -> its last instance (LRU)
+        self.engine_started: dict[tuple[str, str], float] = {}  # (instance, model) -> engine start time
         self.backends: dict[str, Backend] = {}
         self.loads: dict[tuple[str, str], InstanceLoad] = {}
         self.configs: dict[str, WorkerConfig] = {}  # model -> configuration of its first instance
@@ -255,19 +256,39 @@ class RouterState:
         for (name, _), load in self.loads.items():
             if name == backend:
                 if load.healthy and not healthy:
-                    for index in self.prefixes.values():
-                        index.forget(name)
+                    for model in self.prefixes:
+                        self._forget(name, model)
                 load.healthy = healthy
 
+    def _forget(self, backend: str, model: str) -> None:
+        """Forget which prompts ``backend`` holds for ``model``, and the sessions that stick to it."""
+        index = self.prefixes.get(model)
+        if index is not None:
+            index.forget(backend)
+        for session in [k for k, v in self.sessions.items() if v == backend]:
+            del self.sessions[session]
+
     def observe(self, backend: str, metrics_text: str) -> None:
-        """Apply a worker's /metrics: its current batch size per model."""
+        """Apply a worker's /metrics: its current batch size per model, and its engines' start times (an
+        engine that restarted between two polls lost its prefix cache: what it held is forgotten)."""
         for family in text_string_to_metric_families(metrics_text):
-            if family.name != "tessera_batch_size":
+            if family.name not in ("tessera_batch_size", "tessera_engine_start_time_seconds"):
                 continue
             for sample in family.samples:
-                load = self.loads.get((backend, sample.labels.get("model", "")))
-                if load is not None and sample.value >= 1:
-                    load.batch_size = int(sample.value)
+                model = sample.labels.get("model", "")
+                load = self.loads.get((backend, model))
+                if load is None:
+                    continue
+                if family.name == "tessera_batch_size":
+                    if sample.value >= 1:
+                        load.batch_size = int(sample.value)
+                    continue
+                before = self.engine_started.get((backend, model))
+                if before is not None and before != sample.value:
+                    log.info("instance %s restarted its engine of %s: its prefix entries are dropped",
+                             backend, model)  # fmt: skip
+                    self._forget(backend, model)
+                self.engine_started[(backend, model)] = sample.value
 
     def status(self) -> dict[str, Any]:
         """What ``/router/status`` shows."""

@@ -74,6 +74,7 @@ class EngineStats:
     block_size: int
     running: int  # requests in the engine's batch
     waiting: int  # requests the engine holds but does not run (its own queue)
+    started_at: float | None = None  # Unix time the engine's process started (its caches empty then)
 
 
 class Engine(ABC):

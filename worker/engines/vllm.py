@@ -267,14 +267,17 @@ class VLLMEngine(Engine):
 
 
 def parse_vllm_metrics(text: str, model: str) -> EngineStats | None:
-    """The EngineStats in a vLLM ``/metrics`` page (the series of ``model``, summed over engines);
-    None when one of them is missing."""
+    """The EngineStats in a vLLM ``/metrics`` page (the series of ``model``, summed over engines; the
+    start time is the server process's); None when one of them is missing."""
     values: dict[str, float] = {}
     cache: dict[str, str] | None = None
+    started: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info":
                 cache = sample.labels
+            elif sample.name == "process_start_time_seconds":
+                started = sample.value
             elif sample.name in _GAUGES and sample.labels.get("model_name", model) == model:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
     if cache is None or len(values) < len(_GAUGES):
@@ -290,6 +293,7 @@ def parse_vllm_metrics(text: str, model: str) -> EngineStats | None:
         block_size=block,
         running=int(values["vllm:num_requests_running"]),
         waiting=int(values["vllm:num_requests_waiting"]),
+        started_at=started,
     )
 
 
