@@ -312,20 +312,26 @@ def measure_and_fit(
     vocab: int,
     max_batch: int,
     max_model_len: int = 2048,
+    *,
+    decode_tokens: int = DECODE_TOKENS,
+    repeats: int = 3,
 ):
     """Measure the server and return ``(profile, measurements)``.
 
     Concurrency doubles from 1 up to ``max_batch`` (and ``max_batch`` itself), at a short and a
-    long prompt; prompts stay within ``max_model_len``.
+    long prompt; prompts stay within ``max_model_len``. Each point is the median of ``repeats``
+    probes; a decode probe streams ``decode_tokens`` per sequence (fewer for a slow engine).
     """
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch} | {max_batch})
     lengths = [n for n in (16, 128, 256, 512, 1024) if n < max_model_len]
-    long_prompt = min(LONG_DECODE_PROMPT, max_model_len - DECODE_TOKENS - 1)
+    if decode_tokens < 16 or repeats < 1:
+        raise ValueError(f"decode_tokens must be >= 16 and repeats >= 1, got {decode_tokens} and {repeats}")
+    long_prompt = min(LONG_DECODE_PROMPT, max_model_len - decode_tokens - 1)
     if len(lengths) < 2 or long_prompt <= 64:
         raise ValueError(
-            f"max_model_len {max_model_len} is too small to measure (needs > {DECODE_TOKENS + 65})"
+            f"max_model_len {max_model_len} is too small to measure (needs > {decode_tokens + 65})"
         )
     m = asyncio.run(
         measure(
@@ -335,7 +341,8 @@ def measure_and_fit(
             batches=batches,
             prompt_lengths=lengths,
             decode_prompts=(32, long_prompt),
-            decode_tokens=DECODE_TOKENS,
+            decode_tokens=decode_tokens,
+            repeats=repeats,
         )
     )
     profile = fit_profile(
