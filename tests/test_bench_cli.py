@@ -29,7 +29,10 @@ def test_baseline_json_shape(tmp_path, capsys):
     assert doc["scenario"] == "baseline"
     assert doc["config"]["requests"] == 40
     names = [r["policy"] for r in doc["results"]]
-    assert names == ["fcfs:load=0.8", "edf:load=0.8", "sjf-oracle:load=0.8", "srtf-oracle:load=0.8"]
+    assert names[:4] == ["fcfs:load=0.8", "edf:load=0.8", "sjf-oracle:load=0.8", "srtf-oracle:load=0.8"]
+    assert len(names) == 5 and names[4].startswith("priority:delay=")  # the tuned priority queue
+    assert doc["results"][4]["tuned_over"] == ["strict", "30s", "300s"]
+    assert [r.get("baseline") for r in doc["results"]].count("strongest baseline") == 1
     for row in doc["results"]:
         assert row["requests"] == 40
         for key in ("mean_ttft_s", "p99_ttft_s", "mean_itl_s", "mean_jct_s", "p99_jct_s", "throughput_rps"):
@@ -50,6 +53,10 @@ def test_baseline_edf_differs_from_fcfs_under_overload(tmp_path):
     fcfs, edf = rows["fcfs"]["slo_attainment_by_class"], rows["edf"]["slo_attainment_by_class"]
     assert edf["interactive"] > fcfs["interactive"]
     assert rows["edf"]["mean_ttft_s"] != rows["fcfs"]["mean_ttft_s"]
+    # The strongest simple baseline is the one of highest attainment among fcfs, edf and priority.
+    best = next(r for r in rows.values() if r.get("baseline") == "strongest baseline")
+    assert best["slo_attainment"] == max(rows[p]["slo_attainment"] for p in ("fcfs", "edf", "priority"))
+    assert rows["priority"]["slo_attainment"] > rows["fcfs"]["slo_attainment"]
 
 
 def test_unknown_scenario_and_bad_set(capsys):

@@ -51,7 +51,7 @@ def _running(req: Request) -> Request:
 
 
 @pytest.mark.parametrize(("pa", "pb", "winner"), CASES)
-@pytest.mark.parametrize("policy", ["fcfs", "edf", "sjf-oracle", "srtf-oracle"])
+@pytest.mark.parametrize("policy", ["fcfs", "edf", "priority", "sjf-oracle", "srtf-oracle"])
 def test_baselines_serve_the_higher_class_first_among_equal_keys(
     policy: str, pa: int, pb: int, winner: str | None
 ) -> None:
@@ -61,6 +61,19 @@ def test_baselines_serve_the_higher_class_first_among_equal_keys(
     for r in (a, b):
         pol.add(r, 1.0)
     assert [r.id for r in pol.schedule(_view([])).run] == [winner or "a"]  # equal: the first queued
+
+
+@pytest.mark.parametrize(("delay", "order"), [(None, "ilb"), (50.0, "ilb"), (30.0, "ibl"), (0.0, "bil")])
+def test_priority_queue_puts_interactive_ahead_of_batch_set_back_by_the_delay(
+    delay: float | None, order: str
+) -> None:
+    # b (batch) arrives at 0, i (interactive) at 5, l (interactive) at 40: strict priority runs both
+    # interactive requests first; a set-back of d queues b as if it had arrived at d.
+    pol = make_policy("priority", batch_delay_s=delay)
+    batch, chat = ServiceClass("bulk", "batch", deadline_s=600.0), ServiceClass("chat", ttft_slo_s=10.0)
+    for r in (_req("b", 0.0, batch), _req("i", 5.0, chat), _req("l", 40.0, chat)):
+        pol.add(r, 40.0)
+    assert "".join(r.id for r in pol.schedule(_view([], now=40.0, max_batch=3)).run) == order
 
 
 @pytest.mark.parametrize(("pa", "pb", "winner"), CASES)

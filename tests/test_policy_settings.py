@@ -33,6 +33,7 @@ ISRTF_BLOCK = "    policy: isrtf\n    settings:\n      windowTokens: 50\n"
 SAMPLES: dict[str, dict[str, Any]] = {
     "fcfs": {},
     "edf": {},
+    "priority": {"batchDelayS": 60.0},
     "sjf-oracle": {},
     "srtf-oracle": {"recheckTokens": 20, "preemptMode": "recompute"},
     "isrtf": {"predictor": "constant", "windowTokens": 20, "agingTokensPerS": 0.5, "preemptMode": "swap"},

@@ -10,7 +10,7 @@ import pytest
 
 from tessera.bench.runner import run_one
 from tessera.core.policies.qlm import QLMPolicy
-from tessera.core.policies.qlm.baseline import SwapFCFS
+from tessera.core.policies.qlm.baseline import SwapBatched, SwapFCFS
 from tessera.core.policies.qlm.estimator import (
     EngineRates,
     EpsMeter,
@@ -397,6 +397,24 @@ def test_grouping_and_load_balancing_cut_model_swaps() -> None:
     assert qlm["swaps"] <= 2 * len(models)
     assert naive["swaps"] > 5 * qlm["swaps"]
     assert qlm["throughput_rps"] > 2 * naive["throughput_rps"]
+
+
+def test_batched_swapping_serves_a_model_queue_before_swapping() -> None:
+    # Interleaved arrivals of three models: per-request FCFS swaps at almost every request, the
+    # per-model queues once per model and round (and at least once per waiting model).
+    rng = np.random.default_rng(2)
+    models = ("a", "b", "c")
+    mix = Mix(classes=((BATCH, 1.0),), models=tuple((m, 1.0) for m in models))
+    reqs = build_requests(np.linspace(0, 5, 150), [100] * 150, [100] * 150, rng, mix)
+    cluster = _cluster(models, instances=1)
+    _, naive = run_one(reqs, SwapFCFS, cluster)
+    done, batched = run_one(reqs, lambda: SwapBatched(max_wait_s=1e9), cluster)
+    assert len(models) <= batched["swaps"] <= 2 * len(models)
+    assert naive["swaps"] > 5 * batched["swaps"]
+    assert all(r.finished_at is not None for r in done)
+    # A bound on the wait: another model's request waiting max_wait_s forces a swap sooner.
+    _, eager = run_one(reqs, lambda: SwapBatched(max_wait_s=0.0), cluster)
+    assert eager["swaps"] > batched["swaps"]
 
 
 class _PrepareFirst:

@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     for key in keys:
         table.add_column(key, justify="right")
     for row in report.results:
-        table.add_row(row["policy"], *(_fmt(row.get(k)) for k in keys))
+        label = f" ({row['baseline']})" if row.get("baseline") else ""  # paper / strongest baseline
+        table.add_row(row["policy"] + label, *(_fmt(row.get(k)) for k in keys))
     out = Console(file=sys.stdout, width=max(160, 12 * (len(keys) + 2)))
     out.print(table)
     for line in report.checks:

@@ -4,6 +4,9 @@
   engine preempts the latest arrival (the last of ``run``).
 - ``edf``: earliest SLO deadline first (TTFT deadline for interactive classes,
   completion deadline for batch), non-preemptive.
+- ``priority``: a class-priority queue, non-preemptive: interactive requests ahead of batch ones,
+  arrival order within a kind. ``batch_delay_s`` tunes it: a batch request queues as if it had
+  arrived that many seconds later (unset: interactive always first; 0: FCFS).
 - ``sjf-oracle``: shortest true output length first, non-preemptive (simulation only).
 - ``srtf-oracle``: shortest true remaining output first, preemptive at every
   decision point (simulation only). ``recheck_tokens`` bounds how long a running
@@ -49,6 +52,36 @@ class EDF(PriorityPolicy):
     def key(self, req: Request, now: float) -> tuple:
         """Absolute SLO deadline, then the higher class priority, then arrival."""
         return (req.slo_deadline, -req.service_class.priority, req.arrival)
+
+
+class PrioritySettings(PolicySettings):
+    """Settings of ``priority``."""
+
+    batch_delay_s: Annotated[float, Field(ge=0)] | None = Field(
+        default=None,
+        description="Seconds a batch request queues as if it had arrived later; unset: interactive first.",
+    )
+
+
+class ClassPriority(PriorityPolicy):
+    """Interactive before batch (or batch set back by ``batch_delay_s``), arrival order within a kind."""
+
+    name: ClassVar[str] = "priority"
+    static_keys: ClassVar[bool] = True
+
+    def __init__(self, batch_delay_s: float | None = None) -> None:
+        super().__init__()
+        if batch_delay_s is not None and batch_delay_s < 0:
+            raise ValueError(f"batch_delay_s must be >= 0 seconds, got {batch_delay_s}")
+        self._delay = batch_delay_s
+
+    def key(self, req: Request, now: float) -> tuple:
+        """(kind rank, arrival) with the strict order, else the batch-delayed arrival; then the higher
+        class priority, then arrival."""
+        batch = req.service_class.kind == "batch"
+        if self._delay is None:
+            return (int(batch), req.arrival, -req.service_class.priority)
+        return (req.arrival + (self._delay if batch else 0.0), -req.service_class.priority, req.arrival)
 
 
 def _true_length(req: Request) -> int:

@@ -45,6 +45,7 @@ class NoSettings(PolicySettings):
 POLICIES: dict[str, tuple[str, str]] = {
     "fcfs": ("tessera.core.baselines:FCFS", "tessera.core.registry:NoSettings"),
     "edf": ("tessera.core.baselines:EDF", "tessera.core.registry:NoSettings"),
+    "priority": ("tessera.core.baselines:ClassPriority", "tessera.core.baselines:PrioritySettings"),
     "sjf-oracle": ("tessera.core.baselines:SJFOracle", "tessera.core.registry:NoSettings"),
     "srtf-oracle": ("tessera.core.baselines:SRTFOracle", "tessera.core.baselines:SRTFOracleSettings"),
     "isrtf": ("tessera.core.policies.isrtf:ISRTF", "tessera.core.policies.isrtf:ISRTFSettings"),

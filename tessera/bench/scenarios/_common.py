@@ -158,3 +158,53 @@ def baseline_checks(
                 + ("PASS" if ok else "FAIL")
             )
     return out
+
+
+PAPER = "paper baseline"
+STRONGEST = "strongest baseline"
+PRIORITY_DELAYS = "strict,30,300"  # default of --set priority_delays: the tuned priority queue's sweep
+
+
+def label_baseline(row: dict[str, Any], label: str) -> None:
+    """Add ``label`` (``PAPER``, ``STRONGEST``) to the row's ``baseline`` field (the table prints it
+    after the row's name)."""
+    row["baseline"] = f"{row['baseline']}, {label}" if row.get("baseline") else label
+
+
+def strongest(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The row of highest SLO attainment (ties: higher goodput, then throughput)."""
+    return max(rows, key=lambda r: (r["slo_attainment"], r.get("goodput_rps", 0.0), r["throughput_rps"]))
+
+
+def priority_delays(options: dict[str, Any]) -> dict[str, float | None]:
+    """``--set priority_delays`` (default ``strict,30,300``): the ``batch_delay_s`` values the tuned
+    priority queue is chosen from, by variant name (``strict``: interactive always first)."""
+    from tessera.bench.runner import option
+
+    text = str(option(options, "priority_delays", PRIORITY_DELAYS, str))
+    out: dict[str, float | None] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if part == "strict":
+            out["strict"] = None
+            continue
+        try:
+            delay = float(part)
+        except ValueError:
+            delay = -1.0
+        if delay < 0:
+            raise ValueError(
+                f"--set priority_delays={text!r}: comma-separated seconds >= 0 (a batch request's "
+                "set-back behind interactive ones) or strict (interactive always first)"
+            )
+        out[f"{delay:g}s"] = delay
+    return out
+
+
+def tuned_priority(
+    run: Callable[[str, float | None], dict[str, Any]], delays: dict[str, float | None]
+) -> dict[str, Any]:
+    """Run the ``priority`` queue at each of ``delays`` (``run(variant, batch_delay_s)`` gives a row)
+    and return the row of the best (``strongest``), with the sweep recorded in ``tuned_over``."""
+    best = strongest([run(name, delay) for name, delay in delays.items()])
+    best["tuned_over"] = list(delays)
+    return best

@@ -1,4 +1,5 @@
-"""Scenario ``baseline``: vLLM-FCFS, EDF and the oracle bounds SJF / SRTF at several loads.
+"""Scenario ``baseline``: vLLM-FCFS, EDF, a tuned priority queue and the oracle bounds SJF / SRTF at
+several loads.
 
 Workload: the Azure 2023 conversation trace (or ``--trace``: any trace of requests, a rate series
 whose arrivals the Azure requests take, or a lengths file whose lengths they take: see
@@ -14,38 +15,51 @@ classes, as QLM and Chiron define them (docs/papers.md, "Chiron: request classes
   few thousand requests can miss it under overload (the papers' "minutes to hours" range).
 
 EDF then orders by real differences in slack, so it differs from FCFS; every row reports
-``slo_attainment_by_class``.
+``slo_attainment_by_class``. ``priority`` (interactive ahead of batch) runs at each of
+``priority_delays`` and the best (highest SLO attainment) is kept: the tuned priority queue. Of
+fcfs, edf and that row, the one of highest SLO attainment at each load is labelled
+``(strongest baseline)``.
 
-Checks: the oracle bounds never lose to FCFS on mean JCT, EDF's attainment per class, and every row
-against ``fcfs`` at its load on throughput and p99 JCT (no worse than ``tolerance``).
+Checks: the oracle bounds never lose to FCFS on mean JCT, EDF's attainment per class, the strongest
+simple baseline at each load, and every row against ``fcfs`` at its load on throughput and p99 JCT
+(no worse than ``tolerance``).
 
 Options (``--set``): requests (2000), loads ("0.5,0.8,1.0,1.2"), ttft_slo (10.0),
-batch_deadline (600.0), batch_share (0.5), tolerance (0.10), rate_dist (a rate series' arrivals:
-poisson | gamma), and the cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS`` (max_batch
-default 32).
+batch_deadline (600.0), batch_share (0.5), tolerance (0.10), priority_delays ("strict,30,300"),
+rate_dist (a rate series' arrivals: poisson | gamma), and the cluster options of
+``tessera.bench.runner.CLUSTER_OPTIONS`` (max_batch default 32).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from tessera.bench.runner import AZURE_CONV, cluster_config_from, option, run_policies, trace_requests
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import (
+    STRONGEST,
     baseline_checks,
+    label_baseline,
     parse_loads,
     plot_metric_vs_load,
+    priority_delays,
     saturation_rate,
+    strongest,
     tolerance,
+    tuned_priority,
     with_rate,
 )
 from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.sim.workloads import Mix
 
-DESCRIPTION = "FCFS, EDF and the oracle bounds SJF/SRTF on the Azure conversation trace at several loads"
+DESCRIPTION = (
+    "FCFS, EDF, a tuned priority queue and the oracle bounds SJF/SRTF on the Azure conversation trace at "
+    "several loads"
+)
 POLICIES = ("fcfs", "edf", "sjf-oracle", "srtf-oracle")
 
 
@@ -66,12 +80,24 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     capacity = saturation_rate(base, cluster)
     rates = [config.rate] if config.rate is not None else [x * capacity for x in loads]
     labels = [f"rate={config.rate:g}"] if config.rate is not None else [f"load={x:g}" for x in loads]
-    progress(0, total=n * len(POLICIES) * len(rates))
+    delays = priority_delays(opts)
+    progress(0, total=n * (len(POLICIES) + len(delays)) * len(rates))
     rows = []
     for rate, label in zip(rates, labels, strict=True):
         reqs = with_rate(base, rate)
         policies = {f"{p}:{label}": (lambda p=p: make_policy(p)) for p in POLICIES}
-        rows += run_policies(reqs, policies, cluster, progress, requests_csv=config.requests_csv)
+        got = run_policies(reqs, policies, cluster, progress, requests_csv=config.requests_csv)
+
+        def priority(
+            variant: str, delay: float | None, reqs: list[Request] = reqs, label: str = label
+        ) -> dict[str, Any]:
+            name = f"priority:delay={variant}:{label}"
+            policy = {name: lambda: make_policy("priority", batch_delay_s=delay)}
+            return run_policies(reqs, policy, cluster, progress)[0]
+
+        got.append(tuned_priority(priority, delays))
+        label_baseline(strongest([got[0], got[1], got[-1]]), STRONGEST)  # fcfs, edf, priority
+        rows += got
     checks = []
     for label in labels:
         by = {r["policy"].split(":")[0]: r for r in rows if r["policy"].endswith(":" + label)}
@@ -92,7 +118,12 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 f"{fcfs_cls['interactive']:.1%}; batch {edf.get('batch', float('nan')):.1%} vs "
                 f"{fcfs_cls.get('batch', float('nan')):.1%}"
             )
-        checks += baseline_checks([by[p] for p in POLICIES if p != "fcfs"], by["fcfs"], tol)
+        best = next(r for r in by.values() if r.get("baseline"))
+        checks.append(
+            f"{label}: strongest simple baseline {best['policy']} (SLO attainment "
+            f"{best['slo_attainment']:.1%}; fcfs {by['fcfs']['slo_attainment']:.1%})"
+        )
+        checks += baseline_checks([by[p] for p in (*POLICIES, "priority") if p != "fcfs"], by["fcfs"], tol)
     cfg = {**config.as_dict(), "requests": n, "capacity_rps": capacity, "rates": rates, "tolerance": tol}
     cfg["cluster"] = {
         "instances": cluster.instances,

@@ -1,8 +1,12 @@
-"""The naive multi-model baseline QLM is compared with: FCFS with per-request model swapping.
+"""The multi-model baselines QLM is compared with: FCFS with per-request model swapping (the paper's
+naive baseline) and per-model queues with batched swapping (a stronger simple one).
 
-One FCFS queue per instance; whenever the next request needs another model, the
-instance drains its batch and swaps to that model. Swaps cost the same as QLM's
-(``ModelTiers``); the CPU tier holds recently used models (LRU) under the same
+``SwapFCFS``: one FCFS queue per instance; whenever the next request needs another model, the
+instance drains its batch and swaps to that model. ``SwapBatched``: the same queue read per model:
+the instance serves the loaded model's requests in arrival order and swaps only when none is left, or
+when another model's oldest request has waited ``max_wait_s``; it then drains and swaps to the model
+of the oldest waiting request, so each swap is paid for a whole batch of one model's requests. Swaps
+cost the same as QLM's (``ModelTiers``); the CPU tier holds recently used models (LRU) under the same
 CPU budget, since FCFS has no queue order to prefetch by. Among equal arrival times the higher
 class priority (``ServiceClass.priority``) goes first.
 """
@@ -29,6 +33,7 @@ class SwapFCFS(Policy):
     """FCFS over one queue, swapping to the model of the next request whenever it differs."""
 
     name: ClassVar[str] = "fcfs-swap"
+    _in_order: ClassVar[bool] = True  # admission stops at the first waiting request of another model
 
     def __init__(
         self,
@@ -75,7 +80,7 @@ class SwapFCFS(Policy):
         running = list(view.running)
         if not self._waiting:
             return Decision(run=running)
-        head = self._waiting[0][-1]
+        head = self._head(view)
         if view.active_model is not None and head.model != view.active_model:
             if running:
                 return Decision(run=running)  # drain, then swap
@@ -85,7 +90,37 @@ class SwapFCFS(Policy):
             return Decision(run=[], load_model=head.model)
         run = running
         for *_, req in self._waiting:
-            if req.model != head.model or len(run) >= view.max_batch:
+            if len(run) >= view.max_batch:
                 break
+            if req.model != head.model:
+                if self._in_order:
+                    break
+                continue
             run.append(req)
         return Decision(run=run)
+
+    def _head(self, view: InstanceView) -> Request:
+        """The request whose model the instance serves next: the oldest waiting one."""
+        return self._waiting[0][-1]
+
+
+class SwapBatched(SwapFCFS):
+    """Per-model FCFS queues; swap when the loaded model has nothing waiting or another model's oldest
+    request has waited ``max_wait_s``."""
+
+    name: ClassVar[str] = "fcfs-model-queues"
+    _in_order: ClassVar[bool] = False
+
+    def __init__(self, *, max_wait_s: float = 60.0, **tier_costs: float) -> None:
+        super().__init__(**tier_costs)
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0 seconds, got {max_wait_s}")
+        self.max_wait_s = max_wait_s
+
+    def _head(self, view: InstanceView) -> Request:
+        """The loaded model's oldest waiting request, unless another model's oldest has waited too long
+        (or the loaded model has none): then the oldest waiting request of all."""
+        oldest = self._waiting[0][-1]
+        if oldest.model == view.active_model or view.now - oldest.arrival >= self.max_wait_s:
+            return oldest
+        return next((e[-1] for e in self._waiting if e[-1].model == view.active_model), oldest)
