@@ -8,6 +8,10 @@ they serve. Pure: every time is passed in (seconds on one monotonic clock); the 
 States: ``Ready`` (serving), ``Sleeping`` (being put to sleep; requests that arrive are held),
 ``Cold`` (asleep: nothing runs; the first request wakes it), ``Waking`` (a wake-up is under way;
 requests are held until it ends).
+
+An asleep unit sleeps at a *depth* (``sleep_depth``) that sets what its wake-up costs
+(``wake_cost_s``): vLLM sleep level 1 (weights in host memory, no KV; the server keeps its GPU context),
+level 2 (weights dropped, the server process kept) or stopped (no process: the wake-up is a cold start).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
+
+from tessera.core.profile import StepProfile
 
 T = TypeVar("T")
 
@@ -49,6 +55,34 @@ def unit_idle_after(policies: Sequence[IdlePolicy | None]) -> float | None:
     if not policies or any(p is None for p in policies):
         return None
     return max(p.after_s for p in policies if p is not None)
+
+
+class SleepDepth(StrEnum):
+    """How deep an asleep unit sleeps."""
+
+    LEVEL1 = "level1"  # vLLM sleep level 1: weights offloaded to host memory, KV freed
+    LEVEL2 = "level2"  # vLLM sleep level 2: weights and KV dropped, the server process kept
+    STOPPED = "stopped"  # the server process ended
+
+
+def sleep_depth(
+    can_sleep: bool, weights_bytes: int, host_free_bytes: float, asleep_s: float, stop_after_s: float | None
+) -> SleepDepth:
+    """How deep a unit that has been asleep ``asleep_s`` seconds sleeps now. Stopped when its engine has no
+    sleep mode or after ``stop_after_s`` asleep (None: never), freeing its host memory and, once nothing
+    else runs there, its GPU; else level 1 while its weights fit the host memory left for sleeping
+    weights, level 2 when they do not."""
+    if not can_sleep or (stop_after_s is not None and asleep_s >= stop_after_s):
+        return SleepDepth.STOPPED
+    return SleepDepth.LEVEL1 if weights_bytes <= host_free_bytes else SleepDepth.LEVEL2
+
+
+_WAKE_LEVEL = {SleepDepth.LEVEL1: 1, SleepDepth.LEVEL2: 2, SleepDepth.STOPPED: 0}
+
+
+def wake_cost_s(depth: SleepDepth, profile: StepProfile) -> float:
+    """Seconds a wake-up from ``depth`` takes (``StepProfile.wake_time``: a cold start when stopped)."""
+    return profile.wake_time(_WAKE_LEVEL[depth])
 
 
 def should_sleep(

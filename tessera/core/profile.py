@@ -14,11 +14,23 @@ slow short decodes (SeaLLM's c_tp; its Fig. 3).
 the serving path (HTTP, validation, IPC to the engine, detokenising and
 streaming back); measured profiles of a real server carry it, the roofline
 tables leave it 0. The simulator charges it once per request, on entry.
+
+Bringing a model back costs one of three times (``wake_time``): a cold start (``cold_start_s``: a new
+server process, CUDA initialisation, weight load, CUDA-graph capture; 30 s, the low end of the
+30-100+ s full reloads vLLM's sleep-mode blog post of 2025-10-26 reports), a wake from vLLM sleep
+level 1 (weights kept in host memory: ``wake_l1_s``, by default the weights over the host link,
+``weights_bytes / host_link_bytes_per_s``, 0.64 s for 16 GB over 25 GB/s; the same post measures
+0.1-6 s from 0.6B to 235B models) or from sleep level 2 (weights dropped, the process kept:
+``wake_l2_s``, by default the weights read again at ``WEIGHTS_READ_BYTES_PER_S``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+# CHOICE: how fast a sleeping (level 2) server reads its weights back: one NVMe drive's sequential read,
+# 2 GB/s (8 s for 16 GB; the page cache, when the file is still there, is faster).
+WEIGHTS_READ_BYTES_PER_S = 2e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +54,8 @@ class StepProfile:
     request_overhead_s: float = 0.0  # per-request serving-path latency outside engine steps
     tp_efficiency: float = 0.85  # compute speed-up exponent of tensor parallelism (at_tp)
     tp_comm_s: float = 0.0015  # communication added to each iteration per extra rank (at_tp)
+    wake_l1_s: float | None = None  # wake from sleep level 1; None: weights over the host link
+    wake_l2_s: float | None = None  # wake from sleep level 2; None: weights at WEIGHTS_READ_BYTES_PER_S
 
     def at_tp(self, tp: int) -> StepProfile:
         """The same model on ``tp`` GPUs (this profile itself at its own degree). The KV capacity is
@@ -81,6 +95,17 @@ class StepProfile:
     def kv_swap_time(self, tokens: int) -> float:
         """Time to move ``tokens`` of KV cache over the host link (one direction)."""
         return tokens * self.kv_bytes_per_token / self.host_link_bytes_per_s
+
+    def wake_time(self, level: int) -> float:
+        """Seconds until a model is back: ``level`` 1 or 2 is a wake from that vLLM sleep level, 0 a cold
+        start (module docstring)."""
+        if level == 0:
+            return self.cold_start_s
+        if level == 1:
+            return self.model_load_time() if self.wake_l1_s is None else self.wake_l1_s
+        if level == 2:
+            return self.weights_bytes / WEIGHTS_READ_BYTES_PER_S if self.wake_l2_s is None else self.wake_l2_s
+        raise ValueError(f"profile {self.name}: wake level must be 0 (cold), 1 or 2, got {level}")
 
     def model_load_time(self) -> float:
         """Time to load the model's weights over the host link (model swap)."""
