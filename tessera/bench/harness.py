@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,21 +124,25 @@ async def replay(
     plan: list[tuple[float, list[int] | str, int, str]],
     extra: dict[str, Any] | None = None,
     *,
-    true_lengths: bool = False,
+    true_lengths: bool | Sequence[int] = False,
 ) -> list[StreamStat]:
     """Send ``(at_s, prompt ids or text, max_tokens, class)`` requests at their times; all streamed.
 
-    ``true_lengths`` adds the benchmark-only true-length header (the worker needs benchHints)."""
+    ``true_lengths`` adds the benchmark-only true-length header (the worker needs benchHints): True
+    sends each request's ``max_tokens``, a sequence the given length of each request (outputs that
+    end by themselves, known from an earlier greedy run)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         start = time.perf_counter()
 
-        async def one(at: float, prompt: list[int] | str, n: int, klass: str) -> StreamStat:
+        async def one(i: int, at: float, prompt: list[int] | str, n: int, klass: str) -> StreamStat:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             body = {"model": model, "prompt": prompt, "max_tokens": n, "ignore_eos": True, **(extra or {})}
             headers = {"X-Tessera-Class": klass} if klass else {}
-            if true_lengths:
+            if true_lengths is True:
                 headers[BENCH_TRUE_LENGTH_HEADER] = str(n)
+            elif true_lengths is not False:
+                headers[BENCH_TRUE_LENGTH_HEADER] = str(true_lengths[i])
             return await stream_one(client, url, body, headers)
 
-        return list(await asyncio.gather(*(one(*p) for p in plan)))
+        return list(await asyncio.gather(*(one(i, *p) for i, p in enumerate(plan))))
