@@ -29,9 +29,10 @@ class WorkerChild:
         *,
         env: dict[str, str] | None = None,
         grace_s: float | None = None,
+        ready_timeout_s: float = 120.0,
     ) -> None:
-        """Start the worker and wait until ``/ready``; ``env`` is added to this process's environment,
-        ``grace_s`` sets the SIGTERM drain (the worker's default when None)."""
+        """Start the worker and wait until ``/ready`` (at most ``ready_timeout_s``); ``env`` is added to
+        this process's environment, ``grace_s`` sets the SIGTERM drain (the worker's default when None)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = tmp / f"worker-{self.port}.json"
@@ -45,7 +46,7 @@ class WorkerChild:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
             )
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tessera worker exited:\n{self.log.read_text()[-3000:]}")
