@@ -25,6 +25,7 @@ from tessera.core.request import ServiceClass
 
 # Bounds the list so that the API server's CEL cost estimate of the defaultClass rule stays small.
 MAX_CLASSES_PER_SERVICE = 32
+MAX_MODEL_LENGTH = 2**24  # tokens: longer than any model's context; placement sizes KV from it
 
 
 class VolumeSource(ApiModel):
@@ -55,10 +56,11 @@ class ModelSpec(ApiModel):
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         default="auto", description="Weight and activation dtype passed to vLLM (--dtype)."
     )
-    max_model_length: Annotated[int, Field(ge=16)] | None = Field(
+    max_model_length: Annotated[int, Field(ge=16, le=MAX_MODEL_LENGTH)] | None = Field(
         default=None,
         description="Context length limit in tokens (--max-model-len); unset: vLLM serves the model's own, "
-        "while placement and the worker assume 4096 tokens (within the KV cache).",
+        "while placement and the worker assume 4096 tokens (within the KV cache). At most 16777216 (2^24): "
+        "beyond any model's context, and placement sizes KV memory from it.",
     )
     tensor_parallel_size: Literal[1, 2, 4, 8] = Field(
         default=1, description="Smallest number of GPUs one replica of the model needs (tensor parallel)."

@@ -9,6 +9,7 @@ defaults applied), which is what CEL sees after the API server's defaulting.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -136,28 +137,67 @@ class ListedIn:
         return f"{self.message}; got '{value}', listed: {names}"
 
 
+def _prefixes(word: str) -> str:
+    """A regular expression matching every non-empty prefix of ``word``, '-' and '_' alike."""
+    out = ""
+    for char in reversed(word):
+        atom = "[-_]" if char in "-_" else re.escape(char)
+        out = f"{atom}({out})?" if out else atom
+    return out
+
+
+def _flag_pattern(flags: tuple[str, ...]) -> str:
+    """A regular expression (RE2 and Python alike) matching every command-line spelling argparse (with
+    vLLM's '_' for '-' and dotted sub-keys) maps onto one of ``flags``: the flag or any abbreviation of
+    it (argparse's ``allow_abbrev``), alone, as ``flag=value`` or as ``flag.key``."""
+    long = [_prefixes(f[2:]) for f in flags if f.startswith("--")]
+    short = [_prefixes(f[1:]) for f in flags if not f.startswith("--")]
+    parts = []
+    if long:
+        parts.append(f"^--({'|'.join(long)})([.=].*)?$")
+    if short:
+        parts.append(f"^-({'|'.join(short)})(=.*)?$")
+    return "|".join(f"({p})" for p in parts)
+
+
 @dataclass(frozen=True)
 class NoFlags:
-    """No string of the list ``field`` is one of ``flags``, alone or as ``flag=value``."""
+    """No string of the list ``field`` sets one of ``flags`` in any spelling argparse accepts: the flag
+    or an abbreviation of it, '_' for '-', alone or as ``flag=value`` (``_flag_pattern``). ``sources``
+    says, for the message, which field sets each flag instead."""
 
     field: str
     flags: tuple[str, ...]
+    sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def message(self) -> str:
         """Human-readable statement of the rule."""
-        return f"{self.field} may not contain {', '.join(self.flags)} (set by the operator from the specs)"
+        return (
+            f"{self.field} may not set {', '.join(self.flags)} in any spelling (abbreviated, '_' for '-'): "
+            "they are set by the operator from the specs"
+        )
 
     def cel(self) -> str:
         """The rule as a CEL expression over ``self``."""
-        banned = " || ".join(f"a == '{f}' || a.startsWith('{f}=')" for f in self.flags)
-        return f"!({_cel_has(self.field)}) || self.{self.field}.all(a, !({banned}))"
+        pattern = _flag_pattern(self.flags)
+        return f"!({_cel_has(self.field)}) || self.{self.field}.all(a, !a.matches('{pattern}'))"
 
     def violation(self, obj: Mapping[str, Any]) -> str | None:
-        """Why ``obj`` breaks the rule, or None when it holds."""
+        """Why ``obj`` breaks the rule (each offending item, the flag it sets and the field that sets that
+        flag), or None when it holds."""
         values = _get(obj, self.field)
-        found = [a for a in (values if isinstance(values, list) else []) if a.split("=", 1)[0] in self.flags]
-        return f"{self.message}; remove {found}" if found else None
+        sources = dict(self.sources)
+        problems = []
+        for i, arg in enumerate(values if isinstance(values, list) else []):
+            if not isinstance(arg, str) or not re.search(_flag_pattern(self.flags), arg):
+                continue
+            hits = [f for f in self.flags if re.search(_flag_pattern((f,)), arg)]
+            said = " and ".join(f"{f}, which {sources[f]}" if f in sources else f for f in hits)
+            problems.append(f"{self.field}[{i}] {arg!r} sets {said}")
+        if not problems:
+            return None
+        return f"{'; '.join(problems)}: remove it ({self.message})"
 
 
 @dataclass(frozen=True)

@@ -10,17 +10,30 @@ from pydantic import Field
 from tessera.api.base import ApiModel, Quantity, Resource, ResourceStatus, nested
 from tessera.api.rules import LessOrEqual, MutuallyExclusive, NoFlags
 
-# Flags the operator sets on the vLLM command line from the specs; extra args may not repeat them.
-OPERATOR_OWNED_VLLM_FLAGS = (
-    "--model",
-    "--served-model-name",
-    "--host",
-    "--port",
-    "--tensor-parallel-size",
-    "--max-num-seqs",
-    "--dtype",
-    "--max-model-len",
+# vLLM server flags the operator owns, and where each comes from; extraVllmArgs may not set them in any
+# spelling vLLM 0.32's parser accepts (tests/test_vllm_owned_flags.py checks these against that parser).
+VLLM_FLAG_SOURCES: tuple[tuple[str, str], ...] = (
+    ("--model", "the operator sets from the LLMService's model (name, source or volume)"),
+    ("--served-model-name", "the operator sets from the LLMService's model.name"),
+    ("--host", "the operator sets (the worker reaches vLLM on loopback)"),
+    ("--port", "the operator sets (the worker reaches vLLM on loopback)"),
+    ("--uds", "the operator sets (the worker reaches vLLM on loopback TCP)"),
+    ("--api-key", "the operator sets (the worker calls vLLM without a key)"),
+    (
+        "--tensor-parallel-size",
+        "the operator sets from the LLMService's model.tensorParallelSize and the placement",
+    ),
+    ("-tp", "the operator sets from the LLMService's model.tensorParallelSize and the placement"),
+    ("--pipeline-parallel-size", "the placement sets (an instance's GPUs are one tensor-parallel engine)"),
+    ("-pp", "the placement sets (an instance's GPUs are one tensor-parallel engine)"),
+    ("--data-parallel-size", "the placement sets (replicas are instances: ServingPool instances)"),
+    ("-dp", "the placement sets (replicas are instances: ServingPool instances)"),
+    ("--max-num-seqs", "the operator sets from the ServingPool's autoscaling.batchSize.max"),
+    ("--dtype", "the operator sets from the LLMService's model.dtype"),
+    ("--max-model-len", "the operator sets from the LLMService's model.maxModelLength"),
+    ("--config", "would let a file set any of these flags: give its flags here instead"),
 )
+OPERATOR_OWNED_VLLM_FLAGS = tuple(flag for flag, _ in VLLM_FLAG_SOURCES)
 DEFAULT_WORKER_IMAGE = "ghcr.io/tessera-dev/tessera-worker:0.1.0"
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 
@@ -327,7 +340,7 @@ class WorkerPodSpec(ApiModel):
 class ServingPoolSpec(ApiModel):
     """Desired state of a ServingPool."""
 
-    RULES = (NoFlags("extraVllmArgs", OPERATOR_OWNED_VLLM_FLAGS),)
+    RULES = (NoFlags("extraVllmArgs", OPERATOR_OWNED_VLLM_FLAGS, VLLM_FLAG_SOURCES),)
 
     gpu: GPUSpec = Field(description="GPUs of each instance.")
     node_selector: dict[str, str] = Field(
@@ -347,7 +360,8 @@ class ServingPoolSpec(ApiModel):
         default_factory=list,
         max_length=64,
         description="Extra vLLM server arguments, e.g. ['--enable-prefix-caching']; flags the operator sets "
-        "(--model, --port, --tensor-parallel-size, --max-num-seqs, ...) are not allowed.",
+        "(--model, --port, --tensor-parallel-size/-tp, --max-num-seqs, --max-model-len, --config, ...) are "
+        "refused in every spelling vLLM accepts (abbreviated, '_' for '-', flag=value).",
     )
 
 
