@@ -263,7 +263,8 @@ class LocalStack:
         self.state = state = RouterState([w.backend() for w in self.supervisor.workers])
         idle = idle_units(self.plan.groups)
         if idle.units:
-            self.actuator = LocalActuator(self.plan.groups, self.supervisor, state)
+            # A wake-up starts the same processes as this start: it gets as long to be ready.
+            self.actuator = LocalActuator(self.plan.groups, self.supervisor, state, ready_timeout_s)
             self.activator = Activator(
                 idle.units,
                 idle.policies,
