@@ -105,3 +105,28 @@ def test_slo_headroom_keeps_the_instances_that_meet_the_ttft_slo_and_slo_prefix_
         "m", "interactive", stats, prompt_tokens=2000, cached_tokens={"hot": 1900}, ttft_slo_s=10.0
     )
     assert make_route("slo-prefix").pick(relaxed, [hot, cold]).instance == "hot"
+
+
+def test_chat_sessions_of_real_prompts_share_their_history_as_vllm_block_hashes() -> None:
+    from tessera.bench.chat_sessions import CHAT_BLOCK_TOKENS, sim_chat_requests
+
+    reqs = sim_chat_requests(8, turns=4, seed=0)
+    first, second = (r for r in reqs if r.id in ("s0-0", "s0-1"))
+    assert second.prompt_text.startswith(first.prompt_text) and second.prompt_tokens > first.prompt_tokens
+    full = first.prompt_tokens // CHAT_BLOCK_TOKENS
+    assert len(first.prefix_blocks) == full > 0 and first.prefix_block_tokens == CHAT_BLOCK_TOKENS
+    # the next turn extends the conversation: its chain starts with every full block of the first
+    # turn's prompt, then parts (the answer and the next question follow)
+    assert second.prefix_blocks[:full] == first.prefix_blocks and len(second.prefix_blocks) > full
+    other = next(r for r in reqs if r.id == "s1-0")
+    assert other.prefix_blocks[0] != first.prefix_blocks[0]
+
+
+def test_bench_routing_on_chat_sessions_reuses_the_history() -> None:
+    config = BenchConfig("routing", options=Options({"workload": "chat", "requests": 200, "loads": "0.8"}))
+    report = run(config, lambda *a, **k: None)
+    assert report.config["workload"] == "chat"
+    by = {r["policy"].split(":")[0]: r for r in report.results}
+    assert by["combined"]["cache_hit_rate"] > by["round-robin"]["cache_hit_rate"] > 0
+    with pytest.raises(ValueError, match="workload= must be 'mooncake' or 'chat'"):
+        run(BenchConfig("routing", options=Options({"workload": "sharegpt"})), lambda *a, **k: None)

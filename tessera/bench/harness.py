@@ -93,15 +93,20 @@ class StreamStat:
 
 
 async def stream_one(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    path: str = "/v1/completions",
 ) -> StreamStat:
-    """Send one streaming completion; count tokens (``return_token_ids``) and time them."""
+    """Send one streaming completion (or chat completion, ``path``); count tokens
+    (``return_token_ids``) and time them."""
     sent = time.perf_counter()
     first = 0.0
     tokens = 0
     times: list[float] = []
     payload = {**body, "stream": True, "return_token_ids": True}
-    async with client.stream("POST", f"{url}/v1/completions", json=payload, headers=headers) as resp:
+    async with client.stream("POST", f"{url}{path}", json=payload, headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{url} answered {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():

@@ -58,6 +58,7 @@ class VLLMServer:
     enable_sleep_mode: bool = False  # CUDA/ROCm only in vLLM 0.32
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /is_sleeping
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added last (e.g. VLLM_CPU_OMP_THREADS_BIND)
     log_path: Path | None = None  # default: <tmp>/vllm-<port>.log
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 15.0
@@ -107,7 +108,7 @@ class VLLMServer:
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: offline, CPU KV cache size, dev mode when asked."""
+        """The server's environment: offline, CPU KV cache size, dev mode when asked, then ``env``."""
         env = dict(os.environ)
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
@@ -116,7 +117,7 @@ class VLLMServer:
         env.setdefault("DO_NOT_TRACK", "1")
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
-        return env
+        return {**env, **self.env}
 
     def launch(self) -> None:
         """Start the process without waiting for it to be healthy (see ``wait_healthy``)."""

@@ -21,8 +21,18 @@ Checks: ``combined`` against every baseline route on SLO attainment and TTFT p99
 against ``least-loaded`` (the cluster's default route) on throughput and TTFT p99: no worse than
 ``tolerance``.
 
+``--set workload=chat`` replaces the Mooncake trace by multi-turn chat sessions built from AlpacaEval
+prompts and recorded answers (``tessera.bench.chat_sessions.sim_chat_requests``: each turn sends the
+conversation so far; its prefix blocks are vLLM's hash chain over the real prompt's tokens in blocks
+of 16; ``turns`` per session, 5).
+
 Options (``--set``): requests (2000), loads ("0.5,0.7,0.9"), ttft_slo (3.0), instances (8), rate_dist,
-tolerance (0.10), and the cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS``.
+tolerance (0.10), workload (mooncake | chat), turns (chat: 5), and the cluster options of
+``tessera.bench.runner.CLUSTER_OPTIONS``.
+
+``--set engine=vllm`` runs the real part instead (``tessera.bench.real_routing``): the combined route
+against round-robin on two real vLLM servers behind the live router, on multi-turn chat sessions, as
+paired ratios over interleaved rounds (its own options are listed there).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tessera.bench.chat_sessions import sim_chat_requests
 from tessera.bench.runner import SHARED_DATA, cluster_config_from, option, run_one, trace_requests
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import (
@@ -59,8 +70,20 @@ BASELINES = ("round-robin", "least-loaded", "wait", "prefix")
 
 
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
-    """Every route at every load on the same requests."""
+    """Every route at every load on the same requests (``engine=vllm``: the real part)."""
     opts = config.options
+    engine = str(opts.get("engine", "sim"))
+    if engine == "vllm":
+        if config.trace is not None or config.rate is not None or config.load is not None:
+            raise ValueError(
+                "--set engine=vllm replays chat sessions built from AlpacaEval; size them with "
+                "--set sessions=, turns=, session_gap=, turn_gap= (no --trace, --rate or --load)"
+            )
+        from tessera.bench.real_routing import run as run_real
+
+        return run_real(config, progress)
+    if engine != "sim":
+        raise ValueError(f"--set engine= must be 'sim' or 'vllm', got {engine!r}")
     n = option(opts, "requests", 2000, int)
     loads = parse_loads(config.load if config.load is not None else opts.get("loads"), (0.5, 0.7, 0.9))
     slo = option(opts, "ttft_slo", 3.0, float)
@@ -68,7 +91,19 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         raise ValueError(f"ttft_slo must be > 0 seconds, got {slo}")
     cached = cluster_config_from(opts, instances=8)
     cached = replace(cached, engine=replace(cached.engine, prefix_caching=True))
-    base = trace_requests(config, MOONCAKE, n)
+    workload = str(opts.get("workload", "mooncake"))
+    if workload == "chat":
+        if config.trace is not None:
+            raise ValueError("--set workload=chat builds its sessions from AlpacaEval: leave out --trace "
+                             "(it goes with workload=mooncake)")  # fmt: skip
+        turns = option(opts, "turns", 5, int)
+        if turns < 1:
+            raise ValueError(f"--set turns must be >= 1, got {turns}")
+        base = sim_chat_requests(n, turns, config.seed)
+    elif workload == "mooncake":
+        base = trace_requests(config, MOONCAKE, n)
+    else:
+        raise ValueError(f"--set workload= must be 'mooncake' or 'chat', got {workload!r}")
     if not any(r.prefix_blocks for r in base):
         raise ValueError(
             "the trace has no hash_ids: routing needs a Mooncake-format trace with prompt blocks, or a "
@@ -88,7 +123,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             done, metrics = run_one(reqs, lambda: make_policy("fcfs"), cached, router=RouteRouter(route),
                                     progress=progress)  # fmt: skip
             rows.append({"policy": f"{row}:{label}", **metrics, **_cache_metrics(done)})
-    cfg = {**config.as_dict(), "requests": n, "capacity_rps": capacity, "rates": rates, "ttft_slo_s": slo}
+    cfg = {**config.as_dict(), "requests": n, "capacity_rps": capacity, "rates": rates, "ttft_slo_s": slo,
+           "workload": workload}  # fmt: skip
     cfg["cluster"] = {"instances": cached.instances, "max_batch": cached.engine.max_batch,
                       "profile": next(iter(cached.profiles.values())).name}  # fmt: skip
     tol = tolerance(opts)
