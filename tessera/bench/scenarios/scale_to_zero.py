@@ -35,7 +35,9 @@ Rows:
   when its GPU already has ``awake_per_gpu`` models awake, a new server cold-starts on an extra GPU for
   as long as the model stays busy. Every model starts asleep at level 1 (the placement cannot hold them
   all awake). GPU-seconds count the GPUs kept up (a sleeping model holds no KV and no GPU of its own)
-  and the extra GPUs while used.
+  and the extra GPUs while used. Stopping pays only when it empties a GPU: with the defaults nothing is
+  stopped within the hour; ``--set stop_after_s=600`` stops 7 models, whose wake-ups become cold starts
+  (attainment 94.7% instead of 98.7%), and saves 15 of 7788 GPU-seconds, so the default waits an hour.
 
 Held requests wait for the whole wake-up (no ``holdSeconds`` deadline is modelled, so none gets 503) and
 every request is served.
