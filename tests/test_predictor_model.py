@@ -157,3 +157,45 @@ def test_a_call_with_more_requests_than_the_cache_holds_predicts_all(artifact: t
     reqs = requests_from(data, 0)
     small.predict_remaining(reqs[:1])  # one cached entry that the next call's new prompts evict
     assert small.predict_remaining(reqs) == big.predict_remaining(requests_from(data, 0))
+
+
+def test_heldout_eval_reproduces_the_metrics_stored_with_the_head(artifact: tuple[Path, Path]) -> None:
+    from tessera.predictor.evaluate import evaluate
+    from tessera.predictor.model import load_metadata
+
+    art, data = artifact
+    got = evaluate(TextLengthPredictor(art, threads=1), data, split="heldout", cache_dir=None)
+    stored = load_metadata(art)["validation"]
+    assert {k: got[k] for k in stored} == pytest.approx(stored, rel=1e-6)
+
+
+def test_a_head_trained_on_a_served_tokenizer_carries_it(tmp_path: Path) -> None:
+    from tessera.predictor.tokens import TokenCounter, default_tokenizer_path
+    from tessera.predictor.train import SERVED_TOKENIZER_FILE
+
+    data = make_data(tmp_path / "data.jsonl.gz", n=16)
+    plain = default_tokenizer_path()
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "tokenizer.json").write_bytes(plain.read_bytes())
+    cfg = TrainConfig(data=str(data), out=str(tmp_path / "art"), encoder="minilm", tokenizer=str(served),
+                      val_rows_per_prompt=None, val_fraction=0.3, dev_fraction=0.3, hidden=16, depth=2,
+                      epochs=1, batch_size=8, threads=1, cache_dir=None)  # fmt: skip
+    meta = train(cfg)
+    assert meta["served_tokenizer"] == SERVED_TOKENIZER_FILE
+    (served / "tokenizer.json").unlink()  # the artifact no longer needs the served model's folder
+    pred = TextLengthPredictor(tmp_path / "art", threads=1)
+    assert pred.served.name.endswith(SERVED_TOKENIZER_FILE)
+    text = load_pairs(data)[0].response
+    assert pred.served.count(text) == TokenCounter.from_path(plain).count(text) > 0
+
+
+def test_shipped_heads_are_found_by_name(tmp_path: Path) -> None:
+    from tessera.predictor.train import resolve_artifact, shipped_heads
+
+    assert resolve_artifact(None) == DEFAULT_ARTIFACT_DIR
+    for name in shipped_heads():
+        assert resolve_artifact(name) == DEFAULT_ARTIFACT_DIR / name
+    assert resolve_artifact(tmp_path) == tmp_path
+    with pytest.raises(ValueError, match="shipped head"):
+        TextLengthPredictor("no-such-head")

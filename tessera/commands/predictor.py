@@ -27,8 +27,40 @@ def _layers(text: str) -> int | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``train`` and ``eval`` subcommands."""
+    """``gen-dataset``, ``train`` and ``eval`` subcommands."""
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    gen = sub.add_parser(
+        "gen-dataset",
+        help="serve a model with real vLLM and record its own answers (greedy and sampled) for training",
+    )
+    gen.add_argument("--model", required=True, help="a known model (tessera models list) or a model folder")
+    gen.add_argument("--out", required=True, type=Path, help="JSONL(.gz) to write (the trainer's format)")
+    gen.add_argument(
+        "--prompts", type=Path, default=None, help="JSONL(.gz) with prompt_id and prompt (default AlpacaEval)"
+    )
+    gen.add_argument("--limit", type=_positive_int, default=None, help="only the first N prompts")
+    gen.add_argument("--max-tokens", type=_positive_int, default=512, help="cap on each answer (tokens)")
+    gen.add_argument("--no-greedy", action="store_true", help="skip the greedy (temperature 0) answers")
+    gen.add_argument("--temperature", type=float, default=0.7, help="of the sampled answers")
+    gen.add_argument(
+        "--seed", action="append", type=int, default=None, help="one sampled answer per seed (default: 1)"
+    )
+    gen.add_argument(
+        "--max-num-seqs", type=_positive_int, default=128, help="vLLM batch bound and concurrency"
+    )
+    gen.add_argument("--kv-cache-gib", type=_positive_int, default=4, help="vLLM's CPU KV cache (GiB)")
+    gen.add_argument(
+        "--stop-after",
+        type=float,
+        default=None,
+        help="seconds of answering after which the run stops (answers kept; run again to resume)",
+    )
+    gen.add_argument(
+        "--export-only",
+        action="store_true",
+        help="start no server: write --out from the answers a stopped run kept",
+    )
+    gen.add_argument("--summary", type=Path, default=None, help="write the run's summary as JSON here")
     tr = sub.add_parser("train", help="train the regression head on a prompt/response JSONL(.gz)")
     tr.add_argument("--data", required=True, type=Path, help="JSONL(.gz) with prompt and response fields")
     tr.add_argument("--out", required=True, type=Path, help="folder for head.pt and head.json")
@@ -94,7 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     ev = sub.add_parser("eval", help="MAE, RMSE, R², Kendall τ of a trained predictor on a JSONL(.gz)")
     ev.add_argument("--data", required=True, type=Path, help="JSONL(.gz) with prompt and response fields")
-    ev.add_argument("--model", type=Path, default=None, help="artifact folder (default: the shipped head)")
+    ev.add_argument(
+        "--model",
+        default=None,
+        help="artifact folder, or a shipped head by name (e.g. smollm2); default: the default head",
+    )
     ev.add_argument(
         "--tokenizer", default=None, help="served model's tokenizer.json or folder (default MiniLM's)"
     )
@@ -119,11 +155,50 @@ def _print_metrics(title: str, m: dict) -> None:
     )
 
 
+def _gen_dataset(args: argparse.Namespace) -> int:
+    from tessera.bench.responses import ALPACA_PROMPTS, decodings, generate, load_prompts
+    from tessera.models.cache import resolve_model
+
+    decs = decodings(not args.no_greedy, args.temperature, args.seed if args.seed is not None else [1])
+    prompts = load_prompts(args.prompts or ALPACA_PROMPTS, args.limit)
+    model = resolve_model(args.model)
+    name = model.known.name if model.known is not None else model.path.name
+    dtype = model.known.dtype if model.known is not None and model.known.dtype != "auto" else "float32"
+    if args.stop_after is not None and args.stop_after <= 0:
+        raise ValueError(f"--stop-after must be > 0 seconds, got {args.stop_after}")
+    summary = generate(
+        model.path, name, prompts, decs, args.out, args.max_tokens, args.max_num_seqs, args.kv_cache_gib,
+        dtype, args.stop_after, serve=not args.export_only,
+    )  # fmt: skip
+    summary |= {
+        "model": name,
+        "prompts": len(prompts),
+        "max_tokens_cap": args.max_tokens,
+        "out": str(args.out),
+    }
+    for dec, s in summary["decodings"].items():
+        print(
+            f"{dec:<12} {s['answers']} answers, mean {s['mean_tokens']:.0f} tokens "
+            f"(median {s['median_tokens']}, p90 {s['p90_tokens']}, max {s['max_tokens']}), "
+            f"hit the {args.max_tokens}-token cap: {s['hit_cap']} ({s['hit_cap_share']:.1%})"
+        )
+    print(
+        f"wrote {summary['rows']} rows to {args.out} ({summary['missing']} missing: run again to resume); "
+        f"this run {summary['new_rows']} answers, {summary['output_tokens']} tokens in "
+        f"{summary['seconds']:.0f} s ({summary['output_tokens_per_s']:.1f} tokens/s)"
+    )
+    if args.summary:
+        args.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Dispatch to training or evaluation; errors in inputs exit 2 with the reason."""
     from tessera.predictor.samples import StepSettings
 
     try:
+        if args.action == "gen-dataset":
+            return _gen_dataset(args)
         if args.action == "train":
             from tessera.predictor.train import TrainConfig, train
 

@@ -11,7 +11,14 @@ import numpy as np
 import torch
 
 from tessera.core.request import Request
-from tessera.predictor.dataset import Pair, filter_sources, heldout, load_pairs, sample_rows
+from tessera.predictor.dataset import (
+    Pair,
+    filter_sources,
+    heldout,
+    load_pairs,
+    sample_per_prompt,
+    sample_rows,
+)
 from tessera.predictor.metrics import regression_metrics
 from tessera.predictor.model import TextLengthPredictor
 from tessera.predictor.samples import CACHE_DIR, EmbeddingStore, StepSettings, build_samples
@@ -20,11 +27,18 @@ from tessera.predictor.samples import CACHE_DIR, EmbeddingStore, StepSettings, b
 def select_rows(
     pairs: list[Pair], meta: dict, split: str, sources: tuple[str, ...], max_rows: int | None, seed: int
 ) -> list[Pair]:
-    """Rows to evaluate: ``split`` "all", or "heldout" (the validation prompts of the artifact's split)."""
+    """Rows to evaluate: ``split`` "all", or "heldout": the validation rows the trainer scored (its
+    held-out prompts, less excluded sources, at most its validation rows per prompt drawn with its
+    seed), so that the metrics stored with a head are reproduced."""
     if split not in ("all", "heldout"):
         raise ValueError(f"split must be 'all' or 'heldout', got {split!r}")
     if split == "heldout":
-        pairs = heldout(pairs, meta["split"])
+        pairs = heldout(
+            filter_sources(pairs, exclude=tuple(meta["split"].get("exclude_sources", ()))), meta["split"]
+        )
+        cfg = meta.get("config", {})
+        if meta["split"].get("by") != "row":  # split by row: every row is its own group, all are kept
+            pairs = sample_per_prompt(pairs, cfg.get("val_rows_per_prompt"), int(cfg.get("seed", 0)) + 1)
     pairs = filter_sources(pairs, only=sources)
     if not pairs:
         raise ValueError("no rows left to evaluate after the split and source filters")

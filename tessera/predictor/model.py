@@ -24,7 +24,7 @@ from tessera.predictor.features import answer_spans, build_features, prompt_chun
 from tessera.predictor.head import LengthHead
 from tessera.predictor.samples import EmbeddingStore, chunk_key, shares_tokenizer
 from tessera.predictor.tokens import TokenCounter, token_counter
-from tessera.predictor.train import DEFAULT_ARTIFACT_DIR, HEAD_FILE, META_FILE
+from tessera.predictor.train import HEAD_FILE, META_FILE, resolve_artifact, shipped_heads
 
 
 @dataclass(slots=True)
@@ -35,10 +35,13 @@ class _Entry:
 
 
 def load_metadata(artifact_dir: str | Path | None = None) -> dict:
-    """The artifact's head.json (default: the one shipped with the package)."""
-    path = Path(artifact_dir or DEFAULT_ARTIFACT_DIR) / META_FILE
+    """The artifact's head.json: a folder, the name of a shipped head, or None (the default head)."""
+    path = resolve_artifact(artifact_dir) / META_FILE
     if not path.is_file():
-        raise ValueError(f"no trained predictor at {path.parent}: run `tessera predictor train --out DIR`")
+        raise ValueError(
+            f"no trained predictor at {path.parent}: run `tessera predictor train --out DIR`, or name a "
+            f"shipped head ({', '.join(shipped_heads()) or 'none'})"
+        )
     return json.loads(path.read_text())
 
 
@@ -64,7 +67,8 @@ class TextLengthPredictor:
                 f"encoder {self.encoder.signature()} differs from the one the head was trained on "
                 f"({self.meta['encoder_signature']}): retrain with `tessera predictor train`"
             )
-        state = torch.load(Path(artifact_dir or DEFAULT_ARTIFACT_DIR) / HEAD_FILE, map_location="cpu")
+        folder = resolve_artifact(artifact_dir)
+        state = torch.load(folder / HEAD_FILE, map_location="cpu")
         self.head = LengthHead(
             self.meta["feature_dim"],
             self.meta["hidden"],
@@ -78,6 +82,8 @@ class TextLengthPredictor:
         self.chunk_tokens = int(steps["chunk_tokens"])
         self.prompt_max_tokens = int(steps["prompt_max_tokens"])
         self.window = int(steps["window"])
+        if tokenizer is None and self.meta.get("served_tokenizer"):
+            tokenizer = str(folder / self.meta["served_tokenizer"])  # the tokens the head was trained on
         self.served: TokenCounter = token_counter(tokenizer)
         self.same_tokenizer = shares_tokenizer(self.served, self.encoder)
         self.cache_size = cache_size

@@ -8,6 +8,7 @@ encoder's own tokenizer (so one response token is one encoder token in training)
 
 from __future__ import annotations
 
+import gzip
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,7 +33,8 @@ class TokenCounter:
 
     @classmethod
     def from_path(cls, path: str | Path | None = None) -> TokenCounter:
-        """Load ``tokenizer.json`` (a file, or a model folder holding one); None: the default tokenizer."""
+        """Load ``tokenizer.json`` (a file, gzipped or not, or a model folder holding one); None: the
+        default tokenizer."""
         target = default_tokenizer_path() if path is None else Path(path)
         if target.is_dir():
             target = target / "tokenizer.json"
@@ -41,6 +43,8 @@ class TokenCounter:
                 f"no tokenizer at {target}: pass a tokenizer.json file or a model folder that has one "
                 "(the served model's Hugging Face folder), or leave it out for the default tokenizer"
             )
+        if target.name.endswith(".gz"):  # a trained head carries its served model's tokenizer gzipped
+            return cls(Tokenizer.from_str(gzip.decompress(target.read_bytes()).decode()), name=str(target))
         return cls(Tokenizer.from_file(str(target)), name=str(target))
 
     def ids(self, text: str) -> list[int]:

@@ -27,6 +27,7 @@ scaled by the answering model's mean verbosity, R² 0.18 and τ 0.52.
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 import time
@@ -54,7 +55,26 @@ from tessera.predictor.tokens import TokenCounter
 HEAD_FILE = "head.pt"
 DEV_SALT = "#dev"  # salt of the dev split drawn inside the training prompts
 META_FILE = "head.json"
+# A head trained on a served model's own tokens carries that tokenizer (gzipped), so it counts and cuts
+# the answer in the tokens the engine generates wherever it is loaded.
+SERVED_TOKENIZER_FILE = "tokenizer.json.gz"
 DEFAULT_ARTIFACT_DIR = Path(__file__).resolve().parent / "artifacts"
+
+
+def shipped_heads() -> list[str]:
+    """Names of the heads shipped beside the default one (sub-folders of the artifact folder)."""
+    return sorted(p.name for p in DEFAULT_ARTIFACT_DIR.iterdir() if (p / META_FILE).is_file())
+
+
+def resolve_artifact(spec: str | Path | None = None) -> Path:
+    """The folder of a trained head: None is the default shipped head, a bare name one of the other
+    shipped heads (``shipped_heads``), anything else a folder path."""
+    if spec is None:
+        return DEFAULT_ARTIFACT_DIR
+    text = str(spec)
+    if "/" not in text and text in shipped_heads():
+        return DEFAULT_ARTIFACT_DIR / text
+    return Path(spec)
 
 
 @dataclass(slots=True)
@@ -171,15 +191,24 @@ def train(cfg: TrainConfig) -> dict:
         if best is None or dev["r2"] > best[0]:
             best = (dev["r2"], {k: v.clone() for k, v in head.state_dict().items()}, epoch, dev)
     assert best is not None
-    head.load_state_dict(best[1])
+    # fp16 storage halves the file; weights load back into fp32. Validation is scored with the weights
+    # as stored, so `tessera predictor eval --split heldout` reproduces it.
+    stored = {k: v.half() if v.is_floating_point() else v for k, v in best[1].items()}
+    head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in stored.items()})
     head.eval()
     x_va = torch.from_numpy(store.features(va_samples))
     y_va = np.array([s.target for s in va_samples], dtype=np.float64)
     validation = regression_metrics(head.predict_tokens(x_va).numpy(), y_va)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    # fp16 storage halves the file; weights load back into fp32.
-    torch.save({k: v.half() if v.is_floating_point() else v for k, v in best[1].items()}, out / HEAD_FILE)
+    torch.save(stored, out / HEAD_FILE)
+    if cfg.tokenizer is not None:
+        source = Path(served.name)
+        raw = source.read_bytes()
+        # mtime 0: the same tokenizer gives the same bytes
+        (out / SERVED_TOKENIZER_FILE).write_bytes(
+            raw if source.name.endswith(".gz") else gzip.compress(raw, compresslevel=9, mtime=0)
+        )
     meta = {
         "encoder": encoder.name,
         "encoder_signature": encoder.signature(),
@@ -193,6 +222,7 @@ def train(cfg: TrainConfig) -> dict:
         "target_scale": head.target_scale,
         "steps": asdict(cfg.steps),
         "tokenizer": "default (all-MiniLM-L6-v2 WordPiece)" if cfg.tokenizer is None else cfg.tokenizer,
+        "served_tokenizer": None if cfg.tokenizer is None else SERVED_TOKENIZER_FILE,
         "split": {
             "by": "prompt_id" if cfg.split_by == "prompt" else "row",
             "val_fraction": cfg.val_fraction,
