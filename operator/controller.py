@@ -43,7 +43,7 @@ from tessera.core.planners import (
 )
 from tessera.core.planners.replacement import prediction_error
 from tessera.operator import status as st
-from tessera.operator.kube import Kube, OwnershipError
+from tessera.operator.kube import Kube, OwnershipError, rejection
 from tessera.operator.reconcile import Conflict, claim, contains, plan_actions
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ MAX_HISTORY_S = 1800.0
 HANDOVER_POLL_S = 5.0
 # Ready's reason while an object the operator did not create holds a child's name.
 OWNERSHIP_CONFLICT = "OwnershipConflict"
+# Invalid's reason while the API server refuses a child the specs produce (422: e.g. a name or a field
+# value the server's own validation rejects).
+REJECTED_BY_SERVER = "RejectedByServer"
 # (object body, event type "Normal"/"Warning", reason, message)
 EventSink = Callable[[Mapping[str, Any], str, str, str], None]
 
@@ -128,6 +131,10 @@ class Controller:
         self._placement_due: dict[tuple[str, str], float] = {}
         # When a pool handing groups over to a new placement looks at their readiness again.
         self._handover_due: dict[tuple[str, str], float] = {}
+        # The bodies the API server refused as invalid, by (namespace, kind, name): not sent again
+        # until the desired body changes (another try would be refused the same way).
+        self._refused: dict[tuple[str, str, str], Mapping[str, Any]] = {}
+        self._refused_messages: dict[tuple[str, str, str], str] = {}
 
     # -- pools ---------------------------------------------------------------------------------------
 
@@ -256,12 +263,25 @@ class Controller:
             )
         held = {r.group for r in retiring if r.held}
         kept = [o for o in observed if (o["metadata"].get("labels") or {}).get(GROUP_LABEL) in held]
+        refused: list[str] = []
         for action in plan_actions([*wanted, *kept], observed):
+            where = (namespace, action.kind, action.name)
+            if action.body is not None and self._refused.get(where) == action.body:
+                refused.append(f"{action.kind} {action.name}: {self._refused_messages[where]}")
+                continue
             try:
                 self.kube.apply(namespace, action)
             except OwnershipError as error:
                 conflicts.append(error.conflict)
                 continue
+            except Exception as error:
+                message = rejection(error)
+                if message is None or action.body is None:
+                    raise
+                self._refused[where], self._refused_messages[where] = action.body, message
+                refused.append(f"{action.kind} {action.name}: {message}")
+                continue
+            self._refused.pop(where, None)
             self.emit(body, "Normal", action.verb.capitalize() + "d", f"{action.kind} {action.name}")
         for r in retiring:
             if r.held:
@@ -279,7 +299,7 @@ class Controller:
                 )
         key = (namespace, decided.pool.name)
         self._handover_due[key] = now + HANDOVER_POLL_S if held else math.inf
-        return _Observed(observed, retiring, conflicts)
+        return _Observed(observed, retiring, conflicts, refused)
 
     def _autoscale(
         self,
@@ -415,6 +435,8 @@ class Controller:
         )
         if seen.conflicts:
             conditions = self._report_conflicts(body, status, conditions, seen.conflicts, namespace, now)
+        if seen.refused:
+            conditions = self._report_refused(body, status, conditions, seen.refused, now)
         replanned = (
             previous is None
             or plan is None
@@ -463,6 +485,26 @@ class Controller:
         if _changed(status, new_status):
             self.kube.patch_status(POOLS, namespace, pool.name, new_status)
         self._report_services(namespace, service_bodies, decided, ready, seen, now)
+
+    def _report_refused(
+        self,
+        body: Mapping[str, Any],
+        status: Mapping[str, Any],
+        conditions: list[dict[str, Any]],
+        refused: list[str],
+        now: float,
+    ) -> list[dict[str, Any]]:
+        """``conditions`` with Invalid=True (and Ready=False) reason RejectedByServer quoting the API
+        server's refusal of each child; a Warning event when that message is new."""
+        message = (
+            f"the API server refused {'; '.join(refused)}; change the ServingPool or LLMService spec "
+            "(the operator sends these objects again only once the spec changes)"
+        )
+        before = next((c for c in status.get("conditions") or [] if c.get("type") == st.INVALID), {})
+        if (before.get("reason"), before.get("message")) != (REJECTED_BY_SERVER, message):
+            self.emit(body, "Warning", REJECTED_BY_SERVER, message)
+        conditions = st.set_condition(conditions, st.INVALID, True, REJECTED_BY_SERVER, message, now)
+        return st.set_condition(conditions, st.READY, False, REJECTED_BY_SERVER, message, now)
 
     def _report_conflicts(
         self,
@@ -702,11 +744,13 @@ class _Timeline:
 @dataclass(frozen=True, slots=True)
 class _Observed:
     """The pool's own children as listed before this pass applied anything, the groups no longer in
-    the plan, and the objects holding a child's name that the operator did not create."""
+    the plan, the objects holding a child's name that the operator did not create, and the children
+    the API server refused."""
 
     children: list[Mapping[str, Any]]
     retiring: list[Retiring]
     conflicts: list[Conflict]
+    refused: list[str]  # "<kind> <name>: <the API server's message>" of children refused as invalid
 
 
 def _unplaced(status: Mapping[str, Any]) -> dict[str, Problem]:

@@ -43,6 +43,17 @@ class OwnershipError(Exception):
         self.conflict = found
 
 
+def rejection(error: BaseException) -> str | None:
+    """The API server's message when it refused an object as invalid (400, 422: sending it again cannot
+    succeed), else None."""
+    if not isinstance(error, client.ApiException) or error.status not in (400, 422):
+        return None
+    try:
+        return str(json.loads(error.body or "{}").get("message") or error.reason)
+    except (ValueError, AttributeError):
+        return str(error.body or error.reason)
+
+
 def backoff_delays(attempts: int, base_s: float = 0.2, cap_s: float = 5.0) -> list[float]:
     """Sleeps between ``attempts`` tries: base, 2·base, 4·base, ... capped at ``cap_s``."""
     return [min(cap_s, base_s * 2**i) for i in range(max(0, attempts - 1))]

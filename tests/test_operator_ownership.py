@@ -1,9 +1,11 @@
 """The operator under KMock never patches or deletes an object it did not create: an LLMService named
 ``kubernetes`` leaves the cluster's own ``default/kubernetes`` Service alone and reports the conflict,
-and a foreign ConfigMap carrying Tessera's labels survives both passes and the pool's deletion."""
+and a foreign ConfigMap carrying Tessera's labels survives both passes and the pool's deletion. A child
+the API server refuses (422) is reported, not retried."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -105,3 +107,48 @@ async def test_service_named_kubernetes_and_labelled_configmap_are_left_alone(cl
     left = await cluster.children(namespace)
     assert {("Service", "kubernetes"), ("ConfigMap", "someone-elses")} <= set(left)
     assert not [w for w in writes(cluster, namespace) if w.startswith("DELETE") and "someone-elses" in w]
+
+
+async def test_a_child_the_api_server_refuses_sets_invalid_and_is_not_sent_again(cluster: Harness) -> None:
+    """A 422 is permanent: the pool reports the server's message (Invalid=True RejectedByServer and a
+    Warning event) and the same body is not sent again; a changed spec tries again."""
+    namespace = "refused"
+    sts_path = f"/apis/apps/v1/namespaces/{namespace}/statefulsets"
+    said = (
+        'StatefulSet.apps "h100-pool-g0" is invalid: spec.template.spec.containers[0].image: Required value'
+    )
+    status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422}
+    cluster.emulator[f"post {sts_path}"][:1] << 422 << {**status, "message": said}
+    docs = load_example(EXAMPLES / "quickstart.yaml", namespace)
+    pool = of_kind(docs, POOL)[0]
+    await apply_all(cluster, docs)
+
+    async def invalid() -> dict[str, Any] | None:
+        conditions = ((await cluster.get(pool)) or {}).get("status", {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == "Invalid" and c["status"] == "True"), None)
+
+    found = await cluster.eventually(invalid)
+    assert found["reason"] == "RejectedByServer" and said in found["message"], found
+    assert _ready(await cluster.get(pool))["status"] == "False"
+
+    async def warned() -> bool:
+        events = await cluster.events(namespace)
+        return any(e["reason"] == "RejectedByServer" and e["type"] == "Warning" for e in events)
+
+    await cluster.eventually(warned)
+    # Further passes (marks from the services and classes, daemon ticks) do not send it again.
+    await cluster.patch(pool, {"metadata": {"labels": {"touched": "yes"}}})
+    await asyncio.sleep(2.0)
+    await quiet(cluster, namespace)
+    assert [w for w in writes(cluster, namespace) if w == f"POST {sts_path}"] == [f"POST {sts_path}"]
+
+    # A changed spec gives another body: sent, accepted this time, and the pool is valid again.
+    await cluster.patch(pool, {"spec": {"instances": {"min": 1, "max": 2}}})
+
+    async def valid() -> bool:
+        body = await cluster.get(pool)
+        conditions = ((body or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Invalid" and c["status"] == "False" for c in conditions)
+
+    await cluster.eventually(valid)
+    assert any(kind == "StatefulSet" for kind, _ in await cluster.children(namespace))
