@@ -61,7 +61,7 @@ CASES: list[tuple[str, str, Callable[[dict[str, Any]], None], str, bool]] = [
     ("pool-gpu-per-instance-text", "pool", at("spec.gpu.perInstance", "two"), "gpu.perInstance", True),
     ("pool-gpu-memory-word", "pool", at("spec.gpu.memory", "lots"), "gpu.memory", True),
     ("pool-gpu-memory-negative", "pool", at("spec.gpu.memory", "-1Gi"), "gpu.memory", True),
-    ("pool-gpu-memory-zero", "pool", at("spec.gpu.memory", "0Gi"), "gpu.memory", False),
+    ("pool-gpu-memory-zero", "pool", at("spec.gpu.memory", "0Gi"), "gpu.memory", True),
     ("pool-gpu-type-empty", "pool", at("spec.gpu.type", ""), "gpu.type", True),
     ("pool-gpu-missing", "pool", at("spec.gpu"), "gpu", True),
     ("pool-instances-missing", "pool", at("spec.instances"), "instances", True),
