@@ -84,6 +84,12 @@ class ProfileSpec(ApiModel):
     prefill_p0: Positive = 0.004
     prefill_p1: Annotated[float, Field(ge=0)] = 0.00002
 
+    @classmethod
+    def from_profile(cls, profile: StepProfile) -> ProfileSpec:
+        """The step-time coefficients of a core profile (a named or measured one)."""
+        return cls(decode_c0=profile.decode_c0, decode_c1=profile.decode_c1, decode_c2=profile.decode_c2,
+                   prefill_p0=profile.prefill_p0, prefill_p1=profile.prefill_p1)  # fmt: skip
+
     def to_profile(self, name: str, kv_capacity_tokens: int) -> StepProfile:
         """The core's StepProfile for a model with this KV capacity."""
         return StepProfile(

@@ -132,13 +132,18 @@ def _settings(args: argparse.Namespace) -> object:
     return LoadSettings(json_path=args.json, plot_dir=args.plot, live=not args.no_live, answers=args.answers)
 
 
-def _launch_source(args: argparse.Namespace, resources: Sequence[object]) -> tuple[str | None, str]:
-    """The model folder to launch (a named model resolved to its verified cache folder) and its dtype.
+def _launch_source(
+    args: argparse.Namespace, resources: Sequence[object]
+) -> tuple[str | None, str, dict[str, float] | None]:
+    """The model folder to launch (a named model resolved to its verified cache folder), its dtype, and
+    the step profile its workers use (a known model's measured CPU profile, as worker JSON; else None).
 
     Without --model (and --vllm-url), vLLM launches the one model the LLMServices name when it is a
     known model (``tessera models list``).
     """
     from tessera.api import LLMService
+    from tessera.api.worker_config import ProfileSpec
+    from tessera.core.profiles import PROFILES
     from tessera.models.cache import resolve_model
     from tessera.models.registry import KNOWN
 
@@ -147,10 +152,13 @@ def _launch_source(args: argparse.Namespace, resources: Sequence[object]) -> tup
         named = {r.spec.model.name for r in resources if isinstance(r, LLMService)}
         value = named.pop() if len(named) == 1 and named <= KNOWN.keys() else None
     if value is None:
-        return None, args.dtype or "auto"
+        return None, args.dtype or "auto", None
     resolved = resolve_model(value)
-    default = resolved.known.dtype if resolved.known is not None else "auto"
-    return str(resolved.path), args.dtype or default
+    known = resolved.known
+    profile = None
+    if known is not None and known.cpu_profile is not None:
+        profile = ProfileSpec.from_profile(PROFILES[known.cpu_profile]).to_json()
+    return str(resolved.path), args.dtype or (known.dtype if known is not None else "auto"), profile
 
 
 def _check_launches(plan: LocalPlan) -> None:
@@ -191,9 +199,9 @@ async def _up(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         return _fail(f"--port {args.port} is not a TCP port (1-65535)")
     resources = [r for path in args.files for r in load_documents(path)]
-    model_dir, dtype = _launch_source(args, resources)
+    model_dir, dtype, profile = _launch_source(args, resources)
     engine = LocalEngine(args.engine, model_dir, args.vllm_url, args.kv_cache_gib, args.max_model_len, dtype,
-                         args.enforce_eager)  # fmt: skip
+                         args.enforce_eager, profile)  # fmt: skip
     cap = args.max_instances if args.max_instances is not None else (1 if args.engine == "vllm" else None)
     plan = plan_local(resources, engine, max_instances_per_group=cap)
     _check_launches(plan)

@@ -153,6 +153,8 @@ def _measured(args: argparse.Namespace, endpoint: str, kv_tokens: int) -> tuple:
 
 def _launched(args: argparse.Namespace) -> tuple:
     """Start vLLM on ``--launch``'s model as the worker does, measure it, stop it."""
+    from dataclasses import replace
+
     from tessera.models.cache import resolve_model
     from tessera.models.fit import check_kv_fits, kv_bytes_per_token
     from tessera.worker.engines.vllm_process import VLLMServer
@@ -171,4 +173,8 @@ def _launched(args: argparse.Namespace) -> tuple:
         extra_args=["--enforce-eager"] if args.enforce_eager else [],
     )  # fmt: skip
     with server:
-        return _measured(args, server.url, kv_tokens)
+        profile, m = _measured(args, server.url, kv_tokens)
+    # what the folder says of the model's memory (the simulator's swaps and cold starts read them)
+    weights = sum(f.stat().st_size for f in resolved.path.glob("*.safetensors"))
+    per_token = kv_bytes_per_token(resolved.path, dtype)[0]
+    return replace(profile, kv_bytes_per_token=per_token, weights_bytes=weights or profile.weights_bytes), m

@@ -45,6 +45,9 @@ class LocalEngine:
     max_model_len: int | None = None  # overrides every model's context length (small local models)
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = "auto"  # vLLM --dtype of a launched server
     enforce_eager: bool = False  # vLLM --enforce-eager: a launched server skips the torch.compile warm-up
+    # The step-time profile of a launched model (the worker's ProfileSpec JSON) where one was measured on
+    # this kind of machine; None: the operator's configuration (a GPU-scale default).
+    profile: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.kind == "vllm" and (self.model_dir is None) == (self.vllm_url is None):
@@ -64,6 +67,8 @@ class LocalEngine:
             return {**out, "engine": "vllm", "url": self.vllm_url}
         launch = {"modelDir": self.model_dir, "kvCacheGib": self.kv_cache_gib, "dtype": self.dtype,
                   "enforceEager": self.enforce_eager}  # fmt: skip
+        if self.profile is not None:
+            out["profile"] = self.profile
         return {**out, "engine": "vllm", "launch": launch}
 
 

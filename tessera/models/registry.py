@@ -16,7 +16,9 @@ class KnownModel:
 
     ``build`` writes a Hugging Face model folder into an empty directory. ``check_prompt`` is asked
     greedily after a build and the answer must contain ``check_expect`` (a folder whose weights
-    load but answer nonsense is refused). ``dtype`` is what vLLM serves it in.
+    load but answer nonsense is refused). ``dtype`` is what vLLM serves it in. ``cpu_profile`` names
+    the step-time profile (``tessera.core.profiles.PROFILES``) measured on vLLM on the CPU: local mode
+    gives it to the workers that launch the model, for the policies' service-time estimates.
     """
 
     name: str
@@ -25,6 +27,7 @@ class KnownModel:
     dtype: str = "auto"
     check_prompt: str | None = None
     check_expect: str | None = None
+    cpu_profile: str | None = None
 
 
 SMOLLM2 = KnownModel(
@@ -37,6 +40,7 @@ SMOLLM2 = KnownModel(
     dtype="float32",
     check_prompt="What is the capital of France?",
     check_expect="Paris",
+    cpu_profile="smollm2-cpu",
 )
 
 KNOWN: dict[str, KnownModel] = {m.name: m for m in (SMOLLM2,)}
