@@ -434,9 +434,16 @@ class Controller:
             now,
         )
         if seen.conflicts:
-            conditions = self._report_conflicts(body, status, conditions, seen.conflicts, namespace, now)
+            message = "; ".join(c.describe(namespace) for c in seen.conflicts)
+            conditions = self._report_problem(body, status, conditions, OWNERSHIP_CONFLICT, message, now)
         if seen.refused:
-            conditions = self._report_refused(body, status, conditions, seen.refused, now)
+            message = (
+                f"the API server refused {'; '.join(seen.refused)}; change the ServingPool or LLMService "
+                "spec (the operator sends these objects again only once the spec changes)"
+            )
+            conditions = self._report_problem(
+                body, status, conditions, REJECTED_BY_SERVER, message, now, invalid=True
+            )
         replanned = (
             previous is None
             or plan is None
@@ -486,42 +493,25 @@ class Controller:
             self.kube.patch_status(POOLS, namespace, pool.name, new_status)
         self._report_services(namespace, service_bodies, decided, ready, seen, now)
 
-    def _report_refused(
+    def _report_problem(
         self,
         body: Mapping[str, Any],
         status: Mapping[str, Any],
         conditions: list[dict[str, Any]],
-        refused: list[str],
+        reason: str,
+        message: str,
         now: float,
+        invalid: bool = False,
     ) -> list[dict[str, Any]]:
-        """``conditions`` with Invalid=True (and Ready=False) reason RejectedByServer quoting the API
-        server's refusal of each child; a Warning event when that message is new."""
-        message = (
-            f"the API server refused {'; '.join(refused)}; change the ServingPool or LLMService spec "
-            "(the operator sends these objects again only once the spec changes)"
-        )
-        before = next((c for c in status.get("conditions") or [] if c.get("type") == st.INVALID), {})
-        if (before.get("reason"), before.get("message")) != (REJECTED_BY_SERVER, message):
-            self.emit(body, "Warning", REJECTED_BY_SERVER, message)
-        conditions = st.set_condition(conditions, st.INVALID, True, REJECTED_BY_SERVER, message, now)
-        return st.set_condition(conditions, st.READY, False, REJECTED_BY_SERVER, message, now)
-
-    def _report_conflicts(
-        self,
-        body: Mapping[str, Any],
-        status: Mapping[str, Any],
-        conditions: list[dict[str, Any]],
-        conflicts: list[Conflict],
-        namespace: str,
-        now: float,
-    ) -> list[dict[str, Any]]:
-        """``conditions`` with Ready=False OwnershipConflict naming each object in the way; a Warning
-        event when that message is new."""
-        message = "; ".join(c.describe(namespace) for c in conflicts)
-        before = next((c for c in status.get("conditions") or [] if c.get("type") == st.READY), {})
-        if (before.get("reason"), before.get("message")) != (OWNERSHIP_CONFLICT, message):
-            self.emit(body, "Warning", OWNERSHIP_CONFLICT, message)
-        return st.set_condition(conditions, st.READY, False, OWNERSHIP_CONFLICT, message, now)
+        """``conditions`` with Ready=False (and, when ``invalid``, Invalid=True) for ``reason`` and
+        ``message``; a Warning event when the message is new."""
+        watched = st.INVALID if invalid else st.READY
+        before = next((c for c in status.get("conditions") or [] if c.get("type") == watched), {})
+        if (before.get("reason"), before.get("message")) != (reason, message):
+            self.emit(body, "Warning", reason, message)
+        if invalid:
+            conditions = st.set_condition(conditions, st.INVALID, True, reason, message, now)
+        return st.set_condition(conditions, st.READY, False, reason, message, now)
 
     def _interval_status(
         self,
@@ -619,7 +609,8 @@ class Controller:
             )
             mine = [c for c in seen.conflicts if c.owner == f"LLMService {name}"]
             if mine:  # its endpoint Service's name is taken
-                conditions = self._report_conflicts(body, status, conditions, mine, namespace, now)
+                message = "; ".join(c.describe(namespace) for c in mine)
+                conditions = self._report_problem(body, status, conditions, OWNERSHIP_CONFLICT, message, now)
             has_batch = any(
                 c.name in decided.classes and decided.classes[c.name].kind == "batch"
                 for c in service.spec.request_classes
