@@ -23,6 +23,7 @@ import numpy as np
 from tessera.core.baselines import EDF, FCFS
 from tessera.core.chiron import (
     PREFILL_BACKLOG_S,
+    ArrivalMeter,
     ChironLocal,
     ChironPolicy,
     GlobalQueue,
@@ -155,14 +156,19 @@ class HoldingRouter(ClusterRouter):
 
     name = "global-queue"
 
-    def __init__(self, queue: GlobalQueue, backlog_s: float = PREFILL_BACKLOG_S) -> None:
+    def __init__(
+        self, queue: GlobalQueue, backlog_s: float = PREFILL_BACKLOG_S, meter: ArrivalMeter | None = None
+    ) -> None:
         self.queue = queue
         self.backlog_s = backlog_s
+        self.meter = meter  # counts interactive arrivals for load forecasting
 
     def route(self, req: Request, view: ClusterView) -> SimInstance | None:
         """An instance for interactive requests with room now; otherwise hold it."""
         inst = None
         if req.service_class.kind != "batch":
+            if self.meter is not None:
+                self.meter.record(view.now)
             inst = _pick(req, [i for i in _active(view) if i.ready_at <= view.now], self.backlog_s)
         if inst is None:
             self.queue.push(req)
@@ -209,9 +215,11 @@ class ChironController(ClusterController):
         exec_margin_s: float,
         mean_context: float,
         backlog_s: float = PREFILL_BACKLOG_S,
+        meter: ArrivalMeter | None = None,
     ) -> None:
         self.settings = settings
         self.queue = queue
+        self.meter = meter  # the interactive arrival rate, with load forecasting
         self.stats = stats
         self.interval_s = interval_s
         self.exec_margin_s = exec_margin_s
@@ -315,6 +323,7 @@ class ChironController(ClusterController):
             batch_instance_tokens_per_s=per_instance,
             mean_output_tokens=self.stats.mean,
             std_output_tokens=self.stats.std,
+            interactive_arrival_rps=self.meter.rate(now) if self.meter is not None else None,
         )
 
     def _scale(self, view: ClusterView) -> list[ClusterAction]:
@@ -459,6 +468,7 @@ def chiron_cluster(
     (dispatch every ``interval_s``) and the instances' policy (``ChironPolicy`` around EDF, with a
     fresh ``new_local()``); finished batch requests feed ``stats`` (μ_o, σ_o)."""
     queue = GlobalQueue(group_s=group_s)
+    meter = ArrivalMeter(settings.forecast_window_s) if settings.forecast_window_s > 0 else None
 
     def finished(req: Request) -> None:
         if req.service_class.kind == "batch":
@@ -472,9 +482,10 @@ def chiron_cluster(
         exec_margin_s=exec_margin_s,
         mean_context=mean_context,
         backlog_s=backlog_s,
+        meter=meter,
     )
     return (
-        HoldingRouter(queue, backlog_s),
+        HoldingRouter(queue, backlog_s, meter),
         controller,
         lambda: ChironPolicy(EDF(), new_local(), on_finish=finished),
     )

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from tessera.core.chiron import ArrivalMeter
 from tessera.core.planners import (
     AutoscalerState,
     BatchGroup,
@@ -196,3 +197,39 @@ def test_settings_validation():
         ChironSettings(over_provisioning=0.2, band=0.3)
     with pytest.raises(ValueError, match="count"):
         BatchGroup(-1, 0.0)
+
+
+def test_load_forecasting_sizes_the_spare_from_the_arrival_trend():
+    fc = replace(S, forecast_window_s=60.0, forecast_utilization=0.8)
+    ready = RoleCounts(interactive=4, mixed=0)
+    flat = MetricsSnapshot(ready=ready, instances_with_interactive=4, interactive_arrival_rps=10.0)
+    # A flat rate: Θ = 0.8, so 4 busy instances want 5 (Θ_op 1/3 would want 12).
+    d = chiron_decide(flat, AutoscalerState(), fc, now=0.0)
+    d = chiron_decide(flat, d.state, fc, now=30.0)
+    assert d.desired.interactive + d.desired.mixed == 5
+    assert d.state.arrival_history == ((0.0, 10.0), (30.0, 10.0))
+    # 15 req/s at 40 s, 10 at 0 s: trend 0.125 req/s per second, growth over the 15 s load time
+    # 1 + 0.125 * 15 / 15 = 1.125, Θ = 0.8 / 1.125: 4 busy want ceil(4 * 1.125 / 0.8) = 6.
+    rising = replace(flat, interactive_arrival_rps=15.0)
+    up = chiron_decide(rising, d.state, fc, now=40.0)
+    assert up.desired.interactive + up.desired.mixed == 6
+    # Measurements older than the window drop out; a history under half a window gives no trend.
+    later = chiron_decide(rising, up.state, fc, now=95.0)
+    assert later.state.arrival_history == ((40.0, 15.0), (95.0, 15.0))
+    assert chiron_decide(rising, AutoscalerState(), fc, now=0.0).desired.total == 5
+    # Off (the paper's rule) or without a measured rate: Θ_op.
+    assert chiron_decide(rising, d.state, S, now=40.0).desired.total == 12
+    no_rate = replace(flat, interactive_arrival_rps=None)
+    assert chiron_decide(no_rate, AutoscalerState(), fc, now=0.0).desired.total == 12
+    with pytest.raises(ValueError, match="forecast_utilization"):
+        replace(S, forecast_utilization=0.01)
+
+
+def test_arrival_meter_counts_the_window():
+    meter = ArrivalMeter(10.0)
+    for t in (0.0, 1.0, 2.0, 9.5):
+        meter.record(t)
+    assert meter.rate(9.5) == pytest.approx(0.4)
+    assert meter.rate(11.5) == pytest.approx(0.2)  # 0 and 1 s have left the window
+    with pytest.raises(ValueError, match="window"):
+        ArrivalMeter(0.0)

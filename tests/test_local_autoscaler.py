@@ -22,7 +22,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 KINDS = {"chat": "interactive", "offline": "batch"}
 
 
-def _text(inflight: dict[str, float], queued: dict[str, float], itl_count: float) -> str:
+def _text(inflight: dict[str, float], queued: dict[str, float], itl_count: float, started: float = 0) -> str:
     lines = ["# TYPE tessera_inflight gauge"]
     lines += [f'tessera_inflight{{model="m",class="{c}"}} {v}' for c, v in inflight.items()]
     lines += ["# TYPE tessera_queue_length gauge"]
@@ -31,7 +31,10 @@ def _text(inflight: dict[str, float], queued: dict[str, float], itl_count: float
               f'tessera_itl_seconds_bucket{{model="m",class="offline",le="+Inf"}} {itl_count}',
               f'tessera_itl_seconds_count{{model="m",class="offline"}} {itl_count}',
               'tessera_itl_seconds_sum{model="m",class="offline"} 1.0',
-              'tessera_itl_seconds_count{model="m",class="chat"} 999']  # fmt: skip
+              'tessera_itl_seconds_count{model="m",class="chat"} 999',
+              "# TYPE tessera_ttft_seconds histogram",
+              f'tessera_ttft_seconds_count{{model="m",class="chat"}} {started}',
+              'tessera_ttft_seconds_count{model="m",class="offline"} 777']  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -40,7 +43,7 @@ def test_scrapes_read_as_the_operators_queries_give_the_snapshot() -> None:
     group = replace(plan.groups[0].group, replicas=RoleCounts(interactive=1, mixed=1, batch=1))
     pods = [f"{plan.groups[0].pool}-{group.name}-{i}" for i in range(3)]
     first = {
-        pods[0]: _text({"chat": 2, "offline": 0}, {"chat": 1, "offline": 0}, 100),
+        pods[0]: _text({"chat": 2, "offline": 0}, {"chat": 1, "offline": 0}, 100, started=10),
         pods[1]: _text({"chat": 0, "offline": 3}, {"chat": 0, "offline": 5}, 50),
         pods[2]: None,  # still starting: counted as pending
     }
@@ -50,11 +53,11 @@ def test_scrapes_read_as_the_operators_queries_give_the_snapshot() -> None:
     assert snap.ready == RoleCounts(interactive=1, mixed=1) and snap.pending == RoleCounts(batch=1)
     assert snap.instances_with_interactive == 1 and snap.interactive_queued == 1
     assert snap.batch_running == 3 and snap.batch_queue == (BatchGroup(count=5, deadline=3610.0),)
-    assert snap.batch_tokens_per_s is None  # a rate needs two scrapes
+    assert snap.batch_tokens_per_s is None and snap.interactive_arrival_rps is None  # rates need 2 scrapes
     # Five seconds later: 100 + 50 batch tokens more, one worker restarted (its counter went down),
     # the chat ITL samples never count as batch tokens.
     later = {
-        pods[0]: _text({"chat": 0}, {}, 200),
+        pods[0]: _text({"chat": 0}, {}, 200, started=40),
         pods[1]: _text({"offline": 1}, {}, 20),
         pods[2]: _text({}, {}, 0),
     }
@@ -63,6 +66,7 @@ def test_scrapes_read_as_the_operators_queries_give_the_snapshot() -> None:
     assert snap is not None and snap.ready == RoleCounts(interactive=1, mixed=1, batch=1)
     assert snap.batch_tokens_per_s == pytest.approx((100 + 20) / 5.0)
     assert snap.batch_instance_tokens_per_s == pytest.approx(24.0)
+    assert snap.interactive_arrival_rps == pytest.approx(30 / 5.0)  # chat requests started; not offline's
     assert snap.instances_with_interactive == 0 and snap.batch_queue == ()
 
 

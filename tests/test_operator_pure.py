@@ -209,8 +209,14 @@ def test_snapshot_from_prometheus_results() -> None:
         "batch_queued": [_sample(40, **{"class": "offline"})],
         "batch_running": [_sample(5)],
         "batch_tokens": [_sample(0)],
+        "interactive_rate": [_sample(4.5)],
     }
+    assert 'tessera_ttft_seconds_count{' in queries["interactive_rate"]
+    assert 'class=~"chat"' in queries["interactive_rate"]
     snap = snapshot_from_results(results, group, {"offline": 600.0}, now=1000.0)
+    assert snap is not None and snap.interactive_arrival_rps == 4.5
+    unmeasured = snapshot_from_results({**results, "interactive_rate": []}, group, {}, 0.0)
+    assert unmeasured is not None and unmeasured.interactive_arrival_rps is None
     assert snap.ready == RoleCounts(interactive=2) and snap.pending == RoleCounts(mixed=1)
     assert snap.instances_with_interactive == 1 and snap.interactive_queued == 2
     assert snap.batch_queue[0].count == 40 and snap.batch_queue[0].deadline == 1600.0

@@ -88,6 +88,10 @@ def group_queries(
         "batch_running": f'sum(tessera_inflight{{{sel},class=~"{batch}"}})',
         # One ITL sample per output token after the first: its rate is the decode token rate.
         "batch_tokens": f'sum(rate(tessera_itl_seconds_count{{{sel},class=~"{batch}"}}[{window}]))',
+        # One TTFT sample per started request: the interactive arrival rate that load forecasting reads.
+        "interactive_rate": (
+            f'sum(rate(tessera_ttft_seconds_count{{{sel},class=~"{interactive}"}}[{window}]))'
+        ),
     }
 
 
@@ -122,6 +126,7 @@ def snapshot_from_results(
         if _value(s) > 0 and s.get("metric", {}).get("class") in deadlines
     )
     tokens = _total(results.get("batch_tokens") or [])
+    rate = results.get("interactive_rate")
     return MetricsSnapshot(
         ready=ready_counts,
         pending=pending,
@@ -133,6 +138,7 @@ def snapshot_from_results(
         batch_instance_tokens_per_s=tokens / ready_counts.batch
         if tokens > 0 and ready_counts.batch
         else None,
+        interactive_arrival_rps=_total(rate) if rate else None,
     )
 
 

@@ -6,6 +6,7 @@ acts its own way (HTTP and vLLM, a virtual clock, Prometheus and StatefulSets, w
 """
 
 from tessera.core.chiron.autoscale import (
+    ArrivalMeter,
     GroupEvaluation,
     GroupMemory,
     evaluate_group,
@@ -26,6 +27,7 @@ __all__ = [
     "BATCH_ITL_S",
     "INTERACTIVE_ITL_S",
     "PREFILL_BACKLOG_S",
+    "ArrivalMeter",
     "ChironLocal",
     "ChironPolicy",
     "DispatchTarget",

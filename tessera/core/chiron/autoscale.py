@@ -6,7 +6,8 @@ the same step: ``evaluate_group(snapshot, memory, settings, now)`` decides the i
 (``chiron_decide``) and returns the memory to keep for the next evaluation. ``GroupMemory.due`` says
 when the next one is due, so callers measure only then.
 
-Also here: the seeds of the global autoscaler's parameters from offline profiling: Θ_B, the output
+``ArrivalMeter`` measures the interactive arrival rate that load forecasting reads. Also here: the
+seeds of the global autoscaler's parameters from offline profiling: Θ_B, the output
 tokens per second of one batch instance, from a step profile; Θ_op, the over-provisioning target, from
 the arrival spikes of a service's history.
 """
@@ -14,6 +15,7 @@ the arrival spikes of a service's history.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -75,6 +77,29 @@ def evaluate_group(
         return GroupEvaluation(None, memory)
     decision = chiron_decide(snapshot, memory.state, settings, now)
     return GroupEvaluation(decision, GroupMemory(decision.state, now))
+
+
+@dataclass(slots=True)
+class ArrivalMeter:
+    """Interactive arrivals over the last ``window_s`` seconds: the rate load forecasting reads
+    (``MetricsSnapshot.interactive_arrival_rps``) where the caller sees each arrival."""
+
+    window_s: float
+    times: deque[float] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.window_s <= 0:
+            raise ValueError("the arrival window must be > 0 s")
+
+    def record(self, now: float) -> None:
+        """One arrival at ``now`` (times never decrease)."""
+        self.times.append(now)
+
+    def rate(self, now: float) -> float:
+        """Arrivals per second over ``(now - window_s, now]``."""
+        while self.times and self.times[0] <= now - self.window_s:
+            self.times.popleft()
+        return len(self.times) / self.window_s
 
 
 def instance_tokens_per_s(profile: StepProfile, mean_prompt: float, mean_output: float, slots: int) -> float:

@@ -12,6 +12,9 @@ See docs/papers.md, "Chiron: global autoscaler, interactive" and "..., batch".
   retire all together once no batch request is queued or running; while batch work is queued, not
   deferred, and no batch or mixed instance would pull it, one batch instance is kept (our choice).
 
+- Load forecasting (our extension, ``forecast_window_s`` > 0): the target share Θ follows the
+  interactive arrival rate's trend one load time ahead (``forecast_theta``) instead of the fixed Θ_op.
+
 Pure: the caller passes a metrics snapshot, the previous state and the time; it gets desired counts,
 reasons and the next state.
 """
@@ -31,12 +34,36 @@ from tessera.core.planners.types import (
 )
 
 
-def interactive_targets(busy: int, settings: ChironSettings) -> tuple[int, int]:
-    """(N_I*, N_M*) for ``busy`` instances with interactive work (our concrete rule for §5.2)."""
-    theta = settings.over_provisioning
+def interactive_targets(busy: int, settings: ChironSettings, theta: float | None = None) -> tuple[int, int]:
+    """(N_I*, N_M*) for ``busy`` instances with interactive work (our concrete rule for §5.2) at the
+    over-provisioning target ``theta`` (default Θ_op)."""
+    theta = settings.over_provisioning if theta is None else theta
     n_im = max(settings.min_interactive, math.ceil(busy / theta - 1e-9))
     n_i = max(settings.min_interactive, math.ceil(theta * n_im - 1e-9))
     return n_i, max(0, n_im - n_i)
+
+
+def forecast_theta(
+    snapshot: MetricsSnapshot, state: AutoscalerState, settings: ChironSettings, now: float
+) -> tuple[float, AutoscalerState]:
+    """Load forecasting (our extension of §5.2; ``forecast_window_s`` > 0): the over-provisioning target
+    from the interactive arrival rate instead of the fixed Θ_op, and the state with the new rate.
+
+    The rate's trend over the last ``forecast_window_s`` (its change since the oldest measurement kept,
+    once that is at least half a window old) extrapolated one load time ahead gives the growth g >= 1
+    that instances starting now must absorb; the target is Θ = forecast_utilization / g (kept above the
+    band), so the spare follows the forecast: little on a flat or falling rate, more ahead of a rise.
+    Without a measured rate: Θ_op."""
+    rate = snapshot.interactive_arrival_rps
+    if settings.forecast_window_s <= 0 or rate is None:
+        return settings.over_provisioning, state
+    window = settings.forecast_window_s
+    history = (*(h for h in state.arrival_history if now - h[0] <= window), (now, rate))
+    then, old = history[0]
+    trend = (rate - old) / (now - then) if now - then >= window / 2 else 0.0
+    growth = 1.0 + max(0.0, trend) * settings.load_time_s / rate if rate > 0 else 1.0
+    theta = max(settings.band + 0.01, settings.forecast_utilization / growth)
+    return theta, replace(state, arrival_history=history)
 
 
 def waiting_time(
@@ -156,16 +183,17 @@ def chiron_decide(
         )
 
     # --- interactive and mixed (Chiron §5.2) ---
+    theta, state = forecast_theta(snapshot, state, settings, now)
     im_now = current.interactive + current.mixed
     busy = snapshot.instances_with_interactive + (1 if snapshot.interactive_queued > 0 else 0)
     ibp = busy / im_now if im_now else (math.inf if busy else 0.0)
-    n_i, n_m = interactive_targets(busy, settings)
+    n_i, n_m = interactive_targets(busy, settings, theta)
     interactive, mixed = current.interactive, current.mixed
     low = state.low_evaluations
     last_up = dict(state.last_scale_up)
     last_scaling = state.last_scaling
-    hi_band = settings.over_provisioning + settings.band
-    lo_band = settings.over_provisioning - settings.band
+    hi_band = theta + settings.band
+    lo_band = theta - settings.band
     if ibp > hi_band or im_now < settings.min_interactive:
         low = 0
         want_i, want_m = max(interactive, n_i), max(mixed, n_m)

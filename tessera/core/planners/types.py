@@ -202,6 +202,7 @@ class MetricsSnapshot:
     batch_instance_tokens_per_s: float | None = None  # measured per-batch-instance throughput (Θ_B)
     mean_output_tokens: float | None = None  # μ_o of batch requests (online fit)
     std_output_tokens: float | None = None  # σ_o
+    interactive_arrival_rps: float | None = None  # interactive arrivals per second, recent (forecasting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +225,17 @@ class ChironSettings:
     defer_horizon_fraction: float = 0.25  # H = fraction x TTFT SLO
     batch_slo_s: float = 3600.0  # batch TTFT SLO (for the defer horizon)
     throughput_ewma: float = 0.5
+    # Load forecasting (our extension; off at 0): Θ_op follows the interactive arrival rate's trend.
+    forecast_window_s: float = 0.0  # window of the measured arrival rate
+    forecast_utilization: float = 0.8  # target busy share at the rate forecast one load time ahead
 
     def __post_init__(self) -> None:
         if not 0 < self.over_provisioning <= 1:
             raise ValueError("over_provisioning (Θ_op) must be in (0, 1]")
+        if self.forecast_window_s < 0:
+            raise ValueError("forecast_window_s must be >= 0 (0: no load forecasting)")
+        if not self.band < self.forecast_utilization <= 1:
+            raise ValueError("forecast_utilization must be in (band, 1]")
         if not 0 <= self.band < self.over_provisioning:
             raise ValueError("band (δ_op) must be in [0, Θ_op)")
         if self.min_instances < 0 or self.max_instances < max(1, self.min_instances):
@@ -247,6 +255,8 @@ class AutoscalerState:
     last_scaling: float | None = None  # time of the latest change of the interactive or mixed count
     instance_tokens_per_s: float | None = None  # EWMA of Θ_B
     last_batch_launch_backpressure: int = 0  # BBP when batch instances were last launched
+    # Load forecasting: (time, interactive arrival rate) measured over the last forecast window.
+    arrival_history: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
