@@ -60,7 +60,7 @@ class VLLMServer:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # added last (e.g. VLLM_CPU_OMP_THREADS_BIND)
     log_path: Path | None = None  # default: <tmp>/vllm-<port>.log
-    start_timeout_s: float = 300.0
+    start_timeout_s: float = 600.0  # a 2-core machine under load took 318 s for SmolLM2 (--enforce-eager)
     stop_timeout_s: float = 15.0
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
 
