@@ -1,7 +1,7 @@
 """What real clients send, through the router to sim workers, with the official `openai` client:
 content parts, developer and tool messages, n > 1, logprobs, echo, JSON mode and forced tool calls are
-served; what this worker does not serve (tool_choice auto) is refused with a 400 that names the field
-and the reason (never dropped silently)."""
+served; what this worker does not serve (tool_choice auto for a model without a tool parser) is refused
+with a 400 that names the field and the reason (never dropped silently)."""
 
 from __future__ import annotations
 

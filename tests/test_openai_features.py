@@ -273,7 +273,7 @@ def test_required_tool_calls_are_read_as_vllm_reads_them() -> None:
     assert [c["function"] for c in render.calls(0)] == [
         {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     ]
-    assert render.finish("stop") == "tool_calls" and render.finish("length") == "length"
+    assert render.finish(0, "stop") == "tool_calls" and render.finish(0, "length") == "length"
 
 
 @pytest.mark.parametrize(

@@ -206,6 +206,9 @@ TABLE: tuple[Row, ...] = (
         (("LLMService", "spec.model.maxModelLength", 2048),),
         base=(("LLMService", "spec.scheduling", {"policy": "qlm"}),),
         behaviour=lambda r: _policy(r).context_len, honoured="qlm: waiting-time estimate"),
+    Row("LLMService.spec.model.toolParser", "config:models.0.toolParser",
+        (("LLMService", "spec.model.toolParser", "hermes"),),
+        honoured="worker: tool_choice auto, the calls read back by vLLM's tool parser"),
     Row("LLMService.spec.model.weightsSize", "config:models.0.kvCapacityTokens",
         (("LLMService", "spec.model.weightsSize", "30Gi"),), honoured="every policy's KV capacity"),
     Row("LLMService.spec.model.weightsSize", "config:scheduling.settings.modelWeightsBytes",
@@ -572,6 +575,7 @@ RESTART_CHANGES = {
     "sleepMode": "auto",
     "tokenizer": "/tokenizers/llama",
     "maxModelLen": 1024,
+    "toolParser": "hermes",
 }
 
 

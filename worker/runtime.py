@@ -21,10 +21,11 @@ from tessera.api.worker_config import ConfigError, ModelEntry, WorkerConfig, loa
 from tessera.core.policy import Policy
 from tessera.core.registry import make_policy
 from tessera.core.request import ServiceClass
-from tessera.worker.engines.base import Engine
+from tessera.worker.engines.base import Engine, EngineError
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.scheduler import ModelScheduler
 from tessera.worker.swap import ModelSwapper
+from tessera.worker.tool_calls import ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class Worker:
         self.classes = self._service_classes(config)
         self.draining = False
         self.swapper: ModelSwapper | None = None
+        self.tool_parsers: dict[str, ToolCallParser] = {}  # model -> its toolParser, built at start
         self._servers: list[object] = []  # vLLM servers this worker launched itself
         self._max_num_seqs: dict[str, int] = {}  # model -> --max-num-seqs of the vLLM launched here
         self._watch_task: asyncio.Task[None] | None = None
@@ -83,6 +85,9 @@ class Worker:
             if entry.name not in self.engines:
                 self.engines[entry.name] = await self._make_engine(entry)
             await self.engines[entry.name].start()
+        for entry in self.config.models:
+            if entry.tool_parser is not None:
+                await self._load_tool_parser(entry)
         self.swapper = ModelSwapper(self.engines, self.metrics)
         await self.swapper.start()
         for entry in self.config.models:
@@ -104,6 +109,18 @@ class Worker:
         if self.config_path is not None:
             self._file_digest = _digest(self.config_path)
             self._watch_task = asyncio.create_task(self._watch_file(), name="config-watch")
+
+    async def _load_tool_parser(self, entry: ModelEntry) -> None:
+        """vLLM's tool parser of the model (``toolParser``) over its tokenizer; ConfigError naming the
+        field when it cannot be built."""
+        assert entry.tool_parser is not None
+        try:
+            tokenizer = await self.engines[entry.name].parser_tokenizer()
+        except EngineError as exc:
+            raise ConfigError(f"model {entry.name!r}: toolParser {entry.tool_parser!r}: {exc}") from None
+        self.tool_parsers[entry.name] = await asyncio.to_thread(
+            ToolCallParser, entry.tool_parser, entry.name, tokenizer
+        )
 
     async def _make_engine(self, entry: ModelEntry) -> Engine:
         if entry.engine == "sim":
@@ -202,13 +219,13 @@ class Worker:
             new = load_config(self.config_path)
 
         def fixed(config: WorkerConfig) -> list[tuple]:
-            return [(m.name, m.engine, m.url, m.launch, m.sleep_mode, m.tokenizer, m.max_model_len)
-                    for m in config.models]  # fmt: skip
+            return [(m.name, m.engine, m.url, m.launch, m.sleep_mode, m.tokenizer, m.max_model_len,
+                     m.tool_parser) for m in config.models]  # fmt: skip
 
         if fixed(self.config) != fixed(new):
             raise RestartRequired(
                 "the model list (names, engines, URLs, launch settings, sleep mode, tokenizers, context "
-                "lengths) cannot change without a restart; restart the worker pod"
+                "lengths, tool parsers) cannot change without a restart; restart the worker pod"
             )
         batch_max = new.scheduling.batch.max
         for model, seqs in self._max_num_seqs.items():

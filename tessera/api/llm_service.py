@@ -20,6 +20,7 @@ from tessera.api.base import (
 )
 from tessera.api.request_class import ClassOverrides, RequestClassSpec
 from tessera.api.rules import ExcludedWhen, KeysAllowed, LessOrEqual, ListedIn, MutuallyExclusive
+from tessera.api.worker_config import ToolParserName
 from tessera.core.registry import settings_model, validate_settings
 from tessera.core.request import ServiceClass
 
@@ -68,6 +69,13 @@ class ModelSpec(ApiModel):
     weights_size: Quantity | None = Field(
         default=None,
         description="Size of the weights, e.g. '16Gi'; used for placement; unset means estimated.",
+    )
+    tool_parser: ToolParserName | None = Field(
+        default=None,
+        description="vLLM's tool parser for the model's tool-call format (the names of vLLM's "
+        "--tool-call-parser, e.g. hermes, llama3_json, mistral, pythonic): the worker serves tool_choice "
+        "auto, the default when a request gives tools, by reading the calls back from the generated "
+        "text with it; unset: such requests are refused (400).",
     )
 
 

@@ -25,6 +25,7 @@ Example (YAML)::
 from __future__ import annotations
 
 import os
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -39,6 +40,22 @@ from tessera.core.profile import StepProfile
 Positive = Annotated[float, Field(gt=0)]
 # Benchmark-only request header: the request's true output length (scheduling.benchHints).
 BENCH_TRUE_LENGTH_HEADER = "X-Tessera-True-Output-Tokens"
+
+
+# The tool parsers vLLM 0.32 registers (``vllm.tool_parsers.ToolParserManager.list_registered()``; a test
+# keeps the two equal where vLLM is installed): the names ``--tool-call-parser`` takes.
+# fmt: off
+ToolParserName = Literal[
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32",
+    "deepseek_v4", "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45",
+    "glm47", "granite", "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4",
+    "inkling", "internlm", "jamba", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json",
+    "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2", "minimax_m3",
+    "mistral", "muse_glimmer", "olmo3", "openai", "phi4_mini_json", "plamo3", "poolside_v1", "pythonic",
+    "qwen3_coder", "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam",
+]
+# fmt: on
+TOOL_PARSERS: tuple[str, ...] = typing.get_args(ToolParserName)
 
 
 class ConfigError(ValueError):
@@ -136,6 +153,15 @@ class ModelEntry(ApiModel):
             "This model's own spec of some of the pod's classes (co-located services that override a "
             "shared class differently: SLOs, QoE, priority, queue bounds), by class name; same kind and "
             "match as the pod's class. Other classes: the pod's spec."
+        ),
+    )
+    tool_parser: ToolParserName | None = Field(
+        default=None,
+        description=(
+            "vLLM's tool parser for this model's tool-call format (as vLLM's --tool-call-parser): with "
+            "it, tool_choice auto (the default when a request gives tools) is served, the calls read "
+            "back from the generated text; unset: auto is refused. Needs vLLM importable in the worker "
+            "and the model's tokenizer (tokenizer, launch.modelDir, else the Hugging Face id)."
         ),
     )
     sleep_mode: Literal["auto", "on", "off"] = Field(

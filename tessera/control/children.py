@@ -133,7 +133,7 @@ ENGINE_ANNOTATION = "tessera.dev/engine"
 RESTART_HASH_ANNOTATION = "tessera.dev/restart-hash"
 # Model entry fields a running worker keeps from its start: its reload refuses a change of the model
 # list (tessera.worker.runtime.Worker.reload); everything else in the ConfigMap reloads in place.
-RESTART_FIELDS = ("name", "engine", "url", "launch", "sleepMode", "tokenizer", "maxModelLen")
+RESTART_FIELDS = ("name", "engine", "url", "launch", "sleepMode", "tokenizer", "maxModelLen", "toolParser")
 # Andes pairs its QoE scheduler with the token pacer: it pauses a stream only while the reader's buffer
 # covers the pause, which holds when tokens reach the reader at the reading pace.
 PACED_POLICIES = frozenset({"qoe"})
@@ -442,7 +442,8 @@ def worker_config(
     (``memory_plan``), the context length (``maxModelLength``, else the one the placement reserved
     KV for, within the KV capacity) and model swapping (``sleepMode`` auto where ``swaps_models``: the
     worker swaps when vLLM reports sleep mode; vLLM on CPU has none, and there every model stays
-    resident; off otherwise). Batch bounds and Chiron's local autoscaler switch come from the pool.
+    resident; off otherwise), the tool parser (``toolParser``). Batch bounds and Chiron's local
+    autoscaler switch come from the pool.
     """
     models: list[dict[str, Any]] = []
     merged_classes: dict[str, dict[str, Any]] = {}
@@ -469,6 +470,8 @@ def worker_config(
         context = spec.model.max_model_length or service_input(pool, service).p99_context_tokens
         entry["maxModelLen"] = min(context, memory[name].kv_capacity_tokens)
         entry["sleepMode"] = "auto" if swaps_models(pool, group) else "off"
+        if spec.model.tool_parser is not None:
+            entry["toolParser"] = spec.model.tool_parser
         if own:
             entry["classSpecs"] = own
         models.append(entry)

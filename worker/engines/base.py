@@ -114,6 +114,11 @@ class Engine(ABC):
     def stream(self, job: EngineJob) -> AsyncIterator[TokenDelta]:
         """Generate; closing the iterator early aborts the request in the engine."""
 
+    async def parser_tokenizer(self) -> Any:
+        """The model's tokenizer as vLLM's output parsers take it (Hugging Face's methods), for reading
+        tool calls back from the generated text."""
+        raise EngineError(f"the engine for {self.model} has no tokenizer for vLLM's parsers")
+
     async def stats(self) -> EngineStats | None:
         """The engine's KV cache and request counts now; None when this engine does not report them
         (the worker then uses its configured capacity). Raises EngineUnavailable when unreachable."""

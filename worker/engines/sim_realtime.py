@@ -9,6 +9,8 @@ prompt + generated ids continues exactly as an uninterrupted one would, like gre
 Streams end at ``max_tokens`` (the simulated model never emits an end-of-sequence token).
 Log probabilities, when asked for, are a deterministic function of the token (``token_logprob``);
 structured outputs (``response_format``) are accepted but do not shape the simulated text.
+A chat whose last user message begins with ``/reply `` is answered with the rest of that message (its
+bytes as tokens, then ``stop``): a scripted answer for what reads the text back, such as tool parsers.
 
 The discrete-event simulator (``tessera.sim``) owns its own policy loop; this adapter instead
 lets the worker's scheduler drive the policy, which is what the worker needs.
@@ -17,6 +19,7 @@ lets the worker's scheduler drive the policy, which is what the worker needs.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -51,13 +54,36 @@ def token_logprob(token: int, top: int) -> TokenLogprob:
     )
 
 
+REPLY_COMMAND = "user: /reply "  # a chat rendered by ``tokenize_chat`` whose last user message scripts
+REPLY_END = "\nassistant:"  # the answer: what follows the command, up to the assistant's turn
+
+
+def _script(context: list[int]) -> tuple[bytes, int] | None:
+    """The scripted answer after ``context`` (a prompt, or a resumed stream's prompt and generated
+    tokens) and how many of its bytes the context holds already; None when the last user message is not
+    a ``/reply``, or its answer is empty or complete."""
+    text = bytes(i - 3 for i in context if 3 <= i < 259)
+    end = text.rfind(REPLY_END.encode())
+    start = text.rfind(REPLY_COMMAND.encode(), 0, end)
+    answer = text[start + len(REPLY_COMMAND) : end]
+    if end < 0 or start < 0 or any(f"\n{role}: ".encode() in answer for role in _ROLES):
+        return None  # not the last message
+    done = len(text) - end - len(REPLY_END)  # bytes of the answer generated before a preemption
+    return (answer, done) if done < len(answer) else None
+
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
 @dataclass(eq=False, slots=True)
 class _Stream:
     context: list[int]
     remaining: int
     logprobs: int | None  # candidates per token, when the request asked for log probabilities
+    script: list[int] | None = None  # a scripted answer's tokens to come (``/reply``)
     queue: asyncio.Queue[TokenDelta] = field(default_factory=asyncio.Queue)
     prefilled: bool = False
+    text: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")())
 
 
 THREAD_TOKENIZE_CHARS = 65_536  # longer texts are tokenized on a thread
@@ -65,6 +91,24 @@ THREAD_TOKENIZE_CHARS = 65_536  # longer texts are tokenized on a thread
 
 def _byte_tokens(text: str) -> list[int]:
     return [0, *(b + 3 for b in text.encode())]
+
+
+class SimTokenizer:
+    """The sim engine's tokenizer with the methods vLLM's parsers call (Hugging Face's): one token per
+    UTF-8 byte; no special tokens in its vocabulary, so no parser that needs one accepts it."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text`` (a BOS first with ``add_special_tokens``)."""
+        ids = _byte_tokens(text)
+        return ids if add_special_tokens else ids[1:]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids`` (special tokens have none)."""
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode(errors="replace")
+
+    def get_vocab(self) -> dict[str, int]:
+        """Single-byte ASCII tokens by their text."""
+        return {chr(b): b + 3 for b in range(128)}
 
 
 class SimEngine(Engine):
@@ -131,7 +175,11 @@ class SimEngine(Engine):
 
     async def detokenize(self, ids: list[int]) -> str:
         """Inverse of ``tokenize``: ids 3-258 are bytes, others (specials, out of range) are left out."""
-        return bytes(i - 3 for i in ids if 3 <= i < 259).decode(errors="replace")
+        return SimTokenizer().decode(ids)
+
+    async def parser_tokenizer(self) -> SimTokenizer:
+        """``SimTokenizer``."""
+        return SimTokenizer()
 
     async def tokenize_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -153,6 +201,11 @@ class SimEngine(Engine):
                 f"the context length {self.max_model_len}"
             )
         s = _Stream(list(job.prompt_ids), job.max_tokens, job.sampling.get("logprobs"))
+        script = _script(job.prompt_ids)
+        if script is not None:
+            answer, done = script
+            s.script = [b + 3 for b in answer[done:]]
+            s.text.decode(answer[:done])  # a character cut by a preemption is completed by this stream
         self._streams[s] = None
         self._work.set()
         try:
@@ -179,11 +232,17 @@ class SimEngine(Engine):
                 if s not in self._streams:
                     continue  # aborted during the iteration
                 s.prefilled = True
-                token = next_token(s.context)
+                scripted = bool(s.script)
+                if s.script:
+                    token = s.script.pop(0)
+                    text = s.text.decode(bytes([token - 3]), final=not s.script)
+                else:
+                    token = next_token(s.context)
+                    text = f" t{token}"
                 s.context.append(token)
                 s.remaining -= 1
-                finish = "length" if s.remaining <= 0 else None
+                finish = "stop" if scripted and not s.script else "length" if s.remaining <= 0 else None
                 if finish:
                     self._streams.pop(s, None)
                 lps = None if s.logprobs is None else [token_logprob(token, s.logprobs)]
-                s.queue.put_nowait(TokenDelta([token], f" t{token}", finish, lps))
+                s.queue.put_nowait(TokenDelta([token], text, finish, lps))

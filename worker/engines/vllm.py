@@ -184,6 +184,21 @@ class VLLMEngine(Engine):
         _raise_for_status(status, text, self.model)
         return str(json.loads(text)["prompt"])
 
+    async def parser_tokenizer(self) -> Any:
+        """The local tokenizer (``tokenizer``, else the launched model's directory), else the Hugging
+        Face tokenizer of the model's name (from the hub's cache or the hub: the worker has no weights)."""
+        if self._tokenizer is not None:
+            return self._tokenizer
+        try:
+            from transformers import AutoTokenizer
+
+            return await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model)
+        except (OSError, ValueError, ImportError) as exc:
+            raise EngineRejected(
+                f"cannot load the tokenizer of {self.model} by its Hugging Face id: {exc}; the tool parser "
+                "reads the generated text with it: set models[].tokenizer to the model's tokenizer directory"
+            ) from None
+
     async def _tokenize(self, body: dict[str, Any]) -> list[int]:
         try:
             status, text = await self._request("POST", "/tokenize", 30.0, json=body)

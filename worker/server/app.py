@@ -35,11 +35,13 @@ from tessera.worker.engines.base import EngineError, TokenDelta
 from tessera.worker.runtime import Worker
 from tessera.worker.scheduler import Job, QueueFull
 from tessera.worker.server.schemas import (
+    AUTO_TOOLS,
     AdminReloadResult,
     ChatCompletionRequest,
     CompletionRequest,
     NamedToolChoice,
 )
+from tessera.worker.tool_calls import ToolCallReader
 
 DISCONNECT_POLL_S = 0.2
 _ERRORS = {
@@ -129,6 +131,7 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
         entry, sched, cls = _route(worker, body.model, http)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = body.tool_dicts()
+        reader = _tool_reader(worker, body, messages, tools) if body.auto_tools() else None
         rendered = (
             sched.engine.tokenize_chat(messages, tools) if tools else sched.engine.tokenize_chat(messages)
         )
@@ -137,7 +140,9 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
             body.max_tokens or body.max_completion_tokens or max(1, entry.max_model_len - len(prompt_ids))
         )
         prompt_text = chat_prompt_text(messages)
-        return await _serve(worker, body, http, prompt_ids, prompt_text, max_tokens, cls, chat=True)
+        return await _serve(
+            worker, body, http, prompt_ids, prompt_text, max_tokens, cls, chat=True, reader=reader
+        )
 
     @app.post(
         "/admin/reload",
@@ -186,6 +191,23 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, "invalid request: " + "; ".join(problems), param=param)
 
 
+def _tool_reader(
+    worker: Worker, body: ChatCompletionRequest, messages: list[dict[str, Any]], tools: Any
+) -> ToolCallReader:
+    """The reader of the calls of a tool_choice auto request: 400 when the model has no tool parser or
+    vLLM's request model refuses the request."""
+    parser = worker.tool_parsers.get(body.model)
+    if parser is None:
+        raise ApiError(400, AUTO_TOOLS.format(model=body.model), param="tool_choice")
+    request = {"model": body.model, "messages": messages, "tools": tools, "tool_choice": "auto"}
+    if body.parallel_tool_calls is not None:
+        request["parallel_tool_calls"] = body.parallel_tool_calls
+    try:
+        return ToolCallReader(parser, request)
+    except ValueError as exc:
+        raise ApiError(400, f"the tool parser {parser.name} cannot read this request: {exc}") from None
+
+
 def _route(worker: Worker, model: str, http: HttpRequest) -> tuple[Any, Any, Any]:
     entry = worker.config.model(model)
     if entry is None:
@@ -219,9 +241,11 @@ async def _serve(
     *,
     chat: bool,
     echo: str = "",
+    reader: ToolCallReader | None = None,
 ) -> Response:
     """Schedule the request's ``n`` choices as separate jobs of one class and arrival (hence one
-    deadline), relay them as one answer; ``echo`` is text prepended to every choice."""
+    deadline), relay them as one answer; ``echo`` is text prepended to every choice; ``reader`` reads
+    tool calls back from each choice's text (tool_choice auto)."""
     entry = worker.config.model(body.model)
     assert entry is not None
     if len(prompt_ids) + max_tokens > entry.max_model_len:
@@ -243,7 +267,7 @@ async def _serve(
         raise ApiError(400, message, param="n")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     true_length = _true_length_hint(worker, http)
-    sampling = body.sampling()
+    sampling = body.sampling() | (reader.sampling if reader is not None else {})
     jobs = []
     for i in range(body.n):
         req = Request(
@@ -259,6 +283,8 @@ async def _serve(
         job_sampling = dict(sampling)  # each job takes its stop strings out of its own copy
         if i and "seed" in job_sampling:  # n samples, not n copies of one
             job_sampling["seed"] = (job_sampling["seed"] + i) % 2**63
+        # Pinned: a grammar (structured outputs, forced tool calls) would restart on a resumed stream.
+        # tool_choice auto is not: nothing shapes its text, whose calls are read once it is whole.
         jobs.append(Job(req, prompt_ids, job_sampling, pinned="response_format" in sampling))
     try:
         sched.submit(*jobs)
@@ -267,7 +293,7 @@ async def _serve(
         raise ApiError(429, f"{exc}; retry later", code="queue_full",
                        headers={"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
     created = int(time.time())
-    render = _Render(chat, body, echo)
+    render = _Render(chat, body, echo, reader)
     if body.stream:
         first = await _next_event(jobs[0], http)
         if first is _DISCONNECTED:
@@ -315,8 +341,17 @@ class _Render:
     """The OpenAI shape of a choice (chat or completion), log probabilities and echo included; keeps
     each choice's text offset for the completions' ``text_offset``."""
 
-    def __init__(self, chat: bool, body: CompletionRequest | ChatCompletionRequest, echo: str) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        body: CompletionRequest | ChatCompletionRequest,
+        echo: str,
+        reader: ToolCallReader | None = None,
+    ) -> None:
         self.chat = chat
+        self.reader = reader  # tool_choice auto: the calls are read from each choice's whole text
+        self.ids: list[list[int]] = [[] for _ in range(body.n)]  # each choice's tokens so far (reader)
+        self.called = [False] * body.n  # whether the reader found calls in the choice
         self.top = body.logprobs_count()
         self.echo = echo
         self.token_ids = body.return_token_ids
@@ -333,12 +368,15 @@ class _Render:
 
     def choice(self, index: int, delta: TokenDelta, finish: str | None, *, stream: bool) -> dict[str, Any]:
         """One choice of a non-streamed answer (the whole output) or of a chunk (a delta)."""
-        out: dict[str, Any] = {
-            "index": index,
-            "finish_reason": self.finish(finish),
-            "logprobs": self.logprobs(index, delta),
-        }
-        if self.chat and self.forced is not None:
+        out: dict[str, Any] = {"index": index, "finish_reason": None, "logprobs": self.logprobs(index, delta)}
+        if self.chat and self.reader is not None:
+            self.texts[index] += delta.text
+            self.ids[index] += delta.token_ids
+            if stream:  # the content or the calls leave whole at the end (``read``)
+                out["delta"] = {}
+            else:
+                out["message"] = self.read(index)
+        elif self.chat and self.forced is not None:
             self.texts[index] += delta.text
             if not stream:
                 calls = self.calls(index)
@@ -358,12 +396,24 @@ class _Render:
             )
         else:
             out["text"] = delta.text if stream else self.echo + delta.text
+        out["finish_reason"] = self.finish(index, finish)
         return out
 
-    def finish(self, reason: str | None) -> str | None:
+    def finish(self, index: int, reason: str | None) -> str | None:
         """The finish reason the client sees: 'tool_calls' for a 'required' call that ended by itself
-        (a named one keeps 'stop', as OpenAI and vLLM answer)."""
+        (a named one keeps 'stop', as OpenAI and vLLM answer), and for calls read under tool_choice auto
+        (however the text ended, as vLLM answers)."""
+        if reason is not None and self.called[index]:
+            return "tool_calls"
         return "tool_calls" if self.forced == "" and reason == "stop" else reason
+
+    def read(self, index: int) -> dict[str, Any]:
+        """The message of a choice's whole text under tool_choice auto: the calls the reader finds
+        (with any content before them), else the text as content."""
+        assert self.reader is not None
+        content, calls = self.reader.read(self.texts[index], self.ids[index])
+        self.called[index] = bool(calls)
+        return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
     def calls(self, index: int) -> list[dict[str, Any]]:
         """The forced tool calls in a choice's text, as vLLM reads them: a named call's arguments are the
@@ -539,7 +589,14 @@ async def _sse(
                 if render.forced == "":  # 'required': the calls, whole, once the text is complete
                     calls = [{"index": k, **c} for k, c in enumerate(render.calls(i))]
                     yield chunk([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}])
-                end: dict[str, Any] = {"index": i, "finish_reason": render.finish(job.finish_reason)}
+                elif chat and render.reader is not None:  # auto: the content or calls of the whole text
+                    message = render.read(i)
+                    said: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+                    if "tool_calls" in message:
+                        said["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+                    if said:
+                        yield chunk([{"index": i, "delta": said, "finish_reason": None, "logprobs": None}])
+                end: dict[str, Any] = {"index": i, "finish_reason": render.finish(i, job.finish_reason)}
                 end["logprobs"] = None
                 end["delta" if chat else "text"] = {} if chat else ""
                 yield chunk([end])

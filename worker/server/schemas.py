@@ -44,10 +44,11 @@ UNSUPPORTED = {
 LEGACY_FUNCTIONS = "the deprecated functions/function_call are not served: send tools and tool_choice"
 CHAT_ONLY = "function calling is served on /v1/chat/completions"
 AUTO_TOOLS = (
-    "tool_choice 'auto' (the default when tools are given) is not served by this worker: the model's own "
-    "tool-call format would have to be parsed back by vLLM's tool parser for this model, which the worker "
-    "does not run; send tool_choice 'required' or {'type': 'function', 'function': {'name': ...}} (the "
-    "call is then generated as JSON under structured outputs), or 'none'"
+    "tool_choice 'auto' (the default when tools are given) is not served for model {model}: it has no tool "
+    "parser to read the calls back from the model's own format; set spec.model.toolParser of its "
+    "LLMService (models[].toolParser of the worker configuration) to vLLM's parser for the model, or "
+    "send tool_choice 'required' or {{'type': 'function', 'function': {{'name': ...}}}} (the call is then "
+    "generated as JSON under structured outputs), or 'none'"
 )
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_CHOICES = 128
@@ -333,7 +334,9 @@ class ChatCompletionRequest(_Generation):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None,
         description="'required' or a named function: the call is generated as JSON under structured outputs "
-        "(never preempted, as response_format); 'none': the tools are shown, not called; 'auto' is refused.",
+        "(never preempted, as response_format); 'none': the tools are shown, not called; 'auto' (the "
+        "default with tools): generated freely, the calls read back by the model's tool parser "
+        "(spec.model.toolParser; without one, refused).",
     )
     parallel_tool_calls: bool | None = Field(default=None, description="False: at most one call (required).")
     _unsupported: ClassVar[dict[str, str]] = {
@@ -358,13 +361,11 @@ class ChatCompletionRequest(_Generation):
         names = [t.function.name for t in self.tools]
         if len(set(names)) < len(names):
             raise ValueError(f"tools: function names must be unique, got {names}")
-        if self.tool_choice in (None, "auto"):
-            raise PydanticCustomError("unsupported_field", AUTO_TOOLS)
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(
                 f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools {names}"
             )
-        if self.tool_choice != "none" and self.response_format is not None:
+        if self.tool_schema() is not None and self.response_format is not None:
             raise ValueError(
                 "response_format with a forced tool call: both shape the output; send one of them"
             )
@@ -408,6 +409,10 @@ class ChatCompletionRequest(_Generation):
                 "json_schema": {"name": "tool_call", "schema": schema},
             }
         return out
+
+    def auto_tools(self) -> bool:
+        """Whether the model chooses whether to call (tool_choice auto, the default when tools are given)."""
+        return self.tools is not None and self.tool_choice in (None, "auto")
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template (OpenAI's shape)."""
