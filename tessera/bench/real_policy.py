@@ -32,15 +32,37 @@ the same two cores and delays the decision.
 The simulator side: a step profile fitted on the same server (``tessera profile``'s measurement),
 then every policy through ``tessera.sim`` on the same requests with the same batch bound; rows
 ``POLICY:WORKLOAD:sim``. The check lines put the real ratio to FCFS next to the simulated one.
-Options (``--set``): requests, load, batch, burst, prompt_chars, predictor, policies, rounds, sim (1/0).
+Options (``--set``): requests, load, batch, burst, prompt_chars, predictor, policies, rounds, sim (1/0),
+model (``tiny``).
+
+``--set model=smollm2`` (a known model, `tessera models pull`): the same comparison on a real instruct
+model whose answers end by themselves. Prompts go through its chat template; every answer is greedy
+(temperature 0, ``max_tokens`` cap 160, no ``ignore_eos``), and a first pass straight to vLLM records
+each prompt's greedy answer and length, which the oracle's header, the ISRTF simulator's text and the
+simulator's request lengths use (the check line says how many real runs gave the same length). vLLM runs
+as the demo serves it (float32, eager); the workers and the simulator use the model's shipped CPU
+profile (``smollm2-cpu``) instead of a fit. Sized for minutes: ``requests`` 12 mixed requests, a share
+``chat_share`` (0.5) of them in the chat class (SLO: TTFT <= ``ttft_slo`` 3 s and mean ITL <= ``itl_slo``
+0.5 s), the rest batch (600 s deadline), Poisson at ``load`` (1.3) x the simulated capacity; ``burst`` 8
+chat requests at once (QoE at ``reading_tps`` 5 tokens/s, T* 1 s). Policies (``policies``): fcfs, isrtf,
+srtf-oracle, qlm and ``chiron`` (FCFS inside Chiron's local autoscaler, batch 1..``chiron_max`` 8 from
+``batch`` 4) on the mixed workload, qoe on the burst, fcfs on both; ``rounds`` (3) interleave them.
+``artifact`` names a trained head's folder for the text predictor (worker and simulator alike).
+Checks: each comparison's median paired ratio to FCFS over the rounds (each round listed) next to the
+simulator's ratio on the same requests, and whether they point the same way: ISRTF and the oracle on
+mean JCT, QLM on SLO attainment, Chiron on output throughput, mean JCT and SLO attainment (and the
+batch size it ended each round at), QoE on average QoE. The row's SLO attainment and QoE are computed
+from what the client saw.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -134,12 +156,19 @@ def _worker_config(url: str, policy: str, batch: int, predictor: str) -> dict[st
     }
 
 
-def _sim_requests(plans: dict[str, list[Any]], rows: dict[str, list[dict[str, Any]]]) -> dict[str, list[Any]]:
+def _sim_requests(
+    plans: dict[str, list[Any]], rows: dict[str, list[dict[str, Any]]], natural: Natural | None = None
+) -> dict[str, list[Any]]:
+    """The plans as simulator requests; with ``natural`` each one ends at its row's greedy length
+    (``out``) within its ``max_tokens``, and the chat class has that run's SLOs and reading speed."""
     from tessera.core.request import Request, ServiceClass
 
     chat = ServiceClass(
         "chat", ttft_slo_s=TTFT_TARGET_S, reading_speed_tps=READING_TPS, ttft_target_s=TTFT_TARGET_S
     )
+    if natural is not None:
+        chat = ServiceClass("chat", ttft_slo_s=natural.ttft_slo, itl_slo_s=natural.itl_slo,
+                            reading_speed_tps=natural.reading_tps, ttft_target_s=TTFT_TARGET_S)  # fmt: skip
     batch = ServiceClass("batch", "batch", deadline_s=600)
     out: dict[str, list[Any]] = {}
     for workload, plan in plans.items():
@@ -147,8 +176,9 @@ def _sim_requests(plans: dict[str, list[Any]], rows: dict[str, list[dict[str, An
         for i, (at, prompt, n, klass) in enumerate(plan):
             row = rows[workload][i]
             cls = chat if klass == "chat" else batch
+            true = row["out"] if natural is not None else n
             reqs.append(Request(
-                f"{workload}{i}", at, row["prompt_tokens"], n, service_class=cls, true_output_tokens=n,
+                f"{workload}{i}", at, row["prompt_tokens"], n, service_class=cls, true_output_tokens=true,
                 prompt_text=prompt, response_text=row["response"],
             ))  # fmt: skip
         out[workload] = reqs
@@ -197,6 +227,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     from tessera.worker.engines.vllm_process import VLLMServer
 
     opts = config.options
+    model = str(option(opts, "model", "tiny", str))
+    if model != "tiny":
+        return _run_natural(model, config, progress)
     requests = option(opts, "requests", 60, int)
     load = config.load if config.load is not None else option(opts, "load", 1.3, float)
     batch = option(opts, "batch", 4, int)
@@ -341,5 +374,371 @@ def _ratio_checks(
             line += f"; target JCT < fcfs: {'PASS' if jct < 1 else 'FAIL'}"
         if name == "qoe":
             line += f"; target QoE > fcfs: {'PASS' if qoe > 1 else 'FAIL'}"
+        lines.append(line)
+    return lines
+
+
+# --- A real instruct model with natural lengths (--set model=smollm2) --------------------------------
+
+# Which workloads each policy runs with a real model (each run costs minutes on the CPU): the mixed
+# workload carries the JCT, SLO and batch-size comparisons, the burst the QoE one.
+NATURAL_WORKLOADS = {"fcfs": ("mixed", "burst"), "qoe": ("burst",)}
+# (policy, workload, metric, better when higher) compared with FCFS's same run
+NATURAL_COMPARISONS = (
+    ("isrtf", "mixed", "mean_jct_s", False),
+    ("srtf-oracle", "mixed", "mean_jct_s", False),
+    ("qlm", "mixed", "slo_attainment", True),
+    ("chiron", "mixed", "output_tokens_per_s", True),
+    ("chiron", "mixed", "mean_jct_s", False),
+    ("chiron", "mixed", "slo_attainment", True),
+    ("qoe", "burst", "avg_qoe", True),
+)
+# A real model's server on a loaded 2-core machine can take over 5 minutes to start.
+START_TIMEOUT_S = 900.0
+CHIRON = "chiron"  # FCFS inside Chiron's local autoscaler (the batch size moves within 1..chiron_max)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Natural:
+    """The settings of a natural-length run (``--set`` options, defaults for a CPU-sized run)."""
+
+    model: str
+    requests: int
+    burst: int
+    batch: int
+    max_tokens: int
+    load: float
+    rounds: int
+    chat_share: float
+    ttft_slo: float
+    itl_slo: float
+    reading_tps: float
+    chiron_max: int
+    prompt_chars: int
+
+    @classmethod
+    def from_options(cls, model: str, config: BenchConfig) -> Natural:
+        """Read and check the options."""
+        opts = config.options
+        n = cls(
+            model, option(opts, "requests", 12, int), option(opts, "burst", 8, int),
+            option(opts, "batch", 4, int), option(opts, "max_tokens", 160, int),
+            config.load if config.load is not None else option(opts, "load", 1.3, float),
+            option(opts, "rounds", 3, int), option(opts, "chat_share", 0.5, float),
+            option(opts, "ttft_slo", 3.0, float), option(opts, "itl_slo", 0.5, float),
+            option(opts, "reading_tps", 5.0, float), option(opts, "chiron_max", 8, int),
+            option(opts, "prompt_chars", 400, int),
+        )  # fmt: skip
+        if min(n.requests, n.burst, n.batch, n.max_tokens, n.rounds, n.prompt_chars) < 1:
+            raise ValueError("--set requests, burst, batch, max_tokens, rounds and prompt_chars must be >= 1")
+        if n.load <= 0 or not 0 <= n.chat_share <= 1 or min(n.ttft_slo, n.itl_slo, n.reading_tps) <= 0:
+            raise ValueError(
+                "--set load, ttft_slo, itl_slo and reading_tps must be > 0, chat_share in [0, 1]"
+            )
+        if n.chiron_max < n.batch:
+            raise ValueError(f"--set chiron_max ({n.chiron_max}) must be >= batch ({n.batch})")
+        return n
+
+
+def _natural_worker_config(
+    url: str, policy: str, n: Natural, predictor: str, profile: Any, artifact: str | None
+) -> dict[str, Any]:
+    from tessera.api.worker_config import ProfileSpec
+
+    config = _worker_config(url, "fcfs" if policy == CHIRON else policy, n.batch, predictor)
+    if policy == "isrtf" and artifact is not None:
+        config["scheduling"]["settings"]["predictor_checkpoint"] = artifact
+    model = config["models"][0]
+    model.update(name=n.model, maxModelLen=2048, profile=ProfileSpec.from_profile(profile).to_json())
+    config["classes"]["chat"] = {
+        "slo": {"ttftSeconds": n.ttft_slo, "itlSeconds": n.itl_slo},
+        "qoe": {"readingSpeedTokensPerSecond": n.reading_tps, "ttftTargetSeconds": TTFT_TARGET_S},
+    }
+    if policy == CHIRON:
+        config["scheduling"]["batch"] = {"min": 1, "max": n.chiron_max, "initial": n.batch}
+        config["scheduling"]["autoscale"] = {"enabled": True}
+    return config
+
+
+def _natural_row(name: str, stats: list[Any], n: Natural) -> dict[str, Any]:
+    """``_row`` with the client-side SLO verdicts (chat: TTFT and mean ITL; batch: its 600 s deadline)
+    and the output throughput."""
+    from tessera.core.qoe import QoEParams, qoe_from_delivery
+
+    row = _row(name, stats)
+    qoes = [
+        qoe_from_delivery(np.array(s.times), QoEParams(s.sent, TTFT_TARGET_S, n.reading_tps)) for s in stats
+    ]
+    row["avg_qoe"] = float(np.mean(qoes))
+    met = []
+    for s in stats:
+        if s.klass == "chat":
+            itl = (s.jct - s.ttft) / (s.tokens - 1) if s.tokens > 1 else 0.0
+            met.append(s.ttft <= n.ttft_slo and itl <= n.itl_slo)
+        else:
+            met.append(s.jct <= 600)
+    row["slo_attainment"] = float(np.mean(met))
+    span = max(s.done for s in stats) - min(s.sent for s in stats)
+    row["output_tokens_per_s"] = row["output_tokens"] / span
+    return row
+
+
+async def _greedy_answers(url: str, model: str, prompts: list[str], max_tokens: int) -> list[tuple[int, str]]:
+    """Each prompt's greedy answer from the server: (its length in tokens, its text)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
+
+        async def one(prompt: str) -> tuple[int, str]:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+            resp = await client.post(f"{url}/v1/completions", json=body)
+            if resp.status_code != 200:
+                raise RuntimeError(
+                    f"{url}: greedy probe failed with HTTP {resp.status_code}: {resp.text[:300]}"
+                )
+            data = resp.json()
+            return int(data["usage"]["completion_tokens"]), str(data["choices"][0]["text"])
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _natural_sim_policy(name: str, predictor: Any, n: Natural) -> Any:
+    if name != CHIRON:
+        return _sim_policy(name, predictor)
+    from tessera.core.chiron import ChironLocal, ChironPolicy
+    from tessera.core.chiron.local import BATCH_ITL_S
+    from tessera.core.registry import make_policy
+
+    # as the worker builds it: AutoscaleSpec's defaults, the chat class's ITL SLO as the interactive level
+    local = ChironLocal(1, n.chiron_max, n.batch)
+    return ChironPolicy(make_policy("fcfs"), local, interactive_itl_s=n.itl_slo, batch_itl_s=BATCH_ITL_S)
+
+
+def _run_natural(model: str, config: BenchConfig, progress: Progress) -> BenchReport:
+    """The policies on a real instruct model that ends its answers itself (greedy, so the same prompt
+    gives the same answer in every run), next to the simulator with the model's measured CPU profile."""
+    from transformers import AutoTokenizer
+
+    from tessera.bench.harness import WorkerChild, replay
+    from tessera.bench.runner import run_one
+    from tessera.bench.scenarios._common import saturation_rate
+    from tessera.bench.scenarios.elis import _predictor
+    from tessera.core.profiles import PROFILES
+    from tessera.core.registry import policy_class
+    from tessera.models.cache import resolve_model
+    from tessera.models.fit import kv_bytes_per_token
+    from tessera.predictor.tokens import TokenCounter
+    from tessera.sim.cluster import ClusterConfig
+    from tessera.sim.engine import EngineConfig
+    from tessera.worker.engines.vllm_process import VLLMServer
+
+    n = Natural.from_options(model, config)
+    resolved = resolve_model(model)
+    if resolved.known is None or resolved.known.cpu_profile is None:
+        raise ValueError(
+            f"--set model={model}: needs a known model with a measured CPU profile, or model=tiny"
+        )
+    opts = config.options
+    predictor_kind = str(option(opts, "predictor", _default_predictor(), str))
+    artifact = option(opts, "artifact", None, str)  # a trained head's folder (predictor=text)
+    if artifact is not None and predictor_kind != "text":
+        raise ValueError(f"--set artifact applies to predictor=text only, not predictor={predictor_kind}")
+    with_sim = bool(option(opts, "sim", 1, int))
+    default = "fcfs,isrtf,srtf-oracle,qlm,chiron,qoe"
+    names = [p for p in str(option(opts, "policies", default, str)).split(",") if p]
+    checks: list[str] = [f"isrtf predictor: {predictor_kind}" + (f" ({artifact})" if artifact else "")]
+    usable = []
+    for name in names:
+        try:
+            if name != CHIRON:
+                policy_class(name)
+            usable.append(name)
+        except ValueError as exc:
+            checks.append(f"{name}: not measured ({exc})")
+    if "fcfs" not in usable:
+        raise ValueError("--set policies must include fcfs (every ratio is to FCFS's paired run)")
+    dtype = resolved.known.dtype
+    kv_tokens = (1 << 30) // kv_bytes_per_token(resolved.path, dtype)[0]
+    profile = dataclasses.replace(PROFILES[resolved.known.cpu_profile], kv_capacity_tokens=kv_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.path))
+    counter = TokenCounter.from_path(resolved.path)
+
+    def chat(text: str) -> str:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)  # fmt: skip
+        return str(rendered)
+
+    rows = _mixed(config.seed, n.requests + n.burst, n.prompt_chars, counter)
+    mixed, extra = rows[: n.requests], rows[n.requests :]
+    for m in mixed:
+        m["text"] = chat(m["text"])
+    for m in extra:  # burst prompts are short
+        m["text"] = chat(m["text"][:64])
+    for m in rows:
+        m["prompt_tokens"] = counter.count(m["text"])
+    runs = [
+        (name, w) for _ in range(n.rounds) for name in usable for w in NATURAL_WORKLOADS.get(name, ("mixed",))
+    ]
+    progress(0, total=3 + len(runs))
+    rng = random.Random(config.seed)
+    per_round: dict[str, list[dict[str, Any]]] = {}
+    results: list[dict[str, Any]] = []
+    batch_sizes: dict[str, list[float]] = {}
+    server = VLLMServer(
+        resolved.path, served_model_name=model, max_model_len=2048, max_num_seqs=64, dtype=dtype,
+        start_timeout_s=START_TIMEOUT_S,
+        extra_args=["--max-num-batched-tokens", str(BUDGET_TOKENS), "--enforce-eager"],
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="tessera-real-policy-") as tmp, server, MachineWatch() as watch:
+        progress(1)
+        answers = asyncio.run(_greedy_answers(server.url, model, [m["text"] for m in rows], n.max_tokens))
+        for m, (length, text) in zip(rows, answers, strict=True):
+            m["out"], m["response"] = max(1, length), text
+        progress(1)
+        engine = EngineConfig(max_batch=n.batch, chunked_prefill=True, token_budget=BUDGET_TOKENS)
+        cluster = ClusterConfig({"default": profile}, 1, engine)
+        probe = _sim_requests(
+            {"mixed": [(0.0, m["text"], m["out"], "batch") for m in mixed]}, {"mixed": mixed}
+        )
+        capacity = saturation_rate(probe["mixed"], cluster)
+        rate = config.rate if config.rate is not None else n.load * capacity
+        t, plan_mixed = 0.0, []
+        for m in mixed:
+            t += rng.expovariate(rate)
+            plan_mixed.append(
+                (t, m["text"], n.max_tokens, "chat" if rng.random() < n.chat_share else "batch")
+            )
+        plan_burst = [(0.0, m["text"], n.max_tokens, "chat") for m in extra]
+        plans = {"mixed": plan_mixed, "burst": plan_burst}
+        lengths = {"mixed": [m["out"] for m in mixed], "burst": [m["out"] for m in extra]}
+        greedy = {"temperature": 0.0, "ignore_eos": False}
+        matched: list[bool] = []
+        workers: dict[str, Any] = {}
+        try:
+            # Started together: one after the other takes many minutes on a loaded 2-core machine.
+            with ThreadPoolExecutor(len(usable)) as pool:
+                started = {
+                    name: pool.submit(
+                        WorkerChild,
+                        _natural_worker_config(server.url, name, n, predictor_kind, profile, artifact),
+                        Path(tmp),
+                        ready_timeout_s=START_TIMEOUT_S,
+                    )
+                    for name in usable
+                }
+                failed = []
+                for name, future in started.items():
+                    try:
+                        workers[name] = future.result()
+                    except RuntimeError as exc:  # the others still get stopped below
+                        failed.append(exc)
+            if failed:
+                raise failed[0]
+            # Rounds interleave the policies (paired ratios: the same minutes of the shared machine).
+            for name, workload in runs:
+                hints = lengths[workload] if name == "srtf-oracle" else False
+                mark = watch.span()
+                stats = asyncio.run(
+                    replay(workers[name].url, model, plans[workload], greedy, true_lengths=hints)
+                )
+                row = _natural_row(f"{name}:{workload}", stats, n)
+                row["stalled_s"] = watch.stalls(mark).total_s
+                matched += [s.tokens == k for s, k in zip(stats, lengths[workload], strict=True)]
+                if name == CHIRON:
+                    batch_sizes.setdefault(name, []).append(_worker_batch_size(workers[name].url, model))
+                per_round.setdefault(f"{name}:{workload}", []).append(row)
+                progress(1)
+        finally:
+            for worker in workers.values():
+                worker.stop()
+    results += [_median_row(name, rows_) for name, rows_ in per_round.items()]
+    sim_rows: dict[str, dict[str, Any]] = {}
+    if with_sim:
+        predictor = _predictor(predictor_kind, artifact) if "isrtf" in usable else None
+        classed = _sim_requests(plans, {"mixed": mixed, "burst": extra}, n)
+        for name, workload in dict.fromkeys((name, w) for name, w in runs):
+            reqs = classed[workload]
+            chiron_cluster = ClusterConfig(
+                {"default": profile}, 1, dataclasses.replace(engine, max_batch=n.chiron_max)
+            )
+            _, metrics = run_one(
+                reqs,
+                lambda nm=name: _natural_sim_policy(nm, predictor, n),
+                chiron_cluster if name == CHIRON else cluster,
+            )
+            sim_rows[f"{name}:{workload}"] = {"policy": f"{name}:{workload}:sim", **metrics}
+        results += list(sim_rows.values())
+        progress(1)
+    out = [m["out"] for m in rows]
+    checks += _natural_checks(per_round, sim_rows, usable)
+    if CHIRON in batch_sizes:
+        sizes = ", ".join(f"{b:g}" for b in batch_sizes[CHIRON])
+        checks.append(
+            f"chiron: batch size at the end of each round {sizes} (bounds 1..{n.chiron_max}, start {n.batch})"
+        )
+    checks.append(
+        f"natural lengths (greedy, max_tokens {n.max_tokens}): mean {np.mean(out):.0f}, "
+        f"median {np.median(out):.0f}, "
+        f"max {max(out)}, {np.mean([k >= n.max_tokens for k in out]):.0%} cut at max_tokens; "
+        f"{np.mean(matched):.0%} of the real runs' outputs had the probe's length"
+    )
+    checks.append(
+        f"{watch.describe_load()} during the real runs; "
+        f"stalls of the bench process: {watch.stalls().describe()}"
+    )
+    cfg = {
+        **config.as_dict(), **dataclasses.asdict(n), "rate": rate, "sim_capacity_rps": capacity,
+        "predictor": predictor_kind, "window_tokens": WINDOW_TOKENS, "profile": profile.name,
+        "load_avg_range": list(watch.load_range()),
+    }  # fmt: skip
+    return BenchReport("real-policy", cfg, results, checks)
+
+
+def _worker_batch_size(url: str, model: str) -> float:
+    """The worker's batch size gauge (``tessera_batch_size``) for ``model`` now."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tessera_batch_size" and sample.labels.get("model") == model:
+                return float(sample.value)
+    raise RuntimeError(f"{url}/metrics has no tessera_batch_size for model {model!r}")
+
+
+def _direction(ratio: float) -> int:
+    """+1 above 1, -1 below, 0 within 2% of it (no difference)."""
+    return 0 if abs(ratio - 1) < 0.02 else 1 if ratio > 1 else -1
+
+
+def _natural_checks(
+    per_round: dict[str, list[dict[str, Any]]], sim: dict[str, dict[str, Any]], usable: list[str]
+) -> list[str]:
+    """Each comparison: the median of the per-round paired ratios to FCFS (rounds listed), the simulated
+    ratio on the same requests, and whether the two point the same way."""
+    lines = []
+    for name, workload, key, higher in NATURAL_COMPARISONS:
+        if name not in usable:
+            continue
+        mine, base = per_round[f"{name}:{workload}"], per_round[f"fcfs:{workload}"]
+        ratios = [m[key] / max(b[key], 1e-9) for m, b in zip(mine, base, strict=True)]
+        real = float(np.median(ratios))
+        listed = ", ".join(f"{r:.2f}" for r in ratios)
+        line = f"{name} vs fcfs, {key} ({workload}): real {real:.3f}x (rounds: {listed})"
+        if sim:
+            simulated = float(sim[f"{name}:{workload}"][key]) / max(float(sim[f"fcfs:{workload}"][key]), 1e-9)
+            signs = {_direction(real), _direction(simulated)}
+            agree = (
+                "OPPOSITE DIRECTIONS"
+                if signs == {-1, 1}
+                else "same direction"
+                if len(signs) == 1
+                else "one shows no difference"
+            )
+            line += f", sim {simulated:.3f}x: {agree}"
+        better = real > 1 if higher else real < 1
+        verdict = "as good as" if abs(real - 1) < 0.005 else "better than" if better else "worse than"
+        line += f"; {name} {verdict} fcfs on the real engine"
         lines.append(line)
     return lines

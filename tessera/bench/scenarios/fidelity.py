@@ -40,7 +40,14 @@ queue, prefill and decode histograms: queue = arrival at the engine to scheduled
 scheduled to first token, decode = first to last token) next to the simulator's, to show where
 a gap comes from.
 Options: requests (200), load (0.7), arrivals (trace), max_num_seqs (16), kv_cache_gib (1),
-token_budget (2048), in_div (4), out_div (2), rate_dist.
+token_budget (2048), in_div (4), out_div (2), rate_dist, model (tiny).
+
+``--set model=smollm2`` (a known model, `tessera models pull`) replays the same kind of requests through
+vLLM serving that model (float32, eager, as the demo) against the simulator with the model's shipped
+CPU profile (``smollm2-cpu``, not refitted: the profile the workers use is what is judged); 40
+requests by default. Lengths are still the trace's (random-token prompts, ``ignore_eos``): this
+scenario measures the engine's timing, `tessera bench real-policy --set model=smollm2` the policies
+on the model's own answer lengths.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +66,7 @@ from tessera.bench.measure import E2E, ITL, PREFILL, QUEUE, TTFT, MetricsDelta
 from tessera.bench.runner import AZURE_CONV, bench_trace, option, run_one
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import saturation_rate
+from tessera.core.profile import StepProfile
 from tessera.core.profiles import Measurements, describe_profile, fit_profile, profile_to_dict
 from tessera.core.registry import make_policy
 from tessera.sim.cluster import ClusterConfig
@@ -73,6 +82,19 @@ def _kv_bytes_per_token(model_dir: Path) -> int:
     kv_heads = cfg.get("num_key_value_heads", heads)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4  # float32
+
+
+def _shipped(model: str) -> tuple[Path, StepProfile] | None:
+    """A known model's verified folder and its shipped CPU profile; None for the tiny model."""
+    if model == "tiny":
+        return None
+    from tessera.core.profiles import PROFILES
+    from tessera.models.cache import resolve_model
+
+    resolved = resolve_model(model)
+    if resolved.known is None or resolved.known.cpu_profile is None:
+        raise ValueError(f"--set model={model}: not a known model with a shipped CPU profile; or model=tiny")
+    return resolved.path, PROFILES[resolved.known.cpu_profile]
 
 
 def _error_check(what: str, real: float, sim: float, *, target: bool = True) -> str:
@@ -126,7 +148,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     from tessera.worker.engines.vllm_process import VLLMServer
 
     opts = config.options
-    n = option(opts, "requests", 200, int)
+    model = str(option(opts, "model", "tiny", str))
+    shipped = _shipped(model)
+    n = option(opts, "requests", 200 if shipped is None else 40, int)
     load = config.load if config.load is not None else option(opts, "load", 0.7, float)
     if load <= 0:
         raise ValueError(f"load must be > 0, got {load}")
@@ -141,17 +165,21 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     rows, inp, out = replay_rows(config, n, in_div, out_div)
     progress(0, total=4)  # model, server, profile + rate, replay + second profile
     with tempfile.TemporaryDirectory(prefix="tessera-fidelity-") as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "tiny")
+        model_dir = build_tiny_model(Path(tmp) / "tiny") if shipped is None else shipped[0]
         kvb = _kv_bytes_per_token(model_dir)
         vocab = min(1000, int(json.loads((model_dir / "config.json").read_text())["vocab_size"]))
         kv_tokens = gib * (1 << 30) // kvb
         progress(1)
+        # a named model is served as its profile was measured, and as the demo serves it (eager)
+        eager = [] if shipped is None else ["--enforce-eager"]
         server = VLLMServer(
             model_dir,
+            served_model_name=None if shipped is None else model,
             max_num_seqs=seqs,
             kv_cache_gib=gib,
             enable_prefix_caching=False,
-            extra_args=["--max-num-batched-tokens", str(budget)],
+            extra_args=["--max-num-batched-tokens", str(budget), *eager],
+            start_timeout_s=300 if shipped is None else 900,  # a real model starts slower on a loaded CPU
         )
         with server:
             server.start()
@@ -166,7 +194,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 seqs,
                 server.max_model_len,
             )
-            before, samples_before = measure_and_fit(*fit_args)
+            if shipped is None:
+                before, samples_before = measure_and_fit(*fit_args)
+            else:
+                before = replace(shipped[1], kv_capacity_tokens=kv_tokens)
             engine = EngineConfig(max_batch=seqs, chunked_prefill=True, token_budget=budget)
             cluster = ClusterConfig({"default": before}, 1, engine)
             if pattern == "burst":
@@ -190,22 +221,36 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                     )
                 )
             stalls = watch.stalls()
-            after, samples_after = measure_and_fit(*fit_args)
+            after, samples_after = measure_and_fit(*fit_args) if shipped is None else (before, None)
             progress(1)
-    # The machine's other load drifts within minutes: the simulator gets the profile fitted on the
-    # samples from both sides of the replay, and the drift between the two is reported.
-    samples = Measurements(
-        samples_before.prefill + samples_after.prefill,
-        samples_before.decode + samples_after.decode,
-        samples_before.overhead + samples_after.overhead,
-    )
-    profile = fit_profile(
-        samples, "tiny-cpu", kv_capacity_tokens=kv_tokens, block_size=16, source=before.source
-    )
-    cluster = ClusterConfig({"default": profile}, 1, engine)
     probe_b, probe_ctx = seqs // 2, seqs // 2 * int(np.mean(inp) + np.mean(out) / 2)
     step_before, step_after = before.decode_step(probe_b, probe_ctx), after.decode_step(probe_b, probe_ctx)
     drift = abs(step_after - step_before) / step_before
+    if samples_after is None:
+        profile, samples = before, None  # the shipped profile, as measured by its own command
+        how = [
+            f"shipped profile {profile.name} (not refitted here; what the workers use): "
+            f"{describe_profile(profile)}; {profile.source}"
+        ]
+    else:
+        # The machine's other load drifts within minutes: the simulator gets the profile fitted on the
+        # samples from both sides of the replay, and the drift between the two is reported.
+        samples = Measurements(
+            samples_before.prefill + samples_after.prefill,
+            samples_before.decode + samples_after.decode,
+            samples_before.overhead + samples_after.overhead,
+        )
+        profile = fit_profile(
+            samples, "tiny-cpu", kv_capacity_tokens=kv_tokens, block_size=16, source=before.source
+        )
+        how = [
+            f"fitted profile (samples before + after the replay): {describe_profile(profile)}",
+            f"profile drift: a decode step at batch {probe_b} with {probe_ctx} context tokens fits to "
+            f"{step_before * 1e3:.2f} ms before and {step_after * 1e3:.2f} ms after the replay "
+            f"({drift:.0%}); when that exceeds the 15% target, this machine's load, not the simulator, "
+            "decides the errors",
+        ]
+    cluster = ClusterConfig({"default": profile}, 1, engine)
     reqs = build_requests(arrivals, inp, out, np.random.default_rng(config.seed))
     simulated, sim = run_one(reqs, lambda: make_policy("fcfs"), cluster)
     client = replayed.requests
@@ -237,10 +282,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         _error_check("mean JCT (client-side, informative)", client_jct, sim["mean_jct_s"], target=False),
         _error_check("mean TTFT (client-side, informative)", client_ttft, sim["mean_ttft_s"], target=False),
         _phases(replayed.server, simulated),
-        f"fitted profile (samples before + after the replay): {describe_profile(profile)}",
-        f"profile drift: a decode step at batch {probe_b} with {probe_ctx} context tokens fits to "
-        f"{step_before * 1e3:.2f} ms before and {step_after * 1e3:.2f} ms after the replay ({drift:.0%}); "
-        "when that exceeds the 15% target, this machine's load, not the simulator, decides the errors",
+        *how,
         (
             f"offered rate {rate:.2f} req/s (load {load:g} of the simulated capacity unless --rate); "
             if pattern == "trace"
@@ -267,10 +309,12 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "send_late_p99_s": float(np.percentile(late, 99)),
         "other_vllm_servers": others,
         "profile": profile_to_dict(profile),
-        "samples": {"prefill": samples.prefill, "decode": samples.decode, "overhead": samples.overhead},
+        "samples": None
+        if samples is None
+        else {"prefill": samples.prefill, "decode": samples.decode, "overhead": samples.overhead},
         "profile_before": profile_to_dict(before),
         "profile_after": profile_to_dict(after),
-        "profile_drift": drift,
+        "profile_drift": None if samples is None else drift,
         "max_num_seqs": seqs,
         "kv_tokens": kv_tokens,
         "token_budget": budget,
