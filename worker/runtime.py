@@ -153,6 +153,8 @@ class Worker:
                 extra_args=["--enforce-eager"] if entry.launch.enforce_eager else [],
                 enable_sleep_mode=entry.sleep_mode == "on",
                 dev_mode=entry.sleep_mode == "on",
+                # a CPU build on a loaded 2-core machine was seen taking over 5 minutes to start
+                start_timeout_s=900.0,
             )
             self._servers.append(server)
             await asyncio.to_thread(server.start)

@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--run-dir", type=Path, default=Path(".tessera-local"),
                     help="Worker configurations and logs go here (default .tessera-local).")  # fmt: skip
     up.add_argument("--ready-timeout", type=float, default=None,
-                    help="Seconds for workers to get ready (default 60 sim, 600 vllm).")  # fmt: skip
+                    help="Seconds for workers to get ready (default 60 sim, 900 vllm).")  # fmt: skip
     up.add_argument("--compare-policy", default=None, metavar="POLICY",
                     help="With --trace: then replay it under POLICY (switched in place, engines keep "
                          "running) and print both runs side by side.")  # fmt: skip
@@ -210,7 +210,7 @@ async def _up(args: argparse.Namespace) -> int:
     print(describe_plan(plan, not args.no_autoscale), flush=True)
     stack = LocalStack(plan, args.run_dir, args.host, args.port, autoscale=not args.no_autoscale,
                        report=lambda line: print(line, flush=True))  # fmt: skip
-    timeout = args.ready_timeout or (600.0 if model_dir else 60.0)
+    timeout = args.ready_timeout or (900.0 if model_dir else 60.0)  # the worker's vLLM gets 900 s to start
     workload = None
     if args.trace is not None:
         classes = {n: c for i in plan.instances for n, c in class_infos(i.config).items()}
