@@ -15,7 +15,12 @@ import pytest
 import yaml
 
 from tessera.api.loader import SpecError
-from tessera.api.serving_pool import OPERATOR_OWNED_VLLM_FLAGS, VLLM_FLAG_SOURCES, ServingPoolSpec
+from tessera.api.serving_pool import (
+    OPERATOR_OWNED_VLLM_FLAGS,
+    VLLM_FLAG_SOURCES,
+    VLLM_FLAGS_READ,
+    ServingPoolSpec,
+)
 from tessera.control.pool_plan import parse
 
 POOL = next(
@@ -51,6 +56,11 @@ REFUSED = [
     (["-dp", "2"], "the placement"),
     (["--api-key", "k"], "without a key"),
     (["--host=0.0.0.0"], "loopback"),
+    # Flags the operator reads from extraVllmArgs: only their exact spelling, or it would not see them.
+    (["--gpu_memory_utilization", "0.95"], "--gpu-memory-utilization: spell it so"),
+    (["--gpu-memory=0.95"], "--gpu-memory-utilization: spell it so"),
+    (["--device-memory-utilization=0.95"], "use that name"),
+    (["--max-num-batched", "4096"], "--max-num-batched-tokens: spell it so"),
 ]
 ACCEPTED = [
     "--enable-prefix-caching",
@@ -111,6 +121,8 @@ VALUES = {
     "dtype": "float16",
     "max_model_len": "77",
 }
+# The destinations of the flags the operator reads (VLLM_FLAGS_READ).
+READ_VALUES = {"gpu_memory_utilization": "0.5", "max_num_batched_tokens": "4096"}
 
 
 def _spellings(option: str) -> set[str]:
@@ -135,7 +147,10 @@ def test_the_list_matches_vllm_s_parser() -> None:
     cli_args = pytest.importorskip("vllm.entrypoints.launchers.cli_args")
     parser = cli_args.make_arg_parser(argparse_utils.FlexibleArgumentParser())
     by_option = {o: a.dest for a in parser._actions for o in a.option_strings}
-    owned = {o for o, d in by_option.items() if d in VALUES or d == "config"}
+    read = {o for o, d in by_option.items() if d in READ_VALUES}
+    assert set(VLLM_FLAGS_READ) <= read
+    # Owned: every option of an owned destination, and the other names of the flags the operator reads.
+    owned = {o for o, d in by_option.items() if d in VALUES or d == "config"} | (read - set(VLLM_FLAGS_READ))
     assert {o for o, d in by_option.items() if d == "config"} == {"--config"}
     assert owned == set(OPERATOR_OWNED_VLLM_FLAGS), sorted(owned ^ set(OPERATOR_OWNED_VLLM_FLAGS))
     defaults = vars(parser.parse_args([]))
@@ -143,7 +158,7 @@ def test_the_list_matches_vllm_s_parser() -> None:
     def sets_owned(args: list[str]) -> bool:
         with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
             parsed = vars(parser.parse_args(args))
-            return any(parsed[d] != defaults[d] for d in VALUES)
+            return any(parsed[d] != defaults[d] for d in {**VALUES, **READ_VALUES})
         return False
 
     # The refused spellings above are real: vLLM maps each onto a flag the operator sets.
@@ -153,12 +168,16 @@ def test_the_list_matches_vllm_s_parser() -> None:
     missed = [
         spelling
         for option, dest in by_option.items()
-        if dest in VALUES or dest == "config"
+        if dest in VALUES or dest in READ_VALUES or dest == "config"
         for spelling in _spellings(option)
-        if RULE.violation({"extraVllmArgs": [spelling]}) is None
-        or RULE.violation({"extraVllmArgs": [f"{spelling}=1"]}) is None
+        if spelling not in VLLM_FLAGS_READ
+        and (
+            RULE.violation({"extraVllmArgs": [spelling]}) is None
+            or RULE.violation({"extraVllmArgs": [f"{spelling}=1"]}) is None
+        )
     ]
     assert missed == []
+    assert all(RULE.violation({"extraVllmArgs": [f, f"{f}=1"]}) is None for f in VLLM_FLAGS_READ)
     wrongly = [o for o, d in by_option.items() if o not in owned and RULE.violation({"extraVllmArgs": [o]})]
     assert wrongly == []
 

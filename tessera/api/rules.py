@@ -164,24 +164,32 @@ def _flag_pattern(flags: tuple[str, ...]) -> str:
 class NoFlags:
     """No string of the list ``field`` sets one of ``flags`` in any spelling argparse accepts: the flag
     or an abbreviation of it, '_' for '-', alone or as ``flag=value`` (``_flag_pattern``). ``sources``
-    says, for the message, which field sets each flag instead."""
+    says, for the message, which field sets each flag instead. The ``exact`` flags are allowed only
+    spelled exactly (``flag`` or ``flag=value``): whoever reads them finds no other spelling."""
 
     field: str
     flags: tuple[str, ...]
     sources: tuple[tuple[str, str], ...] = ()
+    exact: tuple[str, ...] = ()
 
     @property
     def message(self) -> str:
         """Human-readable statement of the rule."""
-        return (
+        message = (
             f"{self.field} may not set {', '.join(self.flags)} in any spelling (abbreviated, '_' for '-'): "
             "they are set by the operator from the specs"
         )
+        if self.exact:
+            message += f"; {', '.join(self.exact)} only spelled so (alone or as flag=value)"
+        return message
 
     def cel(self) -> str:
         """The rule as a CEL expression over ``self``."""
-        pattern = _flag_pattern(self.flags)
-        return f"!({_cel_has(self.field)}) || self.{self.field}.all(a, !a.matches('{pattern}'))"
+        check = f"!a.matches('{_flag_pattern(self.flags)}')"
+        if self.exact:
+            spelled = " || ".join(f"a == '{f}' || a.startsWith('{f}=')" for f in self.exact)
+            check += f" && (!a.matches('{_flag_pattern(self.exact)}') || {spelled})"
+        return f"!({_cel_has(self.field)}) || self.{self.field}.all(a, {check})"
 
     def violation(self, obj: Mapping[str, Any]) -> str | None:
         """Why ``obj`` breaks the rule (each offending item, the flag it sets and the field that sets that
@@ -190,14 +198,22 @@ class NoFlags:
         sources = dict(self.sources)
         problems = []
         for i, arg in enumerate(values if isinstance(values, list) else []):
-            if not isinstance(arg, str) or not re.search(_flag_pattern(self.flags), arg):
+            if not isinstance(arg, str):
                 continue
-            hits = [f for f in self.flags if re.search(_flag_pattern((f,)), arg)]
-            said = " and ".join(f"{f}, which {sources[f]}" if f in sources else f for f in hits)
-            problems.append(f"{self.field}[{i}] {arg!r} sets {said}")
+            if re.search(_flag_pattern(self.flags), arg):
+                hits = [f for f in self.flags if re.search(_flag_pattern((f,)), arg)]
+                said = " and ".join(f"{f}, which {sources[f]}" if f in sources else f for f in hits)
+                problems.append(f"{self.field}[{i}] {arg!r} sets {said}: remove it")
+            elif (
+                self.exact
+                and re.search(_flag_pattern(self.exact), arg)
+                and arg.split("=", 1)[0] not in self.exact
+            ):
+                hits = [f for f in self.exact if re.search(_flag_pattern((f,)), arg)]
+                problems.append(f"{self.field}[{i}] {arg!r} sets {' or '.join(hits)}: spell it so")
         if not problems:
             return None
-        return f"{'; '.join(problems)}: remove it ({self.message})"
+        return f"{'; '.join(problems)} ({self.message})"
 
 
 @dataclass(frozen=True)

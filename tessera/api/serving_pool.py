@@ -32,8 +32,13 @@ VLLM_FLAG_SOURCES: tuple[tuple[str, str], ...] = (
     ("--dtype", "the operator sets from the LLMService's model.dtype"),
     ("--max-model-len", "the operator sets from the LLMService's model.maxModelLength"),
     ("--config", "would let a file set any of these flags: give its flags here instead"),
+    ("--device-memory-utilization", "is vLLM's other name of --gpu-memory-utilization: use that name"),
 )
 OPERATOR_OWNED_VLLM_FLAGS = tuple(flag for flag, _ in VLLM_FLAG_SOURCES)
+# vLLM flags extraVllmArgs may set that the operator reads there (the GPU memory share for placement and
+# co-located models; vLLM's batched-token budget against --max-num-seqs): spelled exactly, or it would
+# not see them.
+VLLM_FLAGS_READ = ("--gpu-memory-utilization", "--max-num-batched-tokens")
 DEFAULT_WORKER_IMAGE = "ghcr.io/tessera-dev/tessera-worker:0.1.0"
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 
@@ -340,7 +345,7 @@ class WorkerPodSpec(ApiModel):
 class ServingPoolSpec(ApiModel):
     """Desired state of a ServingPool."""
 
-    RULES = (NoFlags("extraVllmArgs", OPERATOR_OWNED_VLLM_FLAGS, VLLM_FLAG_SOURCES),)
+    RULES = (NoFlags("extraVllmArgs", OPERATOR_OWNED_VLLM_FLAGS, VLLM_FLAG_SOURCES, VLLM_FLAGS_READ),)
 
     gpu: GPUSpec = Field(description="GPUs of each instance.")
     node_selector: dict[str, str] = Field(
@@ -361,7 +366,8 @@ class ServingPoolSpec(ApiModel):
         max_length=64,
         description="Extra vLLM server arguments, e.g. ['--enable-prefix-caching']; flags the operator sets "
         "(--model, --port, --tensor-parallel-size/-tp, --max-num-seqs, --max-model-len, --config, ...) are "
-        "refused in every spelling vLLM accepts (abbreviated, '_' for '-', flag=value).",
+        "refused in every spelling vLLM accepts (abbreviated, '_' for '-', flag=value); the operator reads "
+        "--gpu-memory-utilization and --max-num-batched-tokens, which must be spelled so.",
     )
 
 
