@@ -33,6 +33,7 @@ SCENARIOS: dict[str, str] = {
     "qlm": "tessera.bench.scenarios.qlm",
     "chiron": "tessera.bench.scenarios.chiron",
     "seallm": "tessera.bench.scenarios.seallm",
+    "load-shift": "tessera.bench.scenarios.load_shift",
     "routing": "tessera.bench.scenarios.routing",
     "scale-to-zero": "tessera.bench.scenarios.scale_to_zero",
     "worker-overhead": "tessera.bench.overhead",

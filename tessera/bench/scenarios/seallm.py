@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -292,6 +292,22 @@ def interval_metrics(outcomes: Sequence[RequestOutcome]) -> IntervalMetrics | No
     return IntervalMetrics(sum(o.slo_met for o in outcomes) / n, sum(o.norm_latency for o in outcomes) / n)
 
 
+def replan(
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    history: Mapping[str, Sequence[HistoryRequest]],
+    span_s: float,
+    now: float,
+    previous: PlacementPlan | None,
+    stats: dict[str, ServiceStats] | None,
+) -> PlacementPlan:
+    """The plan of one re-placement boundary: Alg. 1 on each service's ``history`` of the last ``span_s``
+    seconds (``with_history``: its rate and mean lengths), least churn against ``previous``; ``stats``
+    are the services' L̂_s / Var_s (None: from the history)."""
+    current = [with_history(s, history.get(s.name, ()), span_s) for s in services]
+    return plan_seallm(pool, current, now=now, previous=previous, stats=stats)
+
+
 class Replanner(ClusterController):
     """SeaLLM's timeline (SeaLLM §4.3) as a simulator controller: at every boundary T_{t+1} = T_t + I_t
     (on the next whole second: the controller ticks every second), M_real of the interval (requests
@@ -343,9 +359,8 @@ class Replanner(ClusterController):
         hist: dict[str, list[HistoryRequest]] = {s.name: [] for s in self.services}
         for r in batch:
             hist[r.model].append(HistoryRequest(r.arrival, r.prompt_tokens, r.target_output_tokens))
-        current = [with_history(s, hist[s.name], now - self.start) for s in self.services]
         t = time.perf_counter()
-        new = plan_seallm(self.pool, current, now=now, previous=plan, stats=self.stats)
+        new = replan(self.pool, self.services, hist, now - self.start, now, plan, self.stats)
         plan_wall = time.perf_counter() - t
         diff = rollout_diff(plan, new)
         actions, started, stopped, moved = self._rollout(new, view)
