@@ -62,10 +62,13 @@ async def test_an_idle_service_goes_cold_and_a_held_request_wakes_it_and_is_serv
     try:
         async with httpx.AsyncClient(base_url=stack.endpoint, timeout=60.0) as client:
             assert (await client.post("/v1/completions", json=body)).status_code == 200
+            # On a loaded machine the group may already have slept (and been woken by this request) when
+            # the request came more than afterSeconds after the start: count from here.
+            n = next(iter((await _status(stack))["activation"].values()))["sleeps"]
             before = list(stack.supervisor.workers)
             assert len(before) == 2
             cold = await _until_state(stack, "Cold")
-            assert cold["sleeps"] == 1 and cold["models"] == [model]
+            assert cold["sleeps"] == n + 1 and cold["models"] == [model]
             assert not stack.supervisor.workers  # both processes stopped
             assert all(w.proc is not None and w.proc.poll() is not None for w in before)
             assert (await _status(stack))["instances"] == []
@@ -83,7 +86,7 @@ async def test_an_idle_service_goes_cold_and_a_held_request_wakes_it_and_is_serv
             assert answer.status_code == 200, answer.text
             assert answer.json()["usage"]["completion_tokens"] == 5
             unit = await _until_state(stack, "Ready", timeout=1.0)
-            assert unit["wakes"] == 1 and unit["lastWakeSeconds"] > 0
+            assert unit["wakes"] == n + 1 and unit["lastWakeSeconds"] > 0
             now_running = stack.supervisor.workers
             assert len(now_running) == 2 and not any(w in before for w in now_running)
             assert True in [x["healthy"] for x in (await _status(stack))["instances"]]
@@ -93,7 +96,7 @@ async def test_an_idle_service_goes_cold_and_a_held_request_wakes_it_and_is_serv
             late = await client.post("/v1/completions", json=body)
             assert late.status_code == 200, late.text
             unit = await _until_state(stack, "Ready", timeout=1.0)
-            assert (unit["sleeps"], unit["wakes"]) == (2, 2)
+            assert (unit["sleeps"], unit["wakes"]) == (n + 2, n + 2)
     finally:
         await stack.stop()
 
