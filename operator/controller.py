@@ -626,6 +626,10 @@ class Controller:
                 "endpoint": endpoint_url(name, namespace),
                 "policy": service.spec.scheduling.resolved_policy(has_batch),
             }
+            if mine:  # the Service of that name is not this service's: never point clients at it
+                del new_status["endpoint"]
+                if "endpoint" in status:
+                    new_status["endpoint"] = None  # a merge patch's null removes it
             if name in decided.loads:
                 new_status["load"] = decided.loads[name].to_status()
             measured = (

@@ -68,8 +68,11 @@ async def test_service_named_kubernetes_and_labelled_configmap_are_left_alone(cl
         return reasons == ("OwnershipConflict", "OwnershipConflict")
 
     await cluster.eventually(conflicted)
-    message = _ready(await cluster.get(service))["message"]
+    body = await cluster.get(service)
+    message = _ready(body)["message"]
     assert "Service default/kubernetes already exists" in message and "LLMService kubernetes" in message
+    # Its status does not send clients to the cluster's own Service.
+    assert "endpoint" not in body["status"]
 
     async def warned() -> bool:
         events = await cluster.events(namespace)
