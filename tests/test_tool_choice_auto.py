@@ -1,7 +1,7 @@
 """tool_choice auto (the default when a request gives tools): the worker generates freely, then reads
 the calls back from the text with vLLM's tool parser named by the model's toolParser, as vLLM's server
-answers: tool_calls and finish_reason tool_calls, or plain content when there are none; streamed, the
-content or calls come whole at the end. The sim engine's ``/reply`` answers in hermes' format. Without
+answers: tool_calls and finish_reason tool_calls, or plain content when there are none; streamed, as
+the parser releases them. The sim engine's ``/reply`` answers in hermes' format. Without
 a tool parser such requests are refused naming spec.model.toolParser; a bad parser name is refused by
 the spec; the names the spec takes are vLLM's."""
 
@@ -97,31 +97,48 @@ async def test_calls_in_the_models_format_come_back_as_tool_calls() -> None:
         assert two[0]["message"]["tool_calls"][0]["id"] != two[1]["message"]["tool_calls"][0]["id"]
 
 
-async def test_streamed_the_calls_or_the_content_come_whole_at_the_end() -> None:
+def _streamed(events: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]], list[str]]:
+    """A streamed chat's content, call fragments and finish reasons."""
+    deltas = [ch["delta"] for e in events for ch in e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    calls = [tc for d in deltas for tc in d.get("tool_calls", ())]
+    finishes = [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]]
+    return "".join(d.get("content") or "" for d in deltas), calls, finishes
+
+
+def _arguments(fragments: list[dict[str, Any]]) -> Any:
+    return json.loads("".join(tc["function"].get("arguments", "") for tc in fragments))
+
+
+async def test_streamed_the_parser_releases_content_and_calls_as_they_come() -> None:
     async with _worker() as (c, _):
         body = _chat(f"Let me look. {CALL}", stream=True, stream_options={"include_usage": True})
         events = _events(await c.post("/v1/chat/completions", json=body))
-        deltas = [ch["delta"] for e in events for ch in e["choices"]]
-        assert deltas[0] == {"role": "assistant", "content": ""}
-        said = [d for d in deltas[1:] if d]
-        assert len(said) == 1 and said[0]["content"] == "Let me look. "
-        (call,) = said[0]["tool_calls"]
-        assert call["index"] == 0 and call["function"]["name"] == "get_weather"
-        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-        finishes = [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]]
-        assert finishes == ["tool_calls"] and events[-1]["usage"]["completion_tokens"] > 0
-        plain = _events(await c.post("/v1/chat/completions", json=_chat("Sunny.", stream=True)))
-        said = [ch["delta"] for e in plain for ch in e["choices"] if ch["delta"].get("content")]
-        assert said == [{"content": "Sunny."}]
-        assert plain[-1]["choices"][0]["finish_reason"] == "stop"
+        content, calls, finishes = _streamed(events)
+        assert content == "Let me look. " and finishes == ["tool_calls"]
+        assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["function"]["name"] == "get_weather"
+        assert {tc["index"] for tc in calls} == {0} and _arguments(calls) == {"city": "Paris"}
+        assert events[-1]["usage"]["completion_tokens"] == len(f"Let me look. {CALL}")
+        # two calls, and parallel_tool_calls false: the first one's fragments only
+        both = _streamed(_events(await c.post("/v1/chat/completions", json=_chat(CALL + ROME, stream=True))))
+        assert {tc["index"] for tc in both[1]} == {0, 1}
+        assert _arguments([tc for tc in both[1] if tc["index"] == 1]) == {"city": "Rome"}
+        one = _chat(CALL + ROME, stream=True, parallel_tool_calls=False)
+        assert {
+            tc["index"] for tc in _streamed(_events(await c.post("/v1/chat/completions", json=one)))[1]
+        } == {0}
+        plain = _streamed(_events(await c.post("/v1/chat/completions", json=_chat("Sunny.", stream=True))))
+        assert plain == ("Sunny.", [], ["stop"])
 
 
-async def test_auto_requests_are_preempted_and_resumed_and_read_whole() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_auto_requests_are_preempted_and_resumed_and_read_whole(stream: bool) -> None:
     """Nothing shapes an auto request's text, so it is not pinned; a resumed one continues the text."""
     reply = f"Checking the weather for you now. {CALL}"
     async with _worker(policy="srtf-oracle", benchHints=True) as (c, worker):
         headers = {BENCH_TRUE_LENGTH_HEADER: str(len(reply))}
-        long = asyncio.create_task(c.post("/v1/chat/completions", json=_chat(reply), headers=headers))
+        body = _chat(reply, stream=stream)
+        long = asyncio.create_task(c.post("/v1/chat/completions", json=body, headers=headers))
         sched = worker.schedulers["m"]
         while not sched.inflight or next(iter(sched.inflight)).req.generated < 5:
             await asyncio.sleep(0.002)
@@ -130,10 +147,16 @@ async def test_auto_requests_are_preempted_and_resumed_and_read_whole() -> None:
         short = {"model": "m", "prompt": [8, 9], "max_tokens": 3}
         short_headers = {BENCH_TRUE_LENGTH_HEADER: "3"}
         assert (await c.post("/v1/completions", json=short, headers=short_headers)).status_code == 200
-        choice = (await long).json()["choices"][0]
+        answer = await long
     assert job.req.preemptions == 1
-    assert choice["message"]["content"] == "Checking the weather for you now. "
-    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    if stream:
+        content, calls, finishes = _streamed(_events(answer))
+        assert finishes == ["tool_calls"] and _arguments(calls) == {"city": "Paris"}
+    else:
+        message = answer.json()["choices"][0]["message"]
+        content, calls = message["content"], message["tool_calls"]
+        assert calls[0]["function"]["arguments"] == '{"city": "Paris"}'
+    assert content == "Checking the weather for you now. "
 
 
 async def test_a_resumed_sim_stream_continues_its_scripted_answer() -> None:
@@ -233,7 +256,10 @@ async def test_the_openai_client_gets_tool_calls_through_the_router(tmp_path: Pa
                                                           tool_choice="auto", stream=True)  # fmt: skip
             chunks = [c async for c in stream]
             calls = [tc for c in chunks for ch in c.choices for tc in ch.delta.tool_calls or ()]
-            assert [(tc.index, tc.id, tc.function.name) for tc in calls] == [(0, calls[0].id, "get_weather")]
+            assert (
+                calls[0].id and calls[0].function.name == "get_weather" and {tc.index for tc in calls} == {0}
+            )
+            assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == {"city": "Paris"}
             assert chunks[-1].choices[0].finish_reason == "tool_calls"
             plain = await client.chat.completions.create(
                 model=model, tools=TOOLS, messages=[{"role": "user", "content": "/reply Sunny."}]

@@ -3,10 +3,10 @@ answer, in its own format, and the worker reads them back from the generated tex
 for the model (``models[].toolParser``: the names of vLLM's ``--tool-call-parser``), as vLLM's server
 does for the same request.
 
-A choice's text is read once the choice has ended, not token by token: a streamed answer sends its
-content, or its calls, in one delta at the end (vLLM's streaming parsers hold per-token state that a
-preempted and resumed stream would have to rebuild). Nothing constrains the generation, so such a
-request is preempted and resumed like any other: the resumed stream continues the same text.
+Not streamed, a choice's whole text is read once it ends; streamed, the parser reads each delta as it
+comes (vLLM's streaming parse: content as it comes, calls as the parser recognises them). Nothing
+constrains the generation, so such a request is preempted and resumed like any other: the client's
+stream, and so the parser's, continues the same text.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class ToolCallReader:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         self._parser = parser
+        self._streams: dict[int, Any] = {}  # choice -> its streaming parser (they keep state)
         request = ChatCompletionRequest.model_validate(request)
         self._request = parser.new(request.tools).adjust_request(request)
         # e.g. hermes: some models' call markers are special tokens, which the engine's text would drop
@@ -81,3 +82,22 @@ class ToolCallReader:
             }
             for call in calls
         ]
+
+    def read_delta(self, index: int, text: str, token_ids: list[int], *, finished: bool) -> dict[str, Any]:
+        """The delta (OpenAI's shape) of a streamed choice's next text: content and call fragments as
+        vLLM's parser releases them (empty while it holds text back). With ``parallel_tool_calls`` false
+        only the first call's fragments, as vLLM keeps them."""
+        if index not in self._streams:
+            self._streams[index] = self._parser.new(self._request.tools)
+        # The prompt's ids matter to a reasoning parser only (none here), but without them vLLM's parser
+        # never leaves its reasoning phase and passes every call through as content.
+        message = self._streams[index].parse_delta(
+            text, token_ids, self._request, prompt_token_ids=[], finished=finished
+        )
+        if message is None:
+            return {}
+        out = message.model_dump(exclude_none=True, exclude={"role", "reasoning"})
+        calls = out.pop("tool_calls", [])
+        if self._request.parallel_tool_calls is False:
+            calls = [call for call in calls if call["index"] == 0]
+        return out | ({"tool_calls": calls} if calls else {})

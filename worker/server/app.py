@@ -284,7 +284,8 @@ async def _serve(
         if i and "seed" in job_sampling:  # n samples, not n copies of one
             job_sampling["seed"] = (job_sampling["seed"] + i) % 2**63
         # Pinned: a grammar (structured outputs, forced tool calls) would restart on a resumed stream.
-        # tool_choice auto is not: nothing shapes its text, whose calls are read once it is whole.
+        # tool_choice auto is not: nothing shapes its text, whose calls are read from the relayed text
+        # (one continuous text across a resume).
         jobs.append(Job(req, prompt_ids, job_sampling, pinned="response_format" in sampling))
     try:
         sched.submit(*jobs)
@@ -349,9 +350,10 @@ class _Render:
         reader: ToolCallReader | None = None,
     ) -> None:
         self.chat = chat
-        self.reader = reader  # tool_choice auto: the calls are read from each choice's whole text
+        self.reader = reader  # tool_choice auto: reads the calls back (the whole text, or streamed deltas)
         self.ids: list[list[int]] = [[] for _ in range(body.n)]  # each choice's tokens so far (reader)
-        self.called = [False] * body.n  # whether the reader found calls in the choice
+        self.called = [False] * body.n  # whether the reader found calls in the choice's whole text
+        self.streamed = [False] * body.n  # whether the reader streamed call fragments of the choice
         self.top = body.logprobs_count()
         self.echo = echo
         self.token_ids = body.return_token_ids
@@ -369,13 +371,16 @@ class _Render:
     def choice(self, index: int, delta: TokenDelta, finish: str | None, *, stream: bool) -> dict[str, Any]:
         """One choice of a non-streamed answer (the whole output) or of a chunk (a delta)."""
         out: dict[str, Any] = {"index": index, "finish_reason": None, "logprobs": self.logprobs(index, delta)}
-        if self.chat and self.reader is not None:
+        if self.chat and self.reader is not None and stream:
+            said = self.reader.read_delta(
+                index, delta.text, delta.token_ids, finished=delta.finish_reason is not None
+            )
+            self.streamed[index] = self.streamed[index] or "tool_calls" in said
+            out["delta"] = said
+        elif self.chat and self.reader is not None:
             self.texts[index] += delta.text
             self.ids[index] += delta.token_ids
-            if stream:  # the content or the calls leave whole at the end (``read``)
-                out["delta"] = {}
-            else:
-                out["message"] = self.read(index)
+            out["message"] = self.read(index)
         elif self.chat and self.forced is not None:
             self.texts[index] += delta.text
             if not stream:
@@ -401,9 +406,9 @@ class _Render:
 
     def finish(self, index: int, reason: str | None) -> str | None:
         """The finish reason the client sees: 'tool_calls' for a 'required' call that ended by itself
-        (a named one keeps 'stop', as OpenAI and vLLM answer), and for calls read under tool_choice auto
-        (however the text ended, as vLLM answers)."""
-        if reason is not None and self.called[index]:
+        (a named one keeps 'stop', as OpenAI and vLLM answer), and for calls read under tool_choice auto:
+        as vLLM answers, however the whole text ended, or a streamed one that ended by itself."""
+        if (reason is not None and self.called[index]) or (reason == "stop" and self.streamed[index]):
             return "tool_calls"
         return "tool_calls" if self.forced == "" and reason == "stop" else reason
 
@@ -589,13 +594,6 @@ async def _sse(
                 if render.forced == "":  # 'required': the calls, whole, once the text is complete
                     calls = [{"index": k, **c} for k, c in enumerate(render.calls(i))]
                     yield chunk([{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}])
-                elif chat and render.reader is not None:  # auto: the content or calls of the whole text
-                    message = render.read(i)
-                    said: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
-                    if "tool_calls" in message:
-                        said["tool_calls"] = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-                    if said:
-                        yield chunk([{"index": i, "delta": said, "finish_reason": None, "logprobs": None}])
                 end: dict[str, Any] = {"index": i, "finish_reason": render.finish(i, job.finish_reason)}
                 end["logprobs"] = None
                 end["delta" if chat else "text"] = {} if chat else ""
