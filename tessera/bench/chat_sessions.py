@@ -7,8 +7,11 @@ the previous turn's, and the history is the shared prefix an engine's prefix cac
 recorded answers (not what the engine generates) make every replay of a session send the same
 prompts, whatever the route.
 
-Open loop: session ``s`` starts at ``s × session_gap_s`` and sends turn ``k`` at ``k × turn_gap_s``
-after its start (a user who reads and types at a fixed pace), so every route sees the same arrivals.
+Open loop: session ``s`` starts at ``s × session_gap_s`` and sends each next turn a think time after
+the previous one, ``turn_gap_s`` × uniform(0.5, 1.5) (seeded), whatever the answers' timing, so every
+route sees the same arrivals. The jitter matters: with fixed gaps the sessions' turns would arrive in
+the same order every round, and round-robin over an instance count dividing the session count would
+keep each session on one instance, as an affinity route does.
 
 ``sim_chat_requests`` turns sessions into simulator requests whose prefix blocks are hash chains of
 the real prompts' tokens (``tessera bench routing --set workload=chat``).
@@ -87,12 +90,14 @@ def chat_sessions(
     out: list[ChatTurn] = []
     for s in range(sessions):
         history: list[dict[str, str]] = []
+        at = s * session_gap_s
         for k, prompt_id in enumerate(rng.sample(ids, turns)):
             prompt, response = rng.choice(answers[prompt_id])
             reply = _cut(response, reply_chars)
             history.append({"role": "user", "content": prompt})
-            out.append(ChatTurn(f"{prefix}{s}", k, s * session_gap_s + k * turn_gap_s, tuple(history), reply))
+            out.append(ChatTurn(f"{prefix}{s}", k, at, tuple(history), reply))
             history.append({"role": "assistant", "content": reply})
+            at += turn_gap_s * rng.uniform(0.5, 1.5)
     return sorted(out, key=lambda t: (t.at, t.session))
 
 
@@ -108,7 +113,7 @@ CHAT_BLOCK_TOKENS = 16  # vLLM's default KV block size on GPUs: the prefix block
 
 def sim_chat_requests(n: int, turns: int, seed: int, reply_chars: int = 1500) -> list[Request]:
     """The first ``n`` requests of multi-turn sessions for the simulator (sessions start 1 s apart and
-    send a turn every 20 s; scenarios rescale arrivals to their load). Each prompt is the conversation
+    send a turn about every 20 s; scenarios rescale arrivals to their load). Each prompt is the conversation
     as the router reads it (each message's role and text), tokenized by the default tokenizer of
     ``tessera.predictor.tokens``; its prefix blocks are vLLM's hash chain over those tokens in blocks
     of ``CHAT_BLOCK_TOKENS``, and its output length is the recorded answer's tokens."""

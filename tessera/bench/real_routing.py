@@ -8,7 +8,8 @@ the model's own tokenizer) stands in front of each, and ``tessera router --route
 Workload: multi-turn chat sessions built from AlpacaEval prompts and recorded answers
 (``tessera.bench.chat_sessions``): ``sessions`` sessions of ``turns`` turns, each turn sending the whole
 conversation so far with the session as the OpenAI ``user`` field, ``max_tokens`` tokens answered;
-sessions start ``session_gap`` s apart and send a turn every ``turn_gap`` s.
+sessions start ``session_gap`` s apart and send a turn about every ``turn_gap`` s. vLLM on the CPU
+caches blocks of 128 tokens, so a turn reuses only the full blocks of the previous turn's prompt.
 
 Rounds: each round builds new sessions and runs both routes on them, the order alternating from round
 to round, so the machine's drifting load hits both alike. Before each run both servers' prefix caches
@@ -21,8 +22,9 @@ the rounds), and the prefix hit rate measured by vLLM itself: ``vllm:prefix_cach
 ``vllm:prefix_cache_queries`` (prompt tokens) of both servers during the runs. Checks: per round the
 paired ratios combined / round-robin of TTFT mean and p99, and their medians (PASS below 1).
 
-Options (``--set``): sessions (6), turns (4), rounds (3), reply_chars (800), max_tokens (8),
-session_gap (2.0), turn_gap (8.0), ttft_slo (3.0), batch (4).
+Options (``--set``): sessions (4), turns (4), rounds (2), reply_chars (600), max_tokens (4),
+session_gap (3.0), turn_gap (20.0: think times uniform in 0.5-1.5x), ttft_slo (3.0), batch (4). Sized
+for a few minutes on an idle 2-core machine (about 20 on one loaded by other work).
 """
 
 from __future__ import annotations
@@ -184,13 +186,13 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     from tessera.models.cache import resolve_model
 
     opts = config.options
-    sessions = option(opts, "sessions", 6, int)
+    sessions = option(opts, "sessions", 4, int)
     turns = option(opts, "turns", 4, int)
-    rounds = option(opts, "rounds", 3, int)
-    reply_chars = option(opts, "reply_chars", 800, int)
-    max_tokens = option(opts, "max_tokens", 8, int)
-    session_gap = option(opts, "session_gap", 2.0, float)
-    turn_gap = option(opts, "turn_gap", 8.0, float)
+    rounds = option(opts, "rounds", 2, int)
+    reply_chars = option(opts, "reply_chars", 600, int)
+    max_tokens = option(opts, "max_tokens", 4, int)
+    session_gap = option(opts, "session_gap", 3.0, float)
+    turn_gap = option(opts, "turn_gap", 20.0, float)
     slo = option(opts, "ttft_slo", 3.0, float)
     batch = option(opts, "batch", 4, int)
     if min(rounds, max_tokens, batch) < 1 or slo <= 0:
