@@ -137,6 +137,10 @@ def profile_from_dict(data: dict, origin: str = "profile") -> StepProfile:
         value = getattr(profile, name)
         if not isinstance(value, int | float) or value < 0:
             raise ValueError(f"{origin}: {name} must be a number >= 0, got {value!r}")
+    for name in ("cold_start_s", "wake_l1_s", "wake_l2_s"):
+        value = getattr(profile, name)
+        if value is not None and (not isinstance(value, int | float) or value < 0):
+            raise ValueError(f"{origin}: {name} must be seconds >= 0 (null: derived), got {value!r}")
     if profile.kv_capacity_tokens < profile.block_size or profile.block_size < 1:
         raise ValueError(f"{origin}: kv_capacity_tokens must hold at least one block of block_size tokens")
     return profile
@@ -156,10 +160,6 @@ def load_profile(spec: str) -> StepProfile:
     """A named profile or a JSON file written by ``tessera profile``."""
     if spec in PROFILES:
         return PROFILES[spec]
-    for name in ("cold_start_s", "wake_l1_s", "wake_l2_s"):
-        value = getattr(profile, name)
-        if value is not None and (not isinstance(value, int | float) or value < 0):
-            raise ValueError(f"{origin}: {name} must be seconds >= 0 (null: derived), got {value!r}")
     path = Path(spec)
     if not path.exists():
         raise ValueError(f"unknown profile {spec!r}: not a file and not one of {', '.join(PROFILES)}")
