@@ -362,7 +362,7 @@ def test_chiron_serves_every_held_request_of_a_hopeless_bulk() -> None:
     opts = {"interactive_requests": 50, "batch_requests": 1200, "batch_deadline_s": 10.0,
             "dispatch": "arrival", "max_instances": 4}  # fmt: skip
     rows = chiron.run(BenchConfig("chiron", options=Options(opts)), _no_progress).results
-    assert [r["requests"] for r in rows] == [1250, 1250]
+    assert [r["requests"] for r in rows] == [1250] * len(rows) and len(rows) >= 2  # chiron, baselines
     assert rows[0]["slo_attainment_by_class"]["batch"] == 0.0  # served, after the deadline
 
 
