@@ -358,9 +358,14 @@ class Cluster:
         self._reschedule(inst)
 
     def run(
-        self, requests: Sequence[Request], progress: Callable[[int], None] | None = None
+        self,
+        requests: Sequence[Request],
+        progress: Callable[[int], None] | None = None,
+        until: float = INF,
     ) -> ClusterResult:
-        """Simulate until every request has finished; requests are mutated in place."""
+        """Simulate until every request has finished; requests are mutated in place. With ``until``, stop
+        once the clock would pass it: events at ``until`` still happen, later ones do not, and requests
+        not finished by then stay unfinished (for callers that censor at a horizon)."""
         wall0 = time.perf_counter()
         cpu0 = time.process_time()
         # A request reaches its engine after the serving path's per-request overhead (the profile's
@@ -399,6 +404,8 @@ class Cluster:
                     f"simulation stalled at t={self.now:.3f}s with {stuck} unfinished requests: "
                     "the policy left them unscheduled and asked for no re-check"
                 )
+            if t > until:
+                break
             self.now = t
             events += 1
             if t == next_tick:
@@ -430,7 +437,7 @@ class Cluster:
             progress(n - done_before)
         rejected = set(self.rejected)
         unfinished = [r for r in requests if not r.finished and r not in rejected]
-        if unfinished:
+        if unfinished and until == INF:
             raise RuntimeError(f"{len(unfinished)} requests did not finish (first: {unfinished[0].id})")
         everyone = self.instances + self.retired
         gpu_seconds = sum(

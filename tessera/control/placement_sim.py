@@ -243,9 +243,11 @@ def serve(
     horizon: float = math.inf,
     engine: EngineConfig = ENGINE,
 ) -> tuple[list[RequestOutcome], Cluster]:
-    """Serve ``requests`` (service name, request) on a fixed ``plan`` until every one has finished;
-    outcomes are censored at ``horizon`` (default: none). ``policy`` makes each instance's policy
-    (default: SeaLLM's DB with ``stats``); ``engine`` sets the instances' engine (shared KV)."""
+    """Serve ``requests`` (service name, request) on a fixed ``plan`` until every one has finished or the
+    clock passes ``horizon`` (default: none): outcomes are censored there, so nothing later can change
+    them, and an overloaded plan's backlog is not played out for nothing. ``policy`` makes each
+    instance's policy (default: SeaLLM's DB with ``stats``); ``engine`` sets the instances' engine
+    (shared KV)."""
     by_name = {s.name: s for s in services}
     unplaced = sorted({n for n, _ in requests} - {n for g in plan.groups for n in g.services})
     if unplaced:
@@ -257,6 +259,6 @@ def serve(
             add_group(cluster, pool, [by_name[n] for n in g.services], g.tp)
     reqs = to_requests(requests)
     if reqs:
-        cluster.run(reqs)
+        cluster.run(reqs, until=horizon)
     end = horizon if math.isfinite(horizon) else max((r.finished_at or 0.0 for r in reqs), default=0.0)
     return outcomes(services, stats, reqs, end), cluster
