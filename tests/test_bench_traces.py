@@ -193,6 +193,19 @@ def test_elis_honours_trace_series_and_data(traces: dict[str, Path], tmp_path: P
     assert sets[0] != sets[1]
 
 
+def test_elis_refuses_a_lengths_file_before_loading_the_predictor(
+    traces: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tessera.bench.scenarios import elis
+
+    def no_predictor(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the predictor was loaded before --trace was checked")
+
+    monkeypatch.setattr(elis, "_predictor", no_predictor)
+    with pytest.raises(ValueError, match=r"no arrival times"):
+        _run(elis, traces["lengths_a"], requests=30, batches="1", seeds=1)
+
+
 def test_andes_honours_trace_and_series(traces: dict[str, Path]) -> None:
     from tessera.bench.scenarios import andes
 

@@ -132,6 +132,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     kind = option(opts, "predictor", "text", str)
     data = Path(option(opts, "data", str(ALPACA_TEXT), str))
     artifact = opts.get("artifact")
+    # Read --trace first: a file it refuses (a lengths file) is refused before the predictor loads and
+    # predicts every workload, which takes a minute on a loaded machine.
+    shapes = {s: trace_arrivals(config, n, s) for s in seeds}  # None each without --trace
     predictor = _predictor(kind, None if artifact is None else str(artifact))
     split = predictor.meta["split"] if kind == "text" else None
     bases = {s: build_workload(data, n, s, split, predictor) for s in seeds}
@@ -140,7 +143,6 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
 
         # Same predictions, computed ahead in batched passes (one per window step), not per decision.
         predictor = PrecomputedPredictor(predictor, [r for base in bases.values() for r in base], window)
-    shapes = {s: trace_arrivals(config, n, s) for s in seeds}  # None each without --trace
 
     def fresh() -> Any:
         """The predictor for one ISRTF run: a predictor that learns from finished requests starts anew,
