@@ -181,6 +181,35 @@ async def test_a_resumed_sim_stream_continues_its_scripted_answer() -> None:
         await engine.close()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_with_a_parser_forced_choices_are_generated_and_read_by_it(stream: bool) -> None:
+    """With a tool parser, 'required' and named choices are served as vLLM's server with that parser
+    serves them: hermes's structural tag (the model's own call format) goes to the engine instead of
+    the worker's JSON schema, the calls are read back from the text, a named call keeps finish_reason
+    stop and 'required' gets tool_calls. (The sim engine ignores the grammar; the real model's answers
+    are compared with vLLM's in test_openai_smollm2.)"""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    async with _worker() as (c, worker):
+        engine = worker.schedulers["m"].engine
+        sent: list[EngineJob] = []
+        relay = engine.stream
+        engine.stream = lambda job: sent.append(job) or relay(job)  # type: ignore[method-assign]
+        for choice, finish in ((named, "stop"), ("required", "tool_calls")):
+            answer = await c.post("/v1/chat/completions", json=_chat(CALL, tool_choice=choice, stream=stream))
+            if stream:
+                content, calls, finishes = _streamed(_events(answer))
+                assert content == "" and calls[0]["function"]["name"] == "get_weather"
+                assert _arguments(calls) == {"city": "Paris"} and finishes == [finish]
+            else:
+                (got,) = answer.json()["choices"]
+                assert got["finish_reason"] == finish and got["message"]["content"] == ""
+                (call,) = got["message"]["tool_calls"]
+                assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+            sampling = sent[-1].sampling
+            assert "response_format" not in sampling and sampling["skip_special_tokens"] is False
+            assert "<tool_call>" in sampling["structured_outputs"]["structural_tag"]
+
+
 async def test_without_a_tool_parser_auto_is_refused_naming_the_setting() -> None:
     async with _worker(tool_parser=None) as (c, _):
         for body in (_chat(CALL), _chat(CALL, tool_choice="auto")):

@@ -1,16 +1,20 @@
-"""``tool_choice`` auto, the default when a request gives tools: the model writes its calls, or an
-answer, in its own format, and the worker reads them back from the generated text with vLLM's parser
-for the model (``models[].toolParser``: the names of vLLM's ``--tool-call-parser``), as vLLM's server
-does for the same request.
+"""Tool calls read with vLLM's parser for the model (``models[].toolParser``: the names of vLLM's
+``--tool-call-parser``), as vLLM's server started with ``--enable-auto-tool-choice --tool-call-parser``
+serves the same request: ``tool_choice`` auto (the default when a request gives tools), where the model
+writes its calls, or an answer, in its own format; and, for a model with a parser, 'required' and named
+choices too, since vLLM's parser decides how they are generated (a parser with an xgrammar structural
+tag, such as hermes, keeps the model's own call format and constrains it by that tag; others generate
+the call's JSON under a schema) and how they are read back.
 
 Not streamed, a choice's whole text is read once it ends; streamed, the parser reads each delta as it
-comes (vLLM's streaming parse: content as it comes, calls as the parser recognises them). Nothing
-constrains the generation, so such a request is preempted and resumed like any other: the client's
-stream, and so the parser's, continues the same text.
+comes (vLLM's streaming parse: content as it comes, calls as the parser recognises them). Unconstrained
+(auto, no structured outputs from the parser), such a request is preempted and resumed like any other:
+the client's stream, and so the parser's, continues the same text.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -53,16 +57,35 @@ class ToolCallReader:
     parser asks of the engine, and the reading of each choice's text."""
 
     def __init__(self, parser: ToolCallParser, request: dict[str, Any]) -> None:
-        """``request``: the chat request's model, messages, tools, tool_choice, parallel_tool_calls
-        (OpenAI's shape). ValueError when vLLM's request model refuses them."""
+        """``request``: the chat request's model, messages, tools, tool_choice, parallel_tool_calls and
+        response_format (OpenAI's shape). ValueError when vLLM's request model refuses them."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         self._parser = parser
         self._streams: dict[int, Any] = {}  # choice -> its streaming parser (they keep state)
         request = ChatCompletionRequest.model_validate(request)
         self._request = parser.new(request.tools).adjust_request(request)
+        choice = self._request.tool_choice
+        self.named = not isinstance(choice, str) and choice is not None
+        self.required = choice == "required"
         # e.g. hermes: some models' call markers are special tokens, which the engine's text would drop
-        self.sampling = {} if self._request.skip_special_tokens else {"skip_special_tokens": False}
+        self.sampling: dict[str, Any] = {}
+        if not self._request.skip_special_tokens:
+            self.sampling["skip_special_tokens"] = False
+        # What shapes the output after the parser's adjustment, as vLLM's server sends it to its engine:
+        # the parser's structured outputs (a structural tag over the model's call format, or the call's
+        # JSON schema; these replace response_format), else the request's own response_format.
+        outputs = self._request.structured_outputs
+        if outputs is not None:
+            self.sampling["structured_outputs"] = {
+                f.name: value
+                for f in dataclasses.fields(outputs)
+                if not f.name.startswith("_") and (value := getattr(outputs, f.name)) not in (None, False)
+            }
+        elif self._request.response_format is not None:
+            self.sampling["response_format"] = self._request.response_format.model_dump(
+                exclude_none=True, by_alias=True
+            )
 
     def read(self, text: str, token_ids: list[int]) -> tuple[str | None, list[dict[str, Any]]]:
         """A choice's content and tool calls (OpenAI's shape; none found: the text is the content).
@@ -70,6 +93,8 @@ class ToolCallReader:
         _, content, calls = self._parser.new(self._request.tools).parse(
             text, self._request, enable_auto_tools=True, model_output_token_ids=token_ids
         )
+        if self.named or self.required:  # vLLM answers a forced choice with content "" and its calls
+            content = content or ""
         if not calls:
             return content, []
         if self._request.parallel_tool_calls is False:
@@ -82,6 +107,16 @@ class ToolCallReader:
             }
             for call in calls
         ]
+
+    def finish(self, reason: str | None, *, called: bool, streamed: bool, stream: bool) -> str | None:
+        """The finish reason vLLM's server gives: 'tool_calls' when calls were read (not streamed: from
+        the whole text; streamed: fragments were sent and the text ended by itself), or for 'required'
+        when the text ended by itself, not streamed; a named call keeps the engine's reason."""
+        if reason is None or self.named:
+            return reason
+        if called or (streamed and reason == "stop") or (self.required and not stream and reason == "stop"):
+            return "tool_calls"
+        return reason
 
     def read_delta(self, index: int, text: str, token_ids: list[int], *, finished: bool) -> dict[str, Any]:
         """The delta (OpenAI's shape) of a streamed choice's next text: content and call fragments as

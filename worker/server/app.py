@@ -131,7 +131,10 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
         entry, sched, cls = _route(worker, body.model, http)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = body.tool_dicts()
-        reader = _tool_reader(worker, body, messages, tools) if body.auto_tools() else None
+        # Read with the model's tool parser: auto always (refused without one); 'required' and named
+        # choices where the model has one, as vLLM's server with that parser serves them.
+        parsed = body.auto_tools() or (body.calls_tools() and body.model in worker.tool_parsers)
+        reader = _tool_reader(worker, body, messages, tools) if parsed else None
         rendered = (
             sched.engine.tokenize_chat(messages, tools) if tools else sched.engine.tokenize_chat(messages)
         )
@@ -194,14 +197,19 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
 def _tool_reader(
     worker: Worker, body: ChatCompletionRequest, messages: list[dict[str, Any]], tools: Any
 ) -> ToolCallReader:
-    """The reader of the calls of a tool_choice auto request: 400 when the model has no tool parser or
+    """The reader of the calls of a request with tools: 400 when the model has no tool parser (auto) or
     vLLM's request model refuses the request."""
     parser = worker.tool_parsers.get(body.model)
     if parser is None:
         raise ApiError(400, AUTO_TOOLS.format(model=body.model), param="tool_choice")
-    request = {"model": body.model, "messages": messages, "tools": tools, "tool_choice": "auto"}
+    choice = body.tool_choice
+    named = isinstance(choice, NamedToolChoice)
+    request = {"model": body.model, "messages": messages, "tools": tools,
+               "tool_choice": choice.model_dump() if named else choice or "auto"}  # fmt: skip
     if body.parallel_tool_calls is not None:
         request["parallel_tool_calls"] = body.parallel_tool_calls
+    if body.response_format is not None:
+        request["response_format"] = body.response_format.model_dump(by_alias=True, exclude_none=True)
     try:
         return ToolCallReader(parser, request)
     except ValueError as exc:
@@ -245,7 +253,7 @@ async def _serve(
 ) -> Response:
     """Schedule the request's ``n`` choices as separate jobs of one class and arrival (hence one
     deadline), relay them as one answer; ``echo`` is text prepended to every choice; ``reader`` reads
-    tool calls back from each choice's text (tool_choice auto)."""
+    tool calls back from each choice's text with the model's tool parser."""
     entry = worker.config.model(body.model)
     assert entry is not None
     if len(prompt_ids) + max_tokens > entry.max_model_len:
@@ -267,7 +275,12 @@ async def _serve(
         raise ApiError(400, message, param="n")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     true_length = _true_length_hint(worker, http)
-    sampling = body.sampling() | (reader.sampling if reader is not None else {})
+    if reader is None:
+        sampling = body.sampling()
+    else:  # the parser's adjustment decides what shapes the output (``ToolCallReader.sampling``)
+        assert isinstance(body, ChatCompletionRequest)
+        own = body.sampling(tool_grammar=False)
+        sampling = {k: v for k, v in own.items() if k != "response_format"} | reader.sampling
     jobs = []
     for i in range(body.n):
         req = Request(
@@ -284,9 +297,10 @@ async def _serve(
         if i and "seed" in job_sampling:  # n samples, not n copies of one
             job_sampling["seed"] = (job_sampling["seed"] + i) % 2**63
         # Pinned: a grammar (structured outputs, forced tool calls) would restart on a resumed stream.
-        # tool_choice auto is not: nothing shapes its text, whose calls are read from the relayed text
-        # (one continuous text across a resume).
-        jobs.append(Job(req, prompt_ids, job_sampling, pinned="response_format" in sampling))
+        # tool_choice auto without one is not: nothing shapes its text, whose calls are read from the
+        # relayed text (one continuous text across a resume).
+        grammar = "response_format" in sampling or "structured_outputs" in sampling
+        jobs.append(Job(req, prompt_ids, job_sampling, pinned=grammar))
     try:
         sched.submit(*jobs)
     except QueueFull as exc:
@@ -350,7 +364,7 @@ class _Render:
         reader: ToolCallReader | None = None,
     ) -> None:
         self.chat = chat
-        self.reader = reader  # tool_choice auto: reads the calls back (the whole text, or streamed deltas)
+        self.reader = reader  # the tool parser: reads the calls back (the whole text, or streamed deltas)
         self.ids: list[list[int]] = [[] for _ in range(body.n)]  # each choice's tokens so far (reader)
         self.called = [False] * body.n  # whether the reader found calls in the choice's whole text
         self.streamed = [False] * body.n  # whether the reader streamed call fragments of the choice
@@ -358,9 +372,11 @@ class _Render:
         self.echo = echo
         self.token_ids = body.return_token_ids
         self.offsets = [len(echo)] * body.n
-        # A forced tool call: the function's name (named), or "" ('required': a JSON array of calls).
+        self.stream = body.stream
+        # A forced tool call the worker's own schema shapes (no tool parser): the function's name (named),
+        # or "" ('required': a JSON array of calls).
         self.forced: str | None = None
-        if isinstance(body, ChatCompletionRequest) and body.tool_schema() is not None:
+        if isinstance(body, ChatCompletionRequest) and body.tool_schema() is not None and reader is None:
             choice = body.tool_choice
             self.forced = choice.function.name if isinstance(choice, NamedToolChoice) else ""
         self.texts = [""] * body.n  # each choice's text so far (forced calls)
@@ -406,18 +422,20 @@ class _Render:
 
     def finish(self, index: int, reason: str | None) -> str | None:
         """The finish reason the client sees: 'tool_calls' for a 'required' call that ended by itself
-        (a named one keeps 'stop', as OpenAI and vLLM answer), and for calls read under tool_choice auto:
-        as vLLM answers, however the whole text ended, or a streamed one that ended by itself."""
-        if (reason is not None and self.called[index]) or (reason == "stop" and self.streamed[index]):
-            return "tool_calls"
+        (a named one keeps 'stop', as OpenAI and vLLM answer); for calls the tool parser reads, as
+        vLLM answers (``ToolCallReader.finish``)."""
+        if self.reader is not None:
+            return self.reader.finish(
+                reason, called=self.called[index], streamed=self.streamed[index], stream=self.stream
+            )
         return "tool_calls" if self.forced == "" and reason == "stop" else reason
 
     def read(self, index: int) -> dict[str, Any]:
-        """The message of a choice's whole text under tool_choice auto: the calls the reader finds
-        (with any content before them), else the text as content."""
+        """The message of a choice's whole text read by the tool parser: the calls it finds (with any
+        content before them), else the text as content."""
         assert self.reader is not None
         content, calls = self.reader.read(self.texts[index], self.ids[index])
-        self.called[index] = bool(calls)
+        self.called[index] = bool(calls) and not (self.reader.named or self.reader.required)
         return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
     def calls(self, index: int) -> list[dict[str, Any]]:

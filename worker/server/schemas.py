@@ -333,10 +333,12 @@ class ChatCompletionRequest(_Generation):
     )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         default=None,
-        description="'required' or a named function: the call is generated as JSON under structured outputs "
-        "(never preempted, as response_format); 'none': the tools are shown, not called; 'auto' (the "
+        description="'required' or a named function: for a model with a tool parser (spec.model.toolParser), "
+        "generated and read back as vLLM's server with that parser does (hermes: the model's own call "
+        "format under a structural tag), else the call is generated as JSON under structured outputs; "
+        "never preempted, as response_format; 'none': the tools are shown, not called; 'auto' (the "
         "default with tools): generated freely, the calls read back by the model's tool parser "
-        "(spec.model.toolParser; without one, refused).",
+        "(without one, refused).",
     )
     parallel_tool_calls: bool | None = Field(default=None, description="False: at most one call (required).")
     _unsupported: ClassVar[dict[str, str]] = {
@@ -399,10 +401,11 @@ class ChatCompletionRequest(_Generation):
             out["$defs"] = defs
         return out
 
-    def sampling(self) -> dict[str, Any]:
-        """As ``_Generation.sampling``, with a forced tool call's schema as structured outputs."""
+    def sampling(self, *, tool_grammar: bool = True) -> dict[str, Any]:
+        """As ``_Generation.sampling``, with a forced tool call's schema as structured outputs
+        (``tool_grammar``; off where the model's tool parser decides how calls are generated)."""
         out = super().sampling()
-        schema = self.tool_schema()
+        schema = self.tool_schema() if tool_grammar else None
         if schema is not None:
             out["response_format"] = {
                 "type": "json_schema",
@@ -413,6 +416,10 @@ class ChatCompletionRequest(_Generation):
     def auto_tools(self) -> bool:
         """Whether the model chooses whether to call (tool_choice auto, the default when tools are given)."""
         return self.tools is not None and self.tool_choice in (None, "auto")
+
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (tools given, tool_choice not 'none')."""
+        return self.tools is not None and self.tool_choice != "none"
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template (OpenAI's shape)."""
