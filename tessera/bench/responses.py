@@ -289,6 +289,6 @@ def generate(
         "new_rows": len(new),
         "seconds": seconds,
         "output_tokens": tokens,
-        "output_tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+        "output_tokens_per_s": tokens / seconds if seconds > 0 else None,  # JSON has no NaN
         "decodings": summarize(rows),
     }

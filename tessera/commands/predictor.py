@@ -185,7 +185,12 @@ def _gen_dataset(args: argparse.Namespace) -> int:
     print(
         f"wrote {summary['rows']} rows to {args.out} ({summary['missing']} missing: run again to resume); "
         f"this run {summary['new_rows']} answers, {summary['output_tokens']} tokens in "
-        f"{summary['seconds']:.0f} s ({summary['output_tokens_per_s']:.1f} tokens/s)"
+        f"{summary['seconds']:.0f} s"
+        + (
+            ""
+            if summary["output_tokens_per_s"] is None
+            else f" ({summary['output_tokens_per_s']:.1f} tokens/s)"
+        )
     )
     if args.summary:
         args.summary.write_text(json.dumps(summary, indent=2) + "\n")
