@@ -72,9 +72,9 @@ class PrometheusMetrics:
         return attainment_from_results(results) if results else None
 
     def loads(self, namespace: str, pool: str, window_s: float) -> dict[str, ModelLoad] | None:
-        """Every model's load in the pool over the last ``window_s`` seconds; None when Prometheus
-        cannot be reached."""
-        results = self._run(load_queries(namespace, pool, window_s))
+        """Every model's load in the pool over the last ``window_s`` seconds, every query evaluated at the
+        same instant (now); None when Prometheus cannot be reached."""
+        results = self._run(load_queries(namespace, pool, window_s, at=time.time()))
         return loads_from_results(results) if results is not None else None
 
     def batch_sizes(self, namespace: str, pool: str) -> dict[str, int] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -133,6 +134,8 @@ def test_load_queries_sample_every_counter_one_step_before_the_window() -> None:
         "slo_missed", "up",
     }  # fmt: skip
     assert queries["prompt_tokens"] == 'tessera_prompt_tokens_total{namespace="ns",pool="p"}[360s:60s]'
+    pinned = load_queries(NS, POOL, 300, at=1_700_000_000.25)
+    assert pinned["up"] == 'tessera_batch_size{namespace="ns",pool="p"}[360s:60s] @ 1700000000.250'
 
 
 def series(model: str, points: list[tuple[float, float]], **labels: str) -> dict[str, Any]:
@@ -172,6 +175,42 @@ def test_loads_count_increases_per_step_across_resets_and_new_series() -> None:
     assert load.prompt_tokens == (500, 300, 1000) and load.mean_prompt_tokens == pytest.approx(1800 / 20)
     assert load.e2e_seconds == 10 + 4 + 20 and load.slo_met == 4 + 2 + 8 and load.slo_missed == 1 + 0 + 2
     assert loads_from_results({"up": [series(a, [(0, 1)])]}) == {}
+
+
+def test_one_read_of_the_loads_evaluates_every_query_at_one_instant() -> None:
+    """A Prometheus whose clock moves on while the queries of one read arrive (1.3 s each: a slow server
+    or a loaded operator). Counters grow steadily from long before the window: 2 requests per second
+    finish, with 1000 prompt tokens and one later token each. Evaluated at their arrival, the queries
+    sample grids a step apart; pinned to one instant they measure the load exactly."""
+    subquery = re.compile(r"^(\w+)\{[^}]*\}\[(\d+)s:(\d+)s\](?: @ ([\d.]+))?$")
+    per_second = {
+        "tessera_e2e_seconds_count": 2.0,
+        "tessera_itl_seconds_count": 2.0,
+        "tessera_e2e_seconds_sum": 1.0,
+        "tessera_prompt_tokens_total": 2000.0,
+        "tessera_slo_met_total": 2.0,
+    }
+    clock = [1_700_000_000.9]
+
+    def prometheus(query: str) -> list[dict[str, Any]]:
+        found = subquery.match(query)
+        assert found, query
+        name, span, step, at = found[1], int(found[2]), int(found[3]), found[4]
+        end = float(at) if at else clock[0]
+        clock[0] += 1.3
+        if name not in (*per_second, "tessera_batch_size"):
+            return []  # no request was rejected or failed: those counters were never created
+        times = [k * step for k in range(math.floor((end - span) / step) + 1, math.floor(end / step) + 1)]
+        value = per_second.get(name, 0.0)
+        return [series(MODELS["a"], [(t, value * t if name in per_second else 8) for t in times])]
+
+    loads = PrometheusMetrics("http://prometheus", query=prometheus).loads(NS, POOL, 10)
+    assert loads is not None
+    load = loads[MODELS["a"]]
+    assert load.finished == (4, 4, 4, 4, 4)
+    assert load.rate == pytest.approx(2.0)
+    assert load.mean_prompt_tokens == pytest.approx(1000)
+    assert load.mean_output_tokens == pytest.approx(2)
 
 
 def test_batch_sizes_are_each_groups_mean_rounded() -> None:

@@ -258,12 +258,20 @@ def load_step_s(window_s: float) -> float:
     return float(max(1, min(MAX_BIN_S, math.floor(window_s / BINS_PER_WINDOW))))
 
 
-def load_queries(namespace: str, pool: str, window_s: float) -> dict[str, str]:
+def load_queries(namespace: str, pool: str, window_s: float, at: float | None = None) -> dict[str, str]:
     """The PromQL subqueries of every model's load in a pool over the last ``window_s`` seconds: each
-    counter sampled every step, one step before the window included (the baseline of the first step)."""
+    counter sampled every step, one step before the window included (the baseline of the first step).
+
+    ``at`` (Unix seconds) evaluates every subquery at that instant (the ``@`` modifier). Without it each
+    is evaluated when Prometheus receives it, and one sent after a step boundary that an earlier one did
+    not cross samples a grid shifted by a step: ``loads_from_results`` then finds its series missing at
+    the first point of the union grid, takes them for series new in the window, and counts their whole
+    value as the first step's increase."""
     sel = selector(namespace=namespace, pool=pool)
     step = load_step_s(window_s)
     span = f"[{int(math.ceil(window_s / step) * step + step)}s:{int(step)}s]"
+    if at is not None:
+        span += f" @ {at:.3f}"
     queries = {key: f"{name}{{{sel}}}{span}" for key, name in LOAD_COUNTERS.items()}
     # Present from a worker's start (unlike the counters, created on first use): which models were up.
     queries["up"] = f"tessera_batch_size{{{sel}}}{span}"
