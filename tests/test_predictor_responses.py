@@ -65,3 +65,18 @@ def test_a_stopped_run_keeps_only_the_answered_prefix_of_its_jobs() -> None:
     # p2 is still unanswered (a long answer in flight): p3's short answer and p1's sample wait for it
     assert answered_prefix(rows, order) == rows[:1]
     assert answered_prefix([*rows, _row("p2", "greedy", "b", 1)], order)[-1]["decoding"] == "t0.7-s1"
+
+
+def test_the_shipped_smollm2_head_reproduces_its_stored_metrics_on_its_dataset() -> None:
+    from tessera.predictor.evaluate import evaluate
+    from tessera.predictor.model import TextLengthPredictor, load_metadata
+    from tessera.predictor.train import DEFAULT_ARTIFACT_DIR, SERVED_TOKENIZER_FILE
+
+    folder = DEFAULT_ARTIFACT_DIR / "smollm2"
+    meta = load_metadata("smollm2")
+    assert meta["served_tokenizer"] == SERVED_TOKENIZER_FILE and meta["split"]["by"] == "prompt_id"
+    data = folder / Path(meta["config"]["data"]).name
+    assert {p.model for p in load_pairs(data)} == {"smollm2"}
+    got = evaluate(TextLengthPredictor("smollm2", threads=1), data, split="heldout", cache_dir=None)
+    stored = meta["validation"]
+    assert {k: got[k] for k in stored} == pytest.approx(stored, rel=1e-6)
