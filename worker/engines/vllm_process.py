@@ -38,6 +38,9 @@ class VLLMStartError(RuntimeError):
     """The vLLM server exited or did not become healthy in time; the message holds its log tail."""
 
 
+CPU_DEFAULT_BATCHED_TOKENS = 2048  # vLLM 0.32's --max-num-batched-tokens default for its server on CPUs
+
+
 @dataclass
 class VLLMServer:
     """One vLLM OpenAI server process on loopback.
@@ -105,6 +108,12 @@ class VLLMServer:
         cmd.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
         if self.enable_sleep_mode:
             cmd.append("--enable-sleep-mode")
+        # vLLM refuses a step token budget below --max-num-seqs, and its OpenAI server's default on the
+        # CPU is 2048 tokens: a worker whose batch bound is larger (QLM's 8192) failed to start.
+        if self.max_num_seqs > CPU_DEFAULT_BATCHED_TOKENS and not any(
+            a.split("=", 1)[0] == "--max-num-batched-tokens" for a in self.extra_args
+        ):
+            cmd += ["--max-num-batched-tokens", str(self.max_num_seqs)]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
