@@ -86,3 +86,16 @@ def test_profile_needs_the_kv_size_of_a_running_server(capsys) -> None:
 
     assert main(["profile", "--endpoint", "http://127.0.0.1:9"]) == 2
     assert "--kv-capacity-tokens is required with --endpoint" in capsys.readouterr().err
+
+
+def test_every_shipped_profile_reaches_a_worker_configuration() -> None:
+    """Local mode hands a model's profile to its workers: the re-measured smollm2-cpu fit has no fixed
+    prefill part (prefill_p0 0), which the worker configuration refused, so no SmolLM2 worker started."""
+    from tessera.api.worker_config import ProfileSpec
+    from tessera.core.profiles import PROFILES
+
+    for profile in PROFILES.values():
+        spec = ProfileSpec.from_profile(profile)
+        assert spec.to_profile(profile.name, profile.kv_capacity_tokens).prefill(100) > 0
+    with pytest.raises(ValueError, match="both 0"):
+        ProfileSpec(prefill_p0=0, prefill_p1=0)

@@ -98,8 +98,16 @@ class ProfileSpec(ApiModel):
     decode_c0: Positive = 0.004
     decode_c1: Annotated[float, Field(ge=0)] = 0.0002
     decode_c2: Annotated[float, Field(ge=0)] = 0.0
-    prefill_p0: Positive = 0.004
+    # A fitted prefill may have no fixed part (smollm2-cpu's fit: 0 s + 2.8 ms/token); it still takes
+    # time as long as one of the two is positive.
+    prefill_p0: Annotated[float, Field(ge=0)] = 0.004
     prefill_p1: Annotated[float, Field(ge=0)] = 0.00002
+
+    @model_validator(mode="after")
+    def _prefill_takes_time(self) -> ProfileSpec:
+        if self.prefill_p0 == 0 and self.prefill_p1 == 0:
+            raise ValueError("prefill_p0 and prefill_p1 are both 0: a prefill would take no time")
+        return self
 
     @classmethod
     def from_profile(cls, profile: StepProfile) -> ProfileSpec:
