@@ -93,7 +93,8 @@ class RouteRouter(ClusterRouter):
         loads = [
             InstanceLoad(i.name, req.model, i.role, i.profiles[req.model], i.max_batch, i.outstanding,
                          True, i.ready_at,
-                         sum(r.prompt_tokens for r in i.assigned) if self.uses_prefix else 0)
+                         sum(r.prompt_tokens for r in i.assigned if r.first_token_at is None)
+                         if self.uses_prefix else 0)
             for i in cands
         ]  # fmt: skip
         route_req = RouteRequest(req.model, req.service_class.kind, self.stats, view.now,

@@ -3,6 +3,7 @@ routes, and the router keeping a conversation on the instance that holds its pre
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -233,5 +234,37 @@ async def test_router_drops_the_prefix_entries_of_a_worker_that_restarted(tmp_pa
         assert router.healthy() == {ann: True, bob: True}  # never out of the rotation
         assert after == {ann: 0, bob: before[bob]}
         assert "ann" not in router.state.sessions and router.state.sessions["bob"] == bob
+    finally:
+        supervisor.stop_all()
+
+
+async def test_a_streamed_answers_prompt_stops_counting_as_prefill_ahead_at_its_first_token(
+    tmp_path: Path,
+) -> None:
+    """expected-ttft charges the prefill of the prompts on an instance that have no first token yet: a
+    stream that is decoding no longer delays the next request's first token by its prefill."""
+    supervisor = start_workers(tmp_path, 1)
+    try:
+        async with serve_router(supervisor.workers, route="cache-aware") as router:
+            load = next(iter(router.state.loads.values()))
+            body = {"model": MODEL, "prompt": "tell me a story " * 50, "max_tokens": 400, "ignore_eos": True,
+                    "stream": True}  # fmt: skip
+            url, headers = f"{router.url}/v1/completions", {CLASS_HEADER: "chat"}
+            async with (
+                httpx.AsyncClient(timeout=30) as client,
+                client.stream("POST", url, json=body, headers=headers) as resp,
+            ):
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if '"finish_reason": null' in line:
+                        break  # the first token has reached the client
+                during = (load.outstanding, load.outstanding_prompt_tokens)
+                row = (await client.get(f"{router.url}/router/status")).json()["instances"][0]
+            deadline = time.monotonic() + 10  # the relay ends when the router sees the client leave
+            while load.outstanding and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        assert during == (1, 0)
+        assert row["outstanding"] == 1 and row["promptTokensBeforeFirstToken"] == 0
+        assert (load.outstanding, load.outstanding_prompt_tokens) == (0, 0)  # nothing left over at the end
     finally:
         supervisor.stop_all()

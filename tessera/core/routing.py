@@ -69,7 +69,7 @@ class InstanceLoad:
     outstanding: int = 0  # requests sent there that have not ended
     healthy: bool = True
     ready_at: float = 0.0  # when the instance starts serving (the simulator's cold starts)
-    outstanding_prompt_tokens: int = 0  # prompt tokens of the requests outstanding there
+    outstanding_prompt_tokens: int = 0  # prompt tokens of the requests there without a first token
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +151,12 @@ def wait_scorer(settings: WaitSettings) -> Scorer:
 
 def ttft_scorer(settings: WaitSettings) -> Scorer:
     """Least expected time to the first token: the estimated wait for a batch slot, plus the prefill
-    of the prompt tokens outstanding there (CHOICE: all of them, as if none had finished its prefill;
-    exact for the long-prompt, short-answer requests where prefill dominates), plus the prefill of
-    the request's own prompt tokens the instance does not hold in its prefix cache. Cache affinity
-    and load in one unit, seconds."""
+    of the prompt tokens outstanding there of requests that have had no first token yet (CHOICE: a
+    non-streamed answer's prompt counts until the answer ends, as the router cannot see its first
+    token; counting every outstanding prompt until its answer ended took an instance busy decoding
+    long chat histories for seconds of prefill it no longer had, and moved sessions off their
+    cache), plus the prefill of the request's own prompt tokens the instance does not hold in its
+    prefix cache. Cache affinity and load in one unit, seconds."""
     wait = wait_scorer(settings)
 
     def score(req: RouteRequest, load: InstanceLoad) -> float:

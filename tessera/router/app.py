@@ -300,7 +300,8 @@ class RouterState:
                 "recentDecisions": list(self.recent)}  # fmt: skip
 
     def instance_rows(self) -> list[dict[str, Any]]:
-        """Every instance with its role, health, batch size, outstanding requests and estimated wait."""
+        """Every instance with its role, health, batch size, outstanding requests (and the prompt tokens of
+        those without a first token yet) and estimated wait."""
         return [
             {
                 "instance": x.instance,
@@ -309,6 +310,7 @@ class RouterState:
                 "healthy": x.healthy,
                 "batchSize": x.batch_size,
                 "outstanding": x.outstanding,
+                "promptTokensBeforeFirstToken": x.outstanding_prompt_tokens,
                 "estimatedWaitSeconds": estimated_wait(x, self.stats[x.model], self.z),
                 "prefixPromptTokens": self.prefix_tokens.get(x.instance, [0, 0])[0],
                 "prefixCachedTokens": self.prefix_tokens.get(x.instance, [0, 0])[1],

@@ -218,6 +218,9 @@ async def relay_events(
                 if found:
                     if not tokens:
                         metrics.ttft.labels(model, kind).observe(time.perf_counter() - start)
+                        # Its prefill is done: no longer ahead of the next request's first token.
+                        load.outstanding_prompt_tokens -= prompt_tokens
+                        prompt_tokens = 0
                     tokens += found
                 done = done or _DONE_MARK in window
                 failed = failed or _ERROR_MARK in window
