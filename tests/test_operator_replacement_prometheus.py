@@ -10,7 +10,9 @@ The production path: pool daemon tick -> ``Controller.due`` (the boundary) -> ``
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -23,11 +25,12 @@ import pytest_asyncio
 from kmock_harness import Harness, emulated_cluster
 from test_operator_autoscaling_prometheus import Prometheus, meta_labels, promql
 
-from tessera.bench.harness import WorkerChild, stream_one
+from tessera.bench.harness import StreamStat, WorkerChild, stream_one
 from tessera.control import pool_plan
 from tessera.control.children import CONFIG_KEY
 from tessera.core.planners import IntervalMetrics, ServiceInput
 from tessera.core.planners.replacement import IntervalSettings, next_replacement_interval, prediction_error
+from tessera.operator import status as st
 from tessera.operator.prometheus import PrometheusMetrics
 from tessera.worker.engines.vllm_process import free_port
 
@@ -45,8 +48,9 @@ INTERVAL = {"initialSeconds": 12, "minSeconds": 10, "maxSeconds": 30, "beta": 0.
 TICK_S = 0.25
 
 
-def docs() -> list[dict[str, Any]]:
-    """One pool of two instances, two services on the sim engine, one interactive class."""
+def docs(instances: int = 2, models: dict[str, str] = MODELS) -> list[dict[str, Any]]:
+    """One pool of ``instances`` instances, a service per model on the sim engine, one interactive
+    class."""
 
     def meta(name: str) -> dict[str, Any]:
         return {"name": name, "namespace": NAMESPACE, "uid": f"uid-{name}", "resourceVersion": "1"}
@@ -57,7 +61,7 @@ def docs() -> list[dict[str, Any]]:
         "metadata": {**meta(POOL), "annotations": {"tessera.dev/engine": "sim"}},
         "spec": {
             "gpu": {"type": "H100", "memory": "80Gi"},
-            "instances": {"min": 1, "max": 2},
+            "instances": {"min": 1, "max": instances},
             "autoscaling": {"enabled": False},
             "placement": {"strategy": "seallm", "replacementInterval": INTERVAL},
         },
@@ -78,10 +82,10 @@ def docs() -> list[dict[str, Any]]:
                 "poolRef": {"name": POOL},
                 "requestClasses": [{"name": "chat"}],
                 "scheduling": {"policy": "fcfs"},
-                "replicas": {"min": 1, "max": 2},
+                "replicas": {"min": 1, "max": instances},
             },
         }
-        for name, model in MODELS.items()
+        for name, model in models.items()
     ]
     return [pool, chat, *services]
 
@@ -126,6 +130,47 @@ async def clients(url: str, model: str, streams: int, until: float) -> int:
     return done
 
 
+async def placed_with_children(
+    harness: Harness, pool: dict[str, Any], services: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The pool's status, children and services once every group has its ConfigMap and every service
+    a planned load; None before."""
+    body = await harness.get(pool)
+    groups = ((body or {}).get("status") or {}).get("placement", {}).get("groups")
+    children = await harness.children(NAMESPACE)
+    bodies = [await harness.get(d) for d in services]
+    if (
+        groups
+        and all(("ConfigMap", f"{POOL}-{g['name']}-worker") in children for g in groups)
+        and all("load" in (b or {}).get("status", {}) for b in bodies)
+    ):
+        return {"status": body["status"], "children": children, "services": bodies}
+    return None
+
+
+async def serve_groups(
+    status: dict[str, Any],
+    children: dict[tuple[str, str], dict[str, Any]],
+    prom: Prometheus,
+    workers: list[WorkerChild],
+    tmp_path: Path,
+) -> dict[str, str]:
+    """One worker per group (ordinal 0) on the operator's configuration, scraped by Prometheus (appended
+    to ``workers``); returns a worker URL per model name."""
+    targets = []
+    url_of: dict[str, str] = {}
+    for group in status["placement"]["groups"]:
+        sts = f"{POOL}-{group['name']}"
+        config = json.loads(children[("ConfigMap", f"{sts}-worker")]["data"][CONFIG_KEY])
+        worker = await asyncio.to_thread(WorkerChild, config, tmp_path)
+        workers.append(worker)
+        targets.append((f"127.0.0.1:{worker.port}", meta_labels(children[("StatefulSet", sts)], 0)))
+        for model in config["models"]:
+            url_of.setdefault(model["name"], worker.url)
+    prom.set_targets(targets)
+    return url_of
+
+
 async def test_measured_rates_reach_placement_and_the_interval_adapts(
     operator_with_prometheus: tuple[Harness, int],
     planned: list[tuple[float, list[ServiceInput]]],
@@ -142,38 +187,15 @@ async def test_measured_rates_reach_placement_and_the_interval_adapts(
         for doc in documents:
             await harness.create(doc)
 
-        async def placed() -> dict[str, Any] | None:
-            body = await harness.get(pool)
-            groups = ((body or {}).get("status") or {}).get("placement", {}).get("groups")
-            children = await harness.children(NAMESPACE)
-            bodies = [await harness.get(d) for d in services_docs.values()]
-            if (
-                groups
-                and all(("ConfigMap", f"{POOL}-{g['name']}-worker") in children for g in groups)
-                and all("load" in (b or {}).get("status", {}) for b in bodies)
-            ):
-                return {"status": body["status"], "children": children, "services": bodies}
-            return None
-
-        found = await harness.eventually(placed)
+        found = await harness.eventually(
+            lambda: placed_with_children(harness, pool, list(services_docs.values()))
+        )
         first = found["status"]
         assert first["replacementIntervalSeconds"] == INTERVAL["initialSeconds"]
         for body in found["services"]:
             assert body["status"]["load"]["sources"]["requestsPerSecond"] == "default"
 
-        # One worker per group (ordinal 0) on the operator's configuration; Prometheus scrapes them.
-        targets = []
-        url_of: dict[str, str] = {}
-        for group in first["placement"]["groups"]:
-            sts = f"{POOL}-{group['name']}"
-            config = json.loads(found["children"][("ConfigMap", f"{sts}-worker")]["data"][CONFIG_KEY])
-            worker = await asyncio.to_thread(WorkerChild, config, tmp_path)
-            workers.append(worker)
-            labels = meta_labels(found["children"][("StatefulSet", sts)], 0)
-            targets.append((f"127.0.0.1:{worker.port}", labels))
-            for model in config["models"]:
-                url_of.setdefault(model["name"], worker.url)
-        prom.set_targets(targets)
+        url_of = await serve_groups(first, found["children"], prom, workers, tmp_path)
 
         # Load over two boundaries: the busy service at four times the quiet one's streams.
         start = time.time()
@@ -258,4 +280,322 @@ async def test_measured_rates_reach_placement_and_the_interval_adapts(
         f"{status['estimateError']:.3f}; interval 12 -> {interval:.1f}s; next boundary: estimate {kept}, "
         f"measured {later}, error {second['estimateError']:.3f}, interval -> "
         f"{second['replacementIntervalSeconds']:.1f}s"
+    )
+
+
+SHIFT_MODELS = {"grows": "org/grows-8B", "shrinks": "org/shrinks-8B"}
+# Open-loop arrivals per second, evenly spaced: at the shift one service's load doubles, the other's halves.
+BEFORE = {"grows": 2.0, "shrinks": 2.0}
+AFTER = {"grows": 4.0, "shrinks": 1.0}
+SHIFT_PROMPT = [7] * 8000  # token ids
+SHIFT_TOKENS = 4
+SHIFT_SLO = {"ttftSeconds": 1.0}
+
+
+def shift_docs() -> list[dict[str, Any]]:
+    """Four A100 instances for two services, each declared at the load before the shift (the first plan
+    gives each two); the class bounds TTFT only (the answers are a few tokens).
+
+    Placement weighs the load with the A100 profile of an 8B model (0.69 s to prefill these prompts), under
+    which two instances at 2 requests per second each are saturated and three at 4/3 are not. The sim
+    workers run the step profile of their configuration, which the operator leaves at the default (0.16 s
+    per prefill here): they serve every load of this test at a third of their time or less. So the
+    measured loads are the offered ones (an overloaded service's would be what it finished), and the
+    machine's scheduling delays, which on this loaded 2-core machine stretched the workers' real-time
+    steps well past their profile, cannot push them into overload.
+    One service per group: the sim engine runs each model of a worker on its own simulated GPU, so
+    co-located models would not share an instance's time as they do on a real GPU."""
+    documents = docs(instances=4, models=SHIFT_MODELS)
+    documents[0]["spec"]["gpu"]["type"] = "A100"
+    documents[0]["spec"]["placement"]["maxServicesPerGroup"] = 1
+    documents[1]["spec"]["slo"] = SHIFT_SLO
+    for service in documents[2:]:
+        service["spec"]["expectedLoad"] = {
+            "requestsPerSecond": BEFORE[service["metadata"]["name"]],
+            "promptTokens": len(SHIFT_PROMPT),
+            "outputTokens": SHIFT_TOKENS,
+        }
+        service["spec"]["model"]["maxModelLength"] = 2 * len(SHIFT_PROMPT)
+    return documents
+
+
+def instances(status: dict[str, Any]) -> dict[str, int]:
+    """Instances placed for each service (one service per group)."""
+    out = dict.fromkeys(SHIFT_MODELS, 0)
+    for group in status["placement"]["groups"]:
+        for name in group["services"]:
+            out[name] += sum(group["replicas"].values())
+    return out
+
+
+class Pods:
+    """The worker processes of the pool's StatefulSets, as the StatefulSet controller runs them: pods 0
+    to replicas - 1 of each group on its ConfigMap, each scraped by Prometheus with its pod's discovery
+    labels. A scale-down removes the highest ordinals."""
+
+    def __init__(self, prom: Prometheus, tmp: Path) -> None:
+        self.prom, self.tmp = prom, tmp
+        self.running: dict[tuple[str, int], tuple[WorkerChild, dict[str, str], list[str]]] = {}
+        self.retiring: list[tuple[WorkerChild, dict[str, str], list[str]]] = []
+
+    def urls(self, model: str) -> list[str]:
+        """The running workers serving ``model``, by pod name."""
+        return [w.url for _, (w, _, models) in sorted(self.running.items()) if model in models]
+
+    def _scrape(self) -> None:
+        pods = [*self.running.values(), *self.retiring]
+        self.prom.set_targets([(f"127.0.0.1:{w.port}", labels) for w, labels, _ in pods])
+
+    async def follow(self, status: dict[str, Any], children: dict[tuple[str, str], dict[str, Any]]) -> None:
+        """Start the pods that the placement in ``status`` adds, and take those it removes out of service
+        (no new requests; still scraped until ``retire``)."""
+        wanted = {
+            (f"{POOL}-{g['name']}", ordinal)
+            for g in status["placement"]["groups"]
+            for ordinal in range(sum(g["replicas"].values()))
+        }
+        new = sorted(wanted - set(self.running))
+
+        def start(sts: str) -> tuple[WorkerChild, list[str]]:
+            config = json.loads(children[("ConfigMap", f"{sts}-worker")]["data"][CONFIG_KEY])
+            return WorkerChild(config, self.tmp), [m["name"] for m in config["models"]]
+
+        started = await asyncio.gather(*(asyncio.to_thread(start, sts) for sts, _ in new))
+        for (sts, ordinal), (worker, models) in zip(new, started, strict=True):
+            self.running[(sts, ordinal)] = (
+                worker,
+                meta_labels(children[("StatefulSet", sts)], ordinal),
+                models,
+            )
+        self.retiring += [self.running.pop(key) for key in sorted(set(self.running) - wanted)]
+        self._scrape()
+
+    async def retire(self, load: OpenLoad) -> None:
+        """Stop the pods out of service once ``load`` has no request left on them and Prometheus has
+        scraped their last counts."""
+        deadline = time.monotonic() + 120
+        while any(load.in_flight.get(w.url) for w, _, _ in self.retiring):
+            assert time.monotonic() < deadline, "requests on the retired pods did not finish"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.5)  # two scrapes of the last counts
+        gone, self.retiring = self.retiring, []
+        self._scrape()
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w, _, _ in gone))
+
+    async def stop(self) -> None:
+        pods = [*self.running.values(), *self.retiring]
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w, _, _ in pods))
+
+
+class OpenLoad:
+    """Evenly spaced arrivals for each service at ``rates`` (open loop: a slow answer delays no later
+    request), each streamed to the service's running worker with the fewest of these requests in flight
+    (ties in turn), as a least-request balancer in front of the pods would; ``seen`` keeps what each
+    request saw."""
+
+    def __init__(self, pods: Pods, rates: dict[str, float]) -> None:
+        self.pods, self.rates = pods, dict(rates)
+        self.in_flight: dict[str, int] = {}
+        self.seen: list[tuple[str, float, StreamStat]] = []  # (service, sent at, what its client saw)
+        self.errors: list[BaseException] = []
+        self._turn = itertools.count()
+        self._requests: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        """Send until cancelled; then cancel the requests in flight."""
+        # A connection per request: over kept-alive ones a request failed with ReadError in one run (the
+        # server closes a connection idle for its keep-alive timeout, which can race with its reuse).
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            try:
+                await asyncio.gather(*(self._arrivals(http, name) for name in SHIFT_MODELS))
+            finally:
+                for task in self._requests:
+                    task.cancel()
+                await asyncio.gather(*self._requests, return_exceptions=True)
+
+    async def _arrivals(self, http: httpx.AsyncClient, name: str) -> None:
+        due = time.time()
+        while True:
+            due += 1 / self.rates[name]
+            await asyncio.sleep(max(0.0, due - time.time()))
+            task = asyncio.create_task(self._one(http, name))
+            self._requests.add(task)
+            task.add_done_callback(self._requests.discard)
+
+    async def _one(self, http: httpx.AsyncClient, name: str) -> None:
+        urls = self.pods.urls(SHIFT_MODELS[name])
+        turn = next(self._turn) % len(urls)
+        url = min(urls[turn:] + urls[:turn], key=lambda u: self.in_flight.get(u, 0))
+        self.in_flight[url] = self.in_flight.get(url, 0) + 1
+        sent = time.time()
+        body = {
+            "model": SHIFT_MODELS[name],
+            "prompt": SHIFT_PROMPT,
+            "max_tokens": SHIFT_TOKENS,
+            "ignore_eos": True,
+        }
+        try:
+            self.seen.append((name, sent, await stream_one(http, url, body, {"X-Tessera-Class": "chat"})))
+        except httpx.HTTPError as err:
+            self.errors.append(err)
+        finally:
+            self.in_flight[url] -= 1
+
+    def attainment(self, start: float, end: float) -> tuple[float, int]:
+        """The share of the requests sent in [start, end) that met the class's TTFT bound as their clients
+        saw it, and how many there were."""
+        judged = [stat for _, sent, stat in self.seen if start <= sent < end]
+        met = [s for s in judged if s.first - s.sent <= SHIFT_SLO["ttftSeconds"]]
+        return (len(met) / len(judged) if judged else math.nan), len(judged)
+
+
+@pytest.mark.timeout(300)
+async def test_a_load_shift_is_replaced_at_the_next_boundary(
+    operator_with_prometheus: tuple[Harness, int],
+    planned: list[tuple[float, list[ServiceInput]]],
+    tmp_path: Path,
+) -> None:
+    """At a boundary one service's load doubles and the other's halves. The next boundary, one interval
+    later, re-plans on the shifted load as measured and gives the growing service an instance of the
+    other's; the pods follow (one more for the one, one fewer for the other) and the next boundaries keep
+    that placement, the SLO met before and after. Each boundary's interval follows Eq. 8 from the estimate
+    of the plan made at the one before."""
+    harness, prom_port = operator_with_prometheus
+    documents = shift_docs()
+    pool, services_docs = documents[0], {name: documents[2 + i] for i, name in enumerate(SHIFT_MODELS)}
+    prom = Prometheus(prom_port, tmp_path)
+    pods = Pods(prom, tmp_path)
+    load = OpenLoad(pods, BEFORE)
+    sending: asyncio.Task[None] | None = None
+    retiring: asyncio.Task[None] | None = None
+
+    async def boundary(previous: dict[str, Any]) -> dict[str, Any]:
+        """The pool's status of the first re-placement pass at or after the boundary that ``previous`` (a
+        status) names, with the services' planned loads, once these are that pass's (written after the
+        pool's)."""
+        due = st.parse_time(previous["nextPlacementTime"])
+        assert due is not None
+
+        async def reached() -> dict[str, Any] | None:
+            status = ((await harness.get(pool)) or {}).get("status") or {}
+            placed = st.parse_time(status.get("lastPlacementTime"))
+            if placed is None or placed < due:
+                return None
+            rates = {s.name: round(s.request_rate, 4) for s in planned[-1][1]}
+            bodies = {name: await harness.get(doc) for name, doc in services_docs.items()}
+            loads = {name: ((b or {}).get("status") or {}).get("load", {}) for name, b in bodies.items()}
+            if {name: got.get("requestsPerSecond") for name, got in loads.items()} != rates:
+                return None
+            return {"pool": status, "loads": loads, "seen": time.time()}
+
+        return await harness.eventually(reached, timeout=max(0.0, due - time.time()) + 30)
+
+    try:
+        await asyncio.to_thread(prom.wait_ready)
+        for doc in documents:
+            await harness.create(doc)
+        found = await harness.eventually(
+            lambda: placed_with_children(harness, pool, list(services_docs.values()))
+        )
+        first = found["status"]
+        await pods.follow(first, found["children"])
+        sending = asyncio.create_task(load.run())
+        # The first boundary measures the load since the pods started, the second an interval of it; the
+        # shift comes once the second has measured.
+        boundaries = [await boundary(((await harness.get(pool)) or {})["status"])]
+        boundaries.append(await boundary(boundaries[-1]["pool"]))
+        load.rates.update(AFTER)
+        shifted = time.time()
+        boundaries.append(await boundary(boundaries[-1]["pool"]))
+        await pods.follow(boundaries[-1]["pool"], await harness.children(NAMESPACE))
+        followed = time.time()
+        retiring = asyncio.create_task(pods.retire(load))
+        # One boundary over the hand-over, one over an interval of the new placement.
+        for _ in range(2):
+            boundaries.append(await boundary(boundaries[-1]["pool"]))
+        await retiring
+    finally:
+        for task in (sending, retiring):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await harness.stop()
+        await pods.stop()
+        await asyncio.to_thread(prom.stop)
+
+    _, before, replaced, handover, after = boundaries
+    # 2/2 before the shift; from the first boundary after it, one interval later, more instances for the
+    # growing service and fewer for the other.
+    plans = [instances(b["pool"]) for b in boundaries]
+    assert plans[0] == plans[1] == {"grows": 2, "shrinks": 2}, plans
+    assert plans[2]["grows"] > 2 and plans[2]["shrinks"] < 2, (replaced["loads"], plans)
+    assert plans[3] == plans[4] == plans[2], plans
+    replanned = st.parse_time(replaced["pool"]["lastPlacementTime"])
+    due = st.parse_time(before["pool"]["nextPlacementTime"])
+    assert replanned is not None and due is not None
+    assert 0 <= replanned - due <= 10  # the first tick after nextPlacementTime, later on a loaded machine
+    assert replanned - shifted <= before["pool"]["replacementIntervalSeconds"] + 10
+    # Each boundary planned on the load its interval measured. The re-plan's window begins before the
+    # shift (the second boundary's pass, then a step: the baseline of its first), so it still holds some of
+    # the load before.
+    for b in boundaries[1:]:
+        for got in b["loads"].values():
+            assert got["sources"] == dict.fromkeys(
+                ("requestsPerSecond", "promptTokens", "outputTokens"), "measured"
+            )
+            assert got["meanPromptTokens"] == pytest.approx(len(SHIFT_PROMPT), rel=0.01)
+            assert got["meanOutputTokens"] == pytest.approx(SHIFT_TOKENS, rel=0.1)
+    for b, offered in ((before, BEFORE), (handover, AFTER), (after, AFTER)):
+        for name, got in b["loads"].items():
+            assert got["requestsPerSecond"] == pytest.approx(offered[name], rel=0.35), (name, b["loads"])
+    replan_rates = {name: got["requestsPerSecond"] for name, got in replaced["loads"].items()}
+    assert replan_rates["grows"] > 1.3 * BEFORE["grows"], replan_rates
+    assert replan_rates["shrinks"] < 0.8 * BEFORE["shrinks"], replan_rates
+    # The SLO as the operator measured it, over each interval's finished requests: met before the shift
+    # and over an interval of the new placement.
+    attainment = [b["pool"]["measured"]["sloAttainment"] for b in boundaries[1:]]
+    assert attainment[0] >= 0.9 and attainment[-1] >= 0.9, attainment
+    # Eq. 8 at every boundary: the estimate of the plan made at the one before against what was measured.
+    settings = IntervalSettings(
+        INTERVAL["initialSeconds"], INTERVAL["minSeconds"], INTERVAL["maxSeconds"], INTERVAL["beta"]
+    )
+    for previous, later in itertools.pairwise(boundaries):
+        estimate = IntervalMetrics(
+            previous["pool"]["placement"]["estimatedSloAttainment"],
+            previous["pool"]["placement"]["estimatedNormLatency"],
+        )
+        real = IntervalMetrics(
+            later["pool"]["measured"]["sloAttainment"], later["pool"]["measured"]["normLatency"]
+        )
+        assert later["pool"]["replacementIntervalSeconds"] == pytest.approx(
+            next_replacement_interval(
+                previous["pool"]["replacementIntervalSeconds"], estimate, real, settings
+            )
+        )
+    assert not load.errors, load.errors[:3]
+    assert all(stat.tokens == SHIFT_TOKENS for _, _, stat in load.seen)
+    trajectory = [
+        first["replacementIntervalSeconds"],
+        *(b["pool"]["replacementIntervalSeconds"] for b in boundaries),
+    ]
+    estimates = [round(b["pool"]["placement"]["estimatedSloAttainment"], 3) for b in boundaries[1:]]
+    clients_saw = {
+        "before": load.attainment(shifted - before["pool"]["measured"]["windowSeconds"], shifted),
+        "on the old placement": load.attainment(shifted, followed),
+        "after": load.attainment(after["seen"] - after["pool"]["measured"]["windowSeconds"], after["seen"]),
+    }
+    rates = [
+        tuple(b["loads"][n]["requestsPerSecond"] for n in SHIFT_MODELS) for b in (before, replaced, after)
+    ]
+    saw = {phase: (round(share, 3), n) for phase, (share, n) in clients_saw.items()}
+    print(
+        f"\ninstances {plans[1]} -> {plans[2]} at the boundary {replanned - shifted:.1f} s after the shift "
+        f"(interval {before['pool']['replacementIntervalSeconds']:.1f} s); pods followed "
+        f"{followed - shifted:.1f} s after it\n"
+        f"measured rates (grows, shrinks) before / at the re-plan / after: {rates}\n"
+        f"SLO attainment measured before / over the shift / over the hand-over / after: "
+        f"{[round(a, 3) for a in attainment]}; estimated at those boundaries {estimates}\n"
+        f"clients saw (attainment, requests): {saw}\n"
+        f"interval trajectory {[round(i, 1) for i in trajectory]} s"
     )
