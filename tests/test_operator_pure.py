@@ -211,7 +211,7 @@ def test_snapshot_from_prometheus_results() -> None:
         "batch_tokens": [_sample(0)],
         "interactive_rate": [_sample(4.5)],
     }
-    assert 'tessera_ttft_seconds_count{' in queries["interactive_rate"]
+    assert "tessera_ttft_seconds_count{" in queries["interactive_rate"]
     assert 'class=~"chat"' in queries["interactive_rate"]
     snap = snapshot_from_results(results, group, {"offline": 600.0}, now=1000.0)
     assert snap is not None and snap.interactive_arrival_rps == 4.5
