@@ -340,10 +340,11 @@ class Cluster:
             roles[inst.role] = roles.get(inst.role, 0) + 1
         held = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
         alive = ", ".join(f"{n} {role}" for role, n in sorted(roles.items())) or "none"
+        stuck = ", ".join(f"{i.name} ({i.outstanding})" for i in self.instances if i.outstanding) or "none"
         return (
             f"simulation stalled at t={self.now:.3f}s: {len(self._held)} requests held in the global queue "
-            f"({held}), nothing running, and the controller dispatched none for {MAX_IDLE_TICKS} ticks "
-            f"(instances: {alive}); the controller never gives held work an instance that takes it"
+            f"({held}), unfinished requests on instances that take no step: {stuck}; the controller moved "
+            f"none for {MAX_IDLE_TICKS} ticks (instances: {alive})"
         )
 
     def _route(self, req: Request) -> None:
@@ -413,8 +414,10 @@ class Cluster:
                 actions = self.controller.tick(self.view()) if self.controller is not None else []
                 self.apply(actions)
                 next_tick += interval
-                if ai >= n and self._held and not any(i.outstanding for i in self.instances):
-                    idle_ticks += 1  # only held requests are left; a controller must dispatch them
+                if ai >= n and t_inst == INF and (self._held or any(i.outstanding for i in self.instances)):
+                    # Every request has arrived and no instance has a step to take: only the controller
+                    # can still move the held or stuck work (dispatch it, add or restart an instance).
+                    idle_ticks += 1
                     if idle_ticks > MAX_IDLE_TICKS:
                         raise SimulationStalled(self._stall_message())
                 else:

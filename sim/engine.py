@@ -287,8 +287,18 @@ class SimInstance:
             return
         view = self.view(now)
         self.policy.observe(view)
-        if not self._apply(self.policy.schedule(view), now):  # else: loading a model
-            self._plan(now)
+        decision = self.policy.schedule(view)
+        if self._apply(decision, now):  # loading a model
+            return
+        self._plan(now)
+        if self.seg is None and not self.running:
+            # Nothing of the active model left to run, but the policy wants another model's requests
+            # and asked for no swap (a policy that is not model-aware, e.g. FCFS on a co-located
+            # group): load the first one's model, as the worker's scheduler holding work for a sleeping
+            # model asks the swapper for it once the active model has drained.
+            other = next((r.model for r in decision.run if r.model != self.active_model), None)
+            if other is not None and not self._load_model(other, now):
+                self._decide(now)
 
     def _apply(self, d: Decision, now: float) -> bool:
         """Apply a decision; True when the instance is now busy loading a model."""

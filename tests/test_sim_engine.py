@@ -192,3 +192,43 @@ def test_request_overhead_delays_entry_but_counts_from_arrival():
     assert slow[0].first_token_at - slow[0].arrival == pytest.approx(plain[0].first_token_at + 0.05)
     assert slow[0].finished_at == pytest.approx(plain[0].finished_at + 0.05)
     assert slow[0].arrival == 0.0
+
+
+@pytest.mark.parametrize("shared_kv", [False, True])
+def test_a_policy_blind_to_models_serves_a_co_located_group_model_after_model(shared_kv: bool):
+    """FCFS asks for no model swap; on an instance of two models the engine loads the other model once
+    the active one has nothing left to run, as the worker's scheduler holding work for a sleeping model
+    asks the swapper for it. Before, the instance took no step again and the run never ended."""
+    other = StepProfile("o", 0.01, 0.001, 0.0001, 0.1, 0.001, kv_capacity_tokens=16_000, weights_bytes=10**9)
+    cfg = ClusterConfig({"a": PROF, "b": other}, 1, EngineConfig(max_batch=8, shared_kv=shared_kv))
+    reqs = [
+        Request(f"{m}{i}", 0.01 * i, 10, 5, model=m, true_output_tokens=3)
+        for i in range(4)
+        for m in ("b", "a")
+    ]
+    result = Cluster(cfg, FCFS).run(reqs)
+    assert all(r.finished for r in reqs)
+    assert result.model_swaps >= (0 if shared_kv else 1)  # shared KV: both models stay resident
+
+
+def test_work_left_on_instances_that_take_no_step_is_a_stall_not_an_endless_run():
+    """Requests assigned to an instance whose policy never runs them, with a controller ticking: the run
+    ended only when the clock overflowed. It now stops with the instances that hold the work."""
+    from tessera.sim.cluster import ClusterController, SimulationStalled
+
+    class Idle(FCFS):
+        name = "idle"
+
+        def schedule(self, view: InstanceView) -> Decision:
+            return Decision(run=[])
+
+    class Ticks(ClusterController):
+        interval_s = 1.0
+
+        def tick(self, view):  # type: ignore[no-untyped-def]
+            return []
+
+    cfg = ClusterConfig({"default": PROF}, 1, EngineConfig(max_batch=8))
+    reqs = [Request("r", 0.0, 10, 5, true_output_tokens=3)]
+    with pytest.raises(SimulationStalled, match=r"instances that take no step: i0 \(1\)"):
+        Cluster(cfg, Idle, controller=Ticks()).run(reqs)
