@@ -437,7 +437,9 @@ def worker_config(
     first service's spec is the pod's and each other model carries its own in ``classSpecs`` (the class
     a header selects is the same for every model, its objectives are the model's).
     One pod runs one policy: co-located services use the first
-    service's, with its settings (``policy_settings``; SeaLLM groups run its DB policy across services).
+    service's, with its settings (``policy_settings``). Known gap: SeaLLM's placement judges a co-located
+    group under its DB temporal sharing, which the pod does not run (``tessera bench load-shift``'s
+    static row shows the difference).
     Streams are paced for the qoe policy (``PACED_POLICIES``). Per model: the KV capacity of the group
     (``memory_plan``), the context length (``maxModelLength``, else the one the placement reserved
     KV for, within the KV capacity) and model swapping (``sleepMode`` auto where ``swaps_models``: the
