@@ -38,7 +38,17 @@ OPERATOR_OWNED_VLLM_FLAGS = tuple(flag for flag, _ in VLLM_FLAG_SOURCES)
 # vLLM flags extraVllmArgs may set that the operator reads there (the GPU memory share for placement and
 # co-located models; vLLM's batched-token budget against --max-num-seqs): spelled exactly, or it would
 # not see them.
-VLLM_FLAGS_READ = ("--gpu-memory-utilization", "--max-num-batched-tokens")
+GPU_MEMORY_FLAG = "--gpu-memory-utilization"
+BATCHED_TOKENS_FLAG = "--max-num-batched-tokens"
+VLLM_FLAGS_READ = (GPU_MEMORY_FLAG, BATCHED_TOKENS_FLAG)
+
+
+def sets_flag(args: list[str], flag: str) -> bool:
+    """Whether vLLM arguments ``args`` set ``flag`` as ``flag value`` or ``flag=value`` (the spellings
+    extraVllmArgs allows for the flags in ``VLLM_FLAGS_READ``)."""
+    return any(a.split("=", 1)[0] == flag for a in args)
+
+
 DEFAULT_WORKER_IMAGE = "ghcr.io/tessera-dev/tessera-worker:0.1.0"
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 

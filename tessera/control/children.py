@@ -46,6 +46,7 @@ from pydantic.alias_generators import to_snake
 from tessera.api import API_VERSION, LLMService, RequestClassSpec, ServingPool
 from tessera.api.base import parse_quantity
 from tessera.api.llm_service import LLMServiceSpec
+from tessera.api.serving_pool import BATCHED_TOKENS_FLAG, GPU_MEMORY_FLAG, sets_flag
 from tessera.api.worker_config import WorkerConfig
 from tessera.control.inputs import pool_input, service_input
 from tessera.control.placement_sim import BLOCK_TOKENS, group_profiles
@@ -137,8 +138,6 @@ RESTART_FIELDS = ("name", "engine", "url", "launch", "sleepMode", "tokenizer", "
 # Andes pairs its QoE scheduler with the token pacer: it pauses a stream only while the reader's buffer
 # covers the pause, which holds when tokens reach the reader at the reading pace.
 PACED_POLICIES = frozenset({"qoe"})
-BATCHED_TOKENS_FLAG = "--max-num-batched-tokens"
-GPU_MEMORY_FLAG = "--gpu-memory-utilization"
 DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default token budget of one step on GPUs of 70 GiB or more
 # vLLM's sleep mode (model swapping by sleep / wake-up) is a development endpoint: the server needs it on.
 SLEEP_MODE_ENV = {"name": "VLLM_SERVER_DEV_MODE", "value": "1"}
@@ -302,7 +301,7 @@ def vllm_args(
     if gpu_memory_utilization is not None:
         extra = _without_flag(extra, GPU_MEMORY_FLAG)
         args += [GPU_MEMORY_FLAG, str(gpu_memory_utilization)]
-    if not any(a.split("=", 1)[0] == BATCHED_TOKENS_FLAG for a in extra):
+    if not sets_flag(extra, BATCHED_TOKENS_FLAG):
         args += [BATCHED_TOKENS_FLAG, str(max(pool.spec.autoscaling.batch_size.max, DEFAULT_BATCHED_TOKENS))]
     if swaps_models(pool, group):
         args.append("--enable-sleep-mode")

@@ -26,6 +26,8 @@ from types import TracebackType
 
 import httpx
 
+from tessera.api.serving_pool import BATCHED_TOKENS_FLAG, sets_flag
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now (the OS picks it)."""
@@ -110,10 +112,9 @@ class VLLMServer:
             cmd.append("--enable-sleep-mode")
         # vLLM refuses a step token budget below --max-num-seqs, and its OpenAI server's default on the
         # CPU is 2048 tokens: a worker whose batch bound is larger (QLM's 8192) failed to start.
-        if self.max_num_seqs > CPU_DEFAULT_BATCHED_TOKENS and not any(
-            a.split("=", 1)[0] == "--max-num-batched-tokens" for a in self.extra_args
-        ):
-            cmd += ["--max-num-batched-tokens", str(self.max_num_seqs)]
+        raise_budget = self.max_num_seqs > CPU_DEFAULT_BATCHED_TOKENS
+        if raise_budget and not sets_flag(self.extra_args, BATCHED_TOKENS_FLAG):
+            cmd += [BATCHED_TOKENS_FLAG, str(self.max_num_seqs)]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
