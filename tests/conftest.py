@@ -58,11 +58,8 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         extra_args=["--enforce-eager"],
         log_path=tmp_path_factory.mktemp("vllm-log") / "vllm.log",
     )
-    try:
-        server.start()
+    with server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

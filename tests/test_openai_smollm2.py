@@ -154,11 +154,8 @@ def smollm2_vllm(
         ],
         log_path=tmp_path_factory.mktemp("smollm2-vllm") / "vllm.log",
     )
-    try:
-        server.start()
+    with server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tessera.worker.engines.vllm_process import CPU_DEFAULT_BATCHED_TOKENS, VLLMServer
 
 
@@ -22,3 +24,19 @@ def test_a_batch_bound_above_vllms_cpu_token_budget_raises_the_budget_with_it() 
         Path("/m"), max_model_len=2048, max_num_seqs=8192, extra_args=["--max-num-batched-tokens=16384"]
     ).command()
     assert "--max-num-batched-tokens" not in given and given[-1] == "--max-num-batched-tokens=16384"
+
+
+def test_a_start_that_fails_inside_with_stops_what_it_launched() -> None:
+    """``with VLLMServer(...)`` stops the process group when the start fails or is interrupted, as the
+    fixtures' try/finally around start() did."""
+    server = VLLMServer(Path("/m"), max_model_len=2048)
+    stopped: list[bool] = []
+
+    def fail() -> VLLMServer:
+        raise KeyboardInterrupt
+
+    server.start = fail  # type: ignore[method-assign]
+    server.stop = lambda: stopped.append(True)  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt), server:
+        pass
+    assert stopped == [True]

@@ -207,7 +207,11 @@ class VLLMServer:
         return self.log_path.read_bytes()[-chars:].decode("utf-8", errors="replace")
 
     def __enter__(self) -> VLLMServer:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # a start interrupted or failed leaves no process behind
+            self.stop()
+            raise
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
