@@ -130,22 +130,32 @@ async def clients(url: str, model: str, streams: int, until: float) -> int:
     return done
 
 
-async def placed_with_children(
-    harness: Harness, pool: dict[str, Any], services: list[dict[str, Any]]
-) -> dict[str, Any] | None:
-    """The pool's status, children and services once every group has its ConfigMap and every service
-    a planned load; None before."""
-    body = await harness.get(pool)
-    groups = ((body or {}).get("status") or {}).get("placement", {}).get("groups")
-    children = await harness.children(NAMESPACE)
-    bodies = [await harness.get(d) for d in services]
-    if (
-        groups
-        and all(("ConfigMap", f"{POOL}-{g['name']}-worker") in children for g in groups)
-        and all("load" in (b or {}).get("status", {}) for b in bodies)
-    ):
-        return {"status": body["status"], "children": children, "services": bodies}
-    return None
+async def apply_and_place(
+    harness: Harness, prom: Prometheus, documents: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Prometheus ready first (the operator's first passes then find it: an unreachable one costs
+    retries), then ``documents`` (the pool, the class, the services) applied; the pool's status, its
+    children and the services' bodies once every group has its ConfigMap and every service a planned
+    load."""
+    await asyncio.to_thread(prom.wait_ready)
+    for doc in documents:
+        await harness.create(doc)
+    pool, services = documents[0], documents[2:]
+
+    async def placed() -> dict[str, Any] | None:
+        body = await harness.get(pool)
+        groups = ((body or {}).get("status") or {}).get("placement", {}).get("groups")
+        children = await harness.children(NAMESPACE)
+        bodies = [await harness.get(d) for d in services]
+        if (
+            groups
+            and all(("ConfigMap", f"{POOL}-{g['name']}-worker") in children for g in groups)
+            and all("load" in (b or {}).get("status", {}) for b in bodies)
+        ):
+            return {"status": body["status"], "children": children, "services": bodies}
+        return None
+
+    return await harness.eventually(placed)
 
 
 async def serve_groups(
@@ -179,17 +189,10 @@ async def test_measured_rates_reach_placement_and_the_interval_adapts(
     harness, prom_port = operator_with_prometheus
     documents = docs()
     pool, services_docs = documents[0], {name: documents[2 + i] for i, name in enumerate(MODELS)}
-    # Prometheus first: the operator's first passes then find it (an unreachable one costs retries).
     prom = Prometheus(prom_port, tmp_path)
     workers: list[WorkerChild] = []
     try:
-        await asyncio.to_thread(prom.wait_ready)
-        for doc in documents:
-            await harness.create(doc)
-
-        found = await harness.eventually(
-            lambda: placed_with_children(harness, pool, list(services_docs.values()))
-        )
+        found = await apply_and_place(harness, prom, documents)
         first = found["status"]
         assert first["replacementIntervalSeconds"] == INTERVAL["initialSeconds"]
         for body in found["services"]:
@@ -492,12 +495,7 @@ async def test_a_load_shift_is_replaced_at_the_next_boundary(
         return await harness.eventually(reached, timeout=max(0.0, due - time.time()) + 30)
 
     try:
-        await asyncio.to_thread(prom.wait_ready)
-        for doc in documents:
-            await harness.create(doc)
-        found = await harness.eventually(
-            lambda: placed_with_children(harness, pool, list(services_docs.values()))
-        )
+        found = await apply_and_place(harness, prom, documents)
         first = found["status"]
         await pods.follow(first, found["children"])
         sending = asyncio.create_task(load.run())
