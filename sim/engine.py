@@ -276,8 +276,9 @@ class SimInstance:
         return out
 
     # ---- decisions --------------------------------------------------------------------------
-    def _decide(self, now: float) -> None:
-        """Ask the policy, apply its decision and plan the next segment."""
+    def _decide(self, now: float, switched: bool = False) -> None:
+        """Ask the policy, apply its decision and plan the next segment (``switched``: the model was just
+        switched for the policy, which is not switched again in this decision)."""
         if now < self.ready_at:
             self.seg = _Segment("busy", now, self.ready_at)
             return
@@ -291,14 +292,14 @@ class SimInstance:
         if self._apply(decision, now):  # loading a model
             return
         self._plan(now)
-        if self.seg is None and not self.running:
+        if self.seg is None and not self.running and not switched:
             # Nothing of the active model left to run, but the policy wants another model's requests
             # and asked for no swap (a policy that is not model-aware, e.g. FCFS on a co-located
             # group): load the first one's model, as the worker's scheduler holding work for a sleeping
             # model asks the swapper for it once the active model has drained.
             other = next((r.model for r in decision.run if r.model != self.active_model), None)
             if other is not None and not self._load_model(other, now):
-                self._decide(now)
+                self._decide(now, switched=True)
 
     def _apply(self, d: Decision, now: float) -> bool:
         """Apply a decision; True when the instance is now busy loading a model."""
