@@ -76,9 +76,22 @@ def custom_path(body: dict[str, Any], name: str | None = None) -> str:
 @attrs.define(kw_only=True)
 class Emulator(kmock.KubernetesEmulator):
     """KMock's emulator, plus names for objects created with only metadata.generateName (kopf's
-    events), which the emulator would otherwise store all under the same missing name."""
+    events), which the emulator would otherwise store all under the same missing name, and refusals
+    that store nothing (see ``refuse``)."""
+
+    _refusals: dict[str, list[tuple[int, dict[str, Any]]]] = attrs.field(factory=dict)
+
+    def refuse(self, method: str, path: str, code: int, body: dict[str, Any]) -> None:
+        """Answer the next ``method path`` request with ``code`` and ``body`` and change nothing, as a
+        real API server refuses an invalid object. KMock's own reactions (``emulator[...] << 422``)
+        still store a create, so the refused object would appear on the next list."""
+        self._refusals.setdefault(f"{method.upper()} {path}", []).append((code, body))
 
     async def _handle(self, request: kmock.Request) -> Any:
+        pending = self._refusals.get(f"{request.method.value.upper()} {request.url.path}")
+        if pending:
+            code, body = pending.pop(0)
+            return aiohttp.web.json_response(body, status=code)
         data = request.data
         if request.action == kmock.action.CREATE and isinstance(data, dict):
             meta = data.setdefault("metadata", {})

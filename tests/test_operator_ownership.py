@@ -121,7 +121,7 @@ async def test_a_child_the_api_server_refuses_sets_invalid_and_is_not_sent_again
         'StatefulSet.apps "h100-pool-g0" is invalid: spec.template.spec.containers[0].image: Required value'
     )
     status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422}
-    cluster.emulator[f"post {sts_path}"][:1] << 422 << {**status, "message": said}
+    cluster.emulator.refuse("post", sts_path, 422, {**status, "message": said})
     docs = load_example(EXAMPLES / "quickstart.yaml", namespace)
     pool = of_kind(docs, POOL)[0]
     await apply_all(cluster, docs)
