@@ -1,6 +1,7 @@
 """The router's /metrics: answers by model, class kind and status (its own errors included), durations,
-the streamed TTFT, connection failures per instance and the instance gauges, over real HTTP handling
-(FastAPI's test client) with the workers answered by an httpx mock transport."""
+the client-side TTFT and SLO verdicts per class, connection failures per instance and the instance
+gauges, over real HTTP handling (FastAPI's test client) with the workers answered by an httpx mock
+transport."""
 
 from __future__ import annotations
 
@@ -90,9 +91,26 @@ def test_router_metrics_count_answers_errors_failover_and_instance_state() -> No
     assert requests("", "", "400") == 1  # not JSON
     duration = ("tessera_router_request_seconds_count", (("kind", "interactive"), ("model", MODEL)))
     assert got[duration] == 1
-    ttft = ("tessera_router_ttft_seconds_count", (("kind", "batch"), ("model", MODEL)))
-    assert got[ttft] == 1
-    assert ("tessera_router_ttft_seconds_count", (("kind", "interactive"), ("model", MODEL))) not in got
+    # The client-side TTFT of every answer, per class: a stream's first token chunk, a whole answer.
+    for kind, klass in (("batch", "offline"), ("interactive", "chat")):
+        assert (
+            got[("tessera_router_ttft_seconds_count", (("class", klass), ("kind", kind), ("model", MODEL)))]
+            == 1
+        )
+    # Both met their class's SLO (the mock answers at once); the refused connection was retried unseen.
+    for kind, klass in (("batch", "offline"), ("interactive", "chat")):
+        assert (
+            got[("tessera_router_slo_met_total", (("class", klass), ("kind", kind), ("model", MODEL)))] == 1
+        )
+        assert (
+            got[("tessera_router_slo_missed_total", (("class", klass), ("kind", kind), ("model", MODEL)))]
+            == 0
+        )
+    itl = (
+        "tessera_router_mean_itl_seconds_count",
+        (("class", "offline"), ("kind", "batch"), ("model", MODEL)),
+    )
+    assert got[itl] == 1  # the stream's three token chunks
     failed = hosts[failures[0]]
     assert got[("tessera_router_upstream_failures_total", (("instance", failed),))] == 1
     for inst in PLAN.instances:

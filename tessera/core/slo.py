@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tessera.core.request import Request
+from tessera.core.request import Phase, Request, ServiceClass
 
 
 def ttft(req: Request) -> float:
@@ -51,8 +51,9 @@ SLO_TOLERANCE_S = 1e-9  # a request that lands exactly on a bound meets it (floa
 def slo_met(req: Request) -> bool | None:
     """Whether finished ``req`` met its class's SLO; None when the class sets none (left out).
 
-    The one definition: the benches' attainment, local mode's report and the worker's
-    ``tessera_slo_met`` / ``tessera_slo_missed`` counters all use it.
+    The one definition: the benches' attainment, local mode's report, the worker's
+    ``tessera_slo_met`` / ``tessera_slo_missed`` counters and, through ``delivered_slo_met``, the
+    router's client-side ``tessera_router_slo_met`` / ``_missed`` all use it.
 
     - A batch class is judged by its deadline alone: met when the request finished within
       ``deadline_s`` of its arrival. Without a deadline it has no SLO (None), whatever TTFT or ITL it
@@ -78,6 +79,44 @@ def slo_met(req: Request) -> bool | None:
         itl = mean_itl(req)
         return itl is None or itl <= sc.itl_slo_s + SLO_TOLERANCE_S
     return True
+
+
+# Statuses of an answer the service failed: the client got no answer, so a class with an SLO missed it.
+# 429 is the service refusing work it could not take in time (queue or hold full), not a client mistake.
+_FAILED_BY_SERVICE = 429
+
+
+def delivered_slo_met(
+    service_class: ServiceClass,
+    *,
+    status: int,
+    arrival: float,
+    finished: float,
+    first_token: float | None = None,
+    last_token: float | None = None,
+    tokens: int = 0,
+) -> bool | None:
+    """``slo_met`` judged from what one hop delivered to its client (the router's view), not a second
+    definition: the delivery times become a finished ``Request`` that ``slo_met`` judges.
+
+    ``tokens`` pieces of text were sent, the first at ``first_token`` and the last at ``last_token``
+    (the mean ITL is what ``mean_itl`` computes from them); an answer sent in one piece is one token at
+    its send time, so an ITL bound constrains nothing there. An answer the service failed (5xx, 429)
+    misses any SLO its class has; a client error (other 4xx) or a client that left (499) is not judged
+    (None), like a class without an SLO.
+    """
+    failed = status >= 500 or status == _FAILED_BY_SERVICE
+    if not failed and not 200 <= status < 300:
+        return None
+    req = Request(id="delivered", arrival=arrival, prompt_tokens=0, max_tokens=max(1, tokens),
+                  service_class=service_class, phase=Phase.FINISHED, finished_at=finished)  # fmt: skip
+    if not failed and tokens > 0 and first_token is not None:
+        req.tokens.append(first_token)
+        if tokens > 1 and last_token is not None:
+            gap = (last_token - first_token) / (tokens - 1)
+            req.tokens.append_run(first_token + gap, tokens - 1, gap)
+    met = slo_met(req)
+    return met and not failed if met is not None else None
 
 
 def _qoe_function() -> Any:

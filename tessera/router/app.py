@@ -61,9 +61,17 @@ from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
 from tessera.router.headers import downstream_headers, upstream_headers
 from tessera.router.limits import RouterLimits
-from tessera.router.metrics import RouterMetrics
+from tessera.router.metrics import DeliveredSlo, RouterMetrics
 from tessera.router.payload import parse_payload, read_body
-from tessera.router.relay import Answer, Upstream, UpstreamClients, relay_events, send, unless_client_leaves
+from tessera.router.relay import (
+    Answer,
+    Upstream,
+    UpstreamClients,
+    record_delivery,
+    relay_events,
+    send,
+    unless_client_leaves,
+)
 
 POLL_INTERVAL_S = 1.0
 log = logging.getLogger(__name__)
@@ -154,6 +162,7 @@ class RouterState:
         # model -> configuration, for models whose instances all sleep (scale to zero): still listed
         # and classified, while the activator holds their requests
         self.dormant: dict[str, WorkerConfig] = {}
+        self.delivered = DeliveredSlo()  # what clients were delivered, judged per model and class
         self.update(backends)
 
     def update(self, backends: Sequence[Backend]) -> None:
@@ -297,7 +306,7 @@ class RouterState:
             for name, info in class_infos(config).items():
                 classes.setdefault(name, info.to_json())
         return {"classHeader": self.class_header, "classes": classes, "instances": self.instance_rows(),
-                "recentDecisions": list(self.recent)}  # fmt: skip
+                "recentDecisions": list(self.recent), "clientSlo": self.delivered.rows()}  # fmt: skip
 
     def instance_rows(self) -> list[dict[str, Any]]:
         """Every instance with its role, health, batch size, outstanding requests (and the prompt tokens of
@@ -399,7 +408,7 @@ def create_router_app(
                 await http.aclose()
 
     app = FastAPI(title="Tessera router", version="0.1.0", lifespan=lifespan)
-    metrics = RouterMetrics(state.instance_rows)
+    metrics = RouterMetrics(state.instance_rows, state.delivered)
     if activator is not None:
         metrics.registry.register(ActivationCollector(activator))
     app.state.limits = limits
@@ -461,6 +470,7 @@ def create_router_app(
     async def relay(http: HttpRequest, path: str) -> Response:
         start = time.perf_counter()
         model = kind = ""  # metric labels, set once known (an unserved model stays "")
+        service_class: ServiceClass | None = None  # the class's SLO, once known
         try:
             caller = caller_of(http)
             raw = await read_body(http, limits)
@@ -476,13 +486,18 @@ def create_router_app(
             entry = config.model(payload.model)
             assert entry is not None  # classify refused a model no worker serves
             spec = config.class_spec(entry, class_name)  # the model's own SLO and priority of the class
+            service_class = spec.to_service_class(class_name)
             slo = spec.slo.ttft_seconds
             session = http.headers.get(SESSION_HEADER) or payload.user
             up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text, slo,
                           session)  # fmt: skip
             answer = await unless_client_leaves(http, _activate_and_send(up, spec.priority))
         except ApiError as exc:
-            metrics.answered(model, kind, exc.status, time.perf_counter() - start)
+            end = time.perf_counter()
+            metrics.answered(model, kind, exc.status, end - start)
+            record_delivery(
+                metrics, model, kind, service_class, status=exc.status, arrival=start, finished=end
+            )
             raise
         except ClientDisconnect:  # left while sending the body
             answer = None
@@ -492,10 +507,16 @@ def create_router_app(
         upstream = answer.response
         out_headers = downstream_headers(upstream.headers.items(), answer.load.instance)
         if answer.streaming:
-            events = relay_events(state, metrics, answer.load, upstream, model=model, kind=kind, start=start,
-                                  prompt_tokens=answer.prompt_tokens)  # fmt: skip
+            events = relay_events(state, metrics, answer.load, upstream, model=model, kind=kind,
+                                  start=start, prompt_tokens=answer.prompt_tokens,
+                                  service_class=service_class)  # fmt: skip
             return StreamingResponse(events, upstream.status_code, headers=out_headers)
-        metrics.answered(model, kind, upstream.status_code, time.perf_counter() - start)
+        end = time.perf_counter()
+        metrics.answered(model, kind, upstream.status_code, end - start)
+        # The answer comes in one piece: the client's first token is the answer itself.
+        sent = end if upstream.status_code == 200 else None
+        record_delivery(metrics, model, kind, service_class, status=upstream.status_code, arrival=start,
+                        finished=end, first_token=sent, last_token=sent, tokens=1 if sent else 0)  # fmt: skip
         if upstream.status_code == 200:
             _observe_usage(state, model, upstream.content)
         return Response(upstream.content, upstream.status_code, headers=out_headers)

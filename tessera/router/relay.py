@@ -9,6 +9,9 @@
   worker cancels it (streams: Starlette stops the relay, which closes the upstream request too).
 - A stream the instance breaks off mid-way ends with an OpenAI-style SSE error event and
   ``data: [DONE]``, and counts as 502 in the router's metrics.
+
+Every answer of a known class is judged against its class's SLO as the client saw it
+(``record_delivery``): from its arrival at the router to the token chunks relayed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import httpx
 from fastapi import Request as HttpRequest
 
 from tessera.api.openai_errors import ApiError
+from tessera.core.request import ServiceClass
 from tessera.core.routing import CHARS_PER_TOKEN, InstanceLoad, NoInstance
+from tessera.core.slo import delivered_slo_met
 from tessera.router.metrics import RouterMetrics
 
 if TYPE_CHECKING:
@@ -180,6 +185,34 @@ async def send(state: RouterState, metrics: RouterMetrics, clients: UpstreamClie
         return Answer(load, response, streaming=False)
 
 
+def record_delivery(
+    metrics: RouterMetrics,
+    model: str,
+    kind: str,
+    service_class: ServiceClass | None,
+    *,
+    status: int,
+    arrival: float,
+    finished: float,
+    first_token: float | None = None,
+    last_token: float | None = None,
+    tokens: int = 0,
+) -> None:
+    """Record an answer's client-side TTFT (when a token reached the client), its mean ITL (a
+    successful stream of two token chunks or more) and its SLO verdict; nothing before the class is
+    known (``service_class`` None)."""
+    if service_class is None:
+        return
+    met = delivered_slo_met(service_class, status=status, arrival=arrival, finished=finished,
+                            first_token=first_token, last_token=last_token, tokens=tokens)  # fmt: skip
+    ttft = itl = None
+    if first_token is not None:
+        ttft = first_token - arrival
+        if 200 <= status < 300 and tokens > 1 and last_token is not None:
+            itl = (last_token - first_token) / (tokens - 1)
+    metrics.delivered(model, kind, service_class.name, met, ttft, itl)
+
+
 def _draining(response: httpx.Response) -> bool:
     """Whether a worker's answer says it is shutting down (its error code ``draining``)."""
     try:
@@ -199,11 +232,14 @@ async def relay_events(
     kind: str,
     start: float,
     prompt_tokens: int = 0,
+    service_class: ServiceClass | None = None,
 ) -> AsyncIterator[bytes | str]:
     """The instance's server-sent events as they come; an error event and ``[DONE]`` if the instance
     breaks off. Counts the answer when it ends: 200, 502 when it broke off or the worker ended it with
-    an error event of its own, 499 when the client left."""
+    an error event of its own, 499 when the client left; and records what it delivered against
+    ``service_class``'s SLO (``record_delivery``)."""
     tokens = 0
+    first_at = last_at = None  # when the first and the latest token chunks were relayed
     code = 499  # unless the stream reaches its end: Starlette stops the relay when the client leaves
     try:
         done = failed = False
@@ -216,8 +252,9 @@ async def relay_events(
                 # Token chunks are the ones whose choice is not finished (an estimate for stats).
                 found = window.count(_TOKEN_MARK)
                 if found:
+                    last_at = time.perf_counter()
                     if not tokens:
-                        metrics.ttft.labels(model, kind).observe(time.perf_counter() - start)
+                        first_at = last_at
                         # Its prefill is done: no longer ahead of the next request's first token.
                         load.outstanding_prompt_tokens -= prompt_tokens
                         prompt_tokens = 0
@@ -241,6 +278,9 @@ async def relay_events(
         await response.aclose()
         load.outstanding -= 1
         load.outstanding_prompt_tokens -= prompt_tokens
-        metrics.answered(model, kind, code, time.perf_counter() - start)
+        end = time.perf_counter()
+        metrics.answered(model, kind, code, end - start)
+        record_delivery(metrics, model, kind, service_class, status=code, arrival=start, finished=end,
+                        first_token=first_at, last_token=last_at, tokens=tokens)  # fmt: skip
         if tokens:
             state.stats[model].observe_output(tokens)
