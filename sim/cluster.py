@@ -29,7 +29,15 @@ from tessera.core.policy import Policy
 from tessera.core.prefix import PrefixIndex
 from tessera.core.profile import StepProfile
 from tessera.core.request import Request
-from tessera.core.routing import PREFIX_ROUTES, ROUTES, InstanceLoad, RouteRequest, make_route, seed_stats
+from tessera.core.routing import (
+    PREFIX_ROUTES,
+    ROUTES,
+    InstanceLoad,
+    RouteRequest,
+    make_route,
+    seed_stats,
+    uses_engine_blocks,
+)
 from tessera.sim.engine import EngineConfig, SimInstance
 
 INF = float("inf")
@@ -76,12 +84,15 @@ class RouteRouter(ClusterRouter):
     """A core route (``tessera.core.routing``: filters, scorers, a picker) over the simulated instances:
     the live router composes its routing from the same plugins. A cache-aware route keeps the same
     kind of prefix index the live router keeps: where it sent each prompt's blocks (the requests'
-    ``prefix_blocks``), not what the engines hold."""
+    ``prefix_blocks``), not what the engines hold. A route that reads what the engines report holding
+    (``precise-prefix``) reads each instance's own prefix cache: what a live engine's KV events would
+    have told the router, without their delay."""
 
     def __init__(self, route: str) -> None:
         self.name = route
         self.rule = make_route(route)
         self.uses_prefix = route in PREFIX_ROUTES
+        self.uses_engine = uses_engine_blocks(ROUTES[route])
         self.stats = seed_stats()  # the live router's seed statistics (it refines them from answers)
         self._index: PrefixIndex | None = None
 
@@ -105,6 +116,10 @@ class RouteRouter(ClusterRouter):
             matched = index.matched(blocks, (i.name for i in cands))
             cached = {n: min(m * req.prefix_block_tokens, req.prompt_tokens - 1) for n, m in matched.items()}
             route_req = replace(route_req, prompt_tokens=req.prompt_tokens, cached_tokens=cached)
+            if self.uses_engine:
+                size, most = req.prefix_block_tokens, req.prompt_tokens - 1
+                held = {i.name: min(i.held_prefix_blocks(blocks) * size, most) for i in cands}
+                route_req = replace(route_req, engine_cached_tokens=held)
         chosen = self.rule.pick(route_req, loads)
         if blocks:
             full = blocks[: req.prompt_tokens // req.prefix_block_tokens]

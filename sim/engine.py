@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -353,6 +353,16 @@ class SimInstance:
             self.prefill_tokens_computed += prefill
             self._start(req, now, prefill=prefill)
         return False
+
+    def held_prefix_blocks(self, block_ids: Sequence[object]) -> int:
+        """How many of ``block_ids``' leading blocks the prefix cache holds now (not touched as used:
+        a router asking is not a request using them)."""
+        hits = 0
+        for block_id in block_ids:
+            if block_id not in self.prefix_cache:
+                break
+            hits += 1
+        return hits
 
     def _cached_prefix(self, req: Request) -> int:
         """Prompt tokens of ``req`` held in the prefix cache: its longest run of leading blocks there

@@ -12,7 +12,8 @@ Real-engine fixtures (use them from ``@pytest.mark.integration`` tests only):
   ``TINY_MAX_MODEL_LEN`` (2048, the model's positions: long enough that a request outlives an
   abort on a quiet machine), ``--max-num-seqs`` 64, prefix caching on, 1 GiB of CPU KV cache,
   ``--enforce-eager``: on this CPU the torch.compile warm-up is about 70 s of a 135 s start under
-  load (the server log's "init engine ... took"); tests check behaviour, not speed.
+  load (the server log's "init engine ... took"); tests check behaviour, not speed. It publishes its
+  KV events (``vllm_server.kv_events_endpoint``; vLLM's CPU block size is 128 tokens).
   Use ``vllm_server.url`` (no ``/v1``). A test that kills it must bring it back on the same port
   before it ends (``vllm_server.launch(); vllm_server.wait_healthy()``).
 
@@ -55,6 +56,7 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         max_model_len=TINY_MAX_MODEL_LEN,
         max_num_seqs=64,
         kv_cache_gib=1,
+        kv_events_port=0,
         extra_args=["--enforce-eager"],
         log_path=tmp_path_factory.mktemp("vllm-log") / "vllm.log",
     )

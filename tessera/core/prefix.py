@@ -13,6 +13,10 @@ the rest of its prompt.
   tokenize (an approximate prefix index, as llm-d's approximate prefix scorer keeps).
 - ``PrefixIndex`` remembers which instance holds which blocks, with least-recently-used eviction per
   instance at its capacity (an estimate of the engine's own eviction).
+- ``EngineBlockIndex`` holds what each instance's engine itself reports holding: vLLM's KV events
+  (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) applied in order, for precise prefix
+  affinity. A restarted engine (its publisher numbers batches from 0 again, or its start time
+  changed) or lost events (a gap in the numbers) drop what the instance was believed to hold.
 
 Pure: time is passed in.
 """
@@ -21,9 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed of the first parent hash without PYTHONHASHSEED
 DEFAULT_TEXT_BLOCK_CHARS = 64  # characters per block of the approximate (text) index
@@ -33,6 +38,16 @@ def _sha256(value: Any) -> bytes:
     return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
+def first_parent_hash(seed: str = VLLM_DEFAULT_SEED) -> bytes:
+    """The parent hash of a chain's first block (vLLM's ``NONE_HASH``)."""
+    return _sha256(seed)
+
+
+def block_hash(parent: bytes, block_token_ids: Sequence[int], extra_keys: Any = None) -> bytes:
+    """vLLM's hash of one full block after the block whose hash is ``parent``."""
+    return _sha256((parent, tuple(block_token_ids), extra_keys))
+
+
 def token_block_hashes(
     token_ids: Sequence[int], block_size: int, *, seed: str = VLLM_DEFAULT_SEED, extra_keys: Any = None
 ) -> list[bytes]:
@@ -40,10 +55,10 @@ def token_block_hashes(
     block is not cached, so it has none). ``seed``: the server's ``PYTHONHASHSEED`` when it sets one."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    parent = _sha256(seed)
+    parent = first_parent_hash(seed)
     hashes: list[bytes] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = _sha256((parent, tuple(token_ids[start : start + block_size]), extra_keys))
+        parent = block_hash(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes
 
@@ -101,3 +116,171 @@ class PrefixIndex:
     def blocks(self, instance: str) -> int:
         """How many blocks ``instance`` is believed to hold."""
         return len(self._blocks.get(instance, ()))
+
+
+# ---- what the engine reports holding (vLLM's KV events) ---------------------------------------------
+
+KV_EVENTS_TOPIC = "kv-events"  # the topic Tessera launches vLLM's KV-event publisher with and subscribes to
+ENGINE_MEDIA = (None, "GPU")  # vLLM's own KV pool publishes "GPU" (on CPU builds too); offload tiers others
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """The engine cached full blocks (vLLM's ``BlockStored``): their hashes in chain order, the hash of
+    the block before the first (None: the first is a prompt's first block), their token ids in order."""
+
+    block_hashes: tuple[Hashable, ...]
+    parent_block_hash: Hashable | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    extra_keys: tuple[Any, ...] | None = None  # per block: LoRA, multimodal, cache salt keys (None: none)
+    medium: str | None = None
+    group_idx: int | None = None  # KV cache group (hybrid models have several)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """The engine evicted blocks (vLLM's ``BlockRemoved``)."""
+
+    block_hashes: tuple[Hashable, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The engine emptied its prefix cache (vLLM's ``AllBlocksCleared``: a prefix-cache reset)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+Dropped = Literal["restart", "gap"]
+
+
+class EngineBlockIndex:
+    """Which blocks each instance's engine reports holding, from its KV events, and how many of a
+    request's leading blocks each holds (the same question as ``PrefixIndex.matched``, answered from
+    the engine's own cache instead of where the router sent prompts).
+
+    CHOICE: blocks are keyed by this index's own chain over the events' token ids (``block_hash``
+    from ``seed``), not by the engine's hashes, which serve only to find a stored block's parent and
+    the blocks a removal names. The engine's hashes equal that chain only while it runs vLLM's default
+    ``sha256`` algorithm without ``PYTHONHASHSEED``; ``xxhash`` (a random per-process seed), another
+    seed or 64-bit integer hashes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) would make every lookup
+    miss, while the token ids match whatever the engine hashes with, for one SHA-256 per stored block.
+    A block whose hash carries extra keys (LoRA, multimodal input, cache salt) cannot be matched from
+    tokens alone and is not indexed, nor are blocks of another block size, of a KV cache group other
+    than the first, of an offload tier, or whose parent the index never saw (stored before it
+    subscribed); ``skipped`` counts them."""
+
+    def __init__(self, block_size: int, *, seed: str = VLLM_DEFAULT_SEED) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._root = first_parent_hash(seed)
+        self._held: dict[str, dict[Hashable, bytes]] = {}  # instance -> engine hash -> own chain hash
+        self._own: dict[str, Counter[bytes]] = {}  # instance -> own chain hash -> engine blocks with it
+        self._seq: dict[str, int] = {}  # instance -> number of its last batch applied
+        self._started: dict[str, float] = {}  # instance -> its engine's start time
+        self.skipped: Counter[str] = Counter()  # instance -> stored blocks not indexed
+
+    def apply(self, instance: str, seq: int, events: Iterable[KVEvent]) -> Dropped | None:
+        """Apply one batch of ``instance``'s events, numbered ``seq`` by its publisher (vLLM numbers
+        batches from 0 in each process). A number at or below the last one comes from a new publisher:
+        the engine restarted with an empty cache. A number past the next one means batches were lost,
+        so what the instance holds is unknown (CHOICE: forget rather than keep blocks it may have
+        evicted, which would draw requests to it for nothing). Either drops what the instance was
+        believed to hold before the batch is applied, and is returned; None otherwise."""
+        last = self._seq.get(instance)
+        dropped: Dropped | None = None
+        if last is not None and seq <= last:
+            dropped = "restart"
+        elif last is not None and seq > last + 1:
+            dropped = "gap"
+        if dropped is not None:
+            self.forget(instance)
+        self._seq[instance] = seq
+        held = self._held.setdefault(instance, {})
+        own = self._own.setdefault(instance, Counter())
+        for event in events:
+            if isinstance(event, AllBlocksCleared):
+                held.clear()
+                own.clear()
+            elif isinstance(event, BlockRemoved):
+                if event.medium in ENGINE_MEDIA and event.group_idx in (None, 0):
+                    for engine_hash in event.block_hashes:
+                        chain = held.pop(engine_hash, None)
+                        if chain is not None:
+                            own[chain] -= 1
+                            if own[chain] <= 0:
+                                del own[chain]
+            else:
+                self._store(instance, event, held, own)
+        return dropped
+
+    def _store(
+        self, instance: str, event: BlockStored, held: dict[Hashable, bytes], own: Counter[bytes]
+    ) -> None:
+        size = self.block_size
+        usable = event.medium in ENGINE_MEDIA and event.group_idx in (None, 0) and event.block_size == size
+        parent = self._root if event.parent_block_hash is None else held.get(event.parent_block_hash)
+        for i, engine_hash in enumerate(event.block_hashes):
+            tokens = event.token_ids[i * size : (i + 1) * size]
+            keyed = (
+                event.extra_keys is not None and i < len(event.extra_keys) and event.extra_keys[i] is not None
+            )
+            if not usable or parent is None or keyed or len(tokens) < size:
+                self.skipped[instance] += len(event.block_hashes) - i  # their children cannot chain either
+                return
+            parent = block_hash(parent, tokens)
+            if engine_hash not in held:
+                own[parent] += 1
+                held[engine_hash] = parent
+
+    def engine_started(self, instance: str, started: float) -> bool:
+        """Record ``instance``'s engine start time; a changed one (a restart that the event numbers may
+        not show: batches of the new engine lost while reconnecting) drops what it held. Whether it did."""
+        before = self._started.get(instance)
+        self._started[instance] = started
+        if before is not None and before != started:
+            self.forget(instance)
+            return True
+        return False
+
+    def forget(self, instance: str) -> None:
+        """Drop what ``instance`` was believed to hold (its cache is empty or unknown); its feed stays
+        known, holding nothing until new events arrive."""
+        if instance in self._held:
+            self._held[instance] = {}
+            self._own[instance] = Counter()
+        self._seq.pop(instance, None)
+
+    def untrack(self, instance: str) -> None:
+        """``instance`` has no event feed any more (it left): requests fall back to other evidence."""
+        for table in (self._held, self._own, self._seq, self._started):
+            table.pop(instance, None)
+        self.skipped.pop(instance, None)
+
+    def tracks(self, instance: str) -> bool:
+        """Whether events of ``instance`` arrived since it was last untracked."""
+        return instance in self._held
+
+    def matched(self, hashes: Sequence[bytes], instances: Iterable[str]) -> dict[str, int]:
+        """Per tracked instance among ``instances``, how many of ``hashes``' leading blocks (this index's
+        chain: ``token_block_hashes`` with its block size and seed) its engine holds. Instances without
+        an event feed are left out, so that a caller can tell "holds none" from "unknown"."""
+        out: dict[str, int] = {}
+        for name in instances:
+            own = self._own.get(name)
+            if own is None:
+                continue
+            n = 0
+            for h in hashes:
+                if h not in own:
+                    break
+                n += 1
+            out[name] = n
+        return out
+
+    def blocks(self, instance: str) -> int:
+        """How many blocks ``instance``'s engine reports holding."""
+        return len(self._held.get(instance, ()))

@@ -25,6 +25,9 @@ The built-in routes:
   cache (``tessera.core.prefix`` tracks which blocks each instance holds).
 - ``prefix``: as ``least-wait``'s candidates, ranked by cached prompt tokens alone (the baseline that
   piles onto hot instances).
+- ``precise-prefix``: as ``prefix``, but ranked by the prompt tokens the instance's engine itself
+  reports holding (its KV events, ``tessera.core.prefix.EngineBlockIndex``); an instance without an
+  event feed is ranked by the router's own estimate unless the scorer's ``fallback`` is off.
 - ``slo-prefix``: the instances where the request's expected time to first token meets its class's
   TTFT SLO (all when none does), the session's last instance first (a session sticks while that
   instance has headroom), then by cached prompt tokens, then expected time to first token, then
@@ -83,6 +86,8 @@ class RouteRequest:
     prompt_tokens: int = 0  # prompt length (an estimate where the caller does not tokenize)
     ttft_slo_s: float | None = None  # the class's TTFT SLO, when it has one
     cached_tokens: Mapping[str, int] = field(default_factory=dict)  # instance -> prompt tokens it holds
+    # instance -> prompt tokens its engine reports holding, for the instances with a KV-event feed only
+    engine_cached_tokens: Mapping[str, int] = field(default_factory=dict)
     session_instance: str | None = None  # the instance the request's session used last
 
 
@@ -185,6 +190,29 @@ def prefix_affinity(req: RouteRequest, load: InstanceLoad) -> int:
     return -req.cached_tokens.get(load.instance, 0)
 
 
+class PrecisePrefixSettings(BaseModel):
+    """Parameters of the ``precise-prefix`` scorer."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    fallback: bool = Field(
+        True,
+        description="rank an instance without a KV-event feed by the router's own estimate of its cache "
+        "(cached_tokens); off: as holding nothing",
+    )
+
+
+def precise_prefix_scorer(settings: PrecisePrefixSettings) -> Scorer:
+    """More prompt tokens cached first, as the engine reports them (its KV events): what it evicted or
+    lost in a restart no longer counts, and what another router sent there does."""
+
+    def score(req: RouteRequest, load: InstanceLoad) -> int:
+        if load.instance in req.engine_cached_tokens:
+            return -req.engine_cached_tokens[load.instance]
+        return -req.cached_tokens.get(load.instance, 0) if settings.fallback else 0
+
+    return score
+
+
 def session_affinity(req: RouteRequest, load: InstanceLoad) -> int:
     """The instance the request's session used last first (its context is likely cached there)."""
     return 0 if req.session_instance is not None and load.instance == req.session_instance else 1
@@ -228,6 +256,7 @@ SCORERS: dict[str, tuple[type[BaseModel], Callable[[Any], Scorer]]] = {
     "estimated-wait": (WaitSettings, wait_scorer),
     "expected-ttft": (WaitSettings, ttft_scorer),
     "prefix-affinity": (NoSettings, _fixed(prefix_affinity)),
+    "precise-prefix": (PrecisePrefixSettings, precise_prefix_scorer),
     "session-affinity": (NoSettings, _fixed(session_affinity)),
     "role-preference": (NoSettings, _fixed(role_preference)),
     "outstanding": (NoSettings, _fixed(outstanding)),
@@ -333,6 +362,10 @@ ROUTES: dict[str, RouteSpec] = {
         filters=("serves-model", "healthy", "class-roles"),
         scorers=(ScorerSpec(name="prefix-affinity"), ScorerSpec(name="outstanding"), ScorerSpec(name="name")),
     ),
+    "precise-prefix": RouteSpec(
+        filters=("serves-model", "healthy", "class-roles"),
+        scorers=(ScorerSpec(name="precise-prefix"), ScorerSpec(name="outstanding"), ScorerSpec(name="name")),
+    ),
     "slo-prefix": RouteSpec(
         filters=("serves-model", "healthy", "class-roles", "slo-headroom"),
         scorers=(
@@ -348,7 +381,13 @@ ROUTES: dict[str, RouteSpec] = {
 }
 
 
-PREFIX_ROUTES = ("cache-aware", "prefix", "slo-prefix")  # routes that read where prompts' blocks are cached
+# routes that read where prompts' blocks are cached
+PREFIX_ROUTES = ("cache-aware", "prefix", "precise-prefix", "slo-prefix")
+
+
+def uses_engine_blocks(spec: RouteSpec) -> bool:
+    """Whether a route reads what the engines report holding (``engine_cached_tokens``)."""
+    return any(s.name == "precise-prefix" for s in spec.scorers)
 
 
 def make_route(name: str, **overrides: Any) -> Route:

@@ -14,6 +14,7 @@ Facts about vLLM 0.32 this relies on (checked against its ``--help`` and source)
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from types import TracebackType
 import httpx
 
 from tessera.api.serving_pool import BATCHED_TOKENS_FLAG, sets_flag
+from tessera.core.prefix import KV_EVENTS_TOPIC
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -62,6 +64,9 @@ class VLLMServer:
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False  # CUDA/ROCm only in vLLM 0.32
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: /sleep, /wake_up, /is_sleeping
+    # vLLM's KV events on a ZMQ PUB socket at this port (tessera.router.kv_events subscribes); 0: a free
+    # port picked at the first launch; None: no events
+    kv_events_port: int | None = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # added last (e.g. VLLM_CPU_OMP_THREADS_BIND)
     log_path: Path | None = None  # default: <tmp>/vllm-<port>.log
@@ -78,6 +83,11 @@ class VLLMServer:
     def model_name(self) -> str:
         """The model name clients send (``--served-model-name``, else the model directory)."""
         return self.served_model_name or str(self.model_dir)
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """Where a subscriber connects for the KV events (None without them)."""
+        return None if self.kv_events_port is None else f"tcp://{self.host}:{self.kv_events_port}"
 
     @property
     def pid(self) -> int | None:
@@ -110,6 +120,11 @@ class VLLMServer:
         cmd.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
         if self.enable_sleep_mode:
             cmd.append("--enable-sleep-mode")
+        if self.kv_events_port is not None:
+            # "*": vLLM binds an endpoint with a wildcard host and connects to any other
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": KV_EVENTS_TOPIC,
+                      "endpoint": f"tcp://*:{self.kv_events_port}"}  # fmt: skip
+            cmd += ["--kv-events-config", json.dumps(config)]
         # vLLM refuses a step token budget below --max-num-seqs, and its OpenAI server's default on the
         # CPU is 2048 tokens: a worker whose batch bound is larger (QLM's 8192) failed to start.
         raise_budget = self.max_num_seqs > CPU_DEFAULT_BATCHED_TOKENS
@@ -135,6 +150,8 @@ class VLLMServer:
             return
         if self.port == 0:
             self.port = free_port(self.host)
+        if self.kv_events_port == 0:
+            self.kv_events_port = free_port(self.host)
         if self.log_path is None:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
