@@ -148,6 +148,7 @@ class AddInstance:
     models: tuple[str, ...] | None = None  # None: the cluster's models
     max_batch: int | None = None
     profiles: Mapping[str, StepProfile] | None = None  # the models' profiles here; None: the cluster's
+    policy: PolicyFactory | None = None  # this instance's policy (its pod's); None: the cluster's
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,10 +268,12 @@ class Cluster:
         *,
         cold: bool = True,
         profiles: Mapping[str, StepProfile] | None = None,
+        policy: PolicyFactory | None = None,
     ) -> SimInstance:
         """Create an instance now; with ``cold`` it is ready after its profile's cold start.
         ``profiles`` replaces the cluster's profiles of these models on this instance (its own
-        tensor-parallel degree or KV pool)."""
+        tensor-parallel degree or KV pool); ``policy`` the cluster's policy factory (the policy its
+        pod runs)."""
         known = self.config.profiles if profiles is None else profiles
         names = list(models) if models is not None else list(known)
         unknown = [m for m in names if m not in known]
@@ -281,7 +284,7 @@ class Cluster:
         inst = SimInstance(
             f"i{next(self._names)}",
             profiles,
-            self.policy_factory(),
+            (policy or self.policy_factory)(),
             self.config.engine,
             role=role,
             created_at=self.now,
@@ -318,7 +321,9 @@ class Cluster:
         """Apply controller actions at the current time."""
         for act in actions:
             if isinstance(act, AddInstance):
-                self.add_instance(act.role, act.models, act.max_batch, profiles=act.profiles)
+                self.add_instance(
+                    act.role, act.models, act.max_batch, profiles=act.profiles, policy=act.policy
+                )
             elif isinstance(act, DrainInstance):
                 inst = self._find(act.name)
                 inst.draining = True

@@ -18,8 +18,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tessera.api.worker_config import ConfigError, ModelEntry, WorkerConfig, load_config
-from tessera.core.policy import Policy
-from tessera.core.registry import make_policy
 from tessera.core.request import ServiceClass
 from tessera.worker.engines.base import Engine, EngineError
 from tessera.worker.metrics import WorkerMetrics
@@ -32,10 +30,6 @@ log = logging.getLogger(__name__)
 
 class RestartRequired(ConfigError):
     """The new configuration changes what only a restart applies (the model list)."""
-
-
-def _policy(config: WorkerConfig) -> Policy:
-    return make_policy(config.scheduling.policy, **config.scheduling.settings)
 
 
 def _class_limits(config: WorkerConfig, model: ModelEntry) -> dict[str, int | None]:
@@ -94,7 +88,7 @@ class Worker:
             engine = self.engines[entry.name]
             self.schedulers[entry.name] = ModelScheduler(
                 engine,
-                _policy(self.config),
+                self.config.make_policy(),
                 profile=entry.profile.to_profile(entry.name, entry.kv_capacity_tokens),
                 batch=self.config.scheduling.batch,
                 autoscale=self.config.scheduling.autoscale,
@@ -237,7 +231,7 @@ class Worker:
                     f"of model {model} was started with; restart the worker pod to raise it"
                 )
         try:
-            policies = {name: _policy(new) for name in self.schedulers}  # fail before changing anything
+            policies = {name: new.make_policy() for name in self.schedulers}  # fail before changing anything
         except ValueError as exc:
             raise ConfigError(f"scheduling: {exc}") from None
         self.config = new

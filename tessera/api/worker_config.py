@@ -35,7 +35,9 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from tessera.api.base import ApiModel
 from tessera.api.files import read_json_or_yaml
 from tessera.api.request_class import RequestClassSpec
+from tessera.core.policy import Policy
 from tessera.core.profile import StepProfile
+from tessera.core.registry import make_policy
 
 Positive = Annotated[float, Field(gt=0)]
 # Benchmark-only request header: the request's true output length (scheduling.benchHints).
@@ -355,6 +357,11 @@ class WorkerConfig(ApiModel):
                     f"({', '.join(sorted(self.classes))})"
                 )
         return self
+
+    def make_policy(self) -> Policy:
+        """A new instance of the policy the pod's schedulers run (``scheduling.policy`` with its
+        settings): the worker's, and the simulated pod's in ``tessera bench load-shift``."""
+        return make_policy(self.scheduling.policy, **self.scheduling.settings)
 
     def model(self, name: str) -> ModelEntry | None:
         """The model entry called ``name``."""

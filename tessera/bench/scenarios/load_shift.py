@@ -21,7 +21,8 @@ Workload (``--set`` options, defaults in brackets): one interactive class (SLO `
 first doubles, the second halves); the run lasts ``minutes`` [10]. The pool has ``gpus`` [4] single-GPU
 instances, strategy seallm, replacement interval ``interval_s`` [60] within ``min_interval_s`` [30] and
 ``max_interval_s`` [300], ``beta`` [0.1]; every service declares its pre-shift load (``expectedLoad``),
-so the first plan is made for it. The services run FCFS.
+so the first plan is made for it. The services run FCFS: each simulated pod runs the policy its
+group's ConfigMap names (``WorkerConfig.make_policy``, as the worker does).
 
 Rows, one per system and phase (requests by arrival): ``before`` the shift (from the first placement's
 instances being ready), ``during`` (from the shift until the first re-placement after it is rolled out:
@@ -52,9 +53,9 @@ import numpy as np
 from tessera.api import GROUP, VERSION, LLMService, ServingPool
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios.seallm import replan
-from tessera.control.children import GROUP_LABEL
+from tessera.control.children import GROUP_LABEL, read_group_config_map
 from tessera.control.inputs import pool_input, service_inputs, service_load
-from tessera.control.metrics_queries import ModelLoad, load_step_s, loads_from_results
+from tessera.control.metrics_queries import LOAD_GAUGES, ModelLoad, load_step_s, loads_from_results
 from tessera.control.placement_sim import ENGINE, Dispatcher, SwitchCost, group_profiles
 from tessera.control.pool_plan import parse, parse_classes
 from tessera.core.baselines import FCFS
@@ -183,7 +184,9 @@ class SimulatedWorkers:
         sim_grid = grid - EPOCH
         done = [r for r in self.requests if r.finished_at is not None and r.finished_at <= self.now]
         rejected = self.cluster.rejected
-        results: dict[str, list[dict[str, Any]]] = {k: [] for k in ("up", *_COUNTERS, "rejected")}
+        results: dict[str, list[dict[str, Any]]] = {
+            k: [] for k in ("up", *_COUNTERS, "rejected", *LOAD_GAUGES)
+        }
         instances = [*self.cluster.instances, *self.cluster.retired]
         for service, model in self.models.items():
             ends = [r for r in done if r.model == service]
@@ -193,6 +196,16 @@ class SimulatedWorkers:
             refused = [r for r in rejected if r.model == service]
             at_refused = np.array([r.arrival for r in refused], dtype=float)
             results["rejected"].append(_series(model, sim_grid, grid, at_refused, [1.0] * len(refused)))
+            # The requests its workers hold at each point (the worker's queue and in-flight gauges; all
+            # counted as queued here): arrived by then, not refused, not finished yet.
+            refused_ids = {id(r) for r in refused}
+            mine = [r for r in self.requests if r.model == service and id(r) not in refused_ids]
+            come = [r.arrival for r in mine]
+            gone = [r.finished_at for r in mine if r.finished_at is not None]
+            at_moves = np.array([*come, *gone], dtype=float)
+            results["queued"].append(
+                _series(model, sim_grid, grid, at_moves, [1.0] * len(come) + [-1.0] * len(gone))
+            )
             seen = [
                 [t, "256"]
                 for t, s in zip(grid.tolist(), sim_grid.tolist(), strict=True)
@@ -223,7 +236,8 @@ _COUNTERS = {
 
 
 def _series(model: str, sim_grid: np.ndarray, grid: np.ndarray, at: np.ndarray, add: list[float]) -> dict:
-    """One counter series: its value at each grid point is the sum of ``add`` of the events up to it."""
+    """One counter (or gauge) series: its value at each grid point is the sum of ``add`` of the events up
+    to it."""
     order = np.argsort(at, kind="stable")
     at, cum = at[order], np.concatenate([[0.0], np.cumsum(np.asarray(add, dtype=float)[order])])
     values = cum[np.searchsorted(at, sim_grid, side="right")]
@@ -375,6 +389,11 @@ class OperatorLoop(ClusterController):
             if not inst.draining and name is not None:
                 have.setdefault(name, []).append(inst)
         actions: list[ClusterAction] = []
+        configs = {
+            body["metadata"]["labels"][GROUP_LABEL]: read
+            for (kind, _), body in self.kube.children.items()
+            if kind == "ConfigMap" and (read := read_group_config_map(body)) is not None
+        }
         for (services, tp), name in self.groups.items():
             running = sorted(have.get(name, []), key=lambda i: i.outstanding)
             missing = want.get(name, 0) - len(running)
@@ -382,7 +401,9 @@ class OperatorLoop(ClusterController):
                 members = [self.services[s] for s in services]
                 stall = self.switch.stall_s(members, tp)
                 profiles = group_profiles(self.pool, members, tp, stall_s=stall)
-                actions += [AddInstance(models=tuple(profiles), profiles=profiles)] * missing
+                # The policy the group's pods run: the one their ConfigMap's worker configuration names.
+                policy = configs[name][0].make_policy
+                actions += [AddInstance(models=tuple(profiles), profiles=profiles, policy=policy)] * missing
             actions += [DrainInstance(i.name) for i in running[: max(0, -missing)]]
         return actions
 
@@ -555,7 +576,11 @@ def run_loop(s: Setup, seed: int, measured: bool) -> tuple[list[Request], Cluste
     loop = OperatorLoop(controller, kube, workers, pool_input(pool), inputs)
     profiles = {n: i.profile for n, i in inputs.items()}
     cluster = Cluster(
-        ClusterConfig(profiles, instances=0, engine=ENGINE), FCFS, router=Dispatcher(), controller=loop
+        # FCFS is only the cluster's default: each instance is added with its group's own policy.
+        ClusterConfig(profiles, instances=0, engine=ENGINE),
+        FCFS,
+        router=Dispatcher(),
+        controller=loop,
     )
     if workers is not None:
         workers.cluster = cluster
