@@ -35,9 +35,12 @@ def test_simulated_workers_count_what_finished_in_each_step_of_the_window() -> N
     s0 = loads["org/s0-8B"]
     assert s0.step_s == 2 and s0.span_s == 10
     assert s0.finished == (0, 0, 1, 0, 0)  # r0 and r1 finished before the window, r3 not yet
-    assert s0.arrivals == (0, 0, 1, 1, 0)  # the refused request counts where it was refused
+    # Arrivals are demand: r2 where it arrived (12, on the first step's end point), r3 though it has not
+    # finished (the held gauge grew), the refused request where it was refused.
+    assert s0.arrivals == (1, 0, 1, 1, 0)
+    assert s0.outstanding == 1  # r3
     assert s0.output_tokens == (0, 0, 30, 0, 0) and s0.prompt_tokens == (0, 0, 300, 0, 0)
-    assert s0.e2e_seconds == 3 and s0.rate == pytest.approx(0.2)
+    assert s0.e2e_seconds == 3 and s0.rate == pytest.approx(0.3)
     assert s0.mean_prompt_tokens == 300 and s0.mean_output_tokens == 30
     assert loads["org/s1-8B"].finished == (0, 0, 0, 0, 1)
     assert workers.calls[-1][1:] == (10.0, loads)

@@ -131,8 +131,10 @@ def test_load_queries_sample_every_counter_one_step_before_the_window() -> None:
     assert queries["up"] == 'tessera_batch_size{namespace="ns",pool="p"}[360s:60s]'
     assert set(queries) == {
         "finished", "rejected", "failed", "later_tokens", "e2e_seconds", "prompt_tokens", "slo_met",
-        "slo_missed", "up",
+        "slo_missed", "up", "queued", "running",
     }  # fmt: skip
+    assert queries["queued"] == 'tessera_queue_length{namespace="ns",pool="p"}[360s:60s]'
+    assert queries["running"] == 'tessera_inflight{namespace="ns",pool="p"}[360s:60s]'
     assert queries["prompt_tokens"] == 'tessera_prompt_tokens_total{namespace="ns",pool="p"}[360s:60s]'
     pinned = load_queries(NS, POOL, 300, at=1_700_000_000.25)
     assert pinned["up"] == 'tessera_batch_size{namespace="ns",pool="p"}[360s:60s] @ 1700000000.250'
@@ -175,6 +177,31 @@ def test_loads_count_increases_per_step_across_resets_and_new_series() -> None:
     assert load.prompt_tokens == (500, 300, 1000) and load.mean_prompt_tokens == pytest.approx(1800 / 20)
     assert load.e2e_seconds == 10 + 4 + 20 and load.slo_met == 4 + 2 + 8 and load.slo_missed == 1 + 0 + 2
     assert loads_from_results({"up": [series(a, [(0, 1)])]}) == {}
+
+
+def test_arrivals_are_demand_the_requests_that_ended_plus_those_still_held() -> None:
+    """An overloaded model finishes fewer requests than arrive: its queue and in-flight gauges grow, and
+    the growth counts as arrivals, so its rate is what was asked of it, not what it served."""
+    grid = [0.0, 10.0, 20.0, 30.0]
+    a, b = MODELS["a"], MODELS["b"]
+    results = {
+        "up": [series(a, [(t, 8) for t in grid], pod="p-0"), series(b, [(20.0, 4), (30.0, 4)], pod="p-1")],
+        "finished": [
+            series(a, [(0, 0), (10, 2), (20, 4), (30, 10)], pod="p-0"),
+            series(b, [(20, 2), (30, 4)], pod="p-1"),
+        ],
+        # Held: 3, 9, 7, 0 (running absent at 0 and 30: no series there).
+        "queued": [series(a, [(0, 3), (10, 8), (20, 6), (30, 0)], pod="p-0", **{"class": "chat"})],
+        "running": [series(a, [(10, 1), (20, 1)], pod="p-0", **{"class": "chat"})],
+    }
+    loads = loads_from_results(results)
+    load = loads[a]
+    # Ended 2, 2, 6 plus held growth +6, -2, -7: 8, 0, -1; the last step's deficit comes off the latest
+    # non-zero step, so the total is exact: 10 ended + (0 - 3) held = 7.
+    assert load.arrivals == (7, 0, 0) and sum(load.arrivals) == 7
+    assert load.finished == (2, 2, 6) and load.outstanding == 0
+    # A model first seen at 20: the step ending there holds its first count, so its span is two steps.
+    assert loads[b].span_s == 20 and loads[b].arrivals == (0, 2, 2) and loads[b].rate == pytest.approx(0.2)
 
 
 def test_one_read_of_the_loads_evaluates_every_query_at_one_instant() -> None:

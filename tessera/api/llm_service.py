@@ -354,6 +354,12 @@ class PlannedLoad(ApiModel):
     window_seconds: float | None = Field(
         default=None, gt=0, description="Window the measured figures cover, in seconds."
     )
+    outstanding_requests: float | None = Field(
+        default=None,
+        ge=0,
+        description="Requests the workers held (queued or running) at the end of the measured window; "
+        "they count as arrivals of the window, since its rate is demand, not throughput.",
+    )
     sources: LoadSources = Field(description="Where each figure came from.")
 
 

@@ -29,6 +29,7 @@ from tessera.control.metrics_queries import ModelLoad, load_step_s
 from tessera.core.planners import ChironSettings, HistoryRequest, IntervalMetrics, PoolInput, ServiceInput
 from tessera.core.profile import StepProfile
 from tessera.core.profiles import PROFILES
+from tessera.core.request import ServiceClass
 
 FALLBACK_PROFILE = "h100-llama3-8b"
 # Named profiles by GPU family and model size in billions of parameters.
@@ -113,6 +114,7 @@ class ServiceLoad:
     output_source: str
     window_s: float | None = None  # what the measured figures cover
     history: tuple[HistoryRequest, ...] = ()
+    outstanding: float | None = None  # requests the workers held at the window's end (measured only)
 
     def to_status(self) -> dict[str, Any]:
         """The LLMService's ``status.load`` JSON (PlannedLoad)."""
@@ -128,6 +130,8 @@ class ServiceLoad:
         }
         if self.window_s is not None:
             status["windowSeconds"] = round(self.window_s, 1)
+        if self.outstanding is not None:
+            status["outstandingRequests"] = round(self.outstanding, 1)
         return status
 
 
@@ -175,7 +179,15 @@ def service_load(service: LLMService, measured: ModelLoad | None, window_s: floa
         prompts = _per_step(measured.prompt_tokens, measured.finished, prompt, 0)
         history = spread_history(measured.arrivals, measured.step_s, prompts, outputs)
         return ServiceLoad(
-            measured.rate, prompt, output, "measured", prompt_source, output_source, measured.span_s, history
+            measured.rate,
+            prompt,
+            output,
+            "measured",
+            prompt_source,
+            output_source,
+            measured.span_s,
+            history,
+            measured.outstanding,
         )
     rate, rate_source = pick(declared and declared.requests_per_second, 0.0)
     step = load_step_s(window_s)
@@ -186,6 +198,36 @@ def service_load(service: LLMService, measured: ModelLoad | None, window_s: floa
     return ServiceLoad(rate, prompt, output, rate_source, prompt_source, output_source, None, history)
 
 
+def strictest_class(
+    service: LLMService,
+    classes: Mapping[str, RequestClassSpec],
+    profile: StepProfile,
+    prompt: int,
+    output: int,
+) -> tuple[float, ServiceClass] | None:
+    """The latency budget of a mean request under the service's strictest class, and that class (its
+    overrides applied); None when no class sets an SLO. A batch class's budget is its deadline; an
+    interactive class's is its TTFT bound plus its ITL bound per later token, a bound it leaves unset
+    taking the isolated prefill or decode time (no slack)."""
+    exec_s = profile.exec_time(prompt, max(1, output))
+    prefill = profile.prefill(prompt)
+    budgets: list[tuple[float, str]] = []
+    for accepted in service.spec.request_classes:
+        slo = classes[accepted.name].with_overrides(accepted.overrides).slo
+        if classes[accepted.name].kind == "batch":
+            if slo.deadline_seconds is not None:
+                budgets.append((slo.deadline_seconds, accepted.name))
+        elif slo.ttft_seconds is not None or slo.itl_seconds is not None:
+            first = slo.ttft_seconds if slo.ttft_seconds is not None else prefill
+            rest = slo.itl_seconds * (max(1, output) - 1) if slo.itl_seconds is not None else exec_s - prefill
+            budgets.append((first + rest, accepted.name))
+    if not budgets:
+        return None
+    budget, name = min(budgets)
+    accepted = next(a for a in service.spec.request_classes if a.name == name)
+    return budget, classes[name].with_overrides(accepted.overrides).to_service_class(name)
+
+
 def slo_scale(
     service: LLMService,
     classes: Mapping[str, RequestClassSpec],
@@ -193,25 +235,12 @@ def slo_scale(
     prompt: int,
     output: int,
 ) -> float:
-    """SeaLLM's SLO scale for ``service`` from its strictest class (CHOICE: the estimator judges latency,
-    the classes TTFT, ITL or a deadline): a mean request's latency budget over its isolated execution
-    time. A batch class's budget is its deadline; an interactive class's is its TTFT bound plus its ITL
-    bound per later token, a bound it leaves unset taking the isolated prefill or decode time (no
-    slack). ``DEFAULT_SLO_SCALE`` when no class sets an SLO."""
-    exec_s = profile.exec_time(prompt, max(1, output))
-    prefill = profile.prefill(prompt)
-    budgets = []
-    for accepted in service.spec.request_classes:
-        spec = classes[accepted.name].with_overrides(accepted.overrides)
-        slo = spec.slo
-        if spec.kind == "batch":
-            if slo.deadline_seconds is not None:
-                budgets.append(slo.deadline_seconds)
-        elif slo.ttft_seconds is not None or slo.itl_seconds is not None:
-            first = slo.ttft_seconds if slo.ttft_seconds is not None else prefill
-            rest = slo.itl_seconds * (max(1, output) - 1) if slo.itl_seconds is not None else exec_s - prefill
-            budgets.append(first + rest)
-    return min(budgets) / exec_s if budgets else DEFAULT_SLO_SCALE
+    """SeaLLM's SLO scale for ``service`` from its strictest class (``strictest_class``): a mean request's
+    latency budget over its isolated execution time; ``DEFAULT_SLO_SCALE`` when no class sets an SLO.
+    Where a class sets one, the estimators judge requests by the class itself (``ServiceInput.slo_class``)
+    and the scale only sets DB's starvation threshold."""
+    strictest = strictest_class(service, classes, profile, prompt, output)
+    return strictest[0] / profile.exec_time(prompt, max(1, output)) if strictest else DEFAULT_SLO_SCALE
 
 
 def service_input(
@@ -227,11 +256,9 @@ def service_input(
     weights = parse_quantity(model.weights_size) if model.weights_size else profile.weights_bytes
     load = load or service_load(service, None, 0.0)
     prompt, output = round(load.prompt_tokens), max(1, round(load.output_tokens))
-    scale = (
-        slo_scale(service, classes, profile.at_tp(model.tensor_parallel_size), prompt, output)
-        if classes is not None
-        else DEFAULT_SLO_SCALE
-    )
+    reference = profile.at_tp(model.tensor_parallel_size)
+    strictest = strictest_class(service, classes, reference, prompt, output) if classes is not None else None
+    scale = DEFAULT_SLO_SCALE if classes is None else slo_scale(service, classes, reference, prompt, output)
     return ServiceInput(
         name=service.name,
         weights_bytes=int(weights),
@@ -243,6 +270,7 @@ def service_input(
         mean_output_tokens=load.output_tokens,
         p99_context_tokens=model.max_model_length or 4096,
         slo_scale=scale,
+        slo_class=strictest[1] if strictest else None,
         history=load.history,
         min_replicas=service.spec.replicas.min,
         max_replicas=service.spec.replicas.max,

@@ -9,9 +9,10 @@ gauges, ``tessera_slo_met`` / ``tessera_slo_missed`` counters and ``tessera_ttft
 Placement reads each model's load over the last re-placement interval from the same worker series
 (``load_queries``): the counters sampled at a fixed step by a subquery, their increases per step
 computed here (a counter that drops was reset: it counts from zero; a series that appears later is a
-new pod or class: it counts from zero too). The router's ``tessera_router_*`` series are not used:
-they carry no pool label, and a model name is only unique within a pool. Prompt lengths come from the
-workers' ``tessera_prompt_tokens`` counter (prompt tokens of finished requests).
+new pod or class: it counts from zero too), and the queue and in-flight gauges at each step, so that
+arrivals count the requests still held as well as those that ended. The router's ``tessera_router_*``
+series are not used: they carry no pool label, and a model name is only unique within a pool. Prompt
+lengths come from the workers' ``tessera_prompt_tokens`` counter (prompt tokens of finished requests).
 
 Pure: the operator's ``PrometheusMetrics`` (``tessera.operator.prometheus``) sends the queries; local
 mode reads the same series from direct scrapes.
@@ -202,6 +203,10 @@ LOAD_COUNTERS = {
     "slo_met": "tessera_slo_met_total",
     "slo_missed": "tessera_slo_missed_total",
 }
+# Gauges of the requests a model holds (waiting in the worker's queue, running in the engine): with the
+# counters of requests that ended they give arrivals, so an overloaded model's demand is counted, not
+# only its throughput (see loads_from_results).
+LOAD_GAUGES = {"queued": "tessera_queue_length", "running": "tessera_inflight"}
 MAX_BIN_S = 60.0  # SeaLLM's estimator bins history per minute (tessera.control.placement.BIN_S)
 BINS_PER_WINDOW = 5  # short windows get shorter bins, so a 10 s interval still has a rate history
 
@@ -211,7 +216,8 @@ class ModelLoad:
     """What a pool's workers measured of one model over a window, per step of the subqueries.
 
     ``arrivals`` and ``finished`` are per step (oldest first); ``span_s`` is how long the model's
-    workers were seen in the window (a new service is measured over its own life)."""
+    workers were seen in the window (a new service is measured over its own life); ``outstanding`` the
+    requests its workers held (queued or running) at the window's end."""
 
     model: str
     step_s: float
@@ -223,6 +229,7 @@ class ModelLoad:
     e2e_seconds: float
     slo_met: float
     slo_missed: float
+    outstanding: float = 0.0
 
     @property
     def requests(self) -> float:
@@ -272,7 +279,7 @@ def load_queries(namespace: str, pool: str, window_s: float, at: float | None = 
     span = f"[{int(math.ceil(window_s / step) * step + step)}s:{int(step)}s]"
     if at is not None:
         span += f" @ {at:.3f}"
-    queries = {key: f"{name}{{{sel}}}{span}" for key, name in LOAD_COUNTERS.items()}
+    queries = {key: f"{name}{{{sel}}}{span}" for key, name in (LOAD_COUNTERS | LOAD_GAUGES).items()}
     # Present from a worker's start (unlike the counters, created on first use): which models were up.
     queries["up"] = f"tessera_batch_size{{{sel}}}{span}"
     return queries
@@ -311,9 +318,47 @@ def _increases(samples: Sequence[Mapping[str, Any]], grid: Sequence[float]) -> d
     return out
 
 
+def _levels(samples: Sequence[Mapping[str, Any]], grid: Sequence[float]) -> dict[str, list[float]]:
+    """Per model, the gauges' sum at each grid point (a series absent at a point adds nothing there)."""
+    index = {t: i for i, t in enumerate(grid)}
+    out: dict[str, list[float]] = {}
+    for sample in samples:
+        model = (sample.get("metric") or {}).get("model")
+        if not model:
+            continue
+        row = out.setdefault(model, [0.0] * len(grid))
+        for t, value in _points(sample):
+            i = index.get(t)
+            if i is not None:
+                row[i] += value
+    return out
+
+
+def demand(ended: Sequence[float], held: Sequence[float]) -> list[float]:
+    """Arrivals per step: the requests that ended in the step plus the growth of those held (queued or
+    running) over it, ``held`` having one point more than ``ended`` (the first step's baseline).
+
+    Counting only ended requests measures throughput, which caps an overloaded model's rate at what its
+    instances served, so placement would see no reason to give it more. A step whose gauges lag its
+    counters can come out negative; the deficit is carried into the next steps, which keeps the total
+    exact (unless it is negative) and every step non-negative; a deficit left at the end comes off the
+    latest steps."""
+    out, carry = [], 0.0
+    for i, done in enumerate(ended):
+        value = done + held[i + 1] - held[i] + carry
+        carry = min(0.0, value)
+        out.append(max(0.0, value))
+    for i in reversed(range(len(out))):
+        take = min(out[i], -carry)
+        out[i] -= take
+        carry += take
+    return out
+
+
 def loads_from_results(results: Mapping[str, list[dict[str, Any]]]) -> dict[str, ModelLoad]:
     """Every model's ModelLoad from the results of ``load_queries``; models whose workers were seen at
-    fewer than two steps are left out (not measured yet)."""
+    fewer than two steps are left out (not measured yet). Arrivals are the requests that ended
+    (finished, refused, failed) plus the growth of those held (``demand``)."""
     grid = sorted({t for samples in results.values() for s in samples for t, _ in _points(s)})
     if len(grid) < 2:
         return {}
@@ -324,6 +369,7 @@ def loads_from_results(results: Mapping[str, list[dict[str, Any]]]) -> dict[str,
         if model:
             seen.setdefault(model, set()).update(t for t, _ in _points(sample))
     counters = {key: _increases(results.get(key) or [], grid) for key in LOAD_COUNTERS}
+    gauges = {key: _levels(results.get(key) or [], grid) for key in LOAD_GAUGES}
     empty = [0.0] * (len(grid) - 1)
     loads = {}
     for model, times in sorted(seen.items()):
@@ -333,12 +379,18 @@ def loads_from_results(results: Mapping[str, list[dict[str, Any]]]) -> dict[str,
         def row(key: str, model: str = model) -> list[float]:
             return counters[key].get(model, empty)
 
-        arrivals = [sum(v) for v in zip(row("finished"), row("rejected"), row("failed"), strict=True)]
+        ended = [sum(v) for v in zip(row("finished"), row("rejected"), row("failed"), strict=True)]
+        zero = [0.0] * len(grid)
+        held = [sum(v) for v in zip(*(gauges[key].get(model, zero) for key in LOAD_GAUGES), strict=True)]
+        arrivals = demand(ended, held)
         finished = row("finished")
         loads[model] = ModelLoad(
             model=model,
             step_s=step,
-            span_s=max(times) - min(times),
+            # The steps counted: each whose end point saw the model. A model first seen after the window's
+            # start has its series' whole value counted in the step that ends there, so that step counts
+            # too (max - min of the points left it out, and a new model's rate read a step short).
+            span_s=step * sum(1 for t in grid[1:] if t in times),
             arrivals=tuple(arrivals),
             finished=tuple(finished),
             output_tokens=tuple(f + t for f, t in zip(finished, row("later_tokens"), strict=True)),
@@ -346,6 +398,7 @@ def loads_from_results(results: Mapping[str, list[dict[str, Any]]]) -> dict[str,
             e2e_seconds=sum(row("e2e_seconds")),
             slo_met=sum(row("slo_met")),
             slo_missed=sum(row("slo_missed")),
+            outstanding=held[-1],
         )
     return loads
 
