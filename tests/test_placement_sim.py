@@ -192,6 +192,27 @@ def test_simulated_estimate_scores_a_plan_from_its_history():
     assert est.slo_attainment == 1.0 and 1.0 <= est.norm_latency < 1.1
 
 
+def test_estimators_judge_a_class_with_a_ttft_bound_as_the_workers_do():
+    """A burst of 20 requests at once, then 20 one by one: all finish within SeaLLM's latency bound
+    (slo_scale x execution time), but the burst's shared prefill takes past a 50 ms TTFT. Judged by the
+    class, as the workers judge it (tessera.core.slo.slo_met), the burst misses; the analytic
+    estimator's queueing slack shrinks to the TTFT bound less the prefill."""
+    from dataclasses import replace
+
+    from tessera.control.placement import Group, simulate_performance
+    from tessera.core.request import ServiceClass
+
+    burst = replace(_hist_service("a", [0.0] * 20 + [10.0 + 5 * i for i in range(20)]), slo_scale=20.0)
+    one = [Group(0, 1, services=["a"])]
+    assert simulate_performance(POOL, [burst], one).slo_attainment == 1.0
+    strict = replace(burst, slo_class=ServiceClass("chat", ttft_slo_s=0.05, itl_slo_s=1.0))
+    assert simulate_performance(POOL, [strict], one).slo_attainment == pytest.approx(0.5)
+    assert strict.wait_slack_s(1) == pytest.approx(0.05 - LM.prefill(100))
+    assert burst.wait_slack_s(1) == pytest.approx(20.0 * burst.mean_exec_s() - burst.mean_exec_s(1))
+    batch = replace(burst, slo_class=ServiceClass("b", kind="batch", deadline_s=60.0))
+    assert batch.wait_slack_s(1) == pytest.approx(60.0 - burst.mean_exec_s(1))
+
+
 def test_bench_scenario_small_run_counts_every_request_and_replans():
     from tessera.bench.scenarios import BenchConfig
     from tessera.bench.scenarios.seallm import run

@@ -207,10 +207,10 @@ def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s
     requests split evenly over its groups; time runs in per-minute bins of the history so bursts count.
     A service's ρ in a shared group counts its own load and that of co-located services whose L̂ is not
     longer (priority-aware sharing, see below). In a bin of utilisation ρ < 1 a request waits longer
-    than its SLO slack ``(slo_scale − 1)·exec``
-    with probability ``ρ·exp(−(1−ρ)·slack/exec)`` (M/M/1 waiting time; zero at no load), and its mean
-    latency is ``exec·(1 + ρ/(1−ρ))``; in an overloaded bin (ρ ≥ 1) every request violates.
-    UI_s = violations + α·mean L_N (Eq. 6). Unplaced services violate every request."""
+    than its SLO slack (``ServiceInput.wait_slack_s``: its class's TTFT bound less its prefill, else
+    ``(slo_scale − 1)·exec``) with probability ``ρ·exp(−(1−ρ)·slack/exec)`` (M/M/1 waiting time; zero
+    at no load), and its mean latency is ``exec·(1 + ρ/(1−ρ))``; in an overloaded bin (ρ ≥ 1) every
+    request violates. UI_s = violations + α·mean L_N (Eq. 6). Unplaced services violate every request."""
     by_name = {s.name: s for s in services}
     hosts: dict[str, list[Group]] = {}
     for g in groups:
@@ -265,7 +265,7 @@ def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s
                     viol += k
                     norm += k * window_s / ref
                 else:
-                    slack = max(0.0, s.slo_scale * ref - exec_g)
+                    slack = s.wait_slack_s(g.tp)
                     viol += k * r * math.exp(-(1 - r) * slack / exec_g)
                     norm += k * exec_g / (1 - r) / ref
         mean_norm = norm / count if count else 1.0

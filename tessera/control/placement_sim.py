@@ -28,7 +28,8 @@ from tessera.core.planners.types import HistoryRequest, PlacementPlan, PoolInput
 from tessera.core.policies.seallm import DoublingBudget, ServiceStats
 from tessera.core.policy import Policy
 from tessera.core.profile import StepProfile
-from tessera.core.request import Request
+from tessera.core.request import Request, ServiceClass
+from tessera.core.slo import slo_met
 from tessera.sim.cluster import (
     Cluster,
     ClusterConfig,
@@ -163,13 +164,17 @@ class Dispatcher(RouteRouter):
         return super().route(req, replace(view, instances=able))
 
 
-def to_requests(requests: Iterable[tuple[str, HistoryRequest]]) -> list[Request]:
-    """Simulator requests (model = service name), in arrival order."""
+def to_requests(
+    requests: Iterable[tuple[str, HistoryRequest]], services: Sequence[ServiceInput] = ()
+) -> list[Request]:
+    """Simulator requests (model = service name), in arrival order; each in its service's ``slo_class``
+    where ``services`` gives one (else the default class, which sets no SLO)."""
+    classes = {s.name: s.slo_class for s in services if s.slo_class is not None}
     ordered = sorted(requests, key=lambda x: x[1].arrival)
     return [
         Request(
             f"r{i}", h.arrival, h.prompt_tokens, max(1, h.output_tokens), model=name,
-            true_output_tokens=max(1, h.output_tokens),
+            true_output_tokens=max(1, h.output_tokens), service_class=classes.get(name, ServiceClass()),
         )
         for i, (name, h) in enumerate(ordered)
     ]  # fmt: skip
@@ -209,7 +214,9 @@ def outcomes(
     end: float,
 ) -> list[RequestOutcome]:
     """The requests' outcomes as seen at ``end``: a request not finished by then (or never served) is
-    censored at ``end``: ``end − a + exec_ref``."""
+    censored at ``end``: ``end − a + exec_ref``. A finished request meets its SLO as the workers judge
+    it (``tessera.core.slo.slo_met``) when its class sets one, else when its latency is within
+    ``slo_scale`` x ``exec_ref`` (SeaLLM's bound)."""
     by_name = {s.name: s for s in services}
     out = []
     for r in requests:
@@ -218,13 +225,15 @@ def outcomes(
         done = r.finished_at is not None and r.finished_at <= end
         lat = r.finished_at - r.arrival if done else max(end, r.arrival) - r.arrival + ref
         first = r.first_token_at
+        judged = slo_met(r) if done else None
+        met = done and (judged if judged is not None else lat <= s.slo_scale * ref)
         out.append(
             RequestOutcome(
                 service=r.model,
                 arrival=r.arrival,
                 latency=lat,
                 norm_latency=lat / stats[r.model].mean_exec_s,
-                slo_met=done and lat <= s.slo_scale * ref,
+                slo_met=met,
                 ttft=first - r.arrival if done and first is not None else None,
                 finished=done,
             )
@@ -257,7 +266,7 @@ def serve(
     for g in plan.groups:
         for _ in range(g.replicas.total):
             add_group(cluster, pool, [by_name[n] for n in g.services], g.tp)
-    reqs = to_requests(requests)
+    reqs = to_requests(requests, services)
     if reqs:
         cluster.run(reqs, until=horizon)
     end = horizon if math.isfinite(horizon) else max((r.finished_at or 0.0 for r in reqs), default=0.0)

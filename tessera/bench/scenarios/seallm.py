@@ -425,7 +425,7 @@ def serve_adaptive(
     plan serves until every request has finished. Returns outcomes, the cluster, the initial plan and
     the replanner (its log has one entry per boundary)."""
     plan = plan_seallm(pool, services, now=0.0, stats=stats)
-    reqs = to_requests((n, h) for n, hs in window.items() for h in hs)
+    reqs = to_requests(((n, h) for n, hs in window.items() for h in hs), services)
     replanner = Replanner(pool, services, stats, settings, plan, reqs) if adaptive else None
     cluster = new_cluster(pool, services, lambda: DoublingBudget(dict(stats)), replanner)
     by_name = {s.name: s for s in services}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tessera.core.profile import StepProfile
+from tessera.core.request import ServiceClass
 
 Strategy = Literal["seallm", "dedicated"]
 Role = Literal["interactive", "mixed", "batch"]
@@ -75,6 +76,10 @@ class ServiceInput:
     history: tuple[HistoryRequest, ...] = ()
     min_replicas: int = 1
     max_replicas: int | None = None  # most instances hosting the service (LLMService replicas.max)
+    # The class the estimators judge the service's requests by, as the workers judge them
+    # (``tessera.core.slo.slo_met``: TTFT and ITL bounds, or a batch deadline); None, or a class with no
+    # SLO: SeaLLM's latency bound ``slo_scale`` x isolated execution time.
+    slo_class: ServiceClass | None = None
 
     def __post_init__(self) -> None:
         if self.tp_min < 1 or self.tp_min & (self.tp_min - 1):
@@ -94,6 +99,21 @@ class ServiceInput:
     def replica_cap(self) -> float:
         """Most instances that may host the service (inf when unbounded)."""
         return float("inf") if self.max_replicas is None else self.max_replicas
+
+    def wait_slack_s(self, tp: int) -> float:
+        """How long a mean request may queue at ``tp`` and still meet its SLO: its class's TTFT bound less
+        its prefill (an interactive class with one; ITL is not a queueing matter), its batch deadline
+        less its execution time, else the latency bound ``slo_scale`` x reference execution time less its
+        execution time here. Never negative."""
+        profile = self.profile.at_tp(tp)
+        prompt, output = round(self.mean_prompt_tokens), max(1, round(self.mean_output_tokens))
+        own = profile.exec_time(prompt, output)
+        c = self.slo_class
+        if c is not None and c.kind == "interactive" and c.ttft_slo_s is not None:
+            return max(0.0, c.ttft_slo_s - profile.prefill(prompt))
+        if c is not None and c.kind == "batch" and c.deadline_s is not None:
+            return max(0.0, c.deadline_s - own)
+        return max(0.0, self.slo_scale * self.mean_exec_s() - own)
 
     def mean_exec_s(self, tp: int | None = None) -> float:
         """Isolated execution time of a mean-length request at ``tp`` (default: the reference tp_min)."""
