@@ -93,7 +93,7 @@ def test_blocks_that_tokens_alone_cannot_match_are_skipped_and_counted() -> None
     assert index.matched(mine, ["a"]) == {"a": 1} and index.skipped["a"] == 5
 
 
-def test_a_restart_or_lost_events_or_a_new_start_time_drop_the_instances_blocks() -> None:
+def test_a_restart_or_lost_events_drop_the_instances_blocks() -> None:
     index = EngineBlockIndex(BS)
     mine = token_block_hashes(TOKENS, BS)
     index.apply("a", 7, [_stored(TOKENS, 0, 2)])  # a subscriber may join at any number
@@ -105,9 +105,7 @@ def test_a_restart_or_lost_events_or_a_new_start_time_drop_the_instances_blocks(
     assert index.apply("a", 3, []) == "gap"  # batch 2 was lost: its removals are unknown
     assert index.matched(mine, ["a"]) == {"a": 0}
     assert index.apply("a", 4, [_stored(TOKENS, 0, 2)]) is None
-    assert index.engine_started("a", 1000.0) is False
-    assert index.engine_started("a", 1000.0) is False and index.matched(mine, ["a"]) == {"a": 2}
-    assert index.engine_started("a", 2000.0) is True  # restarted between two polls
+    index.forget("a")  # the router saw a new engine start time
     assert index.matched(mine, ["a", "b"]) == {"a": 0, "b": 2}
     assert index.apply("a", 0, [_stored(TOKENS, 0, 1)]) is None  # the restart was already handled
 
@@ -213,6 +211,108 @@ def test_in_the_simulator_precise_prefix_reads_what_each_instance_caches() -> No
     overlapping = [_req(f"r{i}", i * 0.001, (7, 8, 9 + i), 1536, output=200) for i in range(6)]
     assert len({r.instance for r in _run(overlapping, "prefix", caching=False)}) == 1
     assert len({r.instance for r in _run(overlapping, "precise-prefix", caching=False)}) == 2
+
+
+def _router_state(route: str = "precise-prefix"):  # type: ignore[no-untyped-def]
+    from tessera.api.worker_config import WorkerConfig
+    from tessera.router.app import RouterState
+    from tessera.router.backends import Backend, KVEventsSource
+
+    config = WorkerConfig.model_validate({"models": [{"name": "m", "engine": "sim"}]})
+    backends = [
+        Backend(name=n, url=f"http://{n}", config=config,
+                kv_events=[KVEventsSource(model="m", endpoint=f"tcp://127.0.0.1:{port}", block_size=BS)])
+        for n, port in (("a", 5001), ("b", 5002))
+    ]  # fmt: skip
+    state = RouterState(backends, route=route)
+    for name in ("a", "b"):
+        state.set_health(name, True)
+        state.observe(name, 'tessera_engine_start_time_seconds{model="m"} 100.0\n')
+    return state
+
+
+def test_the_router_routes_a_token_prompt_to_the_engine_that_holds_it_until_that_engine_restarts() -> None:
+    state = _router_state()
+    assert state.feeds == {("a", "m"): "tcp://127.0.0.1:5001", ("b", "m"): "tcp://127.0.0.1:5002"}
+    state.engine_blocks["m"].apply("b", 0, [_stored(TOKENS, 0, 3)])
+    assert state.pick("m", "interactive", set(), prompt_token_ids=TOKENS).instance == "b"
+    assert state.pick("m", "interactive", set(), "text, no token ids").instance == "a"  # no ids: the estimate
+    rows = {r["instance"]: r for r in state.instance_rows()}
+    assert (
+        rows["b"]["engineCachedBlocks"] == 3 and rows["a"]["engineCachedBlocks"] is None
+    )  # a sent nothing yet
+    state.observe("b", 'tessera_engine_start_time_seconds{model="m"} 160.0\n')  # restarted between two polls
+    assert state.pick("m", "interactive", set(), prompt_token_ids=TOKENS).instance == "a"
+    assert _router_state("prefix").pick("m", "interactive", set(), prompt_token_ids=TOKENS).instance == "a"
+
+
+def test_a_backend_names_kv_events_only_for_a_model_it_serves() -> None:
+    from tessera.router.backends import BackendsError, parse_backends
+
+    entry = {"name": "a", "url": "http://a", "config": {"models": [{"name": "m", "engine": "sim"}]},
+             "kvEvents": [{"model": "other", "endpoint": "tcp://a:5557", "blockSize": 16}]}  # fmt: skip
+    with pytest.raises(BackendsError, match="kvEvents names models the backend does not serve: other"):
+        parse_backends({"backends": [entry]})
+
+
+def test_through_the_router_a_publishers_blocks_draw_a_token_prompt_and_its_restart_drops_them() -> None:
+    import zmq
+    from fastapi.testclient import TestClient
+
+    from tessera.api.worker_config import WorkerConfig
+    from tessera.router.app import RouterState, create_router_app
+    from tessera.router.backends import Backend, KVEventsSource
+    from tessera.worker.engines.vllm_process import free_port
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/ready":
+            return httpx.Response(200, json={"ready": True})
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="")
+        return httpx.Response(
+            200, json={"choices": [], "usage": {"prompt_tokens": 16, "completion_tokens": 1}}
+        )
+
+    port = free_port()
+    config = WorkerConfig.model_validate({"models": [{"name": "m", "engine": "sim"}]})
+    feed = [KVEventsSource(model="m", endpoint=f"tcp://127.0.0.1:{port}", block_size=BS)]
+    backends = [Backend(name="a", url="http://a", config=config),
+                Backend(name="b", url="http://b", config=config, kv_events=feed)]  # fmt: skip
+    state = RouterState(backends, route="precise-prefix")
+    app = create_router_app(
+        state, poll_interval_s=3600.0, client=httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    )
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    stored = {"type": "BlockStored", "block_hashes": _engine_hashes(TOKENS), "parent_block_hash": None,
+              "token_ids": TOKENS, "block_size": BS, "medium": "GPU"}  # fmt: skip
+
+    def publish_until(seq: int, events: list[dict[str, object]], blocks: int, http: TestClient) -> int:
+        deadline = time.monotonic() + 10  # a subscription takes a moment to reach the publisher
+        while time.monotonic() < deadline:
+            pub.send_multipart(
+                [b"kv-events", seq.to_bytes(8, "big"), msgspec.msgpack.encode([1.0, events, 0])]
+            )
+            seq += 1
+            rows = {r["instance"]: r for r in http.get("/router/status").json()["instances"]}
+            if rows["b"]["engineCachedBlocks"] == blocks:
+                return seq
+            time.sleep(0.05)
+        raise AssertionError(f"the router never saw b hold {blocks} blocks")
+
+    def routed(http: TestClient) -> str:
+        answer = http.post("/v1/completions", json={"model": "m", "prompt": TOKENS, "max_tokens": 1})
+        assert answer.status_code == 200, answer.text
+        return answer.headers["x-tessera-instance"]
+
+    try:
+        with TestClient(app) as http:
+            publish_until(40, [stored], 4, http)
+            assert routed(http) == "b"  # a, first by name, holds nothing its engine reported
+            publish_until(0, [], 0, http)  # numbered from 0 again: b's engine restarted, its cache is empty
+            assert routed(http) == "a"
+    finally:
+        pub.close(linger=0)
 
 
 VLLM_CPU_BLOCK_SIZE = 128  # vLLM's block size on CPUs when none is set

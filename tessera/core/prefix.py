@@ -15,8 +15,9 @@ the rest of its prompt.
   instance at its capacity (an estimate of the engine's own eviction).
 - ``EngineBlockIndex`` holds what each instance's engine itself reports holding: vLLM's KV events
   (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) applied in order, for precise prefix
-  affinity. A restarted engine (its publisher numbers batches from 0 again, or its start time
-  changed) or lost events (a gap in the numbers) drop what the instance was believed to hold.
+  affinity. A restarted engine (its publisher numbers batches from 0 again) or lost events (a gap in
+  the numbers) drop what the instance was believed to hold; so does ``forget``, which the router
+  calls when the engine's start time changed (a restart whose first batches never arrived).
 
 Pure: time is passed in.
 """
@@ -180,7 +181,6 @@ class EngineBlockIndex:
         self._held: dict[str, dict[Hashable, bytes]] = {}  # instance -> engine hash -> own chain hash
         self._own: dict[str, Counter[bytes]] = {}  # instance -> own chain hash -> engine blocks with it
         self._seq: dict[str, int] = {}  # instance -> number of its last batch applied
-        self._started: dict[str, float] = {}  # instance -> its engine's start time
         self.skipped: Counter[str] = Counter()  # instance -> stored blocks not indexed
 
     def apply(self, instance: str, seq: int, events: Iterable[KVEvent]) -> Dropped | None:
@@ -236,16 +236,6 @@ class EngineBlockIndex:
                 own[parent] += 1
                 held[engine_hash] = parent
 
-    def engine_started(self, instance: str, started: float) -> bool:
-        """Record ``instance``'s engine start time; a changed one (a restart that the event numbers may
-        not show: batches of the new engine lost while reconnecting) drops what it held. Whether it did."""
-        before = self._started.get(instance)
-        self._started[instance] = started
-        if before is not None and before != started:
-            self.forget(instance)
-            return True
-        return False
-
     def forget(self, instance: str) -> None:
         """Drop what ``instance`` was believed to hold (its cache is empty or unknown); its feed stays
         known, holding nothing until new events arrive."""
@@ -256,7 +246,7 @@ class EngineBlockIndex:
 
     def untrack(self, instance: str) -> None:
         """``instance`` has no event feed any more (it left): requests fall back to other evidence."""
-        for table in (self._held, self._own, self._seq, self._started):
+        for table in (self._held, self._own, self._seq):
             table.pop(instance, None)
         self.skipped.pop(instance, None)
 

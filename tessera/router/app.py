@@ -43,7 +43,13 @@ from starlette.requests import ClientDisconnect
 from tessera.api.openai_errors import ApiError
 from tessera.api.worker_config import ClassHeaderError, WorkerConfig
 from tessera.core.policies.qlm.estimator import TokenStats
-from tessera.core.prefix import DEFAULT_TEXT_BLOCK_CHARS, PrefixIndex, text_block_hashes
+from tessera.core.prefix import (
+    DEFAULT_TEXT_BLOCK_CHARS,
+    EngineBlockIndex,
+    PrefixIndex,
+    text_block_hashes,
+    token_block_hashes,
+)
 from tessera.core.request import ServiceClass
 from tessera.core.routing import (
     CHARS_PER_TOKEN,
@@ -55,11 +61,13 @@ from tessera.core.routing import (
     estimated_wait,
     make_route,
     seed_stats,
+    uses_engine_blocks,
 )
 from tessera.router.activator import ActivationCollector, Activator
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
 from tessera.router.headers import downstream_headers, upstream_headers
+from tessera.router.kv_events import Subscriptions
 from tessera.router.limits import RouterLimits
 from tessera.router.metrics import DeliveredSlo, RouterMetrics
 from tessera.router.payload import parse_payload, read_body
@@ -149,7 +157,12 @@ class RouterState:
         self.z = z
         self.route = make_route(route, **_wait_settings(route, z))
         self.uses_prefix = route in PREFIX_ROUTES
+        self.uses_engine = route in ROUTES and uses_engine_blocks(ROUTES[route])
         self.prefixes: dict[str, PrefixIndex] = {}  # model -> which instance holds which prompt blocks
+        # model -> what its engines report holding (their KV events); CHOICE: one block size per model,
+        # its first publisher's (the index skips and counts blocks of another size)
+        self.engine_blocks: dict[str, EngineBlockIndex] = {}
+        self.feeds: dict[tuple[str, str], str] = {}  # (instance, model) -> its KV-event publisher
         self.prefix_tokens: dict[str, list[int]] = {}  # instance -> [prompt tokens sent, of them cached]
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)  # cache-aware decisions
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session key -> its last instance (LRU)
@@ -171,6 +184,11 @@ class RouterState:
         self.backends = {b.name: b for b in backends}
         self.loads = {}
         self.configs = {}
+        self.feeds = {}
+        for b in backends:
+            for source in b.kv_events:
+                self.feeds[(b.name, source.model)] = source.endpoint
+                self.engine_blocks.setdefault(source.model, EngineBlockIndex(source.block_size))
         for b in backends:
             for m in b.config.models:
                 self.configs.setdefault(m.name, b.config)
@@ -219,20 +237,31 @@ class RouterState:
         prompt_text: str = "",
         ttft_slo_s: float | None = None,
         session: str = "",
+        prompt_token_ids: Sequence[int] = (),
     ) -> InstanceLoad:
         """The instance for a request (not one of ``exclude``); a cache-aware route also reads which
-        instances hold the leading blocks of ``prompt_text`` and records where it sent them."""
+        instances hold the leading blocks of ``prompt_text`` and records where it sent them, and a
+        route on engine-reported blocks reads which engines hold those of ``prompt_token_ids`` (a prompt
+        sent as text has none: the router does not tokenize, and its estimate stands in)."""
         loads = [x for x in self.loads.values() if x.instance not in exclude]
-        if not self.uses_prefix or not prompt_text:
+        if not self.uses_prefix or not (prompt_text or prompt_token_ids):
             return self.route.pick(RouteRequest(model, kind, self.stats[model], ttft_slo_s=ttft_slo_s), loads)
         index = self._prefix_index(model)
         sticky = self.sessions.get(session) if session else None
         hashes = text_block_hashes(prompt_text)
-        matched = index.matched(hashes, (x.instance for x in loads if x.model == model))
+        names = [x.instance for x in loads if x.model == model]
+        matched = index.matched(hashes, names)
         cached = {name: n * DEFAULT_TEXT_BLOCK_CHARS // CHARS_PER_TOKEN for name, n in matched.items()}
-        req = RouteRequest(model, kind, self.stats[model], time.monotonic(),
-                           prompt_tokens=len(prompt_text) // CHARS_PER_TOKEN, cached_tokens=cached,
-                           ttft_slo_s=ttft_slo_s, session_instance=sticky)  # fmt: skip
+        engine: dict[str, int] = {}
+        engine_index = self.engine_blocks.get(model)
+        if self.uses_engine and prompt_token_ids and engine_index is not None:
+            size = engine_index.block_size
+            chain = token_block_hashes(prompt_token_ids, size)
+            engine = {name: n * size for name, n in engine_index.matched(chain, names).items()}
+        prompt_tokens = len(prompt_token_ids) or len(prompt_text) // CHARS_PER_TOKEN
+        req = RouteRequest(model, kind, self.stats[model], time.monotonic(), prompt_tokens=prompt_tokens,
+                           cached_tokens=cached, engine_cached_tokens=engine, ttft_slo_s=ttft_slo_s,
+                           session_instance=sticky)  # fmt: skip
         chosen = self.route.pick(req, loads)
         index.record(chosen.instance, hashes, req.now)
         if session:
@@ -242,7 +271,7 @@ class RouterState:
                 self.sessions.popitem(last=False)
         counts = self.prefix_tokens.setdefault(chosen.instance, [0, 0])
         counts[0] += req.prompt_tokens
-        counts[1] += min(req.prompt_tokens, cached.get(chosen.instance, 0))
+        counts[1] += min(req.prompt_tokens, engine.get(chosen.instance, cached.get(chosen.instance, 0)))
         self.recent.append(
             {"model": model, "kind": kind, "promptTokens": req.prompt_tokens, "chosen": chosen.instance,
              "candidates": self.route.explain(req, loads)}
@@ -297,6 +326,10 @@ class RouterState:
                     log.info("instance %s restarted its engine of %s: its prefix entries are dropped",
                              backend, model)  # fmt: skip
                     self._forget(backend, model)
+                    # its first KV events may have been lost while the subscriber reconnected, so that
+                    # their numbers do not show the restart
+                    if model in self.engine_blocks:
+                        self.engine_blocks[model].forget(backend)
                 self.engine_started[(backend, model)] = sample.value
 
     def status(self) -> dict[str, Any]:
@@ -326,6 +359,10 @@ class RouterState:
                 "cachedPrefixBlocks": self.prefixes[x.model].blocks(x.instance)
                 if x.model in self.prefixes
                 else 0,
+                # blocks its engine reports holding (its KV events); None without a feed
+                "engineCachedBlocks": self.engine_blocks[x.model].blocks(x.instance)
+                if x.model in self.engine_blocks and self.engine_blocks[x.model].tracks(x.instance)
+                else None,
             }
             for x in self.loads.values()
         ]
@@ -369,6 +406,7 @@ def create_router_app(
     limits = limits or RouterLimits()
     upstreams = UpstreamClients(client)
     holder: dict[str, httpx.AsyncClient] = {}
+    subscriptions = Subscriptions()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -384,6 +422,11 @@ def create_router_app(
                     log.warning("backend discovery failed: %s", exc)
             if api_keys is not None:
                 await asyncio.to_thread(api_keys.refresh)
+            if state.uses_engine:
+                subscriptions.sync(
+                    (instance, model, endpoint, state.engine_blocks[model])
+                    for (instance, model), endpoint in state.feeds.items()
+                )
             await poll(state, http)
 
         await refresh()
@@ -403,6 +446,7 @@ def create_router_app(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await subscriptions.aclose()
             await upstreams.aclose()
             if client is None:
                 await http.aclose()
@@ -490,7 +534,7 @@ def create_router_app(
             slo = spec.slo.ttft_seconds
             session = http.headers.get(SESSION_HEADER) or payload.user
             up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text, slo,
-                          session)  # fmt: skip
+                          session, payload.prompt_token_ids)  # fmt: skip
             answer = await unless_client_leaves(http, _activate_and_send(up, spec.priority))
         except ApiError as exc:
             end = time.perf_counter()

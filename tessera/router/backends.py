@@ -9,6 +9,8 @@ step-time profiles from the same source as the worker. A backends file is JSON o
         url: http://127.0.0.1:8101
         role: interactive            # interactive | mixed | batch (Chiron roles)
         config: {models: [...], classes: {...}}   # a worker configuration
+        kvEvents:                    # optional: where its vLLM publishes KV events, per model
+          - {model: tiny, endpoint: "tcp://127.0.0.1:5557", blockSize: 128}
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from tessera.api.base import ApiModel
 from tessera.api.files import read_json_or_yaml
@@ -27,6 +29,19 @@ class BackendsError(ValueError):
     """The backends file is invalid; the message says where and how to fix it."""
 
 
+class KVEventsSource(ApiModel):
+    """Where an instance's vLLM engine publishes its KV events for one model (``--kv-events-config``),
+    for the ``precise-prefix`` route (``tessera.router.kv_events``)."""
+
+    model: str = Field(min_length=1, description="The model whose engine publishes them.")
+    endpoint: str = Field(
+        pattern=r"^tcp://", description="ZMQ address to subscribe to, e.g. tcp://10.0.0.5:5557."
+    )
+    block_size: int = Field(
+        ge=1, description="The engine's KV block size in tokens (vLLM: 16 on GPUs, 128 on CPUs)."
+    )
+
+
 class Backend(ApiModel):
     """One worker instance behind the router."""
 
@@ -34,6 +49,18 @@ class Backend(ApiModel):
     url: str = Field(pattern=r"^https?://", description="Base URL of the worker (no /v1).")
     role: Literal["interactive", "mixed", "batch"] = Field(default="mixed", description="Chiron role.")
     config: WorkerConfig = Field(description="The worker configuration the instance runs.")
+    kv_events: list[KVEventsSource] = Field(
+        default_factory=list,
+        description="Its engines' KV-event publishers (none: no engine-reported blocks).",
+    )
+
+    @model_validator(mode="after")
+    def _sources_of_served_models(self) -> Backend:
+        served = {m.name for m in self.config.models}
+        unknown = sorted({s.model for s in self.kv_events} - served)
+        if unknown:
+            raise ValueError(f"kvEvents names models the backend does not serve: {', '.join(unknown)}")
+        return self
 
 
 class BackendsFile(ApiModel):

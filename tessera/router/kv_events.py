@@ -18,9 +18,11 @@ restart; a dead one fails the router's health polls.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -155,3 +157,50 @@ class KVEventSubscriber:
             )
             self.dropped[dropped] += 1
         self.batches += 1
+
+
+class Subscriptions:
+    """One running subscriber per wanted feed, on the running event loop: ``sync`` starts those of new
+    feeds and stops those of feeds no longer wanted (an instance that left), whose blocks the index
+    then no longer reports."""
+
+    def __init__(self) -> None:
+        self._running: dict[tuple[str, str], tuple[str, EngineBlockIndex, asyncio.Task[None]]] = {}
+
+    def sync(self, wanted: Iterable[tuple[str, str, str, EngineBlockIndex]]) -> None:
+        """Make the running subscribers those of ``wanted`` (instance, model, endpoint, the model's index)."""
+        keep: set[tuple[str, str]] = set()
+        for instance, model, endpoint, index in wanted:
+            keep.add((instance, model))
+            running = self._running.get((instance, model))
+            if (
+                running is not None
+                and running[0] == endpoint
+                and running[1] is index
+                and not running[2].done()
+            ):
+                continue
+            if running is not None:
+                self._stop(instance, model)
+            task = asyncio.create_task(KVEventSubscriber(instance, endpoint, index).run(),
+                                       name=f"kv-events-{instance}-{model}")  # fmt: skip
+            self._running[(instance, model)] = (endpoint, index, task)
+        for instance, model in [k for k in self._running if k not in keep]:
+            self._stop(instance, model)
+
+    def _stop(self, instance: str, model: str) -> None:
+        _, index, task = self._running.pop((instance, model))
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            log.warning("KV events of %s (%s): the subscriber failed: %r; restarted",
+                        instance, model, task.exception())  # fmt: skip
+        task.cancel()
+        index.untrack(instance)
+
+    async def aclose(self) -> None:
+        """Stop every subscriber."""
+        tasks = [task for _, _, task in self._running.values()]
+        self._running.clear()
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

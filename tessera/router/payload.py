@@ -30,6 +30,7 @@ class Payload:
     stream: bool
     prompt_text: str = ""  # the prompt as text, for the prefix index ("" when there is none to read)
     user: str = ""  # OpenAI's end-user id: a session key for sticky routing
+    prompt_token_ids: tuple[int, ...] = ()  # a completion's prompt given as token ids (the engine's own)
 
 
 def _kind(value: Any) -> str:
@@ -60,7 +61,8 @@ def parse_payload(raw: bytes) -> Payload:
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, f"the field 'stream' must be true or false, got {_kind(stream)}", param="stream")
     user = body.get("user")
-    return Payload(model, bool(stream), prompt_text(body), user if isinstance(user, str) else "")
+    return Payload(model, bool(stream), prompt_text(body), user if isinstance(user, str) else "",
+                   prompt_token_ids(body))  # fmt: skip
 
 
 def _content_text(content: Any) -> str:
@@ -84,6 +86,15 @@ def prompt_text(body: dict[str, Any]) -> str:
             f"{m.get('role')}\n{_content_text(m.get('content'))}\n" for m in messages if isinstance(m, dict)
         )
     return ""
+
+
+def prompt_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
+    """A completion's prompt when it is one list of token ids (what the engine hashes its blocks
+    over), else none: the router does not tokenize text."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return tuple(prompt)
+    return ()
 
 
 def body_too_large(limits: RouterLimits) -> ApiError:

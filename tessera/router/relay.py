@@ -58,11 +58,13 @@ class Upstream:
     prompt_text: str = ""
     ttft_slo_s: float | None = None  # the request class's TTFT SLO
     session: str = ""  # the session key (the session header, else the body's user)
+    prompt_token_ids: tuple[int, ...] = ()  # the prompt as token ids, when the client sent them
 
     @property
     def prompt_tokens(self) -> int:
-        """The prompt's length in tokens, estimated from its text (the router does not tokenize)."""
-        return len(self.prompt_text) // CHARS_PER_TOKEN
+        """The prompt's length in tokens: its token ids, else estimated from its text (the router does not
+        tokenize)."""
+        return len(self.prompt_token_ids) or len(self.prompt_text) // CHARS_PER_TOKEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +139,8 @@ async def send(state: RouterState, metrics: RouterMetrics, clients: UpstreamClie
     broken: str | None = None
     while True:
         try:
-            load = state.pick(up.model, up.kind, tried, up.prompt_text, up.ttft_slo_s, up.session)
+            load = state.pick(up.model, up.kind, tried, up.prompt_text, up.ttft_slo_s, up.session,
+                              up.prompt_token_ids)  # fmt: skip
         except NoInstance as exc:
             if broken is None:
                 raise ApiError(503, f"{exc}; retry when an instance is ready", code="no_instance") from None
