@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="How an instance is picked (default least-wait: class roles, then least estimated wait; "
         "cache-aware: least estimated wait plus the prefill of the prompt the instance has not cached; "
         "slo-prefix: most cached prompt among the instances that meet the class's TTFT SLO, a session "
-        "sticking to its instance; see tessera.core.routing).",
+        "sticking to its instance; precise-prefix: most prompt blocks the instance's engine reports "
+        "holding, from the KV events of the backends' kvEvents publishers, for prompts sent as token ids; "
+        "see tessera.core.routing).",
     )
     d = RouterLimits()
     limits = parser.add_argument_group("client limits (each answered with an OpenAI-style error)")
