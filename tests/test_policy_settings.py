@@ -236,7 +236,6 @@ def test_readme_lists_every_setting() -> None:
 
 def test_worker_file_settings_build_the_policy(tmp_path: Path) -> None:
     from tessera.api.worker_config import load_config
-    from tessera.worker.runtime import _policy
 
     path = tmp_path / "worker.yaml"
     path.write_text(
@@ -245,7 +244,7 @@ def test_worker_file_settings_build_the_policy(tmp_path: Path) -> None:
         "  policy: isrtf\n"
         "  settings: {predictor: constant, windowTokens: 20, agingTokensPerS: 0.5}\n"
     )
-    policy = _policy(load_config(path))
+    policy = load_config(path).make_policy()
     assert (policy.window, policy.aging) == (20, 0.5)
     path.write_text("models: [{name: m, engine: sim}]\nscheduling: {policy: isrtf, settings: {window: 20}}\n")
     expected = f"invalid worker configuration {path}:\n  scheduling.settings: bad settings for policy 'isrtf'"
