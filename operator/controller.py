@@ -187,6 +187,14 @@ class Controller:
         if (changed or boundary) and self.metrics is not None:
             window = min(MAX_HISTORY_S, status.get("replacementIntervalSeconds") or _initial_interval(body))
             measured = self.metrics.loads(namespace, name, window)
+        if measured is not None:
+            log.info(
+                "pool %s/%s: measured loads over %.0f s: %s",
+                namespace,
+                name,
+                window,
+                {m: (round(v.rate, 3), v.span_s) for m, v in measured.items()},
+            )
         # Prometheus unreachable at a boundary: no re-placement on defaults; the boundary stays due.
         boundary = boundary and measured is not None
         replan = changed or boundary
