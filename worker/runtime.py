@@ -129,9 +129,8 @@ class Worker:
         from tessera.worker.engines.vllm import VLLMEngine
 
         url = entry.url
-        tokenizer = entry.tokenizer
+        tokenizer = entry.tokenizer_dir()
         if entry.launch is not None:
-            tokenizer = tokenizer or entry.launch.model_dir
             from tessera.worker.engines.vllm_process import VLLMServer
 
             seqs = self._max_num_seqs[entry.name] = (
@@ -145,6 +144,7 @@ class Worker:
                 kv_cache_gib=entry.launch.kv_cache_gib,
                 dtype=entry.launch.dtype,
                 extra_args=["--enforce-eager"] if entry.launch.enforce_eager else [],
+                kv_events_port=entry.launch.kv_events_port,
                 enable_sleep_mode=entry.sleep_mode == "on",
                 dev_mode=entry.sleep_mode == "on",
                 # a CPU build on a loaded 2-core machine was seen taking over 5 minutes to start

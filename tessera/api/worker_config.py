@@ -91,6 +91,14 @@ class LaunchSpec(ApiModel):
         description="--enforce-eager: no torch.compile warm-up (on a 2-core CPU the server starts in about "
         "1 minute instead of 3-4) at the price of slower decoding.",
     )
+    kv_events_port: Annotated[int, Field(ge=1, le=65535)] | None = Field(
+        default=None,
+        description=(
+            "Publish vLLM's KV events (--kv-events-config: a ZMQ publisher bound on this port of every "
+            "interface, topic kv-events) for a router's precise-prefix route to subscribe to; unset: no "
+            "events. Local mode sets a free port when its route reads them."
+        ),
+    )
 
 
 class ProfileSpec(ApiModel):
@@ -183,6 +191,11 @@ class ModelEntry(ApiModel):
             "only; the sim engine simulates it); off: the model stays resident."
         ),
     )
+
+    def tokenizer_dir(self) -> str | None:
+        """The folder whose tokenizer the worker tokenizes with (``tokenizer``, else the launched model's);
+        None: it asks the engine."""
+        return self.tokenizer or (self.launch.model_dir if self.launch is not None else None)
 
     @model_validator(mode="after")
     def _engine_source(self) -> ModelEntry:

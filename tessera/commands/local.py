@@ -3,10 +3,12 @@
 ``tessera local up -f FILE...`` plans the pools as the operator does, starts one worker process per
 instance (engine ``sim`` by default; ``--engine vllm --model DIR|NAME`` or ``--vllm-url URL`` for real
 vLLM, NAME being a model built by ``tessera models pull NAME``) and serves the router's OpenAI endpoint
-on ``--host:--port``. Pools with autoscaling enabled run the operator's Chiron global autoscaler over
-the local workers (``--no-autoscale`` keeps the planned counts). With ``--trace FILE`` it also drives
-that trace, prints the report and exits (``--compare-policy P``: then the same trace again under
-policy P, switched in place, and both side by side); without, it serves until Ctrl-C.
+on ``--host:--port`` (``--route`` picks how it ranks instances: with ``precise-prefix`` every launched
+vLLM publishes its KV events and the router follows them). Pools with autoscaling enabled run the
+operator's Chiron global autoscaler over the local workers (``--no-autoscale`` keeps the planned counts).
+With ``--trace FILE`` it also drives that trace, prints the report and exits (``--compare-policy P``:
+then the same trace again under policy P, switched in place, and both side by side); without, it serves
+until Ctrl-C.
 
 ``tessera local load --trace FILE`` drives a trace against a running endpoint (``--endpoint``) with a
 live table, and ends with the report (``--json``, ``--plot``).
@@ -48,6 +50,8 @@ def _add_load_flags(p: argparse.ArgumentParser, required: bool) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Subcommands `up` and `load`."""
+    from tessera.core.routing import ROUTES
+
     sub = parser.add_subparsers(dest="local_command", metavar="SUBCOMMAND")
     sub.required = True
     up = sub.add_parser("up", help="Start workers and the router for the given custom resources.")
@@ -58,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="vLLM: model folder to launch, or the name of a model built by `tessera models "
                          "pull NAME` (default: the LLMServices' model when it is such a name).")  # fmt: skip
     up.add_argument("--vllm-url", default=None, help="vLLM: use this running server instead.")
+    up.add_argument("--vllm-kv-events", default=None, metavar="ENDPOINT",
+                    help="vLLM: where the server at --vllm-url publishes its KV events (its "
+                         "--kv-events-config endpoint, tcp://HOST:PORT), for --route "
+                         "precise-prefix.")  # fmt: skip
+    up.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="vLLM: the tokenizer folder of the model at --vllm-url; the workers tokenize "
+                         "with it, and --route precise-prefix matches text completion prompts "
+                         "exactly.")  # fmt: skip
     up.add_argument("--dtype", choices=["auto", "float16", "bfloat16", "float32"], default=None,
                     help="vLLM: --dtype of a launched server (default: a named model's; auto).")  # fmt: skip
     up.add_argument("--enforce-eager", action="store_true",
@@ -70,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--no-autoscale", action="store_true",
                     help="Keep the planned instance counts (default: pools with autoscaling.enabled run "
                          "the operator's Chiron autoscaler over the local workers).")  # fmt: skip
+    up.add_argument("--route", default="least-wait", choices=list(ROUTES),
+                    help="How the router picks an instance (as `tessera router --route`; default "
+                         "least-wait). precise-prefix: by the prompt blocks each engine reports holding "
+                         "(each launched vLLM then publishes its KV events on a free port).")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="Router address (default 127.0.0.1).")
     up.add_argument("--port", type=int, default=8000, help="Router port (default 8000).")
     up.add_argument("--run-dir", type=Path, default=Path(".tessera-local"),
@@ -201,7 +217,7 @@ async def _up(args: argparse.Namespace) -> int:
     resources = [r for path in args.files for r in load_documents(path)]
     model_dir, dtype, profile = _launch_source(args, resources)
     engine = LocalEngine(args.engine, model_dir, args.vllm_url, args.kv_cache_gib, args.max_model_len, dtype,
-                         args.enforce_eager, profile)  # fmt: skip
+                         args.enforce_eager, profile, args.vllm_kv_events, args.tokenizer)  # fmt: skip
     cap = args.max_instances if args.max_instances is not None else (1 if args.engine == "vllm" else None)
     plan = plan_local(resources, engine, max_instances_per_group=cap)
     _check_launches(plan)
@@ -209,7 +225,7 @@ async def _up(args: argparse.Namespace) -> int:
     _check_compare(args, policies)
     print(describe_plan(plan, not args.no_autoscale), flush=True)
     stack = LocalStack(plan, args.run_dir, args.host, args.port, autoscale=not args.no_autoscale,
-                       report=lambda line: print(line, flush=True))  # fmt: skip
+                       report=lambda line: print(line, flush=True), route=args.route)  # fmt: skip
     timeout = args.ready_timeout or (900.0 if model_dir else 60.0)  # the worker's vLLM gets 900 s to start
     workload = None
     if args.trace is not None:

@@ -43,8 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "cache-aware: least estimated wait plus the prefill of the prompt the instance has not cached; "
         "slo-prefix: most cached prompt among the instances that meet the class's TTFT SLO, a session "
         "sticking to its instance; precise-prefix: most prompt blocks the instance's engine reports "
-        "holding, from the KV events of the backends' kvEvents publishers, for prompts sent as token ids; "
-        "see tessera.core.routing).",
+        "holding, from the KV events of the backends' kvEvents publishers, for completion prompts sent as "
+        "token ids, or as text where the model's tokenizer folder is readable here; see "
+        "tessera.core.routing).",
     )
     d = RouterLimits()
     limits = parser.add_argument_group("client limits (each answered with an OpenAI-style error)")

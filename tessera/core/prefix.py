@@ -171,10 +171,14 @@ class EngineBlockIndex:
     A block whose hash carries extra keys (LoRA, multimodal input, cache salt) cannot be matched from
     tokens alone and is not indexed, nor are blocks of another block size, of a KV cache group other
     than the first, of an offload tier, or whose parent the index never saw (stored before it
-    subscribed); ``skipped`` counts them."""
+    subscribed); ``skipped`` counts them.
 
-    def __init__(self, block_size: int, *, seed: str = VLLM_DEFAULT_SEED) -> None:
-        if block_size < 1:
+    ``block_size`` None: the engine's own, taken from the first block it reports storing (vLLM picks it
+    by platform and model: 16 on most GPUs, 128 on CPUs, 16 or 256 for some attention kernels, so a
+    launcher that sets none cannot know it); until then no request matches any block."""
+
+    def __init__(self, block_size: int | None = None, *, seed: str = VLLM_DEFAULT_SEED) -> None:
+        if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._root = first_parent_hash(seed)
@@ -220,8 +224,11 @@ class EngineBlockIndex:
     def _store(
         self, instance: str, event: BlockStored, held: dict[Hashable, bytes], own: Counter[bytes]
     ) -> None:
-        size = self.block_size
-        usable = event.medium in ENGINE_MEDIA and event.group_idx in (None, 0) and event.block_size == size
+        usable = event.medium in ENGINE_MEDIA and event.group_idx in (None, 0)
+        if usable and self.block_size is None:
+            self.block_size = event.block_size
+        size = event.block_size
+        usable = usable and size == self.block_size
         parent = self._root if event.parent_block_hash is None else held.get(event.parent_block_hash)
         for i, engine_hash in enumerate(event.block_hashes):
             tokens = event.token_ids[i * size : (i + 1) * size]

@@ -48,8 +48,19 @@ class LocalEngine:
     # The step-time profile of a launched model (the worker's ProfileSpec JSON) where one was measured on
     # this kind of machine; None: the operator's configuration (a GPU-scale default).
     profile: dict[str, float] | None = None
+    # With vllm_url: where that server publishes its KV events (its --kv-events-config endpoint, as
+    # tcp://HOST:PORT), for a route that reads what the engine holds. A launched server's publisher is
+    # set up by the supervisor instead (a free port per server).
+    vllm_kv_events: str | None = None
+    # With vllm_url: the served model's tokenizer folder. The workers tokenize with it instead of asking
+    # the server, and the router can tokenize text completion prompts as they do (a launched model's
+    # folder serves both already).
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
+        for value, flag in ((self.vllm_kv_events, "--vllm-kv-events"), (self.tokenizer, "--tokenizer")):
+            if value is not None and self.vllm_url is None:
+                raise LocalPlanError(f"{flag} is about the server at --vllm-url; give both")
         if self.kind == "vllm" and (self.model_dir is None) == (self.vllm_url is None):
             raise LocalPlanError("--engine vllm needs exactly one of --model DIR or --vllm-url URL (or an "
                                  "LLMService naming a model of `tessera models list`)")  # fmt: skip
@@ -64,6 +75,8 @@ class LocalEngine:
         if self.kind == "sim":
             return {**out, "engine": "sim"}
         if self.vllm_url is not None:
+            if self.tokenizer is not None:
+                out["tokenizer"] = self.tokenizer
             return {**out, "engine": "vllm", "url": self.vllm_url}
         launch = {"modelDir": self.model_dir, "kvCacheGib": self.kv_cache_gib, "dtype": self.dtype,
                   "enforceEager": self.enforce_eager}  # fmt: skip
@@ -82,6 +95,7 @@ class LocalInstance:
     ordinal: int
     role: Role
     config: WorkerConfig
+    kv_events: tuple[tuple[str, str], ...] = ()  # (model, endpoint): where its engines publish KV events
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +107,12 @@ class LocalGroup:
     group: GroupPlan  # role counts as the operator planned them
     config: WorkerConfig  # the worker configuration, rewritten for the local engine
     instance_cap: int | None  # local mode's cap of instances per group
+    kv_events: tuple[tuple[str, str], ...] = ()  # (model, endpoint) of a running server's KV events
 
     def instance(self, ordinal: int, role: Role) -> LocalInstance:
         """The instance of this group at ``ordinal`` (named as the StatefulSet names its pods)."""
         return LocalInstance(f"{self.pool}-{self.group.name}-{ordinal}", self.pool, self.group.name, ordinal,
-                        role, self.config)  # fmt: skip
+                        role, self.config, self.kv_events)  # fmt: skip
 
     def roles(self, counts: RoleCounts) -> list[Role]:
         """The role of each running ordinal for ``counts``, within the local cap."""
@@ -159,8 +174,11 @@ def plan_local(
             config = desired.configs[group_plan.name].to_json()
             config["models"] = [engine.rewrite(m) for m in config["models"]]
             config["admin"] = {"tokenEnv": ADMIN_TOKEN_ENV}
+            # every instance's worker sends to the one running server: they share its cache and its events
+            feeds = tuple((m["name"], engine.vllm_kv_events) for m in config["models"]
+                          if engine.vllm_kv_events is not None)  # fmt: skip
             local = LocalGroup(pool_name, desired, group_plan, WorkerConfig.model_validate(config),
-                               max_instances_per_group)  # fmt: skip
+                               max_instances_per_group, feeds)  # fmt: skip
             groups.append(local)
             instances += [local.instance(i, role) for i, role in enumerate(local.roles(group_plan.replicas))]
     if not instances:

@@ -23,6 +23,7 @@ import httpx
 import uvicorn
 
 from tessera.core.activation import Backoff, unit_idle_after
+from tessera.core.routing import ROUTES, uses_engine_blocks
 from tessera.local.autoscaler import LocalAutoscaler
 from tessera.local.control_plane import LocalPlan
 from tessera.local.load import LiveCounters, Outcome, Workload, drive, outstanding_of
@@ -233,11 +234,15 @@ class LocalStack:
         report: Callable[[str], None] = print,
         wake_backoff: Backoff | None = None,
         activation_tick_s: float = TICK_S,
+        route: str = "least-wait",
     ) -> None:
         """``wake_backoff`` and ``activation_tick_s``: the activator's retries of a failed wake-up and how
-        often it looks for idle groups (services with ``spec.scaleToZero``)."""
+        often it looks for idle groups (services with ``spec.scaleToZero``). ``route``: the router's
+        (``tessera.core.routing.ROUTES``); one that reads what the engines hold has every vLLM server the
+        workers launch publish its KV events."""
         self.plan = plan
-        self.supervisor = Supervisor(run_dir)
+        self.route = route
+        self.supervisor = Supervisor(run_dir, kv_events=uses_engine_blocks(ROUTES[route]))
         self.host = host
         self.port = port
         self.autoscale = autoscale
@@ -260,7 +265,7 @@ class LocalStack:
     async def start(self, ready_timeout_s: float) -> None:
         """Start every worker (waiting until ready), then the router on ``host:port``."""
         await asyncio.to_thread(self.supervisor.start_all, self.plan.instances, ready_timeout_s)
-        self.state = state = RouterState([w.backend() for w in self.supervisor.workers])
+        self.state = state = RouterState([w.backend() for w in self.supervisor.workers], route=self.route)
         idle = idle_units(self.plan.groups)
         if idle.units:
             # A wake-up starts the same processes as this start: it gets as long to be ready.

@@ -5,7 +5,9 @@ process group. ``start_all`` launches every worker, then waits until each answer
 that exits or stays unready past the timeout fails the start with its log's tail). ``stop_all`` sends
 SIGTERM (the worker drains, and stops any vLLM server it launched), then SIGKILL after a grace period.
 ``set_policy`` switches the scheduling policy of every running worker in place (the workers' admin
-reload, with a token only this supervisor knows), so the engines keep running.
+reload, with a token only this supervisor knows), so the engines keep running. With ``kv_events``, each
+vLLM server a worker launches publishes its KV events on a free port (``launch.kvEventsPort``), and the
+worker's backend entry names that publisher, for a router route that reads what the engines hold.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
+from tessera.api.worker_config import WorkerConfig
 from tessera.local.control_plane import ADMIN_TOKEN_ENV, LocalInstance
-from tessera.router.backends import Backend
+from tessera.router.backends import Backend, KVEventsSource
 from tessera.worker.engines.vllm_process import free_port
 
 
@@ -53,8 +56,9 @@ class WorkerProcess:
 
     def backend(self) -> Backend:
         """The router's backend entry for this worker."""
+        feeds = [KVEventsSource(model=m, endpoint=endpoint) for m, endpoint in self.instance.kv_events]
         return Backend(name=self.instance.name, url=self.url, role=self.instance.role,
-                       config=self.instance.config)  # fmt: skip
+                       config=self.instance.config, kv_events=feeds)  # fmt: skip
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the worker's log."""
@@ -66,14 +70,17 @@ class WorkerProcess:
 class Supervisor:
     """Starts and stops the worker processes of a local plan."""
 
-    def __init__(self, run_dir: Path, *, grace_s: float = 10.0) -> None:
+    def __init__(self, run_dir: Path, *, grace_s: float = 10.0, kv_events: bool = False) -> None:
         self.run_dir = run_dir
         self.grace_s = grace_s
+        self.kv_events = kv_events  # launched vLLM servers publish their KV events
         self.workers: list[WorkerProcess] = []
         self._admin_token = secrets.token_urlsafe(24)
 
     def launch(self, instance: LocalInstance) -> WorkerProcess:
         """Write the instance's configuration and start its worker (without waiting)."""
+        if self.kv_events:
+            instance = publishing_kv_events(instance)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.run_dir / f"{instance.name}.json"
         config_path.write_text(json.dumps(instance.config.to_json(), indent=2))
@@ -162,6 +169,20 @@ class Supervisor:
             if w.proc is not None:
                 w.proc.wait()
         self.workers = [w for w in self.workers if w not in workers]
+
+
+def publishing_kv_events(instance: LocalInstance) -> LocalInstance:
+    """``instance`` with each vLLM server its worker launches publishing KV events on a free loopback
+    port, named among its feeds. A server that already has a port keeps it (an instance relaunched
+    after scale to zero, whose feeds name it already)."""
+    config = instance.config.to_json()
+    feeds = list(instance.kv_events)
+    for m in config["models"]:
+        launch = m.get("launch")
+        if launch is not None and "kvEventsPort" not in launch:
+            launch["kvEventsPort"] = port = free_port()
+            feeds.append((m["name"], f"tcp://127.0.0.1:{port}"))
+    return replace(instance, config=WorkerConfig.model_validate(config), kv_events=tuple(feeds))
 
 
 def _signal_group(worker: WorkerProcess, sig: int) -> None:

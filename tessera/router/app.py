@@ -71,6 +71,7 @@ from tessera.router.kv_events import Subscriptions
 from tessera.router.limits import RouterLimits
 from tessera.router.metrics import DeliveredSlo, RouterMetrics
 from tessera.router.payload import parse_payload, read_body
+from tessera.router.prompt_tokens import PromptTokenizers
 from tessera.router.relay import (
     Answer,
     Upstream,
@@ -163,6 +164,7 @@ class RouterState:
         # its first publisher's (the index skips and counts blocks of another size)
         self.engine_blocks: dict[str, EngineBlockIndex] = {}
         self.feeds: dict[tuple[str, str], str] = {}  # (instance, model) -> its KV-event publisher
+        self.tokenizers = PromptTokenizers()  # text completion prompts as the workers tokenize them
         self.prefix_tokens: dict[str, list[int]] = {}  # instance -> [prompt tokens sent, of them cached]
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)  # cache-aware decisions
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session key -> its last instance (LRU)
@@ -189,6 +191,8 @@ class RouterState:
             for source in b.kv_events:
                 self.feeds[(b.name, source.model)] = source.endpoint
                 self.engine_blocks.setdefault(source.model, EngineBlockIndex(source.block_size))
+        if self.uses_engine:
+            self.tokenizers.update(b.config for b in backends)
         for b in backends:
             for m in b.config.models:
                 self.configs.setdefault(m.name, b.config)
@@ -241,8 +245,9 @@ class RouterState:
     ) -> InstanceLoad:
         """The instance for a request (not one of ``exclude``); a cache-aware route also reads which
         instances hold the leading blocks of ``prompt_text`` and records where it sent them, and a
-        route on engine-reported blocks reads which engines hold those of ``prompt_token_ids`` (a prompt
-        sent as text has none: the router does not tokenize, and its estimate stands in)."""
+        route on engine-reported blocks reads which engines hold those of ``prompt_token_ids`` (sent as
+        token ids, or a text completion prompt tokenized as its workers do: ``PromptTokenizers``; a chat
+        prompt, or a model without a tokenizer folder, has none, and the text index's estimate stands in)."""
         loads = [x for x in self.loads.values() if x.instance not in exclude]
         if not self.uses_prefix or not (prompt_text or prompt_token_ids):
             return self.route.pick(RouteRequest(model, kind, self.stats[model], ttft_slo_s=ttft_slo_s), loads)
@@ -255,8 +260,9 @@ class RouterState:
         engine: dict[str, int] = {}
         engine_index = self.engine_blocks.get(model)
         if self.uses_engine and prompt_token_ids and engine_index is not None:
-            size = engine_index.block_size
-            chain = token_block_hashes(prompt_token_ids, size)
+            size = engine_index.block_size or 0
+            # no block size yet: no engine has reported storing a block, so each tracked one holds none
+            chain = token_block_hashes(prompt_token_ids, size) if size else []
             engine = {name: n * size for name, n in engine_index.matched(chain, names).items()}
         prompt_tokens = len(prompt_token_ids) or len(prompt_text) // CHARS_PER_TOKEN
         req = RouteRequest(model, kind, self.stats[model], time.monotonic(), prompt_tokens=prompt_tokens,
@@ -533,8 +539,11 @@ def create_router_app(
             service_class = spec.to_service_class(class_name)
             slo = spec.slo.ttft_seconds
             session = http.headers.get(SESSION_HEADER) or payload.user
+            token_ids = payload.prompt_token_ids
+            if state.uses_engine and not token_ids and path == "/v1/completions":
+                token_ids = await state.tokenizers.encode(payload.model, payload.prompt_text)
             up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text, slo,
-                          session, payload.prompt_token_ids)  # fmt: skip
+                          session, token_ids)  # fmt: skip
             answer = await unless_client_leaves(http, _activate_and_send(up, spec.priority))
         except ApiError as exc:
             end = time.perf_counter()

@@ -10,13 +10,13 @@ step-time profiles from the same source as the worker. A backends file is JSON o
         role: interactive            # interactive | mixed | batch (Chiron roles)
         config: {models: [...], classes: {...}}   # a worker configuration
         kvEvents:                    # optional: where its vLLM publishes KV events, per model
-          - {model: tiny, endpoint: "tcp://127.0.0.1:5557", blockSize: 128}
+          - {model: tiny, endpoint: "tcp://127.0.0.1:5557"}   # blockSize: 128 (unset: the events')
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -37,8 +37,10 @@ class KVEventsSource(ApiModel):
     endpoint: str = Field(
         pattern=r"^tcp://", description="ZMQ address to subscribe to, e.g. tcp://10.0.0.5:5557."
     )
-    block_size: int = Field(
-        ge=1, description="The engine's KV block size in tokens (vLLM: 16 on GPUs, 128 on CPUs)."
+    block_size: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description="The engine's KV block size in tokens (vLLM: 16 on most GPUs, 128 on CPUs); unset: "
+        "the size of the blocks its events report.",
     )
 
 

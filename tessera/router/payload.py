@@ -90,7 +90,7 @@ def prompt_text(body: dict[str, Any]) -> str:
 
 def prompt_token_ids(body: dict[str, Any]) -> tuple[int, ...]:
     """A completion's prompt when it is one list of token ids (what the engine hashes its blocks
-    over), else none: the router does not tokenize text."""
+    over), else none (text is tokenized, where it can be, by ``tessera.router.prompt_tokens``)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return tuple(prompt)

@@ -58,12 +58,11 @@ class Upstream:
     prompt_text: str = ""
     ttft_slo_s: float | None = None  # the request class's TTFT SLO
     session: str = ""  # the session key (the session header, else the body's user)
-    prompt_token_ids: tuple[int, ...] = ()  # the prompt as token ids, when the client sent them
+    prompt_token_ids: tuple[int, ...] = ()  # the prompt as token ids (as sent, or as the worker tokenizes it)
 
     @property
     def prompt_tokens(self) -> int:
-        """The prompt's length in tokens: its token ids, else estimated from its text (the router does not
-        tokenize)."""
+        """The prompt's length in tokens: its token ids, else estimated from its text."""
         return len(self.prompt_token_ids) or len(self.prompt_text) // CHARS_PER_TOKEN
 
 
