@@ -77,16 +77,19 @@ def test_bench_routing_rows_and_checks_on_the_mooncake_trace() -> None:
     config = BenchConfig("routing", options=Options({"requests": 300, "loads": "0.8"}))
     report = run(config, lambda *a, **k: None)
     names = [r["policy"] for r in report.results]
-    rows = ("round-robin", "least-loaded", "wait", "prefix", "cache-aware", "combined")
+    rows = ("round-robin", "least-loaded", "wait", "prefix", "precise-prefix", "cache-aware", "combined")
     assert names == [f"{n}:load=0.8" for n in rows]
     by = {r["policy"].split(":")[0]: r for r in report.results}
     assert by["prefix"]["cache_hit_rate"] > by["round-robin"]["cache_hit_rate"]
+    assert by["precise-prefix"]["cache_hit_rate"] > by["round-robin"]["cache_hit_rate"]
     assert by["combined"]["prefill_tokens"] < by["round-robin"]["prefill_tokens"]
     assert np.isfinite(by["combined"]["p99_ttft_s"])
-    assert len([c for c in report.checks if c.startswith("combined vs ")]) == 5
+    # judged against the four baselines, reported against cache-aware and precise-prefix
+    assert len([c for c in report.checks if c.startswith("combined vs ")]) == 6
+    assert [c for c in report.checks if c.startswith("precise-prefix vs prefix:load=0.8: SLO ")]
     # every route against least-loaded on throughput and TTFT p99 (default tolerance 10%)
     against = [c for c in report.checks if " vs least-loaded:load=0.8: throughput " in c]
-    assert len(against) == 5 and all("p99_ttft" in c and c.endswith(("PASS", "FAIL")) for c in against)
+    assert len(against) == 6 and all("p99_ttft" in c and c.endswith(("PASS", "FAIL")) for c in against)
 
 
 def test_slo_headroom_keeps_the_instances_that_meet_the_ttft_slo_and_slo_prefix_reuses_within_them() -> None:
