@@ -172,9 +172,10 @@ class Supervisor:
 
 
 def publishing_kv_events(instance: LocalInstance) -> LocalInstance:
-    """``instance`` with each vLLM server its worker launches publishing KV events on a free loopback
-    port, named among its feeds. A server that already has a port keeps it (an instance relaunched
-    after scale to zero, whose feeds name it already)."""
+    """``instance`` with each vLLM server its worker launches publishing KV events on a free port, named
+    among its feeds (the router subscribes on loopback; vLLM binds a fixed port on every interface, the
+    only way its publisher takes one). A server that already has a port keeps it (an instance
+    relaunched after scale to zero, whose feeds name it already)."""
     config = instance.config.to_json()
     feeds = list(instance.kv_events)
     for m in config["models"]:
