@@ -78,12 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT."""
-    import uvicorn
-
     from tessera.router.app import RouterState, create_router_app
     from tessera.router.auth import ApiKeys, ApiKeysError
     from tessera.router.backends import BackendsError, load_backends
-    from tessera.router.protocol import router_server_config
+    from tessera.router.protocol import RouterServer, router_server_config
 
     if not 0 < args.port < 65536:
         print(f"tessera router: --port {args.port} is not a TCP port (1-65535)", file=sys.stderr)
@@ -126,8 +124,6 @@ def run(args: argparse.Namespace) -> int:
                             discover=discovery.backends if discovery else None)  # fmt: skip
     if discovery is not None:
         app.state.metrics.registry.register(discovery.collector())
-    server = uvicorn.Server(
-        router_server_config(app, host=args.host, port=args.port, log_level=args.log_level)
-    )
+    server = RouterServer(router_server_config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run()
     return 0 if server.started else 1

@@ -20,7 +20,6 @@ from types import FrameType
 from typing import Any, TextIO
 
 import httpx
-import uvicorn
 
 from tessera.core.activation import Backoff, unit_idle_after
 from tessera.core.routing import ROUTES, uses_engine_blocks
@@ -40,7 +39,7 @@ from tessera.local.scale_to_zero import LocalActuator, idle_units
 from tessera.local.supervisor import Supervisor
 from tessera.router.activator import TICK_S, Activator
 from tessera.router.app import ClassInfo, RouterState, create_router_app, router_status
-from tessera.router.protocol import router_server_config
+from tessera.router.protocol import RouterServer, router_server_config
 
 LIVE_PERIOD_S = 1.0
 RATE_WINDOW_S = 5.0
@@ -318,9 +317,10 @@ class LocalStack:
         await asyncio.to_thread(self.supervisor.stop_all)
 
 
-class _RouterServer(uvicorn.Server):
-    """uvicorn's server, except that a SIGTERM or Ctrl-C only ends serving: uvicorn re-raises the
-    signal after its shutdown, which would end the process before local mode stops its workers."""
+class _RouterServer(RouterServer):
+    """The router's server (``tessera.router.protocol.RouterServer``), except that a SIGTERM or Ctrl-C
+    only ends serving: uvicorn re-raises the signal after its shutdown, which would end the process
+    before local mode stops its workers."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
