@@ -14,11 +14,19 @@ def test_bench_router_runs_both_paths_and_the_fault_run() -> None:
     options = Options({"streams": "8", "rounds": "2", "max_tokens": "4", "faults": "true"})
     report = run(BenchConfig("router", options=options), lambda *a, **k: None)
     rows = {r["policy"]: r for r in report.results}
-    assert set(rows) == {"direct:streams=8", "router:streams=8", "router+worker-killed:streams=8"}
+    assert set(rows) == {"direct:streams=8", "router:streams=8", "router+router-restarted:streams=8",
+                         "router+worker-killed:streams=8"}  # fmt: skip
     for name in ("direct:streams=8", "router:streams=8"):
         assert rows[name]["completed"] == 16 and rows[name]["lost"] == 0 and rows[name]["tokens_per_s"] > 0
-    fault = rows["router+worker-killed:streams=8"]
-    assert fault["completed"] + fault["failed"] + fault["lost"] == 8
-    assert len(report.checks) == 2 and report.checks[0].startswith("streams=8: router/direct TTFT p50")
+    killed = rows["router+worker-killed:streams=8"]
+    assert killed["accepted"] == 8 and killed["completed"] + killed["failed"] + killed["lost"] == 8
+    restarted = rows["router+router-restarted:streams=8"]
+    # The load ran across the restart: requests completed before and after it (at least one per client
+    # before it, and more on the new router), and connections were refused while no router listened.
+    assert restarted["completed"] > 8 and restarted["refused"] > 0 and restarted["router_down_s"] > 0
+    assert restarted["requests"] == restarted["accepted"] + restarted["refused"]
+    assert restarted["accepted"] == restarted["completed"] + restarted["failed"] + restarted["lost"]
+    assert len(report.checks) == 4 and report.checks[0].startswith("streams=8: router/direct TTFT p50")
+    assert "not part of this scenario" in report.checks[-1]
     with pytest.raises(ValueError, match="--set streams"):
         run(BenchConfig("router", options=Options({"streams": "0"})), lambda *a, **k: None)

@@ -7,13 +7,30 @@ on the same workers; each path sends one wave of ``streams`` streamed chat reque
 (``max_tokens`` tokens each). Direct requests go to the workers in turn.
 
 Rows (path:streams): client-side TTFT p50/p99 over every round's requests, tokens per second, and
-the requests completed, failed with an HTTP error, and lost (a stream that ended without ``[DONE]``
-or an error). The checks compare the paths as paired ratios per round (medians): the router's added
-TTFT p50 within 10% of direct at the lowest level, throughput at least 0.95 of direct, nothing lost.
+the requests completed, failed with an HTTP error or an error event, and lost (no ``[DONE]`` and
+no error: a stream cut off, or a connection closed without an answer). The checks compare the paths
+as paired ratios per round (medians): the router's added TTFT p50 within 10% of direct at the lowest
+level, throughput at least 0.95 of direct, nothing lost.
 
-With ``faults`` on, a fault run follows: a wave through the router during which one worker is
-killed; requests on it fail with a clear error or are retried on the other worker (non-streamed
-ones), and none may be lost.
+With ``faults`` on, a fault run follows, one fault per row, each under load through the router with
+``streams`` = the last level, at most 300:
+
+- ``router+router-restarted``: ``streams`` clients send streamed requests back to back (closed loop);
+  once as many requests have completed as there are clients, the router is restarted as a pod restart
+  does it: SIGTERM (it refuses new connections, answers the requests in flight and those sent on open
+  connections for a second, ``tessera.router.protocol``, and exits), then a new router process on the
+  same port; the load goes on ``RESTART_AFTER_S`` after the new one is ready. A client whose
+  connection is refused while no router listens waits ``REFUSED_BACKOFF_S`` and sends its next one.
+- ``router+worker-killed``: a wave of ``streams`` streams during which one worker is killed (SIGKILL);
+  requests on it fail with a clear error or are retried on the other worker (non-streamed ones).
+
+Each fault row counts requests sent; refused (no router listened: the client's connection was
+refused, nothing was accepted); accepted (the rest), of which completed (``[DONE]``), failed with a
+clear error (an HTTP error status, or an SSE error event, with an OpenAI error body) and lost (no
+``[DONE]`` and no error: the stream was cut off or the connection closed without an answer). Goal:
+0 lost. The operator and Prometheus are not part of this scenario (the router and workers serve
+without them; only the operator's autoscaler reads Prometheus, and no Kubernetes API server runs on
+this machine): the report says so instead of a figure.
 
 Options (``--set``): streams ("100,300,1000"), workers (2), max_tokens (32), rounds (3), faults (true).
 """
@@ -49,6 +66,13 @@ TRACE_REFUSED = (
 )
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 READY_TIMEOUT_S = 60.0
+RESTART_AFTER_S = 2.0  # load kept on the new router after it is ready
+REFUSED_BACKOFF_S = 0.2  # a client's pause after a refused connection (no router listening)
+NOT_IN_SCENARIO = (
+    "operator restart and Prometheus stop: not part of this scenario (the router and the workers serve "
+    "without them; only the operator's autoscaler reads Prometheus, and no Kubernetes API server runs on "
+    "this machine): not measured"
+)
 
 
 @dataclass
@@ -62,6 +86,15 @@ class Wave:
     lost: int = 0
     wall_s: float = 0.0
     streaming: int = 0  # streams that received their first token so far
+    sent: int = 0
+    refused: int = 0  # connection refused: no router listened, nothing was accepted
+    lost_by_reason: dict[str, int] = field(default_factory=dict)
+    fault_at: float | None = None  # when the fault was injected (perf_counter)
+
+    def lost_one(self, reason: str) -> None:
+        """Count a lost request, saying whether it was lost before the fault was injected."""
+        self.lost += 1
+        _count(self.lost_by_reason, f"{reason} ({'before' if self.fault_at is None else 'after'} the fault)")
 
 
 def _parse_levels(text: Any) -> list[int]:
@@ -74,39 +107,48 @@ def _parse_levels(text: Any) -> list[int]:
     return levels
 
 
+def _count(counts: dict[str, int], reason: str) -> None:
+    counts[reason] = counts.get(reason, 0) + 1
+
+
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
-                  wave: Wave, start: float) -> None:  # fmt: skip
+                  wave: Wave, start: float) -> bool:  # fmt: skip
+    """One streamed request, counted in ``wave``; False when its connection was refused."""
     first: float | None = None
     done = False
     tokens = 0
+    wave.sent += 1
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 await resp.aread()
-                wave.failed[f"http {resp.status_code}"] = wave.failed.get(f"http {resp.status_code}", 0) + 1
-                return
+                _count(wave.failed, f"http {resp.status_code}")
+                return True
             async for line in resp.aiter_lines():
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith('data: {"error"'):
-                    wave.failed["error event"] = wave.failed.get("error event", 0) + 1
-                    return
+                    _count(wave.failed, "error event")
+                    return True
                 elif line.startswith("data: {") and '"content"' in line:
                     tokens += 1
                     if first is None:
                         first = time.perf_counter()
                         wave.streaming += 1
-    except httpx.HTTPError as exc:
-        reason = type(exc).__name__
-        wave.failed[reason] = wave.failed.get(reason, 0) + 1
-        return
+    except (httpx.ConnectError, httpx.ConnectTimeout):
+        wave.refused += 1
+        return False
+    except httpx.HTTPError as exc:  # connected, then no answer or a cut-off one, and no error body
+        wave.lost_one(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        return True
     if not done:
-        wave.lost += 1
-        return
+        wave.lost_one("ended without [DONE]")
+        return True
     wave.completed += 1
     wave.tokens += tokens
     if first is not None:
         wave.ttfts.append(first - start)
+    return True
 
 
 async def _wave(urls: list[str], streams: int, model: str, headers: dict[str, str], max_tokens: int,
@@ -124,6 +166,65 @@ async def _wave(urls: list[str], streams: int, model: str, headers: dict[str, st
         await asyncio.gather(*tasks, *extra)
         wave.wall_s = time.perf_counter() - start
     return wave
+
+
+async def _closed_loop(url: str, clients: int, model: str, headers: dict[str, str], max_tokens: int,
+                       fault: Any) -> Wave:  # fmt: skip
+    """``clients`` clients each sending streamed requests one after another until ``fault`` (a
+    coroutine function of the wave, which injects the fault and waits) returns; the requests then in
+    flight finish."""
+    wave = Wave()
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "messages": [{"role": "user",
+            "content": "Tell me about the sea."}]}  # fmt: skip
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=30.0), limits=limits) as client:
+
+        async def one_client() -> None:
+            while not stop.is_set():
+                if not await _stream(client, url, body, headers, wave, time.perf_counter()):
+                    await asyncio.sleep(REFUSED_BACKOFF_S)
+
+        async def inject() -> None:
+            try:
+                await fault(wave)
+            finally:
+                stop.set()
+
+        start = time.perf_counter()
+        await asyncio.gather(inject(), *(one_client() for _ in range(clients)))
+        wave.wall_s = time.perf_counter() - start
+    return wave
+
+
+class RouterProcess:
+    """``tessera router --backends FILE`` as its own process on a fixed loopback port (restartable)."""
+
+    def __init__(self, backends: Path, port: int) -> None:
+        self.backends = backends
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the router and wait until it is ready."""
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tessera", "router", "--backends", str(self.backends), "--port",
+             str(self.port), "--host", "127.0.0.1", "--poll-interval", "0.5"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        _ready(self.url, READY_TIMEOUT_S)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM (the router finishes what is in flight), SIGKILL after ``timeout_s``."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _ready(url: str, timeout_s: float) -> None:
@@ -146,9 +247,17 @@ def _row(path: str, streams: int, waves: list[Wave]) -> dict[str, Any]:
     for w in waves:
         for reason, n in w.failed.items():
             failed[reason] = failed.get(reason, 0) + n
+    lost_by_reason: dict[str, int] = {}
+    for w in waves:
+        for reason, n in w.lost_by_reason.items():
+            lost_by_reason[reason] = lost_by_reason.get(reason, 0) + n
+    sent = sum(w.sent for w in waves)
+    refused = sum(w.refused for w in waves)
     return {
         "policy": f"{path}:streams={streams}",
-        "requests": streams * len(waves),
+        "requests": sent,
+        "accepted": sent - refused,
+        "refused": refused,
         "ttft_p50_s": float(np.percentile(ttfts, 50)),
         "ttft_p99_s": float(np.percentile(ttfts, 99)),
         "tokens_per_s": statistics.mean(w.tokens / w.wall_s for w in waves),
@@ -156,6 +265,7 @@ def _row(path: str, streams: int, waves: list[Wave]) -> dict[str, Any]:
         "failed": sum(failed.values()),
         "failed_by_reason": failed,
         "lost": sum(w.lost for w in waves),
+        "lost_by_reason": lost_by_reason,
     }
 
 
@@ -173,25 +283,20 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     instances = plan.instances[:n_workers]
     model = instances[0].config.models[0].name
     headers = {instances[0].config.class_header: "chat"}
-    progress(0, total=len(levels) * rounds * 2 + (1 if faults else 0))
+    progress(0, total=len(levels) * rounds * 2 + (2 if faults else 0))
     rows: list[dict[str, Any]] = []
     pairs: dict[int, list[tuple[Wave, Wave]]] = {}
-    fault: dict[str, Any] | None = None
+    fault_rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tessera-bench-router-") as tmp:
         supervisor = Supervisor(Path(tmp) / "run", grace_s=2.0)
-        router: subprocess.Popen[bytes] | None = None
+        router: RouterProcess | None = None
         try:
             supervisor.start_all(list(instances), READY_TIMEOUT_S)
             backends = Path(tmp) / "backends.json"
             backends.write_text(json.dumps({"backends": [w.backend().to_json() for w in supervisor.workers]}))
-            port = free_port()
-            router = subprocess.Popen(
-                [sys.executable, "-m", "tessera", "router", "--backends", str(backends), "--port", str(port),
-                 "--host", "127.0.0.1", "--poll-interval", "0.5"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            router_url = f"http://127.0.0.1:{port}"
-            _ready(router_url, READY_TIMEOUT_S)
+            router = RouterProcess(backends, free_port())
+            router.start()
+            router_url = router.url
             direct = [w.url for w in supervisor.workers]
             for streams in levels:
                 for r in range(rounds):
@@ -205,22 +310,25 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 for path, index in (("direct", 0), ("router", 1)):
                     rows.append(_row(path, streams, [p[index] for p in pairs[streams]]))
             if faults:
-                fault = _fault_run(supervisor, router_url, model, headers, max_tokens, min(levels[-1], 300))
+                streams = min(levels[-1], 300)
+                fault_rows.append(_router_restart_run(router, model, headers, max_tokens, streams))
+                progress(1)
+                fault_rows.append(_fault_run(supervisor, router_url, model, headers, max_tokens, streams))
                 progress(1)
         finally:
             if router is not None:
-                router.send_signal(signal.SIGTERM)
-                try:
-                    router.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    router.kill()
+                router.stop()
             supervisor.stop_all()
     checks = _checks(pairs, levels)
-    if fault is not None:
+    for fault in fault_rows:
         rows.append(fault)
-        checks.append(f"fault run (a worker killed mid-wave): {fault['completed']} completed, "
-                      f"{fault['failed']} failed with an error {fault['failed_by_reason']}, "
-                      f"{fault['lost']} lost: {'PASS' if fault['lost'] == 0 else 'FAIL'}")  # fmt: skip
+        lost = f"{fault['lost']} lost" + (f" {fault['lost_by_reason']}" if fault["lost_by_reason"] else "")
+        checks.append(f"fault run, {fault['fault']}: {fault['accepted']} accepted, {fault['completed']} "
+                      f"completed, {fault['failed']} failed with an error {fault['failed_by_reason']}, "
+                      f"{lost}; {fault['refused']} refused while no router listened (not accepted): "
+                      f"{'PASS' if fault['lost'] == 0 else 'FAIL'} (goal: 0 lost)")  # fmt: skip
+    if faults:
+        checks.append(NOT_IN_SCENARIO)
     cfg = {**config.as_dict(), "streams": levels, "workers": n_workers, "max_tokens": max_tokens,
            "rounds": rounds}  # fmt: skip
     return BenchReport("router", cfg, rows, checks)
@@ -235,10 +343,39 @@ def _fault_run(supervisor: Supervisor, router_url: str, model: str, headers: dic
         while wave.streaming < streams // 4:
             await asyncio.sleep(0.01)
         assert victim.proc is not None
+        wave.fault_at = time.perf_counter()
         victim.proc.kill()
 
     wave = asyncio.run(_wave([router_url], streams, model, headers, max_tokens, during=kill_one))
-    return _row("router+worker-killed", streams, [wave])
+    return {**_row("router+worker-killed", streams, [wave]), "fault": "a worker killed mid-wave"}
+
+
+def _router_restart_run(router: RouterProcess, model: str, headers: dict[str, str], max_tokens: int,
+                        clients: int) -> dict[str, Any]:  # fmt: skip
+    timings: dict[str, float] = {}
+
+    async def restart(wave: Wave) -> None:
+        # mid-load: once as many requests completed as there are clients, all of them busy
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while wave.completed < clients:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the load did not get going: {wave.completed} of {clients} requests "
+                    f"completed in {READY_TIMEOUT_S:.0f} s ({wave.failed}, {wave.lost_by_reason})"
+                )
+            await asyncio.sleep(0.01)
+        t0 = wave.fault_at = time.perf_counter()
+        await asyncio.to_thread(router.stop)  # SIGTERM: the answers in flight finish first
+        timings["drain_s"] = time.perf_counter() - t0
+        await asyncio.to_thread(router.start)
+        timings["down_s"] = time.perf_counter() - t0
+        await asyncio.sleep(RESTART_AFTER_S)
+
+    wave = asyncio.run(_closed_loop(router.url, clients, model, headers, max_tokens, restart))
+    row = _row("router+router-restarted", clients, [wave])
+    return {**row, "fault": f"the router restarted mid-load (SIGTERM; drained in {timings['drain_s']:.1f} s; "
+            f"a new router ready {timings['down_s']:.1f} s after the SIGTERM)",
+            "router_drain_s": timings["drain_s"], "router_down_s": timings["down_s"]}  # fmt: skip
 
 
 def _checks(pairs: dict[int, list[tuple[Wave, Wave]]], levels: list[int]) -> list[str]:
