@@ -32,7 +32,11 @@ class RouterLimits:
     max_header_bytes: int = 32 * 1024  # request line and headers together
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
-    keep_alive_s: int = 5  # idle time before a kept-alive connection closes
+    # Idle time before a kept-alive connection closes. Longer than the idle time clients keep pooled
+    # connections (httpx 5 s, aiohttp 15 s): a server that closes first races a client reusing the
+    # connection, and a request sent as it closes is lost unanswered (tessera bench router's fault
+    # run lost one that way at 5 s). nginx's default.
+    keep_alive_s: int = 75
 
     def __post_init__(self) -> None:
         for name, flag in FLAGS.items():
