@@ -60,6 +60,8 @@ OWNERSHIP_CONFLICT = "OwnershipConflict"
 # Invalid's reason while the API server refuses a child the specs produce (422: e.g. a name or a field
 # value the server's own validation rejects).
 REJECTED_BY_SERVER = "RejectedByServer"
+# The Warning event's reason when a re-placement boundary waits for Prometheus.
+REPLACEMENT_DEFERRED = "ReplacementDeferred"
 # (object body, event type "Normal"/"Warning", reason, message)
 EventSink = Callable[[Mapping[str, Any], str, str, str], None]
 
@@ -195,7 +197,9 @@ class Controller:
                 window,
                 {m: (round(v.rate, 3), v.span_s) for m, v in measured.items()},
             )
-        # Prometheus unreachable at a boundary: no re-placement on defaults; the boundary stays due.
+        # Prometheus unreachable at a boundary: no re-placement on defaults; the boundary stays due (and,
+        # unless changed specs re-plan this pass, the pool's Placed condition says so until a pass measures).
+        deferred = boundary and measured is None and not changed
         boundary = boundary and measured is not None
         replan = changed or boundary
         decided = desired_pool(
@@ -230,7 +234,7 @@ class Controller:
         elif autoscale:  # nothing to autoscale: the resync (and events) will look again
             self._autoscale_due[(namespace, name)] = math.inf
         seen = self._apply(namespace, body, decided, status, now)
-        timeline = _Timeline(boundary, real, finished, window)
+        timeline = _Timeline(boundary, real, finished, window, deferred)
         self._report_pool(
             namespace,
             body,
@@ -415,6 +419,15 @@ class Controller:
             if unplaced:
                 message += f"; not placed: {sorted(unplaced)} (see their Placed conditions)"
             reason = "PartiallyPlaced" if unplaced else "Placed"
+            if timeline.deferred:
+                note = (
+                    f"; the re-placement boundary due at {status.get('nextPlacementTime')} waits for "
+                    "measurements: Prometheus did not answer (the plan in effect stays; each pass asks again)"
+                )
+                message += note
+                before = next((c for c in status.get("conditions") or [] if c.get("type") == st.PLACED), {})
+                if not str(before.get("message", "")).endswith(note):
+                    self.emit(body, "Warning", REPLACEMENT_DEFERRED, note.removeprefix("; "))
             conditions = st.set_condition(conditions, st.PLACED, True, reason, message, now)
             if previous is None or {g.key for g in previous.groups} != {g.key for g in plan.groups}:
                 self.emit(body, "Normal", "Placed", message)
@@ -736,12 +749,14 @@ class Controller:
 @dataclass(frozen=True, slots=True)
 class _Timeline:
     """What a pass knows of the re-placement timeline: whether a boundary was reached, what the interval
-    ending there measured (M_real, over how many requests) and over how many seconds."""
+    ending there measured (M_real, over how many requests) and over how many seconds, and whether a
+    boundary is due but waits for measurements (Prometheus did not answer)."""
 
     boundary: bool
     measured: IntervalMetrics | None
     finished: int  # requests the interval finished
     window_s: float | None
+    deferred: bool = False
 
 
 @dataclass(frozen=True, slots=True)

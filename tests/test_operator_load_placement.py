@@ -576,20 +576,36 @@ def test_an_unreachable_prometheus_defers_the_boundary_instead_of_placing_on_def
     kube = FakeKube([pool_body(), class_body(), service_body("a"), service_body("b")])
     metrics = FakeMetrics()
     metrics.rates = {MODELS["a"]: 8.0, MODELS["b"]: 0.5}
-    controller = Controller(kube, lambda *event: None, metrics)
+    events: list[tuple[Any, ...]] = []
+    controller = Controller(kube, lambda *event: events.append(event), metrics)
     t0 = 1_700_000_000.0
     run_pass(controller, kube, t0)
     before = copy.deepcopy(kube.objects[("servingpools", POOL)]["status"])
+    events.clear()
     metrics.down = True
     assert controller.due(NS, POOL, t0 + 101)
     run_pass(controller, kube, t0 + 101)
-    assert kube.objects[("servingpools", POOL)]["status"] == before
+    status = copy.deepcopy(kube.objects[("servingpools", POOL)]["status"])
+    # Nothing placed or rescheduled; only the Placed condition's message says why the boundary waits.
+    placed = next(c for c in status.pop("conditions") if c["type"] == "Placed")
+    was = next(c for c in before.pop("conditions") if c["type"] == "Placed")
+    assert status == before
+    assert placed["status"] == "True" and placed["reason"] == was["reason"]
+    assert placed["message"] == (
+        f"{was['message']}; the re-placement boundary due at {st.rfc3339(t0 + 100)} waits for measurements: "
+        "Prometheus did not answer (the plan in effect stays; each pass asks again)"
+    )
+    assert [e[1:3] for e in events] == [("Warning", "ReplacementDeferred")]
     assert controller.due(NS, POOL, t0 + 102)  # still due: the next tick tries again
+    patches = len(kube.status_patches)
+    run_pass(controller, kube, t0 + 102)  # still down: the same message, nothing written, no new event
+    assert len(kube.status_patches) == patches and len(events) == 1
     metrics.down = False
-    run_pass(controller, kube, t0 + 102)
+    run_pass(controller, kube, t0 + 103)
     status = kube.objects[("servingpools", POOL)]["status"]
-    assert status["lastPlacementTime"] == st.rfc3339(t0 + 102) and "estimateError" in status
-    assert not controller.due(NS, POOL, t0 + 103)
+    assert status["lastPlacementTime"] == st.rfc3339(t0 + 103) and "estimateError" in status
+    assert next(c for c in status["conditions"] if c["type"] == "Placed")["message"] == was["message"]
+    assert not controller.due(NS, POOL, t0 + 104)
 
 
 def test_a_restarted_operator_replans_only_when_the_specs_changed_meanwhile() -> None:
