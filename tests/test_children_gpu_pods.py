@@ -31,11 +31,12 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MODELS = ("llama-8b", "mistral-7b", "qwen-7b")
 
 
-def _pool(tp: int, pod: Mapping[str, Any] | None = None) -> ServingPool:
+def _pool(tp: int, pod: Mapping[str, Any] | None = None, **spec: Any) -> ServingPool:
     return ServingPool.model_validate(
         {
             "metadata": {"name": "gpus", "uid": "pool-uid"},
-            "spec": {
+            "spec": spec
+            | {
                 "gpu": {"type": "H100", "perInstance": tp, "memory": "80Gi"},
                 "instances": {"max": 8},
                 "placement": {"maxServicesPerGroup": 3},
@@ -68,8 +69,8 @@ CLASSES = {
 }
 
 
-def _render(models: int, tp: int, pod: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
-    pool, services = _pool(tp, pod), _services()
+def _render(models: int, tp: int, pod: Mapping[str, Any] | None = None, **spec: Any) -> tuple[Any, ...]:
+    pool, services = _pool(tp, pod, **spec), _services()
     group = GroupPlan("g", MODELS[:models], tp, RoleCounts(interactive=2))
     config = children.worker_config(pool, group, services, CLASSES)
     sts = children.stateful_set(pool, group, services, config, "ns")
@@ -132,6 +133,55 @@ def test_one_engine_container_holds_the_gpus_and_runs_every_model(models: int, t
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         command = engine[probe]["exec"]["command"]
         assert command[:2] == ["python3", "-c"] and command[3:] == ports
+
+
+@pytest.mark.parametrize("models", [1, 3])
+def test_kv_events_publish_on_one_port_per_model_that_the_pod_names(models: int) -> None:
+    """With the pool's kvEvents each model's vLLM publishes its KV events on KV_EVENTS_BASE_PORT + its
+    index, on every interface (the router subscribes from its pod), and the pod template names the
+    ports by model; the OpenAI servers stay on loopback. Without it no server publishes."""
+    import json
+
+    pool, services = _pool(1, kvEvents=True), _services()
+    group = GroupPlan("g", MODELS[:models], 1, RoleCounts(interactive=2))
+    config = children.worker_config(pool, group, services, CLASSES)
+    template = children.stateful_set(pool, group, services, config, "ns")["spec"]["template"]
+    pod = template["spec"]
+    (engine,) = [c for c in pod["containers"] if c["name"] == children.ENGINE_CONTAINER]
+    expected = {m.name: children.KV_EVENTS_BASE_PORT + i for i, m in enumerate(config.models)}
+    for index, args in enumerate(engine_servers(engine)):
+        published = json.loads(_flag(args, "--kv-events-config") or "{}")
+        assert published == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "topic": "kv-events",
+            "endpoint": f"tcp://*:{children.KV_EVENTS_BASE_PORT + index}",
+        }
+        assert _flag(args, "--host") == "127.0.0.1"
+    assert [(p["name"], p["containerPort"]) for p in engine["ports"] if p["name"].startswith("kv-")] == [
+        (f"kv-events-{i}", port) for i, port in enumerate(expected.values())
+    ]
+    assert set(expected.values()) <= set(children.KV_EVENTS_PORTS)
+    # on the pod template, which the StatefulSet copies to each pod: discovery reads it there
+    annotations = template["metadata"]["annotations"]
+    assert json.loads(annotations[children.KV_EVENTS_ANNOTATION]) == expected
+
+    _, _, _, _, pod = _render(models, 1)
+    (engine,) = [c for c in pod["containers"] if c["name"] == children.ENGINE_CONTAINER]
+    assert all("--kv-events-config" not in args for args in engine_servers(engine))
+    assert [p["name"] for p in engine["ports"]] == [f"vllm-{i}" for i in range(models)]
+
+
+def test_every_group_size_has_its_kv_event_ports_inside_the_published_range() -> None:
+    """manifests/network admits the router on KV_EVENTS_PORTS: a group of the most models the API allows
+    stays inside it, and the range stays clear of the worker's and the vLLM servers' ports."""
+    from tessera.api.serving_pool import MAX_SERVICES_PER_GROUP, PlacementSpec
+
+    bounds = PlacementSpec.model_fields["max_services_per_group"].metadata
+    assert [b.le for b in bounds if hasattr(b, "le")] == [MAX_SERVICES_PER_GROUP]
+    assert len(children.KV_EVENTS_PORTS) == MAX_SERVICES_PER_GROUP
+    vllm = range(children.VLLM_BASE_PORT, children.VLLM_BASE_PORT + MAX_SERVICES_PER_GROUP)
+    assert not set(children.KV_EVENTS_PORTS) & ({children.WORKER_PORT} | set(vllm))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -1,10 +1,12 @@
 """kubectl kustomize manifests/network and manifests/router-api-keys: the workers' NetworkPolicy selects
-exactly the pods the operator writes and admits the router's pods on the worker port; the router's
+exactly the pods the operator writes and admits the router's pods on the worker port and on the ports of
+a kvEvents pool's KV-event publishers, Prometheus on the worker port only; the router's
 API-keys variant mounts the Secret where its --api-keys flag points, readable by the router's user."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -17,7 +19,7 @@ import pytest
 import yaml
 
 from tessera.api import load_documents
-from tessera.control.children import WORKER_PORT, desired_children
+from tessera.control.children import KV_EVENTS_ANNOTATION, KV_EVENTS_PORTS, WORKER_PORT, desired_children
 from tessera.control.pool_plan import desired_pool
 from tessera.core.planners import RoleCounts
 
@@ -49,10 +51,18 @@ def _selects(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
     return True
 
 
-def _worker_pod_template(namespace: str) -> dict[str, Any]:
+def _admitted(ports: list[dict[str, Any]]) -> set[int]:
+    """The TCP ports a NetworkPolicy rule's ports admit (``endPort``: a range)."""
+    assert all(p["protocol"] == "TCP" for p in ports)
+    return {n for p in ports for n in range(p["port"], p.get("endPort", p["port"]) + 1)}
+
+
+def _worker_pod_template(namespace: str, kv_events: bool = False) -> dict[str, Any]:
     bodies = [d.to_json() for d in load_documents(ROOT / "examples" / "quickstart.yaml")]
     for b in bodies:
         b["metadata"]["uid"] = "u"
+    if kv_events:
+        bodies[0]["spec"]["kvEvents"] = True
     desired = desired_pool(bodies[0], bodies[3:], bodies[1:3], None, 0.0)
     (group,) = desired.plan.groups
     group = replace(group, replicas=RoleCounts(interactive=1))
@@ -61,6 +71,8 @@ def _worker_pod_template(namespace: str) -> dict[str, Any]:
 
 
 def test_worker_network_policy_admits_only_the_router_and_prometheus_on_the_worker_port() -> None:
+    """The router on the worker port and every port a pod may publish KV events on; Prometheus on the
+    worker port alone; nobody else anywhere (vLLM's OpenAI servers are on loopback)."""
     (policy,) = _render("network")
     assert policy["kind"] == "NetworkPolicy"
     namespace = policy["metadata"]["namespace"]
@@ -85,12 +97,19 @@ def test_worker_network_policy_admits_only_the_router_and_prometheus_on_the_work
         if _selects(peer["namespaceSelector"], router_ns)
         and _selects(peer["podSelector"], router_pod["metadata"]["labels"])
     ]
-    assert admits_router == [[{"port": WORKER_PORT, "protocol": "TCP"}]]
-    assert all(ports == [{"port": WORKER_PORT, "protocol": "TCP"}] for _, ports in peers)
+    assert [_admitted(ports) for ports in admits_router] == [{WORKER_PORT, *KV_EVENTS_PORTS}]
+    # a kvEvents pod's publishers all sit on ports the router is admitted on
+    events_pod = _worker_pod_template(namespace, kv_events=True)
+    published = json.loads(events_pod["metadata"]["annotations"][KV_EVENTS_ANNOTATION])
+    (engine,) = [c for c in events_pod["spec"]["containers"] if c["name"] == "engine"]
+    exposed = {p["containerPort"] for p in engine["ports"] if p["name"].startswith("kv-events-")}
+    assert published and set(published.values()) == exposed <= set(KV_EVENTS_PORTS)
     (prometheus,) = [
         p for p, _ in peers if p["podSelector"]["matchLabels"].get("app.kubernetes.io/name") == "prometheus"
     ]
     assert "kubernetes.io/metadata.name" in prometheus["namespaceSelector"]["matchLabels"]
+    # Prometheus (and any other peer but the router) reaches the worker port only, no publisher
+    assert [_admitted(ports) for p, ports in peers if p is prometheus] == [{WORKER_PORT}]
     # A peer without a namespaceSelector would mean the policy's own namespace: every peer names one.
     assert all("namespaceSelector" in p for p, _ in peers)
     # The protected namespace is one the router discovers in.

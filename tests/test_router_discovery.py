@@ -1,11 +1,13 @@
 """Cluster discovery reads the operator's own children: worker config and roles from the group
-ConfigMap, ready pods by ordinal."""
+ConfigMap, ready pods by ordinal, and with the pool's kvEvents each pod's KV-event publishers."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 from pathlib import Path
+
+from test_children_gpu_pods import engine_servers
 
 from tessera.api import load_documents
 from tessera.control.children import desired_children
@@ -16,25 +18,42 @@ from tessera.router.discovery import backends_from_cluster
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def _children() -> tuple[list[dict], str]:
+def _rendered(kv_events: bool = False) -> tuple[list[dict], dict]:
+    """The quickstart's group ConfigMaps and StatefulSet as the operator writes them (``kv_events``:
+    the pool's kvEvents)."""
     bodies = [d.to_json() for d in load_documents(EXAMPLES / "quickstart.yaml")]
     for b in bodies:
         b["metadata"]["uid"] = "u"
+    if kv_events:
+        bodies[0]["spec"]["kvEvents"] = True
     desired = desired_pool(bodies[0], bodies[3:], bodies[1:3], None, 0.0)
     (group,) = desired.plan.groups
     group = replace(group, replicas=RoleCounts(interactive=1, mixed=1, batch=1))
     children = desired_children(desired.pool, [group], desired.services, desired.configs, "ns")
     sts = next(c for c in children if c["kind"] == "StatefulSet")
-    return [c for c in children if c["kind"] == "ConfigMap"], sts["metadata"]["name"]
+    return [c for c in children if c["kind"] == "ConfigMap"], sts
 
 
-def _pod(name: str, labels: dict, ip: str, ready: bool = True, owner: str | None = None) -> dict:
+def _children() -> tuple[list[dict], str]:
+    config_maps, sts = _rendered()
+    return config_maps, sts["metadata"]["name"]
+
+
+def _pod(
+    name: str,
+    labels: dict,
+    ip: str,
+    ready: bool = True,
+    owner: str | None = None,
+    annotations: dict | None = None,
+) -> dict:
     """A pod as the StatefulSet controller makes it (``owner``: its StatefulSet, by default the name
-    without the ordinal)."""
+    without the ordinal; ``annotations``: its template's)."""
     sts = owner if owner is not None else name.rsplit("-", 1)[0]
     refs = [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts, "uid": "s", "controller": True}]
     return {
-        "metadata": {"name": name, "namespace": "ns", "labels": labels, "ownerReferences": refs},
+        "metadata": {"name": name, "namespace": "ns", "labels": labels, "ownerReferences": refs,
+                     "annotations": dict(annotations or {})},
         "status": {"phase": "Running", "podIP": ip,
                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }  # fmt: skip
@@ -157,3 +176,72 @@ def test_kube_discovery_lists_only_its_namespaces_and_metrics_show_what_it_skipp
     assert 'tessera_router_discovery_skipped{kind="ConfigMap",reason="invalid"} 1.0' in text
     assert 'tessera_router_discovery_skipped{kind="Pod",reason="no-group-config"} 1.0' in text
     assert own_namespace(Path("/nonexistent")) is None
+
+
+def test_kv_event_publishers_of_a_kv_events_pool_are_discovered_per_pod_and_model() -> None:
+    """A pool with kvEvents: each ready pod's backend lists tcp://POD_IP:PORT for every model its
+    group serves, at the port the operator launched that model's vLLM with (block size left to the
+    events); the router's precise-prefix route subscribes to exactly these. A pool without it, a
+    port of a model the group no longer serves, and a broken annotation give no publisher."""
+    import copy
+
+    from tessera.control.children import KV_EVENTS_ANNOTATION, KV_EVENTS_BASE_PORT
+    from tessera.router.app import RouterState
+
+    config_maps, sts = _rendered(kv_events=True)
+    template = sts["spec"]["template"]
+    name, labels, annotations = (
+        sts["metadata"]["name"],
+        template["metadata"]["labels"],
+        template["metadata"]["annotations"],
+    )
+    engine = next(c for c in template["spec"]["containers"] if c["name"] == "engine")
+    launched = {  # model -> the port its vLLM's --kv-events-config binds, read from the engine's args
+        args[args.index("--served-model-name") + 1]: int(
+            json.loads(args[args.index("--kv-events-config") + 1])["endpoint"].rsplit(":", 1)[1]
+        )
+        for args in engine_servers(engine)
+    }
+    models = [m["name"] for m in json.loads(config_maps[0]["data"]["worker.json"])["models"]]
+    assert sorted(launched) == sorted(models) and min(launched.values()) == KV_EVENTS_BASE_PORT
+    pods = [
+        _pod(f"{name}-0", labels, "10.0.0.1", annotations=annotations),
+        _pod(f"{name}-1", labels, "10.0.0.2", annotations=annotations),
+        _pod(f"{name}-2", labels, "10.0.0.3", ready=False, annotations=annotations),
+    ]
+    found = backends_from_cluster(config_maps, pods)
+    assert found.skipped == {}
+    feeds = {b.url: [(s.model, s.endpoint, s.block_size) for s in b.kv_events] for b in found.backends}
+    assert feeds == {
+        f"http://{ip}:8000": sorted((m, f"tcp://{ip}:{port}", None) for m, port in launched.items())
+        for ip in ("10.0.0.1", "10.0.0.2")
+    }
+    # the router's precise-prefix route follows exactly these: one feed per (instance, model)
+    state = RouterState(found.backends, route="precise-prefix")
+    assert state.feeds == {
+        (f"ns/{name}-{i}", model): f"tcp://10.0.0.{i + 1}:{port}"
+        for i in (0, 1)
+        for model, port in launched.items()
+    }
+
+    # a pool without kvEvents: same pods, no publishers
+    plain_maps, plain_sts = _rendered()
+    plain = plain_sts["spec"]["template"]["metadata"]["annotations"]
+    assert KV_EVENTS_ANNOTATION not in plain
+    found = backends_from_cluster(plain_maps, [_pod(f"{name}-0", labels, "10.0.0.1", annotations=plain)])
+    assert [b.kv_events for b in found.backends] == [[]]
+
+    # a pod from before a rollout names a model the group no longer serves: only the served ones count
+    stale = copy.deepcopy(annotations)
+    stale[KV_EVENTS_ANNOTATION] = json.dumps({**launched, "org/retired": KV_EVENTS_BASE_PORT + 7})
+    broken = {**annotations, KV_EVENTS_ANNOTATION: json.dumps({models[0]: "8200"})}
+    found = backends_from_cluster(
+        config_maps,
+        [
+            _pod(f"{name}-0", labels, "10.0.0.1", annotations=stale),
+            _pod(f"{name}-1", labels, "10.0.0.2", annotations=broken),
+        ],
+    )
+    by_url = {b.url: b for b in found.backends}
+    assert sorted(s.model for s in by_url["http://10.0.0.1:8000"].kv_events) == sorted(models)
+    assert by_url["http://10.0.0.2:8000"].kv_events == []  # a port that is no number: still routed to

@@ -55,6 +55,8 @@ REFUSED = [
     (["--data_parallel_size=2"], "the placement"),
     (["-dp", "2"], "the placement"),
     (["--api-key", "k"], "without a key"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true}'], "kvEvents"),
+    (["--kv_events_config={}"], "kvEvents"),
     (["--host=0.0.0.0"], "loopback"),
     # Flags the operator reads from extraVllmArgs: only their exact spelling, or it would not see them.
     (["--gpu_memory_utilization", "0.95"], "--gpu-memory-utilization: spell it so"),
@@ -120,6 +122,7 @@ VALUES = {
     "max_num_seqs": "7",
     "dtype": "float16",
     "max_model_len": "77",
+    "kv_events_config": '{"enable_kv_cache_events": true}',
 }
 # The destinations of the flags the operator reads (VLLM_FLAGS_READ).
 READ_VALUES = {"gpu_memory_utilization": "0.5", "max_num_batched_tokens": "4096"}

@@ -328,6 +328,8 @@ TABLE: tuple[Row, ...] = (
     Row("ServingPool.spec.extraVllmArgs", "config:models.0.kvCapacityTokens",
         (("ServingPool", "spec.extraVllmArgs", ["--gpu-memory-utilization", "0.5"]),),
         honoured="every policy's KV capacity (vLLM's share of the GPU memory)"),
+    Row("ServingPool.spec.kvEvents", "vllm:--kv-events-config", (("ServingPool", "spec.kvEvents", True),),
+        honoured="vLLM: publishes KV events for the router's precise-prefix route"),
 )  # fmt: skip
 
 NOT_FOR_WORKER: dict[str, str] = {
@@ -560,6 +562,7 @@ def test_what_the_worker_reloads_rolls_no_pod(change: tuple[str, str, Any]) -> N
         ("LLMService", "spec.model.name", "acme/Llama-3.1-8B"),
         ("ServingPool", "spec.autoscaling.batchSize.max", 1024),  # vLLM's --max-num-seqs
         ("ServingPool", "spec.extraVllmArgs", ["--enable-prefix-caching"]),
+        ("ServingPool", "spec.kvEvents", True),  # vLLM's --kv-events-config
     ],
 )
 def test_what_the_worker_cannot_reload_rolls_the_pods(change: tuple[str, str, Any]) -> None:

@@ -33,6 +33,7 @@ VLLM_FLAG_SOURCES: tuple[tuple[str, str], ...] = (
     ("--max-model-len", "the operator sets from the LLMService's model.maxModelLength"),
     ("--config", "would let a file set any of these flags: give its flags here instead"),
     ("--device-memory-utilization", "is vLLM's other name of --gpu-memory-utilization: use that name"),
+    ("--kv-events-config", "the operator sets from the ServingPool's kvEvents (ports the router finds)"),
 )
 OPERATOR_OWNED_VLLM_FLAGS = tuple(flag for flag, _ in VLLM_FLAG_SOURCES)
 # vLLM flags extraVllmArgs may set that the operator reads there (the GPU memory share for placement and
@@ -55,6 +56,7 @@ DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 
 MAX_INSTANCES = 1000  # instances of one pool: planning cost and memory grow with them
 MAX_BATCH = 65536  # sequences in one engine batch
+MAX_SERVICES_PER_GROUP = 8  # models in one pod: each has its own vLLM server and ports
 LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 DNS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 
@@ -206,7 +208,7 @@ class PlacementSpec(ApiModel):
     max_services_per_group: int = Field(
         default=2,
         ge=1,
-        le=8,
+        le=MAX_SERVICES_PER_GROUP,
         description="Most services sharing one group (SeaLLM K_max). Co-located models split the GPU memory "
         "and swap by vLLM's sleep mode where it has one (CUDA/ROCm); elsewhere (vLLM on CPU) they stay "
         "resident.",
@@ -378,6 +380,13 @@ class ServingPoolSpec(ApiModel):
         "(--model, --port, --tensor-parallel-size/-tp, --max-num-seqs, --max-model-len, --config, ...) are "
         "refused in every spelling vLLM accepts (abbreviated, '_' for '-', flag=value); the operator reads "
         "--gpu-memory-utilization and --max-num-batched-tokens, which must be spelled so.",
+    )
+    kv_events: bool = Field(
+        default=False,
+        description="Each model's vLLM server publishes its KV events (--kv-events-config: a ZMQ publisher "
+        "on port 8200 + the model's index in its pod, bound on every interface) and the router's "
+        "precise-prefix route subscribes to them (tessera router --kubernetes discovers the ports). The "
+        "events carry prompt token ids: apply manifests/network, which admits only the router there.",
     )
 
 

@@ -15,7 +15,10 @@ where unprivileged containers may not choose devices, all of the node's GPUs whe
 worker does not launch the servers itself (as local mode does) because its image carries no CUDA
 vLLM and it should stay small, unprivileged and independent of the engine's version. The engine's
 args list each server's vLLM arguments, separated by ``SERVER_SEPARATOR``; co-located servers split
-the GPU memory (``memory_plan``) and start with sleep mode for swapping.
+the GPU memory (``memory_plan``) and start with sleep mode for swapping. With the pool's ``kvEvents``
+each server also publishes vLLM's KV events on ``KV_EVENTS_BASE_PORT`` + its index of the pod's address
+(the only engine port reachable from outside the pod), and the pod template names those ports in its
+``KV_EVENTS_ANNOTATION`` for the router's discovery (the router's precise-prefix route).
 
 Upgrades: any change of the pod template (an image, vLLM arguments, the restart hash) rolls the
 StatefulSet, highest ordinal first, one pod at a time, each new pod Ready (worker ``/ready`` and every
@@ -46,11 +49,17 @@ from pydantic.alias_generators import to_snake
 from tessera.api import API_VERSION, LLMService, RequestClassSpec, ServingPool
 from tessera.api.base import parse_quantity
 from tessera.api.llm_service import LLMServiceSpec
-from tessera.api.serving_pool import BATCHED_TOKENS_FLAG, GPU_MEMORY_FLAG, sets_flag
+from tessera.api.serving_pool import (
+    BATCHED_TOKENS_FLAG,
+    GPU_MEMORY_FLAG,
+    MAX_SERVICES_PER_GROUP,
+    sets_flag,
+)
 from tessera.api.worker_config import WorkerConfig
 from tessera.control.inputs import pool_input, service_input
 from tessera.control.placement_sim import BLOCK_TOKENS, group_profiles
 from tessera.core.planners import GroupPlan, Role
+from tessera.core.prefix import kv_events_config
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "tessera-operator"
@@ -66,6 +75,15 @@ SERVES_PREFIX = "serves.tessera.dev/"
 
 WORKER_PORT = 8000  # OpenAI-compatible API and /metrics of the worker container
 VLLM_BASE_PORT = 8100  # vLLM of the i-th model in the pod listens on VLLM_BASE_PORT + i (loopback)
+# With the pool's kvEvents, vLLM of the i-th model publishes its KV events on KV_EVENTS_BASE_PORT + i of
+# every interface (vLLM binds its publisher on a wildcard address only), for the router to subscribe to
+# from its own pod; manifests/network admits the router alone on these ports.
+KV_EVENTS_BASE_PORT = 8200
+KV_EVENTS_PORTS = range(KV_EVENTS_BASE_PORT, KV_EVENTS_BASE_PORT + MAX_SERVICES_PER_GROUP)
+# Pod-template annotation: where each model's engine publishes its KV events, {model name: port} as
+# JSON; router discovery (tessera.router.discovery) reads it from each pod, which knows what it runs
+# while a rollout changes the group's ConfigMap under it.
+KV_EVENTS_ANNOTATION = "tessera.dev/kv-events"
 ENDPOINT_PORT = 80
 CONFIG_KEY = "worker.json"
 PLACEMENT_KEY = "placement.json"
@@ -262,6 +280,7 @@ def vllm_args(
     service: LLMService,
     port: int,
     gpu_memory_utilization: float | None = None,
+    kv_events_port: int | None = None,
 ) -> list[str]:
     """The vLLM OpenAI server arguments of one placed model (the operator-owned flags first).
 
@@ -275,7 +294,8 @@ def vllm_args(
     DEFAULT_BATCHED_TOKENS)`` (vLLM's default on larger GPUs).
     ``gpu_memory_utilization`` (a co-located model's share, ``memory_plan``) replaces the pool's.
     Co-located models (``swaps_models``) start with ``--enable-sleep-mode`` (their container also gets
-    ``VLLM_SERVER_DEV_MODE=1``) so that the worker can swap them.
+    ``VLLM_SERVER_DEV_MODE=1``) so that the worker can swap them. ``kv_events_port`` (the pool's
+    ``kvEvents``): the server publishes its KV events there (``--kv-events-config``).
     """
     model_arg, _, _ = _model_location(service)
     model = service.spec.model
@@ -305,6 +325,8 @@ def vllm_args(
         args += [BATCHED_TOKENS_FLAG, str(max(pool.spec.autoscaling.batch_size.max, DEFAULT_BATCHED_TOKENS))]
     if swaps_models(pool, group):
         args.append("--enable-sleep-mode")
+    if kv_events_port is not None:
+        args += ["--kv-events-config", kv_events_config(kv_events_port)]
     return args + list(extra)
 
 
@@ -679,10 +701,13 @@ def _engine_container(
     mounts: list[dict[str, Any]] = []
     volumes: list[dict[str, Any]] = []
     ports = [VLLM_BASE_PORT + index for index in range(len(group.services))]
+    events = kv_events_ports(pool, group, services)
     for index, name in enumerate(group.services):
         if index:
             args.append(SERVER_SEPARATOR)
-        args += vllm_args(pool, group, services[name], ports[index], memory[name].gpu_memory_utilization)
+        model = services[name].spec.model.name
+        args += vllm_args(pool, group, services[name], ports[index], memory[name].gpu_memory_utilization,
+                          events.get(model))  # fmt: skip
         _, volume, mount = _model_location(services[name])
         if volume is not None and mount is not None:
             volumes.append(volume)
@@ -718,6 +743,10 @@ def _engine_container(
         "args": args,
         "ports": [
             {"name": f"vllm-{i}", "containerPort": port, "protocol": "TCP"} for i, port in enumerate(ports)
+        ]
+        + [
+            {"name": f"kv-events-{i}", "containerPort": port, "protocol": "TCP"}
+            for i, port in enumerate(events.values())
         ],
         "env": env,
         "resources": engine_resources(pool, group),
@@ -729,6 +758,17 @@ def _engine_container(
         "volumeMounts": mounts,
     }
     return container, volumes
+
+
+def kv_events_ports(
+    pool: ServingPool, group: GroupPlan, services: Mapping[str, LLMService]
+) -> dict[str, int]:
+    """Where each model's vLLM publishes its KV events in the group's pods, by model name in the
+    group's order (``KV_EVENTS_BASE_PORT`` + its index); empty unless the pool asks for the events
+    (``kvEvents``) and its pods run vLLM."""
+    if not pool.spec.kv_events or worker_engine(pool) != "vllm":
+        return {}
+    return {services[name].spec.model.name: KV_EVENTS_PORTS[i] for i, name in enumerate(group.services)}
 
 
 def disruption_budget(pool: ServingPool, group: GroupPlan, namespace: str) -> dict[str, Any]:
@@ -759,6 +799,8 @@ def stateful_set(
     name = group_object_name(pool.name, group.name)
     labels = group_labels(pool.name, group.name)
     pod_labels = {**labels, **{serves_label(s): "true" for s in group.services}}
+    ports = kv_events_ports(pool, group, services)
+    events = {KV_EVENTS_ANNOTATION: json.dumps(ports, sort_keys=True)} if ports else {}
     containers = [_worker_container(pool)]
     volumes: list[dict[str, Any]] = [
         {"name": "worker-config", "configMap": {"name": config_map_name(pool.name, group.name)}},
@@ -811,6 +853,7 @@ def stateful_set(
                         "prometheus.io/port": str(WORKER_PORT),
                         "prometheus.io/path": METRICS_PATH,
                         RESTART_HASH_ANNOTATION: restart_hash(config, containers[1:]),
+                        **events,
                     },
                 },
                 "spec": pod_spec,

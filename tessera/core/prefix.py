@@ -25,6 +25,7 @@ Pure: time is passed in.
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
@@ -122,6 +123,17 @@ class PrefixIndex:
 # ---- what the engine reports holding (vLLM's KV events) ---------------------------------------------
 
 KV_EVENTS_TOPIC = "kv-events"  # the topic Tessera launches vLLM's KV-event publisher with and subscribes to
+
+
+def kv_events_config(port: int) -> str:
+    """vLLM's ``--kv-events-config`` value: a ZMQ publisher on ``port`` of every interface, topic
+    ``KV_EVENTS_TOPIC`` (local mode's launched servers and the operator's pods both start it so).
+    "*": vLLM binds an endpoint with a wildcard host and connects to any other."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": KV_EVENTS_TOPIC,
+              "endpoint": f"tcp://*:{port}"}  # fmt: skip
+    return json.dumps(config)
+
+
 ENGINE_MEDIA = (None, "GPU")  # vLLM's own KV pool publishes "GPU" (on CPU builds too); offload tiers others
 
 

@@ -4,6 +4,10 @@ Each placement group has a ConfigMap (``worker.json``: the worker configuration;
 role counts) and a StatefulSet whose pods ``<group object>-<ordinal>`` carry the group's labels. A
 pod's role follows from its ordinal the way the operator orders them (interactive, then mixed, then
 batch; ``tessera.control.children``). Only running pods with an IP and a true Ready condition count.
+A pod of a pool with ``kvEvents`` names its models' KV-event ports in its ``tessera.dev/kv-events``
+annotation; each served model's becomes a ``kvEvents`` source ``tcp://POD_IP:PORT`` of its backend (the
+block size left to the events). A port of a model the group's configuration no longer serves (a pod
+from before a rollout) is left out, and so is an annotation that does not parse (logged).
 
 Trust: labels are not proof (anyone who may create a pod can copy them, and would then receive other
 users' prompts). Discovery reads only the namespaces it is given (the router's own by default), where
@@ -33,6 +37,7 @@ from tessera.api import GROUP
 from tessera.api.worker_config import WorkerConfig
 from tessera.control.children import (
     GROUP_LABEL,
+    KV_EVENTS_ANNOTATION,
     MANAGED_BY,
     MANAGER,
     POOL_LABEL,
@@ -42,7 +47,7 @@ from tessera.control.children import (
     group_object_name,
     read_group_config_map,
 )
-from tessera.router.backends import Backend
+from tessera.router.backends import Backend, KVEventsSource
 
 log = logging.getLogger(__name__)
 SELECTOR = f"{MANAGED_BY}={MANAGER},{GROUP_LABEL}"
@@ -57,6 +62,30 @@ def _ready(pod: Mapping[str, Any]) -> bool:
         and bool(status.get("podIP"))
         and any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     )
+
+
+def _kv_events(pod: Mapping[str, Any], config: WorkerConfig) -> list[KVEventsSource]:
+    """The KV-event publishers of a ready pod's served models, from its annotation (module docstring)."""
+    meta = pod.get("metadata") or {}
+    text = (meta.get("annotations") or {}).get(KV_EVENTS_ANNOTATION)
+    if text is None:
+        return []
+    try:
+        ports = json.loads(text)
+        if not isinstance(ports, dict) or not all(type(p) is int and 1 <= p <= 65535 for p in ports.values()):
+            raise ValueError("not a map of model names to ports")
+    except ValueError as err:
+        log.warning("discovery: pod %s has an invalid %s annotation (%s): no KV events from it",
+                    meta.get("name"), KV_EVENTS_ANNOTATION, err)  # fmt: skip
+        return []
+    served = {m.name for m in config.models}
+    ip = pod["status"]["podIP"]
+    host = f"[{ip}]" if ":" in ip else ip  # an IPv6 pod address is bracketed in a ZMQ endpoint
+    return [
+        KVEventsSource(model=model, endpoint=f"tcp://{host}:{port}")
+        for model, port in sorted(ports.items())
+        if model in served
+    ]
 
 
 def _ordinal(name: str) -> int | None:
@@ -168,6 +197,7 @@ def backends_from_cluster(
                 url=f"http://{pod['status']['podIP']}:{WORKER_PORT}",
                 role=role,
                 config=config,
+                kv_events=_kv_events(pod, config),
             )
         )
     return Discovered(sorted(backends, key=lambda b: b.name), dict(skipped))

@@ -14,7 +14,6 @@ Facts about vLLM 0.32 this relies on (checked against its ``--help`` and source)
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -28,7 +27,7 @@ from types import TracebackType
 import httpx
 
 from tessera.api.serving_pool import BATCHED_TOKENS_FLAG, sets_flag
-from tessera.core.prefix import KV_EVENTS_TOPIC
+from tessera.core.prefix import kv_events_config
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -121,10 +120,7 @@ class VLLMServer:
         if self.enable_sleep_mode:
             cmd.append("--enable-sleep-mode")
         if self.kv_events_port is not None:
-            # "*": vLLM binds an endpoint with a wildcard host and connects to any other
-            config = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": KV_EVENTS_TOPIC,
-                      "endpoint": f"tcp://*:{self.kv_events_port}"}  # fmt: skip
-            cmd += ["--kv-events-config", json.dumps(config)]
+            cmd += ["--kv-events-config", kv_events_config(self.kv_events_port)]
         # vLLM refuses a step token budget below --max-num-seqs, and its OpenAI server's default on the
         # CPU is 2048 tokens: a worker whose batch bound is larger (QLM's 8192) failed to start.
         raise_budget = self.max_num_seqs > CPU_DEFAULT_BATCHED_TOKENS
