@@ -422,7 +422,8 @@ class Controller:
             if timeline.deferred:
                 note = (
                     f"; the re-placement boundary due at {status.get('nextPlacementTime')} waits for "
-                    "measurements: Prometheus did not answer (the plan in effect stays; each pass asks again)"
+                    "measurements: Prometheus did not answer, or not yet for a whole window since it failed "
+                    "(the plan in effect stays; each pass asks again)"
                 )
                 message += note
                 before = next((c for c in status.get("conditions") or [] if c.get("type") == st.PLACED), {})

@@ -19,6 +19,7 @@ from tessera.control.metrics_queries import (
     batch_sizes_from_result,
     group_queries,
     load_queries,
+    load_step_s,
     loads_from_results,
     snapshot_from_results,
 )
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 # After a failed query (the client has retried it for seconds), the queries of the next seconds give up at
 # once: one pass then waits for an unreachable Prometheus once, not once per query.
 GIVE_UP_S = 2.0
+# After Prometheus answers again, how long its first scrapes may take (CHOICE: its discovery hands targets
+# to the scrape loops every 5 s, and the first scrape follows within a scrape interval): a window of loads
+# starts no earlier (or a step later, when longer), so that its baseline is a new sample.
+RESCRAPE_S = 10.0
 
 
 class PrometheusMetrics:
@@ -42,16 +47,24 @@ class PrometheusMetrics:
         self.query = query
         self.window = window
         self._failed_at = -math.inf
+        # Whether the last query failed, and when (Unix time) Prometheus answered again after one.
+        self._failing = False
+        self._recovered_at = -math.inf
 
     def _run(self, queries: Mapping[str, str]) -> dict[str, list[dict[str, Any]]] | None:
         if time.monotonic() - self._failed_at < GIVE_UP_S:
             return None
         try:
-            return {k: list(self.query(q)) for k, q in queries.items()}
+            results = {k: list(self.query(q)) for k, q in queries.items()}
         except Exception as err:  # an unreachable Prometheus must not stop the reconcile
             log.warning("Prometheus query failed: %s", err)
             self._failed_at = time.monotonic()
+            self._failing = True
             return None
+        if self._failing:
+            self._failing = False
+            self._recovered_at = time.time()
+        return results
 
     def snapshot(
         self,
@@ -73,8 +86,20 @@ class PrometheusMetrics:
 
     def loads(self, namespace: str, pool: str, window_s: float) -> dict[str, ModelLoad] | None:
         """Every model's load in the pool over the last ``window_s`` seconds, every query evaluated at the
-        same instant (now); None when Prometheus cannot be reached."""
-        results = self._run(load_queries(namespace, pool, window_s, at=time.time()))
+        same instant (now); None when Prometheus cannot be reached, or has not answered for the whole
+        window (with its baseline step, and ``RESCRAPE_S`` or a step for the first scrapes) since a failed
+        query.
+
+        Prometheus has no samples for the time it was down, and a query fills such a gap with the last
+        sample before it (its lookback): the counters stand still there, and a window over the gap reads
+        as no traffic (0 requests per second measured at the boundary after a 16 s outage), or, when its
+        baseline is the last sample before the gap, as the gap's requests arriving in one step (3 times
+        the offered rate measured)."""
+        at = time.time()
+        step = load_step_s(window_s)
+        if self._failing or at - window_s - step - max(step, RESCRAPE_S) < self._recovered_at:
+            return None
+        results = self._run(load_queries(namespace, pool, window_s, at=at))
         return loads_from_results(results) if results is not None else None
 
     def batch_sizes(self, namespace: str, pool: str) -> dict[str, int] | None:

@@ -10,6 +10,8 @@ import copy
 import math
 import re
 from collections.abc import Mapping
+from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -39,9 +41,10 @@ from tessera.control.metrics_queries import (
 from tessera.control.pool_plan import desired_pool, parse_classes
 from tessera.core.planners import GroupPlan, IntervalMetrics, PlacementPlan, RoleCounts
 from tessera.core.planners.replacement import IntervalSettings, next_replacement_interval, prediction_error
+from tessera.operator import prometheus as prometheus_adapter
 from tessera.operator import status as st
 from tessera.operator.controller import Controller
-from tessera.operator.prometheus import PrometheusMetrics
+from tessera.operator.prometheus import RESCRAPE_S, PrometheusMetrics
 from tessera.operator.reconcile import Action
 from tessera.worker.runtime import Worker
 from tessera.worker.server.app import create_app
@@ -311,6 +314,16 @@ def test_a_measured_load_replaces_the_declared_rate_and_lengths() -> None:
     status = load.to_status()
     assert status["requestsPerSecond"] == 2.0 and status["windowSeconds"] == 300
     assert status["meanPromptTokens"] == 700 and status["sources"]["promptTokens"] == "measured"
+
+
+def test_what_the_workers_hold_reaches_the_status_and_the_planner_as_a_backlog() -> None:
+    service = parsed(service_body("a"))
+    held = replace(model_load(MODELS["a"], 2.0), outstanding=37.0)
+    load = service_load(service, held, 300)
+    assert load.outstanding == 37 and load.to_status()["outstandingRequests"] == 37
+    planned = service_input(parsed(pool_body()), service, load)
+    assert planned.backlog == 37
+    assert service_load(service, None, 300).to_status().get("outstandingRequests") is None
 
 
 def test_a_measured_load_without_prompt_tokens_keeps_the_declared_prompt() -> None:
@@ -593,7 +606,8 @@ def test_an_unreachable_prometheus_defers_the_boundary_instead_of_placing_on_def
     assert placed["status"] == "True" and placed["reason"] == was["reason"]
     assert placed["message"] == (
         f"{was['message']}; the re-placement boundary due at {st.rfc3339(t0 + 100)} waits for measurements: "
-        "Prometheus did not answer (the plan in effect stays; each pass asks again)"
+        "Prometheus did not answer, or not yet for a whole window since it failed (the plan in effect "
+        "stays; each pass asks again)"
     )
     assert [e[1:3] for e in events] == [("Warning", "ReplacementDeferred")]
     assert controller.due(NS, POOL, t0 + 102)  # still due: the next tick tries again
@@ -655,3 +669,37 @@ def test_prometheus_adapter_sends_the_queries_and_gives_up_at_once_after_a_failu
     metrics = PrometheusMetrics("http://prometheus", query=down)
     assert metrics.loads(NS, POOL, 60) is None and metrics.batch_sizes(NS, POOL) is None
     assert len(sent) == 1  # the second query gave up without waiting for another failure
+
+
+def test_after_a_failed_query_the_loads_wait_for_a_whole_window_that_prometheus_saw(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prometheus has no samples for the time it was down and fills the gap with the last one before it:
+    # a window over the gap would read as no traffic.
+    clock = {"now": 1_700_000_000.0}
+    monkeypatch.setattr(
+        prometheus_adapter, "time", SimpleNamespace(time=lambda: clock["now"], monotonic=lambda: clock["now"])
+    )
+    up, sent = [True], []
+
+    def answer(query: str) -> list[dict[str, Any]]:
+        sent.append(query)
+        if not up[0]:
+            raise ConnectionError("refused")
+        return []
+
+    metrics = PrometheusMetrics("http://prometheus", query=answer)
+    assert metrics.loads(NS, POOL, 60) == {}  # answered (no model served yet)
+    up[0] = False
+    assert metrics.loads(NS, POOL, 60) is None
+    clock["now"] += 3
+    up[0] = True
+    asked = len(sent)
+    assert metrics.loads(NS, POOL, 60) is None and len(sent) == asked  # not asked while failing
+    assert metrics.batch_sizes(NS, POOL) == {}  # another query finds Prometheus back: it answers
+    # A whole window since then, with its baseline step and time for the first scrapes.
+    clock["now"] += 60 + load_step_s(60) + max(load_step_s(60), RESCRAPE_S) - 1
+    assert metrics.loads(NS, POOL, 60) is None
+    clock["now"] += 1
+    assert metrics.loads(NS, POOL, 60) == {}
+    assert metrics.loads(NS, POOL, 120) is None  # a longer window still reaches back into the gap
