@@ -403,34 +403,49 @@ class OpenLoad:
         self.errors: list[BaseException] = []
         self._turn = itertools.count()
         self._requests: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     async def run(self) -> None:
-        """Send until cancelled; then cancel the requests in flight."""
+        """Send until cancelled or ``close``d; once closed, wait for the requests in flight (a cancelled
+        run cancels them)."""
         # A connection per request: over kept-alive ones a request failed with ReadError in one run (the
         # server closes a connection idle for its keep-alive timeout, which can race with its reuse).
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
             try:
                 await asyncio.gather(*(self._arrivals(http, name) for name in SHIFT_MODELS))
+                await asyncio.gather(*self._requests)
             finally:
                 for task in self._requests:
                     task.cancel()
                 await asyncio.gather(*self._requests, return_exceptions=True)
+
+    def close(self) -> None:
+        """Send no more requests (``run`` ends once those in flight have their answers)."""
+        self._closed = True
 
     async def _arrivals(self, http: httpx.AsyncClient, name: str) -> None:
         due = time.time()
         while True:
             due += 1 / self.rates[name]
             await asyncio.sleep(max(0.0, due - time.time()))
+            if self._closed:
+                return
             task = asyncio.create_task(self._one(http, name))
             self._requests.add(task)
             task.add_done_callback(self._requests.discard)
 
-    async def _one(self, http: httpx.AsyncClient, name: str) -> None:
+    def _pick(self, name: str) -> str:
+        """The running worker of service ``name`` with the fewest of these requests in flight (ties in
+        turn), counted as one more in flight (the caller takes it off when the request ends)."""
         urls = self.pods.urls(SHIFT_MODELS[name])
         turn = next(self._turn) % len(urls)
         url = min(urls[turn:] + urls[:turn], key=lambda u: self.in_flight.get(u, 0))
         self.in_flight[url] = self.in_flight.get(url, 0) + 1
+        return url
+
+    async def _one(self, http: httpx.AsyncClient, name: str) -> None:
+        url = self._pick(name)
         sent = time.time()
         body = {
             "model": SHIFT_MODELS[name],
@@ -453,6 +468,42 @@ class OpenLoad:
         return (len(met) / len(judged) if judged else math.nan), len(judged)
 
 
+def measured(found: dict[str, Any]) -> bool:
+    """Whether every service's planned rate at a boundary (``boundary_after``'s answer) was measured."""
+    return all(
+        got.get("sources", {}).get("requestsPerSecond") == "measured" for got in found["loads"].values()
+    )
+
+
+async def boundary_after(
+    harness: Harness,
+    pool: dict[str, Any],
+    services_docs: dict[str, dict[str, Any]],
+    planned: list[tuple[float, list[ServiceInput]]],
+    previous: dict[str, Any],
+    late_s: float = 30.0,
+) -> dict[str, Any]:
+    """The pool's status of the first re-placement pass at or after the boundary that ``previous`` (a
+    status) names, with the services' planned loads, once these are that pass's (written after the
+    pool's); waits until ``late_s`` after the boundary."""
+    due = st.parse_time(previous["nextPlacementTime"])
+    assert due is not None
+
+    async def reached() -> dict[str, Any] | None:
+        status = ((await harness.get(pool)) or {}).get("status") or {}
+        placed = st.parse_time(status.get("lastPlacementTime"))
+        if placed is None or placed < due:
+            return None
+        rates = {s.name: round(s.request_rate, 4) for s in planned[-1][1]}
+        bodies = {name: await harness.get(doc) for name, doc in services_docs.items()}
+        loads = {name: ((b or {}).get("status") or {}).get("load", {}) for name, b in bodies.items()}
+        if {name: got.get("requestsPerSecond") for name, got in loads.items()} != rates:
+            return None
+        return {"pool": status, "loads": loads, "seen": time.time()}
+
+    return await harness.eventually(reached, timeout=max(0.0, due - time.time()) + late_s)
+
+
 @pytest.mark.timeout(300)
 async def test_a_load_shift_is_replaced_at_the_next_boundary(
     operator_with_prometheus: tuple[Harness, int],
@@ -473,31 +524,8 @@ async def test_a_load_shift_is_replaced_at_the_next_boundary(
     sending: asyncio.Task[None] | None = None
     retiring: asyncio.Task[None] | None = None
 
-    def measured(found: dict[str, Any]) -> bool:
-        return all(
-            got.get("sources", {}).get("requestsPerSecond") == "measured" for got in found["loads"].values()
-        )
-
     async def boundary(previous: dict[str, Any]) -> dict[str, Any]:
-        """The pool's status of the first re-placement pass at or after the boundary that ``previous`` (a
-        status) names, with the services' planned loads, once these are that pass's (written after the
-        pool's)."""
-        due = st.parse_time(previous["nextPlacementTime"])
-        assert due is not None
-
-        async def reached() -> dict[str, Any] | None:
-            status = ((await harness.get(pool)) or {}).get("status") or {}
-            placed = st.parse_time(status.get("lastPlacementTime"))
-            if placed is None or placed < due:
-                return None
-            rates = {s.name: round(s.request_rate, 4) for s in planned[-1][1]}
-            bodies = {name: await harness.get(doc) for name, doc in services_docs.items()}
-            loads = {name: ((b or {}).get("status") or {}).get("load", {}) for name, b in bodies.items()}
-            if {name: got.get("requestsPerSecond") for name, got in loads.items()} != rates:
-                return None
-            return {"pool": status, "loads": loads, "seen": time.time()}
-
-        return await harness.eventually(reached, timeout=max(0.0, due - time.time()) + 30)
+        return await boundary_after(harness, pool, services_docs, planned, previous)
 
     try:
         found = await apply_and_place(harness, prom, documents)
@@ -617,4 +645,254 @@ async def test_a_load_shift_is_replaced_at_the_next_boundary(
         f"{[round(a, 3) for a in attainment]}; estimated at those boundaries {estimates}\n"
         f"clients saw (attainment, requests): {saw}\n"
         f"interval trajectory {[round(i, 1) for i in trajectory]} s"
+    )
+
+
+# A fixed interval: the outage below is longer than one, and the test's length stays known.
+FAULT_INTERVAL = {"initialSeconds": 10, "minSeconds": 10, "maxSeconds": 10, "beta": 0.1}
+OUTAGE_S = FAULT_INTERVAL["initialSeconds"] + 4  # Prometheus down for longer than a re-placement interval
+OPERATOR_DOWN_S = 2.0  # the load goes on with no operator running
+WRITES = {"POST", "PUT", "PATCH", "DELETE"}
+CHILD_COLLECTIONS = ("/statefulsets", "/services", "/configmaps", "/poddisruptionbudgets")
+
+
+DEFERRED_NOTE = "waits for measurements: Prometheus did not answer"
+
+
+def placed_condition(status: dict[str, Any]) -> dict[str, Any]:
+    """The pool status's Placed condition ({} when it has none)."""
+    return next((c for c in status.get("conditions") or [] if c.get("type") == "Placed"), {})
+
+
+class CountedLoad(OpenLoad):
+    """``OpenLoad`` whose requests are sorted by what their clients got: completed (every token, then
+    ``[DONE]``), failed with a clear error (an HTTP error status, or an SSE error event) or lost (no
+    answer and no error: a connection refused, reset or cut off, a stream ended without ``[DONE]`` or
+    short of its tokens, or no answer at all when the load ended)."""
+
+    def __init__(self, pods: Pods, rates: dict[str, float]) -> None:
+        super().__init__(pods, rates)
+        self.sent: list[float] = []  # when each request was sent
+        self.outcomes: list[tuple[float, str]] = []  # (sent at, "completed" / "failed: ..." / "lost: ...")
+
+    async def _one(self, http: httpx.AsyncClient, name: str) -> None:
+        url = self._pick(name)
+        sent = time.time()
+        self.sent.append(sent)
+        payload = {
+            "model": SHIFT_MODELS[name],
+            "prompt": SHIFT_PROMPT,
+            "max_tokens": SHIFT_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        try:
+            self.outcomes.append((sent, await self._answer(http, url, payload)))
+        finally:
+            self.in_flight[url] -= 1
+
+    @staticmethod
+    async def _answer(http: httpx.AsyncClient, url: str, payload: dict[str, Any]) -> str:
+        tokens, done = 0, False
+        try:
+            async with http.stream(
+                "POST", f"{url}/v1/completions", json=payload, headers={"X-Tessera-Class": "chat"}
+            ) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    return f"failed: HTTP {response.status_code}"
+                async for line in response.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith('data: {"error"'):
+                        return "failed: error event"
+                    elif line.startswith("data: {"):
+                        choices = json.loads(line[6:]).get("choices") or ()
+                        tokens += sum(len(c.get("token_ids") or ()) for c in choices)
+        except httpx.HTTPError as err:
+            return f"lost: {type(err).__name__}"
+        if not done:
+            return "lost: ended without [DONE]"
+        return "completed" if tokens == SHIFT_TOKENS else f"lost: {tokens} of {SHIFT_TOKENS} tokens"
+
+    def counts(self, start: float = -math.inf, end: float = math.inf) -> dict[str, Any]:
+        """The requests sent in [start, end): how many, and how many completed, failed (by reason) and
+        were lost (by reason; a request with no outcome at all counts as lost)."""
+        outcomes = [o for sent, o in self.outcomes if start <= sent < end]
+        sent = sum(1 for t in self.sent if start <= t < end)
+        failed = [o.removeprefix("failed: ") for o in outcomes if o.startswith("failed: ")]
+        lost = [o.removeprefix("lost: ") for o in outcomes if o.startswith("lost: ")]
+        lost += ["no outcome"] * (sent - len(outcomes))
+        return {
+            "sent": sent,
+            "completed": outcomes.count("completed"),
+            "failed": len(failed),
+            "lost": len(lost),
+            "failed_by_reason": {r: failed.count(r) for r in sorted(set(failed))},
+            "lost_by_reason": {r: lost.count(r) for r in sorted(set(lost))},
+        }
+
+
+@pytest.mark.timeout(240)
+async def test_prometheus_stopped_and_the_operator_restarted_under_load(
+    operator_with_prometheus: tuple[Harness, int],
+    planned: list[tuple[float, list[ServiceInput]]],
+    tmp_path: Path,
+) -> None:
+    """Steady open-loop load on the operator's sim workers through two faults of the control plane.
+    (a) Prometheus stops for longer than a re-placement interval: the boundary that falls meanwhile stays
+    due (no plan on the default loads, nothing rewritten, the pool's status says why); once Prometheus
+    is back the overdue boundary waits for a whole window of new samples (not the gap), then measures
+    and plans. (b) The operator is stopped and a fresh one started:
+    it rewrites no child (the specs did not change) and resumes its boundaries. The workers never depend
+    on either: every request completes; none is lost."""
+    harness, prom_port = operator_with_prometheus
+    documents = shift_docs()
+    documents[0]["spec"]["placement"]["replacementInterval"] = FAULT_INTERVAL
+    pool, services_docs = documents[0], {name: documents[2 + i] for i, name in enumerate(SHIFT_MODELS)}
+    prom = Prometheus(prom_port, tmp_path)
+    pods = Pods(prom, tmp_path)
+    load = CountedLoad(pods, BEFORE)
+    sending: asyncio.Task[None] | None = None
+
+    async def boundary(previous: dict[str, Any], late_s: float = 30.0) -> dict[str, Any]:
+        return await boundary_after(harness, pool, services_docs, planned, previous, late_s)
+
+    async def pool_status() -> dict[str, Any]:
+        return ((await harness.get(pool)) or {}).get("status") or {}
+
+    def child_writes() -> list[str]:
+        """Every request the emulator served that wrote a child of the pool."""
+        return [
+            f"{r.method.value.upper()} {r.url.path}"
+            for r in harness.emulator
+            if r.method.value.upper() in WRITES and any(c in r.url.path for c in CHILD_COLLECTIONS)
+        ]
+
+    try:
+        found = await apply_and_place(harness, prom, documents)
+        await pods.follow(found["status"], found["children"])
+        sending = asyncio.create_task(load.run())
+        steady = await boundary(await pool_status())
+        for _ in range(2):
+            # The pods' first scrapes can come after a boundary on a loaded machine: count from the first
+            # boundary that measured.
+            if measured(steady):
+                break
+            steady = await boundary(steady["pool"])
+        assert measured(steady), steady["loads"]
+
+        # (a) Prometheus stops; the next boundary falls while it is down.
+        await asyncio.to_thread(prom.stop)
+        prom_stopped = time.time()
+        due = st.parse_time(steady["pool"]["nextPlacementTime"])
+        assert due is not None
+
+        async def says_why() -> dict[str, Any] | None:
+            status = await pool_status()
+            return status if DEFERRED_NOTE in placed_condition(status).get("message", "") else None
+
+        # A pass that finds Prometheus gone waits for its client's retries (seconds) before it reports.
+        said_why = await harness.eventually(says_why, timeout=max(0.0, due - time.time()) + 30)
+        said_why_at = time.time()
+        await asyncio.sleep(max(0.0, max(prom_stopped + OUTAGE_S, due + 2) - time.time()))
+        deferred = await pool_status()
+        deferred_loads = {name: await harness.get(doc) for name, doc in services_docs.items()}
+        children_during = await harness.children(NAMESPACE)
+        prom = Prometheus(prom_port, tmp_path)  # the same storage and targets file
+        pods.prom = prom
+        await asyncio.to_thread(prom.wait_ready)
+        prom_back = time.time()
+        # The overdue boundary waits for a whole window of new samples (and time for the first scrapes).
+        resumed = await boundary(steady["pool"], late_s=time.time() - due + 60)
+
+        # (b) The operator restarts: stopped, and a fresh one (a new Controller and kopf) started.
+        children_before = await harness.children(NAMESPACE)
+        writes_before = len(child_writes())
+        await harness.stop()
+        operator_stopped = time.time()
+        await asyncio.sleep(OPERATOR_DOWN_S)
+        await harness.start()
+        operator_started = time.time()
+        restarted = await boundary(resumed["pool"])
+        children_after = await harness.children(NAMESPACE)
+        rewritten = child_writes()[writes_before:]
+        warnings = [e for e in await harness.events(NAMESPACE) if e.get("type") == "Warning"]
+
+        load.close()
+        await asyncio.wait_for(asyncio.shield(sending), timeout=60)
+    finally:
+        if sending is not None:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+        await harness.stop()
+        await pods.stop()
+        await asyncio.to_thread(prom.stop)
+
+    # (a) While Prometheus was down the boundary stayed due: no plan (on the default loads or any), the
+    # placement, the children and the services' measured loads as they were; the Placed condition and a
+    # Warning event said why.
+    for status in (said_why, deferred):
+        assert status["lastPlacementTime"] == steady["pool"]["lastPlacementTime"], status
+        assert status["nextPlacementTime"] == steady["pool"]["nextPlacementTime"]
+        assert instances(status) == instances(steady["pool"])
+    assert DEFERRED_NOTE in placed_condition(deferred)["message"]
+    assert placed_condition(deferred)["status"] == "True"
+    assert [e["message"] for e in warnings if e["reason"] == "ReplacementDeferred"] == [
+        f"the re-placement boundary due at {steady['pool']['nextPlacementTime']} waits for measurements: "
+        "Prometheus did not answer, or not yet for a whole window since it failed (the plan in effect "
+        "stays; each pass asks again)"
+    ]
+    assert not [t for t, _ in planned if prom_stopped <= t < prom_back]
+    for body in deferred_loads.values():
+        assert body is not None and body["status"]["load"]["sources"]["requestsPerSecond"] == "measured"
+    assert {k: v["metadata"] for k, v in children_during.items()} == {
+        k: v["metadata"] for k, v in found["children"].items()
+    }
+    # Back: the overdue boundary waited for a whole window of samples, then measured and planned on what
+    # it measured (the same placement).
+    placed = st.parse_time(resumed["pool"]["lastPlacementTime"])
+    assert placed is not None and placed >= prom_back + FAULT_INTERVAL["initialSeconds"] - 1
+    assert measured(resumed), resumed["loads"]
+    assert DEFERRED_NOTE not in placed_condition(resumed["pool"])["message"]
+    # The outage is not read as an idle spell: the rates are the offered ones (on this loaded machine a
+    # measured rate read up to 40 % high; a window over the gap read 0.0/s before the operator waited for
+    # a whole window of Prometheus's samples).
+    for name, got in resumed["loads"].items():
+        assert 0.5 * BEFORE[name] < got["requestsPerSecond"] < 1.75 * BEFORE[name], resumed["loads"]
+    assert instances(resumed["pool"]) == instances(steady["pool"])
+    assert [t for t, _ in planned if t >= prom_back]
+
+    # (b) The fresh operator rewrote no child, planned nothing before its first boundary and resumed.
+    assert rewritten == [], rewritten
+    assert children_after == children_before
+    resumed_due = st.parse_time(resumed["pool"]["nextPlacementTime"])
+    assert resumed_due is not None
+    assert not [t for t, _ in planned if operator_stopped <= t < resumed_due]
+    assert measured(restarted), restarted["loads"]
+    assert instances(restarted["pool"]) == instances(steady["pool"])
+
+    # The load: every request answered, none lost.
+    total = load.counts()
+    during_outage = load.counts(prom_stopped, prom_back)
+    during_restart = load.counts(operator_stopped, operator_started)
+    for counted in (total, during_outage, during_restart):
+        assert counted["sent"] > 0 and counted["lost"] == 0, counted
+    assert total["completed"] == total["sent"], total
+    overdue = placed - due
+    print(
+        f"\nload (open loop {sum(BEFORE.values()):g} requests/s over {len(pods.running)} sim workers): "
+        f"all {total}\n"
+        f"Prometheus stopped {prom_back - prom_stopped:.1f} s "
+        f"(interval {FAULT_INTERVAL['initialSeconds']} s): "
+        f"sent meanwhile {during_outage}; boundary due {due - prom_stopped:.1f} s after the stop, "
+        f"status said why {said_why_at - due:.1f} s after it (polled), boundary passed "
+        f"{overdue:.1f} s late, seen planned on the measured loads "
+        f"{ {n: got['requestsPerSecond'] for n, got in resumed['loads'].items()} } "
+        f"{resumed['seen'] - prom_back:.1f} s after Prometheus was ready (polled)\n"
+        f"operator restarted (down {operator_started - operator_stopped:.1f} s with the start): sent "
+        f"meanwhile {during_restart}; child writes after the restart: {len(rewritten)}; next boundary "
+        f"{st.parse_time(restarted['pool']['lastPlacementTime']) - operator_started:+.1f} s after the "
+        f"start, instances {instances(restarted['pool'])}"
     )
