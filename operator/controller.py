@@ -44,7 +44,7 @@ from tessera.core.planners import (
 from tessera.core.planners.replacement import prediction_error
 from tessera.operator import status as st
 from tessera.operator.kube import Kube, OwnershipError, rejection
-from tessera.operator.reconcile import Conflict, claim, contains, plan_actions
+from tessera.operator.reconcile import DONE, Conflict, claim, contains, plan_actions
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ class Controller:
                 refused.append(f"{action.kind} {action.name}: {message}")
                 continue
             self._refused.pop(where, None)
-            self.emit(body, "Normal", action.verb.capitalize() + "d", f"{action.kind} {action.name}")
+            self.emit(body, "Normal", DONE[action.verb], f"{action.kind} {action.name}")
         for r in retiring:
             if r.held:
                 continue

@@ -19,6 +19,8 @@ from typing import Any, Literal
 from tessera.control.children import POOL_UID_ANNOTATION
 
 Verb = Literal["create", "patch", "delete"]
+# The event reason of each verb done (a Normal event per child written).
+DONE: dict[str, str] = {"create": "Created", "patch": "Patched", "delete": "Deleted"}
 # Apply order: configuration first (pods mount it), then Services, then workloads; deletions last.
 _KIND_ORDER = {"ConfigMap": 0, "Service": 1, "PodDisruptionBudget": 2, "StatefulSet": 3}
 

@@ -292,6 +292,14 @@ async def test_restarted_operator_resumes_without_duplicating_children(cluster: 
 
     await cluster.eventually(rescaled)
 
+    async def patched() -> bool:
+        return any(
+            e["reason"] == "Patched" and e["message"].startswith("StatefulSet ")
+            for e in await cluster.events(namespace)
+        )
+
+    await cluster.eventually(patched)
+
 
 async def test_api_errors_and_conflicts_are_retried(cluster: Harness) -> None:
     namespace = "flaky"
