@@ -213,6 +213,20 @@ def test_estimators_judge_a_class_with_a_ttft_bound_as_the_workers_do():
     assert batch.wait_slack_s(1) == pytest.approx(60.0 - burst.mean_exec_s(1))
 
 
+def test_the_simulated_estimate_serves_the_backlog_before_the_history():
+    """A plan judged on its history alone looks healthy; the requests outstanding at the boundary come
+    first and delay the history's, so the same plan estimates worse with a backlog."""
+    from dataclasses import replace
+
+    from tessera.control.placement import Group, simulate_performance
+
+    light = replace(_hist_service("a", [i * 2.0 for i in range(100)]), slo_scale=3.0)
+    one = [Group(0, 1, services=["a"])]
+    assert simulate_performance(POOL, [light], one).slo_attainment == 1.0
+    behind = simulate_performance(POOL, [replace(light, backlog=2000)], one)
+    assert behind.slo_attainment < 0.5
+
+
 def test_bench_scenario_small_run_counts_every_request_and_replans():
     from tessera.bench.scenarios import BenchConfig
     from tessera.bench.scenarios.seallm import run

@@ -271,6 +271,7 @@ def service_input(
         p99_context_tokens=model.max_model_length or 4096,
         slo_scale=scale,
         slo_class=strictest[1] if strictest else None,
+        backlog=round(load.outstanding or 0),
         history=load.history,
         min_replicas=service.spec.replicas.min,
         max_replicas=service.spec.replicas.max,

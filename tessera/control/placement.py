@@ -464,6 +464,13 @@ def simulate_performance(
         for s in services
         for h in s.history
     ]
+    # The next interval starts with what is outstanding now, ahead of arrivals like the last interval's;
+    # replayed on an empty cluster instead, a plan that cannot work off a backlog looked healthy.
+    reqs += [
+        (s.name, HistoryRequest(0.0, round(s.mean_prompt_tokens), max(1, round(s.mean_output_tokens))))
+        for s in services
+        for _ in range(s.backlog)
+    ]
     if not reqs:
         return estimate(services, groups)
     plan = to_plan("seallm", groups, None)

@@ -353,7 +353,10 @@ class OperatorLoop(ClusterController):
         if len(set(span.values())) != 1:
             return False  # one span per boundary in the seallm bench; the services' differ here
         earlier = PlacementPlan("seallm", previous.groups) if previous is not None else None
-        theirs = replan(self.pool, inputs, history, next(iter(span.values())), EPOCH + now, earlier, None)
+        backlog = {s.name: s.backlog for s in inputs}
+        theirs = replan(
+            self.pool, inputs, history, next(iter(span.values())), EPOCH + now, earlier, None, backlog
+        )
         return {(g.key, g.replicas.total) for g in theirs.groups} == {
             (g.key, g.replicas.total) for g in plan.groups
         }

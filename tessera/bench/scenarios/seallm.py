@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -300,11 +301,15 @@ def replan(
     now: float,
     previous: PlacementPlan | None,
     stats: dict[str, ServiceStats] | None,
+    backlog: Mapping[str, int] | None = None,
 ) -> PlacementPlan:
     """The plan of one re-placement boundary: Alg. 1 on each service's ``history`` of the last ``span_s``
-    seconds (``with_history``: its rate and mean lengths), least churn against ``previous``; ``stats``
-    are the services' L̂_s / Var_s (None: from the history)."""
-    current = [with_history(s, history.get(s.name, ()), span_s) for s in services]
+    seconds (``with_history``: its rate and mean lengths) and its ``backlog`` (requests outstanding now),
+    least churn against ``previous``; ``stats`` are the services' L̂_s / Var_s (None: from the history)."""
+    current = [
+        replace(with_history(s, history.get(s.name, ()), span_s), backlog=(backlog or {}).get(s.name, 0))
+        for s in services
+    ]
     return plan_seallm(pool, current, now=now, previous=previous, stats=stats)
 
 
@@ -359,8 +364,11 @@ class Replanner(ClusterController):
         hist: dict[str, list[HistoryRequest]] = {s.name: [] for s in self.services}
         for r in batch:
             hist[r.model].append(HistoryRequest(r.arrival, r.prompt_tokens, r.target_output_tokens))
+        backlog = Counter(
+            r.model for r in self.requests[:end] if r.finished_at is None or r.finished_at > now
+        )
         t = time.perf_counter()
-        new = replan(self.pool, self.services, hist, now - self.start, now, plan, self.stats)
+        new = replan(self.pool, self.services, hist, now - self.start, now, plan, self.stats, backlog)
         plan_wall = time.perf_counter() - t
         diff = rollout_diff(plan, new)
         actions, started, stopped, moved = self._rollout(new, view)

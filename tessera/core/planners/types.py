@@ -80,12 +80,17 @@ class ServiceInput:
     # (``tessera.core.slo.slo_met``: TTFT and ITL bounds, or a batch deadline); None, or a class with no
     # SLO: SeaLLM's latency bound ``slo_scale`` x isolated execution time.
     slo_class: ServiceClass | None = None
+    # Requests outstanding (queued or running) when the plan is made: the simulated estimator serves them
+    # first, with the mean lengths, before replaying the history.
+    backlog: int = 0
 
     def __post_init__(self) -> None:
         if self.tp_min < 1 or self.tp_min & (self.tp_min - 1):
             raise ValueError(f"service {self.name!r}: tp_min must be a power of two, got {self.tp_min}")
         if self.weights_bytes < 0 or self.kv_bytes_per_token < 0:
             raise ValueError(f"service {self.name!r}: weights and KV sizes must be >= 0")
+        if self.backlog < 0:
+            raise ValueError(f"service {self.name!r}: backlog must be >= 0")
         if self.request_rate < 0:
             raise ValueError(f"service {self.name!r}: request_rate must be >= 0")
         if self.slo_scale <= 0:
