@@ -418,6 +418,15 @@ class Controller:
             message = f"{plan.strategy} placement: {summary or 'no services'}"
             if unplaced:
                 message += f"; not placed: {sorted(unplaced)} (see their Placed conditions)"
+            shared = [g.name for g in plan.groups if len(g.services) > 1]
+            if shared and plan.strategy == "seallm":
+                # Known gap, said where the user looks: the estimate plays a shared group under SeaLLM's
+                # DB across its models, while each model of a pod keeps its own scheduler and the
+                # models take turns drain-then-swap where vLLM can sleep.
+                message += (
+                    f"; shared groups {shared}: the estimate assumes SeaLLM's sharing across their models, "
+                    "which the pods do not run (each model has its own scheduler), so it may be optimistic"
+                )
             reason = "PartiallyPlaced" if unplaced else "Placed"
             if timeline.deferred:
                 note = (

@@ -161,6 +161,8 @@ def rollout_cluster(**placement: Any) -> tuple[FakeKube, Controller, list[Event]
     c = controller(kube, events)
     run_pass(c, kube, T0)
     assert sorted(tuple(_serves(s)) for s in sets(kube).values()) == [("a", "b"), ("a", "c")]
+    placed = condition(kube, "servingpools", POOL, "Placed")["message"]
+    assert "the estimate assumes SeaLLM's sharing across their models, which the pods do not run" in placed
     make_ready(kube)
     run_pass(c, kube, T0 + 1)
     events.clear()
