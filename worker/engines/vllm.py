@@ -3,7 +3,8 @@
 - tokenizes through the server's ``/tokenize`` (chat through the model's chat template there), or,
   given ``tokenizer`` (the model directory vLLM loads), locally with the same Hugging Face tokenizer
   and the same rules as vLLM's ``/tokenize`` (completions: special tokens added; chat: the template
-  renders them), which saves an HTTP round trip through vLLM's busy event loop per request;
+  renders them, in ``tessera.api.chat``, which the router shares to route on the same ids), which
+  saves an HTTP round trip through vLLM's busy event loop per request;
 - submits prompt token ids to ``/v1/completions`` with ``stream`` and ``return_token_ids``, so the
   worker knows every generated id and can resume a preempted request exactly from
   prompt + generated ids (vLLM's prefix cache makes the re-prefill cheap); the request's
@@ -34,6 +35,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from tessera.api.chat import render_chat_ids
 from tessera.worker.engines.base import (
     Engine,
     EngineJob,
@@ -157,14 +159,11 @@ class VLLMEngine(Engine):
 
             def render() -> list[int]:
                 try:
-                    text = tokenizer.apply_chat_template(
-                        _template_messages(messages), tools=tools, add_generation_prompt=True, tokenize=False
-                    )
+                    return render_chat_ids(tokenizer, messages, tools)
                 except Exception as exc:  # jinja errors: the template rejects these messages
                     raise EngineRejected(
                         f"the chat template of {self.model} rejected the messages: {exc}"
                     ) from exc
-                return list(tokenizer.encode(text, add_special_tokens=False))
 
             return await asyncio.to_thread(render)
         body = {"model": self.model, "messages": messages, "add_generation_prompt": True}
@@ -326,24 +325,6 @@ def _load_tokenizer(path: str, model: str) -> Any:
             f"cannot load the tokenizer of {model} from {path}: {exc}; fix models[].tokenizer or unset "
             "it to tokenize through vLLM's /tokenize"
         ) from exc
-
-
-def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` as chat templates take them, as vLLM renders them: the arguments of an assistant's
-    tool calls as objects (OpenAI sends JSON text; unreadable or empty: an empty object)."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            calls = []
-            for call in m["tool_calls"]:
-                try:
-                    args = json.loads(call["function"].get("arguments") or "{}")
-                except json.JSONDecodeError:
-                    args = {}
-                calls.append({**call, "function": {**call["function"], "arguments": args}})
-            m = {**m, "tool_calls": calls}
-        out.append(m)
-    return out
 
 
 def _logprobs(block: dict[str, Any] | None) -> list[TokenLogprob] | None:

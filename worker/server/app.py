@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tessera.api.chat import message_dicts
 from tessera.api.openai_errors import ApiError
 from tessera.api.worker_config import BENCH_TRUE_LENGTH_HEADER, ClassHeaderError, ConfigError, parse_config
 from tessera.core.request import Request
@@ -129,7 +130,7 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
     )
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
         entry, sched, cls = _route(worker, body.model, http)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = message_dicts(body.messages)
         tools = body.tool_dicts()
         # Read with the model's tool parser: auto always (refused without one); 'required' and named
         # choices where the model has one, as vLLM's server with that parser serves them.

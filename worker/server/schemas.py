@@ -10,6 +10,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+# The chat message and tool models are shared with the router, which renders chat prompts as the worker does.
+from tessera.api.chat import ChatMessage, Tool, tool_dicts, utf8_text
+
 NonNegInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
 # Fields forwarded to the engine as sampling parameters when set.
 SAMPLING_FIELDS = (
@@ -25,14 +28,6 @@ SAMPLING_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
-
-
-def _utf8(value: str) -> str:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"text is not valid UTF-8 (lone surrogate at position {exc.start})") from None
-    return value
 
 
 # Fields of the OpenAI API this worker does not serve (yet), with the reason: refused by name rather
@@ -78,24 +73,6 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class FunctionDefinition(BaseModel):
-    """A function the model may call: its name, description and JSON schema of its arguments."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    """``tools[]``: a function tool."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
 class FunctionName(BaseModel):
     """The function a named ``tool_choice`` forces."""
 
@@ -109,23 +86,6 @@ class NamedToolChoice(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: FunctionName
-
-
-class FunctionCall(BaseModel):
-    """A call's function: its name and its arguments as JSON text."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    """An assistant's tool call (in the conversation's history)."""
-
-    model_config = ConfigDict(extra="forbid")
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class StreamOptions(BaseModel):
@@ -193,13 +153,13 @@ class _Generation(BaseModel):
         if isinstance(value, str):
             if not value:
                 raise ValueError("stop strings must not be empty")
-            return _utf8(value)
-        return None if value is None else [_utf8(v) for v in value]
+            return utf8_text(value)
+        return None if value is None else [utf8_text(v) for v in value]
 
     @field_validator("model", "user")
     @classmethod
     def _text(cls, value: str | None) -> str | None:
-        return None if value is None else _utf8(value)
+        return None if value is None else utf8_text(value)
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields that were set, for the engine (vLLM's completions names): log
@@ -252,69 +212,7 @@ class CompletionRequest(_Generation):
     @field_validator("prompt")
     @classmethod
     def _prompt_text(cls, value: str | list[int]) -> str | list[int]:
-        return _utf8(value) if isinstance(value, str) else value
-
-
-class ContentPart(BaseModel):
-    """One part of a message's content: text (other modalities are refused until a model takes them)."""
-
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("type") != "text":
-            raise PydanticCustomError(
-                "unsupported_content",
-                "content parts of type {kind} are not supported: the models served here take text only; "
-                "send text parts",
-                {"kind": repr(data.get("type"))},
-            )
-        return data
-
-
-class ChatMessage(BaseModel):
-    """One chat message. Content is text, or a list of text parts (joined by newlines, as vLLM
-    joins them); ``developer`` is OpenAI's newer name for ``system``; ``tool`` messages carry a tool's
-    result back to the model."""
-
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | None = Field(
-        default=None,
-        description="Text, or a list of text parts; may be left out by an assistant's tool calls.",
-    )
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _parts(cls, value: Any) -> Any:
-        if not isinstance(value, list):
-            return value
-        if not value:
-            raise ValueError("content parts must not be an empty list")
-        return "\n".join(ContentPart.model_validate(part).text for part in value)
-
-    @field_validator("content")
-    @classmethod
-    def _content(cls, value: str | None) -> str | None:
-        return None if value is None else _utf8(value)
-
-    @model_validator(mode="after")
-    def _roles(self) -> ChatMessage:
-        if self.role == "developer":
-            self.role = "system"  # chat templates know "system"; OpenAI treats the two alike
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs tool_call_id (the call it answers)")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        if self.content is None and not self.tool_calls:
-            raise ValueError("content is required (it may be left out only by an assistant's tool calls)")
-        return self
+        return utf8_text(value) if isinstance(value, str) else value
 
 
 class ChatCompletionRequest(_Generation):
@@ -423,7 +321,7 @@ class ChatCompletionRequest(_Generation):
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools for the chat template (OpenAI's shape)."""
-        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        return tool_dicts(self.tools)
 
     def logprobs_count(self) -> int | None:
         """``top_logprobs`` (0 when unset) when ``logprobs`` is true."""
