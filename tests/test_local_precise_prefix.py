@@ -1,5 +1,6 @@
 """Precise prefix affinity on local mode's path: the vLLM servers publish their KV events, the router's
-backends name the publishers, and text completion prompts are tokenized as the workers tokenize them."""
+backends name the publishers, and text completion prompts and chats are tokenized as the workers
+tokenize them."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def test_the_local_route_decides_whether_launched_servers_publish_and_a_running_
 
 @pytest.mark.integration
 @pytest.mark.timeout(600)
-async def test_local_mode_routes_text_and_token_prompts_by_the_blocks_its_vllm_reports(
+async def test_local_mode_routes_text_chat_and_token_prompts_by_the_blocks_its_vllm_reports(
     vllm_server: VLLMServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     from transformers import AutoTokenizer
@@ -143,6 +144,34 @@ async def test_local_mode_routes_text_and_token_prompts_by_the_blocks_its_vllm_r
             assert again["candidates"][0]["scores"]["precise-prefix"] == -(len(ids) // 128) * 128
             as_ids = await complete(ids[: 2 * 128 + 5])  # the same blocks sent as token ids
             assert as_ids["candidates"][0]["scores"]["precise-prefix"] == -2 * 128
+
+            async def chat(messages: list[dict]) -> dict:
+                body = {"model": TINY_MODEL_NAME, "messages": messages, "max_tokens": 2}
+                answer = await client.post("/v1/chat/completions", json=body)
+                assert answer.status_code == 200, answer.text
+                return (await client.get("/router/status")).json()["recentDecisions"][-1]
+
+            def chat_ids(messages: list[dict]) -> list[int]:  # as vLLM's /tokenize renders a chat
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                return tokenizer.encode(text, add_special_tokens=False)
+
+            held = await engine_blocks(0)
+            first = [{"role": "system", "content": f"chat {stamp}"}, {"role": "user", "content": prompts[0]}]
+            first_ids = chat_ids(first)
+            assert (await chat(first))["candidates"][0]["scores"]["precise-prefix"] == 0  # new to the engine
+            assert await engine_blocks(held + len(first_ids) // 128) >= held + len(first_ids) // 128
+            repeated = await chat(first)
+            # the router rendered the chat as the worker does: its exact ids, whose blocks the engine holds
+            assert repeated["promptTokens"] == len(first_ids)
+            assert repeated["candidates"][0]["scores"]["precise-prefix"] == -(len(first_ids) // 128) * 128
+            longer = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+            longer_ids = chat_ids(longer)
+            pairs = zip(first_ids, longer_ids, strict=False)
+            shared = next((i for i, (a, b) in enumerate(pairs) if a != b), len(first_ids))
+            assert shared >= 2 * 128  # the next turn extends the conversation: its leading blocks are held
+            turn = await chat(longer)
+            assert turn["promptTokens"] == len(longer_ids)
+            assert turn["candidates"][0]["scores"]["precise-prefix"] == -(shared // 128) * 128
     finally:
         await stack.stop()
     assert vllm_server.healthy()

@@ -164,7 +164,7 @@ class RouterState:
         # its first publisher's (the index skips and counts blocks of another size)
         self.engine_blocks: dict[str, EngineBlockIndex] = {}
         self.feeds: dict[tuple[str, str], str] = {}  # (instance, model) -> its KV-event publisher
-        self.tokenizers = PromptTokenizers()  # text completion prompts as the workers tokenize them
+        self.tokenizers = PromptTokenizers()  # text and chat prompts as the workers tokenize them
         self.prefix_tokens: dict[str, list[int]] = {}  # instance -> [prompt tokens sent, of them cached]
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)  # cache-aware decisions
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session key -> its last instance (LRU)
@@ -246,8 +246,9 @@ class RouterState:
         """The instance for a request (not one of ``exclude``); a cache-aware route also reads which
         instances hold the leading blocks of ``prompt_text`` and records where it sent them, and a
         route on engine-reported blocks reads which engines hold those of ``prompt_token_ids`` (sent as
-        token ids, or a text completion prompt tokenized as its workers do: ``PromptTokenizers``; a chat
-        prompt, or a model without a tokenizer folder, has none, and the text index's estimate stands in)."""
+        token ids, or a text completion prompt or a chat tokenized and rendered as its workers do:
+        ``PromptTokenizers``; a model without a tokenizer folder has none, and the text index's estimate
+        stands in)."""
         loads = [x for x in self.loads.values() if x.instance not in exclude]
         if not self.uses_prefix or not (prompt_text or prompt_token_ids):
             return self.route.pick(RouteRequest(model, kind, self.stats[model], ttft_slo_s=ttft_slo_s), loads)
@@ -542,6 +543,8 @@ def create_router_app(
             token_ids = payload.prompt_token_ids
             if state.uses_engine and not token_ids and path == "/v1/completions":
                 token_ids = await state.tokenizers.encode(payload.model, payload.prompt_text)
+            elif state.uses_engine and path == "/v1/chat/completions":
+                token_ids = await state.tokenizers.encode_chat(payload.model, payload.messages, payload.tools)
             up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text, slo,
                           session, token_ids)  # fmt: skip
             answer = await unless_client_leaves(http, _activate_and_send(up, spec.priority))

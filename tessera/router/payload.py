@@ -31,6 +31,10 @@ class Payload:
     prompt_text: str = ""  # the prompt as text, for the prefix index ("" when there is none to read)
     user: str = ""  # OpenAI's end-user id: a session key for sticky routing
     prompt_token_ids: tuple[int, ...] = ()  # a completion's prompt given as token ids (the engine's own)
+    # A chat's messages and tools as sent (None when absent), for ``tessera.router.prompt_tokens`` to
+    # render as the worker does; unchecked here, like every field but model and stream.
+    messages: Any = None
+    tools: Any = None
 
 
 def _kind(value: Any) -> str:
@@ -62,7 +66,7 @@ def parse_payload(raw: bytes) -> Payload:
         raise ApiError(400, f"the field 'stream' must be true or false, got {_kind(stream)}", param="stream")
     user = body.get("user")
     return Payload(model, bool(stream), prompt_text(body), user if isinstance(user, str) else "",
-                   prompt_token_ids(body))  # fmt: skip
+                   prompt_token_ids(body), body.get("messages"), body.get("tools"))  # fmt: skip
 
 
 def _content_text(content: Any) -> str:
