@@ -214,13 +214,15 @@ async def test_logprobs_of_a_preempted_request_are_vllms_own_uninterrupted_ones(
     worker = Worker(parse_config(config))
     app = create_app(worker, manage_worker=False)
     await worker.start()
-    body = {"model": TINY_MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 120, "temperature": 0,
+    # Long enough that the wait below sees it running past 10 tokens even when the worker reads a burst
+    # of vLLM's tokens at once (120 finished between two polls in a loaded full run).
+    body = {"model": TINY_MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 600, "temperature": 0,
             "ignore_eos": True, "logprobs": 2}  # fmt: skip
     try:
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://w", timeout=120
         ) as c:
-            long = asyncio.create_task(c.post(COMPLETIONS, json=body, headers={TRUE_LENGTH: "120"}))
+            long = asyncio.create_task(c.post(COMPLETIONS, json=body, headers={TRUE_LENGTH: "600"}))
             sched = worker.schedulers[TINY_MODEL_NAME]
             deadline = time.monotonic() + 60
             while not sched.inflight or next(iter(sched.inflight)).req.generated < 10:
