@@ -49,6 +49,7 @@ from typing import Literal
 
 from tessera.core.policy import Decision, InstanceView, Policy, PreemptMode
 from tessera.core.policy import kv_blocks as blocks_for
+from tessera.core.prefix import leading_run
 from tessera.core.profile import StepProfile
 from tessera.core.request import Phase, Request
 from tessera.core.timeline import RunLog
@@ -357,12 +358,7 @@ class SimInstance:
     def held_prefix_blocks(self, block_ids: Sequence[object]) -> int:
         """How many of ``block_ids``' leading blocks the prefix cache holds now (not touched as used:
         a router asking is not a request using them)."""
-        hits = 0
-        for block_id in block_ids:
-            if block_id not in self.prefix_cache:
-                break
-            hits += 1
-        return hits
+        return leading_run(block_ids, self.prefix_cache)
 
     def _cached_prefix(self, req: Request) -> int:
         """Prompt tokens of ``req`` held in the prefix cache: its longest run of leading blocks there

@@ -28,7 +28,7 @@ import hashlib
 import json
 import pickle
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Container, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -77,6 +77,17 @@ def text_block_hashes(text: str, block_chars: int = DEFAULT_TEXT_BLOCK_CHARS) ->
     return hashes
 
 
+def leading_run(hashes: Iterable[Hashable], held: Container[Hashable]) -> int:
+    """How many of ``hashes``' leading blocks ``held`` holds: a prefix cache serves only an unbroken
+    run from the first block."""
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
 class PrefixIndex:
     """Which instance holds which blocks (hashes, or a trace's block ids): the longest cached run of a
     request's leading blocks per instance, with each instance's blocks evicted least recently used
@@ -90,17 +101,7 @@ class PrefixIndex:
 
     def matched(self, hashes: Sequence[Hashable], instances: Iterable[str]) -> dict[str, int]:
         """Per instance, how many of ``hashes``' leading blocks it holds (0 when none)."""
-        out: dict[str, int] = {}
-        for name in instances:
-            held = self._blocks.get(name)
-            n = 0
-            if held:
-                for h in hashes:
-                    if h not in held:
-                        break
-                    n += 1
-            out[name] = n
-        return out
+        return {name: leading_run(hashes, self._blocks.get(name) or ()) for name in instances}
 
     def record(self, instance: str, hashes: Sequence[Hashable], now: float) -> None:
         """``instance`` now holds ``hashes`` (the request was sent there), most recently used."""
@@ -277,18 +278,7 @@ class EngineBlockIndex:
         """Per tracked instance among ``instances``, how many of ``hashes``' leading blocks (this index's
         chain: ``token_block_hashes`` with its block size and seed) its engine holds. Instances without
         an event feed are left out, so that a caller can tell "holds none" from "unknown"."""
-        out: dict[str, int] = {}
-        for name in instances:
-            own = self._own.get(name)
-            if own is None:
-                continue
-            n = 0
-            for h in hashes:
-                if h not in own:
-                    break
-                n += 1
-            out[name] = n
-        return out
+        return {name: leading_run(hashes, self._own[name]) for name in instances if name in self._own}
 
     def blocks(self, instance: str) -> int:
         """How many blocks ``instance``'s engine reports holding."""
