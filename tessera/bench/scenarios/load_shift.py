@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,7 @@ from tessera.control.placement_sim import ENGINE, Dispatcher, SwitchCost, group_
 from tessera.control.pool_plan import parse, parse_classes
 from tessera.core.baselines import FCFS
 from tessera.core.planners import GroupPlan, MetricsSnapshot, PlacementPlan, PoolInput, ServiceInput
+from tessera.core.policy import Policy
 from tessera.core.request import Request, ServiceClass
 from tessera.core.slo import latency_metrics, slo_met
 from tessera.operator import status as st
@@ -380,6 +381,16 @@ class OperatorLoop(ClusterController):
     def _group_of(self, inst: SimInstance) -> str | None:
         return self.groups.get((tuple(sorted(inst.profiles)), inst.gpus))
 
+    def _policy_of(self, group: str) -> Callable[[], Policy]:
+        """The policy the group's pods run: the one their ConfigMap's worker configuration names (read
+        only when the group adds instances, not on every tick)."""
+        for (kind, _), body in self.kube.children.items():
+            if kind == "ConfigMap" and (body["metadata"].get("labels") or {}).get(GROUP_LABEL) == group:
+                read = read_group_config_map(body)
+                if read is not None:
+                    return read[0].make_policy
+        raise LookupError(f"group {group!r} has a StatefulSet but no worker ConfigMap")
+
     def _converge(self, view: ClusterView) -> list[ClusterAction]:
         want = {
             body["metadata"]["labels"][GROUP_LABEL]: int(body["spec"]["replicas"])
@@ -392,11 +403,6 @@ class OperatorLoop(ClusterController):
             if not inst.draining and name is not None:
                 have.setdefault(name, []).append(inst)
         actions: list[ClusterAction] = []
-        configs = {
-            body["metadata"]["labels"][GROUP_LABEL]: read
-            for (kind, _), body in self.kube.children.items()
-            if kind == "ConfigMap" and (read := read_group_config_map(body)) is not None
-        }
         for (services, tp), name in self.groups.items():
             running = sorted(have.get(name, []), key=lambda i: i.outstanding)
             missing = want.get(name, 0) - len(running)
@@ -404,8 +410,7 @@ class OperatorLoop(ClusterController):
                 members = [self.services[s] for s in services]
                 stall = self.switch.stall_s(members, tp)
                 profiles = group_profiles(self.pool, members, tp, stall_s=stall)
-                # The policy the group's pods run: the one their ConfigMap's worker configuration names.
-                policy = configs[name][0].make_policy
+                policy = self._policy_of(name)
                 actions += [AddInstance(models=tuple(profiles), profiles=profiles, policy=policy)] * missing
             actions += [DrainInstance(i.name) for i in running[: max(0, -missing)]]
         return actions
