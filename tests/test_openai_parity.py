@@ -236,7 +236,8 @@ async def test_logprobs_of_a_preempted_request_are_vllms_own_uninterrupted_ones(
             preempted = (await c.get("/metrics")).text
     finally:
         await worker.stop()
-    assert 'tessera_preemptions_total{class="default",model="tiny"} 1.0' in preempted
+    counted = [line for line in preempted.splitlines() if line.startswith("tessera_preemptions_total")]
+    assert 'tessera_preemptions_total{class="default",model="tiny"} 1.0' in counted, counted
     async with httpx.AsyncClient(timeout=120) as direct:
         want = normalize(COMPLETIONS, await direct.post(f"{vllm_server.url}{COMPLETIONS}", json=body))
     assert_same(got, want, "preempted")
