@@ -14,7 +14,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from tessera.api.serving_pool import SCALING_HISTORY_LENGTH, ReplacementInterval
-from tessera.control.children import GROUP_LABEL, desired_children, endpoint_url, pool_labels
+from tessera.control.children import (
+    GROUP_LABEL,
+    desired_children,
+    endpoint_url,
+    pool_labels,
+    scale_to_zero_models,
+)
 from tessera.control.inputs import interval_metrics
 from tessera.control.metrics_queries import ModelLoad
 from tessera.control.pool_plan import (
@@ -30,6 +36,8 @@ from tessera.control.pool_plan import (
     pool_ref,
     retiring_groups,
 )
+from tessera.control.scale_to_zero import GroupSleep, SleepStep, service_state, step_sleep, wake_request
+from tessera.core.activation import UnitState, unit_idle_after
 from tessera.core.chiron import GroupMemory, evaluate_group
 from tessera.core.planners import (
     AutoscalerState,
@@ -55,6 +63,10 @@ MAX_HISTORY_S = 1800.0
 # How often a pool whose old groups wait for their successors to become ready looks again (CHOICE: the
 # operator does not watch StatefulSets; pods take tens of seconds to minutes to become ready).
 HANDOVER_POLL_S = 5.0
+# How often a pool with scale-to-zero groups looks at their idleness, at wake requests and at a waking
+# group's pods (CHOICE: a wake request waits at most this long, against a cold start of tens of seconds
+# at least; an idleness check is a few Prometheus queries per group).
+SLEEP_POLL_S = 2.0
 # Ready's reason while an object the operator did not create holds a child's name.
 OWNERSHIP_CONFLICT = "OwnershipConflict"
 # Invalid's reason while the API server refuses a child the specs produce (422: e.g. a name or a field
@@ -92,6 +104,10 @@ class MetricsSource(Protocol):
 
     def batch_sizes(self, namespace: str, pool: str) -> dict[str, int] | None:
         """Each placement group's batch size as its workers report it, by group name; None if unknown."""
+        ...
+
+    def idle(self, namespace: str, pool: str, group: str, window_s: float) -> bool | None:
+        """Whether a group's workers saw no request over the last ``window_s`` seconds; None if unknown."""
         ...
 
 
@@ -133,6 +149,8 @@ class Controller:
         self._placement_due: dict[tuple[str, str], float] = {}
         # When a pool handing groups over to a new placement looks at their readiness again.
         self._handover_due: dict[tuple[str, str], float] = {}
+        # When a pool with scale-to-zero groups looks at them again.
+        self._sleep_due: dict[tuple[str, str], float] = {}
         # The bodies the API server refused as invalid, by (namespace, kind, name): not sent again
         # until the desired body changes (another try would be refused the same way).
         self._refused: dict[tuple[str, str, str], Mapping[str, Any]] = {}
@@ -148,7 +166,7 @@ class Controller:
         key = (namespace, name)
         if now - self._last_sync.get(key, -math.inf) >= self.resync_seconds:
             return True
-        if now >= self._handover_due.get(key, math.inf):
+        if now >= self._handover_due.get(key, math.inf) or now >= self._sleep_due.get(key, math.inf):
             return True
         return self.metrics is not None and (
             now >= self._autoscale_due.get(key, -math.inf) or now >= self._placement_due.get(key, math.inf)
@@ -228,11 +246,14 @@ class Controller:
         if not boundary and previous is not None and decided.plan is not None:
             decided = _keep_unchanged(decided, previous)
         history = list(status.get("scalingHistory") or [])
+        asleep = _sleeps_from_status(status)
         autoscale = autoscale and self.metrics is not None
         if autoscale and decided.plan is not None and decided.pool.spec.autoscaling.enabled:
-            decided, history = self._autoscale(namespace, body, decided, history, now)
+            skip = {g for g, s in asleep.items() if s.state is not UnitState.READY}
+            decided, history = self._autoscale(namespace, body, decided, history, now, skip)
         elif autoscale:  # nothing to autoscale: the resync (and events) will look again
             self._autoscale_due[(namespace, name)] = math.inf
+        decided, sleeps = self._scale_to_zero(namespace, body, services, decided, status, asleep, now)
         seen = self._apply(namespace, body, decided, status, now)
         timeline = _Timeline(boundary, real, finished, window, deferred)
         self._report_pool(
@@ -244,9 +265,64 @@ class Controller:
             previous,
             history,
             timeline,
+            sleeps,
             fingerprint,
             now,
         )
+
+    def _scale_to_zero(
+        self,
+        namespace: str,
+        body: Mapping[str, Any],
+        service_bodies: list[dict[str, Any]],
+        decided: PoolDesired,
+        status: Mapping[str, Any],
+        previous: Mapping[str, GroupSleep],
+        now: float,
+    ) -> tuple[PoolDesired, SleepStep]:
+        """Put idle scale-to-zero groups to sleep and wake those a router asked for
+        (``tessera.control.scale_to_zero``); the plan's replicas and the children follow."""
+        key = (namespace, decided.pool.name)
+        plan = decided.plan
+        if plan is None:
+            self._sleep_due[key] = math.inf
+            return decided, SleepStep({}, ())
+        idle_after = {
+            g.name: unit_idle_after([m.policy for m in scale_to_zero_models(g, decided.services).values()])
+            for g in plan.groups
+        }
+        ready = {
+            g["name"]: int(g.get("readyReplicas") or 0)
+            for g in (status.get("placement") or {}).get("groups") or []
+            if isinstance(g, Mapping) and "name" in g
+        }
+        asked: dict[str, float] = {}
+        for b in service_bodies:
+            when = wake_request(b.get("status"))
+            for g in plan.groups_of(str(b["metadata"]["name"])) if when is not None else []:
+                asked[g.name] = max(asked.get(g.name, when), when)
+        idle: dict[str, bool | None] = {}
+        for g in plan.groups:
+            after, was = idle_after[g.name], previous.get(g.name)
+            awake_since = was.since if was is not None and was.state is UnitState.READY else None
+            if (
+                after is not None
+                and self.metrics is not None
+                and awake_since is not None
+                and now - awake_since >= after
+            ):
+                idle[g.name] = self.metrics.idle(namespace, decided.pool.name, g.name, after)
+        step = step_sleep(
+            plan.groups, idle_after, previous, idle, asked, ready, decided.pool.spec.instances.min, now
+        )
+        for reason, message in step.events:
+            self.emit(body, "Normal", reason, message)
+        self._sleep_due[key] = now + SLEEP_POLL_S if step.groups else math.inf
+        slept = step.apply(plan)
+        if slept.groups == plan.groups:
+            return decided, step
+        children = desired_children(decided.pool, slept.groups, decided.services, decided.configs, namespace)
+        return replace(decided, plan=slept, children=children), step
 
     def _apply(
         self,
@@ -320,15 +396,21 @@ class Controller:
         decided: PoolDesired,
         history: list[dict[str, Any]],
         now: float,
+        skip: set[str],
     ) -> tuple[PoolDesired, list[dict[str, Any]]]:
-        """One Chiron evaluation per group that is due; changed counts replace the plan's."""
+        """One Chiron evaluation per group that is due, but those in ``skip`` (asleep or waking: no
+        measurements); changed counts replace the plan's."""
         assert decided.plan is not None and self.metrics is not None
         pool = decided.pool
         groups: list[GroupPlan] = []
         entries: list[dict[str, Any]] = []
         interval = pool.spec.autoscaling.interval_seconds
-        keys = [(namespace, pool.name, g.name) for g in decided.plan.groups]
-        for key, group in zip(keys, decided.plan.groups, strict=True):
+        keys = [(namespace, pool.name, g.name) for g in decided.plan.groups if g.name not in skip]
+        for group in decided.plan.groups:
+            key = (namespace, pool.name, group.name)
+            if group.name in skip:
+                groups.append(group)
+                continue
             memory = self._scalers.setdefault(key, GroupMemory(_state_from_history(history, group.name)))
             scaling = group_scaling(decided, group)
             if not memory.due(scaling.settings, now):
@@ -390,6 +472,7 @@ class Controller:
         previous: PlacementPlan | None,
         history: list[dict[str, Any]],
         timeline: _Timeline,
+        sleeps: SleepStep,
         fingerprint: str,
         now: float,
     ) -> None:
@@ -455,13 +538,19 @@ class Controller:
         conditions = st.set_condition(
             conditions, st.SCALED, scaled_reason != "NoMetrics", scaled_reason, scaled_message, now
         )
-        is_ready = plan is not None and replicas > 0 and ready_total >= replicas
+        cold = sleeps.cold()
+        # A pool whose every group is scaled to zero serves: the router holds and wakes.
+        asleep = plan is not None and bool(plan.groups) and all(g.name in cold for g in plan.groups)
+        is_ready = plan is not None and (replicas > 0 or asleep) and ready_total >= replicas
+        message = f"{ready_total}/{replicas} instances ready"
+        if cold:
+            message += f"; scaled to zero (the router wakes them on a request): {sorted(cold)}"
         conditions = st.set_condition(
             conditions,
             st.READY,
             is_ready,
-            "AllInstancesReady" if is_ready else "InstancesNotReady",
-            f"{ready_total}/{replicas} instances ready",
+            ("ScaledToZero" if asleep else "AllInstancesReady") if is_ready else "InstancesNotReady",
+            message,
             now,
         )
         if seen.conflicts:
@@ -510,6 +599,7 @@ class Controller:
             "readyReplicas": ready_total,
             "selector": f"tessera.dev/pool={pool.name}",
             "scalingHistory": history,
+            "scaleToZero": [sleeps.groups[g].to_status() for g in sorted(sleeps.groups)],
             **self._interval_status(status, pool.spec.placement.replacement_interval, previous, timeline),
             "lastPlacementTime": last_placement or st.rfc3339(now),
             "inputsDigest": fingerprint,
@@ -522,7 +612,7 @@ class Controller:
             new_status["observedGeneration"] = generation
         if _changed(status, new_status):
             self.kube.patch_status(POOLS, namespace, pool.name, new_status)
-        self._report_services(namespace, service_bodies, decided, ready, seen, now)
+        self._report_services(namespace, service_bodies, decided, ready, seen, sleeps, now)
 
     def _report_problem(
         self,
@@ -595,6 +685,7 @@ class Controller:
         decided: PoolDesired,
         ready: Mapping[str, int],
         seen: _Observed,
+        sleeps: SleepStep,
         now: float,
     ) -> None:
         held = [r for r in seen.retiring if r.held]
@@ -626,18 +717,18 @@ class Controller:
             )
             # A moved service's old groups serve it until its new groups are ready.
             handing_over = sum(ready.get(r.group, 0) for r in held if name in r.services)
-            is_ready = placed and ready_count + handing_over > 0
+            state = service_state([g.name for g in groups], sleeps.groups, ready)
+            # Scaled to zero, a service still serves: the router holds its requests and wakes it.
+            is_ready = placed and (ready_count + handing_over > 0 or state is not UnitState.READY)
             message = f"{ready_count}/{replicas} replicas ready"
             if handing_over:
                 message += f", and {handing_over} in groups of the previous placement until then"
-            conditions = st.set_condition(
-                conditions,
-                st.READY,
-                is_ready,
-                "Serving" if is_ready else "NoReadyReplicas",
-                message,
-                now,
+            if state is not UnitState.READY:
+                message += f"; {state.lower()}: the router holds its requests until a replica is ready"
+            reason = (
+                ("Serving" if state is UnitState.READY else state.value) if is_ready else "NoReadyReplicas"
             )
+            conditions = st.set_condition(conditions, st.READY, is_ready, reason, message, now)
             mine = [c for c in seen.conflicts if c.owner == f"LLMService {name}"]
             if mine:  # its endpoint Service's name is taken
                 message = "; ".join(c.describe(namespace) for c in mine)
@@ -656,6 +747,7 @@ class Controller:
                 "readyReplicas": ready_count,
                 "endpoint": endpoint_url(name, namespace),
                 "policy": service.spec.scheduling.resolved_policy(has_batch),
+                "state": state.value,
             }
             if mine:  # the Service of that name is not this service's: never point clients at it
                 del new_status["endpoint"]
@@ -779,6 +871,17 @@ class _Observed:
     retiring: list[Retiring]
     conflicts: list[Conflict]
     refused: list[str]  # "<kind> <name>: <the API server's message>" of children refused as invalid
+
+
+def _sleeps_from_status(status: Mapping[str, Any]) -> dict[str, GroupSleep]:
+    """The scale-to-zero states kept in ``status.scaleToZero`` (entries that do not read are dropped:
+    their groups count as awake)."""
+    out = {}
+    for entry in status.get("scaleToZero") or []:
+        sleep = GroupSleep.from_status(entry) if isinstance(entry, Mapping) else None
+        if sleep is not None:
+            out[sleep.group] = sleep
+    return out
 
 
 def _unplaced(status: Mapping[str, Any]) -> dict[str, Problem]:

@@ -18,6 +18,8 @@ from tessera.control.metrics_queries import (
     batch_size_query,
     batch_sizes_from_result,
     group_queries,
+    idle_from_results,
+    idle_queries,
     load_queries,
     load_step_s,
     loads_from_results,
@@ -106,3 +108,9 @@ class PrometheusMetrics:
         """Each group's batch size (the mean over its pods and models); None when unknown."""
         results = self._run({"batch": batch_size_query(namespace, pool)})
         return batch_sizes_from_result(results["batch"]) if results is not None else None
+
+    def idle(self, namespace: str, pool: str, group: str, window_s: float) -> bool | None:
+        """Whether the group's workers saw no request over the last ``window_s`` seconds; None when
+        unknown (Prometheus unreachable, or the workers not scraped over the whole window)."""
+        results = self._run(idle_queries(namespace, pool, group, window_s))
+        return idle_from_results(results) if results is not None else None

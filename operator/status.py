@@ -3,31 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
 from typing import Any
 
 from tessera.api.serving_pool import SCALING_HISTORY_LENGTH
+from tessera.api.times import parse_time as parse_time  # the operator reads status times through here
+from tessera.api.times import rfc3339 as rfc3339
 from tessera.core.planners import ROLES, GroupPlan, PlacementPlan, RoleCounts
 
 READY = "Ready"
 PLACED = "Placed"
 SCALED = "Scaled"
 INVALID = "Invalid"
-
-
-def rfc3339(now: float) -> str:
-    """A Unix time as the RFC 3339 UTC string Kubernetes uses (second precision)."""
-    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(text: str | None) -> float | None:
-    """A Kubernetes RFC 3339 time as Unix seconds; None when absent or unreadable."""
-    if not text:
-        return None
-    try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def set_condition(

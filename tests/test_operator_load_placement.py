@@ -485,6 +485,9 @@ class FakeMetrics:
     def batch_sizes(self, namespace: str, pool: str) -> dict[str, int]:
         return dict(self.batch)
 
+    def idle(self, namespace: str, pool: str, group: str, window_s: float) -> None:
+        return None
+
 
 def run_pass(controller: Controller, kube: FakeKube, now: float) -> None:
     # As the pool's daemon runs a timed pass (its pool has autoscaling off: nothing to evaluate).

@@ -87,8 +87,9 @@ def test_a_group_config_map_is_read_back_as_written_and_a_broken_one_is_named() 
     from tessera.control.children import ChildError, read_group_config_map
 
     (cm, *_), _ = _children()
-    config, roles = read_group_config_map(cm)
-    assert roles == ["interactive", "mixed", "batch"] and config.models
+    read = read_group_config_map(cm)
+    assert read is not None and read.roles == ["interactive", "mixed", "batch"] and read.config.models
+    assert read.sleeping == {}
     assert read_group_config_map({"metadata": {"name": "other"}, "data": {"x": "1"}}) is None
     broken = {"metadata": {"name": "g-config"}, "data": {**cm["data"], "worker.json": "{not json"}}
     with pytest.raises(ChildError, match=r"ConfigMap g-config: invalid worker\.json"):
@@ -167,7 +168,7 @@ def test_kube_discovery_lists_only_its_namespaces_and_metrics_show_what_it_skipp
         }
     )
     discovery = KubeDiscovery(["ns", "ns"], core=core)
-    app = create_router_app(RouterState([]), discover=discovery.backends, poll_interval_s=60)
+    app = create_router_app(RouterState([]), discover=discovery.discover, poll_interval_s=60)
     app.state.metrics.registry.register(discovery.collector())
     with TestClient(app) as http:
         text = http.get("/metrics").text

@@ -108,6 +108,7 @@ RESOURCES: tuple[CRDInfo, ...] = (
             ("Model", "string", ".spec.model.name", "Model served."),
             ("Pool", "string", ".spec.poolRef.name", "ServingPool."),
             ("Policy", "string", ".status.policy", "Scheduling policy in effect."),
+            ("State", "string", ".status.state", "Ready, Sleeping, Cold or Waking (scale to zero)."),
             ("Ready", "integer", ".status.readyReplicas", "Replicas ready to serve."),
             ("Replicas", "integer", ".status.replicas", "Replicas placed."),
             ("SLO", "number", ".status.sloAttainment", "Measured SLO attainment (fraction 0-1)."),

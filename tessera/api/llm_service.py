@@ -21,6 +21,7 @@ from tessera.api.base import (
 from tessera.api.request_class import ClassOverrides, RequestClassSpec
 from tessera.api.rules import ExcludedWhen, KeysAllowed, LessOrEqual, ListedIn, MutuallyExclusive
 from tessera.api.worker_config import ToolParserName
+from tessera.core.activation import IdlePolicy
 from tessera.core.registry import settings_model, validate_settings
 from tessera.core.request import ServiceClass
 
@@ -244,6 +245,10 @@ class ScaleToZero(ApiModel):
         description="Requests held at most while the service wakes; beyond it the router answers 429.",
     )
 
+    def policy(self) -> IdlePolicy:
+        """The idle policy the router's activator and the operator apply."""
+        return IdlePolicy(self.after_seconds, self.hold_seconds, self.max_held)
+
 
 class LLMServiceSpec(ApiModel):
     """Desired state of an LLMService."""
@@ -373,6 +378,16 @@ class LLMServiceStatus(ResourceStatus):
         default=None, description="In-cluster URL of the OpenAI-compatible endpoint."
     )
     policy: str | None = Field(default=None, description="Scheduling policy in effect (auto resolved).")
+    state: Literal["Ready", "Sleeping", "Cold", "Waking"] | None = Field(
+        default=None,
+        description="Scale to zero: Ready (serving), Sleeping (scaled to zero, pods stopping), Cold (no pod: "
+        "the router holds its requests and wakes it), Waking (pods starting for held requests).",
+    )
+    wake_requested_at: datetime | None = Field(
+        default=None,
+        description="Set by the router when it holds a request for the service while it is scaled to zero: "
+        "the operator wakes it (restores its replicas) when this is later than the time it went to sleep.",
+    )
     slo_attainment: float | None = Field(
         default=None, ge=0, le=1, description="Measured SLO attainment over all classes (fraction 0-1)."
     )

@@ -472,6 +472,18 @@ class PlacementPlan(ApiModel):
     )
 
 
+class GroupSleepStatus(ApiModel):
+    """A group whose services all scale to zero: whether it is awake, asleep or waking, and the replicas it
+    had awake (restored when a request wakes it)."""
+
+    group: str = Field(description="Group name.")
+    state: Literal["Ready", "Cold", "Waking"] = Field(
+        description="Ready (awake), Cold (at zero replicas) or Waking (replicas restored, no pod ready yet)."
+    )
+    since: datetime = Field(description="When it entered this state.")
+    replicas: ReplicasByRole = nested(ReplicasByRole, "Instances by role while awake.")
+
+
 class ScalingDecision(ApiModel):
     """One scaling action of the global autoscaler or the placement loop."""
 
@@ -533,6 +545,11 @@ class ServingPoolStatus(ResourceStatus):
         default_factory=list,
         max_length=SCALING_HISTORY_LENGTH,
         description=f"Last {SCALING_HISTORY_LENGTH} scaling decisions, oldest first.",
+    )
+    scale_to_zero: list[GroupSleepStatus] = Field(
+        default_factory=list,
+        description="The groups whose services all have scaleToZero: asleep, waking or awake since when.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["group"]},
     )
 
 

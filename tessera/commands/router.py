@@ -120,8 +120,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"tessera router: {exc}", file=sys.stderr)
             return 2
     state = RouterState(backends, route=args.route)
+    activator = waker = None
+    if discovery is not None:
+        from tessera.router.activator import Activator
+        from tessera.router.cluster_wake import ClusterWaker
+
+        # Scale to zero on a cluster: groups join the activator as discovery finds them.
+        waker = ClusterWaker(state)
+        activator = Activator({}, {}, waker, lambda model: 0)
     app = create_router_app(state, poll_interval_s=args.poll_interval, limits=limits, api_keys=api_keys,
-                            discover=discovery.backends if discovery else None)  # fmt: skip
+                            discover=discovery.discover if discovery else None, activator=activator,
+                            follow=waker.follow if waker else None)  # fmt: skip
     if discovery is not None:
         app.state.metrics.registry.register(discovery.collector())
     server = RouterServer(router_server_config(app, host=args.host, port=args.port, log_level=args.log_level))

@@ -58,6 +58,7 @@ from tessera.api.serving_pool import (
 from tessera.api.worker_config import WorkerConfig
 from tessera.control.inputs import pool_input, service_input
 from tessera.control.placement_sim import BLOCK_TOKENS, group_profiles
+from tessera.core.activation import IdlePolicy
 from tessera.core.planners import GroupPlan, Role
 from tessera.core.prefix import kv_events_config
 
@@ -529,10 +530,29 @@ def restart_hash(config: WorkerConfig, vllm_containers: Sequence[Mapping[str, An
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def placement_info(pool: ServingPool, group: GroupPlan) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class SleepingModel:
+    """A model of a scale-to-zero group as the router's activator reads it: its LLMService (where a
+    wake-up is asked for) and its idle policy."""
+
+    service: str
+    policy: IdlePolicy
+
+
+def scale_to_zero_models(group: GroupPlan, services: Mapping[str, LLMService]) -> dict[str, SleepingModel]:
+    """The group's models by name with their idle policies when every service on it has ``scaleToZero``
+    (the group sleeps whole); empty otherwise."""
+    specs = [(services[s].spec.model.name, s, services[s].spec.scale_to_zero) for s in group.services]
+    if not specs or any(spec is None for _, _, spec in specs):
+        return {}
+    return {model: SleepingModel(name, spec.policy()) for model, name, spec in specs if spec is not None}
+
+
+def placement_info(pool: ServingPool, group: GroupPlan, services: Mapping[str, LLMService]) -> dict[str, Any]:
     """Where a pod sits: its pool, group and the instance counts by Chiron role (by pod ordinal:
-    interactive first, then mixed, then batch)."""
-    return {
+    interactive first, then mixed, then batch), and, for a group that scales to zero, each model's
+    LLMService and idle policy (``scale_to_zero_models``)."""
+    info: dict[str, Any] = {
         "pool": pool.name,
         "group": group.name,
         "services": list(group.services),
@@ -543,10 +563,26 @@ def placement_info(pool: ServingPool, group: GroupPlan) -> dict[str, Any]:
             "batch": group.replicas.batch,
         },
     }
+    sleeping = scale_to_zero_models(group, services)
+    if sleeping:
+        info["scaleToZero"] = {
+            model: {
+                "service": m.service,
+                "afterSeconds": m.policy.after_s,
+                "holdSeconds": m.policy.hold_s,
+                "maxHeld": m.policy.max_held,
+            }
+            for model, m in sleeping.items()
+        }
+    return info
 
 
 def group_config_map(
-    pool: ServingPool, group: GroupPlan, config: WorkerConfig, namespace: str
+    pool: ServingPool,
+    group: GroupPlan,
+    config: WorkerConfig,
+    namespace: str,
+    services: Mapping[str, LLMService],
 ) -> dict[str, Any]:
     """The ConfigMap holding a group's worker configuration (read back by ``read_group_config_map``)."""
     return {
@@ -560,14 +596,24 @@ def group_config_map(
         ),
         "data": {
             CONFIG_KEY: json.dumps(config.to_json(), sort_keys=True, indent=2),
-            PLACEMENT_KEY: json.dumps(placement_info(pool, group), sort_keys=True, indent=2),
+            PLACEMENT_KEY: json.dumps(placement_info(pool, group, services), sort_keys=True, indent=2),
         },
     }
 
 
-def read_group_config_map(config_map: Mapping[str, Any]) -> tuple[WorkerConfig, list[Role]] | None:
-    """A group ConfigMap's worker configuration and the role of each pod ordinal; None when the
-    ConfigMap is not a group's. ChildError naming the ConfigMap when its content is invalid."""
+@dataclass(frozen=True, slots=True)
+class GroupConfigMap:
+    """What a group's ConfigMap says: its worker configuration, the role of each pod ordinal (none while
+    the group is scaled to zero) and its scale-to-zero models (``scale_to_zero_models``)."""
+
+    config: WorkerConfig
+    roles: list[Role]
+    sleeping: dict[str, SleepingModel]
+
+
+def read_group_config_map(config_map: Mapping[str, Any]) -> GroupConfigMap | None:
+    """A group ConfigMap's content; None when the ConfigMap is not a group's. ChildError naming the
+    ConfigMap when its content is invalid."""
     data = config_map.get("data") or {}
     if CONFIG_KEY not in data or PLACEMENT_KEY not in data:
         return None
@@ -575,8 +621,24 @@ def read_group_config_map(config_map: Mapping[str, Any]) -> tuple[WorkerConfig, 
     try:
         placement = json.loads(data[PLACEMENT_KEY])
         roles = roles_by_ordinal(placement["roles"])
-        return WorkerConfig.model_validate_json(data[CONFIG_KEY]), roles
-    except (ValueError, KeyError, TypeError) as err:  # pydantic's ValidationError is a ValueError
+        sleeping = {
+            str(model): SleepingModel(
+                str(m["service"]),
+                IdlePolicy(
+                    float(m["afterSeconds"]),
+                    None if m.get("holdSeconds") is None else float(m["holdSeconds"]),
+                    int(m["maxHeld"]),
+                ),
+            )
+            for model, m in (placement.get("scaleToZero") or {}).items()
+        }
+        return GroupConfigMap(WorkerConfig.model_validate_json(data[CONFIG_KEY]), roles, sleeping)
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        AttributeError,
+    ) as err:  # pydantic's ValidationError is a ValueError
         raise ChildError(f"ConfigMap {name}: invalid {CONFIG_KEY} or {PLACEMENT_KEY}: {err}") from None
 
 
@@ -915,7 +977,7 @@ def desired_children(
     placed: list[str] = []
     for group in groups:
         children += [
-            group_config_map(pool, group, configs[group.name], namespace),
+            group_config_map(pool, group, configs[group.name], namespace, services),
             headless_service(pool, group, namespace),
             disruption_budget(pool, group, namespace),
             stateful_set(pool, group, services, configs[group.name], namespace),

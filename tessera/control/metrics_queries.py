@@ -417,3 +417,41 @@ def batch_sizes_from_result(result: list[dict[str, Any]]) -> dict[str, int]:
         if group and math.isfinite(value):
             out[group] = max(1, round(value))
     return out
+
+
+# Counters of requests that ended at a worker (finished, refused at admission, failed): any change over a
+# group's idle time means it was not idle.
+ENDED_COUNTERS = ("tessera_e2e_seconds_count", "tessera_rejected_total", "tessera_failed_total")
+
+
+def idle_queries(namespace: str, pool: str, group: str, window_s: float) -> dict[str, str]:
+    """The PromQL queries of whether a group's workers were idle over the last ``window_s`` seconds
+    (``idle_from_results``).
+
+    Each ended-request counter is read two ways: its ``increase`` (which misses a series' first value),
+    and its sum now against its sum ``window_s`` ago (which sees a series created in the window: a first
+    request ever; a pod restart reads as a change too, on the safe side). The queue and in-flight gauges'
+    highest value in the window catches a request that arrived and is still held. The batch-size gauge,
+    present from a worker's start, says the workers were scraped now and at the window's start."""
+    sel = "{" + selector(namespace=namespace, pool=pool, group=group) + "}"
+    w = f"{max(1, math.ceil(window_s))}s"
+    queries: dict[str, str] = {}
+    for name in ENDED_COUNTERS:
+        queries[f"increase:{name}"] = f"sum(increase({name}{sel}[{w}]))"
+        queries[f"change:{name}"] = (
+            f"(sum({name}{sel}) or vector(0)) - (sum({name}{sel} offset {w}) or vector(0))"
+        )
+    for key, name in LOAD_GAUGES.items():
+        queries[f"held:{key}"] = f"sum(max_over_time({name}{sel}[{w}]))"
+    queries["up:now"] = f"count(tessera_batch_size{sel})"
+    queries["up:before"] = f"count(tessera_batch_size{sel} offset {w})"
+    return queries
+
+
+def idle_from_results(results: Mapping[str, list[dict[str, Any]]]) -> bool | None:
+    """Whether the group was idle (``idle_queries``): no request ended or was held in the window. None
+    (unknown) when its workers were not scraped both now and at the window's start."""
+    if _total(results.get("up:now", [])) <= 0 or _total(results.get("up:before", [])) <= 0:
+        return None
+    activity = [_total(r) for key, r in results.items() if not key.startswith("up:")]
+    return all(v == 0 for v in activity)

@@ -43,9 +43,7 @@ def idle_units(groups: tuple[LocalGroup, ...]) -> IdleUnits:
         mine: dict[str, IdlePolicy | None] = {}
         for svc in services:
             spec = svc.spec.scale_to_zero
-            mine[svc.spec.model.name] = (
-                None if spec is None else IdlePolicy(spec.after_seconds, spec.hold_seconds, spec.max_held)
-            )
+            mine[svc.spec.model.name] = None if spec is None else spec.policy()
         if unit_idle_after(list(mine.values())) is not None:
             units[g.group.name] = tuple(mine)
             policies.update(mine)

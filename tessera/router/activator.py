@@ -233,6 +233,39 @@ class Activator:
                     with contextlib.suppress(asyncio.CancelledError):
                         await unit.task
 
+    def follow(
+        self,
+        units: Mapping[str, tuple[str, ...]],
+        policies: Mapping[str, IdlePolicy],
+        cold: set[str],
+        serving: set[str],
+    ) -> None:
+        """Follow units that another component puts to sleep (the operator, on a cluster): ``units`` are
+        all of them now, with their models' ``policies``; ``cold`` those scaled to zero, ``serving``
+        those with a ready instance. These units never sleep here (no idle time). A ready unit that is
+        cold now is Cold (its next request wakes it); a cold one that serves again (woken for another
+        router) is Ready. A unit no longer listed is dropped, and its held requests go on (its models
+        are served elsewhere, or answer 404)."""
+        for name, models in units.items():
+            unit = self.units.get(name)
+            if unit is None:
+                unit = self.units[name] = _Unit(name, models, None, last_activity=self.clock())
+            unit.models = models
+            if unit.state is UnitState.READY and name in cold:
+                unit.state = UnitState.COLD
+                unit.sleeps += 1
+            elif unit.state is UnitState.COLD and name in serving:
+                unit.state = UnitState.READY
+        for name in [n for n in self.units if n not in units]:
+            gone = self.units.pop(name)
+            if gone.task is not None and not gone.task.done():
+                gone.task.cancel()
+            self._finish(gone, None)
+        for model, policy in policies.items():
+            self.queues.setdefault(model, HoldQueue(policy.max_held)).capacity = policy.max_held
+            self.policies[model] = policy
+        self.unit_of = {m: u for u in self.units.values() for m in u.models}
+
     def state_of(self, model: str) -> UnitState:
         """The state of ``model``'s unit (Ready for a model without one)."""
         unit = self.unit_of.get(model)

@@ -66,6 +66,7 @@ from tessera.core.routing import (
 from tessera.router.activator import ActivationCollector, Activator
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
+from tessera.router.discovery import Discovered
 from tessera.router.headers import downstream_headers, upstream_headers
 from tessera.router.kv_events import Subscriptions
 from tessera.router.limits import RouterLimits
@@ -397,15 +398,18 @@ def create_router_app(
     *,
     poll_interval_s: float = POLL_INTERVAL_S,
     client: httpx.AsyncClient | None = None,
-    discover: Callable[[], list[Backend]] | None = None,
+    discover: Callable[[], Discovered] | None = None,
     limits: RouterLimits | None = None,
     api_keys: ApiKeys | None = None,
     activator: Activator | None = None,
+    follow: Callable[[Discovered, Activator], None] | None = None,
 ) -> FastAPI:
     """The router's HTTP application over ``state`` (polling runs while the app runs).
 
     ``discover`` (cluster mode) is called before every poll round to refresh the backends; when it
-    fails the backends stay as they were (logged). ``limits`` bound what one client may send (default
+    fails the backends stay as they were (logged). ``follow`` hands each discovery to ``activator`` (on a
+    cluster: the groups the operator scales to zero, ``tessera.router.cluster_wake``) before the
+    backends are replaced. ``limits`` bound what one client may send (default
     ``RouterLimits()``); ``api_keys`` turns on API-key authentication (re-read at every poll round when
     the file changed). ``activator`` turns on scale to zero (``tessera.router.activator``): requests for
     a sleeping model are held until it has woken. ``app.state.limits`` and ``app.state.metrics`` are what
@@ -424,7 +428,10 @@ def create_router_app(
         async def refresh() -> None:
             if discover is not None:
                 try:
-                    state.update(await asyncio.to_thread(discover))
+                    found = await asyncio.to_thread(discover)
+                    if follow is not None and activator is not None:
+                        follow(found, activator)
+                    state.update(found.backends)
                 except Exception as exc:  # the API server may be briefly unreachable: keep the last view
                     log.warning("backend discovery failed: %s", exc)
             if api_keys is not None:

@@ -43,6 +43,8 @@ from tessera.control.children import (
     POOL_LABEL,
     WORKER_PORT,
     ChildError,
+    GroupConfigMap,
+    SleepingModel,
     config_map_name,
     group_object_name,
     read_group_config_map,
@@ -94,11 +96,27 @@ def _ordinal(name: str) -> int | None:
 
 
 @dataclass(frozen=True)
+class SleepingGroup:
+    """A group whose services all scale to zero, as the router's activator follows it: ``unit`` names it
+    (``namespace/pool/group``); ``cold`` when the operator scaled it to zero (no pod role), ``ready``
+    when one of its pods serves."""
+
+    unit: str
+    namespace: str
+    config: WorkerConfig
+    models: dict[str, SleepingModel]
+    cold: bool
+    ready: bool
+
+
+@dataclass(frozen=True)
 class Discovered:
-    """The backends of one listing and the objects it skipped, by (kind, reason)."""
+    """The backends of one listing, the scale-to-zero groups and the objects it skipped, by (kind,
+    reason)."""
 
     backends: list[Backend]
     skipped: dict[tuple[str, str], int] = field(default_factory=dict)
+    sleeping: list[SleepingGroup] = field(default_factory=list)
 
 
 def _controller(meta: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -153,7 +171,7 @@ def backends_from_cluster(
     Only objects in ``namespaces`` (None: any) whose controllers are the group's count (module
     docstring); the others are skipped and counted by (kind, reason)."""
     skipped: Counter[tuple[str, str]] = Counter()
-    groups: dict[tuple[str, str, str], tuple[WorkerConfig, list[str]]] = {}
+    groups: dict[tuple[str, str, str], GroupConfigMap] = {}
     for cm in config_maps:
         meta = cm.get("metadata") or {}
         key = _group_key(meta)
@@ -173,6 +191,7 @@ def backends_from_cluster(
             continue
         groups[key] = read
     backends: list[Backend] = []
+    serving: set[tuple[str, str, str]] = set()  # groups with a ready pod
     for pod in pods:
         meta = pod.get("metadata") or {}
         key = _group_key(meta)
@@ -185,12 +204,14 @@ def backends_from_cluster(
         if key not in groups:
             skipped["Pod", "no-group-config"] += 1
             continue
-        if not _ready(pod):
+        config, roles = groups[key].config, groups[key].roles
+        # A group scaled to zero: its pods are stopping, and its requests are held until it wakes.
+        if not _ready(pod) or not roles:
             continue
-        config, roles = groups[key]
         ordinal = _ordinal(meta.get("name", ""))
         # An ordinal past the role list (scaling in progress) serves as mixed: it takes both kinds.
         role = roles[ordinal] if ordinal is not None and ordinal < len(roles) else "mixed"
+        serving.add(key)
         backends.append(
             Backend(
                 name=f"{key[0]}/{meta['name']}",
@@ -200,7 +221,19 @@ def backends_from_cluster(
                 kv_events=_kv_events(pod, config),
             )
         )
-    return Discovered(sorted(backends, key=lambda b: b.name), dict(skipped))
+    sleeping = [
+        SleepingGroup(
+            unit="/".join(key),
+            namespace=key[0],
+            config=read.config,
+            models=read.sleeping,
+            cold=not read.roles,
+            ready=key in serving,
+        )
+        for key, read in sorted(groups.items())
+        if read.sleeping
+    ]
+    return Discovered(sorted(backends, key=lambda b: b.name), dict(skipped), sleeping)
 
 
 class _SkippedCollector(Collector):
@@ -249,12 +282,12 @@ class KubeDiscovery:
             items += json.loads(response.data).get("items", [])
         return items
 
-    def backends(self) -> list[Backend]:
-        """The current backends (the skipped objects are kept for ``/metrics``)."""
+    def discover(self) -> Discovered:
+        """The current backends and scale-to-zero groups (the skipped objects are kept for ``/metrics``)."""
         scope = None if self.namespaces is None else frozenset(self.namespaces)
         found = backends_from_cluster(self._list("config_map"), self._list("pod"), scope)
         self.skipped = found.skipped
-        return found.backends
+        return found
 
     def collector(self) -> Collector:
         """A Prometheus collector of what the last listing skipped."""

@@ -175,6 +175,10 @@ class SimulatedWorkers:
         """Not read by this scenario's checks."""
         return None
 
+    def idle(self, namespace: str, pool: str, group: str, window_s: float) -> bool | None:
+        """No service of this scenario scales to zero."""
+        return None
+
     def loads(self, namespace: str, pool: str, window_s: float) -> dict[str, ModelLoad] | None:
         """Every model's load over the last ``window_s`` seconds, through ``loads_from_results``."""
         assert self.cluster is not None
@@ -388,7 +392,7 @@ class OperatorLoop(ClusterController):
             if kind == "ConfigMap" and (body["metadata"].get("labels") or {}).get(GROUP_LABEL) == group:
                 read = read_group_config_map(body)
                 if read is not None:
-                    return read[0].make_policy
+                    return read.config.make_policy
         raise LookupError(f"group {group!r} has a StatefulSet but no worker ConfigMap")
 
     def _converge(self, view: ClusterView) -> list[ClusterAction]:
