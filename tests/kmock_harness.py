@@ -40,6 +40,7 @@ RESOURCES = {
     "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
     "v1/services": "Service",
     "v1/configmaps": "ConfigMap",
+    "v1/pods": "Pod",
     "v1/events": "Event",
     "v1/namespaces": "Namespace",
     "apiextensions.k8s.io/v1/customresourcedefinitions": "CustomResourceDefinition",

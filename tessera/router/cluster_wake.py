@@ -86,6 +86,7 @@ class ClusterWaker:
             await asyncio.to_thread(
                 self.custom.patch_namespaced_custom_object_status,
                 GROUP, VERSION, group.namespace, "llmservices", service, body,
+                _content_type="application/merge-patch+json",
             )  # fmt: skip
         deadline = time.monotonic() + self.ready_timeout_s
         while not any(x.healthy and x.model in group.models for x in self.state.loads.values()):
