@@ -170,6 +170,10 @@ async def test_a_replan_keeps_the_unchanged_group_and_drops_the_old_one_once_the
 
     children = await cluster.eventually(old_gone, timeout=20)  # polled every few seconds
     assert {k: v for k, v in children.items() if kept_name in k[1]} == before  # byte for byte
-    body = await cluster.get(docs[0])
-    assert body["status"]["placement"]["retiring"] == []
+
+    async def reported():  # the pass writes status after its deletes: it may not have yet
+        body = await cluster.get(docs[0])
+        return body["status"]["placement"]["retiring"] == [] and body
+
+    body = await cluster.eventually(reported, timeout=20)
     assert [g["services"] for g in body["status"]["placement"]["groups"]] == [["a", "c"], ["b"]]

@@ -1,7 +1,7 @@
 """Scale to zero on a cluster, the way a user meets it: an LLMService with ``scaleToZero`` applied to
 the operator (kopf on KMock's emulated API server), its idle group scaled to zero replicas, a request
-sent to the router held while the service is Cold, the router's wake request answered by the operator,
-and the request served once the group's pod is ready.
+sent to the router held while the service is Cold, the router's wake request answered by the operator
+(restarted mid-wake: it resumes), and the request served once the group's pod is ready.
 
 The emulator runs no StatefulSet controller: the test plays it (a pod object for ordinal 0, pointing at a
 real ``tessera worker`` started from the group's own ConfigMap, sim engine). Prometheus is replaced by a
@@ -110,13 +110,14 @@ async def test_an_idle_service_goes_cold_and_a_request_through_the_router_wakes_
 
         # Placed awake, then idle for its 1 s: scaled to zero, and the user sees it Cold.
         await h.eventually(lambda: _is(replicas(), lambda r: r is not None and r >= 1))
+        awake = await replicas()
         await h.eventually(lambda: _is(replicas(), lambda r: r == 0))
         status = await h.eventually(lambda: _state(h, service, "Cold"))
         assert any(c["type"] == "Ready" and c["status"] == "True" and c["reason"] == "Cold"
                    for c in status["conditions"]), status["conditions"]  # fmt: skip
         pool_status = (await h.get(pool))["status"]
         (entry,) = pool_status["scaleToZero"]
-        assert entry["state"] == "Cold" and entry["replicas"]["mixed"] + entry["replicas"]["interactive"] >= 1
+        assert entry["state"] == "Cold" and sum(entry["replicas"].values()) == awake
         assert any(e.get("reason") == "Slept" for e in await h.events(NS))
         assert metrics.asked and all(w == 1 for _, w in metrics.asked)
 
@@ -149,8 +150,13 @@ async def test_an_idle_service_goes_cold_and_a_request_through_the_router_wakes_
                     router.post("/v1/chat/completions", json=body, headers={"X-Request-Class": "chat"})
                 )
                 # The router's wake request restores the replicas; the service shows Waking.
-                await h.eventually(lambda: _is(replicas(), lambda r: r is not None and r >= 1))
+                await h.eventually(lambda: _is(replicas(), lambda r: r == awake))
                 await h.eventually(lambda: _state(h, service, "Waking"))
+                # An operator restarted mid-wake resumes it from the pool's status.
+                await h.stop()
+                await h.start()
+                await asyncio.sleep(2)
+                assert await replicas() == awake and await _state(h, service, "Waking")
                 assert not held.done()  # held until a pod is ready
                 await put_pod(h, sts, "127.0.0.1")
                 answer = await asyncio.wait_for(held, 60)
