@@ -167,3 +167,19 @@ def test_the_activator_follows_the_operator_and_never_sleeps_a_followed_unit_its
         assert activator.units == {} and activator.state_of("m") is UnitState.READY
 
     asyncio.run(run())
+
+
+def test_seallm_packs_idle_services_onto_one_shared_group_of_one_instance() -> None:
+    """Sleeping services measure no load: SeaLLM packs them together, the busy ones get the GPUs."""
+    from tessera.control.placement import plan_seallm
+    from tessera.core.planners import PoolInput, ServiceInput
+    from tessera.core.profiles import PROFILES
+
+    gib = 2**30
+    profile = PROFILES["h100-llama3-8b"]
+    rates = {"busy1": 3.0, "busy2": 3.0, "idle1": 0.0, "idle2": 0.0}
+    services = [ServiceInput(n, 16 * gib, 131072, profile, request_rate=r) for n, r in rates.items()]
+    plan = plan_seallm(PoolInput("p", "H100", 80 * gib, 4), services, now=0.0)
+    idle = [g for g in plan.groups if set(g.services) & {"idle1", "idle2"}]
+    assert [(g.services, g.replicas.total) for g in idle] == [(("idle1", "idle2"), 1)]
+    assert sum(g.replicas.total for g in plan.groups if g not in idle) == 3
