@@ -16,10 +16,10 @@ keys by decoded text (two candidates decoding to the same text show once); n > 1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
-import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,9 @@ from conftest import TINY_MAX_MODEL_LEN, TINY_MODEL_NAME
 from tessera.api.worker_config import BENCH_TRUE_LENGTH_HEADER as TRUE_LENGTH
 from tessera.api.worker_config import parse_config
 from tessera.bench.harness import WorkerChild
-from tessera.worker.engines.base import EngineJob
+from tessera.worker.engines.base import EngineJob, TokenDelta
 from tessera.worker.engines.sim_realtime import SimEngine
+from tessera.worker.engines.vllm import VLLMEngine
 from tessera.worker.engines.vllm_process import VLLMServer
 from tessera.worker.runtime import Worker
 from tessera.worker.server.app import create_app
@@ -203,6 +204,34 @@ def test_worker_answers_as_vllm_does_directly(
     assert_same(got, want, name)
 
 
+def hold_after(engine: VLLMEngine, tokens: int) -> asyncio.Event:
+    """Make ``engine``'s next stream stop being read once ``tokens`` tokens came through, until its
+    reader is cancelled (the scheduler preempting it); later streams pass through. The returned event
+    is set when the hold starts.
+
+    vLLM decodes a request on its own, however slowly the worker reads: on a loaded 2-core machine
+    the test's loop and vLLM's API server stall for seconds, long enough for all of a request's
+    tokens to come before a second request gets through the worker's tokenization, so a wall-clock
+    trigger could find nothing left to preempt. Held, the request stays unfinished in the worker's
+    view (tokens vLLM made past the hold are dropped with the stream, as any preempted stream's
+    are)."""
+    stream = engine.stream
+    held = asyncio.Event()
+
+    async def stream_held(job: EngineJob) -> AsyncIterator[TokenDelta]:
+        read = 0
+        async with contextlib.aclosing(stream(job)) as deltas:
+            async for delta in deltas:
+                yield delta
+                read += len(delta.token_ids)
+                if not held.is_set() and read >= tokens and delta.finish_reason is None:
+                    held.set()
+                    await asyncio.Event().wait()  # until the preemption cancels this stream
+
+    engine.stream = stream_held
+    return held
+
+
 @pytest.mark.integration
 async def test_logprobs_of_a_preempted_request_are_vllms_own_uninterrupted_ones(
     vllm_server: VLLMServer,
@@ -214,8 +243,11 @@ async def test_logprobs_of_a_preempted_request_are_vllms_own_uninterrupted_ones(
     worker = Worker(parse_config(config))
     app = create_app(worker, manage_worker=False)
     await worker.start()
-    # Long enough that the wait below sees it running past 10 tokens even when the worker reads a burst
-    # of vLLM's tokens at once (120 finished between two polls in a loaded full run).
+    sched = worker.schedulers[TINY_MODEL_NAME]
+    assert isinstance(sched.engine, VLLMEngine)
+    # The long request's stream is held after 10 tokens, so the short one always finds it running.
+    held = hold_after(sched.engine, 10)
+    # Long enough that its first tokens reach the worker as several deltas, not one that ends it.
     body = {"model": TINY_MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 600, "temperature": 0,
             "ignore_eos": True, "logprobs": 2}  # fmt: skip
     try:
@@ -223,15 +255,19 @@ async def test_logprobs_of_a_preempted_request_are_vllms_own_uninterrupted_ones(
             transport=httpx.ASGITransport(app=app), base_url="http://w", timeout=120
         ) as c:
             long = asyncio.create_task(c.post(COMPLETIONS, json=body, headers={TRUE_LENGTH: "600"}))
-            sched = worker.schedulers[TINY_MODEL_NAME]
-            deadline = time.monotonic() + 60
-            while not sched.inflight or next(iter(sched.inflight)).req.generated < 10:
-                # The long request must still be running: if it ended (or failed), fail here, not hang.
-                assert not long.done(), normalize(COMPLETIONS, long.result())
-                assert time.monotonic() < deadline, "the long request never reached 10 tokens"
-                await asyncio.sleep(0.01)
+            holding = asyncio.create_task(held.wait())
+            await asyncio.wait((long, holding), timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            holding.cancel()
+            # The long request must be running: if it ended (or failed) first, fail here, not hang.
+            assert not long.done(), normalize(COMPLETIONS, long.result())
+            assert held.is_set(), "the long request never reached 10 tokens"
+            assert [job.req.generated >= 10 for job in sched.inflight] == [True]
             short = {"model": TINY_MODEL_NAME, "prompt": "Hi", "max_tokens": 2}
-            assert (await c.post(COMPLETIONS, json=short, headers={TRUE_LENGTH: "2"})).status_code == 200
+            # Held, the long request ends only by a preemption: without one the short never runs (and
+            # the ASGI transport applies no client timeout).
+            async with asyncio.timeout(60):
+                answer = await c.post(COMPLETIONS, json=short, headers={TRUE_LENGTH: "2"})
+            assert answer.status_code == 200
             got = normalize(COMPLETIONS, await long)
             preempted = (await c.get("/metrics")).text
     finally:
