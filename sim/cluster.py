@@ -33,6 +33,7 @@ from tessera.core.routing import (
     PREFIX_ROUTES,
     ROUTES,
     InstanceLoad,
+    PrefillQueue,
     RouteRequest,
     make_route,
     seed_stats,
@@ -84,7 +85,9 @@ class RouteRouter(ClusterRouter):
     """A core route (``tessera.core.routing``: filters, scorers, a picker) over the simulated instances:
     the live router composes its routing from the same plugins. A cache-aware route keeps the same
     kind of prefix index the live router keeps: where it sent each prompt's blocks (the requests'
-    ``prefix_blocks``), not what the engines hold. A route that reads what the engines report holding
+    ``prefix_blocks``), not what the engines hold, and the prefill it sent each instance
+    (``PrefillQueue``: the prompt tokens it expected to miss the cache, until their first token), as
+    the live router's relay does. A route that reads what the engines report holding
     (``precise-prefix``) reads each instance's own prefix cache: what a live engine's KV events would
     have told the router, without their delay."""
 
@@ -95,6 +98,8 @@ class RouteRouter(ClusterRouter):
         self.uses_engine = uses_engine_blocks(ROUTES[route])
         self.stats = seed_stats()  # the live router's seed statistics (it refines them from answers)
         self._index: PrefixIndex | None = None
+        self._prefill: dict[str, PrefillQueue] = {}  # instance -> the prefill sent there
+        self._sent: dict[str, dict[Request, int]] = {}  # instance -> requests without a first token -> tokens
 
     def route(self, req: Request, view: ClusterView) -> SimInstance:
         """The instance the core route picks among those serving ``req``'s model."""
@@ -102,10 +107,8 @@ class RouteRouter(ClusterRouter):
         if not cands:
             raise RuntimeError(f"no instance serves model {req.model!r} (request {req.id})")
         loads = [
-            InstanceLoad(i.name, req.model, i.role, i.profiles[req.model], i.max_batch, i.outstanding,
-                         True, i.ready_at,
-                         sum(r.prompt_tokens for r in i.assigned if r.first_token_at is None)
-                         if self.uses_prefix else 0)
+            InstanceLoad(i.name, req.model, i.role, i.profiles[req.model], i.max_batch, i.outstanding, True,
+                         i.ready_at, self._prefill_ahead(i.name) if self.uses_prefix else PrefillQueue())
             for i in cands
         ]  # fmt: skip
         route_req = RouteRequest(req.model, req.service_class.kind, self.stats, view.now,
@@ -121,10 +124,24 @@ class RouteRouter(ClusterRouter):
                 held = {i.name: min(i.held_prefix_blocks(blocks) * size, most) for i in cands}
                 route_req = replace(route_req, engine_cached_tokens=held)
         chosen = self.rule.pick(route_req, loads)
+        if self.uses_prefix:
+            tokens = max(0, req.prompt_tokens - route_req.cached_tokens.get(chosen.instance, 0))
+            chosen.prefill.sent(tokens, view.now, chosen.profile)
+            self._sent.setdefault(chosen.instance, {})[req] = tokens
         if blocks:
             full = blocks[: req.prompt_tokens // req.prefix_block_tokens]
             self._prefix_index(cands[0], req.prefix_block_tokens).record(chosen.instance, full, view.now)
         return next(i for i, x in zip(cands, loads, strict=True) if x is chosen)
+
+    def _prefill_ahead(self, instance: str) -> PrefillQueue:
+        """The prefill sent to ``instance``, less the requests that have had their first token since
+        (the live router learns it from the token chunks it relays)."""
+        queue = self._prefill.setdefault(instance, PrefillQueue())
+        sent = self._sent.get(instance)
+        if sent:
+            for r in [r for r in sent if r.first_token_at is not None]:
+                queue.first_token(sent.pop(r))
+        return queue
 
     def _prefix_index(self, inst: SimInstance, block_tokens: int) -> PrefixIndex:
         if self._index is None:

@@ -235,15 +235,18 @@ def test_the_router_routes_a_token_prompt_to_the_engine_that_holds_it_until_that
     state = _router_state()
     assert state.feeds == {("a", "m"): "tcp://127.0.0.1:5001", ("b", "m"): "tcp://127.0.0.1:5002"}
     state.engine_blocks["m"].apply("b", 0, [_stored(TOKENS, 0, 3)])
-    assert state.pick("m", "interactive", set(), prompt_token_ids=TOKENS).instance == "b"
-    assert state.pick("m", "interactive", set(), "text, no token ids").instance == "a"  # no ids: the estimate
+    assert state.pick("m", "interactive", set(), prompt_token_ids=TOKENS).load.instance == "b"
+    # no ids: the estimate
+    assert state.pick("m", "interactive", set(), "text, no token ids").load.instance == "a"
     rows = {r["instance"]: r for r in state.instance_rows()}
     assert (
         rows["b"]["engineCachedBlocks"] == 3 and rows["a"]["engineCachedBlocks"] is None
     )  # a sent nothing yet
     state.observe("b", 'tessera_engine_start_time_seconds{model="m"} 160.0\n')  # restarted between two polls
-    assert state.pick("m", "interactive", set(), prompt_token_ids=TOKENS).instance == "a"
-    assert _router_state("prefix").pick("m", "interactive", set(), prompt_token_ids=TOKENS).instance == "a"
+    assert state.pick("m", "interactive", set(), prompt_token_ids=TOKENS).load.instance == "a"
+    assert (
+        _router_state("prefix").pick("m", "interactive", set(), prompt_token_ids=TOKENS).load.instance == "a"
+    )
 
 
 def test_a_backend_names_kv_events_only_for_a_model_it_serves() -> None:

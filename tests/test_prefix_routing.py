@@ -15,6 +15,7 @@ from router_harness import CLASS_HEADER, MODEL, RouterUnderTest, serve_router, s
 from tessera.core.prefix import PrefixIndex, text_block_hashes, token_block_hashes
 from tessera.core.profile import StepProfile
 from tessera.core.routing import InstanceLoad, RouteRequest, make_route, seed_stats
+from tessera.router.app import Pick
 
 PROFILE = StepProfile("m", 0.01, 0.001, 0.0, 0.01, 0.001, kv_capacity_tokens=1_000_000)
 
@@ -70,10 +71,10 @@ async def _conversation(router: RouterUnderTest, turns: int) -> list[str]:
     picked: list[str] = []
     pick = router.state.pick
 
-    def recording_pick(*args: Any) -> InstanceLoad:
-        load = pick(*args)
-        picked.append(load.instance)
-        return load
+    def recording_pick(*args: Any) -> Pick:
+        chosen = pick(*args)
+        picked.append(chosen.load.instance)
+        return chosen
 
     router.state.pick = recording_pick  # type: ignore[method-assign]
     messages = [{"role": "system", "content": "You answer briefly. " * 40}]
@@ -118,14 +119,35 @@ async def test_router_keeps_a_conversation_on_the_instance_holding_its_prefix(tm
         supervisor.stop_all()
 
 
-def test_a_session_sticks_to_its_instance_while_it_has_headroom() -> None:
+def test_a_session_sticks_to_its_instance_unless_another_gives_its_first_token_sooner() -> None:
     stats = seed_stats()
     a, b = _load("a"), _load("b")
-    req = RouteRequest("m", "interactive", stats, prompt_tokens=100, cached_tokens={"b": 99}, ttft_slo_s=1.0,
-                       session_instance="a")  # fmt: skip
-    assert make_route("slo-prefix").pick(req, [a, b]).instance == "a"  # sticky beats b's cached prompt
-    a.outstanding_prompt_tokens = 50_000  # a's backlog: 5 s to first token > 1 s SLO
-    assert make_route("slo-prefix").pick(req, [a, b]).instance == "b"
+    req = RouteRequest("m", "interactive", stats, prompt_tokens=100, ttft_slo_s=1.0, session_instance="b")
+    assert make_route("slo-prefix").pick(req, [a, b]).instance == "b"  # equal expected times: the session's
+    assert make_route("cache-aware").pick(req, [a, b]).instance == "a"  # (blind to sessions: name order)
+    # a holds the prompt, so its first token comes sooner (99 tokens less to prefill): the cache wins
+    cached = RouteRequest("m", "interactive", stats, prompt_tokens=100, cached_tokens={"a": 99},
+                          ttft_slo_s=1.0, session_instance="b")  # fmt: skip
+    assert make_route("slo-prefix").pick(cached, [a, b]).instance == "a"
+    b.prefill.sent(50_000, 0.0, PROFILE)  # b's backlog: 50 s to first token, over the 1 s SLO
+    assert make_route("slo-prefix").pick(req, [a, b]).instance == "a"
+
+
+def test_combined_leaves_a_busy_cache_holder_within_the_slo_when_another_instance_answers_sooner() -> None:
+    """Ranked by cached tokens first, slo-prefix ignored a busy holder until the SLO broke: with an SLO
+    far above the TTFTs it was prefix affinity alone."""
+    stats = seed_stats()
+    holder, idle = _load("holder"), _load("idle")
+    holder.prefill.sent(2_000, 0.0, PROFILE)  # 2 s of prefill ahead, within the 10 s SLO
+    req = RouteRequest(
+        "m", "interactive", stats, prompt_tokens=1_000, cached_tokens={"holder": 900}, ttft_slo_s=10.0
+    )
+    assert make_route("prefix").pick(req, [holder, idle]).instance == "holder"
+    assert make_route("slo-prefix").pick(req, [holder, idle]).instance == "idle"  # 1 s of prefill < 2.1 s
+    # 1.5 s later the holder has computed most of its backlog: 0.51 s left + 0.11 s for its missed tokens
+    later = RouteRequest("m", "interactive", stats, 1.5, prompt_tokens=1_000, cached_tokens={"holder": 900},
+                         ttft_slo_s=10.0)  # fmt: skip
+    assert make_route("slo-prefix").pick(later, [holder, idle]).instance == "holder"
 
 
 @pytest.mark.integration
@@ -136,10 +158,10 @@ async def test_router_keeps_a_users_requests_on_one_instance(tmp_path: Path) -> 
             picked: list[str] = []
             pick = router.state.pick
 
-            def recording_pick(*args: Any) -> InstanceLoad:
-                load = pick(*args)
-                picked.append(load.instance)
-                return load
+            def recording_pick(*args: Any) -> Pick:
+                chosen = pick(*args)
+                picked.append(chosen.load.instance)
+                return chosen
 
             router.state.pick = recording_pick  # type: ignore[method-assign]
             async with httpx.AsyncClient(timeout=30) as client:
@@ -258,13 +280,13 @@ async def test_a_streamed_answers_prompt_stops_counting_as_prefill_ahead_at_its_
                 async for line in resp.aiter_lines():
                     if '"finish_reason": null' in line:
                         break  # the first token has reached the client
-                during = (load.outstanding, load.outstanding_prompt_tokens)
+                during = (load.outstanding, load.prefill.tokens)
                 row = (await client.get(f"{router.url}/router/status")).json()["instances"][0]
             deadline = time.monotonic() + 10  # the relay ends when the router sees the client leave
             while load.outstanding and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
         assert during == (1, 0)
         assert row["outstanding"] == 1 and row["promptTokensBeforeFirstToken"] == 0
-        assert (load.outstanding, load.outstanding_prompt_tokens) == (0, 0)  # nothing left over at the end
+        assert (load.outstanding, load.prefill.tokens) == (0, 0)  # nothing left over at the end
     finally:
         supervisor.stop_all()

@@ -10,6 +10,7 @@ from tessera.core.profile import StepProfile
 from tessera.core.routing import (
     InstanceLoad,
     NoInstance,
+    PrefillQueue,
     RouteRequest,
     RouteSpec,
     ScorerSpec,
@@ -134,3 +135,32 @@ def test_router_status_names_instances_without_their_addresses() -> None:
     state = RouterState([Backend(name="pod-0", url="http://10.1.2.3:8000", role="mixed", config=config)])
     assert [r["instance"] for r in state.status()["instances"]] == ["pod-0"]
     assert "10.1.2.3" not in str(state.status())
+
+
+def test_the_prefill_queue_counts_what_is_sent_and_drains_it_at_the_prefill_rate() -> None:
+    # PROFILE: 0.01 s per prefill plus 0.1 ms per token
+    queue = PrefillQueue()
+    queue.sent(1_000, 10.0, PROFILE)  # 0.11 s of prefill from t=10
+    queue.sent(2_000, 10.05, PROFILE)  # queued behind the first: done at 10.11 + 0.21
+    assert queue.tokens == 3_000 and queue.done_at == pytest.approx(10.32)
+    assert queue.left(10.0, PROFILE) == 3_000  # nothing computed yet
+    assert queue.left(10.22, PROFILE) == pytest.approx(1_000, abs=1)  # 0.1 s left: about 1,000 tokens
+    assert queue.left(11.0, PROFILE) == 0  # past done_at: no prefill ahead though no first token came
+    assert queue.left(11.0, None) == 3_000  # without a profile the time cannot bound it
+    queue.first_token(1_000)
+    assert queue.tokens == 2_000 and queue.left(10.05, PROFILE) == 2_000  # what came bounds it too
+    queue.first_token(2_000)
+    queue.sent(500, 10.2, PROFILE)  # empty: computed from now, not behind done_at
+    assert queue.done_at == pytest.approx(10.26) and queue.left(10.2, PROFILE) == 500
+
+
+def test_expected_ttft_charges_only_the_prefill_left_ahead() -> None:
+    stats = seed_stats()
+    busy = InstanceLoad("busy", "m", "interactive", PROFILE, 4)
+    busy.prefill.sent(10_000, 0.0, PROFILE)  # 1.01 s of prefill
+    idle = InstanceLoad("idle", "m", "interactive", PROFILE, 4)
+    req = RouteRequest("m", "interactive", stats, 0.0, prompt_tokens=5_000, cached_tokens={"busy": 4_990})
+    route = make_route("cache-aware")
+    assert route.pick(req, [busy, idle]).instance == "idle"  # 1 s ahead + 0.011 s > 0.51 s
+    half = RouteRequest("m", "interactive", stats, 0.8, prompt_tokens=5_000, cached_tokens={"busy": 4_990})
+    assert route.pick(half, [busy, idle]).instance == "busy"  # 0.21 s left + 0.011 s < 0.51 s

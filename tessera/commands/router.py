@@ -40,9 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="least-wait",
         choices=list(ROUTES),
         help="How an instance is picked (default least-wait: class roles, then least estimated wait; "
-        "cache-aware: least estimated wait plus the prefill of the prompt the instance has not cached; "
-        "slo-prefix: most cached prompt among the instances that meet the class's TTFT SLO, a session "
-        "sticking to its instance; precise-prefix: most prompt blocks the instance's engine reports "
+        "cache-aware: least expected time to first token (estimated wait, the prefill still ahead there, "
+        "the prefill of the prompt the instance has not cached); slo-prefix: the same among the instances "
+        "that meet the class's TTFT SLO, ties to the session's instance, then the most cached prompt; "
+        "precise-prefix: most prompt blocks the instance's engine reports "
         "holding, from the KV events of the backends' kvEvents publishers, for completion prompts sent as "
         "token ids, or as text where the model's tokenizer folder is readable here; see "
         "tessera.core.routing).",

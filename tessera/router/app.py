@@ -139,6 +139,16 @@ def class_infos(config: WorkerConfig) -> dict[str, ClassInfo]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """A routing decision: the instance, and the prompt tokens it is expected to prefill (the prompt
+    less what the router believes it holds in its prefix cache), which its ``PrefillQueue`` counts
+    until the request's first token."""
+
+    load: InstanceLoad
+    prefill_tokens: int
+
+
 SESSION_HEADER = "x-tessera-session"  # a client's session key (else the body's OpenAI "user" field)
 MAX_SESSIONS = 100_000  # sessions remembered for sticky routing, least recently used forgotten first
 RECENT_DECISIONS = 20  # cache-aware decisions /router/status shows with their scores
@@ -243,16 +253,19 @@ class RouterState:
         ttft_slo_s: float | None = None,
         session: str = "",
         prompt_token_ids: Sequence[int] = (),
-    ) -> InstanceLoad:
-        """The instance for a request (not one of ``exclude``); a cache-aware route also reads which
+    ) -> Pick:
+        """The instance for a request (not one of ``exclude``), with the prompt tokens it is expected to
+        prefill there; a cache-aware route also reads which
         instances hold the leading blocks of ``prompt_text`` and records where it sent them, and a
         route on engine-reported blocks reads which engines hold those of ``prompt_token_ids`` (sent as
         token ids, or a text completion prompt or a chat tokenized and rendered as its workers do:
         ``PromptTokenizers``; a model without a tokenizer folder has none, and the text index's estimate
         stands in)."""
         loads = [x for x in self.loads.values() if x.instance not in exclude]
+        prompt_tokens = len(prompt_token_ids) or len(prompt_text) // CHARS_PER_TOKEN
         if not self.uses_prefix or not (prompt_text or prompt_token_ids):
-            return self.route.pick(RouteRequest(model, kind, self.stats[model], ttft_slo_s=ttft_slo_s), loads)
+            req = RouteRequest(model, kind, self.stats[model], time.monotonic(), ttft_slo_s=ttft_slo_s)
+            return Pick(self.route.pick(req, loads), prompt_tokens)
         index = self._prefix_index(model)
         sticky = self.sessions.get(session) if session else None
         hashes = text_block_hashes(prompt_text)
@@ -266,7 +279,6 @@ class RouterState:
             # no block size yet: no engine has reported storing a block, so each tracked one holds none
             chain = token_block_hashes(prompt_token_ids, size) if size else []
             engine = {name: n * size for name, n in engine_index.matched(chain, names).items()}
-        prompt_tokens = len(prompt_token_ids) or len(prompt_text) // CHARS_PER_TOKEN
         req = RouteRequest(model, kind, self.stats[model], time.monotonic(), prompt_tokens=prompt_tokens,
                            cached_tokens=cached, engine_cached_tokens=engine, ttft_slo_s=ttft_slo_s,
                            session_instance=sticky)  # fmt: skip
@@ -278,13 +290,14 @@ class RouterState:
             while len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
         counts = self.prefix_tokens.setdefault(chosen.instance, [0, 0])
+        hit = min(req.prompt_tokens, engine.get(chosen.instance, cached.get(chosen.instance, 0)))
         counts[0] += req.prompt_tokens
-        counts[1] += min(req.prompt_tokens, engine.get(chosen.instance, cached.get(chosen.instance, 0)))
+        counts[1] += hit
         self.recent.append(
             {"model": model, "kind": kind, "promptTokens": req.prompt_tokens, "chosen": chosen.instance,
              "candidates": self.route.explain(req, loads)}
         )  # fmt: skip
-        return chosen
+        return Pick(chosen, req.prompt_tokens - hit)
 
     def _prefix_index(self, model: str) -> PrefixIndex:
         index = self.prefixes.get(model)
@@ -350,8 +363,9 @@ class RouterState:
                 "recentDecisions": list(self.recent), "clientSlo": self.delivered.rows()}  # fmt: skip
 
     def instance_rows(self) -> list[dict[str, Any]]:
-        """Every instance with its role, health, batch size, outstanding requests (and the prompt tokens of
-        those without a first token yet) and estimated wait."""
+        """Every instance with its role, health, batch size, outstanding requests (and the prompt tokens
+        it is expected to prefill for those without a first token yet, cache hits excluded) and
+        estimated wait."""
         return [
             {
                 "instance": x.instance,
@@ -360,7 +374,7 @@ class RouterState:
                 "healthy": x.healthy,
                 "batchSize": x.batch_size,
                 "outstanding": x.outstanding,
-                "promptTokensBeforeFirstToken": x.outstanding_prompt_tokens,
+                "promptTokensBeforeFirstToken": x.prefill.tokens,
                 "estimatedWaitSeconds": estimated_wait(x, self.stats[x.model], self.z),
                 "prefixPromptTokens": self.prefix_tokens.get(x.instance, [0, 0])[0],
                 "prefixCachedTokens": self.prefix_tokens.get(x.instance, [0, 0])[1],
@@ -571,7 +585,7 @@ def create_router_app(
         out_headers = downstream_headers(upstream.headers.items(), answer.load.instance)
         if answer.streaming:
             events = relay_events(state, metrics, answer.load, upstream, model=model, kind=kind,
-                                  start=start, prompt_tokens=answer.prompt_tokens,
+                                  start=start, prefill_tokens=answer.prefill_tokens,
                                   service_class=service_class)  # fmt: skip
             return StreamingResponse(events, upstream.status_code, headers=out_headers)
         end = time.perf_counter()

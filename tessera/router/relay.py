@@ -29,7 +29,7 @@ from fastapi import Request as HttpRequest
 
 from tessera.api.openai_errors import ApiError
 from tessera.core.request import ServiceClass
-from tessera.core.routing import CHARS_PER_TOKEN, InstanceLoad, NoInstance
+from tessera.core.routing import InstanceLoad, NoInstance
 from tessera.core.slo import delivered_slo_met
 from tessera.router.metrics import RouterMetrics
 
@@ -60,11 +60,6 @@ class Upstream:
     session: str = ""  # the session key (the session header, else the body's user)
     prompt_token_ids: tuple[int, ...] = ()  # the prompt as token ids (as sent, or as the worker tokenizes it)
 
-    @property
-    def prompt_tokens(self) -> int:
-        """The prompt's length in tokens: its token ids, else estimated from its text."""
-        return len(self.prompt_token_ids) or len(self.prompt_text) // CHARS_PER_TOKEN
-
 
 @dataclass(frozen=True, slots=True)
 class Answer:
@@ -73,7 +68,7 @@ class Answer:
     load: InstanceLoad
     response: httpx.Response
     streaming: bool
-    prompt_tokens: int = 0  # counted in the instance's outstanding prompt tokens until the answer ends
+    prefill_tokens: int = 0  # counted in the instance's PrefillQueue until the stream's first token
 
 
 async def _client_left(http: HttpRequest) -> None:
@@ -138,19 +133,20 @@ async def send(state: RouterState, metrics: RouterMetrics, clients: UpstreamClie
     broken: str | None = None
     while True:
         try:
-            load = state.pick(up.model, up.kind, tried, up.prompt_text, up.ttft_slo_s, up.session,
-                              up.prompt_token_ids)  # fmt: skip
+            picked = state.pick(up.model, up.kind, tried, up.prompt_text, up.ttft_slo_s, up.session,
+                                up.prompt_token_ids)  # fmt: skip
         except NoInstance as exc:
             if broken is None:
                 raise ApiError(503, f"{exc}; retry when an instance is ready", code="no_instance") from None
             raise ApiError(502, f"the instance {broken} broke off while answering and no other instance is "
                            f"ready ({exc}); retry the request", code="upstream_failed") from None  # fmt: skip
+        load, prefill = picked.load, picked.prefill_tokens
         tried.add(load.instance)
         url = f"{state.backends[load.instance].url}{up.path}"
         client = clients.for_load(load)
         request = client.build_request("POST", url, content=up.content, headers=up.headers)
         load.outstanding += 1
-        load.outstanding_prompt_tokens += up.prompt_tokens
+        load.prefill.sent(prefill, time.monotonic(), load.profile)
         response: httpx.Response | None = None
         kept_open = False
         try:
@@ -158,7 +154,7 @@ async def send(state: RouterState, metrics: RouterMetrics, clients: UpstreamClie
             events = response.headers.get("content-type", "").startswith("text/event-stream")
             if up.stream and response.status_code == 200 and events:
                 kept_open = True
-                return Answer(load, response, streaming=True, prompt_tokens=up.prompt_tokens)
+                return Answer(load, response, streaming=True, prefill_tokens=prefill)
             await response.aread()  # an answer in one piece (errors included) is relayed in one piece
             if response.status_code == 503 and _draining(response):
                 # A pod being replaced finishes its requests but takes no new one: another instance
@@ -181,7 +177,7 @@ async def send(state: RouterState, metrics: RouterMetrics, clients: UpstreamClie
         finally:
             if not kept_open:
                 load.outstanding -= 1
-                load.outstanding_prompt_tokens -= up.prompt_tokens
+                load.prefill.first_token(prefill)
                 if response is not None:
                     await response.aclose()
         return Answer(load, response, streaming=False)
@@ -233,7 +229,7 @@ async def relay_events(
     model: str,
     kind: str,
     start: float,
-    prompt_tokens: int = 0,
+    prefill_tokens: int = 0,
     service_class: ServiceClass | None = None,
 ) -> AsyncIterator[bytes | str]:
     """The instance's server-sent events as they come; an error event and ``[DONE]`` if the instance
@@ -258,8 +254,8 @@ async def relay_events(
                     if not tokens:
                         first_at = last_at
                         # Its prefill is done: no longer ahead of the next request's first token.
-                        load.outstanding_prompt_tokens -= prompt_tokens
-                        prompt_tokens = 0
+                        load.prefill.first_token(prefill_tokens)
+                        prefill_tokens = 0
                     tokens += found
                 done = done or _DONE_MARK in window
                 failed = failed or _ERROR_MARK in window
@@ -279,7 +275,7 @@ async def relay_events(
     finally:
         await response.aclose()
         load.outstanding -= 1
-        load.outstanding_prompt_tokens -= prompt_tokens
+        load.prefill.first_token(prefill_tokens)
         end = time.perf_counter()
         metrics.answered(model, kind, code, end - start)
         record_delivery(metrics, model, kind, service_class, status=code, arrival=start, finished=end,

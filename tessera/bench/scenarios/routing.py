@@ -14,11 +14,12 @@ Rows (route:load), each the route of ``tessera.core.routing`` the live router ru
 estimated wait), ``prefix`` (cached prompt blocks alone, as the router estimates them: where it sent
 each prompt), ``precise-prefix`` (cached prompt blocks alone, as each engine holds them: what vLLM's KV
 events report, here each simulated instance's own prefix cache, without the events' delay),
-``cache-aware`` (the expected time to the first token: wait plus prefill backlog plus the uncached
-prompt's prefill) and ``combined``
+``cache-aware`` (the expected time to the first token: wait plus the prefill still ahead there plus
+the uncached prompt's prefill) and ``combined``
 (``slo-prefix``: among the instances where that expected time meets the class's TTFT SLO, the one
-holding most of the prompt). Each reports TTFT mean and p99, SLO attainment, the prompt tokens
-prefilled and the prefix-cache hit rate (prompt tokens served from the cache over all prompt tokens).
+where it is least; ties to the session's instance, then to the one holding most of the prompt).
+Each reports TTFT mean and p99, SLO attainment, the prompt tokens prefilled and the prefix-cache hit
+rate (prompt tokens served from the cache over all prompt tokens).
 
 Checks: ``combined`` against every baseline route on SLO attainment and TTFT p99 (against
 ``precise-prefix`` and ``cache-aware`` the figures are only reported, as ``precise-prefix`` against
