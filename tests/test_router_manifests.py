@@ -30,8 +30,11 @@ def test_router_deployment_service_and_read_only_rbac() -> None:
     assert service["spec"]["selector"] == objs["Deployment"]["spec"]["selector"]["matchLabels"]
     assert service["metadata"]["namespace"] == "tessera-system"
     rules = objs["ClusterRole"]["rules"]
-    assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in rules)
-    assert {res for r in rules for res in r["resources"]} == {"configmaps", "pods"}
+    # Read-only but one write: a held request's wake-up, on LLMServices' status subresource only.
+    reads = [r for r in rules if set(r["verbs"]) <= {"get", "list", "watch"}]
+    assert {res for r in reads for res in r["resources"]} == {"configmaps", "pods"}
+    writes = [r for r in rules if r not in reads]
+    assert writes == [{"apiGroups": ["tessera.dev"], "resources": ["llmservices/status"], "verbs": ["patch"]}]
     assert objs["ClusterRoleBinding"]["subjects"][0]["name"] == pod["serviceAccountName"]
 
 
