@@ -163,6 +163,11 @@ def test_the_activator_follows_the_operator_and_never_sleeps_a_followed_unit_its
         activator.follow({"u": ("m",)}, {"m": policy}, cold={"u"}, serving=set())
         activator.follow({"u": ("m",)}, {"m": policy}, cold=set(), serving={"u"})  # woken by another router
         assert activator.state_of("m") is UnitState.READY
+        # Its instances vanish under a request before discovery shows the group cold: held, woken.
+        assert activator.lost_instances("m") and activator.state_of("m") is UnitState.COLD
+        await activator.admit("m", None, 0)
+        assert activator.units["u"].wakes == 2
+        assert not activator.lost_instances("other")  # no unit: the request's 503 stands
         activator.follow({}, {}, cold=set(), serving=set())
         assert activator.units == {} and activator.state_of("m") is UnitState.READY
 
@@ -183,3 +188,16 @@ def test_seallm_packs_idle_services_onto_one_shared_group_of_one_instance() -> N
     idle = [g for g in plan.groups if set(g.services) & {"idle1", "idle2"}]
     assert [(g.services, g.replicas.total) for g in idle] == [(("idle1", "idle2"), 1)]
     assert sum(g.replicas.total for g in plan.groups if g not in idle) == 3
+
+
+def test_a_local_unit_whose_instances_vanish_is_not_held() -> None:
+    """Local mode's units sleep in the router itself: an instance-less moment there (a restart) is not a
+    sleep, and the request's 503 stands."""
+
+    class Never:
+        async def sleep(self, unit: str) -> None: ...
+
+        async def wake(self, unit: str) -> None: ...
+
+    activator = Activator({"u": ("m",)}, {"m": IdlePolicy(5.0)}, Never(), lambda m: 0)
+    assert not activator.lost_instances("m") and activator.state_of("m") is UnitState.READY

@@ -78,6 +78,7 @@ class _Unit:
     last_error: str | None = None
     sleeps: int = 0
     wakes: int = 0
+    followed: bool = False  # put to sleep by another component (``Activator.follow``)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
@@ -249,7 +250,7 @@ class Activator:
         for name, models in units.items():
             unit = self.units.get(name)
             if unit is None:
-                unit = self.units[name] = _Unit(name, models, None, last_activity=self.clock())
+                unit = self.units[name] = _Unit(name, models, None, last_activity=self.clock(), followed=True)
             unit.models = models
             if unit.state is UnitState.READY and name in cold:
                 unit.state = UnitState.COLD
@@ -265,6 +266,18 @@ class Activator:
             self.queues.setdefault(model, HoldQueue(policy.max_held)).capacity = policy.max_held
             self.policies[model] = policy
         self.unit_of = {m: u for u in self.units.values() for m in u.models}
+
+    def lost_instances(self, model: str) -> bool:
+        """A request found no instance of ``model``, whose unit is ready: when the unit is followed (its
+        group is being scaled to zero, and discovery has not said so yet), it is Cold from now on, and
+        True (the request may be held); False otherwise."""
+        unit = self.unit_of.get(model)
+        if unit is None or not unit.followed:
+            return False
+        if unit.state is UnitState.READY:
+            unit.state = UnitState.COLD
+            unit.sleeps += 1
+        return True
 
     def state_of(self, model: str) -> UnitState:
         """The state of ``model``'s unit (Ready for a model without one)."""

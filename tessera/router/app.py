@@ -599,8 +599,17 @@ def create_router_app(
         return Response(upstream.content, upstream.status_code, headers=out_headers)
 
     async def _activate_and_send(up: Upstream, priority: int) -> Answer:
-        if activator is not None:  # held here while the model sleeps or wakes
-            await activator.admit(up.model, up.ttft_slo_s, priority)
+        if activator is None:
+            return await send(state, metrics, upstreams, up)
+        await activator.admit(up.model, up.ttft_slo_s, priority)  # held here while the model sleeps or wakes
+        try:
+            return await send(state, metrics, upstreams, up)
+        except ApiError as exc:
+            # A followed group's instances all went away under the request: the operator is scaling it to
+            # zero and discovery has not shown it yet. Held like any request for a cold model, not refused.
+            if exc.code != "no_instance" or not activator.lost_instances(up.model):
+                raise
+        await activator.admit(up.model, up.ttft_slo_s, priority)
         return await send(state, metrics, upstreams, up)
 
     @app.post("/v1/completions", summary="OpenAI completions, routed to a worker instance.")
