@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tessera.api.times import parse_time, rfc3339
-from tessera.core.activation import UnitState
+from tessera.core.activation import UnitState, should_sleep
 from tessera.core.planners import ROLES, GroupPlan, PlacementPlan, RoleCounts
 
 # The LLMService status field a router writes (RFC 3339 time) when it holds a request for a cold model.
@@ -126,9 +126,12 @@ def step_sleep(
         was = previous.get(g.name) or GroupSleep(g.name, UnitState.READY, now, g.replicas)
         asked = wake_requested.get(g.name, -math.inf)
         if was.state is UnitState.READY:
+            # The activator's rule (core ``should_sleep``) over what Prometheus tells: no request for the
+            # window (so the last one came before it, or before the group woke), nothing held.
+            quiet = idle.get(g.name) is True
+            last = max(was.since, now - after) if quiet else now
             sleeps = (
-                idle.get(g.name) is True
-                and now - was.since >= after
+                should_sleep(was.state, last, 0, 0, after, now)
                 and g.replicas.total > 0
                 and awake_total - g.replicas.total >= min_instances
             )
