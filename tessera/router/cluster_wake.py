@@ -22,7 +22,7 @@ from tessera.api import GROUP, VERSION
 from tessera.api.times import rfc3339
 from tessera.control.scale_to_zero import WAKE_FIELD
 from tessera.router.activator import Activator
-from tessera.router.discovery import Discovered, SleepingGroup
+from tessera.router.discovery import Discovered, SleepingGroup, kube_client
 
 if TYPE_CHECKING:
     from tessera.router.app import RouterState
@@ -44,16 +44,8 @@ class ClusterWaker:
         clock: Callable[[], float] = time.time,
     ) -> None:
         """``custom``: the Kubernetes CustomObjectsApi (built from the pod's service account if None)."""
-        if custom is None:
-            from kubernetes import client, config
-
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            custom = client.CustomObjectsApi()
         self.state = state
-        self.custom = custom
+        self.custom = custom if custom is not None else kube_client().CustomObjectsApi()
         self.ready_timeout_s = ready_timeout_s
         self.poll_s = poll_s
         self.clock = clock

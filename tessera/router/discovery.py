@@ -254,19 +254,22 @@ class _SkippedCollector(Collector):
         yield gauge
 
 
+def kube_client() -> Any:
+    """The Kubernetes client module, configured from the pod's service account (else the kubeconfig)."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client
+
+
 class KubeDiscovery:
     """Lists the operator's group ConfigMaps and worker pods in the namespaces it serves (None: all)."""
 
     def __init__(self, namespaces: Sequence[str] | None, core: Any = None) -> None:
-        if core is None:
-            from kubernetes import client, config
-
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            core = client.CoreV1Api()
-        self.core = core
+        self.core = core if core is not None else kube_client().CoreV1Api()
         self.namespaces = None if namespaces is None else tuple(dict.fromkeys(namespaces))
         self.skipped: dict[tuple[str, str], int] = {}
 
