@@ -17,6 +17,10 @@ its controller is the group's StatefulSet and its name that StatefulSet's ``<nam
 other labelled object, and a group ConfigMap that does not parse, is skipped and counted
 (``tessera_router_discovery_skipped``) instead of failing the listing.
 
+A group whose services all scale to zero says so in ``placement.json`` (each model's LLMService and
+idle policy); discovery lists it in ``Discovered.sleeping`` for the activator (``cluster_wake``), cold
+when the operator scaled it to zero (no role), when its stopping pods are no backend.
+
 ``backends_from_cluster`` is pure; ``KubeDiscovery`` is the thin adapter that lists the objects.
 """
 
