@@ -22,9 +22,22 @@ the rounds), and the prefix hit rate measured by vLLM itself: ``vllm:prefix_cach
 ``vllm:prefix_cache_queries`` (prompt tokens) of both servers during the runs. Checks: per round the
 paired ratios combined / round-robin of TTFT mean and p99, and their medians (PASS below 1).
 
-Options (``--set``): sessions (4), turns (4), rounds (2), reply_chars (600), max_tokens (4),
-session_gap (3.0), turn_gap (20.0: think times uniform in 0.5-1.5x), ttft_slo (3.0), batch (4). Sized
-for a few minutes on an idle 2-core machine (about 20 on one loaded by other work).
+``--set compare=precise`` compares instead precise prefix affinity (``precise-prefix``: the router
+subscribes to each server's KV events and knows which blocks each engine holds) with approximate
+affinity (``prefix``: the router remembers where it sent each prompt's blocks, with least recently used
+eviction at the instance's configured KV capacity), round-robin as reference, on caches small enough
+that vLLM evicts during the run: each server gets ``kv_blocks`` KV blocks (``--num-gpu-blocks-override``,
+16 by default: 2048 tokens, the least vLLM accepts for a 2048-token context) and its worker's
+``kvCapacityTokens`` says so (the approximate index's capacity). Its defaults are 12 sessions and 3
+rounds: about 60 full 128-token blocks of conversation, some 30 a server, against 16. Checks: the
+paired ratios precise-prefix / prefix, precise-prefix / round-robin and prefix / round-robin; and the
+hit rate a cache that never evicts would give with each session on one server (every turn reusing the
+full blocks of the previous turn's prompt), the ceiling evictions keep the rows under.
+
+Options (``--set``): compare (combined | precise), sessions (4; precise 12), turns (4), rounds (2;
+precise 3), reply_chars (600), max_tokens (4), session_gap (3.0), turn_gap (20.0: think times uniform in
+0.5-1.5x), ttft_slo (3.0), batch (4), kv_blocks (unset: vLLM's 1 GiB; precise 16). Sized for a few
+minutes on an idle 2-core machine (about 20 on one loaded by other work).
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,14 +65,117 @@ from tessera.bench.harness import StreamStat, WorkerChild, stream_one
 from tessera.bench.machine import MachineWatch
 from tessera.bench.runner import option
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
+from tessera.core.routing import ROUTES as ROUTE_SPECS
+from tessera.core.routing import uses_engine_blocks
 from tessera.worker.engines.vllm_process import VLLMServer, free_port
 
 MODEL = "smollm2"
-ROUTES = {"combined": "slo-prefix", "round-robin": "round-robin"}
 MAX_MODEL_LEN = 2048
+CPU_BLOCK_TOKENS = 128  # vLLM's KV block size on CPUs
 HITS, QUERIES = "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"
 READY_TIMEOUT_S = 180.0  # a router process seeing both workers ready
 START_TIMEOUT_S = 900.0  # a vLLM start; on a busy 2-core machine it took more than 300 s
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """The rows one ``compare`` runs (row -> the router's route), the paired ratios it checks
+    (numerator row, denominator row) and its own defaults."""
+
+    rows: dict[str, str]
+    pairs: tuple[tuple[str, str], ...]
+    sessions: int
+    rounds: int
+    kv_blocks: int | None  # None: vLLM's KV space (1 GiB), which these sessions never fill
+
+
+COMPARISONS = {
+    "combined": Comparison({"combined": "slo-prefix", "round-robin": "round-robin"},
+                           (("combined", "round-robin"),), sessions=4, rounds=2, kv_blocks=None),
+    "precise": Comparison({"precise-prefix": "precise-prefix", "prefix": "prefix",
+                           "round-robin": "round-robin"},
+                          (("precise-prefix", "prefix"), ("precise-prefix", "round-robin"),
+                           ("prefix", "round-robin")), sessions=12, rounds=3, kv_blocks=16),
+}  # fmt: skip
+MIN_KV_BLOCKS = MAX_MODEL_LEN // CPU_BLOCK_TOKENS  # vLLM refuses a cache that cannot hold one context
+
+
+@dataclass(frozen=True, slots=True)
+class RealRoutingOptions:
+    """The ``--set`` options of the real part, checked."""
+
+    compare: str
+    sessions: int
+    turns: int
+    rounds: int
+    reply_chars: int
+    max_tokens: int
+    session_gap: float
+    turn_gap: float
+    slo: float
+    batch: int
+    kv_blocks: int | None
+
+    @property
+    def comparison(self) -> Comparison:
+        return COMPARISONS[self.compare]
+
+
+def parse_options(opts: dict[str, Any]) -> RealRoutingOptions:
+    """The real part's options with their defaults (some depend on ``compare``); ValueError naming the
+    bad one."""
+    compare = str(opts.get("compare", "combined"))
+    if compare not in COMPARISONS:
+        raise ValueError(f"--set compare= must be one of {', '.join(COMPARISONS)}, got {compare!r}")
+    comparison = COMPARISONS[compare]
+    kv_blocks = option(opts, "kv_blocks", comparison.kv_blocks, int)
+    parsed = RealRoutingOptions(
+        compare=compare,
+        sessions=option(opts, "sessions", comparison.sessions, int),
+        turns=option(opts, "turns", 4, int),
+        rounds=option(opts, "rounds", comparison.rounds, int),
+        reply_chars=option(opts, "reply_chars", 600, int),
+        max_tokens=option(opts, "max_tokens", 4, int),
+        session_gap=option(opts, "session_gap", 3.0, float),
+        turn_gap=option(opts, "turn_gap", 20.0, float),
+        slo=option(opts, "ttft_slo", 3.0, float),
+        batch=option(opts, "batch", 4, int),
+        kv_blocks=kv_blocks,
+    )
+    if min(parsed.rounds, parsed.max_tokens, parsed.batch) < 1 or parsed.slo <= 0:
+        raise ValueError("--set rounds, max_tokens and batch must be >= 1 and ttft_slo > 0")
+    if kv_blocks is not None and kv_blocks < MIN_KV_BLOCKS:
+        raise ValueError(f"--set kv_blocks must be >= {MIN_KV_BLOCKS} (vLLM needs room for one "
+                         f"{MAX_MODEL_LEN}-token context in {CPU_BLOCK_TOKENS}-token blocks), "
+                         f"got {kv_blocks}")  # fmt: skip
+    return parsed
+
+
+def reuse_ceiling(prompt_lengths: dict[str, list[int]]) -> float:
+    """The prefix hit rate (prompt tokens) with a cache that never evicts and each session on one
+    server: every turn reuses the full blocks of the previous turn's prompt, which its own starts with.
+    ``prompt_lengths``: each session's prompt tokens, turn by turn."""
+    total = sum(sum(turns) for turns in prompt_lengths.values())
+    reused = sum(
+        prev // CPU_BLOCK_TOKENS * CPU_BLOCK_TOKENS
+        for turns in prompt_lengths.values()
+        for prev in turns[:-1]
+    )
+    return reused / total if total else 0.0
+
+
+def _prompt_lengths(model_dir: Path, turns: list[ChatTurn], max_tokens: int) -> dict[str, list[int]]:
+    """Each session's prompt tokens, turn by turn, as vLLM renders its chats (the model's template)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    lengths: dict[str, list[int]] = {}
+    for turn in sorted(turns, key=lambda t: (t.session, t.turn)):
+        text = tokenizer.apply_chat_template(chat_body(MODEL, turn, max_tokens)["messages"], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        lengths.setdefault(turn.session, []).append(len(ids))
+    return lengths
 
 
 def _cores(n: int) -> list[str]:
@@ -94,15 +211,29 @@ def _measure_profile(server: VLLMServer, model_dir: Path) -> dict[str, float]:
             "prefillP0": max(floor, p.prefill_p0), "prefillP1": p.prefill_p1}  # fmt: skip
 
 
-def _worker_config(
-    url: str, model_dir: Path, profile: dict[str, float], slo: float, batch: int
+def worker_config(
+    url: str, model_dir: Path, profile: dict[str, float], slo: float, batch: int, kv_blocks: int | None
 ) -> dict[str, Any]:
+    # a cache of kv_blocks: the worker and the router's approximate index (its capacity) know its size
+    capacity = {} if kv_blocks is None else {"kvCapacityTokens": kv_blocks * CPU_BLOCK_TOKENS}
     return {
         "models": [{"name": MODEL, "url": url, "tokenizer": str(model_dir), "maxModelLen": MAX_MODEL_LEN,
-                    "defaultClass": "chat", "sleepMode": "off", "profile": profile}],
+                    "defaultClass": "chat", "sleepMode": "off", "profile": profile, **capacity}],
         "classes": {"chat": {"slo": {"ttftSeconds": slo}}},
         "scheduling": {"policy": "fcfs", "batch": {"min": 1, "max": batch}},
     }  # fmt: skip
+
+
+def backends_document(
+    urls: list[str], configs: list[dict[str, Any]], feeds: list[str | None]
+) -> dict[str, Any]:
+    """The router's backends file: one mixed instance per worker (its url and configuration), with its
+    vLLM's KV-event publisher where it has one (``feeds``: None for a server without events)."""
+    return {"backends": [
+        {"name": f"vllm-{i}", "url": url, "role": "mixed", "config": config,
+         "kvEvents": [] if feed is None else [{"model": MODEL, "endpoint": feed}]}
+        for i, (url, config, feed) in enumerate(zip(urls, configs, feeds, strict=True))
+    ]}  # fmt: skip
 
 
 class RouterChild:
@@ -171,46 +302,43 @@ def _run_route(servers: list[VLLMServer], backends: Path, route: str, turns: lis
         router.stop()
     after = [prefix_counters(httpx.get(f"{s.url}/metrics", timeout=10.0).text) for s in servers]
     ttfts = np.array([s.ttft for s in stats])
+    queried = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
     return {
         "requests": len(stats),
         "mean_ttft_s": float(ttfts.mean()),
         "p99_ttft_s": float(np.percentile(ttfts, 99)),
         "mean_jct_s": float(np.mean([s.jct for s in stats])),
         "prefix_hit_tokens": sum(a[0] - b[0] for a, b in zip(after, before, strict=True)),
-        "prefix_query_tokens": sum(a[1] - b[1] for a, b in zip(after, before, strict=True)),
+        "prefix_query_tokens": sum(queried),
+        # how unevenly the route spread the prompt tokens (0.5: evenly over two servers)
+        "busiest_share": max(queried) / max(sum(queried), 1.0),
     }
 
 
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
-    """Both routes on the same sessions in every round, on two real vLLM servers."""
+    """The comparison's routes on the same sessions in every round, on two real vLLM servers."""
     from tessera.models.cache import resolve_model
 
-    opts = config.options
-    sessions = option(opts, "sessions", 4, int)
-    turns = option(opts, "turns", 4, int)
-    rounds = option(opts, "rounds", 2, int)
-    reply_chars = option(opts, "reply_chars", 600, int)
-    max_tokens = option(opts, "max_tokens", 4, int)
-    session_gap = option(opts, "session_gap", 3.0, float)
-    turn_gap = option(opts, "turn_gap", 20.0, float)
-    slo = option(opts, "ttft_slo", 3.0, float)
-    batch = option(opts, "batch", 4, int)
-    if min(rounds, max_tokens, batch) < 1 or slo <= 0:
-        raise ValueError("--set rounds, max_tokens and batch must be >= 1 and ttft_slo > 0")
+    o = parse_options(config.options)
+    rows = o.comparison.rows
     answers = load_answers()
-    plans = [chat_sessions(answers, sessions, turns, seed=config.seed + r, reply_chars=reply_chars,
-                           session_gap_s=session_gap, turn_gap_s=turn_gap, prefix=f"r{r}s")
-             for r in range(rounds)]  # fmt: skip
+    plans = [chat_sessions(answers, o.sessions, o.turns, seed=config.seed + r, reply_chars=o.reply_chars,
+                           session_gap_s=o.session_gap, turn_gap_s=o.turn_gap, prefix=f"r{r}s")
+             for r in range(o.rounds)]  # fmt: skip
     resolved = resolve_model(MODEL)
     model_dir = resolved.path
     dtype = resolved.known.dtype if resolved.known is not None else "auto"
-    progress(0, total=2 + 2 * rounds)
-    per_round: dict[str, list[dict[str, Any]]] = {row: [] for row in ROUTES}
+    ceilings = [reuse_ceiling(_prompt_lengths(model_dir, plan, o.max_tokens)) for plan in plans]
+    events = any(uses_engine_blocks(ROUTE_SPECS[route]) for route in rows.values())
+    cache_args = [] if o.kv_blocks is None else ["--num-gpu-blocks-override", str(o.kv_blocks)]
+    progress(0, total=2 + len(rows) * o.rounds)
+    per_round: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
     with tempfile.TemporaryDirectory(prefix="tessera-real-routing-") as tmp_name, ExitStack() as stack:
         tmp = Path(tmp_name)
         servers = [
-            VLLMServer(model_dir, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=batch,
-                       dtype=dtype, extra_args=["--enforce-eager"], dev_mode=True,
+            VLLMServer(model_dir, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=o.batch,
+                       dtype=dtype, extra_args=["--enforce-eager", *cache_args], dev_mode=True,
+                       kv_events_port=0 if events else None,
                        env={"VLLM_CPU_OMP_THREADS_BIND": core}, start_timeout_s=START_TIMEOUT_S)
             for core in _cores(2)
         ]  # fmt: skip
@@ -223,32 +351,35 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         progress(1)
         profile = _measure_profile(servers[0], model_dir)
         progress(1)
+        configs = [worker_config(s.url, model_dir, profile, o.slo, o.batch, o.kv_blocks) for s in servers]
         workers = []
-        for s in servers:
-            worker = WorkerChild(_worker_config(s.url, model_dir, profile, slo, batch), tmp,
-                                 ready_timeout_s=START_TIMEOUT_S)  # fmt: skip
+        for each in configs:
+            worker = WorkerChild(each, tmp, ready_timeout_s=START_TIMEOUT_S)
             stack.callback(worker.stop)
             workers.append(worker)
         backends = tmp / "backends.json"
-        backends.write_text(json.dumps({"backends": [
-            {"name": f"vllm-{i}", "url": w.url, "role": "mixed",
-             "config": _worker_config(s.url, model_dir, profile, slo, batch)}
-            for i, (w, s) in enumerate(zip(workers, servers, strict=True))
-        ]}))  # fmt: skip
+        feeds = [s.kv_events_endpoint for s in servers]
+        backends.write_text(json.dumps(backends_document([w.url for w in workers], configs, feeds)))
         for r, plan in enumerate(plans):
-            order = list(ROUTES) if r % 2 == 0 else list(reversed(ROUTES))
+            names = list(rows)
+            order = names[r % len(names) :] + names[: r % len(names)]  # each row leads in turn
             for row in order:
-                per_round[row].append(_run_route(servers, backends, ROUTES[row], plan, max_tokens,
+                per_round[row].append(_run_route(servers, backends, rows[row], plan, o.max_tokens,
                                                  tmp / "router.log"))  # fmt: skip
                 progress(1)
         load = watch.describe_load()
     results = [_row(row, runs) for row, runs in per_round.items()]
-    checks = _checks(per_round)
-    checks.append(f"{load} during the runs; workers' profile measured on the first server: {profile}")
-    cfg = {**config.as_dict(), "engine": "vllm", "model": MODEL, "sessions": sessions, "turns": turns,
-           "rounds": rounds, "reply_chars": reply_chars, "max_tokens": max_tokens,
-           "session_gap_s": session_gap, "turn_gap_s": turn_gap, "ttft_slo_s": slo, "batch": batch,
-           "routes": ROUTES}  # fmt: skip
+    checks = _checks(per_round, o.comparison.pairs)
+    each = ", ".join(f"{c:.1%}" for c in ceilings)
+    checks.append(f"hit rate ceiling per round (no eviction, each session on one server): {each}")
+    tokens = None if o.kv_blocks is None else o.kv_blocks * CPU_BLOCK_TOKENS
+    cache = "vLLM's 1 GiB" if o.kv_blocks is None else f"{o.kv_blocks} blocks ({tokens} tokens)"
+    checks.append(f"{load} during the runs; KV cache per server {cache}; workers' profile measured on the "
+                  f"first server: {profile}")  # fmt: skip
+    cfg = {**config.as_dict(), "engine": "vllm", "model": MODEL, "compare": o.compare, "sessions": o.sessions,
+           "turns": o.turns, "rounds": o.rounds, "reply_chars": o.reply_chars, "max_tokens": o.max_tokens,
+           "session_gap_s": o.session_gap, "turn_gap_s": o.turn_gap, "ttft_slo_s": o.slo, "batch": o.batch,
+           "kv_blocks": o.kv_blocks, "routes": rows}  # fmt: skip
     return BenchReport("routing", cfg, results, checks)
 
 
@@ -264,23 +395,33 @@ def _row(row: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_jct_s": statistics.median(r["mean_jct_s"] for r in runs),
         "cache_hit_rate": hits / queries if queries else 0.0,
         "prefill_tokens": int(queries - hits),
+        "busiest_share": statistics.median(r["busiest_share"] for r in runs),
     }
 
 
-def _checks(per_round: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Paired ratios combined / round-robin per round, and their medians."""
+def _checks(per_round: dict[str, list[dict[str, Any]]], pairs: tuple[tuple[str, str], ...]) -> list[str]:
+    """Per pair the ratios numerator / denominator of each round, and their medians (PASS below 1)."""
     lines = []
-    for key in ("mean_ttft_s", "p99_ttft_s"):
-        ratios = [c[key] / max(b[key], 1e-9)
-                  for c, b in zip(per_round["combined"], per_round["round-robin"], strict=True)]  # fmt: skip
-        median = statistics.median(ratios)
-        each = ", ".join(f"{x:.2f}" for x in ratios)
-        lines.append(f"combined / round-robin {key}: median x{median:.2f} (rounds: {each}): "
-                     f"{'PASS' if median < 1 else 'FAIL'}")  # fmt: skip
+    for num, den in pairs:
+        for key in ("mean_ttft_s", "p99_ttft_s"):
+            ratios = [a[key] / max(b[key], 1e-9) for a, b in zip(per_round[num], per_round[den], strict=True)]
+            median = statistics.median(ratios)
+            each = ", ".join(f"{x:.2f}" for x in ratios)
+            lines.append(f"{num} / {den} {key}: median x{median:.2f} (rounds: {each}): "
+                         f"{'PASS' if median < 1 else 'FAIL'}")  # fmt: skip
     for row, runs in per_round.items():
         each = ", ".join(f"{r['prefix_hit_tokens'] / max(r['prefix_query_tokens'], 1):.1%}" for r in runs)
-        lines.append(f"{row}: vLLM prefix hit rate per round {each}")
+        busiest = ", ".join(f"{r['busiest_share']:.0%}" for r in runs)
+        lines.append(f"{row}: vLLM prefix hit rate per round {each}; busiest server's prompt share {busiest}")
     return lines
 
 
-__all__ = ["prefix_counters", "run"]
+__all__ = [
+    "COMPARISONS",
+    "backends_document",
+    "parse_options",
+    "prefix_counters",
+    "reuse_ceiling",
+    "run",
+    "worker_config",
+]

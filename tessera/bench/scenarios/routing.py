@@ -37,7 +37,9 @@ tolerance (0.10), workload (mooncake | chat), turns (chat: 5), and the cluster o
 
 ``--set engine=vllm`` runs the real part instead (``tessera.bench.real_routing``): the combined route
 against round-robin on two real vLLM servers behind the live router, on multi-turn chat sessions, as
-paired ratios over interleaved rounds (its own options are listed there).
+paired ratios over interleaved rounds (its own options are listed there); with ``--set compare=precise``
+``precise-prefix`` against ``prefix`` (round-robin as reference) on KV caches small enough that vLLM
+evicts during the run.
 """
 
 from __future__ import annotations
