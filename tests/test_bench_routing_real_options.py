@@ -35,7 +35,7 @@ def test_compare_precise_runs_precise_against_approximate_on_an_evicting_cache()
         "round-robin": "round-robin",
     }
     assert o.comparison.pairs[0] == ("precise-prefix", "prefix")
-    assert (o.sessions, o.rounds, o.kv_blocks) == (12, 3, 16)
+    assert (o.sessions, o.rounds, o.kv_blocks) == (12, 3, 17)
     # options given win over the comparison's defaults
     o = parse_options({"compare": "precise", "sessions": "6", "rounds": "5", "kv_blocks": "20"})
     assert (o.sessions, o.rounds, o.kv_blocks) == (6, 5, 20)
@@ -51,7 +51,7 @@ def test_every_row_of_every_comparison_is_a_route_of_the_router() -> None:
     ("options", "message"),
     [
         ({"compare": "exact"}, "compare= must be one of combined, precise, got 'exact'"),
-        ({"compare": "precise", "kv_blocks": "8"}, "kv_blocks must be >= 16"),
+        ({"compare": "precise", "kv_blocks": "16"}, "kv_blocks must be >= 17"),
         ({"kv_blocks": "lots"}, "kv_blocks"),
         ({"compare": "precise", "rounds": "0"}, "rounds, max_tokens and batch must be >= 1"),
         ({"ttft_slo": "0"}, "ttft_slo > 0"),
@@ -77,11 +77,12 @@ def test_the_hit_rate_ceiling_reuses_the_full_blocks_of_each_previous_turn() -> 
 
 def test_a_small_cache_is_told_to_the_workers_and_the_routers_approximate_index(tmp_path: Path) -> None:
     tokenizer = tmp_path / "smollm2"
-    configs = [worker_config(f"http://127.0.0.1:{p}", tokenizer, {}, 3.0, 4, 16) for p in (8001, 8002)]
+    configs = [worker_config(f"http://127.0.0.1:{p}", tokenizer, {}, 3.0, 4, 17) for p in (8001, 8002)]
     doc = backends_document(["http://127.0.0.1:9001", "http://127.0.0.1:9002"], configs,
                             ["tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"])  # fmt: skip
     backends = parse_backends(doc)
-    assert [b.config.models[0].kv_capacity_tokens for b in backends] == [16 * 128, 16 * 128]
+    # one of the 17 blocks is vLLM's null block, never filled
+    assert [b.config.models[0].kv_capacity_tokens for b in backends] == [2048, 2048]
     assert [[s.endpoint for s in b.kv_events] for b in backends] == [
         ["tcp://127.0.0.1:5557"],
         ["tcp://127.0.0.1:5558"],

@@ -27,8 +27,9 @@ subscribes to each server's KV events and knows which blocks each engine holds) 
 affinity (``prefix``: the router remembers where it sent each prompt's blocks, with least recently used
 eviction at the instance's configured KV capacity), round-robin as reference, on caches small enough
 that vLLM evicts during the run: each server gets ``kv_blocks`` KV blocks (``--num-gpu-blocks-override``,
-16 by default: 2048 tokens, the least vLLM accepts for a 2048-token context) and its worker's
-``kvCapacityTokens`` says so (the approximate index's capacity). Its defaults are 12 sessions and 3
+17 by default, the least vLLM accepts for a 2048-token context: it keeps one block aside, so 16 blocks
+or 2048 tokens hold prompts) and its worker's ``kvCapacityTokens`` says so (the approximate index's
+capacity). Its defaults are 12 sessions and 3
 rounds: about 60 full 128-token blocks of conversation, some 30 a server, against 16. Checks: the
 paired ratios precise-prefix / prefix, precise-prefix / round-robin and prefix / round-robin; and the
 hit rate a cache that never evicts would give with each session on one server (every turn reusing the
@@ -36,7 +37,7 @@ full blocks of the previous turn's prompt), the ceiling evictions keep the rows 
 
 Options (``--set``): compare (combined | precise), sessions (4; precise 12), turns (4), rounds (2;
 precise 3), reply_chars (600), max_tokens (4), session_gap (3.0), turn_gap (20.0: think times uniform in
-0.5-1.5x), ttft_slo (3.0), batch (4), kv_blocks (unset: vLLM's 1 GiB; precise 16). Sized for a few
+0.5-1.5x), ttft_slo (3.0), batch (4), kv_blocks (unset: vLLM's 1 GiB; precise 17). Sized for a few
 minutes on an idle 2-core machine (about 20 on one loaded by other work).
 """
 
@@ -95,9 +96,11 @@ COMPARISONS = {
     "precise": Comparison({"precise-prefix": "precise-prefix", "prefix": "prefix",
                            "round-robin": "round-robin"},
                           (("precise-prefix", "prefix"), ("precise-prefix", "round-robin"),
-                           ("prefix", "round-robin")), sessions=12, rounds=3, kv_blocks=16),
+                           ("prefix", "round-robin")), sessions=12, rounds=3, kv_blocks=17),
 }  # fmt: skip
-MIN_KV_BLOCKS = MAX_MODEL_LEN // CPU_BLOCK_TOKENS  # vLLM refuses a cache that cannot hold one context
+# vLLM refuses a cache that cannot hold one context, and one block of its pool is never used (its null
+# block): with 16 blocks it refused to start, estimating the longest context at 1920 tokens
+MIN_KV_BLOCKS = MAX_MODEL_LEN // CPU_BLOCK_TOKENS + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +149,8 @@ def parse_options(opts: dict[str, Any]) -> RealRoutingOptions:
         raise ValueError("--set rounds, max_tokens and batch must be >= 1 and ttft_slo > 0")
     if kv_blocks is not None and kv_blocks < MIN_KV_BLOCKS:
         raise ValueError(f"--set kv_blocks must be >= {MIN_KV_BLOCKS} (vLLM needs room for one "
-                         f"{MAX_MODEL_LEN}-token context in {CPU_BLOCK_TOKENS}-token blocks), "
+                         f"{MAX_MODEL_LEN}-token context in {CPU_BLOCK_TOKENS}-token blocks plus one it "
+                         f"keeps aside), "
                          f"got {kv_blocks}")  # fmt: skip
     return parsed
 
@@ -214,8 +218,9 @@ def _measure_profile(server: VLLMServer, model_dir: Path) -> dict[str, float]:
 def worker_config(
     url: str, model_dir: Path, profile: dict[str, float], slo: float, batch: int, kv_blocks: int | None
 ) -> dict[str, Any]:
-    # a cache of kv_blocks: the worker and the router's approximate index (its capacity) know its size
-    capacity = {} if kv_blocks is None else {"kvCapacityTokens": kv_blocks * CPU_BLOCK_TOKENS}
+    # a cache of kv_blocks: the worker and the router's approximate index (its capacity) know the tokens
+    # it holds (one block is vLLM's null block)
+    capacity = {} if kv_blocks is None else {"kvCapacityTokens": (kv_blocks - 1) * CPU_BLOCK_TOKENS}
     return {
         "models": [{"name": MODEL, "url": url, "tokenizer": str(model_dir), "maxModelLen": MAX_MODEL_LEN,
                     "defaultClass": "chat", "sleepMode": "off", "profile": profile, **capacity}],
@@ -372,8 +377,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     checks = _checks(per_round, o.comparison.pairs)
     each = ", ".join(f"{c:.1%}" for c in ceilings)
     checks.append(f"hit rate ceiling per round (no eviction, each session on one server): {each}")
-    tokens = None if o.kv_blocks is None else o.kv_blocks * CPU_BLOCK_TOKENS
-    cache = "vLLM's 1 GiB" if o.kv_blocks is None else f"{o.kv_blocks} blocks ({tokens} tokens)"
+    tokens = None if o.kv_blocks is None else (o.kv_blocks - 1) * CPU_BLOCK_TOKENS
+    cache = "vLLM's 1 GiB" if o.kv_blocks is None else f"{o.kv_blocks} blocks ({tokens} tokens usable)"
     checks.append(f"{load} during the runs; KV cache per server {cache}; workers' profile measured on the "
                   f"first server: {profile}")  # fmt: skip
     cfg = {**config.as_dict(), "engine": "vllm", "model": MODEL, "compare": o.compare, "sessions": o.sessions,
