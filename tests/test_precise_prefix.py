@@ -282,9 +282,7 @@ def test_through_the_router_a_publishers_blocks_draw_a_token_prompt_and_its_rest
     backends = [Backend(name="a", url="http://a", config=config),
                 Backend(name="b", url="http://b", config=config, kv_events=feed)]  # fmt: skip
     state = RouterState(backends, route="precise-prefix")
-    app = create_router_app(
-        state, poll_interval_s=3600.0, client=httpx.AsyncClient(transport=httpx.MockTransport(worker))
-    )
+    app = create_router_app(state, poll_interval_s=3600.0, transport=httpx.MockTransport(worker))
     pub = zmq.Context.instance().socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{port}")
     stored = {"type": "BlockStored", "block_hashes": _engine_hashes(TOKENS), "parent_block_hash": None,

@@ -337,8 +337,8 @@ def test_a_stream_the_worker_ends_with_an_error_event_counts_as_a_failure() -> N
         Backend(name=i.name, url=f"http://w{n}", role=i.role, config=i.config)
         for n, i in enumerate(PLAN.instances)
     ]
-    client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
-    app = create_router_app(RouterState(backends), poll_interval_s=3600.0, client=client)
+    app = create_router_app(RouterState(backends), poll_interval_s=3600.0,
+                            transport=httpx.MockTransport(worker))  # fmt: skip
     with TestClient(app) as http:
         streamed = http.post("/v1/completions", json={**BODY, "stream": True})
         assert streamed.status_code == 200 and "engine failed" in streamed.text
@@ -367,8 +367,8 @@ def test_a_draining_worker_s_refusal_is_retried_on_another_instance() -> None:
         Backend(name=i.name, url=f"http://w{n}", role=i.role, config=i.config)
         for n, i in enumerate(PLAN.instances)
     ]
-    client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
-    app = create_router_app(RouterState(backends), poll_interval_s=3600.0, client=client)
+    app = create_router_app(RouterState(backends), poll_interval_s=3600.0,
+                            transport=httpx.MockTransport(worker))  # fmt: skip
     with TestClient(app) as http:
         codes = [http.post("/v1/completions", json=BODY).status_code for _ in range(4)]
     assert codes == [200] * 4, calls

@@ -64,8 +64,7 @@ def test_router_metrics_count_answers_errors_failover_and_instance_state() -> No
     ]
     hosts = {f"w{n}": inst.name for n, inst in enumerate(PLAN.instances)}
     failures: list[str] = []
-    client = httpx.AsyncClient(transport=_worker(failures))
-    app = create_router_app(RouterState(backends), poll_interval_s=3600.0, client=client)
+    app = create_router_app(RouterState(backends), poll_interval_s=3600.0, transport=_worker(failures))
     with TestClient(app) as http:
         ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
         assert ok.status_code == 200 and failures  # the first instance refused, the next one answered

@@ -76,14 +76,16 @@ from tessera.router.prompt_tokens import PromptTokenizers
 from tessera.router.relay import (
     Answer,
     Upstream,
-    UpstreamClients,
     record_delivery,
     relay_events,
     send,
     unless_client_leaves,
 )
+from tessera.router.upstream import UpstreamTransport
 
 POLL_INTERVAL_S = 1.0
+CONNECT_TIMEOUT_S = 5.0  # opening a connection to an instance; an answer may take as long as it takes
+POLL_TIMEOUT_S = 2.0  # each readiness or metrics poll of an instance
 log = logging.getLogger(__name__)
 _ROUTES = (
     "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /ready, /router/status, "
@@ -149,6 +151,8 @@ class Pick:
     prefill_tokens: int
 
 
+_POLLED_FAMILIES = ("tessera_batch_size", "tessera_engine_start_time_seconds")  # what observe() reads
+_POLLED_LINES = tuple(f"{prefix}{name}" for name in _POLLED_FAMILIES for prefix in ("", "# HELP ", "# TYPE "))
 SESSION_HEADER = "x-tessera-session"  # a client's session key (else the body's OpenAI "user" field)
 MAX_SESSIONS = 100_000  # sessions remembered for sticky routing, least recently used forgotten first
 RECENT_DECISIONS = 20  # cache-aware decisions /router/status shows with their scores
@@ -330,8 +334,11 @@ class RouterState:
     def observe(self, backend: str, metrics_text: str) -> None:
         """Apply a worker's /metrics: its current batch size per model, and its engines' start times (an
         engine that restarted between two polls lost its prefix cache: what it held is forgotten)."""
-        for family in text_string_to_metric_families(metrics_text):
-            if family.name not in ("tessera_batch_size", "tessera_engine_start_time_seconds"):
+        # Only the lines of the two families read here are parsed: a worker's exposition is mostly
+        # histograms, and parsing all of it every poll was 7% of the router's CPU under load.
+        wanted = "\n".join(line for line in metrics_text.splitlines() if line.startswith(_POLLED_LINES))
+        for family in text_string_to_metric_families(wanted):
+            if family.name not in _POLLED_FAMILIES:
                 continue
             for sample in family.samples:
                 model = sample.labels.get("model", "")
@@ -395,9 +402,13 @@ async def poll(state: RouterState, client: httpx.AsyncClient) -> None:
 
     async def one(backend: Backend) -> None:
         try:
-            ready = await client.get(f"{backend.url}/ready", timeout=2.0)
-            metrics = await client.get(f"{backend.url}/metrics", timeout=2.0)
-        except httpx.HTTPError:
+            # Timed here: the router's transport bounds only the connect (an answer may last as long
+            # as its generation).
+            async with asyncio.timeout(POLL_TIMEOUT_S):
+                ready = await client.get(f"{backend.url}/ready")
+            async with asyncio.timeout(POLL_TIMEOUT_S):
+                metrics = await client.get(f"{backend.url}/metrics")
+        except (httpx.HTTPError, TimeoutError):
             state.set_health(backend.name, False)
             return
         state.set_health(backend.name, ready.status_code == 200)
@@ -411,7 +422,7 @@ def create_router_app(
     state: RouterState,
     *,
     poll_interval_s: float = POLL_INTERVAL_S,
-    client: httpx.AsyncClient | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
     discover: Callable[[], Discovered] | None = None,
     limits: RouterLimits | None = None,
     api_keys: ApiKeys | None = None,
@@ -425,19 +436,21 @@ def create_router_app(
     cluster: the groups the operator scales to zero, ``tessera.router.cluster_wake``) before the
     backends are replaced. ``limits`` bound what one client may send (default
     ``RouterLimits()``); ``api_keys`` turns on API-key authentication (re-read at every poll round when
-    the file changed). ``activator`` turns on scale to zero (``tessera.router.activator``): requests for
+    the file changed). ``transport`` carries everything sent to the instances, requests and polls
+    (default ``tessera.router.upstream.UpstreamTransport``; tests give an ``httpx.MockTransport``).
+    ``activator`` turns on scale to zero (``tessera.router.activator``): requests for
     a sleeping model are held until it has woken. ``app.state.limits`` and ``app.state.metrics`` are what
     ``tessera.router.protocol.router_server_config`` serves the app with."""
     limits = limits or RouterLimits()
-    upstreams = UpstreamClients(client)
-    holder: dict[str, httpx.AsyncClient] = {}
+    holder: dict[str, httpx.AsyncBaseTransport] = {}
     subscriptions = Subscriptions()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        http = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                           limits=httpx.Limits(max_connections=None))  # fmt: skip
-        holder["client"] = http
+        # Requests are relayed straight through the transport (tessera.router.upstream: httpx's pool
+        # and client layers cost more CPU than the relaying itself); polls go through an httpx client.
+        holder["transport"] = upstream = transport or UpstreamTransport(CONNECT_TIMEOUT_S)
+        http = httpx.AsyncClient(transport=upstream)
 
         async def refresh() -> None:
             if discover is not None:
@@ -475,9 +488,7 @@ def create_router_app(
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await subscriptions.aclose()
-            await upstreams.aclose()
-            if client is None:
-                await http.aclose()
+            await http.aclose()  # and its transport
 
     app = FastAPI(title="Tessera router", version="0.1.0", lifespan=lifespan)
     metrics = RouterMetrics(state.instance_rows, state.delivered)
@@ -600,17 +611,17 @@ def create_router_app(
 
     async def _activate_and_send(up: Upstream, priority: int) -> Answer:
         if activator is None:
-            return await send(state, metrics, upstreams, up)
+            return await send(state, metrics, holder["transport"], up)
         await activator.admit(up.model, up.ttft_slo_s, priority)  # held here while the model sleeps or wakes
         try:
-            return await send(state, metrics, upstreams, up)
+            return await send(state, metrics, holder["transport"], up)
         except ApiError as exc:
             # A followed group's instances all went away under the request: the operator is scaling it to
             # zero and discovery has not shown it yet. Held like any request for a cold model, not refused.
             if exc.code != "no_instance" or not activator.lost_instances(up.model):
                 raise
         await activator.admit(up.model, up.ttft_slo_s, priority)
-        return await send(state, metrics, upstreams, up)
+        return await send(state, metrics, holder["transport"], up)
 
     @app.post("/v1/completions", summary="OpenAI completions, routed to a worker instance.")
     async def completions(http: HttpRequest) -> Response:

@@ -4,8 +4,8 @@ Hop-by-hop headers describe one connection, not the message, and a proxy must no
 (RFC 9110 §7.6.1): ``Connection`` and every header it names, ``Keep-Alive``, ``Proxy-*``, ``TE``,
 ``Trailer``, ``Transfer-Encoding`` and ``Upgrade``. Forwarding ``Transfer-Encoding: chunked`` next to
 the ``Content-Length`` of the body the router re-sends makes the request invalid to the worker.
-The router also rebuilds the framing of its own upstream request: host, length, a JSON content type
-(it has parsed the body as JSON whatever the client declared) and the encodings httpx negotiates.
+The router also rebuilds the framing of its own upstream request: host, length and a JSON content type
+(it has parsed the body as JSON whatever the client declared); it asks for no content encoding.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -92,40 +93,15 @@ async def unless_client_leaves(http: HttpRequest, work: Awaitable[T]) -> T | Non
     return task.result() if not task.cancelled() else None
 
 
-SHARD_STREAMS = 32  # streams per upstream connection pool (see UpstreamClients)
+@functools.lru_cache(maxsize=1024)
+def _url(text: str) -> httpx.URL:
+    """An instance's endpoint, parsed once (the URLs are few: each instance's two endpoints)."""
+    return httpx.URL(text)
 
 
-class UpstreamClients:
-    """The HTTP clients requests are relayed with: a few per instance, each for about
-    ``SHARD_STREAMS`` concurrent requests. httpcore's connection pool scans every connection it holds
-    whenever a request starts or a response closes, so one pool for hundreds of concurrent streams
-    made that scan the router's largest cost (profiled at 200 concurrent streams); small pools keep
-    it flat. A client given by the caller (tests) serves every request."""
-
-    def __init__(self, given: httpx.AsyncClient | None = None) -> None:
-        self.given = given
-        self._pools: dict[tuple[str, int], httpx.AsyncClient] = {}
-
-    def for_load(self, load: InstanceLoad) -> httpx.AsyncClient:
-        """The client for a new request to ``load``'s instance."""
-        if self.given is not None:
-            return self.given
-        key = (load.instance, load.outstanding // SHARD_STREAMS)
-        client = self._pools.get(key)
-        if client is None:
-            client = self._pools[key] = httpx.AsyncClient(
-                timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None)
-            )
-        return client
-
-    async def aclose(self) -> None:
-        """Close the clients this object made."""
-        for client in self._pools.values():
-            await client.aclose()
-        self._pools.clear()
-
-
-async def send(state: RouterState, metrics: RouterMetrics, clients: UpstreamClients, up: Upstream) -> Answer:
+async def send(
+    state: RouterState, metrics: RouterMetrics, transport: httpx.AsyncBaseTransport, up: Upstream
+) -> Answer:
     """Send ``up`` to the best instance and wait for its answer: the whole answer unless it is a
     stream of events, which is returned open with the instance counting it outstanding (the relay
     closes it). ApiError 503 when no instance is left, 502 when two instances broke off."""
@@ -143,14 +119,15 @@ async def send(state: RouterState, metrics: RouterMetrics, clients: UpstreamClie
         load, prefill = picked.load, picked.prefill_tokens
         tried.add(load.instance)
         url = f"{state.backends[load.instance].url}{up.path}"
-        client = clients.for_load(load)
-        request = client.build_request("POST", url, content=up.content, headers=up.headers)
+        # Straight to the transport, not through an httpx client: its cookies, redirects, auth and
+        # default headers have no use here and cost as much CPU per request as the transport.
+        request = httpx.Request("POST", _url(url), content=up.content, headers=up.headers)
         load.outstanding += 1
         load.prefill.sent(prefill, time.monotonic(), load.profile)
         response: httpx.Response | None = None
         kept_open = False
         try:
-            response = await client.send(request, stream=True)
+            response = await transport.handle_async_request(request)  # its body not read yet
             events = response.headers.get("content-type", "").startswith("text/event-stream")
             if up.stream and response.status_code == 200 and events:
                 kept_open = True
