@@ -19,8 +19,11 @@ filter of the combined route estimate with) is measured on the first server.
 
 Rows ``combined:vllm`` (``slo-prefix``) and ``round-robin:vllm``: client TTFT mean and p99 (medians over
 the rounds), and the prefix hit rate measured by vLLM itself: ``vllm:prefix_cache_hits`` over
-``vllm:prefix_cache_queries`` (prompt tokens) of both servers during the runs. Checks: per round the
-paired ratios combined / round-robin of TTFT mean and p99, and their medians (PASS below 1).
+``vllm:prefix_cache_queries`` (prompt tokens) of both servers during the runs; the busiest server's share
+of the prompt tokens (median over the rounds), and the hit rate the router believed it got (its
+``/router/status`` at the end of each run: the cached tokens it counted where it sent each prompt).
+Checks: per round the paired ratios combined / round-robin of TTFT mean and p99, and their medians (PASS
+below 1).
 
 ``--set compare=precise`` compares instead precise prefix affinity (``precise-prefix``: the router
 subscribes to each server's KV events and knows which blocks each engine holds) with approximate
@@ -303,6 +306,7 @@ def _run_route(servers: list[VLLMServer], backends: Path, route: str, turns: lis
     router = RouterChild(backends, route, log)
     try:
         stats = asyncio.run(_replay(router.url, turns, max_tokens))
+        instances = httpx.get(f"{router.url}/router/status", timeout=10.0).json()["instances"]
     finally:
         router.stop()
     after = [prefix_counters(httpx.get(f"{s.url}/metrics", timeout=10.0).text) for s in servers]
@@ -317,6 +321,10 @@ def _run_route(servers: list[VLLMServer], backends: Path, route: str, turns: lis
         "prefix_query_tokens": sum(queried),
         # how unevenly the route spread the prompt tokens (0.5: evenly over two servers)
         "busiest_share": max(queried) / max(sum(queried), 1.0),
+        # what the router believed cached where it sent each prompt (its own record, or the engines'
+        # events on precise-prefix), against which vLLM's own hits tell what was still there
+        "believed_hit_tokens": sum(x["prefixCachedTokens"] for x in instances),
+        "believed_prompt_tokens": sum(x["prefixPromptTokens"] for x in instances),
     }
 
 
@@ -391,6 +399,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
 def _row(row: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     hits = sum(r["prefix_hit_tokens"] for r in runs)
     queries = sum(r["prefix_query_tokens"] for r in runs)
+    believed = sum(r["believed_hit_tokens"] for r in runs)
+    prompts = sum(r["believed_prompt_tokens"] for r in runs)
     return {
         "policy": f"{row}:vllm",
         "rounds": len(runs),
@@ -401,6 +411,7 @@ def _row(row: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "cache_hit_rate": hits / queries if queries else 0.0,
         "prefill_tokens": int(queries - hits),
         "busiest_share": statistics.median(r["busiest_share"] for r in runs),
+        "router_believed_hit_rate": believed / prompts if prompts else 0.0,
     }
 
 
