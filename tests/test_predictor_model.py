@@ -199,3 +199,53 @@ def test_shipped_heads_are_found_by_name(tmp_path: Path) -> None:
     assert resolve_artifact(tmp_path) == tmp_path
     with pytest.raises(ValueError, match="shipped head"):
         TextLengthPredictor("no-such-head")
+
+
+def test_the_cap_class_blends_the_remaining_tokens_to_the_cap() -> None:
+    from tessera.predictor.features import build_features
+    from tessera.predictor.head import LengthHead
+
+    dim = 4
+    head = LengthHead(3 * dim + 6, hidden=8, depth=2, cap_tokens=512)
+    assert head.cap is not None
+    x = torch.from_numpy(
+        np.stack([build_features(np.ones(dim, np.float32), np.ones((1, dim), np.float32), [g], g, 10)
+                  for g in (100, 400, 600)])
+    )  # fmt: skip
+    reg = (head.forward(x) * head.target_scale).clamp_min(0.0).detach()
+    last = head.cap[-1]
+    assert isinstance(last, torch.nn.Linear)
+    with torch.no_grad():
+        last.weight.zero_()
+        last.bias.fill_(50.0)  # P(cap) = 1: what is left to the cap, nothing past it
+    assert head.predict_tokens(x).tolist() == pytest.approx([412.0, 112.0, 0.0])
+    with torch.no_grad():
+        last.bias.fill_(-50.0)  # P(cap) = 0: the regression head's figure, never past the cap
+    to_cap = torch.tensor([412.0, 112.0, 0.0])
+    assert head.predict_tokens(x).tolist() == pytest.approx(torch.minimum(reg, to_cap).tolist(), abs=1e-4)
+
+
+def test_a_head_with_the_cap_class_trains_loads_and_reproduces_its_metrics(tmp_path: Path) -> None:
+    from tessera.predictor.evaluate import evaluate
+
+    plain = make_data(tmp_path / "plain.jsonl.gz", n=16)
+    cfg = dict(encoder="minilm", val_rows_per_prompt=None, val_fraction=0.3, dev_fraction=0.3, hidden=16,
+               depth=2, epochs=1, batch_size=8, threads=1, cache_dir=None, cap_class=True)  # fmt: skip
+    with pytest.raises(ValueError, match="--cap-class needs every row's finish_reason"):
+        train(TrainConfig(data=str(plain), out=str(tmp_path / "no"), **cfg))
+    data = tmp_path / "capped.jsonl.gz"
+    with gzip.open(data, "wt") as fh:
+        for pair in load_pairs(plain):
+            capped = count_tokens(pair.response) >= 130
+            row = {"prompt_id": pair.group, "prompt": pair.prompt, "response": pair.response,
+                   "max_tokens": 130, "finish_reason": "length" if capped else "stop"}  # fmt: skip
+            fh.write(json.dumps(row) + "\n")
+    assert {p.capped for p in load_pairs(data)} == {True, False}
+    meta = train(TrainConfig(data=str(data), out=str(tmp_path / "art"), **cfg))
+    assert meta["cap_tokens"] == 130 and 0.0 < meta["cap_class"]["train_share"] < 1.0
+    pred = TextLengthPredictor(tmp_path / "art", threads=1)
+    assert pred.head.cap is not None and pred.head.cap_tokens == 130
+    reqs = requests_from(data, 150)
+    assert pred.predict_remaining(reqs) == [0.0] * len(reqs)  # past the cap nothing remains
+    got = evaluate(pred, data, split="heldout", cache_dir=None)
+    assert {k: got[k] for k in meta["validation"]} == pytest.approx(meta["validation"], rel=1e-6)

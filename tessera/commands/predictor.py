@@ -121,6 +121,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of training prompt ids that pick the best epoch (default 0.1)",
     )
     tr.add_argument("--loss", choices=("mse", "huber"), default="huber")
+    tr.add_argument(
+        "--cap-class",
+        action="store_true",
+        help="add P(the answer runs to its token cap) to the head (rows need finish_reason, max_tokens)",
+    )
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
 
@@ -238,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
                 weight_decay=args.weight_decay,
                 clean_outliers=not args.keep_outliers,
                 loss=args.loss,
+                cap_class=args.cap_class,
                 seed=args.seed,
                 threads=args.threads,
             )

@@ -1,7 +1,8 @@
 """Prompt/response data: loading with validation, split by prompt, ELIS step augmentation.
 
 Input: JSONL (optionally gzipped), one object per line with string ``prompt`` and ``response``;
-optional ``prompt_id`` (the split key; default: sha1 of the prompt), ``source`` and ``model``.
+optional ``prompt_id`` (the split key; default: sha1 of the prompt), ``source``, ``model``, and
+``finish_reason`` with ``max_tokens`` (a served model's own answers: whether the answer ran to its token cap).
 Step augmentation (ELIS §4.2; docs/papers.md, "ELIS: response length predictor"): for a response
 of L tokens and window K, steps k = 0..⌊(L−1)/K⌋; the input is the prompt plus the first K·k
 response tokens and the target is the remaining L − K·k tokens. Responses of 0 tokens give no step
@@ -13,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,9 @@ class Pair:
     group: str  # prompt id: rows with the same group never straddle the train/validation split
     source: str = ""
     model: str = ""
+    # The answer's token cap and whether it ran to it (finish_reason "length"); None: the row does not say.
+    max_tokens: int | None = None
+    capped: bool | None = None
 
 
 def load_pairs(path: str | Path) -> list[Pair]:
@@ -53,6 +57,8 @@ def load_pairs(path: str | Path) -> list[Pair]:
                 str(group),
                 str(row.get("source", "")),
                 str(row.get("model", "")),
+                int(row["max_tokens"]) if isinstance(row.get("max_tokens"), int) else None,
+                None if row.get("finish_reason") is None else row["finish_reason"] == "length",
             )
         )
     if not pairs:
@@ -77,7 +83,7 @@ def by_row(pairs: list[Pair]) -> list[Pair]:
 
     Only to compare with ELIS' reported accuracy (ELIS §4.2 splits rows 6:2:2): a row split puts other models'
     answers to the same prompt on both sides, so held-out figures leak."""
-    return [Pair(p.prompt, p.response, row_group(p), p.source, p.model) for p in pairs]
+    return [replace(p, group=row_group(p)) for p in pairs]
 
 
 def heldout(pairs: list[Pair], split: dict) -> list[Pair]:

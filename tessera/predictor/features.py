@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import numpy as np
 
 N_SCALARS = 6
+SCALAR_GENERATED = 1  # index among the scalars of generated / GENERATED_SCALE (the head's cap class reads it)
+GENERATED_SCALE = 1000.0
 
 
 def feature_dim(embed_dim: int) -> int:
@@ -71,7 +73,7 @@ def build_features(
     scalars = np.array(
         [
             np.log1p(generated) / 8.0,
-            generated / 1000.0,
+            generated / GENERATED_SCALE,
             np.log1p(prompt_tokens) / 8.0,
             float(generated == 0),
             *repetition,

@@ -75,6 +75,7 @@ class TextLengthPredictor:
             self.meta["depth"],
             self.meta["target_scale"],
             self.meta.get("dropout", 0.0),  # artifacts from before the setting had none
+            self.meta.get("cap_tokens"),  # None: no cap class (every head trained without --cap-class)
         )
         self.head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         self.head.eval()

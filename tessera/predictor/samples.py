@@ -46,6 +46,7 @@ class Sample:
     chunk_keys: list[bytes] = field(default_factory=list)
     chunk_lens: list[int] = field(default_factory=list)
     repetition: tuple[float, float] = (1.0, 1.0)
+    capped: bool | None = None  # the response ran to its token cap (None: the data does not say)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,9 @@ def build_samples(
                 ans = resp.ids[:generated]
             else:
                 ans = encoder.ids([pair.response[: resp.offsets[generated - 1][1]]])[0]
-            sample = Sample(row, k, generated, len(p_served), len(resp.ids) - generated, pkey)
+            sample = Sample(
+                row, k, generated, len(p_served), len(resp.ids) - generated, pkey, capped=pair.capped
+            )
             sample.repetition = repetition_stats(ans, settings.chunk_tokens)
             for start, end in answer_spans(len(ans), settings.chunk_tokens):
                 piece = ans[start:end]

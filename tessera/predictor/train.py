@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from tessera.predictor.dataset import (
+    Pair,
     by_row,
     filter_sources,
     load_pairs,
@@ -107,6 +108,9 @@ class TrainConfig:
     weight_decay: float = 0.01  # AdamW's default
     clean_outliers: bool = True  # ELIS' log-IQR rule on response length, training rows only
     loss: str = "huber"  # "mse" or "huber"
+    # Add the cap class (head.py): needs rows that say finish_reason and one max_tokens (a served model's
+    # own answers, `tessera predictor gen-dataset`).
+    cap_class: bool = False
     seed: int = 0
     threads: int | None = None
     cache_dir: str | None = str(CACHE_DIR)  # frozen-encoder embeddings cache (None: in memory only)
@@ -114,6 +118,43 @@ class TrainConfig:
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+# The cap classifier's optimisation (CHOICE): full batch, AdamW; it has 1.3k weights and 6 inputs, so
+# 200 steps over the smollm2 training rows take about 2 s on one shared core.
+CAP_STEPS = 200
+CAP_LR = 1e-2
+CAP_WEIGHT_DECAY = 1e-3
+
+
+def _cap_tokens(pairs: list[Pair]) -> int:
+    """The one token cap the training answers were generated under; ValueError when rows do not say."""
+    if any(p.capped is None or p.max_tokens is None for p in pairs):
+        raise ValueError(
+            "--cap-class needs every row's finish_reason and max_tokens (as `tessera predictor gen-dataset` "
+            "writes them)"
+        )
+    caps = {p.max_tokens for p in pairs}
+    if len(caps) != 1:
+        raise ValueError(f"--cap-class needs one max_tokens for all training rows, got {sorted(caps)}")
+    return int(caps.pop())
+
+
+def _train_cap_class(
+    head: LengthHead, x: torch.Tensor, capped: list[bool], cap_tokens: int, seed: int
+) -> None:
+    """Add the cap classifier to ``head`` and fit it on the training features (the regression head stays)."""
+    torch.manual_seed(seed)
+    head.add_cap_class(cap_tokens)
+    assert head.cap is not None
+    y = torch.tensor(capped, dtype=torch.float32)
+    opt = torch.optim.AdamW(head.cap.parameters(), lr=CAP_LR, weight_decay=CAP_WEIGHT_DECAY)
+    head.eval()
+    for _ in range(CAP_STEPS):
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(head.cap_logit(x), y)
+        loss.backward()
+        opt.step()
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -191,14 +232,29 @@ def train(cfg: TrainConfig) -> dict:
         if best is None or dev["r2"] > best[0]:
             best = (dev["r2"], {k: v.clone() for k, v in head.state_dict().items()}, epoch, dev)
     assert best is not None
+    head.load_state_dict(best[1])
+    cap_tokens = None
+    if cfg.cap_class:
+        cap_tokens = _cap_tokens(train_pairs)
+        _train_cap_class(head, x_tr, [bool(s.capped) for s in tr_samples], cap_tokens, cfg.seed)
     # fp16 storage halves the file; weights load back into fp32. Validation is scored with the weights
     # as stored, so `tessera predictor eval --split heldout` reproduces it.
-    stored = {k: v.half() if v.is_floating_point() else v for k, v in best[1].items()}
+    stored = {k: v.half() if v.is_floating_point() else v for k, v in head.state_dict().items()}
     head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in stored.items()})
     head.eval()
     x_va = torch.from_numpy(store.features(va_samples))
     y_va = np.array([s.target for s in va_samples], dtype=np.float64)
     validation = regression_metrics(head.predict_tokens(x_va).numpy(), y_va)
+    cap_meta = None
+    if cap_tokens is not None:
+        cap_meta = {
+            "tokens": cap_tokens,
+            "train_share": float(np.mean([bool(s.capped) for s in tr_samples])),
+            # the dev split with the cap class (``dev`` is the regression head alone, which picked the epoch)
+            "dev": regression_metrics(head.predict_tokens(x_dv).numpy(), y_dv),
+        }
+        dev_cap = cap_meta["dev"]
+        _log(f"cap class ({cap_tokens} tokens): dev R² {dev_cap['r2']:.3f}, τ {dev_cap['kendall_tau']:.3f}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(stored, out / HEAD_FILE)
@@ -220,6 +276,7 @@ def train(cfg: TrainConfig) -> dict:
         "depth": cfg.depth,
         "dropout": cfg.dropout,
         "target_scale": head.target_scale,
+        "cap_tokens": cap_tokens,
         "steps": asdict(cfg.steps),
         "tokenizer": "default (all-MiniLM-L6-v2 WordPiece)" if cfg.tokenizer is None else cfg.tokenizer,
         "served_tokenizer": None if cfg.tokenizer is None else SERVED_TOKENIZER_FILE,
@@ -235,6 +292,7 @@ def train(cfg: TrainConfig) -> dict:
         "outlier_bounds_tokens": bounds,
         "best_epoch": best[2],
         "dev": best[3],
+        "cap_class": cap_meta,
         "validation": validation,
         "seconds": {"embedding": t_embedded - t_start, "total": time.perf_counter() - t_start},
     }
