@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         activator = Activator({}, {}, waker, lambda model: 0)
     app = create_router_app(state, poll_interval_s=args.poll_interval, limits=limits, api_keys=api_keys,
                             discover=discovery.discover if discovery else None, activator=activator,
-                            follow=waker.follow if waker else None)  # fmt: skip
+                            follow=waker.follow if waker else None, freeze_gc=True)  # fmt: skip
     if discovery is not None:
         app.state.metrics.registry.register(discovery.collector())
     server = RouterServer(router_server_config(app, host=args.host, port=args.port, log_level=args.log_level))

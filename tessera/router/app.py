@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import time
@@ -428,6 +429,7 @@ def create_router_app(
     api_keys: ApiKeys | None = None,
     activator: Activator | None = None,
     follow: Callable[[Discovered, Activator], None] | None = None,
+    freeze_gc: bool = False,
 ) -> FastAPI:
     """The router's HTTP application over ``state`` (polling runs while the app runs).
 
@@ -438,6 +440,7 @@ def create_router_app(
     ``RouterLimits()``); ``api_keys`` turns on API-key authentication (re-read at every poll round when
     the file changed). ``transport`` carries everything sent to the instances, requests and polls
     (default ``tessera.router.upstream.UpstreamTransport``; tests give an ``httpx.MockTransport``).
+    ``freeze_gc`` calls ``freeze_startup_objects`` once started (the ``tessera router`` process).
     ``activator`` turns on scale to zero (``tessera.router.activator``): requests for
     a sleeping model are held until it has woken. ``app.state.limits`` and ``app.state.metrics`` are what
     ``tessera.router.protocol.router_server_config`` serves the app with."""
@@ -471,6 +474,8 @@ def create_router_app(
             await poll(state, http)
 
         await refresh()
+        if freeze_gc:  # after the server's and the first poll's imports and objects
+            freeze_startup_objects()
 
         async def poller() -> None:
             while True:
@@ -632,6 +637,17 @@ def create_router_app(
         return await relay(http, "/v1/chat/completions")
 
     return app
+
+
+def freeze_startup_objects() -> None:
+    """Collect the garbage, then move every object that exists (modules, the app and its models: ~100k)
+    out of the garbage collector's reach, for a process that is the router and nothing else, once it
+    has started. Those objects live as long as the process, yet each full collection walked them all:
+    measured at 100 concurrent streams, one took up to 70 ms of CPU, the event loop stalled meanwhile;
+    frozen, a full collection walks only what requests made. Not for a process that hosts other parts
+    or many routers one after another (tests): what is frozen is never collected, cycles included."""
+    gc.collect()
+    gc.freeze()
 
 
 def router_status(state: RouterState, activator: Activator | None) -> dict[str, Any]:
