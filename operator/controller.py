@@ -36,7 +36,14 @@ from tessera.control.pool_plan import (
     pool_ref,
     retiring_groups,
 )
-from tessera.control.scale_to_zero import GroupSleep, SleepStep, service_state, step_sleep, wake_request
+from tessera.control.scale_to_zero import (
+    GroupSleep,
+    SleepStep,
+    asleep_loads,
+    service_state,
+    step_sleep,
+    wake_request,
+)
 from tessera.core.activation import UnitState, unit_idle_after
 from tessera.core.chiron import GroupMemory, evaluate_group
 from tessera.core.planners import (
@@ -207,6 +214,9 @@ class Controller:
         if (changed or boundary) and self.metrics is not None:
             window = min(MAX_HISTORY_S, status.get("replacementIntervalSeconds") or _initial_interval(body))
             measured = self.metrics.loads(namespace, name, window)
+        asleep = _sleeps_from_status(status)
+        if measured is not None and window is not None:
+            measured = {**asleep_loads(previous, asleep, services, window), **measured}
         if measured is not None:
             log.info(
                 "pool %s/%s: measured loads over %.0f s: %s",
@@ -246,7 +256,6 @@ class Controller:
         if not boundary and previous is not None and decided.plan is not None:
             decided = _keep_unchanged(decided, previous)
         history = list(status.get("scalingHistory") or [])
-        asleep = _sleeps_from_status(status)
         autoscale = autoscale and self.metrics is not None
         if autoscale and decided.plan is not None and decided.pool.spec.autoscaling.enabled:
             skip = {g for g, s in asleep.items() if s.state is not UnitState.READY}

@@ -201,3 +201,21 @@ def test_a_local_unit_whose_instances_vanish_is_not_held() -> None:
 
     activator = Activator({"u": ("m",)}, {"m": IdlePolicy(5.0)}, Never(), lambda m: 0)
     assert not activator.lost_instances("m") and activator.state_of("m") is UnitState.READY
+
+
+def test_a_sleeping_service_is_planned_on_no_load_not_its_declared_one() -> None:
+    """Its workers are gone and Prometheus has no series for it: placement reads zero requests over the
+    window (``measured``), where it would otherwise fall back to ``expectedLoad``."""
+    from tessera.api import LLMService
+    from tessera.control.inputs import service_load
+    from tessera.control.scale_to_zero import asleep_loads
+
+    body = next(d for d in load_documents(EXAMPLES / "quickstart.yaml") if d.kind == "LLMService").to_json()
+    body["spec"]["expectedLoad"] = {"requestsPerSecond": 5}
+    plan = replace_plan([GroupPlan("g", (body["metadata"]["name"],), 1, RoleCounts())])
+    model = body["spec"]["model"]["name"]
+    cold = {"g": GroupSleep("g", UnitState.COLD, 0.0, TWO)}
+    loads = asleep_loads(plan, cold, [body], 300.0)  # type: ignore[arg-type]
+    load = service_load(LLMService.model_validate(body), loads[model], 300.0)
+    assert (load.rate, load.rate_source) == (0.0, "measured")
+    assert asleep_loads(plan, {"g": replace(cold["g"], state=UnitState.READY)}, [body], 300.0) == {}  # type: ignore[arg-type]

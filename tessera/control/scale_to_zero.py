@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tessera.api.times import parse_time, rfc3339
+from tessera.control.metrics_queries import ModelLoad, load_step_s
 from tessera.core.activation import UnitState, should_sleep
 from tessera.core.planners import ROLES, GroupPlan, PlacementPlan, RoleCounts
 
@@ -176,3 +177,30 @@ def wake_request(status: Mapping[str, Any] | None) -> float | None:
     unreadable."""
     text = (status or {}).get(WAKE_FIELD)
     return parse_time(text) if isinstance(text, str) else None
+
+
+def asleep_loads(
+    plan: PlacementPlan | None,
+    sleeps: Mapping[str, GroupSleep],
+    service_bodies: Sequence[Mapping[str, Any]],
+    window_s: float,
+) -> dict[str, ModelLoad]:
+    """A load of no request over ``window_s`` for each model of a cold or waking group of ``plan``. Its
+    workers are gone, so Prometheus has no series for it, and placement would otherwise plan it on its
+    declared load: a sleeping service measures nothing, and SeaLLM packs such services together."""
+    if plan is None:
+        return {}
+    models = {
+        str(b["metadata"]["name"]): str(((b.get("spec") or {}).get("model") or {}).get("name", ""))
+        for b in service_bodies
+    }
+    asleep = [g for g in plan.groups if g.name in sleeps and sleeps[g.name].state is not UnitState.READY]
+    step = load_step_s(window_s)
+    steps = max(1, round(window_s / step))
+    zero = (0.0,) * steps
+    return {
+        models[s]: ModelLoad(models[s], step, window_s, zero, zero, zero, zero, 0.0, 0.0, 0.0)
+        for g in asleep
+        for s in g.services
+        if models.get(s)
+    }
