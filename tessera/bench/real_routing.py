@@ -32,11 +32,12 @@ eviction at the instance's configured KV capacity), round-robin as reference, on
 that vLLM evicts during the run: each server gets ``kv_blocks`` KV blocks (``--num-gpu-blocks-override``,
 17 by default, the least vLLM accepts for a 2048-token context: it keeps one block aside, so 16 blocks
 or 2048 tokens hold prompts) and its worker's ``kvCapacityTokens`` says so (the approximate index's
-capacity). Its defaults are 12 sessions and 3
-rounds: about 60 full 128-token blocks of conversation, some 30 a server, against 16. Checks: the
-paired ratios precise-prefix / prefix, precise-prefix / round-robin and prefix / round-robin; and the
-hit rate a cache that never evicts would give with each session on one server (every turn reusing the
-full blocks of the previous turn's prompt), the ceiling evictions keep the rows under.
+capacity). Its defaults are 12 sessions and 3 rounds: the sessions' last turns hold 44-50 full
+128-token blocks (seeds 0-2), 22-25 a server when split evenly, against 16 a server, all sessions live at
+once (they start within 33 s and last about 70). Checks: the paired ratios precise-prefix / prefix,
+precise-prefix / round-robin and prefix / round-robin; and the hit rate a cache that never evicts would
+give with each session on one server (every turn reusing the full blocks of the previous turn's
+prompt), the ceiling evictions keep the rows under.
 
 Options (``--set``): compare (combined | precise), sessions (4; precise 12), turns (4), rounds (2;
 precise 3), reply_chars (600), max_tokens (4), session_gap (3.0), turn_gap (20.0: think times uniform in
