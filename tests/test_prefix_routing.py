@@ -119,16 +119,19 @@ async def test_router_keeps_a_conversation_on_the_instance_holding_its_prefix(tm
         supervisor.stop_all()
 
 
-def test_a_session_sticks_to_its_instance_unless_another_gives_its_first_token_sooner() -> None:
+def test_a_session_sticks_to_its_instance_while_that_has_slo_headroom() -> None:
     stats = seed_stats()
     a, b = _load("a"), _load("b")
     req = RouteRequest("m", "interactive", stats, prompt_tokens=100, ttft_slo_s=1.0, session_instance="b")
-    assert make_route("slo-prefix").pick(req, [a, b]).instance == "b"  # equal expected times: the session's
+    assert make_route("slo-prefix").pick(req, [a, b]).instance == "b"
     assert make_route("cache-aware").pick(req, [a, b]).instance == "a"  # (blind to sessions: name order)
-    # a holds the prompt, so its first token comes sooner (99 tokens less to prefill): the cache wins
+    # a holds the prompt, so its first token would come sooner; b still meets the SLO: the session stays
     cached = RouteRequest("m", "interactive", stats, prompt_tokens=100, cached_tokens={"a": 99},
                           ttft_slo_s=1.0, session_instance="b")  # fmt: skip
-    assert make_route("slo-prefix").pick(cached, [a, b]).instance == "a"
+    assert make_route("slo-prefix").pick(cached, [a, b]).instance == "b"
+    # Without a session the sooner first token wins.
+    free = RouteRequest("m", "interactive", stats, prompt_tokens=100, cached_tokens={"a": 99}, ttft_slo_s=1.0)
+    assert make_route("slo-prefix").pick(free, [a, b]).instance == "a"
     b.prefill.sent(50_000, 0.0, PROFILE)  # b's backlog: 50 s to first token, over the 1 s SLO
     assert make_route("slo-prefix").pick(req, [a, b]).instance == "a"
 

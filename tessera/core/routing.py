@@ -30,14 +30,13 @@ The built-in routes:
   reports holding (its KV events, ``tessera.core.prefix.EngineBlockIndex``); an instance without an
   event feed is ranked by the router's own estimate unless the scorer's ``fallback`` is off.
 - ``slo-prefix``: the instances where the request's expected time to first token meets its class's
-  TTFT SLO (all when none does), ranked by that expected time (which counts the prompt an instance
-  holds as prefill saved), then the session's last instance, then cached prompt tokens, then fewer
-  outstanding requests. CHOICE: cached tokens rank after the expected time, not before it: ranked
-  first they ignored every instance's load until the SLO broke, so with an SLO far above the
-  TTFTs (3 s against 0.1 s on multi-turn chat) the route was prefix affinity alone and lost to it
-  on TTFT p99 (``tessera bench routing --set workload=chat``); a session leaves its instance only
-  where another gives its first token sooner even after prefilling the whole history, and its next
-  turn finds that history on the new instance.
+  TTFT SLO (all when none does): a session's last instance while it is one of them (a session sticks
+  to its instance while that has SLO headroom), else ranked by that expected time (which counts the
+  prompt an instance holds as prefill saved), then cached prompt tokens, then fewer outstanding
+  requests. CHOICE: cached tokens rank after the expected time, not before it: ranked first they
+  ignored every instance's load until the SLO broke, so with an SLO far above the TTFTs (3 s against
+  0.1 s on multi-turn chat) the route was prefix affinity alone and lost to it on TTFT p99
+  (``tessera bench routing --set workload=chat``).
 """
 
 from __future__ import annotations
@@ -409,8 +408,8 @@ ROUTES: dict[str, RouteSpec] = {
     "slo-prefix": RouteSpec(
         filters=("serves-model", "healthy", "class-roles", "slo-headroom"),
         scorers=(
-            ScorerSpec(name="expected-ttft"),
             ScorerSpec(name="session-affinity"),
+            ScorerSpec(name="expected-ttft"),
             ScorerSpec(name="prefix-affinity"),
             ScorerSpec(name="outstanding"),
             ScorerSpec(name="name"),
