@@ -46,7 +46,9 @@ async def test_vllm_reports_its_kv_capacity_and_rising_use(vllm_server: VLLMServ
         for i in range(4):  # distinct prompts: no prefix shared between them
             prompt = [0, *(((i * 997 + k * 13) % 250) + 3 for k in range(600))]
             streams.append(
-                asyncio.create_task(_drain(engine, EngineJob(f"stats-{i}", prompt, 300, sampling)))
+                # 1400 tokens (within the 2048 context): running for seconds, longer than vLLM's metrics
+                # take to show it even on a loaded machine (300 ran out unseen once in a full run).
+                asyncio.create_task(_drain(engine, EngineJob(f"stats-{i}", prompt, 1400, sampling)))
             )
         busy = idle
         for _ in range(600):
@@ -56,7 +58,12 @@ async def test_vllm_reports_its_kv_capacity_and_rising_use(vllm_server: VLLMServ
             if stats.running >= 2 and stats.kv_used_tokens >= idle.kv_used_tokens + 2 * 600:
                 busy = stats
                 break
-        assert busy is not idle, f"vLLM never reported two running requests holding their KV: {stats}"
+            if all(t.done() for t in streams):  # they ended (or failed) before vLLM showed them running
+                break
+        ended = [repr(t.exception()) if t.done() and not t.cancelled() else "running" for t in streams]
+        assert busy is not idle, (
+            f"vLLM never reported two running requests holding their KV: {stats}; {ended}"
+        )
         assert busy.kv_used_tokens % busy.block_size == 0
     finally:
         for task in streams:
