@@ -40,6 +40,7 @@ from tessera.control.scale_to_zero import (
     GroupSleep,
     SleepStep,
     asleep_loads,
+    not_awake,
     service_state,
     step_sleep,
     wake_request,
@@ -258,8 +259,7 @@ class Controller:
         history = list(status.get("scalingHistory") or [])
         autoscale = autoscale and self.metrics is not None
         if autoscale and decided.plan is not None and decided.pool.spec.autoscaling.enabled:
-            skip = {g for g, s in asleep.items() if s.state is not UnitState.READY}
-            decided, history = self._autoscale(namespace, body, decided, history, now, skip)
+            decided, history = self._autoscale(namespace, body, decided, history, now, not_awake(asleep))
         elif autoscale:  # nothing to autoscale: the resync (and events) will look again
             self._autoscale_due[(namespace, name)] = math.inf
         decided, sleeps = self._scale_to_zero(namespace, body, services, decided, status, asleep, now)
@@ -414,12 +414,13 @@ class Controller:
         groups: list[GroupPlan] = []
         entries: list[dict[str, Any]] = []
         interval = pool.spec.autoscaling.interval_seconds
-        keys = [(namespace, pool.name, g.name) for g in decided.plan.groups if g.name not in skip]
+        keys: list[tuple[str, str, str]] = []
         for group in decided.plan.groups:
-            key = (namespace, pool.name, group.name)
             if group.name in skip:
                 groups.append(group)
                 continue
+            key = (namespace, pool.name, group.name)
+            keys.append(key)
             memory = self._scalers.setdefault(key, GroupMemory(_state_from_history(history, group.name)))
             scaling = group_scaling(decided, group)
             if not memory.due(scaling.settings, now):

@@ -92,8 +92,13 @@ class SleepStep:
         return replace(plan, groups=tuple(groups))
 
     def cold(self) -> set[str]:
-        """The groups asleep or waking (the autoscaler leaves them alone)."""
-        return {name for name, s in self.groups.items() if s.state is not UnitState.READY}
+        """The groups asleep or waking after this pass."""
+        return not_awake(self.groups)
+
+
+def not_awake(sleeps: Mapping[str, GroupSleep]) -> set[str]:
+    """The groups of ``sleeps`` that are asleep or waking: no workers to measure or autoscale."""
+    return {name for name, s in sleeps.items() if s.state is not UnitState.READY}
 
 
 def step_sleep(
@@ -194,7 +199,7 @@ def asleep_loads(
         str(b["metadata"]["name"]): str(((b.get("spec") or {}).get("model") or {}).get("name", ""))
         for b in service_bodies
     }
-    asleep = [g for g in plan.groups if g.name in sleeps and sleeps[g.name].state is not UnitState.READY]
+    asleep = [g for g in plan.groups if g.name in not_awake(sleeps)]
     step = load_step_s(window_s)
     steps = max(1, round(window_s / step))
     zero = (0.0,) * steps

@@ -82,6 +82,14 @@ class _Unit:
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
+def _went_cold(unit: _Unit) -> None:
+    """A ready unit that another component put to sleep is Cold (and counts the sleep); any other state
+    stays (a wake-up under way goes on)."""
+    if unit.state is UnitState.READY:
+        unit.state = UnitState.COLD
+        unit.sleeps += 1
+
+
 class Activator:
     """Idle units to sleep, held requests, wake-ups with retries (see the module docstring)."""
 
@@ -252,9 +260,8 @@ class Activator:
             if unit is None:
                 unit = self.units[name] = _Unit(name, models, None, last_activity=self.clock(), followed=True)
             unit.models = models
-            if unit.state is UnitState.READY and name in cold:
-                unit.state = UnitState.COLD
-                unit.sleeps += 1
+            if name in cold:
+                _went_cold(unit)
             elif unit.state is UnitState.COLD and name in serving:
                 unit.state = UnitState.READY
         for name in [n for n in self.units if n not in units]:
@@ -274,9 +281,7 @@ class Activator:
         unit = self.unit_of.get(model)
         if unit is None or not unit.followed:
             return False
-        if unit.state is UnitState.READY:
-            unit.state = UnitState.COLD
-            unit.sleeps += 1
+        _went_cold(unit)
         return True
 
     def state_of(self, model: str) -> UnitState:
