@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tessera.bench.router_overhead import run
@@ -30,3 +32,20 @@ def test_bench_router_runs_both_paths_and_the_fault_run() -> None:
     assert "not part of this scenario" in report.checks[-1]
     with pytest.raises(ValueError, match="--set streams"):
         run(BenchConfig("router", options=Options({"streams": "0"})), lambda *a, **k: None)
+
+
+def test_bench_router_measures_a_baseline_tree_s_router_in_the_same_rounds() -> None:
+    tree = str(Path(__file__).resolve().parents[1])  # this tree as its own baseline
+    options = Options({"streams": "4", "rounds": "3", "max_tokens": "4", "faults": "false", "baseline": tree})
+    report = run(BenchConfig("router", options=options), lambda *a, **k: None)
+    rows = {r["policy"]: r for r in report.results}
+    assert set(rows) == {"direct:streams=4", "router:streams=4", "baseline:streams=4"}
+    for name in rows:
+        assert rows[name]["completed"] == 12 and rows[name]["lost"] == 0
+    assert rows["direct:streams=4"]["router_cpu_ms_per_request"] is None
+    for name in ("router:streams=4", "baseline:streams=4"):  # CPU clock ticks are 10 ms: may round to 0
+        cpu = rows[name]["router_cpu_ms_per_request"]
+        assert isinstance(cpu, float) and cpu >= 0
+    assert len(report.checks) == 1 and "; baseline router/direct TTFT p50 x" in report.checks[0]
+    with pytest.raises(ValueError, match="--set baseline"):
+        run(BenchConfig("router", options=Options({"baseline": "/nonexistent"})), lambda *a, **k: None)

@@ -6,11 +6,18 @@ concurrent streams, rounds alternate the order of the two paths (direct first, t
 on the same workers; each path sends one wave of ``streams`` streamed chat requests at once
 (``max_tokens`` tokens each). Direct requests go to the workers in turn.
 
-Rows (path:streams): client-side TTFT p50/p99 over every round's requests, tokens per second, and
-the requests completed, failed with an HTTP error or an error event, and lost (no ``[DONE]`` and
-no error: a stream cut off, or a connection closed without an answer). The checks compare the paths
-as paired ratios per round (medians): the router's added TTFT p50 within 10% of direct at the lowest
-level, throughput at least 0.95 of direct, nothing lost.
+With ``baseline`` set to a source tree (e.g. ``git worktree add /tmp/before COMMIT``), that tree's
+router runs too, as its own process beside this one, and is a third path in every round: a change to
+the router is measured against its earlier self in one interleaved sequence, on the same workers and
+under the same load from elsewhere. Each round's order is rotated, so every path leads in turn.
+
+Rows (path:streams): client-side TTFT p50/p99 over every round's requests, tokens per second, the
+requests completed, failed with an HTTP error or an error event, and lost (no ``[DONE]`` and no
+error: a stream cut off, or a connection closed without an answer), and for a router path its CPU
+time (user + system, from ``/proc``) per completed request. The checks compare the paths as paired
+ratios per round (medians): the router's added TTFT p50 within 10% of direct at the lowest level,
+throughput at least 0.95 of direct, nothing lost; with a baseline, its ratios and CPU per request
+next to this router's.
 
 With ``faults`` on, a fault run follows, one fault per row, each under load through the router with
 ``streams`` = the last level, at most 300:
@@ -32,13 +39,15 @@ clear error (an HTTP error status, or an SSE error event, with an OpenAI error b
 without them; only the operator's autoscaler reads Prometheus, and no Kubernetes API server runs on
 this machine): the report says so instead of a figure.
 
-Options (``--set``): streams ("100,300,1000"), workers (2), max_tokens (32), rounds (3), faults (true).
+Options (``--set``): streams ("100,300,1000"), workers (2), max_tokens (32), rounds (3), faults (true),
+baseline (none: a source tree whose router is measured too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -90,6 +99,7 @@ class Wave:
     refused: int = 0  # connection refused: no router listened, nothing was accepted
     lost_by_reason: dict[str, int] = field(default_factory=dict)
     fault_at: float | None = None  # when the fault was injected (perf_counter)
+    cpu_s: float = 0.0  # the router's CPU time during the wave (router paths)
 
     def lost_one(self, reason: str) -> None:
         """Count a lost request, saying whether it was lost before the fault was injected."""
@@ -198,11 +208,13 @@ async def _closed_loop(url: str, clients: int, model: str, headers: dict[str, st
 
 
 class RouterProcess:
-    """``tessera router --backends FILE`` as its own process on a fixed loopback port (restartable)."""
+    """``tessera router --backends FILE`` as its own process on a fixed loopback port (restartable),
+    from the installed package, or from the source tree ``source`` (a baseline)."""
 
-    def __init__(self, backends: Path, port: int) -> None:
+    def __init__(self, backends: Path, port: int, source: Path | None = None) -> None:
         self.backends = backends
         self.port = port
+        self.source = source
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -212,8 +224,16 @@ class RouterProcess:
             [sys.executable, "-m", "tessera", "router", "--backends", str(self.backends), "--port",
              str(self.port), "--host", "127.0.0.1", "--poll-interval", "0.5"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            # python -m puts the working directory first on the path: the source tree's package
+            cwd=self.source,
         )  # fmt: skip
         _ready(self.url, READY_TIMEOUT_S)
+
+    def cpu_s(self) -> float:
+        """The process's CPU time so far (user + system), in seconds."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM (the router finishes what is in flight), SIGKILL after ``timeout_s``."""
@@ -253,6 +273,8 @@ def _row(path: str, streams: int, waves: list[Wave]) -> dict[str, Any]:
             lost_by_reason[reason] = lost_by_reason.get(reason, 0) + n
     sent = sum(w.sent for w in waves)
     refused = sum(w.refused for w in waves)
+    completed = sum(w.completed for w in waves)
+    cpu_s = sum(w.cpu_s for w in waves)
     return {
         "policy": f"{path}:streams={streams}",
         "requests": sent,
@@ -261,11 +283,12 @@ def _row(path: str, streams: int, waves: list[Wave]) -> dict[str, Any]:
         "ttft_p50_s": float(np.percentile(ttfts, 50)),
         "ttft_p99_s": float(np.percentile(ttfts, 99)),
         "tokens_per_s": statistics.mean(w.tokens / w.wall_s for w in waves),
-        "completed": sum(w.completed for w in waves),
+        "completed": completed,
         "failed": sum(failed.values()),
         "failed_by_reason": failed,
         "lost": sum(w.lost for w in waves),
         "lost_by_reason": lost_by_reason,
+        "router_cpu_ms_per_request": cpu_s * 1000 / completed if path != "direct" and completed else None,
     }
 
 
@@ -277,38 +300,49 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     max_tokens = option(opts, "max_tokens", 32, int)
     rounds = option(opts, "rounds", 3, int)
     faults = option(opts, "faults", True, bool)
+    baseline = option(opts, "baseline", None, str)
+    if baseline is not None and not (Path(baseline) / "tessera" / "__main__.py").is_file():
+        raise ValueError(f"--set baseline must be a source tree with tessera/__main__.py, got {baseline!r}")
     if not 1 <= n_workers <= 8 or not 1 <= max_tokens <= 4096 or not 1 <= rounds <= 20:
         raise ValueError("--set workers must be 1-8, max_tokens 1-4096 and rounds 1-20")
     plan = plan_local(load_documents(QUICKSTART), LocalEngine(), max_instances_per_group=n_workers)
     instances = plan.instances[:n_workers]
     model = instances[0].config.models[0].name
     headers = {instances[0].config.class_header: "chat"}
-    progress(0, total=len(levels) * rounds * 2 + (2 if faults else 0))
+    paths = ["direct", "router"] + (["baseline"] if baseline is not None else [])
+    progress(0, total=len(levels) * rounds * len(paths) + (2 if faults else 0))
     rows: list[dict[str, Any]] = []
-    pairs: dict[int, list[tuple[Wave, Wave]]] = {}
+    rounds_at: dict[int, list[dict[str, Wave]]] = {}  # streams -> each round's wave per path
     fault_rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="tessera-bench-router-") as tmp:
         supervisor = Supervisor(Path(tmp) / "run", grace_s=2.0)
         router: RouterProcess | None = None
+        routers: dict[str, RouterProcess] = {}
         try:
             supervisor.start_all(list(instances), READY_TIMEOUT_S)
             backends = Path(tmp) / "backends.json"
             backends.write_text(json.dumps({"backends": [w.backend().to_json() for w in supervisor.workers]}))
-            router = RouterProcess(backends, free_port())
-            router.start()
+            router = routers["router"] = RouterProcess(backends, free_port())
+            if baseline is not None:
+                routers["baseline"] = RouterProcess(backends, free_port(), Path(baseline).resolve())
+            for process in routers.values():
+                process.start()
             router_url = router.url
             direct = [w.url for w in supervisor.workers]
             for streams in levels:
                 for r in range(rounds):
-                    order = ("direct", "router") if r % 2 == 0 else ("router", "direct")
                     got: dict[str, Wave] = {}
-                    for path in order:
-                        urls = direct if path == "direct" else [router_url]
+                    for path in paths[r % len(paths) :] + paths[: r % len(paths)]:  # each leads in turn
+                        process = routers.get(path)
+                        urls = direct if process is None else [process.url]
+                        cpu_before = process.cpu_s() if process is not None else 0.0
                         got[path] = asyncio.run(_wave(urls, streams, model, headers, max_tokens))
+                        if process is not None:
+                            got[path].cpu_s = process.cpu_s() - cpu_before
                         progress(1)
-                    pairs.setdefault(streams, []).append((got["direct"], got["router"]))
-                for path, index in (("direct", 0), ("router", 1)):
-                    rows.append(_row(path, streams, [p[index] for p in pairs[streams]]))
+                    rounds_at.setdefault(streams, []).append(got)
+                for path in paths:
+                    rows.append(_row(path, streams, [got[path] for got in rounds_at[streams]]))
             if faults:
                 streams = min(levels[-1], 300)
                 fault_rows.append(_router_restart_run(router, model, headers, max_tokens, streams))
@@ -316,10 +350,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 fault_rows.append(_fault_run(supervisor, router_url, model, headers, max_tokens, streams))
                 progress(1)
         finally:
-            if router is not None:
-                router.stop()
+            for process in routers.values():
+                process.stop()
             supervisor.stop_all()
-    checks = _checks(pairs, levels)
+    checks = _checks(rounds_at, levels)
     for fault in fault_rows:
         rows.append(fault)
         lost = f"{fault['lost']} lost" + (f" {fault['lost_by_reason']}" if fault["lost_by_reason"] else "")
@@ -330,7 +364,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     if faults:
         checks.append(NOT_IN_SCENARIO)
     cfg = {**config.as_dict(), "streams": levels, "workers": n_workers, "max_tokens": max_tokens,
-           "rounds": rounds}  # fmt: skip
+           "rounds": rounds, "baseline": baseline}  # fmt: skip
     return BenchReport("router", cfg, rows, checks)
 
 
@@ -378,22 +412,39 @@ def _router_restart_run(router: RouterProcess, model: str, headers: dict[str, st
             "router_drain_s": timings["drain_s"], "router_down_s": timings["down_s"]}  # fmt: skip
 
 
-def _checks(pairs: dict[int, list[tuple[Wave, Wave]]], levels: list[int]) -> list[str]:
+def _ratios(rounds: list[dict[str, Wave]], path: str) -> tuple[float, float, float]:
+    """``path`` against direct, paired per round (medians): TTFT p50 ratio, throughput ratio, and the
+    router's CPU milliseconds per completed request."""
+    ttft = [statistics.median(g[path].ttfts) / statistics.median(g["direct"].ttfts)
+            for g in rounds if g["direct"].ttfts and g[path].ttfts]  # fmt: skip
+    tput = [(g[path].tokens / g[path].wall_s) / (g["direct"].tokens / g["direct"].wall_s)
+            for g in rounds if g["direct"].tokens]  # fmt: skip
+    cpu = [g[path].cpu_s * 1000 / g[path].completed for g in rounds if g[path].completed]
+    return _median(ttft), _median(tput), _median(cpu)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _checks(rounds_at: dict[int, list[dict[str, Wave]]], levels: list[int]) -> list[str]:
     checks = []
     for streams in levels:
-        ratios_ttft = [statistics.median(r.ttfts) / statistics.median(d.ttfts)
-                       for d, r in pairs[streams] if d.ttfts and r.ttfts]  # fmt: skip
-        ratios_tput = [(r.tokens / r.wall_s) / (d.tokens / d.wall_s) for d, r in pairs[streams] if d.tokens]
-        ttft = statistics.median(ratios_ttft) if ratios_ttft else float("nan")
-        tput = statistics.median(ratios_tput) if ratios_tput else float("nan")
-        lost = sum(d.lost + r.lost for d, r in pairs[streams])
-        line = f"streams={streams}: router/direct TTFT p50 x{ttft:.2f}, throughput x{tput:.2f}, lost {lost}"
+        rounds = rounds_at[streams]
+        ttft, tput, cpu = _ratios(rounds, "router")
+        lost = sum(w.lost for g in rounds for w in g.values())
+        line = (f"streams={streams}: router/direct TTFT p50 x{ttft:.2f}, throughput x{tput:.2f}, "
+                f"lost {lost}, router CPU {cpu:.2f} ms per request")  # fmt: skip
         if streams == levels[0]:
             ok = ttft <= 1.10 and tput >= 0.95 and lost == 0
             line += f" (targets: TTFT within 10%, throughput >= 0.95, 0 lost): {'PASS' if ok else 'FAIL'}"
         else:
             ok = tput >= 0.95 and lost == 0
             line += f" (targets: throughput >= 0.95, 0 lost): {'PASS' if ok else 'FAIL'}"
+        if "baseline" in rounds[0]:
+            b_ttft, b_tput, b_cpu = _ratios(rounds, "baseline")
+            line += (f"; baseline router/direct TTFT p50 x{b_ttft:.2f}, throughput x{b_tput:.2f}, "
+                     f"CPU {b_cpu:.2f} ms per request")  # fmt: skip
         checks.append(line)
     return checks
 
