@@ -260,6 +260,33 @@ async def test_client_leaving_a_non_streamed_request_cancels_it_on_the_worker(
         assert sum(x.outstanding for x in router.state.loads.values()) == 0
 
 
+async def test_client_leaving_a_stream_mid_way_cancels_it_on_the_worker(workers: list[WorkerProcess]) -> None:
+    async with serve_router(workers) as router:
+        await _until(lambda: all(router.healthy().values()), 10, "both instances ready")
+        before = await router.metric("tessera_router_requests_total", code="499")
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 3000, "stream": True}
+        async with (
+            httpx.AsyncClient(base_url=router.url, timeout=30) as client,
+            client.stream("POST", "/v1/completions", json=body) as response,
+        ):
+            assert response.status_code == 200
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data: {")
+                if seen == 5:
+                    break  # leaving the block closes the connection mid-stream
+        left = time.monotonic()
+
+        async def idle() -> bool:
+            return sum((await _worker_busy(workers)).values()) == 0
+
+        await _until(idle, 3.0, "the worker to cancel the abandoned stream")
+        assert time.monotonic() - left < 3.0
+        await _until(lambda: sum(x.outstanding for x in router.state.loads.values()) == 0, 3.0, "release")
+        assert await router.metric("tessera_router_requests_total", code="499") == before + 1
+        assert await router.metric("tessera_router_requests_total", code="200") == 0
+
+
 # A worker killed while it answers. ------------------------------------------------------------------
 
 

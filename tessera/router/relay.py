@@ -5,8 +5,8 @@
   instance out of the rotation, never what a client sent.
 - An instance that breaks off before its answer (killed, reset) is tried once more on another
   instance: the client has seen nothing yet. A second break answers 502.
-- A client that leaves while the router waits for the answer closes the upstream request, so the
-  worker cancels it (streams: Starlette stops the relay, which closes the upstream request too).
+- A client that leaves while the router waits for the answer or relays a stream closes the upstream
+  request (``ClientWatch`` cancels the task), so the worker cancels it.
 - A stream the instance breaks off mid-way ends with an OpenAI-style SSE error event and
   ``data: [DONE]``, and counts as 502 in the router's metrics.
 
@@ -17,16 +17,14 @@ Every answer of a known class is judged against its class's SLO as the client sa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import httpx
-from fastapi import Request as HttpRequest
+from starlette.types import Receive, Send
 
 from tessera.api.openai_errors import ApiError
 from tessera.core.request import ServiceClass
@@ -37,7 +35,6 @@ from tessera.router.metrics import RouterMetrics
 if TYPE_CHECKING:
     from tessera.router.app import RouterState
 
-T = TypeVar("T")
 _DONE = "data: [DONE]"
 _TOKEN_MARK = b'"finish_reason": null'
 _DONE_MARK = _DONE.encode()
@@ -72,25 +69,28 @@ class Answer:
     prefill_tokens: int = 0  # counted in the instance's PrefillQueue until the stream's first token
 
 
-async def _client_left(http: HttpRequest) -> None:
-    """Return when the client disconnects (the body has been read: the next message is the end)."""
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
+class ClientWatch:
+    """Cancels the task that answers a request when its client disconnects, for as long as the watch
+    runs; ``left`` then says why it was cancelled. Started once the body has been read (the next
+    message can only be the disconnect). One watch covers waiting for the answer and relaying a
+    stream, where a task per phase (and Starlette's task group around a streamed response) cost the
+    router more CPU than the relaying."""
 
+    def __init__(self, receive: Receive) -> None:
+        self.left = False
+        self._task = asyncio.current_task()
+        self._watch = asyncio.ensure_future(self._until_gone(receive))
 
-async def unless_client_leaves(http: HttpRequest, work: Awaitable[T]) -> T | None:
-    """``work``'s result, or None (``work`` cancelled) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_client_left(http))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (watch, task):
-            if not t.done():
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
-    return task.result() if not task.cancelled() else None
+    async def _until_gone(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.left = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def stop(self) -> None:
+        """Stop watching (the answer has ended)."""
+        self._watch.cancel()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -197,32 +197,39 @@ def _draining(response: httpx.Response) -> bool:
     return isinstance(error, dict) and error.get("code") == "draining"
 
 
-async def relay_events(
+async def relay_stream(
+    send: Send,
     state: RouterState,
     metrics: RouterMetrics,
-    load: InstanceLoad,
-    response: httpx.Response,
+    answer: Answer,
+    headers: list[tuple[bytes, bytes]],
     *,
     model: str,
     kind: str,
     start: float,
-    prefill_tokens: int = 0,
     service_class: ServiceClass | None = None,
-) -> AsyncIterator[bytes | str]:
-    """The instance's server-sent events as they come; an error event and ``[DONE]`` if the instance
-    breaks off. Counts the answer when it ends: 200, 502 when it broke off or the worker ended it with
-    an error event of its own, 499 when the client left; and records what it delivered against
-    ``service_class``'s SLO (``record_delivery``)."""
+) -> None:
+    """Relay the instance's server-sent events to the client (ASGI ``send``) as they come; an error
+    event and ``[DONE]`` if the instance breaks off. Counts the answer when it ends: 200, 502 when it
+    broke off or the worker ended it with an error event of its own, 499 when the client left (the
+    task is cancelled: ``ClientWatch``); and records what it delivered against ``service_class``'s
+    SLO (``record_delivery``)."""
+    load, response, prefill_tokens = answer.load, answer.response, answer.prefill_tokens
     tokens = 0
     first_at = last_at = None  # when the first and the latest token chunks were relayed
-    code = 499  # unless the stream reaches its end: Starlette stops the relay when the client leaves
+    code = 499  # unless the stream reaches its end: the task is cancelled when the client leaves
+    # The body as the transport gives it, not through httpx's decoding layers (three generators per
+    # chunk): the router asks for no content encoding, and the workers' events come unencoded.
+    stream = response.stream
+    assert isinstance(stream, httpx.AsyncByteStream)
     try:
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         done = failed = False
         tail = b""  # the end of the previous chunk: a marker may straddle two chunks
         try:
             # Chunks are relayed as they arrive, not split into lines: one write per chunk keeps the
             # router's cost per stream low; the markers it reads are found in the bytes.
-            async for chunk in response.aiter_bytes():
+            async for chunk in stream:
                 window = tail + chunk
                 # Token chunks are the ones whose choice is not finished (an estimate for stats).
                 found = window.count(_TOKEN_MARK)
@@ -237,10 +244,11 @@ async def relay_events(
                 done = done or _DONE_MARK in window
                 failed = failed or _ERROR_MARK in window
                 tail = window[-_TAIL_BYTES:]
-                yield chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             reason = "it ended the stream without [DONE]"
         except httpx.HTTPError as exc:
             reason = f"{exc!r}"
+        end = b""
         if done:
             code = 502 if failed else 200
         else:
@@ -248,14 +256,15 @@ async def relay_events(
             metrics.upstream_failures.labels(load.instance).inc()
             error = ApiError(502, f"the instance {load.instance} broke off this stream ({reason}); the "
                              "answer is incomplete: retry the request", code="upstream_failed")  # fmt: skip
-            yield f"\ndata: {json.dumps(error.body())}\n\n{_DONE}\n\n"
+            end = f"\ndata: {json.dumps(error.body())}\n\n{_DONE}\n\n".encode()
+        await send({"type": "http.response.body", "body": end, "more_body": False})
     finally:
         await response.aclose()
         load.outstanding -= 1
         load.prefill.first_token(prefill_tokens)
-        end = time.perf_counter()
-        metrics.answered(model, kind, code, end - start)
-        record_delivery(metrics, model, kind, service_class, status=code, arrival=start, finished=end,
+        finished = time.perf_counter()
+        metrics.answered(model, kind, code, finished - start)
+        record_delivery(metrics, model, kind, service_class, status=code, arrival=start, finished=finished,
                         first_token=first_at, last_token=last_at, tokens=tokens)  # fmt: skip
         if tokens:
             state.stats[model].observe_output(tokens)
