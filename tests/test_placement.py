@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -161,3 +162,44 @@ def test_greedy_within_reported_gap_of_ilp():
     assert u_opt <= u_greedy + 1e-9
     gap = u_greedy / u_opt - 1
     assert gap < 1.0, f"greedy max utilization {gap:.1%} above the optimum"
+
+
+def test_the_estimator_prices_decode_at_the_batch_a_busy_instance_runs():
+    import math
+
+    from tessera.control.placement import sustained_batch
+    from tessera.core.planners.types import HistoryRequest
+    from tessera.core.profiles import PROFILES
+    from tessera.core.request import ServiceClass
+
+    h100 = PROFILES["h100-llama3-8b"]
+    chat = ServiceClass("chat", ttft_slo_s=1.0, itl_slo_s=0.1)
+    rng = np.random.default_rng(0)
+
+    def history(rate: float) -> tuple[HistoryRequest, ...]:
+        t, out = 0.0, []
+        while (t := t + rng.exponential(1 / rate)) < 300:
+            prompt, output = rng.lognormal(math.log(1024), 0.47), rng.lognormal(7.5, 0.47)
+            out.append(HistoryRequest(t, round(prompt), round(output)))
+        return tuple(out)
+
+    def eight_b(name: str, slo_class: ServiceClass = chat) -> ServiceInput:
+        return ServiceInput(
+            name, 16 * GIB, 128 * 1024, h100, request_rate=4.0, mean_prompt_tokens=1024,
+            mean_output_tokens=2048, p99_context_tokens=4096, slo_class=slo_class,
+        )  # fmt: skip
+
+    one = eight_b("x")
+    # KV-bound: the profile's cache at the mean context (prompt + half the output), within vLLM's 256.
+    assert sustained_batch(one, 1) == h100.kv_capacity_tokens // 2048
+    # ITL-bound: a tighter class keeps the batch to what decodes within the bound.
+    tight = eight_b("y", slo_class=ServiceClass("fast", itl_slo_s=0.01))
+    n = sustained_batch(tight, 1)
+    assert h100.decode_step(n, n * 2048) <= 0.01 < h100.decode_step(n + 1, (n + 1) * 2048)
+    # Two equal loads on four GPUs get two instances each (priced at a batch of 16, every candidate
+    # looked overloaded and the greedy gave one service 1 GPU and the other 3).
+    pool = PoolInput("p", "H100", 80 * GIB, 4)
+    services = [replace(eight_b(n), history=history(4.0)) for n in ("s0", "s1")]
+    groups = generate_groups(pool, services, 1)
+    greedy_allocate(pool, services, groups, 1)
+    assert sorted(g.services[0] for g in groups) == ["s0", "s0", "s1", "s1"]

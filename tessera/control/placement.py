@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tessera.control.placement_sim import SHARING_OVERHEAD, serve, service_stats
+from tessera.control.placement_sim import ENGINE, SHARING_OVERHEAD, serve, service_stats
 from tessera.core.planners.naming import group_name
 from tessera.core.planners.types import (
     GroupPlan,
@@ -104,7 +104,6 @@ def plan_dedicated(pool: PoolInput, services: Sequence[ServiceInput]) -> Placeme
 # SeaLLM: stage 1 (GPU-group partition) and stage 2 (greedy unserved-index allocation)
 
 ALPHA = 1e-4  # Eq. 6's α: L_N only breaks ties between equal violation counts
-TYPICAL_BATCH = 16  # CHOICE: batch size at which the estimator prices one decode token
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,15 +173,39 @@ def service_rate(s: ServiceInput) -> float:
     return len(s.history) / span if span > 0 else 0.0
 
 
+def sustained_batch(s: ServiceInput, tp: int) -> int:
+    """Sequences an instance of ``s`` on ``tp`` GPUs decodes at once when busy: the engine's batch cap,
+    what its KV cache holds at the mean context (prompt plus half the output), and no more than keep an
+    iteration within the class's ITL bound (more would miss it on every token).
+
+    The KV cache is the profile's per GPU times ``tp`` (the profile is the pool GPU's). A fixed typical
+    batch of 16 priced a decode token 3-4x too high for long outputs on a large GPU (an 8B model on an
+    H100 holds about 200 such sequences): every candidate looked overloaded, and the greedy's order among
+    services became arbitrary (``tessera bench load-shift`` placed 1 + 3 instances for two equal loads)."""
+    profile = s.profile.at_tp(tp)
+    ctx = max(1.0, s.mean_prompt_tokens + s.mean_output_tokens / 2)
+    kv = profile.kv_capacity_tokens * tp / s.profile.gpus
+    n = max(1, min(ENGINE.max_batch, int(kv // ctx)))
+    itl = s.slo_class.itl_slo_s if s.slo_class is not None else None
+    if itl is not None and profile.decode_step(n, round(n * ctx)) > itl:
+        lo, hi = 1, n  # the largest batch within the bound: decode steps grow with the batch
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if profile.decode_step(mid, round(mid * ctx)) <= itl else (lo, mid - 1)
+        n = lo
+    return n
+
+
 def request_work(s: ServiceInput, tp: int) -> float:
     """Seconds of group time one mean request of ``s`` costs at TP ``tp`` under continuous batching:
-    its prefill plus its decode tokens priced at ``TYPICAL_BATCH`` sequences per iteration."""
+    its prefill plus its decode tokens priced at the batch a busy instance runs (``sustained_batch``)."""
     out = max(1, round(s.mean_output_tokens))
     prompt = round(s.mean_prompt_tokens)
     ctx = prompt + out / 2
     profile = s.profile.at_tp(tp)
-    step = profile.decode_step(TYPICAL_BATCH, round(TYPICAL_BATCH * ctx))
-    return profile.prefill(prompt) + (out - 1) * step / TYPICAL_BATCH
+    batch = sustained_batch(s, tp)
+    step = profile.decode_step(batch, round(batch * ctx))
+    return profile.prefill(prompt) + (out - 1) * step / batch
 
 
 BIN_S = 60.0  # CHOICE: the estimator sees the history's per-minute rates, so bursts count (MAF is per minute)
