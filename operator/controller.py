@@ -57,7 +57,7 @@ from tessera.core.planners import (
     next_replacement_interval,
     rollout_diff,
 )
-from tessera.core.planners.replacement import prediction_error
+from tessera.core.planners.replacement import prediction_error, shifted_loads
 from tessera.operator import status as st
 from tessera.operator.kube import Kube, OwnershipError, rejection
 from tessera.operator.reconcile import DONE, Conflict, claim, contains, plan_actions
@@ -82,6 +82,8 @@ OWNERSHIP_CONFLICT = "OwnershipConflict"
 REJECTED_BY_SERVER = "RejectedByServer"
 # The Warning event's reason when a re-placement boundary waits for Prometheus.
 REPLACEMENT_DEFERRED = "ReplacementDeferred"
+# Event of a re-placement brought forward by a load shift (``shifted_loads``).
+LOAD_SHIFT = "LoadShift"
 # (object body, event type "Normal"/"Warning", reason, message)
 EventSink = Callable[[Mapping[str, Any], str, str, str], None]
 
@@ -159,6 +161,8 @@ class Controller:
         self._handover_due: dict[tuple[str, str], float] = {}
         # When a pool with scale-to-zero groups looks at them again.
         self._sleep_due: dict[tuple[str, str], float] = {}
+        # When each pool's services' arrivals are next compared with their planned load (load shifts).
+        self._shift_due: dict[tuple[str, str], float] = {}
         # The bodies the API server refused as invalid, by (namespace, kind, name): not sent again
         # until the desired body changes (another try would be refused the same way).
         self._refused: dict[tuple[str, str, str], Mapping[str, Any]] = {}
@@ -177,7 +181,9 @@ class Controller:
         if now >= self._handover_due.get(key, math.inf) or now >= self._sleep_due.get(key, math.inf):
             return True
         return self.metrics is not None and (
-            now >= self._autoscale_due.get(key, -math.inf) or now >= self._placement_due.get(key, math.inf)
+            now >= self._autoscale_due.get(key, -math.inf)
+            or now >= self._placement_due.get(key, math.inf)
+            or now >= self._shift_due.get(key, math.inf)
         )
 
     def reconcile_pool(
@@ -212,7 +218,11 @@ class Controller:
         changed = status.get("inputsDigest") != fingerprint or previous is None
         measured: dict[str, ModelLoad] | None = None
         window = None
-        if (changed or boundary) and self.metrics is not None:
+        if not (changed or boundary) and previous is not None:
+            shift = self._load_shift(namespace, body, services, status, now)
+            if shift is not None:
+                boundary, (window, measured) = True, shift
+        elif (changed or boundary) and self.metrics is not None:
             window = min(MAX_HISTORY_S, status.get("replacementIntervalSeconds") or _initial_interval(body))
             measured = self.metrics.loads(namespace, name, window)
         asleep = _sleeps_from_status(status)
@@ -278,6 +288,51 @@ class Controller:
             fingerprint,
             now,
         )
+
+    def _load_shift(
+        self,
+        namespace: str,
+        body: Mapping[str, Any],
+        services: list[dict[str, Any]],
+        status: Mapping[str, Any],
+        now: float,
+    ) -> tuple[float, dict[str, ModelLoad]] | None:
+        """Between boundaries, every minSeconds/2: the arrivals of the last minSeconds against the load
+        each service's plan was made for (its status.load); when one shifted (``shifted_loads``) and the
+        plan is at least minSeconds old, the window and its loads, for a re-placement now. An event
+        names the shift."""
+        key = (namespace, str(body["metadata"]["name"]))
+        threshold, min_s = _shift_watch(body)
+        if self.metrics is None or threshold <= 0:
+            self._shift_due.pop(key, None)
+            return None
+        if now < self._shift_due.setdefault(key, now + min_s / 2):
+            return None
+        self._shift_due[key] = now + min_s / 2
+        last = st.parse_time(status.get("lastPlacementTime"))
+        if last is not None and now - last < min_s:
+            return None
+        planned = {}
+        for b in services:
+            rate = ((b.get("status") or {}).get("load") or {}).get("requestsPerSecond")
+            model = ((b.get("spec") or {}).get("model") or {}).get("name")
+            if isinstance(rate, int | float) and isinstance(model, str):
+                planned[model] = float(rate)
+        recent = self.metrics.loads(namespace, key[1], min_s)
+        if not recent or not planned:
+            return None
+        counts = {m: (load.requests, load.span_s) for m, load in recent.items()}
+        shifted = shifted_loads(planned, counts, threshold)
+        if not shifted:
+            return None
+        moves = ", ".join(f"{m} {a:.3g} -> {b:.3g} req/s" for m, (a, b) in sorted(shifted.items()))
+        self.emit(
+            body,
+            "Normal",
+            LOAD_SHIFT,
+            f"load shifted over the last {min_s:.0f} s ({moves}): re-placing before the boundary",
+        )
+        return min_s, recent
 
     def _scale_to_zero(
         self,
@@ -915,6 +970,22 @@ def _churn(previous: PlacementPlan, plan: PlacementPlan, held: list[Retiring]) -
     for r in held:
         message += f"; {r.group} serves {list(r.services)} until {list(r.waiting_for)} are ready"
     return message
+
+
+def _shift_watch(body: Mapping[str, Any]) -> tuple[float, float]:
+    """The pool body's replacementInterval loadShiftThreshold and minSeconds (read raw, defaults where
+    unset or not numbers: the pass validates the spec after)."""
+    spec = ((body.get("spec") or {}).get("placement") or {}).get("replacementInterval") or {}
+    defaults = ReplacementInterval()
+
+    def number(field: str, default: float) -> float:
+        value = spec.get(field)
+        return float(value) if isinstance(value, int | float) and value >= 0 else default
+
+    return (
+        number("loadShiftThreshold", defaults.load_shift_threshold),
+        max(1.0, number("minSeconds", defaults.min_seconds)),
+    )
 
 
 def _initial_interval(body: Mapping[str, Any]) -> float:

@@ -567,6 +567,72 @@ def test_the_interval_adapts_at_each_boundary_from_the_kept_estimate_and_quiet_p
     }
 
 
+def test_a_load_shift_brings_the_boundary_forward_once_the_plan_is_min_seconds_old() -> None:
+    events: list[tuple[str, str]] = []
+    kube = FakeKube(
+        [
+            pool_body(),
+            class_body(),
+            service_body("a", {"requestsPerSecond": 2}),
+            service_body("b", {"requestsPerSecond": 2}),
+        ]
+    )
+    metrics = FakeMetrics()
+    controller = Controller(kube, lambda body, kind, reason, msg: events.append((reason, msg)), metrics)
+    t0 = 1_700_000_000.0
+    run_pass(controller, kube, t0)
+    first = kube.objects[("servingpools", POOL)]["status"]
+    assert first["nextPlacementTime"] == st.rfc3339(t0 + 100)
+    # Within noise and within the threshold: no query moves anything, nothing is written.
+    metrics.rates = {MODELS["a"]: 2.2, MODELS["b"]: 1.9}
+    patches = len(kube.status_patches)
+    for t in (20, 45, 60, 75, 90):
+        if controller.due(NS, POOL, t0 + t):
+            run_pass(controller, kube, t0 + t)
+    assert len(kube.status_patches) == patches
+    assert metrics.windows and set(metrics.windows[1:]) == {50}  # the watch reads minSeconds
+    # A shift before the plan is minSeconds old waits; once it is, the next watch re-places.
+    run_pass(Controller(kube, lambda *e: None, metrics), kube, t0 + 100)  # a boundary: last placement now
+    metrics.rates = {MODELS["a"]: 8.0, MODELS["b"]: 0.5}
+    calls = len(metrics.windows)
+    for t in range(101, 150, 5):
+        if controller.due(NS, POOL, t0 + t):
+            run_pass(controller, kube, t0 + t)
+    assert kube.objects[("servingpools", POOL)]["status"]["lastPlacementTime"] == st.rfc3339(t0 + 100)
+    assert len(metrics.windows) == calls  # no watch query while the plan is younger than minSeconds
+    moved_at = next(t for t in range(150, 200) if controller.due(NS, POOL, t0 + t))
+    run_pass(controller, kube, t0 + moved_at)
+    pool = kube.objects[("servingpools", POOL)]["status"]
+    assert moved_at < 100 + 100  # before the interval's own boundary
+    assert pool["lastPlacementTime"] == st.rfc3339(t0 + moved_at)
+    assert pool["measured"]["windowSeconds"] == 50
+    # The re-plan is made for the shifted loads (the watch's own measurement).
+    load_a = kube.objects[("llmservices", "a")]["status"]["load"]
+    assert load_a["requestsPerSecond"] == 8.0 and load_a["sources"]["requestsPerSecond"] == "measured"
+    assert kube.objects[("llmservices", "b")]["status"]["load"]["requestsPerSecond"] == 0.5
+    shift = [m for r, m in events if r == "LoadShift"]
+    assert len(shift) == 1 and "org/a-8B 2.2 -> 8 req/s" in shift[0] and "org/b-8B 1.9 -> 0.5" in shift[0]
+
+
+def test_a_zero_threshold_turns_the_load_shift_watch_off() -> None:
+    kube = FakeKube(
+        [
+            pool_body(replacementInterval={"initialSeconds": 100, "minSeconds": 50, "loadShiftThreshold": 0}),
+            class_body(),
+            service_body("a", {"requestsPerSecond": 2}),
+            service_body("b", {"requestsPerSecond": 2}),
+        ]
+    )
+    metrics = FakeMetrics()
+    controller = Controller(kube, lambda *event: None, metrics)
+    t0 = 1_700_000_000.0
+    run_pass(controller, kube, t0)
+    metrics.rates = {MODELS["a"]: 8.0, MODELS["b"]: 0.5}
+    assert not any(controller.due(NS, POOL, t0 + t) for t in range(1, 60))
+    run_pass(controller, kube, t0 + 80)
+    assert kube.objects[("servingpools", POOL)]["status"]["lastPlacementTime"] == st.rfc3339(t0)
+
+
 def test_a_boundary_without_traffic_keeps_the_interval_and_batch_sizes_reach_the_groups() -> None:
     kube = FakeKube([pool_body(), class_body(), service_body("a"), service_body("b")])
     metrics = FakeMetrics()

@@ -78,3 +78,18 @@ def test_group_names_are_stable_and_dns_safe():
     assert a != group_name(("code", "Chat_Llama"), 4)
     assert len(group_name(tuple(f"service-{i}" for i in range(20)), 1)) <= 40
     assert all(c.isalnum() or c == "-" for c in a) and a == a.lower()
+
+
+def test_a_load_shift_must_pass_the_threshold_and_the_poisson_noise() -> None:
+    from tessera.core.planners.replacement import shifted_loads
+
+    planned = {"busy": 4.0, "quiet": 0.02, "new": 0.0, "unmeasured": 1.0}
+    # Over 30 s: busy doubled, quiet saw 3 requests where 0.6 were expected (5x, but within noise),
+    # new got 10 requests where none was planned.
+    measured = {"busy": (240.0, 30.0), "quiet": (3.0, 30.0), "new": (10.0, 30.0)}
+    assert shifted_loads(planned, measured, 0.5) == {"busy": (4.0, 8.0), "new": (0.0, 10 / 30)}
+    # Within the threshold (+25 %), however many requests: no shift.
+    assert shifted_loads({"busy": 4.0}, {"busy": (150.0, 30.0)}, 0.5) == {}
+    # Down as well as up; a threshold of 0 turns the watch off.
+    assert shifted_loads({"busy": 4.0}, {"busy": (30.0, 30.0)}, 0.5) == {"busy": (4.0, 1.0)}
+    assert shifted_loads(planned, measured, 0.0) == {}

@@ -367,6 +367,7 @@ NOT_FOR_WORKER: dict[str, str] = {
     "ServingPool.spec.placement.replacementInterval.minSeconds": "operator: re-placement interval",
     "ServingPool.spec.placement.replacementInterval.maxSeconds": "operator: re-placement interval",
     "ServingPool.spec.placement.replacementInterval.beta": "operator: re-placement interval",
+    "ServingPool.spec.placement.replacementInterval.loadShiftThreshold": "operator: early re-placement",
     "ServingPool.spec.placement.handoverTimeoutSeconds": "operator: re-placement roll-out",
     "ServingPool.spec.images.worker": "pod: container image",
     "ServingPool.spec.images.vllm": "pod: container image",

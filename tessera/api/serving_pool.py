@@ -196,6 +196,16 @@ class ReplacementInterval(ApiModel):
         description="Adaptation rate β: shrink by (1-β) when the relative prediction error exceeds β, "
         "else grow by (1+β).",
     )
+    load_shift_threshold: float = Field(
+        default=0.5,
+        ge=0,
+        le=100,
+        allow_inf_nan=False,
+        description="Re-place before the boundary when a service's arrival rate over the last minSeconds "
+        "departs from the rate its plan was made for by more than this fraction (and beyond Poisson noise); "
+        "checked every minSeconds/2, never sooner than minSeconds after the last placement. 0 turns it "
+        "off (boundaries only from the interval).",
+    )
 
 
 class PlacementSpec(ApiModel):
