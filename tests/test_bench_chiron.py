@@ -48,6 +48,7 @@ def test_rows_share_requests_and_report_scaling(report):
     assert set(rows) == {
         "chiron",
         "chiron:forecast",
+        "chiron:lean",
         *(
             f"{base}{d}{u}"
             for d in ("", ":dispatch=pull", ":dispatch=pull-priority")
@@ -69,15 +70,26 @@ def test_rows_share_requests_and_report_scaling(report):
     base_roles = {tuple(p[1:]) for p in rows["threshold:band=0.4-0.8"]["instances_over_time"]}
     assert all(p[1] == p[2] == 0 for p in base_roles)
     # One check per baseline row, then one against the best of them (the paper's "Llumnix (tuned)"),
-    # chiron:forecast against the first and the best, then both Chiron rows against the best on
-    # throughput and p99 JCT (default tolerance 10%).
+    # chiron:forecast and chiron:lean each against the first and the best, then every Chiron row against
+    # the best on issue 24's GPU-seconds target, last on throughput and p99 JCT (default tolerance 10%).
     bases = [r for r in report.results if r["policy"].startswith("threshold")]
     best = max(bases, key=lambda r: (r["slo_attainment"], -r["gpu_seconds"]))
-    assert len(report.checks) == 6 + 1 + (1 if best is bases[0] else 2) + 2
+    assert len(report.checks) == 6 + 1 + 2 * (1 if best is bases[0] else 2) + 3 + 3
     assert all(c.endswith(("PASS", "FAIL")) for c in report.checks)
     assert f"tuned: {best['policy']}" in report.checks[6]
-    assert report.checks[-2].startswith(f"chiron vs {best['policy']}: throughput ")
-    assert report.checks[-1].startswith(f"chiron:forecast vs {best['policy']}: throughput ")
+    fewer = report.checks[-6:-3]
+    for name, line in zip(("chiron", "chiron:forecast", "chiron:lean"), fewer, strict=True):
+        assert line.startswith(f"{name} vs the strongest baseline {best['policy']}: GPU-seconds ")
+        ratio = rows[name]["gpu_seconds"] / best["gpu_seconds"]
+        better = rows[name]["slo_attainment"] >= best["slo_attainment"]
+        assert line.endswith("PASS" if ratio <= 0.80 and better else "FAIL")
+    assert report.checks[-3].startswith(f"chiron vs {best['policy']}: throughput ")
+    assert report.checks[-1].startswith(f"chiron:lean vs {best['policy']}: throughput ")
+    # The lean row keeps no standing interactive spare: never more interactive + mixed instances than
+    # the paper's Θ_op = 1/3 row at its peak.
+    lean_im = max(p[1] + p[2] for p in rows["chiron:lean"]["instances_over_time"])
+    paper_im = max(p[1] + p[2] for p in rows["chiron"]["instances_over_time"])
+    assert lean_im <= paper_im
     # The best of all is the strongest baseline; the best with arrival dispatch the paper's.
     assert "strongest baseline" in best["baseline"]
     paper = max(
@@ -140,6 +152,8 @@ def test_options_are_validated():
         ({"initial_instances": "30"}, "initial_instances"),
         ({"interactive_requests": "1"}, "interactive_requests"),
         ({"batch_deadline_s": "0"}, "batch_deadline_s"),
+        ({"lean_over_provisioning": "0.01"}, "lean_over_provisioning"),
+        ({"lean_cooldown_s": "-1"}, "lean_cooldown_s"),
     ):
         with pytest.raises(ValueError, match=match):
             scenario.run(BenchConfig("chiron", options={**SMALL, **bad}), _noop)

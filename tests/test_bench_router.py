@@ -17,7 +17,7 @@ def test_bench_router_runs_both_paths_and_the_fault_run() -> None:
     report = run(BenchConfig("router", options=options), lambda *a, **k: None)
     rows = {r["policy"]: r for r in report.results}
     assert set(rows) == {"direct:streams=8", "router:streams=8", "router+router-restarted:streams=8",
-                         "router+worker-killed:streams=8"}  # fmt: skip
+                         "router+router-killed:streams=8", "router+worker-killed:streams=8"}  # fmt: skip
     for name in ("direct:streams=8", "router:streams=8"):
         assert rows[name]["completed"] == 16 and rows[name]["lost"] == 0 and rows[name]["tokens_per_s"] > 0
     killed = rows["router+worker-killed:streams=8"]
@@ -28,7 +28,14 @@ def test_bench_router_runs_both_paths_and_the_fault_run() -> None:
     assert restarted["completed"] > 8 and restarted["refused"] > 0 and restarted["router_down_s"] > 0
     assert restarted["requests"] == restarted["accepted"] + restarted["refused"]
     assert restarted["accepted"] == restarted["completed"] + restarted["failed"] + restarted["lost"]
-    assert len(report.checks) == 4 and report.checks[0].startswith("streams=8: router/direct TTFT p50")
+    killed_router = rows["router+router-killed:streams=8"]
+    # The router's SIGKILL broke streams in flight: each one a connection error the client saw, none lost.
+    assert killed_router["completed"] > 8 and killed_router["refused"] > 0 and killed_router["lost"] == 0
+    assert killed_router["accepted"] == killed_router["completed"] + killed_router["failed"]
+    reasons = killed_router["failed_by_reason"]
+    assert killed_router["failed"] > 0
+    assert all(reason.startswith("connection broken by the router's kill") for reason in reasons), reasons
+    assert len(report.checks) == 5 and report.checks[0].startswith("streams=8: router/direct TTFT p50")
     assert "not part of this scenario" in report.checks[-1]
     with pytest.raises(ValueError, match="--set streams"):
         run(BenchConfig("router", options=Options({"streams": "0"})), lambda *a, **k: None)

@@ -229,7 +229,14 @@ def test_arrival_meter_counts_the_window():
     meter = ArrivalMeter(10.0)
     for t in (0.0, 1.0, 2.0, 9.5):
         meter.record(t)
-    assert meter.rate(9.5) == pytest.approx(0.4)
+    assert meter.rate(9.5) == pytest.approx(4 / 9.5)  # watched for 9.5 s of the 10 s window
     assert meter.rate(11.5) == pytest.approx(0.2)  # 0 and 1 s have left the window
+    # Before a whole window has passed, the rate is over the time watched (Prometheus's rate() over the
+    # samples it has), not diluted by the part of the window before the meter started.
+    young = ArrivalMeter(60.0, start=100.0)
+    for t in (101.0, 102.0, 104.0, 105.0):
+        young.record(t)
+    assert young.rate(110.0) == pytest.approx(0.4)
+    assert young.rate(100.0) == 0.0
     with pytest.raises(ValueError, match="window"):
         ArrivalMeter(0.0)

@@ -28,13 +28,25 @@ With ``faults`` on, a fault run follows, one fault per row, each under load thro
   connections for a second, ``tessera.router.protocol``, and exits), then a new router process on the
   same port; the load goes on ``RESTART_AFTER_S`` after the new one is ready. A client whose
   connection is refused while no router listens waits ``REFUSED_BACKOFF_S`` and sends its next one.
+- ``router+router-killed``: the same load; once as many requests have completed as there are clients
+  and then half of the clients' next streams have received a token, the router is killed (SIGKILL: a
+  crash, or a node lost), then a new one started on the same port. Nothing can answer the streams in flight
+  with an error event: their connections break. Each of them counts as failed with a clear error when
+  the client's HTTP library (httpx) raises a connection error for it (``RemoteProtocolError``: the
+  connection closed before the chunked body or the answer ended; ``ReadError``/``WriteError``: it was
+  reset), which a client sees as a failed request it can retry; this holds for requests sent before
+  the new router was ready and broken after the kill. A stream that ends without ``[DONE]`` and
+  without such an error, or a hang, stays lost, as in the other rows.
 - ``router+worker-killed``: a wave of ``streams`` streams during which one worker is killed (SIGKILL);
   requests on it fail with a clear error or are retried on the other worker (non-streamed ones).
 
 Each fault row counts requests sent; refused (no router listened: the client's connection was
 refused, nothing was accepted); accepted (the rest), of which completed (``[DONE]``), failed with a
-clear error (an HTTP error status, or an SSE error event, with an OpenAI error body) and lost (no
-``[DONE]`` and no error: the stream was cut off or the connection closed without an answer). Goal:
+clear error (an HTTP error status, or an SSE error event, with an OpenAI error body; in the
+router-killed row also the connection errors above) and lost (no ``[DONE]`` and no error: the stream
+was cut off or the connection closed without an answer); and how the requests the clients had sent
+before the fault ended (``in_flight_at_fault``: refused there means the client had not yet written it
+when the router went away, found its kept-alive connection closed and could not reconnect). Goal:
 0 lost. The operator and Prometheus are not part of this scenario (the router and workers serve
 without them; only the operator's autoscaler reads Prometheus, and no Kubernetes API server runs on
 this machine): the report says so instead of a figure.
@@ -100,6 +112,18 @@ class Wave:
     lost_by_reason: dict[str, int] = field(default_factory=dict)
     fault_at: float | None = None  # when the fault was injected (perf_counter)
     cpu_s: float = 0.0  # the router's CPU time during the wave (router paths)
+    router_killed: bool = False  # the fault kills the router: its broken connections are clear errors
+    recovered_at: float | None = None  # when the router that replaced the killed one was ready
+    # How the requests the client had sent before the fault ended: completed, failed, lost or refused
+    # (refused: not yet written when the router went away; the client found its connection closed).
+    across_fault: dict[str, int] = field(default_factory=dict)
+
+    def broken_by_kill(self, sent_at: float) -> bool:
+        """Whether a request sent at ``sent_at`` whose connection just broke was broken by the router's
+        kill: the router was killed and the request was sent before its replacement was ready."""
+        if not self.router_killed or self.fault_at is None:
+            return False
+        return self.recovered_at is None or sent_at < self.recovered_at
 
     def lost_one(self, reason: str) -> None:
         """Count a lost request, saying whether it was lost before the fault was injected."""
@@ -124,22 +148,33 @@ def _count(counts: dict[str, int], reason: str) -> None:
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
                   wave: Wave, start: float) -> bool:  # fmt: skip
     """One streamed request, counted in ``wave``; False when its connection was refused."""
+    wave.sent += 1
+    sent_at = time.perf_counter()
+    outcome = await _outcome(client, url, body, headers, wave, start, sent_at)
+    if wave.fault_at is not None and sent_at < wave.fault_at:  # in flight (as the client saw it) at the fault
+        _count(wave.across_fault, outcome)
+    return outcome != "refused"
+
+
+async def _outcome(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
+                   wave: Wave, start: float, sent_at: float) -> str:  # fmt: skip
+    """Send one streamed request, count it in ``wave`` and say how it ended: completed, failed,
+    lost or refused."""
     first: float | None = None
     done = False
     tokens = 0
-    wave.sent += 1
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 _count(wave.failed, f"http {resp.status_code}")
-                return True
+                return "failed"
             async for line in resp.aiter_lines():
                 if line == "data: [DONE]":
                     done = True
                 elif line.startswith('data: {"error"'):
                     _count(wave.failed, "error event")
-                    return True
+                    return "failed"
                 elif line.startswith("data: {") and '"content"' in line:
                     tokens += 1
                     if first is None:
@@ -147,18 +182,25 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any], hea
                         wave.streaming += 1
     except (httpx.ConnectError, httpx.ConnectTimeout):
         wave.refused += 1
-        return False
-    except httpx.HTTPError as exc:  # connected, then no answer or a cut-off one, and no error body
+        return "refused"
+    except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+        # connected, then no answer or a cut-off one, and no error body: lost, unless the router was killed
+        if wave.broken_by_kill(sent_at):
+            _count(wave.failed, f"connection broken by the router's kill ({type(exc).__name__})")
+            return "failed"
         wave.lost_one(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-        return True
+        return "lost"
+    except httpx.HTTPError as exc:  # a timeout (a hang), or an answer httpx cannot decode
+        wave.lost_one(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+        return "lost"
     if not done:
         wave.lost_one("ended without [DONE]")
-        return True
+        return "lost"
     wave.completed += 1
     wave.tokens += tokens
     if first is not None:
         wave.ttfts.append(first - start)
-    return True
+    return "completed"
 
 
 async def _wave(urls: list[str], streams: int, model: str, headers: dict[str, str], max_tokens: int,
@@ -246,6 +288,12 @@ class RouterProcess:
             self.proc.kill()
             self.proc.wait()
 
+    def kill(self) -> None:
+        """SIGKILL: the router ends at once, as in a crash."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
 
 def _ready(url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
@@ -275,6 +323,8 @@ def _row(path: str, streams: int, waves: list[Wave]) -> dict[str, Any]:
     refused = sum(w.refused for w in waves)
     completed = sum(w.completed for w in waves)
     cpu_s = sum(w.cpu_s for w in waves)
+    outcomes = ("completed", "failed", "lost", "refused")
+    across = {k: sum(w.across_fault.get(k, 0) for w in waves) for k in outcomes}
     return {
         "policy": f"{path}:streams={streams}",
         "requests": sent,
@@ -289,6 +339,7 @@ def _row(path: str, streams: int, waves: list[Wave]) -> dict[str, Any]:
         "lost": sum(w.lost for w in waves),
         "lost_by_reason": lost_by_reason,
         "router_cpu_ms_per_request": cpu_s * 1000 / completed if path != "direct" and completed else None,
+        "in_flight_at_fault": across if waves[0].fault_at is not None else None,
     }
 
 
@@ -310,7 +361,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     model = instances[0].config.models[0].name
     headers = {instances[0].config.class_header: "chat"}
     paths = ["direct", "router"] + (["baseline"] if baseline is not None else [])
-    progress(0, total=len(levels) * rounds * len(paths) + (2 if faults else 0))
+    progress(0, total=len(levels) * rounds * len(paths) + (3 if faults else 0))
     rows: list[dict[str, Any]] = []
     rounds_at: dict[int, list[dict[str, Wave]]] = {}  # streams -> each round's wave per path
     fault_rows: list[dict[str, Any]] = []
@@ -347,6 +398,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 streams = min(levels[-1], 300)
                 fault_rows.append(_router_restart_run(router, model, headers, max_tokens, streams))
                 progress(1)
+                fault_rows.append(_router_kill_run(router, model, headers, max_tokens, streams))
+                progress(1)
                 fault_rows.append(_fault_run(supervisor, router_url, model, headers, max_tokens, streams))
                 progress(1)
         finally:
@@ -357,10 +410,13 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     for fault in fault_rows:
         rows.append(fault)
         lost = f"{fault['lost']} lost" + (f" {fault['lost_by_reason']}" if fault["lost_by_reason"] else "")
+        across = ", ".join(f"{n} {outcome}" for outcome, n in fault["in_flight_at_fault"].items())
         checks.append(f"fault run, {fault['fault']}: {fault['accepted']} accepted, {fault['completed']} "
                       f"completed, {fault['failed']} failed with an error {fault['failed_by_reason']}, "
                       f"{lost}; {fault['refused']} refused while no router listened (not accepted): "
-                      f"{'PASS' if fault['lost'] == 0 else 'FAIL'} (goal: 0 lost)")  # fmt: skip
+                      f"{'PASS' if fault['lost'] == 0 else 'FAIL'} (goal: 0 lost); of the "
+                      f"{sum(fault['in_flight_at_fault'].values())} requests in flight at the fault as the "
+                      f"clients saw them: {across}")  # fmt: skip
     if faults:
         checks.append(NOT_IN_SCENARIO)
     cfg = {**config.as_dict(), "streams": levels, "workers": n_workers, "max_tokens": max_tokens,
@@ -384,20 +440,27 @@ def _fault_run(supervisor: Supervisor, router_url: str, model: str, headers: dic
     return {**_row("router+worker-killed", streams, [wave]), "fault": "a worker killed mid-wave"}
 
 
+async def _until_load(wave: Wave, completed: int = 0, streaming: int = 0) -> None:
+    """Until the load is under way: ``completed`` requests completed and ``streaming`` streams received
+    their first token, since the load began."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while wave.completed < completed or wave.streaming < streaming:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the load did not get going: {wave.completed} of {completed} requests completed and "
+                f"{wave.streaming} of {streaming} streams started in {READY_TIMEOUT_S:.0f} s "
+                f"({wave.failed}, {wave.lost_by_reason})"
+            )
+        await asyncio.sleep(0.005)
+
+
 def _router_restart_run(router: RouterProcess, model: str, headers: dict[str, str], max_tokens: int,
                         clients: int) -> dict[str, Any]:  # fmt: skip
     timings: dict[str, float] = {}
 
     async def restart(wave: Wave) -> None:
         # mid-load: once as many requests completed as there are clients, all of them busy
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while wave.completed < clients:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the load did not get going: {wave.completed} of {clients} requests "
-                    f"completed in {READY_TIMEOUT_S:.0f} s ({wave.failed}, {wave.lost_by_reason})"
-                )
-            await asyncio.sleep(0.01)
+        await _until_load(wave, completed=clients)
         t0 = wave.fault_at = time.perf_counter()
         await asyncio.to_thread(router.stop)  # SIGTERM: the answers in flight finish first
         timings["drain_s"] = time.perf_counter() - t0
@@ -410,6 +473,31 @@ def _router_restart_run(router: RouterProcess, model: str, headers: dict[str, st
     return {**row, "fault": f"the router restarted mid-load (SIGTERM; drained in {timings['drain_s']:.1f} s; "
             f"a new router ready {timings['down_s']:.1f} s after the SIGTERM)",
             "router_drain_s": timings["drain_s"], "router_down_s": timings["down_s"]}  # fmt: skip
+
+
+def _router_kill_run(router: RouterProcess, model: str, headers: dict[str, str], max_tokens: int,
+                     clients: int) -> dict[str, Any]:  # fmt: skip
+    timings: dict[str, float] = {}
+
+    async def kill(wave: Wave) -> None:
+        # mid-stream: once as many requests completed as there are clients (all busy), and half of the
+        # clients' next streams are receiving tokens (the clients start in step: at the first mark,
+        # most of their next requests have just been sent)
+        await _until_load(wave, completed=clients)
+        await _until_load(wave, streaming=wave.streaming + clients // 2)
+        wave.router_killed = True
+        t0 = wave.fault_at = time.perf_counter()
+        router.kill()
+        await asyncio.to_thread(router.start)
+        wave.recovered_at = time.perf_counter()
+        timings["down_s"] = wave.recovered_at - t0
+        await asyncio.sleep(RESTART_AFTER_S)
+
+    wave = asyncio.run(_closed_loop(router.url, clients, model, headers, max_tokens, kill))
+    row = _row("router+router-killed", clients, [wave])
+    down = timings["down_s"]
+    return {**row, "fault": f"the router killed mid-load (SIGKILL; a new router ready {down:.1f} s after it)",
+            "router_down_s": down}  # fmt: skip
 
 
 def _ratios(rounds: list[dict[str, Wave]], path: str) -> tuple[float, float, float]:

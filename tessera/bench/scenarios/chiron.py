@@ -24,6 +24,13 @@ Rows (mechanisms: ``tessera.core.chiron``; the simulator's adapters: ``tessera.s
   (``forecast_variant``, on by default): load forecasting, our extension: Θ_op follows the trend of
   the interactive arrival rate (over ``forecast_window_s``, 60 s) one load time ahead, aiming at
   ``forecast_utilization`` (0.8) busy instances then (``tessera.core.planners.chiron.forecast_theta``).
+- ``chiron:lean`` (``lean_variant``, on by default): the paper's rule with two of its settings changed
+  (``ChironSettings``; on a cluster the ServingPool's ``overProvisioning`` and
+  ``scaleDownCooldownSeconds``): Θ_op = ``lean_over_provisioning`` (1: no standing spare, interactive
+  capacity grows when an interactive request finds no instance with room) and a scale-down cooldown of
+  ``lean_cooldown_s`` (default: the load time, the longest a retired instance takes to come back,
+  instead of 120 s). Most of its saving against ``chiron`` is the spare Θ_op = 1/3 keeps; batch
+  instances are sized by the same backpressure rule.
 - ``threshold:band=LO-HI``: a Llumnix-style baseline: every 10 s, ±1 instance when the utilization
   leaves [LO, HI]; static batch size 256 (vLLM's max_num_seqs); FCFS. ``dispatch``: ``arrival`` (each
   request at once to the least-loaded instance), ``pull`` (one FCFS queue that instances pull, as
@@ -39,11 +46,16 @@ scale-ups), ``instances_over_time`` ([t, interactive, mixed, batch] every 10 s) 
 
 Other options (``--set``): interactive_requests, interactive_rate, interactive_arrivals, interactive_cv,
 lengths, batch_requests, batch_at, batch_deadline_s (above), dispatch, bands, utilization, defer_variant,
-op_history_variant, forecast_variant, forecast_window_s, forecast_utilization (rows above), rate_dist (a rate
+op_history_variant, forecast_variant, forecast_window_s, forecast_utilization, lean_variant,
+lean_over_provisioning, lean_cooldown_s (rows above), rate_dist (a rate
 series' arrivals), initial_instances (2), min_instances (1), max_instances (25), eval_interval_s (5),
 dispatch_interval_s (1), over_provisioning (1/3), prefill_backlog_s (1.0), batch_exec_margin_s (60), profile
 (a100-llama3-8b), cold_start_s (profile's), static_batch (256), tolerance (0.10: every Chiron row against the
 best threshold variant on throughput and p99 JCT, no worse than this share).
+
+Checks: each Chiron row against every threshold variant (the bench's own target below), the GPU-seconds
+target of issue 24 against the strongest baseline (``FEWER_GPU_RATIO``: <= 0.80x at equal or better
+attainment), and the tolerance on throughput and p99 JCT.
 """
 
 from __future__ import annotations
@@ -96,6 +108,7 @@ BS_INITIAL = 256  # vLLM's default max_num_seqs
 TARGET_POINTS = 0.30  # the target: attainment >= 30 points higher at similar GPU-seconds ...
 SIMILAR_GPU = 1.10  # ... "similar": within 10 % (CHOICE)
 TARGET_GPU_RATIO = 0.70  # ... or GPU-seconds <= 0.7x at equal (or better) attainment
+FEWER_GPU_RATIO = 0.80  # issue 24: >= 20% fewer GPU-seconds than the strongest baseline, equal attainment
 ARRIVAL_KINDS = ("trace", "gamma", "poisson")
 LENGTH_SOURCES = ("trace", "sharegpt")
 DISPATCH_MODES = ("arrival", "pull", "pull-priority")
@@ -244,6 +257,12 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         util = option(opts, "forecast_utilization", 0.8, float)
         _require(settings.band < util <= 1, f"--set forecast_utilization must be in ({settings.band:g}, 1]")
         chirons["chiron:forecast"] = replace(settings, forecast_window_s=window, forecast_utilization=util)
+    if option(opts, "lean_variant", True, bool):
+        theta = option(opts, "lean_over_provisioning", 1.0, float)
+        _require(settings.band < theta <= 1, f"--set lean_over_provisioning must be in ({settings.band:g}, 1]")
+        down = option(opts, "lean_cooldown_s", cold, float)
+        _require(down >= 0, "--set lean_cooldown_s must be >= 0 seconds")
+        chirons["chiron:lean"] = replace(settings, over_provisioning=theta, scale_down_cooldown_s=down)
     variants: dict[str, Callable[[], Parts]] = {
         name: partial(_chiron_parts, s, work, tick, deadline, margin, backlog) for name, s in chirons.items()
     }
@@ -332,7 +351,8 @@ def _checks(rows: list[dict[str, Any]], tol: float) -> list[str]:
     equal attainment) against every threshold variant, then against the best of them: the paper's
     "Llumnix (tuned)" is the per-workload configuration that maximizes SLO attainment, so the last line
     compares Chiron with the variant of highest attainment (ties: fewest GPU-seconds) among those run.
-    Last, every Chiron row against that best variant on throughput and p99 JCT (``tol``)."""
+    Then every Chiron row against that best variant on issue 24's GPU-seconds target, last on throughput
+    and p99 JCT (``tol``)."""
     chiron = next(r for r in rows if r["policy"] == "chiron")
     bases = [r for r in rows if r["policy"].startswith("threshold")]
     out = [_check_line(chiron, base, base["policy"]) for base in bases]
@@ -348,7 +368,9 @@ def _checks(rows: list[dict[str, Any]], tol: float) -> list[str]:
     for other in (r for r in rows if r["policy"].startswith("chiron:")):
         for base in {id(b): b for b in (bases[0], best)}.values():
             out.append(_check_line(other, base, base["policy"]))
-    return out + baseline_checks([r for r in rows if r["policy"].startswith("chiron")], best, tol)
+    ours = [r for r in rows if r["policy"].startswith("chiron")]
+    out += [_fewer_gpu_line(r, best) for r in ours]
+    return out + baseline_checks(ours, best, tol)
 
 
 def _check_line(chiron: dict[str, Any], base: dict[str, Any], label: str) -> str:
@@ -361,6 +383,17 @@ def _check_line(chiron: dict[str, Any], base: dict[str, Any], label: str) -> str
         f"{base['slo_attainment']:.1%} ({points * 100:+.1f} points), GPU-seconds {ratio:.2f}x "
         f"(target: >= +30 points at <= {SIMILAR_GPU:.2f}x GPU-seconds, or <= {TARGET_GPU_RATIO:.2f}x "
         f"GPU-seconds at equal or better attainment): {'PASS' if a or b else 'FAIL'}"
+    )
+
+
+def _fewer_gpu_line(chiron: dict[str, Any], best: dict[str, Any]) -> str:
+    points = chiron["slo_attainment"] - best["slo_attainment"]
+    ratio = chiron["gpu_seconds"] / best["gpu_seconds"]
+    ok = ratio <= FEWER_GPU_RATIO and points >= 0
+    return (
+        f"{chiron['policy']} vs the strongest baseline {best['policy']}: GPU-seconds {ratio:.2f}x at "
+        f"{points * 100:+.1f} points of SLO attainment (target: <= {FEWER_GPU_RATIO:.2f}x at equal or "
+        f"better attainment): {'PASS' if ok else 'FAIL'}"
     )
 
 

@@ -82,9 +82,15 @@ def evaluate_group(
 @dataclass(slots=True)
 class ArrivalMeter:
     """Interactive arrivals over the last ``window_s`` seconds: the rate load forecasting reads
-    (``MetricsSnapshot.interactive_arrival_rps``) where the caller sees each arrival."""
+    (``MetricsSnapshot.interactive_arrival_rps``) where the caller sees each arrival.
+
+    ``start`` is when the meter began to watch: until a whole window has passed, the rate is the
+    arrivals over the time watched, as Prometheus's ``rate()`` is over the samples it has. Dividing
+    by the whole window instead read a rate rising from zero over the first window, which load
+    forecasting took for a steep rise and over-provisioned for."""
 
     window_s: float
+    start: float = 0.0
     times: deque[float] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -96,10 +102,11 @@ class ArrivalMeter:
         self.times.append(now)
 
     def rate(self, now: float) -> float:
-        """Arrivals per second over ``(now - window_s, now]``."""
+        """Arrivals per second over ``(now - window_s, now]``, or over the time watched while shorter."""
         while self.times and self.times[0] <= now - self.window_s:
             self.times.popleft()
-        return len(self.times) / self.window_s
+        watched = min(self.window_s, now - self.start)
+        return len(self.times) / watched if watched > 0 else 0.0
 
 
 def instance_tokens_per_s(profile: StepProfile, mean_prompt: float, mean_output: float, slots: int) -> float:
