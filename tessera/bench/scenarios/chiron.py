@@ -259,7 +259,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         chirons["chiron:forecast"] = replace(settings, forecast_window_s=window, forecast_utilization=util)
     if option(opts, "lean_variant", True, bool):
         theta = option(opts, "lean_over_provisioning", 1.0, float)
-        _require(settings.band < theta <= 1, f"--set lean_over_provisioning must be in ({settings.band:g}, 1]")
+        band = settings.band
+        _require(band < theta <= 1, f"--set lean_over_provisioning must be in ({band:g}, 1]")
         down = option(opts, "lean_cooldown_s", cold, float)
         _require(down >= 0, "--set lean_cooldown_s must be >= 0 seconds")
         chirons["chiron:lean"] = replace(settings, over_provisioning=theta, scale_down_cooldown_s=down)
