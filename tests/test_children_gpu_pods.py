@@ -22,6 +22,7 @@ from tessera.api import LLMService, RequestClass, ServingPool, SpecError, load_d
 from tessera.api.base import parse_quantity
 from tessera.api.worker_config import WorkerConfig
 from tessera.control import children
+from tessera.control.inputs import service_input
 from tessera.control.pool_plan import PoolDesired, desired_pool
 from tessera.core.planners import GroupPlan
 from tessera.core.planners.types import RoleCounts
@@ -115,6 +116,9 @@ def test_one_engine_container_holds_the_gpus_and_runs_every_model(models: int, t
         share = _flag(args, "--gpu-memory-utilization")
         planned = memory[MODELS[index]]
         assert entry.kv_capacity_tokens == planned.kv_capacity_tokens
+        # The pod's policies estimate with the step times the placement planned with, at the group's TP.
+        profile = service_input(pool, services[MODELS[index]]).profile.at_tp(tp)
+        assert entry.profile.decode_c1 == profile.decode_c1 and entry.profile.prefill_p1 == profile.prefill_p1
         if models == 1:
             assert share is None and "--enable-sleep-mode" not in args and entry.sleep_mode == "off"
         else:
@@ -313,7 +317,7 @@ def _supervisor(tmp_path: Path, worker_port: int, *servers: list[str]) -> subpro
     for folder in (tmp_path / "vllm", tmp_path / "vllm" / "entrypoints", package):
         (folder / "__init__.py").write_text("")
     (package / "api_server.py").write_text(FAKE_SERVER)
-    script = children.ENGINE_SCRIPT.replace(f":{children.WORKER_PORT:04X}:", f":{worker_port:04X}:")
+    script = children.ENGINE_SCRIPT.replace(f":{children.WORKER_PORT:04X} ", f":{worker_port:04X} ")
     args: list[str] = []
     for index, server in enumerate(servers):
         args += ([children.SERVER_SEPARATOR] if index else []) + [*server, "--out", str(tmp_path)]

@@ -55,7 +55,7 @@ from tessera.api.serving_pool import (
     MAX_SERVICES_PER_GROUP,
     sets_flag,
 )
-from tessera.api.worker_config import WorkerConfig
+from tessera.api.worker_config import ProfileSpec, WorkerConfig
 from tessera.control.inputs import pool_input, service_input
 from tessera.control.placement_sim import BLOCK_TOKENS, group_profiles
 from tessera.core.activation import IdlePolicy
@@ -107,7 +107,8 @@ SHM_PER_GPU_BYTES = 4 * 2**30  # /dev/shm per GPU above (NCCL's buffers between 
 # The engine container's supervisor: starts one vLLM OpenAI server per SERVER_SEPARATOR-separated part of
 # its arguments; stops them all when one exits (the kubelet restarts the container). On SIGTERM it keeps
 # them up while the worker still listens or holds a connection on its port (read from /proc/net/tcp: the
-# pod shares one network namespace, and the image need not carry curl), at most the worker's grace.
+# pod shares one network namespace, and the image need not carry curl), at most the worker's grace. grep,
+# not a bash read loop: bash reads procfs a byte at a time, 33 s over 7,000 sockets on a busy node.
 ENGINE_SCRIPT = f"""set -u
 pids=()
 start() {{ python3 -m vllm.entrypoints.openai.api_server "$@" & pids+=("$!"); }}
@@ -117,14 +118,7 @@ for arg in "$@"; do
 done
 start "${{part[@]}}"
 worker_busy() {{
-  local sl local_addr remote state rest
-  for table in /proc/net/tcp /proc/net/tcp6; do
-    [ -r "$table" ] || continue
-    while read -r sl local_addr remote state rest; do
-      case "$local_addr:$state" in *:{WORKER_PORT:04X}:01 | *:{WORKER_PORT:04X}:0A) return 0 ;; esac
-    done < "$table"
-  done
-  return 1
+  grep -qsE '^ *[0-9]+: [0-9A-F]+:{WORKER_PORT:04X} [0-9A-F]+:[0-9A-F]+ (01|0A) ' /proc/net/tcp /proc/net/tcp6
 }}
 drain() {{
   local end=$((SECONDS + {WORKER_GRACE_SECONDS}))
@@ -491,7 +485,11 @@ def worker_config(
             entry["url"] = f"http://127.0.0.1:{VLLM_BASE_PORT + index}"
         entry["defaultClass"] = spec.default_class_name
         entry["kvCapacityTokens"] = memory[name].kv_capacity_tokens
-        context = spec.model.max_model_length or service_input(pool, service).p99_context_tokens
+        planned = service_input(pool, service)
+        # The step times the placement planned with, at the group's TP: what the pod's policies estimate
+        # waits and batch sizes from (the worker's default profile is a small CPU model's).
+        entry["profile"] = ProfileSpec.from_profile(planned.profile.at_tp(group.tp)).model_dump(by_alias=True)
+        context = spec.model.max_model_length or planned.p99_context_tokens
         entry["maxModelLen"] = min(context, memory[name].kv_capacity_tokens)
         entry["sleepMode"] = "auto" if swaps_models(pool, group) else "off"
         if spec.model.tool_parser is not None:
