@@ -55,7 +55,7 @@ from tessera.api.serving_pool import (
     MAX_SERVICES_PER_GROUP,
     sets_flag,
 )
-from tessera.api.worker_config import ProfileSpec, WorkerConfig
+from tessera.api.worker_config import WorkerConfig
 from tessera.control.inputs import pool_input, service_input
 from tessera.control.placement_sim import BLOCK_TOKENS, group_profiles
 from tessera.core.activation import IdlePolicy
@@ -485,11 +485,7 @@ def worker_config(
             entry["url"] = f"http://127.0.0.1:{VLLM_BASE_PORT + index}"
         entry["defaultClass"] = spec.default_class_name
         entry["kvCapacityTokens"] = memory[name].kv_capacity_tokens
-        planned = service_input(pool, service)
-        # The step times the placement planned with, at the group's TP: what the pod's policies estimate
-        # waits and batch sizes from (the worker's default profile is a small CPU model's).
-        entry["profile"] = ProfileSpec.from_profile(planned.profile.at_tp(group.tp)).model_dump(by_alias=True)
-        context = spec.model.max_model_length or planned.p99_context_tokens
+        context = spec.model.max_model_length or service_input(pool, service).p99_context_tokens
         entry["maxModelLen"] = min(context, memory[name].kv_capacity_tokens)
         entry["sleepMode"] = "auto" if swaps_models(pool, group) else "off"
         if spec.model.tool_parser is not None:
