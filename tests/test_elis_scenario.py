@@ -13,7 +13,7 @@ def test_elis_scenario_rows_and_checks() -> None:
     report = run(BenchConfig(scenario="elis", seed=3, options=opts), lambda *a, **k: None)
     names = [r["policy"] for r in report.results]
     assert names[0] == "fcfs:batch=1" and "isrtf:batch=1" in names and "srtf-oracle:batch=2" in names
-    assert {"isrtf:batch=2,aging=0", "isrtf-tail:batch=2"} <= set(names)
+    assert {"isrtf:batch=2,guard=off", "isrtf-tail:batch=2"} <= set(names)
     assert all(r["requests"] == 40 for r in report.results)
     by = {r["policy"]: r for r in report.results}
     # the oracle bound never loses to FCFS on the same requests
@@ -30,13 +30,14 @@ def test_elis_scenario_rows_and_checks() -> None:
         )
 
 
-def test_elis_scenario_aging_and_tolerance_settings() -> None:
-    opts = {"requests": 30, "batches": "1", "predictor": "running-mean", "seeds": 1, "aging": 0.0,
+def test_elis_scenario_guard_and_tolerance_settings() -> None:
+    opts = {"requests": 30, "batches": "1", "predictor": "running-mean", "seeds": 1, "guard_credit": 0.0,
             "tolerance": 0.5}  # fmt: skip
     report = run(BenchConfig(scenario="elis", seed=1, options=opts), lambda *a, **k: None)
     by = {r["policy"]: r for r in report.results}
-    # aging=0 makes the shipped row the guard-off one (fresh predictors: no row learns from another)
-    assert by["isrtf:batch=1"]["mean_jct_s"] == by["isrtf:batch=1,aging=0"]["mean_jct_s"]
+    # guard_credit=0 makes the shipped row the guard-off one (fresh predictors: no row learns from another)
+    assert by["isrtf:batch=1"]["mean_jct_s"] == by["isrtf:batch=1,guard=off"]["mean_jct_s"]
+    assert report.config["guard_credit"] == 0.0 and report.config["aging_tokens_per_s"] == 0.0
     assert report.config["tolerance"] == 0.5
     assert any("(no worse than 50%)" in c for c in report.checks)
     with pytest.raises(ValueError, match="tolerance"):

@@ -1,9 +1,10 @@
 """ISRTF on hand-built queues: batched prediction at window boundaries, ordering, preemption, aging,
-the guard's default, and the wait-bounded variant isrtf-tail."""
+the tail guard and its default, and the wait-bounded variant isrtf-tail."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -27,15 +28,17 @@ class TableOracle:
         return [self.totals[r.id] - r.generated for r in requests]
 
 
-def view(running: list[Request], now: float = 10.0, max_batch: int = 1) -> InstanceView:
-    return InstanceView(now, "i0", running, max_batch, PROFILE.kv_capacity_tokens, 0, PROFILE)
+def view(
+    running: list[Request], now: float = 10.0, max_batch: int = 1, profile: StepProfile = PROFILE
+) -> InstanceView:
+    return InstanceView(now, "i0", running, max_batch, profile.kv_capacity_tokens, 0, profile)
 
 
 def req(rid: str, arrival: float) -> Request:
     return Request(rid, arrival, 10, 10_000)
 
 
-def run_ids(pol: ISRTF, running: list[Request], **kw: float) -> list[str]:
+def run_ids(pol: ISRTF, running: list[Request], **kw: Any) -> list[str]:
     decision = pol.schedule(view(running, **kw))
     for r in decision.run:
         r.phase = Phase.RUNNING
@@ -44,7 +47,7 @@ def run_ids(pol: ISRTF, running: list[Request], **kw: float) -> list[str]:
 
 def test_orders_by_predicted_remaining_with_one_batched_prediction() -> None:
     oracle = TableOracle({"a": 300, "b": 40, "c": 120})
-    pol = ISRTF(aging_tokens_per_s=0.0, predictor=oracle)
+    pol = ISRTF(guard_credit=0.0, predictor=oracle)
     for i, rid in enumerate("abc"):
         pol.add(req(rid, float(i)), float(i))
     assert oracle.calls == []  # nothing predicted before a decision
@@ -54,7 +57,7 @@ def test_orders_by_predicted_remaining_with_one_batched_prediction() -> None:
 
 
 def test_ties_go_to_earlier_arrival() -> None:
-    pol = ISRTF(aging_tokens_per_s=0.0, predictor=ConstantPredictor(100))
+    pol = ISRTF(guard_credit=0.0, predictor=ConstantPredictor(100))
     late, early = req("late", 5.0), req("early", 1.0)
     pol.add(late, 5.0)
     pol.add(early, 5.0)
@@ -63,7 +66,7 @@ def test_ties_go_to_earlier_arrival() -> None:
 
 def test_repredicts_only_at_the_configured_step() -> None:
     oracle = TableOracle({"x": 500})
-    pol = ISRTF(aging_tokens_per_s=0.0, predictor=oracle, window_tokens=20)
+    pol = ISRTF(guard_credit=0.0, predictor=oracle, window_tokens=20)
     x = req("x", 0.0)
     pol.add(x, 0.0)
     decision = pol.schedule(view([]))
@@ -81,7 +84,7 @@ def test_repredicts_only_at_the_configured_step() -> None:
 
 def test_preempts_at_window_boundary_not_mid_window() -> None:
     oracle = TableOracle({"long": 400, "short": 30})
-    pol = ISRTF(aging_tokens_per_s=0.0, predictor=oracle, window_tokens=50)
+    pol = ISRTF(guard_credit=0.0, predictor=oracle, window_tokens=50)
     long = req("long", 0.0)
     pol.add(long, 0.0)
     assert run_ids(pol, []) == ["long"]
@@ -96,7 +99,7 @@ def test_preempts_at_window_boundary_not_mid_window() -> None:
 
 def test_running_request_keeps_slot_when_still_shortest() -> None:
     oracle = TableOracle({"a": 60, "b": 500})
-    pol = ISRTF(aging_tokens_per_s=0.0, predictor=oracle, window_tokens=50)
+    pol = ISRTF(guard_credit=0.0, predictor=oracle, window_tokens=50)
     a, b = req("a", 0.0), req("b", 0.0)
     pol.add(a, 0.0)
     pol.add(b, 0.0)
@@ -107,8 +110,8 @@ def test_running_request_keeps_slot_when_still_shortest() -> None:
 
 def test_aging_guard_lets_an_old_long_request_win() -> None:
     oracle = TableOracle({"old": 1000, "new": 100})
-    plain = ISRTF(aging_tokens_per_s=0.0, predictor=oracle)
-    aged = ISRTF(predictor=oracle, aging_tokens_per_s=10.0)
+    plain = ISRTF(aging_tokens_per_s=0.0, guard_credit=0.0, predictor=oracle)
+    aged = ISRTF(predictor=oracle, aging_tokens_per_s=10.0, guard_credit=0.0)
     for pol in (plain, aged):
         pol.add(req("old", 0.0), 0.0)
         pol.add(req("new", 200.0), 200.0)
@@ -119,7 +122,7 @@ def test_aging_guard_lets_an_old_long_request_win() -> None:
 
 def test_running_mean_fallback_learns_from_finished_requests() -> None:
     pred = RunningMeanPredictor(prior=100, prior_weight=1)
-    pol = ISRTF(aging_tokens_per_s=0.0, predictor=pred)
+    pol = ISRTF(guard_credit=0.0, predictor=pred)
     done = req("done", 0.0)
     pol.add(done, 0.0)
     pol.schedule(view([]))
@@ -137,7 +140,7 @@ def test_running_mean_fallback_learns_from_finished_requests() -> None:
 def test_predicting_ahead_then_scheduling_predicts_once_and_still_preempts_at_the_boundary() -> None:
     """The worker's path: predictions_due + predict (on a thread), then schedule."""
     oracle = TableOracle({"long": 500, "short": 60})
-    pol = ISRTF(aging_tokens_per_s=0.0, predictor=oracle, window_tokens=50)
+    pol = ISRTF(guard_credit=0.0, predictor=oracle, window_tokens=50)
     long = req("long", 0.0)
     pol.add(long, 0.0)
     assert pol.predictions_due([]) == [long]
@@ -169,15 +172,69 @@ def test_registry_and_validation() -> None:
         ISRTF(predictor=object())  # type: ignore[arg-type]
 
 
-def test_starvation_guard_is_on_by_default_in_the_class_and_the_settings() -> None:
-    from tessera.core.policies.isrtf import DEFAULT_AGING_TOKENS_PER_S
+def test_tail_guard_is_on_by_default_in_the_class_and_the_settings() -> None:
+    from tessera.core.policies.isrtf import DEFAULT_GUARD_AFTER_JCT_MULTIPLE, DEFAULT_GUARD_CREDIT
     from tessera.core.registry import settings_model
 
-    assert DEFAULT_AGING_TOKENS_PER_S > 0
-    assert ISRTF(predictor="constant").aging == DEFAULT_AGING_TOKENS_PER_S
-    assert make_policy("isrtf", predictor="constant").aging == DEFAULT_AGING_TOKENS_PER_S  # type: ignore[attr-defined]
-    assert settings_model("isrtf").model_fields["aging_tokens_per_s"].default == DEFAULT_AGING_TOKENS_PER_S
-    assert make_policy("isrtf", predictor="constant", aging_tokens_per_s=0.0).aging == 0.0  # type: ignore[attr-defined]
+    assert DEFAULT_GUARD_CREDIT > 0
+    pol = ISRTF(predictor="constant")
+    assert (pol.guard_credit, pol.guard_after, pol.aging) == (
+        DEFAULT_GUARD_CREDIT, DEFAULT_GUARD_AFTER_JCT_MULTIPLE, 0.0
+    )  # fmt: skip
+    assert make_policy("isrtf", predictor="constant").guard_credit == DEFAULT_GUARD_CREDIT  # type: ignore[attr-defined]
+    fields = settings_model("isrtf").model_fields
+    assert fields["guard_credit"].default == DEFAULT_GUARD_CREDIT
+    assert fields["guard_after_jct_multiple"].default == DEFAULT_GUARD_AFTER_JCT_MULTIPLE
+    assert fields["aging_tokens_per_s"].default == 0.0
+    assert make_policy("isrtf", predictor="constant", guard_credit=0.0).guard_credit == 0.0  # type: ignore[attr-defined]
+    for bad in ({"guard_credit": -0.1}, {"guard_credit": 11.0}, {"guard_after_jct_multiple": 0.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            make_policy("isrtf", predictor="constant", **bad)
+    with pytest.raises(ValueError, match="guard_credit"):
+        ISRTF(predictor="constant", guard_credit=-1.0)
+
+
+def test_tail_guard_credits_only_requests_past_the_wait_at_the_decode_rate() -> None:
+    """Before its wait a request keeps its plain key; past it, the credit grows by guard_credit x the
+    decode rate (max_batch / decode step) per second since it crossed, and it overtakes a shorter one."""
+    oracle = TableOracle({"done": 10, "long": 300, "short": 100, "later": 100})
+    profile = StepProfile("flat", 0.01, 0.0, 0.0, 0.01, 0.0, kv_capacity_tokens=100_000)  # 100 tokens/s
+    pol = ISRTF(predictor=oracle, guard_credit=0.5, guard_after_jct_multiple=2.0)
+    done = req("done", 0.0)
+    pol.add(done, 0.0)
+    assert run_ids(pol, [], now=0.0, profile=profile) == ["done"]
+    finish(pol, done, 5.0)  # recent mean JCT 5 s: the credit starts after 10 s of waiting
+    long, short = req("long", 5.0), req("short", 14.0)
+    pol.add(long, 5.0)
+    pol.add(short, 14.0)
+    assert run_ids(pol, [], now=14.0, profile=profile) == ["short"]  # long waited 9 s: no credit yet
+    assert pol.key(long, 14.0)[0] == 300
+    finish(pol, short, 14.5)
+    pol.add(later := req("later", 16.0), 16.0)
+    # long crossed at 5 + 2 x 4.93 s (the mean moved 1/64 of the way to short's 0.5 s): at 16 s it has
+    # 1.14 s of credit at 0.5 x 100 tokens/s = 57 tokens: 243 > 100, later still goes first
+    assert run_ids(pol, [], now=16.0, profile=profile) == ["later"]
+    crossed = 5.0 + 2.0 * pol.mean_jct  # type: ignore[operator]
+    assert pol.key(long, 16.0)[0] == pytest.approx(300 - 50.0 * (16.0 - crossed))
+    finish(pol, later, 17.0)
+    pol.add(again := req("again", 20.0), 20.0)
+    oracle.totals["again"] = 100
+    # at 20 s: 5.14 s of credit (257 tokens): 43 < 100, the old long request overtakes
+    assert run_ids(pol, [], now=20.0, profile=profile) == ["long"]
+    assert pol.key(again, 20.0)[0] == 100  # a new request has no credit
+
+
+def test_tail_guard_off_keeps_the_plain_order() -> None:
+    oracle = TableOracle({"done": 10, "long": 300, "short": 100})
+    pol = ISRTF(predictor=oracle, guard_credit=0.0)
+    done = req("done", 0.0)
+    pol.add(done, 0.0)
+    run_ids(pol, [], now=0.0)
+    finish(pol, done, 1.0)
+    pol.add(long := req("long", 1.0), 1.0)
+    pol.add(req("short", 900.0), 900.0)
+    assert run_ids(pol, [], now=900.0) == ["short"]  # waited 900 mean JCTs: still behind
+    assert pol.key(long, 900.0)[0] == 300
 
 
 def finish(pol: ISRTF, r: Request, now: float) -> None:
@@ -188,7 +245,7 @@ def finish(pol: ISRTF, r: Request, now: float) -> None:
 def test_isrtf_tail_promotes_requests_older_than_a_multiple_of_the_recent_mean_jct() -> None:
     oracle = TableOracle({"done": 10, "long": 1000, "s1": 100, "s2": 100})
     pol = TailISRTF(predictor=oracle, max_wait_jct_multiple=2.0)
-    assert pol.aging == 0.0  # the wait bound guards instead of aging
+    assert (pol.aging, pol.guard_credit) == (0.0, 0.0)  # the wait bound guards instead
     done = req("done", 0.0)
     pol.add(done, 0.0)
     assert run_ids(pol, [], now=0.0) == ["done"]

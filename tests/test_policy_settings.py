@@ -15,7 +15,7 @@ import pytest
 from tessera.api import SpecError, load_documents
 from tessera.api.worker_config import ConfigError, parse_config
 from tessera.cli import main
-from tessera.core.policies.isrtf import DEFAULT_AGING_TOKENS_PER_S
+from tessera.core.policies.isrtf import DEFAULT_GUARD_CREDIT
 from tessera.core.registry import (
     POLICIES,
     describe_settings,
@@ -182,8 +182,9 @@ def test_worker_config_refuses_bad_settings(settings: dict, problem: str) -> Non
         parse_config(config)
     message = str(err.value)
     assert "scheduling.settings: bad settings for policy 'isrtf'" in message and problem in message
-    aging = f"agingTokensPerS (number >= 0, default {DEFAULT_AGING_TOKENS_PER_S})"
-    assert "Value error" not in message and aging in message
+    guard = f"guardCredit (number >= 0 and <= 10, default {DEFAULT_GUARD_CREDIT})"
+    aging = "agingTokensPerS (number >= 0, default 0.0)"
+    assert "Value error" not in message and guard in message and aging in message
 
 
 def test_worker_config_keeps_good_settings() -> None:

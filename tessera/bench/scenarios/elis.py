@@ -13,8 +13,9 @@ Seeds (at least 5, compare means): ``seeds`` (5) workloads, ``--seed`` and the n
 each its own draw of requests and arrivals. 400 requests at load 0.9 with Gamma(0.73) arrivals swing
 the oracle's reduction by ±7 points from seed to seed, so one seed cannot settle a 50% threshold.
 
-Rows: ``fcfs:batch=B``, ``isrtf:batch=B`` (the policy as shipped: its starvation guard on at its
-default credit, or at ``aging``), ``isrtf:batch=B,aging=0`` (the guard off: the plain ELIS order),
+Rows: ``fcfs:batch=B``, ``isrtf:batch=B`` (the policy as shipped: its tail guard on at its defaults,
+or at ``guard_credit``/``guard_after``/``aging``), ``isrtf:batch=B,guard=off`` (no guard, no aging: the
+plain ELIS order),
 ``isrtf-tail:batch=B`` (the wait-bounded variant at ``max_wait``), ``srtf-oracle:batch=B`` — the seed
 means (every number averaged, p99 included); with more than one seed, each seed's rows come first as
 ``...,seed=N``. The checks are on the means, then each seed's reductions for information: the oracle's
@@ -23,8 +24,10 @@ guard-off mean-JCT gain), and every row against ``fcfs`` on throughput and p99 J
 
 Options (``--set``): requests (400), batches ("1,2,4"), seeds (5), data (AlpacaEval text; any JSONL
 with ``prompt`` and ``response`` text), predictor (text | running-mean | constant), artifact (a trained
-head's folder for ``text``; default the shipped one), window (50), aging (the ``isrtf`` row's tokens/s
-of credit per second of age; default the policy's), max_wait (``isrtf-tail``'s promotion wait in
+head's folder for ``text``; default the shipped one), window (50), guard_credit and guard_after (the
+``isrtf`` row's tail guard: credit as a share of the decode rate, and the wait in recent mean JCTs
+after which it starts; default the policy's), aging (the ``isrtf`` row's linear aging, tokens/s of
+credit per second of age; default the policy's, 0), max_wait (``isrtf-tail``'s promotion wait in
 recent mean JCTs; default the policy's), tolerance (0.10), rate_dist (with a rate series as ``--trace``), and
 the cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS``.
 """
@@ -40,7 +43,8 @@ from tessera.bench.runner import SHARED_DATA, cluster_config_from, option, run_p
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import baseline_checks, mean_row, saturation_rate, seed_checks, tolerance
 from tessera.core.policies.isrtf import (
-    DEFAULT_AGING_TOKENS_PER_S,
+    DEFAULT_GUARD_AFTER_JCT_MULTIPLE,
+    DEFAULT_GUARD_CREDIT,
     DEFAULT_MAX_WAIT_JCT_MULTIPLE,
     ISRTF,
     TailISRTF,
@@ -126,7 +130,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         raise ValueError(f"--set seeds={n_seeds}: must be >= 1 (the spec asks for at least 5)")
     seeds = list(range(config.seed, config.seed + n_seeds))
     window = option(opts, "window", 50, int)
-    aging = option(opts, "aging", DEFAULT_AGING_TOKENS_PER_S, float)
+    aging = option(opts, "aging", 0.0, float)
+    guard_credit = option(opts, "guard_credit", DEFAULT_GUARD_CREDIT, float)
+    guard_after = option(opts, "guard_after", DEFAULT_GUARD_AFTER_JCT_MULTIPLE, float)
     max_wait = option(opts, "max_wait", DEFAULT_MAX_WAIT_JCT_MULTIPLE, float)
     tol = tolerance(opts)
     kind = option(opts, "predictor", "text", str)
@@ -158,10 +164,14 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         policies = {
             f"fcfs:batch={b}": lambda: make_policy("fcfs"),
             f"isrtf:batch={b}": lambda: ISRTF(
-                predictor=fresh(), window_tokens=window, aging_tokens_per_s=aging
+                predictor=fresh(),
+                window_tokens=window,
+                aging_tokens_per_s=aging,
+                guard_credit=guard_credit,
+                guard_after_jct_multiple=guard_after,
             ),
-            f"isrtf:batch={b},aging=0": lambda: ISRTF(
-                predictor=fresh(), window_tokens=window, aging_tokens_per_s=0.0
+            f"isrtf:batch={b},guard=off": lambda: ISRTF(
+                predictor=fresh(), window_tokens=window, aging_tokens_per_s=0.0, guard_credit=0.0
             ),
             f"isrtf-tail:batch={b}": lambda: TailISRTF(
                 predictor=fresh(), window_tokens=window, max_wait_jct_multiple=max_wait
@@ -212,6 +222,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "artifact": artifact,
         "data": str(data),
         "aging_tokens_per_s": aging,
+        "guard_credit": guard_credit,
+        "guard_after_jct_multiple": guard_after,
         "max_wait_jct_multiple": max_wait,
         "tolerance": tol,
         "capacity_rps": capacities,
@@ -226,8 +238,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
 
 
 def _by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """One batch size's rows by kind: fcfs, isrtf, isrtf:aging=0, isrtf-tail, srtf-oracle."""
-    return {r["policy"].split(":")[0] + (":aging=0" if ",aging=0" in r["policy"] else ""): r for r in rows}
+    """One batch size's rows by kind: fcfs, isrtf, isrtf:guard=off, isrtf-tail, srtf-oracle."""
+    off = ",guard=off"
+    return {r["policy"].split(":")[0] + (":guard=off" if off in r["policy"] else ""): r for r in rows}
 
 
 def _reduction(row: dict[str, Any], fcfs: dict[str, Any]) -> float:
@@ -241,7 +254,7 @@ GAIN_KEPT = 0.8  # ... while keeping this share of the guard-off mean-JCT reduct
 def _checks(b: int, by: dict[str, dict[str, Any]], tol: float) -> list[str]:
     """Target checks for one batch size."""
     fcfs, isrtf, plain, tail, oracle = (
-        by["fcfs"], by["isrtf"], by["isrtf:aging=0"], by["isrtf-tail"], by["srtf-oracle"]
+        by["fcfs"], by["isrtf"], by["isrtf:guard=off"], by["isrtf-tail"], by["srtf-oracle"]
     )  # fmt: skip
     red_o, red_i, red_p = _reduction(oracle, fcfs), _reduction(isrtf, fcfs), _reduction(plain, fcfs)
     out = [

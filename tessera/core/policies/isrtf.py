@@ -14,15 +14,28 @@ the top ``max_batch`` run; any other decision (an arrival, a completion) only fi
 batches each request's window counts from its own last prediction (CHOICE: the engine re-checks when
 the first running request reaches its boundary, instead of ELIS' batch-synchronous windows).
 
-Aging guard (CHOICE, on by default; ELIS §3.4 mentions starvation control without details): the
-key becomes ŷ − ``aging_tokens_per_s`` · age, where age = now − arrival. Subtracting the common
-``now`` leaves ŷ + a·arrival, so keys stay fixed while a request waits and the heap order stays valid.
-The default (``DEFAULT_AGING_TOKENS_PER_S``) is the smallest credit of a sweep over ``tessera bench
-elis`` (docs/bench.md, "ISRTF's starvation guard") that kept p99 JCT within 1.5× FCFS's at every batch
-size; no credit of the sweep also kept 80% of the guard-off mean-JCT gain at every batch size (the tail
-bound is the guard's purpose, so it decides). 0 turns the guard off.
+Tail guard (CHOICE, on by default; ELIS §3.4 mentions starvation control without details): a
+deferred credit. A request that has waited longer than ``guard_after_jct_multiple`` times the recent
+mean JCT (an exponential average over finished requests, weight ``1/64`` each; no guard before the
+first finishes) starts gaining priority credit: its key becomes ŷ − r · (now − t), t the moment it
+crossed that wait, r = ``guard_credit`` × the instance's decode rate (``max_batch`` / the profile's
+decode step at full batch and the running requests' mean context, in tokens/s): for every token the
+instance decodes after t, its key drops by ``guard_credit`` tokens. Requests under the wait keep the
+plain order, so only those at risk of the tail move, and both the wait (in mean JCTs) and the pace (a
+share of the decode rate) scale with the batch size by themselves, which a credit in tokens per second
+does not. The defaults (``DEFAULT_GUARD_CREDIT``, ``DEFAULT_GUARD_AFTER_JCT_MULTIPLE``) are the point
+of a sweep over ``tessera bench elis`` (docs/bench.md, "ISRTF's starvation guard") nearest its targets
+(p99 JCT <= 1.5x FCFS's, >= 80% of the guard-off mean-JCT gain): 1.44/1.51/1.50x keeping 78/78/80% at
+batch 1/2/4, where linear aging needed credits of 4, 8 and 13 tokens/s for about that tail and kept
+76/71/75%. No setting met both targets at every batch size. Guarded keys change with time, so each
+decision re-keys the guarded queued requests (O(guarded · log queue); the others keep their fixed
+keys). ``guard_credit`` 0 turns the guard off.
 
-Tail-aware variant ``isrtf-tail`` (``TailISRTF``): the plain ISRTF order (no aging by default) plus
+Linear aging (``aging_tokens_per_s``, off by default): the key becomes ŷ − ``aging_tokens_per_s`` · age
+for every request from its arrival (ŷ + a·arrival: keys stay fixed while a request waits). It reorders
+the whole queue, not just the requests at risk. Both 0: the plain ELIS order.
+
+Tail-aware variant ``isrtf-tail`` (``TailISRTF``): the plain ISRTF order (no guard, no aging by default) plus
 a wait bound relative to the service's own latency. A request whose age exceeds
 ``max_wait_jct_multiple`` times the recent mean JCT (an exponential average over finished requests,
 weight ``1/64`` each; no bound before the first finishes) is promoted: promoted requests go ahead of
@@ -52,6 +65,7 @@ every displaced request.
 
 from __future__ import annotations
 
+import heapq
 import importlib
 import logging
 from collections import deque
@@ -67,9 +81,10 @@ from tessera.core.request import Request
 
 TEXT_PREDICTOR = "tessera.predictor.model:TextLengthPredictor"
 PREDICTED_AT = "isrtf_predicted_at"  # annotation: tokens generated when ŷ was last predicted
-DEFAULT_AGING_TOKENS_PER_S = 13.0  # the starvation guard's default credit (see the module docstring)
+DEFAULT_GUARD_CREDIT = 0.1  # the tail guard's credit, a share of the decode rate (module docstring)
+DEFAULT_GUARD_AFTER_JCT_MULTIPLE = 2.5  # the wait, in recent mean JCTs, after which the credit starts
 DEFAULT_MAX_WAIT_JCT_MULTIPLE = 2.5  # isrtf-tail's promotion threshold, in recent mean JCTs
-JCT_AVERAGE_WEIGHT = 1 / 64  # weight of each finished request in isrtf-tail's recent mean JCT
+JCT_AVERAGE_WEIGHT = 1 / 64  # weight of each finished request in the recent mean JCT
 log = logging.getLogger(__name__)
 
 
@@ -112,10 +127,20 @@ class ISRTFSettings(PolicySettings):
     window_tokens: Annotated[int, Field(ge=1)] = Field(
         default=50, description="Tokens a request generates between re-predictions (ELIS K)."
     )
+    guard_credit: Annotated[float, Field(ge=0, le=10, allow_inf_nan=False)] = Field(
+        default=DEFAULT_GUARD_CREDIT,
+        description="Tail guard: a request waiting past guardAfterJctMultiple recent mean JCTs gains this "
+        "share of the instance's decode rate (tokens/s) as priority credit (0 = off; the default keeps the "
+        "ELIS bench's p99 JCT near 1.5x FCFS's with about 80% of the plain order's mean-JCT gain).",
+    )
+    guard_after_jct_multiple: Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)] = Field(
+        default=DEFAULT_GUARD_AFTER_JCT_MULTIPLE,
+        description="The wait, in recent mean JCTs, after which a request gains the guard's credit.",
+    )
     aging_tokens_per_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
-        default=DEFAULT_AGING_TOKENS_PER_S,
-        description="Starvation guard: tokens of priority credit per second of age (0 = off; the default "
-        "keeps the ELIS bench's p99 JCT within 1.5x FCFS's).",
+        default=0.0,
+        description="Linear aging from arrival: tokens of priority credit per second of age for every "
+        "request (0 = off). With guardCredit 0 too: the plain ELIS order.",
     )
     preempt_mode: PreemptMode = Field(
         default="keep",
@@ -154,22 +179,34 @@ class ISRTF(PriorityPolicy):
         self,
         predictor: LengthPredictor | str = "text",
         window_tokens: int = 50,
-        aging_tokens_per_s: float = DEFAULT_AGING_TOKENS_PER_S,
+        aging_tokens_per_s: float = 0.0,
         preempt_mode: PreemptMode = "keep",
         predictor_checkpoint: str | None = None,
         predictor_encoder: str | None = None,
+        guard_credit: float = DEFAULT_GUARD_CREDIT,
+        guard_after_jct_multiple: float = DEFAULT_GUARD_AFTER_JCT_MULTIPLE,
     ) -> None:
         super().__init__()
         if window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1, got {window_tokens}")
         if aging_tokens_per_s < 0:
             raise ValueError(f"aging_tokens_per_s must be >= 0 (0 = off), got {aging_tokens_per_s}")
+        if not guard_credit >= 0:
+            raise ValueError(f"guard_credit must be >= 0 (0 = off), got {guard_credit}")
+        if not guard_after_jct_multiple > 0:
+            raise ValueError(f"guard_after_jct_multiple must be > 0, got {guard_after_jct_multiple}")
         if preempt_mode not in ("recompute", "swap", "keep"):
             raise ValueError(f"preempt_mode must be recompute, swap or keep, got {preempt_mode!r}")
         self.predictor = _make_predictor(predictor, predictor_checkpoint, predictor_encoder)
         self.preempt_mode: PreemptMode = preempt_mode
         self.window = window_tokens
         self.aging = aging_tokens_per_s
+        self.guard_credit = guard_credit
+        self.guard_after = guard_after_jct_multiple
+        self.mean_jct: float | None = None  # recent mean JCT of finished requests (seconds)
+        self._unguarded = _WaitWatch()  # queued once, not yet past the guard's wait
+        self._guarded: dict[int, float] = {}  # id(req) -> when it crossed the guard's wait
+        self._credit_rate = 0.0  # the guard's credit this decision, tokens per second past the wait
         self._pending: dict[int, Request] = {}  # arrived, not yet pushed (predicted at the next decision)
         self._finished: deque[Request] = deque()  # removed, not yet handed to the predictor
         self._rerank = False  # a request was re-predicted at its window boundary since the last decision
@@ -183,17 +220,29 @@ class ISRTF(PriorityPolicy):
         self.fallback_predictions = 0  # requests predicted by the fallback so far
 
     def key(self, req: Request, now: float) -> tuple:
-        """Predicted remaining tokens (minus the aging credit), then higher class priority, then arrival."""
+        """Predicted remaining tokens (minus the aging and guard credits), then higher class priority,
+        then arrival."""
         assert req.predicted_remaining is not None, "ISRTF keys only predicted requests"
-        return (req.predicted_remaining + self.aging * req.arrival, -req.service_class.priority, req.arrival)
+        ranked = req.predicted_remaining + self.aging * req.arrival
+        crossed = self._guarded.get(id(req))
+        if crossed is not None:
+            ranked -= self._credit_rate * (now - crossed)
+        return (ranked, -req.service_class.priority, req.arrival)
 
     def add(self, req: Request, now: float) -> None:
         """Hold a new request until the next decision predicts it (batched with others)."""
         self._pending[id(req)] = req
 
     def remove(self, req: Request, now: float) -> None:
-        """Forget a request; finished lengths feed predictors that learn from them."""
+        """Forget a request; finished lengths feed predictors that learn from them, finished JCTs the
+        recent mean JCT."""
         self._pending.pop(id(req), None)
+        self._guarded.pop(id(req), None)
+        if req.finished:
+            jct = now - req.arrival
+            self.mean_jct = (
+                jct if self.mean_jct is None else self.mean_jct + JCT_AVERAGE_WEIGHT * (jct - self.mean_jct)
+            )
         super().remove(req, now)
         self._finished.append(req)  # deque append/popleft are thread-safe: a prediction may be running
 
@@ -259,6 +308,8 @@ class ISRTF(PriorityPolicy):
     def schedule(self, view: InstanceView) -> Decision:
         """Predict what is due in one batch; re-rank everything at a window boundary, else fill free slots."""
         self.predict(self.predictions_due(view.running))
+        if self.guard_credit > 0:
+            self._credit_rate = self.guard_credit * self._decode_rate(view)
         self._queue_pending(view.now)
         # The instance attribute shadows the class default for this decision only: the base class
         # re-ranks running requests against the queue when preemptive, else only fills free slots.
@@ -272,12 +323,38 @@ class ISRTF(PriorityPolicy):
         decision.preempt_mode = self.preempt_mode
         return decision
 
+    @staticmethod
+    def _decode_rate(view: InstanceView) -> float:
+        """Tokens/s the instance decodes with a full batch at the running requests' mean context."""
+        running = view.running
+        context = sum(r.prompt_tokens + r.generated for r in running) / len(running) if running else 0.0
+        step = view.profile.decode_step(view.max_batch, int(context * view.max_batch))
+        return view.max_batch / step if step > 0 else 0.0  # a cost-free profile sets no pace: no credit
+
     def _queue_pending(self, now: float) -> None:
-        """Move the requests predicted since the last decision into the priority queue."""
+        """Move the requests predicted since the last decision into the priority queue; start the
+        guard's credit of those past its wait, and re-key the guarded ones still queued."""
         new = list(self._pending.values())
         self._pending.clear()
         for req in new:
             self._push(req, now)
+        if self.guard_credit <= 0:
+            return
+        self._unguarded.extend(new)
+        if self.mean_jct is not None:
+            wait = self.guard_after * self.mean_jct
+            for req in self._unguarded.over(now, wait, self._live):
+                self._guarded[id(req)] = req.arrival + wait
+        for rid in self._guarded:
+            entry = self._queued.get(rid)
+            if entry is not None:  # a running one is re-keyed by every decision
+                self._push(entry.req, now)
+        if len(self._heap) > 2 * len(self._queued) + 64:  # drop the entries re-keying left behind
+            self._heap = list(self._queued.values())
+            heapq.heapify(self._heap)
+
+    def _live(self, req: Request) -> bool:
+        return id(req) in self._queued or id(req) in self._running
 
     def recheck_tokens(self) -> int | None:
         """Decode iterations until the first running request reaches its window boundary."""
@@ -285,11 +362,12 @@ class ISRTF(PriorityPolicy):
 
 
 class TailISRTFSettings(ISRTFSettings):
-    """Settings of ``isrtf-tail``: ISRTF's (aging off by default), plus the wait that promotes a request."""
+    """Settings of ``isrtf-tail``: ISRTF's (its tail guard off by default), plus the wait that promotes
+    a request."""
 
-    aging_tokens_per_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+    guard_credit: Annotated[float, Field(ge=0, le=10, allow_inf_nan=False)] = Field(
         default=0.0,
-        description="Tokens of priority credit per second of age (0 = off: the wait bound guards).",
+        description="As isrtf's, off by default (the wait bound guards).",
     )
     max_wait_jct_multiple: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
         default=DEFAULT_MAX_WAIT_JCT_MULTIPLE,
@@ -312,6 +390,8 @@ class TailISRTF(ISRTF):
         predictor_checkpoint: str | None = None,
         predictor_encoder: str | None = None,
         max_wait_jct_multiple: float = DEFAULT_MAX_WAIT_JCT_MULTIPLE,
+        guard_credit: float = 0.0,
+        guard_after_jct_multiple: float = DEFAULT_GUARD_AFTER_JCT_MULTIPLE,
     ) -> None:
         super().__init__(
             predictor,
@@ -320,12 +400,13 @@ class TailISRTF(ISRTF):
             preempt_mode,
             predictor_checkpoint,
             predictor_encoder,
+            guard_credit,
+            guard_after_jct_multiple,
         )
         if not max_wait_jct_multiple > 0:
             raise ValueError(f"max_wait_jct_multiple must be > 0, got {max_wait_jct_multiple}")
         self.max_wait_multiple = max_wait_jct_multiple
-        self.mean_jct: float | None = None  # recent mean JCT of finished requests (seconds)
-        self._by_arrival: deque[Request] = deque()  # queued once, not yet promoted, in arrival order
+        self._unpromoted = _WaitWatch()  # queued once, not yet promoted
         self._promoted: set[int] = set()
 
     def key(self, req: Request, now: float) -> tuple:
@@ -335,27 +416,38 @@ class TailISRTF(ISRTF):
         return (1, *super().key(req, now))
 
     def remove(self, req: Request, now: float) -> None:
-        """Forget a request (its promotion too); a finished one updates the recent mean JCT."""
+        """Forget a request (its promotion too)."""
         self._promoted.discard(id(req))
-        if req.finished:
-            jct = now - req.arrival
-            self.mean_jct = (
-                jct if self.mean_jct is None else self.mean_jct + JCT_AVERAGE_WEIGHT * (jct - self.mean_jct)
-            )
         super().remove(req, now)
 
     def _queue_pending(self, now: float) -> None:
-        new = sorted(self._pending.values(), key=lambda r: r.arrival)
+        new = list(self._pending.values())
         super()._queue_pending(now)
-        self._by_arrival.extend(new)
+        self._unpromoted.extend(new)
         if self.mean_jct is None:
             return
-        limit = self.max_wait_multiple * self.mean_jct
-        # Oldest first: the deque is in arrival order, so the scan stops at the first young request.
-        while self._by_arrival and now - self._by_arrival[0].arrival > limit:
-            req = self._by_arrival.popleft()
-            if id(req) not in self._queued and id(req) not in self._running:
-                continue  # finished or removed
+        for req in self._unpromoted.over(now, self.max_wait_multiple * self.mean_jct, self._live):
             self._promoted.add(id(req))
             if id(req) in self._queued:  # re-keyed in the heap; a running one is re-keyed at each decision
                 self._push(req, now)
+
+
+class _WaitWatch:
+    """Requests in arrival order, handed out once each when their wait passes a limit."""
+
+    def __init__(self) -> None:
+        self._by_arrival: deque[Request] = deque()
+
+    def extend(self, reqs: Sequence[Request]) -> None:
+        """Watch ``reqs`` (sorted here: those queued by one decision may come in any order)."""
+        self._by_arrival.extend(sorted(reqs, key=lambda r: r.arrival))
+
+    def over(self, now: float, limit: float, live: Callable[[Request], bool]) -> list[Request]:
+        """The live watched requests that have waited longer than ``limit``, oldest first; they leave
+        the watch. The scan stops at the first younger one (the deque is in arrival order)."""
+        out = []
+        while self._by_arrival and now - self._by_arrival[0].arrival > limit:
+            req = self._by_arrival.popleft()
+            if live(req):  # else finished or removed
+                out.append(req)
+        return out
