@@ -517,6 +517,9 @@ async def test_a_load_shift_is_replaced_at_the_next_boundary(
     of the plan made at the one before."""
     harness, prom_port = operator_with_prometheus
     documents = shift_docs()
+    # Eq. 8's boundaries alone: the load-shift watch could re-place between two of them (its own test is
+    # below), and every boundary here is compared with the one before.
+    documents[0]["spec"]["placement"]["replacementInterval"] = {**INTERVAL, "loadShiftThreshold": 0}
     pool, services_docs = documents[0], {name: documents[2 + i] for i, name in enumerate(SHIFT_MODELS)}
     prom = Prometheus(prom_port, tmp_path)
     pods = Pods(prom, tmp_path)
@@ -645,6 +648,74 @@ async def test_a_load_shift_is_replaced_at_the_next_boundary(
         f"{[round(a, 3) for a in attainment]}; estimated at those boundaries {estimates}\n"
         f"clients saw (attainment, requests): {saw}\n"
         f"interval trajectory {[round(i, 1) for i in trajectory]} s"
+    )
+
+
+# A long interval: only the load-shift watch (every minSeconds/2 over the last minSeconds) can re-place soon.
+WATCH_INTERVAL = {"initialSeconds": 300, "minSeconds": 10, "maxSeconds": 600, "beta": 0.1}
+
+
+@pytest.mark.timeout(240)
+async def test_a_load_shift_is_replaced_before_the_boundary(
+    operator_with_prometheus: tuple[Harness, int], tmp_path: Path
+) -> None:
+    """With a 5-minute interval, a steady load moves nothing; once one service's load doubles and the
+    other's halves, the watch sees it in Prometheus within about minSeconds and re-places at once (a
+    LoadShift event says why), on the shifted loads as measured; the pods follow and the clients' SLO
+    holds."""
+    harness, prom_port = operator_with_prometheus
+    documents = shift_docs()
+    documents[0]["spec"]["placement"]["replacementInterval"] = WATCH_INTERVAL
+    pool = documents[0]
+    prom = Prometheus(prom_port, tmp_path)
+    pods = Pods(prom, tmp_path)
+    load = OpenLoad(pods, BEFORE)
+    sending: asyncio.Task[None] | None = None
+    try:
+        found = await apply_and_place(harness, prom, documents)
+        first = found["status"]
+        assert instances(first) == {"grows": 2, "shrinks": 2}
+        await pods.follow(first, found["children"])
+        sending = asyncio.create_task(load.run())
+        await asyncio.sleep(2.5 * WATCH_INTERVAL["minSeconds"])  # watches over the steady load
+        steady = ((await harness.get(pool)) or {})["status"]
+        assert steady["lastPlacementTime"] == first["lastPlacementTime"], steady["placement"]
+        load.rates.update(AFTER)
+        shifted = time.time()
+
+        async def replaced() -> dict[str, Any] | None:
+            status = ((await harness.get(pool)) or {}).get("status") or {}
+            return status if status.get("lastPlacementTime") != first["lastPlacementTime"] else None
+
+        moved = await harness.eventually(replaced, timeout=90)
+        seen = time.time()
+        await pods.follow(moved, await harness.children(NAMESPACE))
+        followed = time.time()
+        await asyncio.sleep(WATCH_INTERVAL["minSeconds"])
+        after = load.attainment(followed, time.time())
+        events = [e for e in await harness.events(NAMESPACE) if e.get("reason") == "LoadShift"]
+    finally:
+        if sending is not None:
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+        await harness.stop()
+        await pods.stop()
+        await asyncio.to_thread(prom.stop)
+
+    placed_at = st.parse_time(moved["lastPlacementTime"])
+    assert placed_at is not None
+    # Within the watch's window, its cadence and the scrapes (and a loaded machine's slack), far from the
+    # interval's own boundary.
+    assert placed_at - shifted < 60 < WATCH_INTERVAL["initialSeconds"], placed_at - shifted
+    assert instances(moved) == {"grows": 3, "shrinks": 1}, moved["placement"]
+    assert moved["measured"]["windowSeconds"] == WATCH_INTERVAL["minSeconds"]
+    assert len(events) == 1 and "re-placing before the boundary" in events[0]["message"], events
+    assert not load.errors, load.errors[:3]
+    assert after[0] >= 0.9, after
+    print(
+        f"\nre-placed {placed_at - shifted:.1f} s after the shift (seen {seen - shifted:.1f} s, pods "
+        f"followed {followed - shifted:.1f} s), interval {WATCH_INTERVAL['initialSeconds']} s; event: "
+        f"{events[0]['message']}; clients after (attainment, requests): {after}"
     )
 
 
