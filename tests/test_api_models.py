@@ -155,3 +155,21 @@ def test_snake_case_names_populate_and_dump_camel_case() -> None:
     dumped = spec.to_json()
     assert dumped["gpu"]["perInstance"] == 2
     assert ServingPoolSpec.model_validate(dumped) == spec
+
+
+def test_load_forecasting_reaches_chiron_from_the_pool_spec() -> None:
+    from tessera.api.serving_pool import ServingPool
+    from tessera.control.inputs import chiron_settings
+
+    body = {
+        "apiVersion": "tessera.dev/v1alpha1",
+        "kind": "ServingPool",
+        "metadata": {"name": "p"},
+        "spec": {**POOL, "autoscaling": {"forecastWindowSeconds": 60, "forecastUtilization": 0.04}},
+    }
+    settings = chiron_settings(ServingPool.model_validate(body), 8)
+    assert (settings.forecast_window_s, settings.forecast_utilization) == (60, 0.04)
+    assert settings.band < settings.forecast_utilization  # the band is kept below the target it surrounds
+    assert chiron_settings(ServingPool.model_validate({**body, "spec": POOL}), 8).forecast_window_s == 0
+    with pytest.raises(ValidationError, match="forecastWindowSeconds"):
+        ServingPoolSpec.model_validate({**POOL, "autoscaling": {"forecastWindowSeconds": -1}})

@@ -361,6 +361,8 @@ NOT_FOR_WORKER: dict[str, str] = {
     "ServingPool.spec.autoscaling.overProvisioningBand": "operator: Chiron's global autoscaler",
     "ServingPool.spec.autoscaling.scaleUpCooldownSeconds": "operator: Chiron's global autoscaler",
     "ServingPool.spec.autoscaling.scaleDownCooldownSeconds": "operator: Chiron's global autoscaler",
+    "ServingPool.spec.autoscaling.forecastWindowSeconds": "operator: Chiron's global autoscaler",
+    "ServingPool.spec.autoscaling.forecastUtilization": "operator: Chiron's global autoscaler",
     "ServingPool.spec.placement.strategy": "operator: placement",
     "ServingPool.spec.placement.maxServicesPerGroup": "operator: placement",
     "ServingPool.spec.placement.replacementInterval.initialSeconds": "operator: re-placement interval",

@@ -164,6 +164,21 @@ class AutoscalingSpec(ApiModel):
         allow_inf_nan=False,
         description="Least time after any scaling before a scale-down (stabilisation; at most a day).",
     )
+    forecast_window_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="Load forecasting (our extension of Chiron): the interactive target follows the trend of "
+        "the interactive arrival rate over this window, one load time ahead, instead of the fixed "
+        "overProvisioning; 0 turns it off (at most an hour).",
+    )
+    forecast_utilization: float = Field(
+        default=0.8,
+        gt=0,
+        le=1,
+        description="With load forecasting: the share of interactive instances busy at the forecast rate.",
+    )
     batch_size: BatchSizeBounds = nested(BatchSizeBounds, "Bounds of the local autoscaler's batch size.")
 
 

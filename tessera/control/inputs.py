@@ -313,7 +313,12 @@ def chiron_settings(pool: ServingPool, max_instances: int) -> ChironSettings:
     """Chiron settings of one placement group of ``pool``; ``max_instances`` is the group's share of
     the pool's budget."""
     autoscaling = pool.spec.autoscaling
-    band = min(autoscaling.over_provisioning_band, autoscaling.over_provisioning * 0.99)
+    # The band stays below both targets it surrounds (Θ_op, and the forecast's utilization).
+    band = min(
+        autoscaling.over_provisioning_band,
+        autoscaling.over_provisioning * 0.99,
+        autoscaling.forecast_utilization * 0.99,
+    )
     return ChironSettings(
         over_provisioning=autoscaling.over_provisioning,
         band=band,
@@ -322,4 +327,6 @@ def chiron_settings(pool: ServingPool, max_instances: int) -> ChironSettings:
         max_instances=max(1, max_instances),
         scale_up_cooldown_s=autoscaling.scale_up_cooldown_seconds,
         scale_down_cooldown_s=autoscaling.scale_down_cooldown_seconds,
+        forecast_window_s=autoscaling.forecast_window_seconds,
+        forecast_utilization=autoscaling.forecast_utilization,
     )
