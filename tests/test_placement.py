@@ -123,7 +123,7 @@ def _brute_force_objective(pool, services, groups, k_max):
             a_eq[s, j] = 1
         a_ub = np.zeros((n_b, len(idx) + 1))
         for j, (s, b) in enumerate(idx):
-            a_ub[b, j] = service_rate(services[s]) * request_work(services[s], groups[b].tp)
+            a_ub[b, j] = service_rate(services[s]) * request_work(pool, services[s], groups[b].tp)
         a_ub[:, -1] = -1
         res = linprog(
             c,
@@ -157,7 +157,7 @@ def test_greedy_within_reported_gap_of_ilp():
     pool = PoolInput("p", "A800", 80 * GIB, 4, gpus_per_node=4)
     greedy_groups = generate_groups(pool, services, 1)
     greedy_allocate(pool, services, greedy_groups, 2)
-    u_greedy = max_utilization(services, greedy_groups)
+    u_greedy = max_utilization(pool, services, greedy_groups)
     u_opt = solve_partition(pool, services, generate_groups(pool, services, 1), 2).max_utilization
     assert u_opt <= u_greedy + 1e-9
     gap = u_greedy / u_opt - 1
@@ -168,6 +168,7 @@ def test_the_estimator_prices_decode_at_the_batch_a_busy_instance_runs():
     import math
 
     from tessera.control.placement import sustained_batch
+    from tessera.control.placement_sim import kv_capacity_bytes
     from tessera.core.planners.types import HistoryRequest
     from tessera.core.profiles import PROFILES
     from tessera.core.request import ServiceClass
@@ -189,16 +190,20 @@ def test_the_estimator_prices_decode_at_the_batch_a_busy_instance_runs():
             mean_output_tokens=2048, p99_context_tokens=4096, slo_class=slo_class,
         )  # fmt: skip
 
+    pool = PoolInput("p", "H100", 80 * GIB, 4)
     one = eight_b("x")
-    # KV-bound: the profile's cache at the mean context (prompt + half the output), within vLLM's 256.
-    assert sustained_batch(one, 1) == h100.kv_capacity_tokens // 2048
+    # KV-bound: what the GPU holds beside the weights, at the mean context (prompt + half the output);
+    # a group of two splits it.
+    kv_tokens = kv_capacity_bytes(pool, [one], 1) / one.kv_bytes_per_token
+    assert sustained_batch(pool, one, 1) == int(kv_tokens // 2048) < 256
+    two = [one, eight_b("z")]
+    assert sustained_batch(pool, one, 1, two) == int(kv_capacity_bytes(pool, two, 1) / 128 / 1024 / 2 // 2048)
     # ITL-bound: a tighter class keeps the batch to what decodes within the bound.
     tight = eight_b("y", slo_class=ServiceClass("fast", itl_slo_s=0.01))
-    n = sustained_batch(tight, 1)
+    n = sustained_batch(pool, tight, 1)
     assert h100.decode_step(n, n * 2048) <= 0.01 < h100.decode_step(n + 1, (n + 1) * 2048)
     # Two equal loads on four GPUs get two instances each (priced at a batch of 16, every candidate
     # looked overloaded and the greedy gave one service 1 GPU and the other 3).
-    pool = PoolInput("p", "H100", 80 * GIB, 4)
     services = [replace(eight_b(n), history=history(4.0)) for n in ("s0", "s1")]
     groups = generate_groups(pool, services, 1)
     greedy_allocate(pool, services, groups, 1)

@@ -160,10 +160,10 @@ def test_estimator_counts_bursts_and_has_no_violation_floor_at_no_load():
     flat = _hist_service("a", [i * 0.5 for i in range(600)])  # 2 req/s for 5 min
     burst = _hist_service("a", [240 + i * 0.1 for i in range(600)])  # the same count within the last minute
     one = [Group(0, 1, services=["a"])]
-    assert estimate([burst], one).unserved["a"] > 10 * estimate([flat], one).unserved["a"]
+    assert estimate(POOL, [burst], one).unserved["a"] > 10 * estimate(POOL, [flat], one).unserved["a"]
     idle = _hist_service("a", [0.0, 299.0])
-    assert estimate([idle], one).unserved["a"] < 0.01
-    unplaced = estimate([flat], [Group(0, 1)])
+    assert estimate(POOL, [idle], one).unserved["a"] < 0.01
+    unplaced = estimate(POOL, [flat], [Group(0, 1)])
     assert unplaced.unserved["a"] >= 600 and unplaced.slo_attainment == 0.0
 
 
@@ -176,11 +176,11 @@ def test_estimator_short_service_is_not_held_up_by_an_overloaded_long_neighbour(
         "long", 14 * GIB, 512 * 1024, LM, mean_prompt_tokens=8000, mean_output_tokens=20, history=long_hist
     )
     shared = [Group(0, 1, services=["short", "long"])]
-    est = estimate([short, long], shared)
+    est = estimate(POOL, [short, long], shared)
     # DB serves the short service first: it sees only its own light load, the long one sees both.
     assert est.unserved["long"] >= 500
     assert est.unserved["short"] < 30
-    alone = estimate([short], [Group(0, 1, services=["short"])])
+    alone = estimate(POOL, [short], [Group(0, 1, services=["short"])])
     assert est.unserved["short"] < 2 * alone.unserved["short"] + 5
 
 

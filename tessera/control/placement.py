@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tessera.control.placement_sim import ENGINE, SHARING_OVERHEAD, serve, service_stats
+from tessera.control.placement_sim import ENGINE, SHARING_OVERHEAD, kv_capacity_bytes, serve, service_stats
 from tessera.core.planners.naming import group_name
 from tessera.core.planners.types import (
     GroupPlan,
@@ -173,18 +173,22 @@ def service_rate(s: ServiceInput) -> float:
     return len(s.history) / span if span > 0 else 0.0
 
 
-def sustained_batch(s: ServiceInput, tp: int) -> int:
-    """Sequences an instance of ``s`` on ``tp`` GPUs decodes at once when busy: the engine's batch cap,
-    what its KV cache holds at the mean context (prompt plus half the output), and no more than keep an
-    iteration within the class's ITL bound (more would miss it on every token).
+def sustained_batch(pool: PoolInput, s: ServiceInput, tp: int, group: Sequence[ServiceInput] = ()) -> int:
+    """Sequences an instance of ``s`` on ``tp`` GPUs of ``pool`` decodes at once when busy: the engine's
+    batch cap, what its share of the group's KV cache holds at the mean context (prompt plus half the
+    output; ``group``: the services sharing the instance, ``s`` alone when empty; SeaLLM's unified pool
+    split evenly), and no more than keep an iteration within the class's ITL bound (more would miss it
+    on every token).
 
-    The KV cache is the profile's per GPU times ``tp`` (the profile is the pool GPU's). A fixed typical
-    batch of 16 priced a decode token 3-4x too high for long outputs on a large GPU (an 8B model on an
-    H100 holds about 200 such sequences): every candidate looked overloaded, and the greedy's order among
-    services became arbitrary (``tessera bench load-shift`` placed 1 + 3 instances for two equal loads)."""
+    A fixed typical batch of 16 priced a decode token 3-4x too high for long outputs on a large GPU (an
+    8B model on an H100 holds about 200 such sequences): every candidate looked overloaded, and the
+    greedy's order among services became arbitrary (``tessera bench load-shift`` placed 1 + 3 instances
+    for two equal loads)."""
+    members = list(group) or [s]
     profile = s.profile.at_tp(tp)
     ctx = max(1.0, s.mean_prompt_tokens + s.mean_output_tokens / 2)
-    kv = profile.kv_capacity_tokens * tp / s.profile.gpus
+    per_token = max(1.0, s.kv_bytes_per_token / tp)  # bytes per token on each GPU
+    kv = max(0.0, kv_capacity_bytes(pool, members, tp)) / per_token / len(members)
     n = max(1, min(ENGINE.max_batch, int(kv // ctx)))
     itl = s.slo_class.itl_slo_s if s.slo_class is not None else None
     if itl is not None and profile.decode_step(n, round(n * ctx)) > itl:
@@ -196,14 +200,15 @@ def sustained_batch(s: ServiceInput, tp: int) -> int:
     return n
 
 
-def request_work(s: ServiceInput, tp: int) -> float:
+def request_work(pool: PoolInput, s: ServiceInput, tp: int, group: Sequence[ServiceInput] = ()) -> float:
     """Seconds of group time one mean request of ``s`` costs at TP ``tp`` under continuous batching:
-    its prefill plus its decode tokens priced at the batch a busy instance runs (``sustained_batch``)."""
+    its prefill plus its decode tokens priced at the batch a busy instance runs (``sustained_batch``;
+    ``group``: the services sharing the instance)."""
     out = max(1, round(s.mean_output_tokens))
     prompt = round(s.mean_prompt_tokens)
     ctx = prompt + out / 2
     profile = s.profile.at_tp(tp)
-    batch = sustained_batch(s, tp)
+    batch = sustained_batch(pool, s, tp, group)
     step = profile.decode_step(batch, round(batch * ctx))
     return profile.prefill(prompt) + (out - 1) * step / batch
 
@@ -224,7 +229,9 @@ def rate_bins(s: ServiceInput, window_s: float) -> list[float]:
     return [c / BIN_S for c in counts]
 
 
-def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s: float = 300.0) -> Estimate:
+def estimate(
+    pool: PoolInput, services: Sequence[ServiceInput], groups: Sequence[Group], window_s: float = 300.0
+) -> Estimate:
     """Analytic SimulateUI (CHOICE: a queueing estimate instead of the paper's DES per greedy step, so a
     16-32-service search stays within seconds on a small CPU). Each group is one server; a service's
     requests split evenly over its groups; time runs in per-minute bins of the history so bursts count.
@@ -246,7 +253,8 @@ def estimate(services: Sequence[ServiceInput], groups: Sequence[Group], window_s
     for g in groups:
         share = 1 + SHARING_OVERHEAD if len(g.services) > 1 else 1.0
         for n in g.services:
-            w = request_work(by_name[n], g.tp) / len(hosts[n])
+            members = [by_name[m] for m in g.services]
+            w = request_work(pool, by_name[n], g.tp, members) / len(hosts[n])
             load[(g.index, n)] = [
                 share * w * (bins[n][m] if m < len(bins[n]) else 0.0) for m in range(n_bins)
             ]
@@ -322,7 +330,7 @@ def greedy_allocate(
     request rate, services by descending unserved index. Fills ``groups`` in place."""
     by_name = {s.name: s for s in services}
     while True:
-        est = estimate(services, groups)
+        est = estimate(pool, services, groups)
         hosts: dict[str, int] = {}
         for g in groups:
             for n in g.services:
@@ -413,7 +421,7 @@ def plan_seallm(
     def score(groups: list[Group]) -> Estimate:
         if simulate:
             return simulate_performance(pool, services, groups, stats)  # Alg. 1's SimulatePerformance
-        return estimate(services, groups)
+        return estimate(pool, services, groups)
 
     best: tuple[tuple[float, float], list[Group], Estimate, Candidate] | None = None
     for cand in candidates(pool, k_choices):
@@ -495,7 +503,7 @@ def simulate_performance(
         for _ in range(s.backlog)
     ]
     if not reqs:
-        return estimate(services, groups)
+        return estimate(pool, services, groups)
     plan = to_plan("seallm", groups, None)
     outcomes, _ = serve(pool, services, plan, reqs, stats=stats, horizon=2 * (t1 - t0) + 60.0)
     per_service: dict[str, float] = {}

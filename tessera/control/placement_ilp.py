@@ -81,9 +81,8 @@ def solve_partition(
             )
             <= budget
         )
-        prob += (
-            pulp.lpSum(f[s, b] * service_rate(services[s]) * request_work(services[s], tp) for s in on_b) <= u
-        )
+        work = {s: service_rate(services[s]) * request_work(pool, services[s], tp) for s in on_b}
+        prob += pulp.lpSum(f[s, b] * work[s] for s in on_b) <= u
     status = prob.solve(bundled_cbc(timeLimit=time_limit_s))
     name = pulp.LpStatus[status]
     if name != "Optimal":
@@ -94,11 +93,11 @@ def solve_partition(
         if var.value() > 0.5:
             placed[b].services.append(services[s].name)
             shares[services[s].name, b] = float(f[s, b].value())
-    est = estimate(services, placed)
+    est = estimate(pool, services, placed)
     return IlpResult(to_plan("seallm-ilp", placed, est), float(u.value()), name, shares)
 
 
-def max_utilization(services: Sequence[ServiceInput], groups: Sequence[Group]) -> float:
+def max_utilization(pool: PoolInput, services: Sequence[ServiceInput], groups: Sequence[Group]) -> float:
     """The MILP's objective U for a filled partition with traffic split evenly over replicas (the
     dispatcher's static split), to compare the greedy with the optimum on the same terms."""
     by_name = {s.name: s for s in services}
@@ -108,7 +107,9 @@ def max_utilization(services: Sequence[ServiceInput], groups: Sequence[Group]) -
             hosts[n] = hosts.get(n, 0) + 1
     return max(
         (
-            sum(service_rate(by_name[n]) / hosts[n] * request_work(by_name[n], g.tp) for n in g.services)
+            sum(
+                service_rate(by_name[n]) / hosts[n] * request_work(pool, by_name[n], g.tp) for n in g.services
+            )
             for g in groups
         ),
         default=0.0,

@@ -640,7 +640,7 @@ def run_planner(config: BenchConfig, progress: Progress) -> BenchReport:
     t = time.perf_counter()
     ilp = solve_partition(small_pool, small, generate_groups(small_pool, small, 1), 2)
     ilp_wall = time.perf_counter() - t
-    u_greedy = max_utilization(small, groups)
+    u_greedy = max_utilization(small_pool, small, groups)
     gap = u_greedy / ilp.max_utilization - 1 if ilp.max_utilization > 0 else 0.0
     rows.append(
         {
