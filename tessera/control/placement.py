@@ -252,8 +252,8 @@ def estimate(
     load: dict[tuple[int, str], list[float]] = {}  # (group, service) -> utilisation per bin
     for g in groups:
         share = 1 + SHARING_OVERHEAD if len(g.services) > 1 else 1.0
+        members = [by_name[m] for m in g.services]
         for n in g.services:
-            members = [by_name[m] for m in g.services]
             w = request_work(pool, by_name[n], g.tp, members) / len(hosts[n])
             load[(g.index, n)] = [
                 share * w * (bins[n][m] if m < len(bins[n]) else 0.0) for m in range(n_bins)
