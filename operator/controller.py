@@ -972,27 +972,28 @@ def _churn(previous: PlacementPlan, plan: PlacementPlan, held: list[Retiring]) -
     return message
 
 
-def _shift_watch(body: Mapping[str, Any]) -> tuple[float, float]:
-    """The pool body's replacementInterval loadShiftThreshold and minSeconds (read raw, defaults where
-    unset or not numbers: the pass validates the spec after)."""
+def _interval_field(body: Mapping[str, Any], field: str, default: float, *, zero_ok: bool = False) -> float:
+    """One number of the pool body's replacementInterval, read raw (the pass validates the spec after):
+    ``default`` where it is unset, not a number, negative, or 0 unless ``zero_ok``."""
     spec = ((body.get("spec") or {}).get("placement") or {}).get("replacementInterval") or {}
+    value = spec.get(field)
+    if isinstance(value, int | float) and (value > 0 or (zero_ok and value == 0)):
+        return float(value)
+    return default
+
+
+def _shift_watch(body: Mapping[str, Any]) -> tuple[float, float]:
+    """The pool body's replacementInterval loadShiftThreshold and minSeconds."""
     defaults = ReplacementInterval()
-
-    def number(field: str, default: float) -> float:
-        value = spec.get(field)
-        return float(value) if isinstance(value, int | float) and value >= 0 else default
-
     return (
-        number("loadShiftThreshold", defaults.load_shift_threshold),
-        max(1.0, number("minSeconds", defaults.min_seconds)),
+        _interval_field(body, "loadShiftThreshold", defaults.load_shift_threshold, zero_ok=True),
+        max(1.0, _interval_field(body, "minSeconds", defaults.min_seconds, zero_ok=True)),
     )
 
 
 def _initial_interval(body: Mapping[str, Any]) -> float:
-    """The pool body's replacementInterval.initialSeconds (read raw: the pass validates the spec after)."""
-    spec = ((body.get("spec") or {}).get("placement") or {}).get("replacementInterval") or {}
-    value = spec.get("initialSeconds")
-    return float(value) if isinstance(value, int | float) and value > 0 else IntervalSettings().initial_s
+    """The pool body's replacementInterval.initialSeconds."""
+    return _interval_field(body, "initialSeconds", IntervalSettings().initial_s)
 
 
 def _keep_unchanged(decided: PoolDesired, previous: PlacementPlan) -> PoolDesired:
