@@ -468,6 +468,19 @@ class OpenLoad:
         return (len(met) / len(judged) if judged else math.nan), len(judged)
 
 
+async def shut_down(
+    harness: Harness, pods: Pods, prom: Prometheus, *tasks: asyncio.Task[None] | None
+) -> None:
+    """A test's end: its load tasks cancelled, then the operator, the pods and Prometheus stopped."""
+    for task in tasks:
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    await harness.stop()
+    await pods.stop()
+    await asyncio.to_thread(prom.stop)
+
+
 def measured(found: dict[str, Any]) -> bool:
     """Whether every service's planned rate at a boundary (``boundary_after``'s answer) was measured."""
     return all(
@@ -561,13 +574,7 @@ async def test_a_load_shift_is_replaced_at_the_next_boundary(
             boundaries.append(await boundary(boundaries[-1]["pool"]))
         await retiring
     finally:
-        for task in (sending, retiring):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        await harness.stop()
-        await pods.stop()
-        await asyncio.to_thread(prom.stop)
+        await shut_down(harness, pods, prom, sending, retiring)
 
     _, before, *kept, replaced, handover, after = boundaries
     # 2/2 before the shift; at the first boundary after it (one interval later) or the next, whose window
@@ -695,12 +702,7 @@ async def test_a_load_shift_is_replaced_before_the_boundary(
         after = load.attainment(followed, time.time())
         events = [e for e in await harness.events(NAMESPACE) if e.get("reason") == "LoadShift"]
     finally:
-        if sending is not None:
-            sending.cancel()
-            await asyncio.gather(sending, return_exceptions=True)
-        await harness.stop()
-        await pods.stop()
-        await asyncio.to_thread(prom.stop)
+        await shut_down(harness, pods, prom, sending)
 
     placed_at = st.parse_time(moved["lastPlacementTime"])
     assert placed_at is not None
@@ -894,12 +896,7 @@ async def test_prometheus_stopped_and_the_operator_restarted_under_load(
         load.close()
         await asyncio.wait_for(asyncio.shield(sending), timeout=60)
     finally:
-        if sending is not None:
-            sending.cancel()
-            await asyncio.gather(sending, return_exceptions=True)
-        await harness.stop()
-        await pods.stop()
-        await asyncio.to_thread(prom.stop)
+        await shut_down(harness, pods, prom, sending)
 
     # (a) While Prometheus was down the boundary stayed due: no plan (on the default loads or any), the
     # placement, the children and the services' measured loads as they were; the Placed condition and a
