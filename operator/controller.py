@@ -80,6 +80,8 @@ OWNERSHIP_CONFLICT = "OwnershipConflict"
 # Invalid's reason while the API server refuses a child the specs produce (422: e.g. a name or a field
 # value the server's own validation rejects).
 REJECTED_BY_SERVER = "RejectedByServer"
+# The Scaled condition's reason while a due autoscaler evaluation found no measurements (counts held).
+NO_MEASUREMENTS = "NoMeasurements"
 # The Warning event's reason when a re-placement boundary waits for Prometheus.
 REPLACEMENT_DEFERRED = "ReplacementDeferred"
 # Event of a re-placement brought forward by a load shift (``shifted_loads``).
@@ -163,6 +165,9 @@ class Controller:
         self._sleep_due: dict[tuple[str, str], float] = {}
         # When each pool's services' arrivals are next compared with their planned load (load shifts).
         self._shift_due: dict[tuple[str, str], float] = {}
+        # The groups of each pool whose last due autoscaler evaluation found no measurements: their counts
+        # stay as they are, and the pool's Scaled condition says so instead of claiming it autoscales.
+        self._unmeasured: dict[tuple[str, str], set[str]] = {}
         # The bodies the API server refused as invalid, by (namespace, kind, name): not sent again
         # until the desired body changes (another try would be refused the same way).
         self._refused: dict[tuple[str, str, str], Mapping[str, Any]] = {}
@@ -470,6 +475,9 @@ class Controller:
         entries: list[dict[str, Any]] = []
         interval = pool.spec.autoscaling.interval_seconds
         keys: list[tuple[str, str, str]] = []
+        unmeasured = self._unmeasured.setdefault((namespace, pool.name), set())
+        # A group gone from the plan, or asleep, waits for no measurement.
+        unmeasured &= {g.name for g in decided.plan.groups if g.name not in skip}
         for group in decided.plan.groups:
             if group.name in skip:
                 groups.append(group)
@@ -484,6 +492,10 @@ class Controller:
             snapshot = self.metrics.snapshot(
                 namespace, pool.name, group, scaling.kinds, scaling.deadlines, now
             )
+            if snapshot is None:
+                unmeasured.add(group.name)
+            else:
+                unmeasured.discard(group.name)
             step = evaluate_group(snapshot, memory, scaling.settings, now)
             self._scalers[key] = step.memory
             if step.decision is not None and step.changed(group.replicas):
@@ -595,14 +607,19 @@ class Controller:
         ready_total = sum(ready.get(g.name, 0) for g in plan.groups) if plan else 0
         autoscaling = pool.spec.autoscaling.enabled
         scaled_reason = ("Autoscaled" if self.metrics else "NoMetrics") if autoscaling else "Fixed"
+        unmeasured = sorted(self._unmeasured.get((namespace, pool.name), ()))
+        if scaled_reason == "Autoscaled" and unmeasured:
+            scaled_reason = NO_MEASUREMENTS
         scaled_message = {
             "Autoscaled": "Chiron global autoscaler sets instance counts from Prometheus",
+            NO_MEASUREMENTS: f"the autoscaler has no measurements of group(s) {', '.join(unmeasured)}: "
+            "Prometheus did not answer, or has not scraped their pods yet; their instance counts stay as "
+            "they are until it measures again",
             "NoMetrics": "autoscaling is on but the operator has no --prometheus-url: counts are the plan's",
             "Fixed": "autoscaling is off: counts are instances.desired or the plan's",
         }[scaled_reason]
-        conditions = st.set_condition(
-            conditions, st.SCALED, scaled_reason != "NoMetrics", scaled_reason, scaled_message, now
-        )
+        scaled = scaled_reason in ("Autoscaled", "Fixed")
+        conditions = st.set_condition(conditions, st.SCALED, scaled, scaled_reason, scaled_message, now)
         cold = sleeps.cold()
         # A pool whose every group is scaled to zero serves: the router holds and wakes.
         asleep = plan is not None and bool(plan.groups) and all(g.name in cold for g in plan.groups)
@@ -908,6 +925,7 @@ class Controller:
             del self._scalers[key]
         self._last_sync.pop((namespace, name), None)
         self._autoscale_due.pop((namespace, name), None)
+        self._unmeasured.pop((namespace, name), None)
         self._placement_due.pop((namespace, name), None)
         self._handover_due.pop((namespace, name), None)
         return len(actions)

@@ -39,7 +39,7 @@ from tessera.control.metrics_queries import (
     loads_from_results,
 )
 from tessera.control.pool_plan import desired_pool, parse_classes
-from tessera.core.planners import GroupPlan, IntervalMetrics, PlacementPlan, RoleCounts
+from tessera.core.planners import GroupPlan, IntervalMetrics, MetricsSnapshot, PlacementPlan, RoleCounts
 from tessera.core.planners.replacement import IntervalSettings, next_replacement_interval, prediction_error
 from tessera.operator import prometheus as prometheus_adapter
 from tessera.operator import status as st
@@ -689,6 +689,44 @@ def test_an_unreachable_prometheus_defers_the_boundary_instead_of_placing_on_def
     assert status["lastPlacementTime"] == st.rfc3339(t0 + 103) and "estimateError" in status
     assert next(c for c in status["conditions"] if c["type"] == "Placed")["message"] == was["message"]
     assert not controller.due(NS, POOL, t0 + 104)
+
+
+class MeasuredMetrics(FakeMetrics):
+    """FakeMetrics whose groups are measured (every planned instance ready and idle) unless ``down``."""
+
+    def snapshot(self, namespace: str, pool: str, group: GroupPlan, *args: Any) -> MetricsSnapshot | None:
+        return None if self.down else MetricsSnapshot(ready=group.replicas)
+
+
+def test_the_scaled_condition_says_when_the_autoscaler_has_no_measurements() -> None:
+    body = pool_body()
+    body["spec"]["autoscaling"] = {"enabled": True, "intervalSeconds": 10}
+    kube = FakeKube([body, class_body(), service_body("a", {"requestsPerSecond": 1})])
+    metrics = MeasuredMetrics()
+    controller = Controller(kube, lambda *event: None, metrics)
+    t0 = 1_700_000_000.0
+
+    def scaled() -> dict[str, Any]:
+        status = kube.objects[("servingpools", POOL)]["status"]
+        return next(c for c in status["conditions"] if c["type"] == "Scaled")
+
+    run_pass(controller, kube, t0)
+    assert (scaled()["status"], scaled()["reason"]) == ("True", "Autoscaled")
+    replicas = {n: c["spec"]["replicas"] for (k, n), c in kube.children.items() if k == "StatefulSet"}
+    # Prometheus gone at the next evaluation: the counts stay, and the condition no longer claims the
+    # autoscaler sets them from Prometheus.
+    metrics.down = True
+    run_pass(controller, kube, t0 + 11)
+    (group,) = kube.objects[("servingpools", POOL)]["status"]["placement"]["groups"]
+    assert (scaled()["status"], scaled()["reason"]) == ("False", "NoMeasurements")
+    assert scaled()["message"] == (
+        f"the autoscaler has no measurements of group(s) {group['name']}: Prometheus did not answer, or has "
+        "not scraped their pods yet; their instance counts stay as they are until it measures again"
+    )
+    assert {n: c["spec"]["replicas"] for (k, n), c in kube.children.items() if k == "StatefulSet"} == replicas
+    metrics.down = False
+    run_pass(controller, kube, t0 + 12)  # still due (nothing was measured): evaluates again
+    assert (scaled()["status"], scaled()["reason"]) == ("True", "Autoscaled")
 
 
 def test_a_restarted_operator_replans_only_when_the_specs_changed_meanwhile() -> None:
