@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tessera.bench import control_faults
 from tessera.bench.router_overhead import run
 from tessera.bench.scenarios import BenchConfig, Options
 
@@ -36,7 +37,7 @@ def test_bench_router_runs_both_paths_and_the_fault_run() -> None:
     assert killed_router["failed"] > 0
     assert all(reason.startswith("connection broken by the router's kill") for reason in reasons), reasons
     assert len(report.checks) == 5 and report.checks[0].startswith("streams=8: router/direct TTFT p50")
-    assert "not part of this scenario" in report.checks[-1]
+    assert "--set control_faults=true runs them" in report.checks[-1]
     with pytest.raises(ValueError, match="--set streams"):
         run(BenchConfig("router", options=Options({"streams": "0"})), lambda *a, **k: None)
 
@@ -56,3 +57,44 @@ def test_bench_router_measures_a_baseline_tree_s_router_in_the_same_rounds() -> 
     assert len(report.checks) == 1 and "; baseline router/direct TTFT p50 x" in report.checks[0]
     with pytest.raises(ValueError, match="--set baseline"):
         run(BenchConfig("router", options=Options({"baseline": "/nonexistent"})), lambda *a, **k: None)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(control_faults.unavailable() is not None, reason="needs prometheus and kmock")
+def test_bench_router_restarts_the_operator_and_stops_prometheus_under_load() -> None:
+    options = Options({"streams": "8", "rounds": "1", "max_tokens": "4", "faults": "false",
+                       "control_faults": "true"})  # fmt: skip
+    report = run(BenchConfig("router", options=options), lambda *a, **k: None)
+    rows = {r["policy"]: r for r in report.results}
+    assert set(rows) == {"direct:streams=8", "router:streams=8", "router+operator-restarted:streams=8",
+                         "router+prometheus-stopped:streams=8"}  # fmt: skip
+    for name in ("router+operator-restarted:streams=8", "router+prometheus-stopped:streams=8"):
+        row = rows[name]
+        # The load ran across the fault (every client had a request completed before it, and went on), the
+        # counts add up, and the workers and the router served it all: none refused, failed or lost.
+        assert row["completed"] > 8 and row["requests"] == row["accepted"] + row["refused"]
+        assert row["accepted"] == row["completed"] + row["failed"] + row["lost"]
+        assert row["lost"] == 0 and row["refused"] == 0 and row["failed"] == 0, row
+        assert sum(row["in_flight_at_fault"].values()) == 8
+    restarted = rows["router+operator-restarted:streams=8"]["operator"]
+    # The new operator rewrote nothing and removed no instance of the two the autoscaler had sized.
+    assert restarted["replicas_before"] == 2 and restarted["replicas_seen"] == [2]
+    assert restarted["child_writes"] == [] and restarted["children_changed"] == []
+    stopped = rows["router+prometheus-stopped:streams=8"]["operator"]
+    # Prometheus down longer than the scale-down cooldown and two intervals: no scaling on missing metrics.
+    assert stopped["outage_s"] > control_faults.COOLDOWN_S + 2 * control_faults.INTERVAL_S
+    assert stopped["replicas_before"] == 2 and stopped["replicas_during"] == stopped["replicas_after"] == [2]
+    # The pool's status said the counts were held for want of measurements, and autoscaled again after.
+    assert stopped["scaled_condition_during"]["reason"] == "NoMeasurements"
+    assert stopped["scaled_condition_during"]["status"] == "False"
+    assert stopped["scaled_condition_after"]["reason"] == "Autoscaled"
+    assert all(": PASS (goal:" in c for c in report.checks[1:]), report.checks
+
+
+def test_bench_router_refuses_control_faults_without_prometheus_or_kmock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(control_faults, "unavailable", lambda: "the prometheus binary (make sysdeps)")
+    options = Options({"streams": "4", "control_faults": "true"})
+    with pytest.raises(ValueError, match=r"control_faults=true needs the prometheus binary \(make sysdeps\)"):
+        run(BenchConfig("router", options=options), lambda *a, **k: None)

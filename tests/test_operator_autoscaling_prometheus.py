@@ -11,43 +11,42 @@ turns the pods' discovery labels into the ones the operator queries (namespace, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import json
-import re
-import shutil
-import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
-import yaml
-from kmock_harness import Harness, emulated_cluster, load_example
 
+from tessera.bench.cluster import (
+    PROMETHEUS,
+    SCRAPE_S,
+    Harness,
+    Prometheus,
+    ReplicaLog,
+    autoscaled_quickstart,
+    emulated_cluster,
+    placed_group,
+    promql,
+    serve_pods,
+    until_scraped,
+)
 from tessera.bench.harness import WorkerChild, stream_one
-from tessera.control.children import CONFIG_KEY
 from tessera.core.chiron import autoscale as autoscale_module
 from tessera.core.planners import MetricsSnapshot, ScalingDecision
 from tessera.core.planners.chiron import chiron_decide
 from tessera.operator.prometheus import PrometheusMetrics
 from tessera.worker.engines.vllm_process import free_port
 
-PROMETHEUS = shutil.which("prometheus")
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(120),
     pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (make sysdeps)"),
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
-SCRAPE_JOB = ROOT / "manifests" / "monitoring" / "prometheus-scrape-config.yaml"
-NAMESPACE, POOL = "autoscale", "h100-pool"
-SCRAPE_S = 1.0
+NAMESPACE = "autoscale"
 INTERVAL_S = 2.0  # spec.autoscaling.intervalSeconds (Chiron T_eval)
 COOLDOWN_S = 5.0  # spec.autoscaling.scaleDownCooldownSeconds
 TICK_S = 0.25  # how often the pool daemons look whether the autoscaler is due
@@ -58,122 +57,6 @@ STREAMS = 4  # concurrent streams of the load step
 SLACK_S = 1.5
 
 
-def pool_docs() -> list[dict[str, Any]]:
-    """The quickstart, reduced to its interactive class and FCFS, on the sim engine, 1 to 2 instances,
-    with a short autoscaler interval and scale-down cooldown."""
-    docs = load_example(EXAMPLES / "quickstart.yaml", NAMESPACE)
-    docs = [d for d in docs if d["metadata"]["name"] != "offline"]
-    for doc in docs:
-        if doc["kind"] == "ServingPool":
-            doc["metadata"]["annotations"] = {"tessera.dev/engine": "sim"}
-            doc["spec"]["instances"] = {"min": 1, "max": 2}
-            doc["spec"]["autoscaling"] = {
-                "enabled": True,
-                "intervalSeconds": INTERVAL_S,
-                "scaleUpCooldownSeconds": 0,
-                "scaleDownCooldownSeconds": COOLDOWN_S,
-            }
-        if doc["kind"] == "LLMService":
-            doc["spec"]["requestClasses"] = [{"name": "chat"}]
-            doc["spec"]["replicas"] = {"min": 1, "max": 2}
-            # FCFS, not auto's Andes: Andes paces streams at the reading speed, so the closed-loop
-            # clients below would keep the engine idle most of the time and the step would not load it.
-            doc["spec"]["scheduling"] = {"policy": "fcfs"}
-    return docs
-
-
-def meta_labels(sts: dict[str, Any], ordinal: int) -> dict[str, str]:
-    """What Kubernetes pod discovery labels the worker port of the StatefulSet's pod ``ordinal`` with."""
-    template = sts["spec"]["template"]
-    worker = next(c for c in template["spec"]["containers"] if c["name"] == "worker")
-
-    def sanitized(name: str) -> str:
-        return re.sub(r"[^a-zA-Z0-9_]", "_", name)
-
-    return {
-        "__meta_kubernetes_namespace": sts["metadata"]["namespace"],
-        "__meta_kubernetes_pod_name": f"{sts['metadata']['name']}-{ordinal}",
-        "__meta_kubernetes_pod_container_port_name": worker["ports"][0]["name"],
-        **{
-            f"__meta_kubernetes_pod_label_{sanitized(k)}": v
-            for k, v in template["metadata"]["labels"].items()
-        },
-        **{
-            f"__meta_kubernetes_pod_annotation_{sanitized(k)}": v
-            for k, v in template["metadata"]["annotations"].items()
-        },
-    }
-
-
-class Prometheus:
-    """A Prometheus server on loopback scraping, every second, the targets of ``set_targets``."""
-
-    def __init__(self, port: int, tmp: Path) -> None:
-        # The manifests' scrape job with its relabelling, discovering targets from a file instead of
-        # the Kubernetes API: Prometheus starts before the workers exist and picks the file up as
-        # soon as it is written (it watches it). Targets carry the __meta_kubernetes_* labels that
-        # Kubernetes discovery would give the operator's pods.
-        (job,) = [j for j in yaml.safe_load(SCRAPE_JOB.read_text()) if j["job_name"] == "tessera-workers"]
-        del job["kubernetes_sd_configs"]
-        self.targets = tmp / "targets.json"
-        job |= {"scrape_timeout": "900ms", "file_sd_configs": [{"files": [str(self.targets)]}]}
-        config = {
-            "global": {"scrape_interval": f"{SCRAPE_S:g}s", "evaluation_interval": f"{SCRAPE_S:g}s"},
-            "scrape_configs": [job],
-        }
-        (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tmp / "prometheus.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [
-                    str(PROMETHEUS),
-                    f"--config.file={tmp / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={tmp / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                    "--log.level=warn",
-                ],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        """Block until /-/ready answers 200."""
-        deadline = time.time() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited:\n{self.log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return
-            if time.time() > deadline:
-                raise RuntimeError(f"prometheus not ready:\n{self.log.read_text()[-2000:]}")
-            time.sleep(0.2)
-
-    def set_targets(self, targets: list[tuple[str, dict[str, str]]]) -> None:
-        """Scrape these (address, target labels); replaces the file at once (a rename)."""
-        staged = self.targets.with_suffix(".tmp")
-        staged.write_text(json.dumps([{"targets": [a], "labels": labels} for a, labels in targets]))
-        staged.replace(self.targets)
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s."""
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-async def promql(url: str, query: str) -> list[dict[str, Any]]:
-    """An instant query's result vector."""
-    async with httpx.AsyncClient(timeout=5) as http:
-        response = await http.get(f"{url}/api/v1/query", params={"query": query})
-    response.raise_for_status()
-    return response.json()["data"]["result"]
-
-
 async def first_seen(url: str, query: str, timeout: float) -> float:
     """When ``query`` first returned a non-empty result (polled every 0.1 s)."""
     deadline = time.time() + timeout
@@ -182,35 +65,6 @@ async def first_seen(url: str, query: str, timeout: float) -> float:
             raise AssertionError(f"{query} stayed empty for {timeout}s")
         await asyncio.sleep(0.1)
     return time.time()
-
-
-class ReplicaLog:
-    """Every change of the group StatefulSet's replicas seen by polling the emulator, with its time."""
-
-    def __init__(self, harness: Harness, name: str) -> None:
-        self.harness, self.name = harness, name
-        self.changes: list[tuple[float, int]] = []
-
-    async def poll(self) -> int:
-        children = await self.harness.children(NAMESPACE)
-        replicas = children[("StatefulSet", self.name)]["spec"]["replicas"]
-        if not self.changes or self.changes[-1][1] != replicas:
-            self.changes.append((time.time(), replicas))
-        return replicas
-
-    async def wait_for(self, replicas: int, timeout: float) -> float:
-        """Poll until the StatefulSet has ``replicas``; return when that was first seen."""
-        deadline = time.time() + timeout
-        while await self.poll() != replicas:
-            if time.time() > deadline:
-                raise AssertionError(f"replicas never reached {replicas}; changes: {self.changes}")
-            await asyncio.sleep(0.1)
-        return self.changes[-1][0]
-
-    async def watch_until(self, stop: float) -> None:
-        while time.time() < stop:
-            await self.poll()
-            await asyncio.sleep(0.1)
 
 
 async def load_step(url: str, model: str, until: float) -> int:
@@ -266,25 +120,11 @@ async def test_load_step_scales_up_within_an_interval_and_down_after_the_cooldow
     operator_with_prometheus: tuple[Harness, int], evaluations: list[Evaluation], tmp_path: Path
 ) -> None:
     harness, prom_port = operator_with_prometheus
-    docs = pool_docs()
+    docs = autoscaled_quickstart(NAMESPACE, 2, INTERVAL_S, COOLDOWN_S)
     for doc in docs:
         await harness.create(doc)
     pool = next(d for d in docs if d["kind"] == "ServingPool")
-
-    async def placed() -> dict[str, Any] | None:
-        body = await harness.get(pool)
-        groups = ((body or {}).get("status") or {}).get("placement", {}).get("groups")
-        children = await harness.children(NAMESPACE)
-        if groups and ("ConfigMap", f"{POOL}-{groups[0]['name']}-worker") in children:
-            return {"group": groups[0]["name"], "children": children}
-        return None
-
-    found = await harness.eventually(placed)
-    group, children = found["group"], found["children"]
-    sts = f"{POOL}-{group}"
-    config = json.loads(children[("ConfigMap", f"{sts}-worker")]["data"][CONFIG_KEY])
-    assert [m["engine"] for m in config["models"]] == ["sim"]
-    model = config["models"][0]["name"]
+    sts, children = await placed_group(harness, pool)
 
     # Two worker pods (ordinals 0 and 1) on the operator's configuration; Prometheus scrapes both.
     # Blocking starts run in threads: the emulator answers kopf from this event loop.
@@ -293,20 +133,15 @@ async def test_load_step_scales_up_within_an_interval_and_down_after_the_cooldow
     prom = Prometheus(prom_port, tmp_path)
     try:
         prom_ready = asyncio.create_task(asyncio.to_thread(prom.wait_ready))
-        workers += await asyncio.gather(*(asyncio.to_thread(WorkerChild, config, tmp_path) for _ in range(2)))
-        statefulset = children[("StatefulSet", sts)]
-        targets = [(f"127.0.0.1:{w.port}", meta_labels(statefulset, i)) for i, w in enumerate(workers)]
+        started, config = await serve_pods(prom, children, sts, 2, tmp_path)
+        workers += started
+        assert [m["engine"] for m in config["models"]] == ["sim"]
+        model = config["models"][0]["name"]
         phases["workers up"] = time.time()
         await prom_ready
-        prom.set_targets(targets)
-        up = f'up{{namespace="{NAMESPACE}",pool="{POOL}",group="{group}"}}'
-
-        async def scraped() -> bool:
-            return sum(float(s["value"][1]) for s in await promql(prom.url, up)) == 2
-
-        await harness.eventually(scraped, timeout=20)
+        await until_scraped(harness, prom, NAMESPACE, sts, 2)
         phases["scraped"] = time.time()
-        replicas = ReplicaLog(harness, sts)
+        replicas = ReplicaLog(harness, NAMESPACE, sts)
         # Idle: the autoscaler settles at the pool's one interactive instance.
         await replicas.wait_for(1, timeout=4 * INTERVAL_S + COOLDOWN_S + SLACK_S)
         idle_changes = len(replicas.changes)

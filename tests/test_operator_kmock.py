@@ -14,8 +14,8 @@ from typing import Any
 import kmock
 import pytest
 import pytest_asyncio
-from kmock_harness import PLURALS, Harness, copy_doc, emulated_cluster, load_example
 
+from tessera.bench.cluster import PLURALS, Harness, copy_doc, emulated_cluster, load_example
 from tessera.control.children import CONFIG_KEY
 from tessera.operator import controller as controller_module
 

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from kmock_harness import Harness, emulated_cluster
 from test_operator_load_placement import POOL, class_body, pool_body
 from test_operator_rollout import service
+
+from tessera.bench.cluster import Harness, emulated_cluster
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from kmock_harness import Harness, emulated_cluster, load_example
 from test_operator_kmock import EXAMPLES, POOL, SERVICE, apply_all, of_kind, quiet, writes
+
+from tessera.bench.cluster import Harness, emulated_cluster, load_example
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

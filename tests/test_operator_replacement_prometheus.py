@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import json
 import math
-import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,9 +21,8 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
-from kmock_harness import Harness, emulated_cluster
-from test_operator_autoscaling_prometheus import Prometheus, meta_labels, promql
 
+from tessera.bench.cluster import PROMETHEUS, Harness, Prometheus, emulated_cluster, meta_labels, promql
 from tessera.bench.harness import StreamStat, WorkerChild, stream_one
 from tessera.control import pool_plan
 from tessera.control.children import CONFIG_KEY
@@ -37,7 +35,7 @@ from tessera.worker.engines.vllm_process import free_port
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(120),
-    pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus not installed (make sysdeps)"),
+    pytest.mark.skipif(PROMETHEUS is None, reason="prometheus not installed (make sysdeps)"),
 ]
 
 NAMESPACE, POOL = "replace", "pool"

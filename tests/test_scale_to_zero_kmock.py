@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 import pytest
-from kmock_harness import Harness, emulated_cluster, load_example
 from kubernetes import client
 
+from tessera.bench.cluster import Harness, emulated_cluster, load_example
 from tessera.bench.harness import WorkerChild
 from tessera.control.children import CONFIG_KEY
 from tessera.router import discovery as discovery_module

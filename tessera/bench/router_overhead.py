@@ -47,12 +47,17 @@ router-killed row also the connection errors above) and lost (no ``[DONE]`` and 
 was cut off or the connection closed without an answer); and how the requests the clients had sent
 before the fault ended (``in_flight_at_fault``: refused there means the client had not yet written it
 when the router went away, found its kept-alive connection closed and could not reconnect). Goal:
-0 lost. The operator and Prometheus are not part of this scenario (the router and workers serve
-without them; only the operator's autoscaler reads Prometheus, and no Kubernetes API server runs on
-this machine): the report says so instead of a figure.
+0 lost.
+
+With ``control_faults`` on, two more fault rows run on an emulated cluster (``tessera.bench.control_faults``:
+the operator against KMock's Kubernetes emulator, a real Prometheus, the workers started from the
+operator's ConfigMaps, a router in front of them), with the same load, clients and counts:
+``router+operator-restarted`` and ``router+prometheus-stopped`` (autoscaling on), each also reporting
+whether the operator changed what it should not. They need the ``prometheus`` binary and the ``kmock``
+package; the option is refused without them.
 
 Options (``--set``): streams ("100,300,1000"), workers (2), max_tokens (32), rounds (3), faults (true),
-baseline (none: a source tree whose router is measured too).
+control_faults (false), baseline (none: a source tree whose router is measured too).
 """
 
 from __future__ import annotations
@@ -90,9 +95,8 @@ READY_TIMEOUT_S = 60.0
 RESTART_AFTER_S = 2.0  # load kept on the new router after it is ready
 REFUSED_BACKOFF_S = 0.2  # a client's pause after a refused connection (no router listening)
 NOT_IN_SCENARIO = (
-    "operator restart and Prometheus stop: not part of this scenario (the router and the workers serve "
-    "without them; only the operator's autoscaler reads Prometheus, and no Kubernetes API server runs on "
-    "this machine): not measured"
+    "operator restart and Prometheus stop: not run (--set control_faults=true runs them on an emulated "
+    "cluster; it needs the prometheus binary and the kmock package)"
 )
 
 
@@ -351,17 +355,24 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     max_tokens = option(opts, "max_tokens", 32, int)
     rounds = option(opts, "rounds", 3, int)
     faults = option(opts, "faults", True, bool)
+    control_faults = option(opts, "control_faults", False, bool)
     baseline = option(opts, "baseline", None, str)
     if baseline is not None and not (Path(baseline) / "tessera" / "__main__.py").is_file():
         raise ValueError(f"--set baseline must be a source tree with tessera/__main__.py, got {baseline!r}")
     if not 1 <= n_workers <= 8 or not 1 <= max_tokens <= 4096 or not 1 <= rounds <= 20:
         raise ValueError("--set workers must be 1-8, max_tokens 1-4096 and rounds 1-20")
+    if control_faults:
+        from tessera.bench import control_faults as control  # imports KMock's emulator when it runs
+
+        missing = control.unavailable()
+        if missing is not None:
+            raise ValueError(f"--set control_faults=true needs {missing}")
     plan = plan_local(load_documents(QUICKSTART), LocalEngine(), max_instances_per_group=n_workers)
     instances = plan.instances[:n_workers]
     model = instances[0].config.models[0].name
     headers = {instances[0].config.class_header: "chat"}
     paths = ["direct", "router"] + (["baseline"] if baseline is not None else [])
-    progress(0, total=len(levels) * rounds * len(paths) + (3 if faults else 0))
+    progress(0, total=len(levels) * rounds * len(paths) + (3 if faults else 0) + (2 if control_faults else 0))
     rows: list[dict[str, Any]] = []
     rounds_at: dict[int, list[dict[str, Wave]]] = {}  # streams -> each round's wave per path
     fault_rows: list[dict[str, Any]] = []
@@ -406,6 +417,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             for process in routers.values():
                 process.stop()
             supervisor.stop_all()
+    control_checks: list[str] = []
+    if control_faults:  # on workers of their own, once the local plan's are gone
+        control_rows, control_checks = control.run_rows(min(levels[-1], 300), n_workers, max_tokens, progress)
+        fault_rows += control_rows
     checks = _checks(rounds_at, levels)
     for fault in fault_rows:
         rows.append(fault)
@@ -417,10 +432,11 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                       f"{'PASS' if fault['lost'] == 0 else 'FAIL'} (goal: 0 lost); of the "
                       f"{sum(fault['in_flight_at_fault'].values())} requests in flight at the fault as the "
                       f"clients saw them: {across}")  # fmt: skip
-    if faults:
+    checks += control_checks
+    if faults and not control_faults:
         checks.append(NOT_IN_SCENARIO)
     cfg = {**config.as_dict(), "streams": levels, "workers": n_workers, "max_tokens": max_tokens,
-           "rounds": rounds, "baseline": baseline}  # fmt: skip
+           "rounds": rounds, "control_faults": control_faults, "baseline": baseline}  # fmt: skip
     return BenchReport("router", cfg, rows, checks)
 
 

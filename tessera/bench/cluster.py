@@ -1,9 +1,12 @@
-"""Run the Tessera operator (kopf) against KMock's Kubernetes emulator on loopback.
+"""An emulated cluster on loopback: the Tessera operator (kopf) against KMock's Kubernetes emulator, and a
+real Prometheus scraping ``tessera worker`` processes with the labels Kubernetes discovery gives pods.
 
 The emulator keeps objects in memory and serves list / watch / get / create / patch / delete. It
-assigns no uid, so test objects carry their own. kopf runs cluster-wide (KMock 0.8 cannot answer the
-cluster-scoped namespace listing that namespaced mode needs) and logs in through a login handler that
-points at the emulator.
+assigns no uid, so the objects given to it carry their own. kopf runs cluster-wide (KMock 0.8 cannot
+answer the cluster-scoped namespace listing that namespaced mode needs) and logs in through a login
+handler that points at the emulator. The operator's integration tests and ``tessera bench router``'s
+control-plane fault rows both run on it; KMock is a development dependency (``pip install -e .[dev]``)
+and Prometheus a system one (``make sysdeps``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
+import re
+import shutil
+import subprocess
 import threading
 import time
 import uuid
@@ -21,16 +28,25 @@ from typing import Any
 
 import aiohttp
 import attrs
+import httpx
 import kmock
 import kopf
 import yaml
 from kubernetes import client
 
 from tessera.api import GROUP, VERSION
+from tessera.bench.harness import WorkerChild, stop_process
+from tessera.control.children import CONFIG_KEY
 from tessera.operator.controller import Controller, MetricsSource
 from tessera.operator.handlers import build_registry, kopf_events
 from tessera.operator.kube import Kube
 
+ROOT = Path(__file__).resolve().parents[2]
+# The manifests' scrape job (with its relabelling), which Prometheus runs here from a targets file.
+SCRAPE_JOB = ROOT / "manifests" / "monitoring" / "prometheus-scrape-config.yaml"
+PROMETHEUS = shutil.which("prometheus")  # the Debian package's binary (make sysdeps)
+SCRAPE_S = 1.0  # Prometheus's scrape interval
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 VERBS = ["list", "watch", "get", "create", "update", "patch", "delete"]
 RESOURCES = {
     f"{GROUP}/{VERSION}/servingpools": "ServingPool",
@@ -64,6 +80,33 @@ def load_example(path: Path, namespace: str) -> list[dict[str, Any]]:
         # kopf guards its finalizer patches with a JSON-patch test of resourceVersion; the emulator
         # keeps whatever is given (and never bumps it), which is enough for that test.
         doc["metadata"]["resourceVersion"] = "1"
+    return docs
+
+
+def autoscaled_quickstart(
+    namespace: str, instances: int, interval_s: float, cooldown_s: float
+) -> list[dict[str, Any]]:
+    """The quickstart, reduced to its interactive class and FCFS, on the sim engine, 1 to ``instances``
+    instances, autoscaled every ``interval_s`` with no scale-up cooldown and a scale-down cooldown of
+    ``cooldown_s``."""
+    docs = load_example(QUICKSTART, namespace)
+    docs = [d for d in docs if d["metadata"]["name"] != "offline"]
+    for doc in docs:
+        if doc["kind"] == "ServingPool":
+            doc["metadata"]["annotations"] = {"tessera.dev/engine": "sim"}
+            doc["spec"]["instances"] = {"min": 1, "max": instances}
+            doc["spec"]["autoscaling"] = {
+                "enabled": True,
+                "intervalSeconds": interval_s,
+                "scaleUpCooldownSeconds": 0,
+                "scaleDownCooldownSeconds": cooldown_s,
+            }
+        if doc["kind"] == "LLMService":
+            doc["spec"]["requestClasses"] = [{"name": "chat"}]
+            doc["spec"]["replicas"] = {"min": 1, "max": instances}
+            # FCFS, not auto's Andes: Andes paces streams at the reading speed, so closed-loop clients
+            # would keep the engine idle most of the time and their load would not show.
+            doc["spec"]["scheduling"] = {"policy": "fcfs"}
     return docs
 
 
@@ -267,3 +310,170 @@ async def emulated_cluster(
 def copy_doc(doc: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of a document (tests mutate their copies)."""
     return copy.deepcopy(doc)
+
+
+def meta_labels(sts: dict[str, Any], ordinal: int) -> dict[str, str]:
+    """What Kubernetes pod discovery labels the worker port of the StatefulSet's pod ``ordinal`` with."""
+    template = sts["spec"]["template"]
+    worker = next(c for c in template["spec"]["containers"] if c["name"] == "worker")
+
+    def sanitized(name: str) -> str:
+        return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+    return {
+        "__meta_kubernetes_namespace": sts["metadata"]["namespace"],
+        "__meta_kubernetes_pod_name": f"{sts['metadata']['name']}-{ordinal}",
+        "__meta_kubernetes_pod_container_port_name": worker["ports"][0]["name"],
+        **{
+            f"__meta_kubernetes_pod_label_{sanitized(k)}": v
+            for k, v in template["metadata"]["labels"].items()
+        },
+        **{
+            f"__meta_kubernetes_pod_annotation_{sanitized(k)}": v
+            for k, v in template["metadata"]["annotations"].items()
+        },
+    }
+
+
+class Prometheus:
+    """A Prometheus server on loopback scraping, every ``SCRAPE_S``, the targets of ``set_targets``;
+    ``stop`` then ``start`` restart it on the same port, storage and targets."""
+
+    def __init__(self, port: int, tmp: Path) -> None:
+        if PROMETHEUS is None:
+            raise RuntimeError("prometheus is not installed (make sysdeps, or apt-get install prometheus)")
+        # The manifests' scrape job with its relabelling, discovering targets from a file instead of
+        # the Kubernetes API: Prometheus starts before the workers exist and picks the file up as
+        # soon as it is written (it watches it). Targets carry the __meta_kubernetes_* labels that
+        # Kubernetes discovery would give the operator's pods.
+        (job,) = [j for j in yaml.safe_load(SCRAPE_JOB.read_text()) if j["job_name"] == "tessera-workers"]
+        del job["kubernetes_sd_configs"]
+        self.targets = tmp / "targets.json"
+        job |= {"scrape_timeout": "900ms", "file_sd_configs": [{"files": [str(self.targets)]}]}
+        config = {
+            "global": {"scrape_interval": f"{SCRAPE_S:g}s", "evaluation_interval": f"{SCRAPE_S:g}s"},
+            "scrape_configs": [job],
+        }
+        (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.command = [
+            PROMETHEUS,
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tmp / "prometheus.log"
+        self.start()
+
+    def start(self) -> None:
+        """Start the server (without waiting: see ``wait_ready``)."""
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until /-/ready answers 200."""
+        deadline = time.time() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited:\n{self.log.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
+                    return
+            if time.time() > deadline:
+                raise RuntimeError(f"prometheus not ready:\n{self.log.read_text()[-2000:]}")
+            time.sleep(0.2)
+
+    def set_targets(self, targets: list[tuple[str, dict[str, str]]]) -> None:
+        """Scrape these (address, target labels); replaces the file at once (a rename)."""
+        staged = self.targets.with_suffix(".tmp")
+        staged.write_text(json.dumps([{"targets": [a], "labels": labels} for a, labels in targets]))
+        staged.replace(self.targets)
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s."""
+        stop_process(self.proc, 10.0)
+
+
+async def promql(url: str, query: str) -> list[dict[str, Any]]:
+    """An instant query's result vector."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        response = await http.get(f"{url}/api/v1/query", params={"query": query})
+    response.raise_for_status()
+    return response.json()["data"]["result"]
+
+
+async def placed_group(harness: Harness, pool: dict[str, Any]) -> tuple[str, dict[tuple[str, str], Any]]:
+    """The StatefulSet of the pool's first placed group, once its worker ConfigMap exists, and the
+    children of the pool's namespace then."""
+    namespace, name = pool["metadata"]["namespace"], pool["metadata"]["name"]
+
+    async def placed() -> tuple[str, dict[tuple[str, str], Any]] | None:
+        body = await harness.get(pool)
+        groups = ((body or {}).get("status") or {}).get("placement", {}).get("groups")
+        children = await harness.children(namespace)
+        if groups and ("ConfigMap", f"{name}-{groups[0]['name']}-worker") in children:
+            return f"{name}-{groups[0]['name']}", children
+        return None
+
+    return await harness.eventually(placed)
+
+
+async def serve_pods(
+    prom: Prometheus, children: dict[tuple[str, str], Any], sts: str, count: int, tmp: Path
+) -> tuple[list[WorkerChild], dict[str, Any]]:
+    """Pods 0 to ``count`` - 1 of the StatefulSet ``sts`` as ``tessera worker`` processes on the
+    configuration its ConfigMap holds, scraped by ``prom`` with their pods' discovery labels; returns
+    them and that configuration. The starts block: they run in threads, as the emulator answers the
+    operator from the calling event loop."""
+    config = json.loads(children[("ConfigMap", f"{sts}-worker")]["data"][CONFIG_KEY])
+    started = await asyncio.gather(
+        *(asyncio.to_thread(WorkerChild, config, tmp) for _ in range(count)), return_exceptions=True
+    )
+    workers = [w for w in started if isinstance(w, WorkerChild)]
+    failed = [e for e in started if isinstance(e, BaseException)]
+    if failed:
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in workers))
+        raise failed[0]
+    statefulset = children[("StatefulSet", sts)]
+    prom.set_targets([(f"127.0.0.1:{w.port}", meta_labels(statefulset, i)) for i, w in enumerate(workers)])
+    return workers, config
+
+
+async def until_scraped(harness: Harness, prom: Prometheus, namespace: str, sts: str, count: int) -> None:
+    """Until Prometheus has scraped ``count`` pods of the StatefulSet ``sts`` up (at most 20 s)."""
+    up = f'up{{namespace="{namespace}",pod=~"{sts}-[0-9]+"}}'
+
+    async def scraped() -> bool:
+        return sum(float(s["value"][1]) for s in await promql(prom.url, up)) == count
+
+    await harness.eventually(scraped, timeout=20)
+
+
+class ReplicaLog:
+    """Every change of a StatefulSet's replicas seen by polling the emulator, with its time."""
+
+    def __init__(self, harness: Harness, namespace: str, name: str) -> None:
+        self.harness, self.namespace, self.name = harness, namespace, name
+        self.changes: list[tuple[float, int]] = []
+
+    async def poll(self) -> int:
+        children = await self.harness.children(self.namespace)
+        replicas = children[("StatefulSet", self.name)]["spec"]["replicas"]
+        if not self.changes or self.changes[-1][1] != replicas:
+            self.changes.append((time.time(), replicas))
+        return replicas
+
+    async def wait_for(self, replicas: int, timeout: float) -> float:
+        """Poll until the StatefulSet has ``replicas``; return when that was first seen."""
+        deadline = time.time() + timeout
+        while await self.poll() != replicas:
+            if time.time() > deadline:
+                raise AssertionError(f"replicas never reached {replicas}; changes: {self.changes}")
+            await asyncio.sleep(0.1)
+        return self.changes[-1][0]
+
+    async def watch_until(self, stop: float) -> None:
+        while time.time() < stop:
+            await self.poll()
+            await asyncio.sleep(0.1)
