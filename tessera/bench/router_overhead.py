@@ -79,6 +79,7 @@ import httpx
 import numpy as np
 
 from tessera.api import load_documents
+from tessera.bench.load_client import load_client
 from tessera.bench.runner import option
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.local.control_plane import LocalEngine, plan_local
@@ -93,6 +94,7 @@ TRACE_REFUSED = (
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 READY_TIMEOUT_S = 60.0
 RESTART_AFTER_S = 2.0  # load kept on the new router after it is ready
+STREAM_TIMEOUT_S = 120.0  # a stream not ended by then is a hang: counted lost
 REFUSED_BACKOFF_S = 0.2  # a client's pause after a refused connection (no router listening)
 NOT_IN_SCENARIO = (
     "operator restart and Prometheus stop: not run (--set control_faults=true runs them on an emulated "
@@ -168,7 +170,10 @@ async def _outcome(client: httpx.AsyncClient, url: str, body: dict[str, Any], he
     done = False
     tokens = 0
     try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp:
+        async with (
+            asyncio.timeout(STREAM_TIMEOUT_S),
+            client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as resp,
+        ):
             if resp.status_code != 200:
                 await resp.aread()
                 _count(wave.failed, f"http {resp.status_code}")
@@ -184,6 +189,9 @@ async def _outcome(client: httpx.AsyncClient, url: str, body: dict[str, Any], he
                     if first is None:
                         first = time.perf_counter()
                         wave.streaming += 1
+    except TimeoutError:  # a hang: the load client's transport has no read timeout of its own
+        wave.lost_one(f"no end within {STREAM_TIMEOUT_S:g} s")
+        return "lost"
     except (httpx.ConnectError, httpx.ConnectTimeout):
         wave.refused += 1
         return "refused"
@@ -194,7 +202,7 @@ async def _outcome(client: httpx.AsyncClient, url: str, body: dict[str, Any], he
             return "failed"
         wave.lost_one(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         return "lost"
-    except httpx.HTTPError as exc:  # a timeout (a hang), or an answer httpx cannot decode
+    except httpx.HTTPError as exc:  # an answer httpx cannot decode
         wave.lost_one(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         return "lost"
     if not done:
@@ -214,8 +222,7 @@ async def _wave(urls: list[str], streams: int, model: str, headers: dict[str, st
     wave = Wave()
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "messages": [{"role": "user",
             "content": "Tell me about the sea."}]}  # fmt: skip
-    limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=30.0), limits=limits) as client:
+    async with load_client() as client:
         start = time.perf_counter()
         tasks = [_stream(client, urls[i % len(urls)], body, headers, wave, start) for i in range(streams)]
         extra = [during(wave)] if during is not None else []
@@ -233,8 +240,7 @@ async def _closed_loop(url: str, clients: int, model: str, headers: dict[str, st
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "messages": [{"role": "user",
             "content": "Tell me about the sea."}]}  # fmt: skip
     stop = asyncio.Event()
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=30.0), limits=limits) as client:
+    async with load_client() as client:
 
         async def one_client() -> None:
             while not stop.is_set():
