@@ -20,8 +20,9 @@ import pytest
 
 from tessera.api import LLMService, RequestClass, ServingPool, SpecError, load_documents
 from tessera.api.base import parse_quantity
-from tessera.api.worker_config import WorkerConfig
+from tessera.api.worker_config import ProfileSpec, WorkerConfig
 from tessera.control import children
+from tessera.control.inputs import service_input
 from tessera.control.pool_plan import PoolDesired, desired_pool
 from tessera.core.planners import GroupPlan
 from tessera.core.planners.types import RoleCounts
@@ -115,6 +116,9 @@ def test_one_engine_container_holds_the_gpus_and_runs_every_model(models: int, t
         share = _flag(args, "--gpu-memory-utilization")
         planned = memory[MODELS[index]]
         assert entry.kv_capacity_tokens == planned.kv_capacity_tokens
+        # The pod's policies estimate with the step times the placement planned with, at the group's TP.
+        profile = service_input(pool, services[MODELS[index]]).profile.at_tp(tp)
+        assert entry.profile == ProfileSpec.from_profile(profile) != ProfileSpec()
         if models == 1:
             assert share is None and "--enable-sleep-mode" not in args and entry.sleep_mode == "off"
         else:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tessera.api import load_documents
+from tessera.api.worker_config import ProfileSpec
 from tessera.control.children import CONFIG_KEY, roles_by_ordinal
 from tessera.control.pool_plan import desired_pool
 from tessera.local.control_plane import (
@@ -33,9 +34,12 @@ def test_quickstart_plans_the_operators_instances_with_the_sim_engine() -> None:
     (cm,) = [c for c in operator.children if c["kind"] == "ConfigMap"]
     expected = json.loads(cm["data"][CONFIG_KEY])
     got = plan.instances[0].config.to_json()
-    # Everything but the engine source and the admin token's source is the operator's configuration.
+    # Everything but the engine source, the step-time profile (the pool's GPUs', where local workers run
+    # on this machine) and the admin token's source is the operator's configuration.
     for entry in expected["models"]:
         entry.pop("url")
+        assert entry["profile"] != ProfileSpec().to_json()
+        entry["profile"] = ProfileSpec().to_json()
         entry["engine"] = "sim"
     expected["admin"] = {"tokenEnv": ADMIN_TOKEN_ENV}
     assert got == expected
@@ -52,6 +56,11 @@ def test_cap_vllm_sources_and_context_override() -> None:
         for m in inst.config.models:
             launch = (m.launch.model_dir, m.launch.dtype, m.launch.enforce_eager)
             assert (m.engine, m.url, m.max_model_len, launch) == ("vllm", None, 512, ("/m", "float32", True))
+            assert m.profile == ProfileSpec()  # the worker's default, not the pool's GPUs' step times
+    measured = ProfileSpec(decode_c0=0.05, prefill_p1=0.003)
+    own = LocalEngine("vllm", model_dir="/m", profile=measured.to_json())
+    planned = plan_local(docs, own, max_instances_per_group=1)
+    assert all(m.profile == measured for i in planned.instances for m in i.config.models)
     url = plan_local(docs, LocalEngine("vllm", vllm_url="http://127.0.0.1:9"), max_instances_per_group=1)
     assert {m.url for i in url.instances for m in i.config.models} == {"http://127.0.0.1:9"}
 

@@ -307,6 +307,9 @@ TABLE: tuple[Row, ...] = (
         (("ServingPool", "spec.gpu.perInstance", 2),), honoured="vLLM (the group's TP)"),
     Row("ServingPool.spec.gpu.perInstance", "config:models.0.kvCapacityTokens",
         (("ServingPool", "spec.gpu.perInstance", 2),), honoured="every policy's KV capacity"),
+    Row("ServingPool.spec.gpu.type", "config:models.0.profile",
+        (("ServingPool", "spec.gpu.type", "A100"),),
+        honoured="every policy's step-time estimates: the placement's profile of the GPU (vLLM pools)"),
     Row("ServingPool.spec.gpu.memory", "config:models.0.kvCapacityTokens",
         (("ServingPool", "spec.gpu.memory", "40Gi"),), honoured="every policy's KV capacity"),
     Row("ServingPool.spec.autoscaling.enabled", "config:scheduling.autoscale.enabled",
@@ -344,8 +347,6 @@ NOT_FOR_WORKER: dict[str, str] = {
     "LLMService.spec.scaleToZero.afterSeconds": "router's activator, local mode: when an idle service sleeps",
     "LLMService.spec.scaleToZero.holdSeconds": "router's activator: how long a request waits for a wake-up",
     "LLMService.spec.scaleToZero.maxHeld": "router's activator: requests held while the service wakes",
-    "ServingPool.spec.gpu.type": "placement: picks the step profile; the profiles' weights and KV bytes per "
-    "token, which size the worker's KV capacity, do not depend on the GPU type",
     "ServingPool.spec.gpu.resourceName": "pod: the extended resource the engine container requests",
     "ServingPool.spec.nodeSelector": "pod scheduling",
     "ServingPool.spec.tolerations[].key": "pod scheduling",

@@ -55,7 +55,7 @@ from tessera.api.serving_pool import (
     MAX_SERVICES_PER_GROUP,
     sets_flag,
 )
-from tessera.api.worker_config import WorkerConfig
+from tessera.api.worker_config import ProfileSpec, WorkerConfig
 from tessera.control.inputs import pool_input, service_input
 from tessera.control.placement_sim import BLOCK_TOKENS, group_profiles
 from tessera.core.activation import IdlePolicy
@@ -480,12 +480,18 @@ def worker_config(
         has_batch = any(classes[c.name].kind == "batch" for c in spec.request_classes)
         policies.append(spec.scheduling.resolved_policy(has_batch))
         settings.append(policy_settings(spec, policies[-1]))
+        planned = service_input(pool, service)
         entry: dict[str, Any] = {"name": spec.model.name, "engine": engine}
         if engine == "vllm":
             entry["url"] = f"http://127.0.0.1:{VLLM_BASE_PORT + index}"
+            # The step times the placement planned with, at the group's TP: what the pod's policies
+            # estimate waits and batch sizes from (the worker's default profile is a small CPU model's).
+            # Not for the sim engine, which runs its profile in real time: there the worker's default
+            # keeps a simulated pod's pace within what a test machine serves.
+            entry["profile"] = ProfileSpec.from_profile(planned.profile.at_tp(group.tp)).to_json()
         entry["defaultClass"] = spec.default_class_name
         entry["kvCapacityTokens"] = memory[name].kv_capacity_tokens
-        context = spec.model.max_model_length or service_input(pool, service).p99_context_tokens
+        context = spec.model.max_model_length or planned.p99_context_tokens
         entry["maxModelLen"] = min(context, memory[name].kv_capacity_tokens)
         entry["sleepMode"] = "auto" if swaps_models(pool, group) else "off"
         if spec.model.tool_parser is not None:

@@ -69,7 +69,8 @@ class LocalEngine:
 
     def rewrite(self, entry: dict[str, Any]) -> dict[str, Any]:
         """A worker model entry (as the operator builds it) rewritten for this engine."""
-        out = {k: v for k, v in entry.items() if k not in ("url", "launch", "engine")}
+        # The operator's profile is the pool's GPUs' step times; local workers run on this machine.
+        out = {k: v for k, v in entry.items() if k not in ("url", "launch", "engine", "profile")}
         if self.max_model_len is not None:
             out["maxModelLen"] = self.max_model_len
         if self.kind == "sim":
