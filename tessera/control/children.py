@@ -460,7 +460,8 @@ def worker_config(
     (``memory_plan``), the context length (``maxModelLength``, else the one the placement reserved
     KV for, within the KV capacity) and model swapping (``sleepMode`` auto where ``swaps_models``: the
     worker swaps when vLLM reports sleep mode; vLLM on CPU has none, and there every model stays
-    resident; off otherwise), the tool parser (``toolParser``). Batch bounds and Chiron's local
+    resident; off otherwise), the tool parser (``toolParser``), and on vLLM pools the step-time profile the
+    placement planned with (``profile``). Batch bounds and Chiron's local
     autoscaler switch come from the pool.
     """
     models: list[dict[str, Any]] = []
