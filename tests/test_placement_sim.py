@@ -291,3 +291,33 @@ def test_bench_runs_with_different_initial_intervals_replay_the_same_requests():
     one, two = dedicated(1), dedicated(2)
     assert one["requests"] == two["requests"]
     assert one["normalized_latency_mean"] == two["normalized_latency_mean"]
+
+
+def test_bench_replanner_runs_the_operators_load_shift_watch():
+    """bench seallm's timeline re-places between boundaries as the operator does by default
+    (``loadShiftThreshold`` 0.5): service a jumps from 1 to 8 req/s at 120 s, and the watch (every
+    I_min / 2, once the plan is I_min old) re-places at 150 s, long before the 300 s boundary, giving a
+    the spare GPU. A steady load, or the watch off (0: the paper's timeline), re-places nothing."""
+    from dataclasses import replace
+
+    from tessera.bench.scenarios.seallm import serve_adaptive
+    from tessera.core.planners import IntervalSettings
+
+    pool = PoolInput("p", "A800", 80 * GIB, 4)
+    a, b = (replace(_hist_service(n, [-60.0 + i for i in range(60)]), request_rate=1.0) for n in "ab")
+    steady = [HistoryRequest(float(t), 100, 50) for t in range(200)]
+    burst = steady[:120] + [HistoryRequest(120 + i / 8, 100, 50) for i in range(8 * 80)]
+    stats = {s.name: stats_of(s, []) for s in (a, b)}
+    settings = IntervalSettings(initial_s=300.0, min_s=60.0, max_s=1800.0)
+
+    def replan(window_a: list[HistoryRequest], threshold: float) -> tuple[list[tuple[float, str]], dict]:
+        window = {"a": window_a, "b": steady}
+        *_, first, rp = serve_adaptive(pool, [a, b], window, stats, settings, shift_threshold=threshold)
+        assert {g.services: g.replicas.total for g in first.groups} == {("a",): 2, ("b",): 2}
+        return [(e["boundary_s"], e["trigger"]) for e in rp.log], {
+            g.services: g.replicas.total for g in rp.plan.groups
+        }
+
+    assert replan(burst, 0.5) == ([(150.0, "load-shift")], {("a",): 3, ("b",): 1})
+    assert replan(steady, 0.5)[0] == []
+    assert replan(burst, 0.0)[0] == []

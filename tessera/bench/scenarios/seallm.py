@@ -17,7 +17,9 @@ planner's estimator simulates them: ``tessera.control.placement_sim``):
 - ``seallm``: Alg. 1 placement on the warm-up history, then re-placement at every interval boundary on
   the last interval's history, the interval adapted by Eq. 8 from M_est vs M_real, rolled out with the
   least churn (unchanged groups keep serving; changed groups stall for the weight load; their requests
-  migrate and recompute their KV); DB scheduling; unified KV cache; temporal sharing;
+  migrate and recompute their KV); between boundaries the operator's load-shift watch (its default
+  ``loadShiftThreshold``, 0.5: a service whose arrivals over the last I_min depart from its plan's rate
+  re-places on that window at once); DB scheduling; unified KV cache; temporal sharing;
 - ``seallm:fixed``: the initial placement kept for the whole window (the paper's SeaLLM-A ablation);
 - ``dedicated``: SeaLLM's vLLM baseline: GPUs split evenly, one instance per service with TP
   equal to its share (never below tp_min), vLLM continuous batching (prefill first, FCFS: core ``FCFS``);
@@ -31,8 +33,9 @@ LongBench-like lognormal tail reaches 75k tokens; a TP-1 group shared by two mod
 rejected, as vLLM refuses such a prompt: it counts as an SLO miss with SeaLLM's censored latency
 ``T_end − a + exec_ref``, and each row reports how many (``rejected``).
 Options (``--set``): services=16, gpus=32, minutes=60 (the window), interval_minutes=5 (I_0),
-min_interval_minutes=1, max_interval_minutes=30, beta=0.1, slo_scale=5, rates=R1,R2,... (a sweep; one
-row per system and rate), tolerance=0.10 (seallm and seallm:fixed against the better baseline on
+min_interval_minutes=1, max_interval_minutes=30, beta=0.1, load_shift_threshold=0.5 (0: re-place only
+at Eq. 8's boundaries, the paper's timeline), slo_scale=5, rates=R1,R2,... (a sweep; one row per system
+and rate), tolerance=0.10 (seallm and seallm:fixed against the better baseline on
 throughput and p99 JCT: no worse than this share), part=serve|planner. ``--set part=planner``
 instead times the planner on 32 services over 64 GPUs and reports the greedy's gap to the exact MILP on
 a small case.
@@ -40,6 +43,7 @@ a small case.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import Counter
@@ -49,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from tessera.api.serving_pool import ReplacementInterval
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import baseline_checks, tolerance
 from tessera.control.placement import fits, plan_placement, plan_seallm
@@ -75,6 +80,7 @@ from tessera.core.planners import (
     rollout_diff,
 )
 from tessera.core.planners.naming import group_name
+from tessera.core.planners.replacement import shifted_loads
 from tessera.core.planners.types import GroupPlan, RoleCounts
 from tessera.core.policies.seallm import DoublingBudget, RoundRobinSharing, ServiceStats
 from tessera.core.policy import Policy
@@ -113,6 +119,9 @@ MODELS: dict[str, StepProfile] = {
 # (mean prompt, cv prompt, mean output, cv output) — SeaLLM Tab. 1 means, our CVs.
 PROFILES = {"sharegpt": (73.0, 1.0, 427.0, 1.0), "longbench": (13187.0, 0.5, 21.0, 1.0)}
 POOL_REQUESTS = 4000  # size of the length pool that K-means splits into services
+# The operator's default load-shift watch (ServingPool replacementInterval.loadShiftThreshold), so the
+# seallm row measures the re-placement timeline a pool runs unless its spec turns the watch off.
+LOAD_SHIFT_THRESHOLD = ReplacementInterval().load_shift_threshold
 WARMUP_MINUTES = 5  # warm-up generated before the window whatever I_0 is, so an I_0 sweep replays the same
 # requests; the initial plan sees only its last I_0 of it (its history is one interval)
 
@@ -320,7 +329,14 @@ class Replanner(ClusterController):
     on the interval's history, rolled out with the least churn: instances whose (services, TP) stay
     keep serving (the busiest ones), the others stop and their requests move with their generated
     tokens (their KV is recomputed where they land), new instances start after the weight-load stall.
-    No boundary after the last arrival."""
+    No boundary after the last arrival.
+
+    Between boundaries it runs the operator's load-shift watch (``loadShiftThreshold``, our extension
+    of §4.3; the operator's ``Controller._load_shift``): every ``min_s / 2``, once the plan is ``min_s``
+    old, each service's arrivals over the last ``min_s`` are compared with the rate its plan was made for
+    (``shifted_loads``); a shift is a boundary now, planned on that window (M_real and Eq. 8 as at any
+    boundary). ``shift_threshold`` 0 turns it off (boundaries only from the interval, the paper's
+    timeline)."""
 
     interval_s = 1.0
 
@@ -332,27 +348,49 @@ class Replanner(ClusterController):
         settings: IntervalSettings,
         plan: PlacementPlan,
         requests: Sequence[Request],
+        shift_threshold: float = LOAD_SHIFT_THRESHOLD,
     ) -> None:
         self.pool, self.services, self.stats, self.settings = pool, services, stats, settings
         self.by_name = {s.name: s for s in services}
         self.plan = plan
         self.requests = requests  # in arrival order
-        self.last_arrival = max((r.arrival for r in requests), default=0.0)
+        self.arrivals = [r.arrival for r in requests]
+        self.last_arrival = max(self.arrivals, default=0.0)
         self.start, self.interval, self.first = 0.0, settings.initial_s, 0
+        self.shift_threshold = shift_threshold
+        self.planned = {s.name: s.request_rate for s in services}  # the rates the plan was made for
+        self.next_check = settings.min_s / 2
         self.switch = SwitchCost()
         self.migrated = 0
         self.log: list[dict[str, Any]] = []
 
+    def _shifted(self, now: float) -> bool:
+        """The operator's load-shift watch at ``now`` (see the class docstring)."""
+        if self.shift_threshold <= 0 or now < self.next_check:
+            return False
+        self.next_check = now + self.settings.min_s / 2
+        if now - self.start < self.settings.min_s:
+            return False
+        lo = bisect.bisect_left(self.arrivals, now - self.settings.min_s)
+        hi = bisect.bisect_left(self.arrivals, now)
+        counts = Counter(r.model for r in self.requests[lo:hi])
+        measured = {n: (float(counts.get(n, 0)), self.settings.min_s) for n in self.planned}
+        return bool(shifted_loads(self.planned, measured, self.shift_threshold))
+
     def tick(self, view: ClusterView) -> list[ClusterAction]:
-        """Re-place at a boundary; nothing otherwise."""
-        boundary = self.start + self.interval
-        if view.now < boundary or self.last_arrival < boundary:
-            return []
+        """Re-place at a boundary or on a load shift; nothing otherwise."""
         now = view.now
-        end = self.first
-        while end < len(self.requests) and self.requests[end].arrival < now:
-            end += 1
+        boundary = self.start + self.interval
+        if self.last_arrival < min(boundary, now):
+            return []
+        shift = now < boundary and self._shifted(now)
+        if now < boundary and not shift:
+            return []
+        end = bisect.bisect_left(self.arrivals, now)
         batch = self.requests[self.first : end]
+        # A shift plans on the watch's window (as the operator does), a boundary on its whole interval.
+        since = now - self.settings.min_s if shift else self.start
+        window = self.requests[bisect.bisect_left(self.arrivals, since) : end]
         measured = interval_metrics(outcomes(self.services, self.stats, batch, now))
         plan = self.plan
         estimated = (
@@ -362,13 +400,13 @@ class Replanner(ClusterController):
         )
         nxt = next_replacement_interval(self.interval, estimated, measured, self.settings)
         hist: dict[str, list[HistoryRequest]] = {s.name: [] for s in self.services}
-        for r in batch:
+        for r in window:
             hist[r.model].append(HistoryRequest(r.arrival, r.prompt_tokens, r.target_output_tokens))
         backlog = Counter(
             r.model for r in self.requests[:end] if r.finished_at is None or r.finished_at > now
         )
         t = time.perf_counter()
-        new = replan(self.pool, self.services, hist, now - self.start, now, plan, self.stats, backlog)
+        new = replan(self.pool, self.services, hist, now - since, now, plan, self.stats, backlog)
         plan_wall = time.perf_counter() - t
         diff = rollout_diff(plan, new)
         actions, started, stopped, moved = self._rollout(new, view)
@@ -376,6 +414,7 @@ class Replanner(ClusterController):
         self.log.append(
             {
                 "boundary_s": round(now, 1),
+                "trigger": "load-shift" if shift else "interval",
                 "interval_s": round(self.interval, 1),
                 "next_interval_s": round(nxt, 1),
                 "m_est": None
@@ -394,6 +433,8 @@ class Replanner(ClusterController):
             }
         )
         self.plan, self.start, self.interval, self.first = new, now, nxt, end
+        self.planned = {n: len(h) / (now - since) for n, h in hist.items()}
+        self.next_check = now + self.settings.min_s / 2
         return actions
 
     def _rollout(self, plan: PlacementPlan, view: ClusterView) -> tuple[list[ClusterAction], int, int, int]:
@@ -428,13 +469,15 @@ def serve_adaptive(
     settings: IntervalSettings,
     *,
     adaptive: bool = True,
+    shift_threshold: float = LOAD_SHIFT_THRESHOLD,
 ) -> tuple[list[RequestOutcome], Cluster, PlacementPlan, Replanner | None]:
-    """P_0 from the warm-up history, then (``adaptive``) the ``Replanner``'s re-placements; the last
-    plan serves until every request has finished. Returns outcomes, the cluster, the initial plan and
-    the replanner (its log has one entry per boundary)."""
+    """P_0 from the warm-up history, then (``adaptive``) the ``Replanner``'s re-placements (with its
+    load-shift watch at ``shift_threshold``, 0 = off); the last plan serves until every request has
+    finished. Returns outcomes, the cluster, the initial plan and the replanner (its log has one entry
+    per re-placement)."""
     plan = plan_seallm(pool, services, now=0.0, stats=stats)
     reqs = to_requests(((n, h) for n, hs in window.items() for h in hs), services)
-    replanner = Replanner(pool, services, stats, settings, plan, reqs) if adaptive else None
+    replanner = Replanner(pool, services, stats, settings, plan, reqs, shift_threshold) if adaptive else None
     cluster = new_cluster(pool, services, lambda: DoublingBudget(dict(stats)), replanner)
     by_name = {s.name: s for s in services}
     for g in plan.groups:
@@ -484,6 +527,18 @@ def _opt(config: BenchConfig, key: str, default: float) -> float:
     return out
 
 
+def _shift_threshold(config: BenchConfig) -> float:
+    """``--set load_shift_threshold=`` (>= 0; 0 = the paper's timeline, boundaries from Eq. 8 only)."""
+    value = config.options.get("load_shift_threshold", LOAD_SHIFT_THRESHOLD)
+    try:
+        out = float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--set load_shift_threshold= must be a number, got {value!r}") from exc
+    if not 0 <= out < math.inf:
+        raise ValueError(f"--set load_shift_threshold= must be >= 0, got {value!r}")
+    return out
+
+
 def _rates(config: BenchConfig) -> list[float]:
     text = config.options.get("rates")
     if text is None:
@@ -518,6 +573,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "slo_scale",
         "rates",
         "tolerance",
+        "load_shift_threshold",
     }
     unknown = sorted(set(config.options) - known)
     if unknown:
@@ -533,6 +589,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         beta=_opt(config, "beta", 0.1),
     )
     slo_scale = _opt(config, "slo_scale", 5.0)
+    shift = _shift_threshold(config)
     tol = tolerance(config.options)
     rates = _rates(config)
     pool = PoolInput("bench", "A800", 80 * GIB, gpus)
@@ -552,7 +609,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         for name in ("seallm", "seallm:fixed"):
             t = time.perf_counter()
             out, sim, first, replanner = serve_adaptive(
-                pool, initial, window, stats, settings, adaptive=name == "seallm"
+                pool, initial, window, stats, settings, adaptive=name == "seallm", shift_threshold=shift
             )
             row = {"policy": name + suffix, **metrics(out, gpus), "wall_s": time.perf_counter() - t}
             row.update(
@@ -603,6 +660,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "rates": rates,
         "interval_minutes": i0,
         "slo_scale": slo_scale,
+        "load_shift_threshold": shift,
         "tolerance": tol,
     }
     return BenchReport("seallm", cfg, rows, checks)
