@@ -47,9 +47,9 @@ from tessera.bench.router_overhead import (
     READY_TIMEOUT_S,
     RouterProcess,
     Wave,
-    _closed_loop,
-    _row,
-    _until_load,
+    closed_loop,
+    until_load,
+    wave_row,
 )
 from tessera.bench.scenarios import Progress
 from tessera.operator import status as st
@@ -190,13 +190,13 @@ async def _under_load(
     seen: dict[str, Any] = {}
 
     async def inject(wave: Wave) -> None:
-        await _until_load(wave, completed=clients)
+        await until_load(wave, completed=clients)
         await pool.replicas.wait_for(pool.size, timeout=READY_TIMEOUT_S)
         seen["replicas_before"] = pool.size
         await fault(wave, seen)
 
-    wave = await _closed_loop(url, clients, model, headers, max_tokens, inject)
-    return {**_row(name, clients, [wave]), "operator": seen}
+    wave = await closed_loop(url, clients, model, headers, max_tokens, inject)
+    return {**wave_row(name, clients, [wave]), "operator": seen}
 
 
 async def _operator_restart(pool: _Pool, load: _Load) -> dict[str, Any]:

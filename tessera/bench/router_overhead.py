@@ -231,7 +231,7 @@ async def _wave(urls: list[str], streams: int, model: str, headers: dict[str, st
     return wave
 
 
-async def _closed_loop(url: str, clients: int, model: str, headers: dict[str, str], max_tokens: int,
+async def closed_loop(url: str, clients: int, model: str, headers: dict[str, str], max_tokens: int,
                        fault: Any) -> Wave:  # fmt: skip
     """``clients`` clients each sending streamed requests one after another until ``fault`` (a
     coroutine function of the wave, which injects the fault and waits) returns; the requests then in
@@ -317,7 +317,7 @@ def _ready(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"{url} did not become ready within {timeout_s:.0f} s")
 
 
-def _row(path: str, streams: int, waves: list[Wave]) -> dict[str, Any]:
+def wave_row(path: str, streams: int, waves: list[Wave]) -> dict[str, Any]:
     ttfts = (
         np.array([t for w in waves for t in w.ttfts]) if any(w.ttfts for w in waves) else np.array([np.nan])
     )
@@ -410,7 +410,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                         progress(1)
                     rounds_at.setdefault(streams, []).append(got)
                 for path in paths:
-                    rows.append(_row(path, streams, [got[path] for got in rounds_at[streams]]))
+                    rows.append(wave_row(path, streams, [got[path] for got in rounds_at[streams]]))
             if faults:
                 streams = min(levels[-1], 300)
                 fault_rows.append(_router_restart_run(router, model, headers, max_tokens, streams))
@@ -459,10 +459,10 @@ def _fault_run(supervisor: Supervisor, router_url: str, model: str, headers: dic
         victim.proc.kill()
 
     wave = asyncio.run(_wave([router_url], streams, model, headers, max_tokens, during=kill_one))
-    return {**_row("router+worker-killed", streams, [wave]), "fault": "a worker killed mid-wave"}
+    return {**wave_row("router+worker-killed", streams, [wave]), "fault": "a worker killed mid-wave"}
 
 
-async def _until_load(wave: Wave, completed: int = 0, streaming: int = 0) -> None:
+async def until_load(wave: Wave, completed: int = 0, streaming: int = 0) -> None:
     """Until the load is under way: ``completed`` requests completed and ``streaming`` streams received
     their first token, since the load began."""
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -482,7 +482,7 @@ def _router_restart_run(router: RouterProcess, model: str, headers: dict[str, st
 
     async def restart(wave: Wave) -> None:
         # mid-load: once as many requests completed as there are clients, all of them busy
-        await _until_load(wave, completed=clients)
+        await until_load(wave, completed=clients)
         t0 = wave.fault_at = time.perf_counter()
         await asyncio.to_thread(router.stop)  # SIGTERM: the answers in flight finish first
         timings["drain_s"] = time.perf_counter() - t0
@@ -490,8 +490,8 @@ def _router_restart_run(router: RouterProcess, model: str, headers: dict[str, st
         timings["down_s"] = time.perf_counter() - t0
         await asyncio.sleep(RESTART_AFTER_S)
 
-    wave = asyncio.run(_closed_loop(router.url, clients, model, headers, max_tokens, restart))
-    row = _row("router+router-restarted", clients, [wave])
+    wave = asyncio.run(closed_loop(router.url, clients, model, headers, max_tokens, restart))
+    row = wave_row("router+router-restarted", clients, [wave])
     return {**row, "fault": f"the router restarted mid-load (SIGTERM; drained in {timings['drain_s']:.1f} s; "
             f"a new router ready {timings['down_s']:.1f} s after the SIGTERM)",
             "router_drain_s": timings["drain_s"], "router_down_s": timings["down_s"]}  # fmt: skip
@@ -505,8 +505,8 @@ def _router_kill_run(router: RouterProcess, model: str, headers: dict[str, str],
         # mid-stream: once as many requests completed as there are clients (all busy), and half of the
         # clients' next streams are receiving tokens (the clients start in step: at the first mark,
         # most of their next requests have just been sent)
-        await _until_load(wave, completed=clients)
-        await _until_load(wave, streaming=wave.streaming + clients // 2)
+        await until_load(wave, completed=clients)
+        await until_load(wave, streaming=wave.streaming + clients // 2)
         wave.router_killed = True
         t0 = wave.fault_at = time.perf_counter()
         router.kill()
@@ -515,8 +515,8 @@ def _router_kill_run(router: RouterProcess, model: str, headers: dict[str, str],
         timings["down_s"] = wave.recovered_at - t0
         await asyncio.sleep(RESTART_AFTER_S)
 
-    wave = asyncio.run(_closed_loop(router.url, clients, model, headers, max_tokens, kill))
-    row = _row("router+router-killed", clients, [wave])
+    wave = asyncio.run(closed_loop(router.url, clients, model, headers, max_tokens, kill))
+    row = wave_row("router+router-killed", clients, [wave])
     down = timings["down_s"]
     return {**row, "fault": f"the router killed mid-load (SIGKILL; a new router ready {down:.1f} s after it)",
             "router_down_s": down}  # fmt: skip
