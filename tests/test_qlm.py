@@ -196,6 +196,21 @@ def test_single_model_single_queue_rule_matches_brute_force() -> None:
             assert plan.objective == pytest.approx(best)
 
 
+def test_a_group_capped_below_its_keys_answers_still_gets_a_plan() -> None:
+    # Members asking for 4 tokens where the key's answers average 800: the drain counts 800 per
+    # member, the completion the cap, so C < W. The swap behind such a group waits for no negative
+    # time, and the MILP's warm start (which PuLP checks against the lower bound 0) does not fail.
+    rates = EngineRates(load_profile("a100-llama3-8b"), max_batch=64)
+    costs = group_costs(8, TokenStats(mu_in=200, mu_out=800, var_out=100.0), rates, 0.0, 4, 4096)
+    assert costs.completion < costs.drain
+    queues = [QueueSpec("q", "m0", 0.0, 8.0)]
+    groups = [GroupSpec(i, f"m{i % 2}", 500.0, {"q": costs}) for i in range(4)]
+    plan = solve(groups, queues, SolverSettings(time_limit_s=10))
+    assert sorted(plan.order["q"]) == [0, 1, 2, 3]
+    walk = [QueuedGroup("m0", costs, 500.0), QueuedGroup("m1", costs, 500.0)]
+    assert start_times(walk, "m0", 0.0, 8.0) == pytest.approx([0.0, costs.drain + 8.0])
+
+
 def test_infeasible_falls_back_to_edf_and_keeps_every_group() -> None:
     c = GroupCosts(10, 9, 20, 1)
     queues = [QueueSpec("q0", "m", 0, 5), QueueSpec("q1", "m", 0, 5)]

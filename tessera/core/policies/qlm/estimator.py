@@ -92,6 +92,16 @@ class GroupCosts:
         """Time from the group's start to its last member's first token (W^last + P)."""
         return self.last_wait + self.prefill
 
+    @property
+    def beyond_drain(self) -> float:
+        """C - W: how long the group's last member runs after the group has drained, which a model
+        swap behind it waits for. Never negative: W counts the key's mean answer per member and C
+        the group's own token cap, so a group asking for fewer tokens than its key's answers run
+        (max_tokens 4 where they average 800) is estimated to drain after its last member ends;
+        a negative C - W also broke the MILP's warm start (PuLP refuses a start value below the
+        variable's lower bound 0)."""
+        return max(0.0, self.completion - self.drain)
+
 
 @dataclass(slots=True)
 class EngineRates:
@@ -175,7 +185,7 @@ def start_times(
     starts = []
     for group in groups:
         if prev_model is not None and group.model != prev_model:
-            t_acc += swap_s + (prev.costs.completion - prev.costs.drain if prev is not None else 0.0)
+            t_acc += swap_s + (prev.costs.beyond_drain if prev is not None else 0.0)
         starts.append(t_acc)
         t_acc += group.costs.drain
         prev, prev_model = group, group.model

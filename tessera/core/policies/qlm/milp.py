@@ -250,7 +250,7 @@ def _switch_cost(g: GroupSpec, q: QueueSpec, models: set[str | None]) -> float:
     if g.model in models or (q.loaded_model is None and models == {None}):
         return 0.0
     c = g.costs[q.name]
-    return q.swap_s + c.completion - c.drain
+    return q.swap_s + c.beyond_drain
 
 
 def _block_order(members: Sequence[GroupSpec], q: QueueSpec, tail_aware: bool) -> list[int]:
@@ -295,7 +295,7 @@ def _smith_blocks(
     for model in ordered:
         if (q.loaded_model is not None and model != q.loaded_model) or prev is not None:
             c = prev.costs[q.name] if prev is not None else None
-            t += q.swap_s + (c.completion - c.drain if c is not None else 0.0)
+            t += q.swap_s + (c.beyond_drain if c is not None else 0.0)
         remaining = list(blocks[model])
         end = t + sum(g.costs[q.name].drain for g in remaining)
         t = end
@@ -402,7 +402,7 @@ def _build(
         n_l = min(n_a, slots_cap)
         cost = [groups[gi].costs[q.name] for gi in hosted]
         drain = np.array([c.drain for c in cost])
-        cw = np.array([c.completion - c.drain for c in cost])
+        cw = np.array([c.beyond_drain for c in cost])
         tail = np.array([c.tail if settings.tail_aware else 0.0 for c in cost])
         slack = np.array([groups[gi].slack for gi in hosted])
         model_of = [groups[gi].model for gi in hosted]
@@ -620,7 +620,7 @@ def _start_values(
             if prev is not None:
                 start += prev.costs[q.name].drain
             if switch:
-                u = prev.costs[q.name].completion - prev.costs[q.name].drain if prev is not None else 0.0
+                u = prev.costs[q.name].beyond_drain if prev is not None else 0.0
                 start += q.swap_s + u
                 values[cols.t[r]], values[cols.u[r]] = 1.0, u
             values[cols.x[row_of[index[gid]], r]] = 1.0
@@ -632,7 +632,7 @@ def _start_values(
             if before is not None and before != tails[cols.name].model:
                 values[cols.boundary[0]] = 1.0
                 if prev is not None:
-                    values[cols.boundary[1]] = prev.costs[q.name].completion - prev.costs[q.name].drain
+                    values[cols.boundary[1]] = prev.costs[q.name].beyond_drain
     return values
 
 

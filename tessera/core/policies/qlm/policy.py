@@ -343,7 +343,7 @@ class QLMPolicy(Policy):
         start = start_times([q for _, q in pairs], self._active_model, self.residual(now), swap)[-1]
         start += last.costs.drain
         if last.model != model:
-            start += swap + last.costs.completion - last.costs.drain
+            start += swap + last.costs.beyond_drain
         return start
 
     def has_open_group(self, req: Request) -> bool:
