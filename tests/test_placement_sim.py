@@ -184,32 +184,6 @@ def test_estimator_short_service_is_not_held_up_by_an_overloaded_long_neighbour(
     assert est.unserved["short"] < 2 * alone.unserved["short"] + 5
 
 
-def test_the_greedy_sizes_a_service_by_its_backlog_as_well_as_its_arrivals():
-    """Two services with the same history: the one with thousands of requests outstanding at the
-    boundary is estimated to violate them and gets the spare group; without a backlog they split evenly.
-    (The analytic estimator used to see arrivals only, so a service that had just burst was sized by its
-    rate and its queue drained on the few instances that rate asked for.)"""
-    from dataclasses import replace
-
-    from tessera.control.placement import Group, estimate, greedy_allocate
-
-    a = _hist_service("a", [i * 1.0 for i in range(300)])  # 1 req/s for 5 min
-    b = _hist_service("b", [i * 1.0 for i in range(300)])
-    one = [Group(0, 1, services=["a"])]
-    assert (
-        estimate(POOL, [replace(a, backlog=2000)], one).unserved["a"]
-        > 100 * estimate(POOL, [a], one).unserved["a"]
-    )
-
-    def hosts(first: ServiceInput) -> dict[str, int]:
-        groups = [Group(i, 1) for i in range(4)]
-        greedy_allocate(POOL, [first, b], groups, 1)
-        return {n: sum(n in g.services for g in groups) for n in ("a", "b")}
-
-    assert hosts(a) == {"a": 2, "b": 2}
-    assert hosts(replace(a, backlog=2000)) == {"a": 3, "b": 1}
-
-
 def test_simulated_estimate_scores_a_plan_from_its_history():
     from tessera.control.placement import Group, simulate_performance
 

@@ -217,22 +217,13 @@ BIN_S = 60.0  # CHOICE: the estimator sees the history's per-minute rates, so bu
 
 
 def rate_bins(s: ServiceInput, window_s: float) -> list[float]:
-    """λ_s per ``BIN_S`` bin of the history (req/s); one bin of the mean rate without history. The
-    service's ``backlog`` (requests outstanding when the plan is made) is spread evenly over the bins:
-    the plan is to work it off within the window, beside arrivals like the history's.
-
-    Why the backlog (CHOICE): left out, the greedy sized a service that had just burst by its arrivals
-    alone, and its queue drained on the one or two instances that rate asked for (``tessera bench
-    seallm``, seed 0: one service's mean latency 983 s). Why spread, not all in the first bin (as
-    ``simulate_performance`` replays it, at the start): in one bin a large backlog overloads any
-    plan, every one of its requests counts as a violation until that bin is cleared, and the greedy gave
-    that service most of the cluster for the whole interval while the others' bursts queued."""
+    """λ_s per ``BIN_S`` bin of the history (req/s); one bin of the mean rate without history."""
     if not s.history:
-        return [service_rate(s) + s.backlog / BIN_S]
+        return [service_rate(s)]
     t0 = s.history[0].arrival
     t1 = max(s.history[-1].arrival, t0 + window_s)
     n = max(1, math.ceil((t1 - t0) / BIN_S))
-    counts = [s.backlog / n] * n
+    counts = [0] * n
     for h in s.history:
         counts[min(n - 1, int((h.arrival - t0) // BIN_S))] += 1
     return [c / BIN_S for c in counts]
