@@ -57,7 +57,7 @@ from tessera.core.planners import (
     next_replacement_interval,
     rollout_diff,
 )
-from tessera.core.planners.replacement import prediction_error, shifted_loads
+from tessera.core.planners.replacement import prediction_error, shift_check_due, shifted_loads
 from tessera.operator import status as st
 from tessera.operator.kube import Kube, OwnershipError, rejection
 from tessera.operator.reconcile import DONE, Conflict, claim, contains, plan_actions
@@ -311,11 +311,10 @@ class Controller:
         if self.metrics is None or threshold <= 0:
             self._shift_due.pop(key, None)
             return None
-        if now < self._shift_due.setdefault(key, now + min_s / 2):
-            return None
-        self._shift_due[key] = now + min_s / 2
         last = st.parse_time(status.get("lastPlacementTime"))
-        if last is not None and now - last < min_s:
+        first = now + min_s / 2  # a pool seen for the first time looks after half a window
+        due, self._shift_due[key] = shift_check_due(now, self._shift_due.get(key, first), last, min_s)
+        if not due:
             return None
         planned = {}
         for b in services:

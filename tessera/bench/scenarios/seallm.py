@@ -80,7 +80,7 @@ from tessera.core.planners import (
     rollout_diff,
 )
 from tessera.core.planners.naming import group_name
-from tessera.core.planners.replacement import shifted_loads
+from tessera.core.planners.replacement import shift_check_due, shifted_loads
 from tessera.core.planners.types import GroupPlan, RoleCounts
 from tessera.core.policies.seallm import DoublingBudget, RoundRobinSharing, ServiceStats
 from tessera.core.policy import Policy
@@ -366,10 +366,10 @@ class Replanner(ClusterController):
 
     def _shifted(self, now: float) -> bool:
         """The operator's load-shift watch at ``now`` (see the class docstring)."""
-        if self.shift_threshold <= 0 or now < self.next_check:
+        if self.shift_threshold <= 0:
             return False
-        self.next_check = now + self.settings.min_s / 2
-        if now - self.start < self.settings.min_s:
+        due, self.next_check = shift_check_due(now, self.next_check, self.start, self.settings.min_s)
+        if not due:
             return False
         lo = bisect.bisect_left(self.arrivals, now - self.settings.min_s)
         hi = bisect.bisect_left(self.arrivals, now)
@@ -516,26 +516,17 @@ def metrics(outcomes: Sequence[RequestOutcome], gpus: int) -> dict[str, Any]:
     }
 
 
-def _opt(config: BenchConfig, key: str, default: float) -> float:
+def _opt(config: BenchConfig, key: str, default: float, *, zero_ok: bool = False) -> float:
+    """``--set key=``, a number > 0, or with ``zero_ok`` a finite one >= 0."""
     value = config.options.get(key, default)
     try:
         out = float(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"--set {key}= must be a number, got {value!r}") from exc
-    if out <= 0:
+    if zero_ok and not 0 <= out < math.inf:
+        raise ValueError(f"--set {key}= must be >= 0, got {value!r}")
+    if not zero_ok and out <= 0:
         raise ValueError(f"--set {key}= must be > 0, got {value!r}")
-    return out
-
-
-def _shift_threshold(config: BenchConfig) -> float:
-    """``--set load_shift_threshold=`` (>= 0; 0 = the paper's timeline, boundaries from Eq. 8 only)."""
-    value = config.options.get("load_shift_threshold", LOAD_SHIFT_THRESHOLD)
-    try:
-        out = float(value)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"--set load_shift_threshold= must be a number, got {value!r}") from exc
-    if not 0 <= out < math.inf:
-        raise ValueError(f"--set load_shift_threshold= must be >= 0, got {value!r}")
     return out
 
 
@@ -589,7 +580,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         beta=_opt(config, "beta", 0.1),
     )
     slo_scale = _opt(config, "slo_scale", 5.0)
-    shift = _shift_threshold(config)
+    shift = _opt(config, "load_shift_threshold", LOAD_SHIFT_THRESHOLD, zero_ok=True)  # 0: Eq. 8 only
     tol = tolerance(config.options)
     rates = _rates(config)
     pool = PoolInput("bench", "A800", 80 * GIB, gpus)

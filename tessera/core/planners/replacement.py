@@ -110,6 +110,17 @@ def shifted_loads(
     return out
 
 
+def shift_check_due(
+    now: float, next_check: float, placed_at: float | None, min_s: float
+) -> tuple[bool, float]:
+    """The load-shift watch's timing: whether to compare loads at ``now`` (looked at every ``min_s / 2``
+    from ``next_check``, and only once the plan in effect, placed at ``placed_at``, is ``min_s`` old:
+    a younger plan has not seen a whole window of its own), and when to look next."""
+    if now < next_check:
+        return False, next_check
+    return placed_at is None or now - placed_at >= min_s, now + min_s / 2
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutDiff:
     """How to go from one plan to the next with the least churn.
