@@ -7,18 +7,33 @@
 - ``priority``: a class-priority queue, non-preemptive: interactive requests ahead of batch ones,
   arrival order within a kind. ``batch_delay_s`` tunes it: a batch request queues as if it had
   arrived that many seconds later (unset: interactive always first; 0: FCFS).
-- ``sjf-oracle``: shortest true output length first, non-preemptive (simulation only).
-- ``srtf-oracle``: shortest true remaining output first, preemptive at every
+- ``sjf-oracle``: shortest true service time first, non-preemptive (simulation only).
+- ``srtf-oracle``: shortest true remaining service time first, preemptive at every
   decision point (simulation only). ``recheck_tokens`` bounds how long a running
   request may hold its slot between events (CHOICE: 50 tokens, ELIS' window).
   ``preempt_mode`` (CHOICE: ``keep``) is how its own preemptions leave the batch:
   as a bound it pauses requests with their KV kept instead of paying a recompute;
   the engine drops paused KV first when memory runs short.
 
+CHOICE: an oracle's job size is the instance time the request's (remaining) work takes in the
+decision's step profile (``StepProfile.service_time``): the prefill of its prompt and generated
+tokens unless it holds its KV (a swapped one reads its KV back instead), then its share of a full
+batch's decode iterations (``max_batch`` from the view) for its true remaining output. Not the output
+length alone: on prompt-heavy traces the prefill is most of a request's cost (Mooncake: 12k prompt
+tokens on average against 190 output tokens, negatively correlated), and ordering by output ran the
+longest prompts first and let SRTF displace running requests for arrivals whose prefill alone outlasted
+the displaced requests' remaining decode, whose KV the engine then dropped and recomputed.
+Not the isolated time (batch 1, ``exec_time``) either: that charges each token a whole iteration's
+fixed cost, which a full batch shares. A request is keyed at the first decision after it arrives
+(the view brings the profile). Keys of queued requests stay fixed: one whose KV the engine drops
+while it waits keeps the smaller key it had with the KV (seen once in the baseline bench's 8 SRTF runs
+on the Mooncake and Azure code traces).
+
 Class priority (``ServiceClass.priority``, higher first) breaks ties of each policy's own order and
 never overrides it: a key is (the policy's quantity, -priority, arrival). FCFS: among equal arrival
 times the higher class runs first and, under KV pressure, the lower one is preempted first; EDF:
-among equal deadlines; the oracles: among equal true (remaining) lengths, before arrival.
+among equal deadlines; the oracles: among equal true (remaining) service times and then output
+lengths, before arrival.
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ from typing import Annotated, ClassVar
 from pydantic import Field
 
 from tessera.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
+from tessera.core.profile import StepProfile
 from tessera.core.registry import PolicySettings
 from tessera.core.request import Request
 
@@ -90,16 +106,62 @@ def _true_length(req: Request) -> int:
     return req.target_output_tokens
 
 
-class SJFOracle(PriorityPolicy):
-    """Shortest job first on the true output length (bound; simulation only)."""
+class _ServiceTimeOracle(PriorityPolicy):
+    """An oracle keyed by true service time in the instance's step profile (module docstring).
+
+    The profile and the batch size come with the decision's view, so a request that arrives is
+    keyed at the next decision, as ISRTF predicts its arrivals there."""
+
+    oracle: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._arrived: dict[int, Request] = {}  # added, keyed at the next decision
+        self._profile: StepProfile | None = None
+        self._batch = 1
+
+    def add(self, req: Request, now: float) -> None:
+        """Hold a new request until the next decision keys it (its view carries the profile)."""
+        _true_length(req)  # refuse a request without its true length now, not at the decision
+        self._arrived[id(req)] = req
+
+    def remove(self, req: Request, now: float) -> None:
+        """Forget a finished or cancelled request."""
+        self._arrived.pop(id(req), None)
+        super().remove(req, now)
+
+    def __len__(self) -> int:
+        return super().__len__() + len(self._arrived)
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Key the arrivals with this view's profile and batch size, then decide."""
+        self._profile, self._batch = view.profile, view.max_batch
+        for req in self._arrived.values():
+            self._push(req, view.now)
+        self._arrived.clear()
+        return super().schedule(view)
+
+    def service_left(self, req: Request) -> float:
+        """Instance seconds the rest of ``req`` takes (``StepProfile.service_time``): a request without
+        KV re-prefills its prompt and the tokens it has generated; a swapped one reads its KV back."""
+        assert self._profile is not None, "keyed before the first decision"
+        prof, left = self._profile, _true_length(req) - req.generated
+        context = req.prompt_tokens + req.generated
+        if req.kv_resident or req.swapped:
+            swap_in = prof.kv_swap_time(context) if req.swapped else 0.0
+            return swap_in + prof.service_time(context, left, self._batch, prefill=False)
+        return prof.service_time(context, left, self._batch)
+
+
+class SJFOracle(_ServiceTimeOracle):
+    """Shortest job first on the true service time (bound; simulation only)."""
 
     name: ClassVar[str] = "sjf-oracle"
     static_keys: ClassVar[bool] = True
-    oracle: ClassVar[bool] = True
 
     def key(self, req: Request, now: float) -> tuple:
-        """True total output length, then the higher class priority, then arrival."""
-        return (_true_length(req), -req.service_class.priority, req.arrival)
+        """True service time, then true output length, then the higher class priority, then arrival."""
+        return (self.service_left(req), _true_length(req), -req.service_class.priority, req.arrival)
 
 
 class SRTFOracleSettings(PolicySettings):
@@ -114,11 +176,10 @@ class SRTFOracleSettings(PolicySettings):
     )
 
 
-class SRTFOracle(PriorityPolicy):
-    """Shortest remaining time first on the true remaining output (bound; simulation only)."""
+class SRTFOracle(_ServiceTimeOracle):
+    """Shortest remaining time first on the true remaining service time (bound; simulation only)."""
 
     name: ClassVar[str] = "srtf-oracle"
-    oracle: ClassVar[bool] = True
     preemptive: ClassVar[bool] = True
 
     def __init__(self, recheck_tokens: int = 50, preempt_mode: PreemptMode = "keep") -> None:
@@ -137,8 +198,10 @@ class SRTFOracle(PriorityPolicy):
         return decision
 
     def key(self, req: Request, now: float) -> tuple:
-        """True remaining output tokens, then the higher class priority, then arrival."""
-        return (_true_length(req) - req.generated, -req.service_class.priority, req.arrival)
+        """True remaining service time, then true remaining output, then the higher class priority, then
+        arrival."""
+        left = _true_length(req) - req.generated
+        return (self.service_left(req), left, -req.service_class.priority, req.arrival)
 
     def recheck_tokens(self) -> int | None:
         """Re-rank every ``recheck_tokens`` decode iterations."""

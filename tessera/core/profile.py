@@ -84,6 +84,21 @@ class StepProfile:
         decode = n * (self.decode_c0 + self.decode_c1) + self.decode_c2 * context_sum
         return self.prefill(prompt_tokens) + decode
 
+    def service_time(
+        self, context_tokens: int, output_tokens: int, batch: int, *, prefill: bool = True
+    ) -> float:
+        """Instance time that ``output_tokens`` more tokens of one request take in a full batch of
+        ``batch``: the prefill of its ``context_tokens`` (prompt plus tokens generated so far) when it
+        holds no KV (``prefill``; that iteration gives its first token), then its share of each decode
+        iteration: the fixed cost split ``batch`` ways, the per-sequence cost and its own context, one
+        token longer each step. A full batch's shares add up to its iteration's time, so these times
+        add up to the instance's busy time (``exec_time`` is the isolated case: batch 1)."""
+        steps = max(0, output_tokens - 1) if prefill else max(0, output_tokens)
+        first = context_tokens + 1 if prefill else context_tokens  # context of the first decode step
+        context_sum = steps * first + steps * (steps - 1) / 2
+        decode = steps * (self.decode_c0 / max(1, batch) + self.decode_c1) + self.decode_c2 * context_sum
+        return (self.prefill(context_tokens) if prefill else 0.0) + decode
+
     def decode_step(self, batch: int, context_tokens: int) -> float:
         """Time of one decode iteration for ``batch`` sequences holding ``context_tokens`` in total."""
         return self.decode_c0 + self.decode_c1 * batch + self.decode_c2 * context_tokens
