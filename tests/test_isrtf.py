@@ -196,7 +196,8 @@ def test_tail_guard_is_on_by_default_in_the_class_and_the_settings() -> None:
 
 def test_tail_guard_credits_only_requests_past_the_wait_at_the_decode_rate() -> None:
     """Before its wait a request keeps its plain key; past it, the credit grows by guard_credit x the
-    decode rate (max_batch / decode step) per second since it crossed, and it overtakes a shorter one."""
+    decode rate (max_batch / decode step) tokens' worth of service per second since it crossed, and it
+    overtakes a shorter one. Keys are seconds of service: here 0.01 s a token, the first from the prefill."""
     oracle = TableOracle({"done": 10, "long": 300, "short": 100, "later": 100})
     profile = StepProfile("flat", 0.01, 0.0, 0.0, 0.01, 0.0, kv_capacity_tokens=100_000)  # 100 tokens/s
     pol = ISRTF(predictor=oracle, guard_credit=0.5, guard_after_jct_multiple=2.0)
@@ -208,20 +209,20 @@ def test_tail_guard_credits_only_requests_past_the_wait_at_the_decode_rate() -> 
     pol.add(long, 5.0)
     pol.add(short, 14.0)
     assert run_ids(pol, [], now=14.0, profile=profile) == ["short"]  # long waited 9 s: no credit yet
-    assert pol.key(long, 14.0)[0] == 300
+    assert pol.key(long, 14.0)[0] == pytest.approx(3.0)  # 300 tokens
     finish(pol, short, 14.5)
     pol.add(later := req("later", 16.0), 16.0)
     # long crossed at 5 + 2 x 4.93 s (the mean moved 1/64 of the way to short's 0.5 s): at 16 s it has
     # 1.14 s of credit at 0.5 x 100 tokens/s = 57 tokens: 243 > 100, later still goes first
     assert run_ids(pol, [], now=16.0, profile=profile) == ["later"]
     crossed = 5.0 + 2.0 * pol.mean_jct  # type: ignore[operator]
-    assert pol.key(long, 16.0)[0] == pytest.approx(300 - 50.0 * (16.0 - crossed))
+    assert pol.key(long, 16.0)[0] == pytest.approx(0.01 * (300 - 50.0 * (16.0 - crossed)))
     finish(pol, later, 17.0)
     pol.add(again := req("again", 20.0), 20.0)
     oracle.totals["again"] = 100
     # at 20 s: 5.14 s of credit (257 tokens): 43 < 100, the old long request overtakes
     assert run_ids(pol, [], now=20.0, profile=profile) == ["long"]
-    assert pol.key(again, 20.0)[0] == 100  # a new request has no credit
+    assert pol.key(again, 20.0)[0] == pytest.approx(1.0)  # a new request has no credit: 100 tokens
 
 
 def test_tail_guard_off_keeps_the_plain_order() -> None:
@@ -234,7 +235,7 @@ def test_tail_guard_off_keeps_the_plain_order() -> None:
     pol.add(long := req("long", 1.0), 1.0)
     pol.add(req("short", 900.0), 900.0)
     assert run_ids(pol, [], now=900.0) == ["short"]  # waited 900 mean JCTs: still behind
-    assert pol.key(long, 900.0)[0] == 300
+    assert pol.key(long, 900.0)[0] == pytest.approx(3.0)  # 300 tokens at 0.01 s
 
 
 def finish(pol: ISRTF, r: Request, now: float) -> None:
@@ -275,3 +276,26 @@ def test_isrtf_tail_without_finished_requests_keeps_the_plain_order_and_is_regis
     assert run_ids(pol, [], now=500.0) == ["new"]  # no JCT observed yet: no bound to promote by
     with pytest.raises(ValueError, match="max_wait_jct_multiple"):
         make_policy("isrtf-tail", predictor="constant", max_wait_jct_multiple=0.0)
+
+
+def test_orders_by_predicted_service_time_so_long_prompts_wait_for_shorter_work() -> None:
+    """A 30,000-token prompt with 10 tokens to answer is 2.6 s of work on the 8B profile; 200 tokens
+    after a 100-token prompt 1.6 s: the short answer to the long prompt goes second, and at a window
+    boundary it does not displace a running request that holds its KV and has 200 tokens left."""
+    from tessera.core.profiles import load_profile
+
+    profile = load_profile("a100-llama3-8b")
+    oracle = TableOracle({"prompt": 10, "answer": 200, "running": 250})
+    pol = ISRTF(guard_credit=0.0, predictor=oracle, window_tokens=50)
+    prompt, answer = Request("prompt", 0.0, 30_000, 1000), Request("answer", 1.0, 100, 1000)
+    pol.add(prompt, 1.0)
+    pol.add(answer, 1.0)
+    assert run_ids(pol, [], now=1.0, profile=profile) == ["answer"]
+
+    pol = ISRTF(guard_credit=0.0, predictor=oracle, window_tokens=50)
+    running = Request("running", 0.0, 100, 1000)
+    pol.add(running, 0.0)
+    assert run_ids(pol, [], now=0.0, profile=profile) == ["running"]
+    running.kv_resident, running.generated = True, 50  # at its window boundary: 200 left
+    pol.add(Request("prompt", 5.0, 30_000, 1000), 5.0)
+    assert run_ids(pol, [running], now=5.0, profile=profile) == ["running"]

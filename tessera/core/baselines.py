@@ -42,7 +42,7 @@ from typing import Annotated, ClassVar
 
 from pydantic import Field
 
-from tessera.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
+from tessera.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy, remaining_service_time
 from tessera.core.profile import StepProfile
 from tessera.core.registry import PolicySettings
 from tessera.core.request import Request
@@ -142,15 +142,10 @@ class _ServiceTimeOracle(PriorityPolicy):
         return super().schedule(view)
 
     def service_left(self, req: Request) -> float:
-        """Instance seconds the rest of ``req`` takes (``StepProfile.service_time``): a request without
-        KV re-prefills its prompt and the tokens it has generated; a swapped one reads its KV back."""
+        """Instance seconds the rest of ``req`` takes (``remaining_service_time`` of its true remaining
+        output)."""
         assert self._profile is not None, "keyed before the first decision"
-        prof, left = self._profile, _true_length(req) - req.generated
-        context = req.prompt_tokens + req.generated
-        if req.kv_resident or req.swapped:
-            swap_in = prof.kv_swap_time(context) if req.swapped else 0.0
-            return swap_in + prof.service_time(context, left, self._batch, prefill=False)
-        return prof.service_time(context, left, self._batch)
+        return remaining_service_time(req, _true_length(req) - req.generated, self._profile, self._batch)
 
 
 class SJFOracle(_ServiceTimeOracle):

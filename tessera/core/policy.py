@@ -94,6 +94,17 @@ def resident_kv_tokens(resident: Iterable[Request], block_size: int) -> int:
     return sum(kv_blocks(r.prompt_tokens + r.generated, block_size) for r in resident) * block_size
 
 
+def remaining_service_time(req: Request, output_tokens: float, profile: StepProfile, batch: int) -> float:
+    """Instance seconds ``output_tokens`` more tokens of ``req`` take in a full batch of ``batch``
+    (``StepProfile.service_time``): a request without its KV re-prefills its prompt and the tokens it
+    has generated; a swapped one reads its KV back instead."""
+    context = req.prompt_tokens + req.generated
+    if req.kv_resident or req.swapped:
+        swap_in = profile.kv_swap_time(context) if req.swapped else 0.0
+        return swap_in + profile.service_time(context, output_tokens, batch, prefill=False)
+    return profile.service_time(context, output_tokens, batch)
+
+
 def kv_capacity_whole_blocks(profile: StepProfile) -> int:
     """The KV capacity of ``profile`` in whole blocks, in tokens."""
     return profile.kv_capacity_tokens // profile.block_size * profile.block_size

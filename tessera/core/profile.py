@@ -85,7 +85,7 @@ class StepProfile:
         return self.prefill(prompt_tokens) + decode
 
     def service_time(
-        self, context_tokens: int, output_tokens: int, batch: int, *, prefill: bool = True
+        self, context_tokens: int, output_tokens: float, batch: int, *, prefill: bool = True
     ) -> float:
         """Instance time that ``output_tokens`` more tokens of one request take in a full batch of
         ``batch``: the prefill of its ``context_tokens`` (prompt plus tokens generated so far) when it

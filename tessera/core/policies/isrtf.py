@@ -1,11 +1,21 @@
 """ELIS iterative shortest-remaining-time-first (ELIS Alg. 1, §4.1; docs/papers.md, "ELIS: ISRTF scheduler").
 
-Priority = predicted remaining output tokens ŷ, smallest first; ties go to the higher class priority
-(``ServiceClass.priority``), then to the earlier arrival. Class priority never overrides ŷ: it decides
-only between equal predictions (and so which of them is displaced at a window boundary). A request is
-predicted once on arrival (prompt only, ``Predictor.init``) and again each time it has generated
-``window_tokens`` more tokens (``Predictor.iter``); requests waiting in the queue keep their last
-prediction. Every prediction due at a decision is made in one batched ``predict_remaining`` call.
+Priority = predicted remaining service time, smallest first: the instance time the predicted remaining
+output ŷ takes in the decision's step profile (``remaining_service_time``: the prefill of the prompt
+and generated tokens unless the request holds its KV, then its share of a full batch's decode
+iterations); ties go to the smaller ŷ, then to the higher class priority (``ServiceClass.priority``),
+then to the earlier arrival. CHOICE: service time, not ŷ alone as in ELIS, whose prompts are short: on
+prompt-heavy traces the prefill is most of a request's cost, and ordering by tokens ran the longest
+prompts first and displaced running requests at window boundaries for arrivals whose prefill alone
+outlasted their remaining decode (with exact predictions on the Mooncake trace's requests in ``tessera
+bench baseline``'s setup at load 1, tail guard at its defaults: mean JCT 202 s by tokens, 38.7 s by
+service time, FCFS 50.0 s; docs/bench.md, "The oracle bounds"). With short prompts the two orders
+nearly agree (``tessera bench elis``: within 0.3 points of mean-JCT reduction at batch 1, 2 and 4).
+Class priority never overrides the order: it decides only between equal keys (and so which of them is
+displaced at a window boundary). A request is predicted once on arrival (prompt only,
+``Predictor.init``) and again each time it has generated ``window_tokens`` more tokens
+(``Predictor.iter``); requests waiting in the queue keep their last prediction. Every prediction due at
+a decision is made in one batched ``predict_remaining`` call.
 
 Preemption happens at window boundaries only (ELIS: "a window is never interrupted"): a decision at
 which some running request reached its boundary re-ranks running and queued requests together and
@@ -14,26 +24,28 @@ the top ``max_batch`` run; any other decision (an arrival, a completion) only fi
 batches each request's window counts from its own last prediction (CHOICE: the engine re-checks when
 the first running request reaches its boundary, instead of ELIS' batch-synchronous windows).
 
-Tail guard (CHOICE, on by default; ELIS §3.4 mentions starvation control without details): a
-deferred credit. A request that has waited longer than ``guard_after_jct_multiple`` times the recent
-mean JCT (an exponential average over finished requests, weight ``1/64`` each; no guard before the
-first finishes) starts gaining priority credit: its key becomes ŷ − r · (now − t), t the moment it
-crossed that wait, r = ``guard_credit`` × the instance's decode rate (``max_batch`` / the profile's
-decode step at full batch and the running requests' mean context, in tokens/s): for every token the
-instance decodes after t, its key drops by ``guard_credit`` tokens. Requests under the wait keep the
-plain order, so only those at risk of the tail move, and both the wait (in mean JCTs) and the pace (a
-share of the decode rate) scale with the batch size by themselves, which a credit in tokens per second
-does not. The defaults (``DEFAULT_GUARD_CREDIT``, ``DEFAULT_GUARD_AFTER_JCT_MULTIPLE``) are the point
-of a sweep over ``tessera bench elis`` (docs/bench.md, "ISRTF's starvation guard") nearest its targets
-(p99 JCT <= 1.5x FCFS's, >= 80% of the guard-off mean-JCT gain): 1.44/1.51/1.50x keeping 78/78/80% at
-batch 1/2/4, where linear aging needed credits of 4, 8 and 13 tokens/s for about that tail and kept
-76/71/75%. No setting met both targets at every batch size. Guarded keys change with time, so each
-decision re-keys the guarded queued requests (O(guarded · log queue); the others keep their fixed
-keys). ``guard_credit`` 0 turns the guard off.
+Tail guard (CHOICE, on by default; ELIS §3.4 mentions starvation control without details): a deferred
+credit. A request that has waited longer than ``guard_after_jct_multiple`` times the recent mean JCT
+(an exponential average over finished requests, weight ``1/64`` each; no guard before the first
+finishes) starts gaining priority credit: its key (seconds of service) drops by ``guard_credit`` · (now
+− t), t the moment it crossed that wait: for every token the instance decodes after t at a full batch,
+its key drops by ``guard_credit`` tokens' worth of service (the credit of ``guard_credit`` × the decode
+rate in tokens/s that the guard was tuned as while keys were tokens, at one token's share of a decode
+step). A cost-free profile (no decode time) gives no credit. Requests under the wait keep the plain
+order, so only those at risk of the tail move, and both the wait (in mean JCTs) and the pace (a share
+of the decode rate) scale with the batch size by themselves, which a credit in tokens per second does
+not. The defaults (``DEFAULT_GUARD_CREDIT``, ``DEFAULT_GUARD_AFTER_JCT_MULTIPLE``) are the point of a
+sweep over ``tessera bench elis`` (docs/bench.md, "ISRTF's starvation guard") nearest its targets (p99
+JCT <= 1.5x FCFS's, >= 80% of the guard-off mean-JCT gain): 1.44/1.51/1.50x keeping 78/78/80% at batch
+1/2/4 with token keys (1.44/1.51/1.51x keeping 78/77/78% by service time), where linear aging needed
+credits of 4, 8 and 13 tokens/s for about that tail and kept 76/71/75%. No setting met both targets at
+every batch size. Guarded keys change with time, so each decision re-keys the guarded queued requests
+(O(guarded · log queue); the others keep their fixed keys). ``guard_credit`` 0 turns the guard off.
 
-Linear aging (``aging_tokens_per_s``, off by default): the key becomes ŷ − ``aging_tokens_per_s`` · age
-for every request from its arrival (ŷ + a·arrival: keys stay fixed while a request waits). It reorders
-the whole queue, not just the requests at risk. Both 0: the plain ELIS order.
+Linear aging (``aging_tokens_per_s``, off by default): the key drops by ``aging_tokens_per_s`` · age
+tokens' worth of service for every request from its arrival (each token at its own share of a full
+batch's decode step; + a·arrival: keys stay fixed while a request waits). It reorders the whole queue,
+not just the requests at risk. Both 0: the plain ELIS order.
 
 Tail-aware variant ``isrtf-tail`` (``TailISRTF``): the plain ISRTF order (no guard, no aging by default) plus
 a wait bound relative to the service's own latency. A request whose age exceeds
@@ -74,8 +86,9 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from tessera.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy
+from tessera.core.policy import Decision, InstanceView, PreemptMode, PriorityPolicy, remaining_service_time
 from tessera.core.prediction import ConstantPredictor, LengthPredictor, RunningMeanPredictor
+from tessera.core.profile import StepProfile
 from tessera.core.registry import PolicySettings
 from tessera.core.request import Request
 
@@ -206,7 +219,9 @@ class ISRTF(PriorityPolicy):
         self.mean_jct: float | None = None  # recent mean JCT of finished requests (seconds)
         self._unguarded = _WaitWatch()  # queued once, not yet past the guard's wait
         self._guarded: dict[int, float] = {}  # id(req) -> when it crossed the guard's wait
-        self._credit_rate = 0.0  # the guard's credit this decision, tokens per second past the wait
+        self._credit_rate = 0.0  # the guard's credit this decision: seconds of service per second waited
+        self._profile: StepProfile | None = None  # the latest decision's, for the keys
+        self._batch = 1
         self._pending: dict[int, Request] = {}  # arrived, not yet pushed (predicted at the next decision)
         self._finished: deque[Request] = deque()  # removed, not yet handed to the predictor
         self._rerank = False  # a request was re-predicted at its window boundary since the last decision
@@ -220,14 +235,19 @@ class ISRTF(PriorityPolicy):
         self.fallback_predictions = 0  # requests predicted by the fallback so far
 
     def key(self, req: Request, now: float) -> tuple:
-        """Predicted remaining tokens (minus the aging and guard credits), then higher class priority,
-        then arrival."""
+        """Predicted remaining service time (minus the aging and guard credits), then predicted remaining
+        tokens, then higher class priority, then arrival."""
         assert req.predicted_remaining is not None, "ISRTF keys only predicted requests"
-        ranked = req.predicted_remaining + self.aging * req.arrival
+        assert self._profile is not None, "ISRTF keys at decisions"
+        predicted, prof, batch = req.predicted_remaining, self._profile, self._batch
+        ranked = remaining_service_time(req, predicted, prof, batch)
+        if self.aging:
+            token = prof.service_time(req.prompt_tokens + req.generated, 1, batch, prefill=False)
+            ranked += self.aging * req.arrival * token
         crossed = self._guarded.get(id(req))
         if crossed is not None:
             ranked -= self._credit_rate * (now - crossed)
-        return (ranked, -req.service_class.priority, req.arrival)
+        return (ranked, predicted, -req.service_class.priority, req.arrival)
 
     def add(self, req: Request, now: float) -> None:
         """Hold a new request until the next decision predicts it (batched with others)."""
@@ -308,8 +328,9 @@ class ISRTF(PriorityPolicy):
     def schedule(self, view: InstanceView) -> Decision:
         """Predict what is due in one batch; re-rank everything at a window boundary, else fill free slots."""
         self.predict(self.predictions_due(view.running))
-        if self.guard_credit > 0:
-            self._credit_rate = self.guard_credit * self._decode_rate(view)
+        self._profile, self._batch = view.profile, view.max_batch
+        if self.guard_credit > 0:  # seconds of service per second: a cost-free profile sets no pace
+            self._credit_rate = self.guard_credit if view.profile.decode_step(view.max_batch, 0) > 0 else 0.0
         self._queue_pending(view.now)
         # The instance attribute shadows the class default for this decision only: the base class
         # re-ranks running requests against the queue when preemptive, else only fills free slots.
@@ -322,14 +343,6 @@ class ISRTF(PriorityPolicy):
         decision.recheck_after_tokens = self.recheck_tokens()
         decision.preempt_mode = self.preempt_mode
         return decision
-
-    @staticmethod
-    def _decode_rate(view: InstanceView) -> float:
-        """Tokens/s the instance decodes with a full batch at the running requests' mean context."""
-        running = view.running
-        context = sum(r.prompt_tokens + r.generated for r in running) / len(running) if running else 0.0
-        step = view.profile.decode_step(view.max_batch, int(context * view.max_batch))
-        return view.max_batch / step if step > 0 else 0.0  # a cost-free profile sets no pace: no credit
 
     def _queue_pending(self, now: float) -> None:
         """Move the requests predicted since the last decision into the priority queue; start the
