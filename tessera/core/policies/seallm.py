@@ -282,6 +282,28 @@ class DoublingBudget(Policy):
         taken.sort(key=lambda e: e[:4])
         return [e[-1] for e in taken if e[-1] is not skip][:k]
 
+    def _fill(self, view: InstanceView, seed: Request, block: int) -> list[Request]:
+        """The rest of the seed's batch: its service's requests in O order up to ``max_batch``, where a
+        request without KV joins only into the free KV left by the admissions before it, and the
+        running requests of the service keep their places otherwise. Leaving a running request out
+        preempts it (recompute): a request whose budget ran out mid-prefill would lose its prompt's KV
+        to a fresh one, whose budget then runs out in turn (module docstring: no eviction for an
+        admission)."""
+        room = view.max_batch - 1
+        if room <= 0:
+            return []
+        run: list[Request] = []
+        taken = 0 if seed.kv_resident else kv_blocks(seed, block)
+        for r in self._smallest(seed.model, room, seed):
+            if r.kv_resident:
+                run.append(r)
+            elif fits_free_kv(view, r, block, taken):
+                run.append(r)
+                taken += kv_blocks(r, block)
+        chosen = {*run, seed}
+        kept = [r for r in view.running if r.model == seed.model and r not in chosen]
+        return run + kept[: max(0, room - len(run))]
+
     def __len__(self) -> int:
         return len(self._held)
 
@@ -335,21 +357,27 @@ class DoublingBudget(Policy):
             if holding:
                 own = [e for e in holding if e[-1].model == seed.model] or holding
                 seed = min(own, key=lambda e: e[:4])[-1]
-        run = [seed, *self._smallest(seed.model, view.max_batch - 1, seed)] if view.max_batch > 1 else [seed]
+        run = [seed, *self._fill(view, seed, block or view.profile.block_size)]
         self._set_running(set(run))
         # Re-decide when the first running budget runs out, so demotion happens exactly at exhaustion.
         soonest = min(self._held[r].left for r in run)
         return Decision(run=run, recheck_at=now + soonest, load_model=_switch(view, seed.model))
 
 
-def fits_free_kv(view: InstanceView, req: Request, block: int) -> bool:
+def kv_blocks(req: Request, block: int) -> int:
+    """KV blocks of ``block`` tokens that ``req``'s prompt and progress take when admitted."""
+    return (req.prompt_tokens + req.generated) // block + 1
+
+
+def fits_free_kv(view: InstanceView, req: Request, block: int, taken: int = 0) -> bool:
     """Whether ``req``'s prompt and progress, in blocks of ``block`` tokens of its model, fit the free
-    KV now, keeping the admission watermark free, as the engine counts them (on a shared-KV instance
-    a block holds the same bytes for every model)."""
+    KV now, less ``taken`` blocks promised to admissions before it, keeping the admission watermark
+    free, as the engine counts them (on a shared-KV instance a block holds the same bytes for every
+    model)."""
     active = view.profile.block_size
     capacity = view.kv_capacity_tokens // active
-    need = (req.prompt_tokens + req.generated) // block + 1
-    return capacity - view.kv_used_tokens // active - need >= int(PREFILL_WATERMARK * capacity)
+    free = capacity - view.kv_used_tokens // active - taken
+    return free - kv_blocks(req, block) >= int(PREFILL_WATERMARK * capacity)
 
 
 def _switch(view: InstanceView, model: str) -> str | None:
