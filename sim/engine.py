@@ -27,6 +27,10 @@ Model: docs/papers.md, "Engine: iteration semantics" and "Engine: step-time mode
   ``swap`` (KV over the host link, bounded swap space; falls back to recompute),
   ``keep`` (paused with KV kept). When KV runs out the engine preempts the
   running request that came last in the policy's latest ``run`` and asks again.
+  Paused KV is dropped (recompute, latest paused first) when the running requests' next steps
+  need it, or for an admission that needs its blocks and is otherwise admissible (batch and token
+  budget checked first), only as many as that admission needs; with ``shared_kv`` never for an
+  admission.
 - Models: ``profiles`` maps each model the instance can serve to its step
   profile. One model is active; loading a model that is not resident costs
   ``weights_bytes / host_link`` (a model swap) and evicts the least recently
@@ -335,25 +339,40 @@ class SimInstance:
                 self._start(req, now, prefill=0)
                 continue
             need = blocks_for(context, block)
-            while cap - self.used_blocks - need < reserve and self.paused_kv and not self.config.shared_kv:
-                self._preempt(self.paused_kv[-1], "recompute", now, engine=True)  # paused KV gives way
-            if cap - self.used_blocks - need < reserve:
-                break
+            cached = 0 if req.swapped else self._cached_prefix(req)
+            prefill = context - cached
+            if (
+                not req.swapped
+                and budget is not None
+                and prefill_tokens > 0
+                and prefill_tokens + prefill > budget
+            ):
+                break  # checked before any paused KV gives way: it gives way only to an admission
+            short = need + reserve - (cap - self.used_blocks)  # blocks missing for this admission
+            if short > 0:
+                if self.config.shared_kv or short > self._paused_blocks():
+                    break
+                while cap - self.used_blocks - need < reserve:  # paused KV gives way, latest first
+                    self._preempt(self.paused_kv[-1], "recompute", now, engine=True)
+            self.used_blocks += need
             if req.swapped:
-                self.used_blocks += need
                 self._overhead += self.profile.kv_swap_time(context)
                 self.swap_used_tokens -= context
                 req.swapped = False
                 self._start(req, now, prefill=0)
                 continue
-            prefill = context - self._cached_prefix(req)
-            if budget is not None and prefill_tokens > 0 and prefill_tokens + prefill > budget:
-                break
+            self._use_prefix(req, cached)
             prefill_tokens += prefill
-            self.used_blocks += need
             self.prefill_tokens_computed += prefill
             self._start(req, now, prefill=prefill)
         return False
+
+    def _paused_blocks(self) -> int:
+        """KV blocks the requests paused with their KV hold (what giving way could free)."""
+        return sum(
+            blocks_for(r.prompt_tokens + r.generated, self.profiles[r.model].block_size)
+            for r in self.paused_kv
+        )
 
     def held_prefix_blocks(self, block_ids: Sequence[object]) -> int:
         """How many of ``block_ids``' leading blocks the prefix cache holds now (not touched as used:
@@ -361,20 +380,25 @@ class SimInstance:
         return leading_run(block_ids, self.prefix_cache)
 
     def _cached_prefix(self, req: Request) -> int:
-        """Prompt tokens of ``req`` held in the prefix cache: its longest run of leading blocks there
-        (touched as used), never the whole prompt (the last token is always computed, as in vLLM)."""
+        """Prompt tokens of ``req`` held in the prefix cache: its longest run of leading blocks there,
+        never the whole prompt (the last token is always computed, as in vLLM). Only looks: an
+        admission that is then refused must not touch the cache (``_use_prefix`` does, on admission)."""
         if not self.config.prefix_caching or not req.prefix_blocks:
             return 0
-        hits = 0
+        hits = leading_run(req.prefix_blocks, self.prefix_cache)
+        return max(0, min(hits * req.prefix_block_tokens, req.prompt_tokens - 1))
+
+    def _use_prefix(self, req: Request, cached: int) -> None:
+        """``req`` is admitted with ``cached`` prompt tokens from the prefix cache: its cached leading
+        blocks are touched as used and the hit is counted."""
+        if not self.config.prefix_caching or not req.prefix_blocks:
+            return
         for block_id in req.prefix_blocks:
             if block_id not in self.prefix_cache:
                 break
             self.prefix_cache.move_to_end(block_id)
-            hits += 1
-        cached = min(hits * req.prefix_block_tokens, req.prompt_tokens - 1)
-        req.cached_prompt_tokens = max(0, cached)
-        self.prefix_hit_tokens += req.cached_prompt_tokens
-        return req.cached_prompt_tokens
+        req.cached_prompt_tokens = cached
+        self.prefix_hit_tokens += cached
 
     def _cache_prefix(self, req: Request) -> None:
         """Keep the full prompt blocks of a prefilled request, evicting least recently used ones past

@@ -232,3 +232,45 @@ def test_work_left_on_instances_that_take_no_step_is_a_stall_not_an_endless_run(
     reqs = [Request("r", 0.0, 10, 5, true_output_tokens=3)]
     with pytest.raises(SimulationStalled, match=r"instances that take no step: i0 \(1\)"):
         Cluster(cfg, Idle, controller=Ticks()).run(reqs)
+
+
+class Scripted(FCFS):
+    """FCFS's queue with a scripted ``run`` per decision (preempting with ``keep``)."""
+
+    name = "scripted"
+
+    def __init__(self, runs: list[list[Request]]) -> None:
+        super().__init__()
+        self.runs = runs
+
+    def schedule(self, view: InstanceView) -> Decision:
+        return Decision(run=self.runs.pop(0), preempt_mode="keep")
+
+
+@pytest.mark.parametrize(
+    ("d_prompt", "budget", "d_admitted"),
+    [
+        (50, 64, False),  # D's KV fits once B's is dropped, but C + D exceed the token budget
+        (100, 8192, False),  # D's KV does not fit even with B's dropped
+        (50, 8192, True),  # D is admitted in B's blocks: B gives way
+    ],
+)
+def test_paused_kv_gives_way_only_to_an_admission_that_happens(d_prompt, budget, d_admitted):
+    """A request paused with its KV (B) loses it only when the admission that needs its blocks (D)
+    then happens. Before, B's KV was dropped as soon as D's blocks did not fit, and D was then refused
+    by the token budget (or still did not fit): B re-prefilled for nothing."""
+    small = StepProfile("s", 0.01, 0.001, 0.0001, 0.1, 0.001, kv_capacity_tokens=160, block_size=16)
+    a, b, c = (Request(x, 0.0, p, 100, true_output_tokens=50) for x, p in (("a", 30), ("b", 30), ("c", 40)))
+    d = Request("d", 0.0, d_prompt, 100, true_output_tokens=50)
+    policy = Scripted([[a, b], [a, c, d]])
+    inst = SimInstance("i0", {"default": small}, policy, EngineConfig(watermark=0.0, token_budget=budget))
+    for r in (a, b, c, d):
+        inst.add(r, 0.0)
+    inst.advance()  # decides at 0: a and b prefill (2 blocks each of 10)
+    assert inst.running == [a, b] and inst.used_blocks == 4
+    inst.advance()  # prefill done; b paused with its KV, c admitted (3 blocks), then d
+    assert c in inst.running
+    assert (d in inst.running) is d_admitted
+    assert b.kv_resident is not d_admitted and (b in inst.paused_kv) is not d_admitted
+    held = sum(blocks_for(r.prompt_tokens + r.generated, 16) for r in inst.running + inst.paused_kv)
+    assert inst.used_blocks == held <= inst.capacity_blocks
