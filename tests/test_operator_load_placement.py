@@ -605,8 +605,9 @@ def test_a_load_shift_brings_the_boundary_forward_once_the_plan_is_min_seconds_o
     pool = kube.objects[("servingpools", POOL)]["status"]
     assert moved_at < 100 + 100  # before the interval's own boundary
     assert pool["lastPlacementTime"] == st.rfc3339(t0 + moved_at)
-    assert pool["measured"]["windowSeconds"] == 50
-    # The re-plan is made for the shifted loads (the watch's own measurement).
+    # Planned as at a boundary, on the interval in effect (90 s from the boundary at +100), not on the
+    # watch's 50 s; the loads are that window's (the fake's rates hold for every window).
+    assert pool["measured"]["windowSeconds"] == 90 and metrics.windows[calls:][-2:] == [50, 90]
     load_a = kube.objects[("llmservices", "a")]["status"]["load"]
     assert load_a["requestsPerSecond"] == 8.0 and load_a["sources"]["requestsPerSecond"] == "measured"
     assert kube.objects[("llmservices", "b")]["status"]["load"]["requestsPerSecond"] == 0.5

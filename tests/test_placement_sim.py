@@ -233,7 +233,7 @@ def test_estimators_judge_a_class_with_a_ttft_bound_as_the_workers_do():
 
 def test_the_simulated_estimate_serves_the_backlog_before_the_history():
     """A plan judged on its history alone looks healthy; the requests outstanding at the boundary come
-    first and delay the history's, so the same plan estimates worse with a backlog."""
+    first and delay the history's, so the same plan estimates worse with a large backlog."""
     from dataclasses import replace
 
     from tessera.control.placement import Group, simulate_performance
@@ -243,6 +243,9 @@ def test_the_simulated_estimate_serves_the_backlog_before_the_history():
     assert simulate_performance(POOL, [light], one).slo_attainment == 1.0
     behind = simulate_performance(POOL, [replace(light, backlog=2000)], one)
     assert behind.slo_attainment < 0.5
+    # Only the arrivals are scored (as M_real counts them): 100 outstanding requests, all at time 0,
+    # delay them little; scored too, they halved the estimate (0.495) on their own waits.
+    assert simulate_performance(POOL, [replace(light, backlog=100)], one).slo_attainment >= 0.95
 
 
 def test_bench_scenario_small_run_counts_every_request_and_replans():
@@ -288,8 +291,11 @@ def test_bench_runs_with_different_initial_intervals_replay_the_same_requests():
 def test_bench_replanner_runs_the_operators_load_shift_watch():
     """bench seallm's timeline re-places between boundaries as the operator does by default
     (``loadShiftThreshold`` 0.5): service a jumps from 1 to 8 req/s at 120 s, and the watch (every
-    I_min / 2, once the plan is I_min old) re-places at 150 s, long before the 300 s boundary, giving a
-    the spare GPU. A steady load, or the watch off (0: the paper's timeline), re-places nothing."""
+    I_min / 2, once the plan is I_min old) re-places at 150 s, long before the 300 s boundary. Each
+    re-placement plans on the last interval, as a boundary does (not on the minute that showed the
+    shift, which at a burst's peak over-reacts): at 150 s a's 2.4 req/s over [0, 150] keeps 2 + 2, the
+    shift holds, and at 210 s (4 req/s over [0, 210]) a gets the spare GPU. A steady load, or the
+    watch off (0: the paper's timeline), re-places nothing."""
     from dataclasses import replace
 
     from tessera.bench.scenarios.seallm import serve_adaptive
@@ -297,8 +303,8 @@ def test_bench_replanner_runs_the_operators_load_shift_watch():
 
     pool = PoolInput("p", "A800", 80 * GIB, 4)
     a, b = (replace(_hist_service(n, [-60.0 + i for i in range(60)]), request_rate=1.0) for n in "ab")
-    steady = [HistoryRequest(float(t), 100, 50) for t in range(200)]
-    burst = steady[:120] + [HistoryRequest(120 + i / 8, 100, 50) for i in range(8 * 80)]
+    steady = [HistoryRequest(float(t), 100, 50) for t in range(280)]
+    burst = steady[:120] + [HistoryRequest(120 + i / 8, 100, 50) for i in range(8 * 160)]
     stats = {s.name: stats_of(s, []) for s in (a, b)}
     settings = IntervalSettings(initial_s=300.0, min_s=60.0, max_s=1800.0)
 
@@ -306,10 +312,11 @@ def test_bench_replanner_runs_the_operators_load_shift_watch():
         window = {"a": window_a, "b": steady}
         *_, first, rp = serve_adaptive(pool, [a, b], window, stats, settings, shift_threshold=threshold)
         assert {g.services: g.replicas.total for g in first.groups} == {("a",): 2, ("b",): 2}
-        return [(e["boundary_s"], e["trigger"]) for e in rp.log], {
+        return [(e["boundary_s"], e["trigger"], e["instances_started"]) for e in rp.log], {
             g.services: g.replicas.total for g in rp.plan.groups
         }
 
-    assert replan(burst, 0.5) == ([(150.0, "load-shift")], {("a",): 3, ("b",): 1})
+    shifts = [(150.0, "load-shift", 0), (210.0, "load-shift", 1), (270.0, "load-shift", 0)]
+    assert replan(burst, 0.5) == (shifts, {("a",): 3, ("b",): 1})
     assert replan(steady, 0.5)[0] == []
     assert replan(burst, 0.0)[0] == []

@@ -19,7 +19,8 @@ planner's estimator simulates them: ``tessera.control.placement_sim``):
   least churn (unchanged groups keep serving; changed groups stall for the weight load; their requests
   migrate and recompute their KV); between boundaries the operator's load-shift watch (its default
   ``loadShiftThreshold``, 0.5: a service whose arrivals over the last I_min depart from its plan's rate
-  re-places on that window at once); DB scheduling; unified KV cache; temporal sharing;
+  brings the boundary forward, planned on the last interval as at any boundary); DB scheduling; unified
+  KV cache; temporal sharing;
 - ``seallm:fixed``: the initial placement kept for the whole window (the paper's SeaLLM-A ablation);
 - ``dedicated``: SeaLLM's vLLM baseline: GPUs split evenly, one instance per service with TP
   equal to its share (never below tp_min), vLLM continuous batching (prefill first, FCFS: core ``FCFS``);
@@ -334,7 +335,7 @@ class Replanner(ClusterController):
     Between boundaries it runs the operator's load-shift watch (``loadShiftThreshold``, our extension
     of §4.3; the operator's ``Controller._load_shift``): every ``min_s / 2``, once the plan is ``min_s``
     old, each service's arrivals over the last ``min_s`` are compared with the rate its plan was made for
-    (``shifted_loads``); a shift is a boundary now, planned on that window (M_real and Eq. 8 as at any
+    (``shifted_loads``); a shift is a boundary now, planned on the last I_t (M_real and Eq. 8 as at any
     boundary). ``shift_threshold`` 0 turns it off (boundaries only from the interval, the paper's
     timeline)."""
 
@@ -388,8 +389,9 @@ class Replanner(ClusterController):
             return []
         end = bisect.bisect_left(self.arrivals, now)
         batch = self.requests[self.first : end]
-        # A shift plans on the watch's window (as the operator does), a boundary on its whole interval.
-        since = now - self.settings.min_s if shift else self.start
+        # A shift plans on the last interval's length (as the operator does: its windows count only the
+        # time with samples, so none reaches back before the first arrival), a boundary on its interval.
+        since = max(0.0, now - self.interval) if shift else self.start
         window = self.requests[bisect.bisect_left(self.arrivals, since) : end]
         measured = interval_metrics(outcomes(self.services, self.stats, batch, now))
         plan = self.plan
