@@ -467,11 +467,12 @@ def plan_seallm(
                 prev = score(prev_groups)
             except ValueError:
                 return plan  # the previous plan cannot serve the new history at all
-            if est.norm_latency > LN_BOUND * prev.norm_latency:
-                return to_plan("seallm", prev_groups, prev, ("kept previous plan: new one's L_N too high",))
-            better = est.slo_attainment > prev.slo_attainment + keep_margin or (
-                est.slo_attainment >= prev.slo_attainment - 1e-12
-                and est.norm_latency < 0.98 * prev.norm_latency
+            better = est.norm_latency <= LN_BOUND * prev.norm_latency and (
+                est.slo_attainment > prev.slo_attainment + keep_margin
+                or (
+                    est.slo_attainment >= prev.slo_attainment - 1e-12
+                    and est.norm_latency < 0.98 * prev.norm_latency
+                )
             )
             if not better:
                 return to_plan("seallm", prev_groups, prev, ("kept previous plan: new one not better",))
@@ -523,7 +524,7 @@ def simulate_performance(
         for s in services
         for h in s.history
     ]
-    if len(reqs) == len(backlog):
+    if not any(s.history for s in services):
         return estimate(pool, services, groups)
     plan = to_plan("seallm", groups, None)
     served, _ = serve(pool, services, plan, reqs, stats=stats, horizon=2 * (t1 - t0) + 60.0)

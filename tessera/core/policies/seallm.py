@@ -34,7 +34,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from tessera.core.policy import Decision, InstanceView, Policy
+from tessera.core.policy import Decision, InstanceView, Policy, kv_blocks
 from tessera.core.registry import PolicySettings
 from tessera.core.request import Phase, Request
 
@@ -293,13 +293,13 @@ class DoublingBudget(Policy):
         if room <= 0:
             return []
         run: list[Request] = []
-        taken = 0 if seed.kv_resident else kv_blocks(seed, block)
+        taken = 0 if seed.kv_resident else kv_blocks(seed.prompt_tokens + seed.generated, block)
         for r in self._smallest(seed.model, room, seed):
             if r.kv_resident:
                 run.append(r)
             elif fits_free_kv(view, r, block, taken):
                 run.append(r)
-                taken += kv_blocks(r, block)
+                taken += kv_blocks(r.prompt_tokens + r.generated, block)
         chosen = {*run, seed}
         kept = [r for r in view.running if r.model == seed.model and r not in chosen]
         return run + kept[: max(0, room - len(run))]
@@ -364,11 +364,6 @@ class DoublingBudget(Policy):
         return Decision(run=run, recheck_at=now + soonest, load_model=_switch(view, seed.model))
 
 
-def kv_blocks(req: Request, block: int) -> int:
-    """KV blocks of ``block`` tokens that ``req``'s prompt and progress take when admitted."""
-    return (req.prompt_tokens + req.generated) // block + 1
-
-
 def fits_free_kv(view: InstanceView, req: Request, block: int, taken: int = 0) -> bool:
     """Whether ``req``'s prompt and progress, in blocks of ``block`` tokens of its model, fit the free
     KV now, less ``taken`` blocks promised to admissions before it, keeping the admission watermark
@@ -377,7 +372,7 @@ def fits_free_kv(view: InstanceView, req: Request, block: int, taken: int = 0) -
     active = view.profile.block_size
     capacity = view.kv_capacity_tokens // active
     free = capacity - view.kv_used_tokens // active - taken
-    return free - kv_blocks(req, block) >= int(PREFILL_WATERMARK * capacity)
+    return free - kv_blocks(req.prompt_tokens + req.generated, block) >= int(PREFILL_WATERMARK * capacity)
 
 
 def _switch(view: InstanceView, model: str) -> str | None:
