@@ -90,16 +90,66 @@ PROFILE = StepProfile("t", 0.01, 0.0, 0.0, 0.02, 0.001, kv_capacity_tokens=10_00
 def test_theta_and_group_costs_hand_computed() -> None:
     stats = TokenStats(mu_in=100, mu_out=100, var_out=400)  # sigma 20
     rates = EngineRates(PROFILE, max_batch=64, eps=1.25)
-    # B = min(64, 10000 / 200) = 50; d = 0.01 s (flat profile); Theta = 50 / (0.01 * 1.25) = 4000 tok/s.
+    # B = min(64, 10000 / 200) = 50; d = 0.01 s (flat profile). A request: its prefill 0.02 + 0.001 * 100
+    # (which gives its first token), then 99 decode shares of 0.01 / 50; T = 1.25 * 0.1398 s.
     assert rates.batch_for(stats) == pytest.approx(50)
-    assert rates.theta(stats) == pytest.approx(4000)
-    c = group_costs(n=16, stats=stats, rates=rates, z=2.0, max_tokens=300, context_len=4096)
-    assert c.drain == pytest.approx((16 * 100 + 2 * 20 * 4) / 4000)  # (n mu + z sigma sqrt n) / Theta
-    assert c.last_wait == pytest.approx((15 * 100 + 2 * 20 * math.sqrt(15)) / 4000)
+    t_req = 1.25 * (0.12 + 99 * 0.01 / 50)
+    assert rates.request_time(stats) == pytest.approx(t_req)
+    assert rates.theta(stats) == pytest.approx(100 / t_req)  # 572 tok/s, not Eq. 15's 4000
+    token = 1.25 * 0.01 / 50  # eps d / B: the spread's per-token time
+    c = group_costs([100] * 16, stats=stats, rates=rates, z=2.0, max_tokens=300, context_len=4096)
+    assert c.drain == pytest.approx(16 * t_req + 2 * 20 * 4 * token)  # n T + z sigma sqrt(n) eps d / B
+    assert c.last_wait == pytest.approx(15 * t_req + 2 * 20 * math.sqrt(15) * token)
     assert c.prefill == pytest.approx(0.02 + 0.001 * 100)
     assert c.completion == pytest.approx(c.last_wait + c.prefill + 300 * 1.25 * 0.01)  # O_max eps d
-    capped = group_costs(16, stats, rates, 2.0, max_tokens=10_000, context_len=1000)
+    capped = group_costs([100] * 16, stats, rates, 2.0, max_tokens=10_000, context_len=1000)
     assert capped.completion == pytest.approx(c.last_wait + c.prefill + 900 * 1.25 * 0.01)  # ctx - mu_I
+
+
+def test_group_costs_count_each_waiting_members_own_prompt() -> None:
+    stats = TokenStats(mu_in=100, mu_out=100, var_out=0)
+    rates = EngineRates(PROFILE, max_batch=64)
+    long_last = group_costs([100, 100, 2100], stats, rates, 0.0, max_tokens=100, context_len=4096)
+    long_first = group_costs([2100, 100, 100], stats, rates, 0.0, max_tokens=100, context_len=4096)
+    # The same members drain in the same time; the 2000 extra prompt tokens (2 s of prefill at
+    # 0.001 s a token) delay the last member only when they are ahead of it, and the last
+    # member's own prefill is its P.
+    assert long_first.drain == pytest.approx(long_last.drain)
+    assert long_first.last_wait == pytest.approx(long_last.last_wait + 2.0)
+    assert long_last.prefill == pytest.approx(0.02 + 0.001 * 2100)
+    assert long_first.prefill == pytest.approx(0.02 + 0.001 * 100)
+
+
+def test_estimated_waits_of_a_prompt_heavy_burst_match_the_simulator() -> None:
+    # Long prompts and short answers (Azure's code trace: 2k-token prompts, 27-token answers):
+    # the prefills stall the batch and take most of the instance's time. The wait of every queued
+    # request is checked against when the simulator really starts it; a decode-only Theta (the
+    # paper's Eq. 15) put the last request's wait below a tenth of the real one.
+    rng = np.random.default_rng(3)
+    prompts = rng.choice([300, 6000], size=160).tolist()
+    outputs = rng.integers(10, 50, size=160).tolist()
+    reqs = build_requests(np.zeros(160), prompts, outputs, rng, Mix(classes=((BATCH, 1.0),)), prefix="b")
+    seeds = {("default", "batch"): (float(np.mean(prompts)), float(np.mean(outputs)), float(np.std(outputs)))}
+    snaps: list[tuple[float, dict[int, float]]] = []
+
+    class Probe(QLMPolicy):
+        def schedule(self, view: InstanceView) -> Decision:
+            if not snaps and view.now >= 5.0:
+                snaps.append((view.now, self.estimated_waits(view.now)))
+            return super().schedule(view)
+
+    done, _ = run_one(
+        reqs,
+        lambda: Probe(reorder=False, token_seeds=seeds, eps_window_s=math.inf),
+        _cluster(max_batch=16),
+    )
+    t, estimates = snaps[0]
+    actual = {id(r): r.first_scheduled_at - t for r in done}
+    assert len(estimates) > 100
+    waits = np.array([actual[rid] for rid in estimates])
+    est = np.array(list(estimates.values()))
+    assert est.sum() / waits.sum() == pytest.approx(1.0, abs=0.05)
+    assert np.abs(est - waits).max() < 0.05 * waits.max()
 
 
 def test_decode_time_uses_the_length_biased_context_of_running_requests() -> None:
@@ -112,12 +162,20 @@ def test_decode_time_uses_the_length_biased_context_of_running_requests() -> Non
 
 def test_eps_meter_counts_only_saturated_time() -> None:
     meter = EpsMeter(window_s=math.inf)
-    meter.observe(0.0, 0, batch=10, decode_step_s=0.01, saturated=True)
+    meter.observe(0.0, 0, 0.0, batch=10, decode_step_s=0.01, saturated=True)
     # 10 s saturated at batch 10, d = 0.01 s: 10 000 tokens at full speed; 5 000 seen -> eps = 2.
-    meter.observe(10.0, 5_000, batch=10, decode_step_s=0.01, saturated=False)
-    meter.observe(20.0, 123, batch=10, decode_step_s=0.01, saturated=True)  # idle interval: ignored
+    meter.observe(10.0, 5_000, 0.0, batch=10, decode_step_s=0.01, saturated=False)
+    meter.observe(20.0, 123, 1.0, batch=10, decode_step_s=0.01, saturated=True)  # idle interval: ignored
     assert meter.flush() == pytest.approx(2.0)
     assert meter.flush() is None  # the window was consumed
+
+
+def test_eps_meter_counts_prefills_as_modelled_work() -> None:
+    meter = EpsMeter(window_s=math.inf)
+    meter.observe(0.0, 0, 0.0, batch=10, decode_step_s=0.01, saturated=True)
+    # 5 000 tokens are 5 s of modelled decode, the prefills 3 s more: 10 s observed -> eps = 1.25.
+    meter.observe(10.0, 5_000, 3.0, batch=10, decode_step_s=0.01, saturated=True)
+    assert meter.flush() == pytest.approx(1.25)
 
 
 def test_token_stats_ewma_moves_towards_observations() -> None:
@@ -201,7 +259,7 @@ def test_a_group_capped_below_its_keys_answers_still_gets_a_plan() -> None:
     # member, the completion the cap, so C < W. The swap behind such a group waits for no negative
     # time, and the MILP's warm start (which PuLP checks against the lower bound 0) does not fail.
     rates = EngineRates(load_profile("a100-llama3-8b"), max_batch=64)
-    costs = group_costs(8, TokenStats(mu_in=200, mu_out=800, var_out=100.0), rates, 0.0, 4, 4096)
+    costs = group_costs([200] * 8, TokenStats(mu_in=200, mu_out=800, var_out=100.0), rates, 0.0, 4, 4096)
     assert costs.completion < costs.drain
     queues = [QueueSpec("q", "m0", 0.0, 8.0)]
     groups = [GroupSpec(i, f"m{i % 2}", 500.0, {"q": costs}) for i in range(4)]

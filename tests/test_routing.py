@@ -43,8 +43,8 @@ def test_wait_is_zero_with_a_free_batch_slot_and_qlm_rwt_beyond() -> None:
     stats = seed_stats()
     assert estimated_wait(load("a", batch=4, outstanding=3), stats) == 0.0
     busy = load("a", batch=4, outstanding=6)  # 3 requests must leave the batch first
-    theta = EngineRates(PROFILE, 4).theta(stats)
-    assert estimated_wait(busy, stats, z=1.0) == pytest.approx(request_wait([(3, stats, theta)], 1.0))
+    rates = EngineRates(PROFILE, 4)
+    assert estimated_wait(busy, stats, z=1.0) == pytest.approx(request_wait([(3, stats, rates)], 1.0))
     assert estimated_wait(load("a", batch=4, outstanding=9), stats) > estimated_wait(busy, stats)
 
 

@@ -145,7 +145,7 @@ def estimated_wait(load: InstanceLoad, stats: TokenStats, z: float = DEFAULT_Z) 
     if load.profile is None:
         raise ValueError(f"instance {load.instance} has no step profile: the wait cannot be estimated")
     rates = EngineRates(load.profile, max(1, load.batch_size))
-    return request_wait([(ahead, stats, rates.theta(stats))], z)
+    return request_wait([(ahead, stats, rates)], z)
 
 
 # ---- plugins ----------------------------------------------------------------------------------------

@@ -5,20 +5,47 @@ Inputs and where they come from:
 - per instance (engine profile, refreshed online): prefill time ``P``, decode time per
   iteration ``d`` at the batch the group's token mix allows, the KV token capacity
   ``GPU``, the batch limit ``Bmax``, and the inefficiency factor ``eps``: seeded by
-  offline hardware profiling and refreshed from observed history as
-  ``eps = B_mean / (Theta_measured * d)`` (from Eq. 15);
+  offline hardware profiling and refreshed from observed history as the observed time
+  over the modelled time of the work done (Eq. 15's ``B_mean / (Theta_measured * d)`` plus the
+  prefills; ``EpsMeter``);
 - per group key (workload profile, refreshed online): mean input tokens and the
   mean and variance of output tokens, EWMA over completed requests, seeded offline.
 
 Equations used (docs/papers.md, "QLM: waiting-time estimator"):
 
-- ``Theta_{g,i} = B_i / (d(B_i) * eps)`` with ``B_i = min(Bmax, GPU / (mu_I + mu_O))`` (Eq. 15, 16);
-- group drain ``W = (n mu_O + z sigma_O sqrt(n)) / Theta`` (Eq. 2, 3 with a quantile);
-- wait of the group's last member ``W_last = ((n-1) mu_O + z sigma_O sqrt(n-1)) / Theta``;
-- group completion ``C = W_last + P + O_max eps d`` (Eq. 1, 4, 5), ``O_max = min(max_tokens, ctx - mu_I)``.
+- ``B_i = min(Bmax, GPU / (mu_I + mu_O))`` (Eq. 16) and the decode iteration time ``d`` at that batch;
+- a request's instance time ``T(I) = eps (service(I, mu_O, B) + c2 sigma_O^2 / 2)`` (prefill-aware
+  throughput, below), and ``Theta_{g,i} = mu_O / T(mu_I)``, which is Eq. 15's ``B / (d eps)`` when the
+  prefill costs nothing (up to the first token, which the prefill gives);
+- group drain ``W = sum_j T(I_j) + z sigma_O sqrt(n) eps d / B`` over its ``n`` waiting members (Eq. 2, 3
+  with a quantile: the spread comes from the unknown output lengths, each token at the paper's
+  ``eps d / B``);
+- wait of the group's last member ``W_last``: the same sum over the members ahead of it;
+- group completion ``C = W_last + P + O_max eps d`` (Eq. 1, 4, 5), ``O_max = min(max_tokens, ctx - mu_I)``,
+  ``P`` the prefill of the last member's prompt.
 
 Paper correction: Eq. 15 prints ``Theta = B / (delta * eps)`` where delta is the
 decode time per token (the symbol clashes with the group multiplier); we write ``d``.
+
+Paper gap, and CHOICE (prefill-aware throughput): the paper's W counts output tokens over a decode
+throughput, ``B / (d eps)``, and charges ``P`` only to the request itself (Eq. 1), so the prefills of
+the requests ahead, which stall the whole batch while they run (prefill-only iterations), enter only
+through eps. That is small for chat prompts of a few hundred tokens and dominates for long prompts:
+in Azure's code trace (2k-token prompts, 27-token answers) a request's prefill is about 95% of its
+instance time, in Mooncake's (15k-token prompts, 150-token answers) about 85%. Eps then has to carry a
+cost that grows with the prompts, not with the output tokens it multiplies: profiled on those traces
+it came out at 22-36, moved with the prompt mix of the moment (Mooncake: 22 to 40 within one run), and
+the estimates were 1.2-4.4x the real waits. So a request's share of the instance is its prefill plus
+its share of each decode iteration, ``StepProfile.service_time`` (the simulator's own accounting), and
+eps is measured against that same model (``EpsMeter``). ``C`` keeps the paper's ``O_max eps d``: a
+group's last member decodes after the group has drained, behind a model swap with no prefills between
+its iterations.
+
+CHOICE (known prompts): a waiting request's prompt length is known from its arrival, so the drain
+sums the members' own ``T(I_j)``; ``mu_I`` is used only where the requests are not at hand (the
+router's estimate, ``B_i`` and ``O_max``). The prompts of a heavy-tailed trace vary by a factor
+of 100 between neighbours (Mooncake: median 11.6k tokens, a quarter under 300), which a mean cannot
+follow.
 
 ``d`` is the profile's step time at the batch's *time-averaged* context. A request
 with ``O`` output tokens sits in the batch for ``O`` iterations, so the batch holds
@@ -26,7 +53,9 @@ long requests more often than their share of arrivals (length-biased sampling): 
 mean number of tokens a running request has generated is the renewal mean age
 ``E[O^2] / (2 mu_O) = (mu_O^2 + sigma_O^2) / (2 mu_O)``, not ``mu_O / 2``. With
 ShareGPT's spread (CV ~ 0.9) that is ~0.9 mu_O. ``eps`` is measured against the real
-step time, so ``d`` must model the same context or Theta is off by their ratio.
+step time, so ``d`` must model the same context or Theta is off by their ratio. ``T`` has the
+same term per request: ``service`` at ``mu_O`` counts ``mu_O^2 / 2`` context tokens over its
+decode steps, where the mean over output lengths is ``E[O^2] / 2``, ``sigma_O^2 / 2`` more.
 
 All functions are pure: time comes in as an argument.
 """
@@ -128,33 +157,50 @@ class EngineRates:
         context = stats.mu_in + (stats.mu_out**2 + stats.var_out) / (2 * stats.mu_out)
         return self.profile.decode_step(round(batch), round(batch * context))
 
-    def prefill_time(self, stats: TokenStats) -> float:
-        """P: prefill time of a mean prompt."""
-        return self.profile.prefill(round(stats.mu_in))
+    def prefill_time(self, stats: TokenStats, prompt_tokens: int | None = None) -> float:
+        """P: prefill time of a prompt (default: a mean one)."""
+        return self.profile.prefill(round(stats.mu_in) if prompt_tokens is None else prompt_tokens)
+
+    def token_time(self, stats: TokenStats) -> float:
+        """Instance time one more output token costs in the batch: ``eps d / B`` (Eq. 15's 1 / Theta)."""
+        return self.eps * self.decode_time(stats) / self.batch_for(stats)
+
+    def request_time(self, stats: TokenStats, prompt_tokens: int | None = None) -> float:
+        """T: expected instance time of one request of this key with that prompt (default: a mean
+        one), its prefill and its share of ``mu_O`` decode iterations at the batch of Eq. 16, times
+        eps (module docstring: prefill-aware throughput, length-biased context)."""
+        prompt = round(stats.mu_in) if prompt_tokens is None else prompt_tokens
+        service = self.profile.service_time(prompt, stats.mu_out, round(self.batch_for(stats)))
+        return self.eps * (service + self.profile.decode_c2 * stats.var_out / 2)
 
     def theta(self, stats: TokenStats) -> float:
-        """Token generation throughput for this token mix (Eq. 15): B / (d * eps)."""
-        return self.batch_for(stats) / (self.decode_time(stats) * self.eps)
+        """Token throughput for this token mix, prefills included: ``mu_O / T(mu_I)`` (Eq. 15 when
+        the prefill costs nothing; module docstring)."""
+        return stats.mu_out / self.request_time(stats)
 
 
-def quantile_tokens(n: float, stats: TokenStats, z: float) -> float:
-    """Total output tokens of ``n`` requests at the z-quantile of their normal sum (Eq. 3, 19)."""
+def drain_time(n: int, prompt_tokens: int, stats: TokenStats, rates: EngineRates, z: float) -> float:
+    """Instance time of ``n`` waiting requests of one key holding ``prompt_tokens`` prompt tokens in
+    all, their outputs at the z-quantile of their normal sum (Eq. 2, 3, 19): ``sum T(I_j) + z sigma_O
+    sqrt(n) eps d / B``. T is affine in the prompt length, so the sum is ``n T(mean prompt)``."""
     if n <= 0:
         return 0.0
-    return n * stats.mu_out + z * stats.sigma_out * math.sqrt(n)
+    spread = z * stats.sigma_out * math.sqrt(n) * rates.token_time(stats)
+    return n * rates.request_time(stats, round(prompt_tokens / n)) + spread
 
 
 def group_costs(
-    n: int, stats: TokenStats, rates: EngineRates, z: float, max_tokens: int, context_len: int
+    prompts: Sequence[int], stats: TokenStats, rates: EngineRates, z: float, max_tokens: int, context_len: int
 ) -> GroupCosts:
-    """W, W_last, C and P of a group of ``n`` waiting requests on one instance."""
-    theta = rates.theta(stats)
+    """W, W_last, C and P of a group whose waiting members have these prompts (FCFS order) on one
+    instance."""
     d = rates.decode_time(stats)
-    prefill = rates.prefill_time(stats)
+    n, total = len(prompts), sum(prompts)
+    prefill = rates.prefill_time(stats, prompts[-1] if prompts else None)
     o_max = max(0.0, min(max_tokens, context_len - stats.mu_in))
-    last_wait = quantile_tokens(n - 1, stats, z) / theta
+    last_wait = drain_time(n - 1, total - prompts[-1], stats, rates, z) if prompts else 0.0
     return GroupCosts(
-        drain=quantile_tokens(n, stats, z) / theta,
+        drain=drain_time(n, total, stats, rates, z),
         last_wait=last_wait,
         completion=last_wait + prefill + o_max * rates.eps * d,
         prefill=prefill,
@@ -208,16 +254,23 @@ def first_violation(
     return None
 
 
-def request_wait(ahead: Sequence[tuple[float, TokenStats, float]], z: float) -> float:
-    """Request-level estimate: ``(sum mu_O + z sqrt(sum sigma_O^2))`` over requests ahead, each over
-    its own Theta. ``ahead`` holds ``(count, stats, theta)`` per group of requests ahead."""
-    mean = sum(n * s.mu_out / theta for n, s, theta in ahead)
-    var = sum(n * s.var_out / theta**2 for n, s, theta in ahead)
+def request_wait(ahead: Sequence[tuple[float, TokenStats, EngineRates]], z: float) -> float:
+    """Request-level estimate where the requests ahead are counted, not at hand (mean prompts):
+    ``sum n T(mu_I) + z sqrt(sum n sigma_O^2 (eps d / B)^2)``. ``ahead`` holds ``(count, stats,
+    rates)`` per group of requests ahead."""
+    mean = sum(n * rates.request_time(s) for n, s, rates in ahead)
+    var = sum(n * s.var_out * rates.token_time(s) ** 2 for n, s, rates in ahead)
     return mean + z * math.sqrt(var)
 
 
 class EpsMeter:
-    """Online measurement of the inefficiency factor (Eq. 15): ``eps = B_mean / (Theta_meas * d_mean)``.
+    """Online measurement of the inefficiency factor: the observed time over the modelled time of the
+    work done in it, ``eps = time / (tokens d_mean / B_mean + sum P)``. Without prefills that is Eq.
+    15's ``B_mean / (Theta_meas * d_mean)``; the prefills of the requests that entered the batch are
+    modelled as ``T`` models them (module docstring: prefill-aware throughput), so eps stays the
+    inefficiency beyond that model instead of absorbing the prefill time. A sample may fall below 1
+    where the engine prefills several prompts in one iteration (one fixed cost ``p0`` for all, where
+    ``T`` charges each prompt its own); eps stays >= 1, the paper's bound.
 
     Only saturated intervals count (waiting work exists), because an idle instance's
     low throughput says nothing about batching inefficiency. A window closes after
@@ -232,12 +285,19 @@ class EpsMeter:
         self._last_t: float | None = None
         self._last_state: tuple[int, float, bool] = (0, 0.0, False)
         self._time = self._batch_time = self._d_time = 0.0
-        self._tokens = 0.0
+        self._tokens = self._prefill_s = 0.0
 
     def observe(
-        self, now: float, tokens_since_last: float, batch: int, decode_step_s: float, saturated: bool
+        self,
+        now: float,
+        tokens_since_last: float,
+        prefill_s_since_last: float,
+        batch: int,
+        decode_step_s: float,
+        saturated: bool,
     ) -> float | None:
-        """Account the interval since the last call (with the state seen then); returns a new eps
+        """Account the interval since the last call (with the state seen then): the tokens generated
+        and the modelled prefill time of the requests that entered the batch in it. Returns a new eps
         sample when a window completes, else None."""
         sample = None
         if self._last_t is not None and now > self._last_t:
@@ -248,6 +308,7 @@ class EpsMeter:
                 self._batch_time += prev_batch * dt
                 self._d_time += prev_d * dt
                 self._tokens += tokens_since_last
+                self._prefill_s += prefill_s_since_last
                 if self._time >= self.window_s:
                     sample = self.flush()
         self._last_t = now
@@ -259,8 +320,7 @@ class EpsMeter:
         Offline profiling (QLM §6) reads one sample over a whole profiling run this way."""
         if self._time <= 0 or self._tokens <= 0:
             return None
-        b_mean = self._batch_time / self._time
-        d_mean = self._d_time / self._time
-        theta = self._tokens / self._time
-        self._time = self._batch_time = self._d_time = self._tokens = 0.0
-        return max(1.0, b_mean / (theta * d_mean))
+        modelled = self._tokens * self._d_time / self._batch_time + self._prefill_s
+        sample = self._time / modelled
+        self._time = self._batch_time = self._d_time = self._tokens = self._prefill_s = 0.0
+        return max(1.0, sample)

@@ -35,6 +35,7 @@ from tessera.core.policies.qlm.estimator import (
     GroupCosts,
     QueuedGroup,
     TokenStats,
+    drain_time,
     first_violation,
     group_costs,
     start_times,
@@ -272,7 +273,7 @@ class QLMPolicy(Policy):
         """W, W_last, C, P of ``group``'s waiting requests on this instance."""
         rates = self._rates()
         return group_costs(
-            group.n_pending,
+            [r.prompt_tokens for r in group.pending()],
             self.stats[group.key],
             rates,
             self.z if z is None else z,
@@ -328,9 +329,10 @@ class QLMPolicy(Policy):
         rates = self._rates()
         for (group, _), start in zip(pairs, starts, strict=True):
             stats = self.stats[group.key]
-            theta = rates.theta(stats)
+            ahead_prompts = 0
             for k, req in enumerate(group.pending()):
-                out[id(req)] = start + (k * stats.mu_out + z * stats.sigma_out * math.sqrt(k)) / theta
+                out[id(req)] = start + drain_time(k, ahead_prompts, stats, rates, z)
+                ahead_prompts += req.prompt_tokens
         return out
 
     def tail_start(self, model: str, now: float) -> float:
@@ -409,7 +411,10 @@ class QLMPolicy(Policy):
                 self._tokens_since += req.generated - self._gen_seen.get(rid, req.generated)
                 self._gen_seen[rid] = req.generated
                 self.grouper.of[rid].mark_waiting(req)
+        prefill_s = 0.0
         for rid, req in now_running.items():
+            if rid not in self._gen_seen:  # its first entry: the one prefill the estimator models
+                prefill_s += view.profile.prefill(req.prompt_tokens)
             self._tokens_since += req.generated - self._gen_seen.get(rid, req.generated)
             self._gen_seen[rid] = req.generated
             if rid not in self._running:
@@ -419,7 +424,7 @@ class QLMPolicy(Policy):
         batch = len(view.running)
         d_now = view.profile.decode_step(batch, sum(r.context_tokens for r in view.running)) if batch else 0.0
         sample = self.eps_meter.observe(
-            view.now, self._tokens_since, batch, d_now, self.vq.pending_requests() > 0
+            view.now, self._tokens_since, prefill_s, batch, d_now, self.vq.pending_requests() > 0
         )
         self._tokens_since = 0.0
         if sample is not None:
