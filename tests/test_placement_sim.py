@@ -262,6 +262,23 @@ def test_the_simulated_estimate_serves_the_backlog_before_the_history():
     assert simulate_performance(POOL, [replace(light, backlog=100)], one).slo_attainment >= 0.95
 
 
+def test_the_estimate_of_an_overloaded_service_keeps_its_queue_at_the_horizon():
+    """Under a backlog no candidate works off within the replay, every request of the service is
+    censored at the horizon: one group and four groups estimated the same L_N (248.6), and a plan
+    that gave the service a quarter of the GPUs looked as good. A request still queued there is
+    censored at its place in the queue, at the rate the plan finished the service's requests."""
+    from dataclasses import replace
+
+    from tessera.control.placement import Group, simulate_performance
+
+    hist = tuple(HistoryRequest(i / 5, 4000, 20) for i in range(300))
+    heavy = replace(svc("a"), mean_prompt_tokens=4000, mean_output_tokens=20, history=hist, backlog=2000)
+    one = simulate_performance(POOL, [heavy], [Group(0, 1, services=["a"])])
+    four = simulate_performance(POOL, [heavy], [Group(i, 1, services=["a"]) for i in range(4)])
+    assert one.slo_attainment == four.slo_attainment == 0.0
+    assert one.norm_latency > 3 * four.norm_latency
+
+
 def test_bench_scenario_small_run_counts_every_request_and_replans():
     from tessera.bench.scenarios import BenchConfig
     from tessera.bench.scenarios.seallm import run
