@@ -21,7 +21,7 @@ from tessera.core.policies.qlm.estimator import (
     group_costs,
     start_times,
 )
-from tessera.core.policies.qlm.groups import Grouper, VirtualQueue
+from tessera.core.policies.qlm.groups import Grouper, GroupKey, RequestGroup, VirtualQueue
 from tessera.core.policies.qlm.lso import ModelTiers, TierCosts, eviction_victims
 from tessera.core.policies.qlm.milp import (
     GroupSpec,
@@ -533,3 +533,44 @@ def test_milp_solved_ahead_of_the_decision_is_installed_and_meets_the_slo() -> N
     (policy,) = made
     assert policy.works >= 1
     assert policy.inner.counters["solves"] == policy.works  # every plan came from prepare's work
+
+
+def test_completion_deadline_groups_are_checked_to_their_last_members_completion() -> None:
+    # A batch class's deadline is on completion, an interactive one's on the first token; the group
+    # knows which, and its costs measure the span that SLO measures.
+    assert _group_of(BATCH).slo_at_completion and not _group_of(INTER).slo_at_completion
+    stats = TokenStats(mu_in=100, mu_out=100, var_out=0)
+    rates = EngineRates(PROFILE, max_batch=64)
+    batch = group_costs([100] * 4, stats, rates, 0.0, max_tokens=1000, context_len=4096, to_completion=True)
+    first = group_costs([100] * 4, stats, rates, 0.0, max_tokens=1000, context_len=4096)
+    assert first.slo_span == pytest.approx(first.last_wait + first.prefill)
+    # The last member's 1000 capped tokens at the iteration time of a full batch, prefills included:
+    # B = 10000 / 200 = 50 requests share T = 0.12 + 99 * 0.01 / 50 s per 100 tokens.
+    iteration = 50 * (0.12 + 99 * 0.01 / 50) / 100
+    assert rates.iteration_time(stats) == pytest.approx(iteration)
+    assert batch.slo_span == pytest.approx(first.slo_span + 1000 * iteration)
+    # Slack between the last member's first token and its completion: the first tokens are in time,
+    # the completion is not, so the check must flag the batch group and not the first-token one.
+    slack = (first.slo_span + batch.slo_span) / 2
+    assert first_violation([QueuedGroup("m", batch, slack)], "m", 0.0, 0.0, tail_aware=True) == 0
+    assert first_violation([QueuedGroup("m", first, slack)], "m", 0.0, 0.0, tail_aware=True) is None
+
+
+def test_milp_orders_by_completion_deadlines() -> None:
+    # Group 0 (batch) completes 30 s after its start, its first tokens 10 s after; its slack is 32.
+    # Shortest drain first (group 1, then group 0) would start it at 5: first tokens at 15, in time,
+    # completion at 35, late. Only group 0 first meets every SLO.
+    late_if_second = GroupCosts(10, 9, 30, 1, slo_decode=20)
+    short = GroupCosts(5, 4, 8, 1)
+    queues = [QueueSpec("q", "m")]
+    groups = [GroupSpec(0, "m", 32.0, {"q": late_if_second}), GroupSpec(1, "m", 100.0, {"q": short})]
+    assert evaluate({"q": [1, 0]}, groups, queues) == (pytest.approx(5.0), False)
+    plan = solve(groups, queues, SolverSettings(time_limit_s=10))
+    assert plan.order["q"] == [0, 1]
+    assert heuristic_plan(groups, queues).order["q"] == [0, 1]
+
+
+def _group_of(cls: ServiceClass) -> RequestGroup:
+    group = RequestGroup(0, GroupKey("m", cls.name), limit=4)
+    group.add(_req(0, cls=cls))
+    return group

@@ -40,10 +40,16 @@ class ServiceClass:
     ttft_target_s: float | None = None
     priority: int = 0
 
+    @property
+    def slo_at_completion(self) -> bool:
+        """Whether ``slo_deadline`` is a completion deadline (a batch class with ``deadline_s``)
+        rather than a first-token one."""
+        return self.kind == "batch" and self.deadline_s is not None
+
     def slo_deadline(self, arrival: float) -> float:
         """Absolute time by which the request's SLO wants it served (first token, or completion
         for batch classes); +inf when the class has no SLO."""
-        if self.kind == "batch" and self.deadline_s is not None:
+        if self.slo_at_completion:
             return arrival + self.deadline_s
         if self.ttft_slo_s is not None:
             return arrival + self.ttft_slo_s

@@ -41,6 +41,28 @@ eps is measured against that same model (``EpsMeter``). ``C`` keeps the paper's 
 group's last member decodes after the group has drained, behind a model swap with no prefills between
 its iterations.
 
+CHOICE (completion deadlines): a group's slack is its earliest member deadline, which for a batch
+class (``ServiceClass.slo_at_completion``) is a completion deadline, so the violation check and the
+MILP add to ``W_last + P`` (enough for a first-token SLO) the last member's decode: ``O_max``
+iterations of a saturated batch, ``B / Theta`` each (``EngineRates.iteration_time``), where ``C``
+charges ``eps d``. Both parts are chosen for a bound, not an expectation, and both were needed on
+Azure's code trace (600 s deadlines, answers of a few dozen tokens on average, some of hundreds):
+
+- the token cap ``O_max``, not the key's mean or a quantile of its output: a deadline binds each
+  member and the cap is the only bound on a member's own answer the scheduler knows. The members
+  that missed had 302-792 tokens, far in the key's tail; the mean plus 2.33 sigma (at ``B / Theta``)
+  left 8 of the 12 misses over seeds 0-4.
+- ``B / Theta``, not ``eps d``: the group behind the last member is usually of the same model, so
+  while it decodes its batch keeps taking in new members, whose prefills stall every iteration
+  (``C``'s ``eps d`` holds before a model swap, where the instance takes in nothing). Those members
+  decoded at 0.16-0.43 s a token; ``eps d`` charged at most 0.027, and their groups' checks passed.
+
+The price is a conservative check: a group is charged its largest cap for its last member, so
+``tessera bench qlm --set part=multi`` on the code trace solves more often, falls back to EDF and
+swaps models more (16-19 swaps instead of 4-6; throughput 2.9-3.0 instead of 4.1-4.5 req/s, p99 JCT
+870-913 s instead of 607-674 s, every deadline met instead of 1-4 missed a seed), and a client that
+leaves ``max_tokens`` at the context length makes its batch group look late early.
+
 CHOICE (known prompts): a waiting request's prompt length is known from its arrival, so the drain
 sums the members' own ``T(I_j)``; ``mu_I`` is used only where the requests are not at hand (the
 router's estimate, ``B_i`` and ``O_max``). The prompts of a heavy-tailed trace vary by a factor
@@ -115,11 +137,15 @@ class GroupCosts:
     last_wait: float  # W^last_{g,i}: intra-group wait of its last member
     completion: float  # C_{g,i}: W^last + P + O_max eps d
     prefill: float  # P_g
+    # Decode its SLO counts after the last member's first token: 0 for a first-token SLO, O_max
+    # saturated iterations for a completion deadline (module docstring: completion deadlines).
+    slo_decode: float = 0.0
 
     @property
-    def tail(self) -> float:
-        """Time from the group's start to its last member's first token (W^last + P)."""
-        return self.last_wait + self.prefill
+    def slo_span(self) -> float:
+        """Time from the group's start to the moment its SLO measures for its last member (its first
+        token, or its completion): what the violation check and the MILP compare with the slack."""
+        return self.last_wait + self.prefill + self.slo_decode
 
     @property
     def beyond_drain(self) -> float:
@@ -173,6 +199,11 @@ class EngineRates:
         service = self.profile.service_time(prompt, stats.mu_out, round(self.batch_for(stats)))
         return self.eps * (service + self.profile.decode_c2 * stats.var_out / 2)
 
+    def iteration_time(self, stats: TokenStats) -> float:
+        """Time of one iteration of a batch that stays full, prefills of the requests it takes in
+        included: ``B / Theta``, each of ``B`` running requests getting its share of Theta."""
+        return self.batch_for(stats) / self.theta(stats)
+
     def theta(self, stats: TokenStats) -> float:
         """Token throughput for this token mix, prefills included: ``mu_O / T(mu_I)`` (Eq. 15 when
         the prefill costs nothing; module docstring)."""
@@ -190,10 +221,17 @@ def drain_time(n: int, prompt_tokens: int, stats: TokenStats, rates: EngineRates
 
 
 def group_costs(
-    prompts: Sequence[int], stats: TokenStats, rates: EngineRates, z: float, max_tokens: int, context_len: int
+    prompts: Sequence[int],
+    stats: TokenStats,
+    rates: EngineRates,
+    z: float,
+    max_tokens: int,
+    context_len: int,
+    *,
+    to_completion: bool = False,
 ) -> GroupCosts:
     """W, W_last, C and P of a group whose waiting members have these prompts (FCFS order) on one
-    instance."""
+    instance; ``to_completion``: its SLO is a completion deadline (``GroupCosts.slo_span``)."""
     d = rates.decode_time(stats)
     n, total = len(prompts), sum(prompts)
     prefill = rates.prefill_time(stats, prompts[-1] if prompts else None)
@@ -204,6 +242,7 @@ def group_costs(
         last_wait=last_wait,
         completion=last_wait + prefill + o_max * rates.eps * d,
         prefill=prefill,
+        slo_decode=o_max * rates.iteration_time(stats) if to_completion else 0.0,
     )
 
 
@@ -243,13 +282,14 @@ def first_violation(
 ) -> int | None:
     """Index of the first group predicted to miss its SLO, or None (the violation check).
 
-    ``tail_aware``: compare the start plus the group's own tail (W_last + P) with the
-    slack (our default); otherwise only the start (paper-literal).
+    ``tail_aware``: compare the start plus the group's own span to its SLO point
+    (``GroupCosts.slo_span``: its last member's first token, or its completion) with the slack (our
+    default); otherwise only the start (paper-literal).
     """
     for idx, (group, start) in enumerate(
         zip(groups, start_times(groups, loaded_model, residual, swap_s), strict=True)
     ):
-        if start + (group.costs.tail if tail_aware else 0.0) > group.slack:
+        if start + (group.costs.slo_span if tail_aware else 0.0) > group.slack:
             return idx
     return None
 

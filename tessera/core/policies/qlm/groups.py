@@ -119,6 +119,11 @@ class RequestGroup:
         """Class priority of the group's requests (one class per group; higher first)."""
         return self.members[0].service_class.priority if self.members else 0
 
+    @property
+    def slo_at_completion(self) -> bool:
+        """Whether the group's deadlines are completion deadlines (one class per group)."""
+        return bool(self.members) and self.members[0].service_class.slo_at_completion
+
     def deadline(self) -> float:
         """Earliest SLO deadline among waiting members (+inf if none wait)."""
         return min((r.slo_deadline for r in self.pending()), default=float("inf"))

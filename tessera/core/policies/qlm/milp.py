@@ -153,7 +153,7 @@ class SolverSettings:
     time_limit_s: float = 5.0  # QLM's 5 s solver budget (Fig. 20); bounds build + solve
     mip_gap: float = 0.01
     slots_factor: float = 1.25  # L = min(N_q, ceil(slots_factor * N / |G|) + 2); module docstring
-    tail_aware: bool = True  # compare start + W_last + P with the slack (Eq. 11: start only)
+    tail_aware: bool = True  # compare start + GroupCosts.slo_span with the slack (Eq. 11: start only)
     # Largest joint model (binaries x[g, q, r]) solved as one MILP; beyond it the rolling-horizon
     # MILP over the first ``window_groups`` groups of the heuristic plan (0: the heuristic plan).
     joint_max_binaries: int = 1000
@@ -192,7 +192,7 @@ def evaluate(
         starts = start_times(seq, q.loaded_model, q.residual, q.swap_s)
         total += sum(starts)
         for group, start in zip(seq, starts, strict=True):
-            if start + (group.costs.tail if tail_aware else 0.0) > group.slack + 1e-6:
+            if start + (group.costs.slo_span if tail_aware else 0.0) > group.slack + 1e-6:
                 ok = False
     return total, ok
 
@@ -259,7 +259,7 @@ def _block_order(members: Sequence[GroupSpec], q: QueueSpec, tail_aware: bool) -
 
     def latest_end(g: GroupSpec) -> float:  # latest completion of g's drain that meets its SLO
         c = g.costs[q.name]
-        return g.slack - (c.tail if tail_aware else 0.0) + c.drain
+        return g.slack - (c.slo_span if tail_aware else 0.0) + c.drain
 
     blocks: dict[str, list[GroupSpec]] = {}
     for g in members:
@@ -346,7 +346,7 @@ class _Tail:
 
     count: int  # k: groups behind the window, each delayed by everything in it
     model: str  # model of the first tail group (a switch into it costs S + C - W)
-    latest_start: float  # min over the tail of slack - tail - offset from the tail's first start
+    latest_start: float  # min over the tail of slack - slo_span - offset from the tail's first start
 
 
 def _build(
@@ -403,11 +403,11 @@ def _build(
         cost = [groups[gi].costs[q.name] for gi in hosted]
         drain = np.array([c.drain for c in cost])
         cw = np.array([c.beyond_drain for c in cost])
-        tail = np.array([c.tail if settings.tail_aware else 0.0 for c in cost])
+        span = np.array([c.slo_span if settings.tail_aware else 0.0 for c in cost])
         slack = np.array([groups[gi].slack for gi in hosted])
         model_of = [groups[gi].model for gi in hosted]
         max_cw = float(cw.max())
-        big = q.residual + drain.sum() + n_a * (q.swap_s + max_cw) + float(tail.max())
+        big = q.residual + drain.sum() + n_a * (q.swap_s + max_cw) + float(span.max())
         tail_q = tails.get(q.name)
         k = tail_q.count if tail_q is not None else 0
         base = n_cols
@@ -464,10 +464,10 @@ def _build(
         if n_l > 1:
             add(rf[:-1], wt[1:], -np.ones(n_l - 1))
             add(np.tile(rf[:-1], n_a), x[:, 1:], np.tile(-drain[:, None], (1, n_l - 1)))
-        # (G, H) an occupied slot meets its group's SLO: wt + tail - slack <= big (1 - occ).
+        # (G, H) an occupied slot meets its group's SLO: wt + span - slack <= big (1 - occ).
         rh = new_rows(n_l, -np.inf, big)
         add(rh, wt, np.ones(n_l))
-        add(np.tile(rh, n_a), x, np.tile((tail - slack + big)[:, None], (1, n_l)))
+        add(np.tile(rh, n_a), x, np.tile((span - slack + big)[:, None], (1, n_l)))
         if boundary is not None and tail_q is not None:
             # The fixed tail starts at e = wt[0] + W(slot 0) + S t_b + u_b (slot 0 is the window's
             # last group; an empty window leaves wt[0] = R) and every tail group meets its SLO.
@@ -750,7 +750,7 @@ def _window(
         for pos, (gid, start) in enumerate(zip(ids, starts, strict=True)):
             entries.append((start, pos, q.name, gid))
             g = by_id[gid]
-            if start + (g.costs[q.name].tail if settings.tail_aware else 0.0) > g.slack + 1e-6:
+            if start + (g.costs[q.name].slo_span if settings.tail_aware else 0.0) > g.slack + 1e-6:
                 late.append((g.slack, -g.priority, gid))
     head = [gid for *_, gid in sorted(late)[: settings.window_groups]]
     chosen = set(head)
@@ -769,7 +769,7 @@ def _window(
         seq = [_queued(by_id[i], q.name) for i in rest]
         offsets = start_times(seq, seq[0].model, 0.0, q.swap_s)  # from the tail's first start
         latest = min(
-            g.slack - (g.costs.tail if settings.tail_aware else 0.0) - off
+            g.slack - (g.costs.slo_span if settings.tail_aware else 0.0) - off
             for g, off in zip(seq, offsets, strict=True)
         )
         tail_order[q.name] = rest

@@ -279,6 +279,7 @@ class QLMPolicy(Policy):
             self.z if z is None else z,
             group.max_tokens(),
             self.context_len,
+            to_completion=group.slo_at_completion,
         )
 
     def swap_time(self) -> float:
