@@ -43,11 +43,12 @@ async def test_vllm_reports_its_kv_capacity_and_rising_use(vllm_server: VLLMServ
         assert idle is not None
         assert idle.kv_capacity_tokens == _reported_capacity(vllm_server.url) > 0
         sampling = {"temperature": 0, "ignore_eos": True}
-        for i in range(4):  # distinct prompts: no prefix shared between them
+        for i in range(8):  # distinct prompts: no prefix shared between them
             prompt = [0, *(((i * 997 + k * 13) % 250) + 3 for k in range(600))]
             streams.append(
                 # 1400 tokens (within the 2048 context): running for seconds, longer than vLLM's metrics
-                # take to show it even on a loaded machine (300 ran out unseen once in a full run).
+                # take to show it even on a loaded machine (300 ran out unseen once in a full run, and
+                # four of 1400 once, with two benchmarks beside the suite: eight share the steps longer).
                 asyncio.create_task(_drain(engine, EngineJob(f"stats-{i}", prompt, 1400, sampling)))
             )
         busy = idle
