@@ -554,8 +554,9 @@ def queue_censored(
 
     Censored at the horizon alone, a service whose load is beyond every candidate has all its requests
     censored alike whether it holds one group or half the pool, and plans then differ only by the
-    services they do not give up on (tessera bench seallm --seed 1: at 1039 s, 17 GPUs and one TP-4
-    group for s00 estimated L_N 69 and 67, and the re-placements alternated between plans that hosted
+    services they do not give up on (tessera bench seallm --seed 1, in a replay with the backlog counted
+    in the greedy's rates: at 1039 s, 17 GPUs and one TP-4 group for s00 estimated L_N 69 and 67; over
+    the hour, once its backlog was tens of thousands, the re-placements alternated between plans that hosted
     it on one group, migrating its whole backlog each time); the queue's place keeps the time to work it
     off (the one-group candidates now estimate 10-60x the others' L_N there, and the hour's normalized
     latency went from 0.93x round-robin's to 8.90x lower, 376,312 requests migrated to 9,161)."""
