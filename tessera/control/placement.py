@@ -512,6 +512,8 @@ def simulate_performance(
     """Replay every service's history on ``groups`` through the simulator (``tessera.sim`` instances
     under the core's DB policy, the dispatcher; ``placement_sim``), censoring what is left at twice
     the history's span plus a minute, at its place in its service's queue (``queue_censored``)."""
+    if not any(s.history for s in services):
+        return estimate(pool, services, groups)
     stats = stats or service_stats(services)
     t0 = min((h.arrival for s in services for h in s.history), default=0.0)
     t1 = max((h.arrival for s in services for h in s.history), default=0.0)
@@ -531,8 +533,6 @@ def simulate_performance(
         for s in services
         for h in s.history
     ]
-    if not any(s.history for s in services):
-        return estimate(pool, services, groups)
     plan = to_plan("seallm", groups, None)
     horizon = 2 * (t1 - t0) + 60.0
     served, _ = serve(pool, services, plan, reqs, stats=stats, horizon=horizon)

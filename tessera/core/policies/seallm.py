@@ -298,13 +298,13 @@ class DoublingBudget(Policy):
         if room <= 0:
             return []
         run: list[Request] = []
-        taken = 0 if seed.kv_resident else kv_blocks(seed.prompt_tokens + seed.generated, block)
+        taken = 0 if seed.kv_resident else kv_blocks(seed.context_tokens, block)
         for r in self._smallest(seed.model, room, seed):
             if r.kv_resident:
                 run.append(r)
             elif fits_free_kv(view, r, block, taken):
                 run.append(r)
-                taken += kv_blocks(r.prompt_tokens + r.generated, block)
+                taken += kv_blocks(r.context_tokens, block)
         chosen = {*run, seed}
         kept = [r for r in view.running if r.model == seed.model and r not in chosen]
         return run + kept[: max(0, room - len(run))]
@@ -379,7 +379,7 @@ def fits_free_kv(view: InstanceView, req: Request, block: int, taken: int = 0) -
     active = view.profile.block_size
     capacity = view.kv_capacity_tokens // active
     free = capacity - view.kv_used_tokens // active - taken
-    return free - kv_blocks(req.prompt_tokens + req.generated, block) >= int(PREFILL_WATERMARK * capacity)
+    return free - kv_blocks(req.context_tokens, block) >= int(PREFILL_WATERMARK * capacity)
 
 
 def _switch(view: InstanceView, model: str) -> str | None:
