@@ -35,13 +35,15 @@ class QLMRouter(ClusterRouter):
         for inst, policy in policies:
             if policy.has_open_group(req):
                 return inst
-        known = [(inst, p) for inst, p in policies if p.rates is not None]
-        if not known:  # no instance has seen an engine view yet: spread by outstanding work
+        if all(p.rates is None for _, p in policies):  # no engine view yet: spread by outstanding work
             return min(cands, key=lambda i: (i.outstanding, i.name))
+        # An instance whose policy has seen no engine view yet has never been scheduled: nothing runs
+        # there, so a new group would start at once. Leaving such instances out (as an earlier version
+        # did) kept every group on the instance that took the first request and the others idle.
         return min(
-            known,
+            policies,
             key=lambda ip: (
-                round(ip[1].tail_start(req.model, view.now), 6),
+                round(ip[1].tail_start(req.model, view.now), 6) if ip[1].rates is not None else 0.0,
                 ip[1].tail_model() != req.model,
                 ip[0].outstanding,
                 ip[0].name,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -470,6 +471,20 @@ def test_grouping_and_load_balancing_cut_model_swaps() -> None:
     assert qlm["swaps"] <= 2 * len(models)
     assert naive["swaps"] > 5 * qlm["swaps"]
     assert qlm["throughput_rps"] > 2 * naive["throughput_rps"]
+
+
+def test_qlm_router_uses_an_instance_that_has_not_served_yet() -> None:
+    # The first request arrives alone, so one instance's policy sees an engine view before the second
+    # instance ever runs; the later groups must still go to the idle instance, not all to the first.
+    rng = np.random.default_rng(3)
+    models = ("a", "b")
+    mix = Mix(classes=((BATCH, 1.0),), models=tuple((m, 1.0) for m in models))
+    arrivals = np.concatenate([[0.0], np.linspace(5, 10, 199)])
+    reqs = build_requests(arrivals, [500] * 200, [200] * 200, rng, mix)
+    done, _ = run_one(reqs, QLMPolicy, _cluster(models, instances=2), router=QLMRouter())
+    served = Counter(r.instance for r in done)
+    assert len(served) == 2 and min(served.values()) >= 50, served
+    assert all(r.finished_at is not None for r in done)
 
 
 def test_batched_swapping_serves_a_model_queue_before_swapping() -> None:
