@@ -585,6 +585,27 @@ def test_milp_orders_by_completion_deadlines() -> None:
     assert heuristic_plan(groups, queues).order["q"] == [0, 1]
 
 
+def test_fallback_keeps_models_together_when_it_leaves_fewer_groups_late() -> None:
+    # No order meets every SLO. EDF alternates the two models by slack and pays the 20 s swap at each
+    # change (3 groups late); the heuristic's block per model swaps once (2 late). "fewest-late" takes
+    # the heuristic order, "edf" keeps QLM's EDF.
+    costs = GroupCosts(5, 4, 5, 1)
+    queues = [QueueSpec("q", "a", swap_s=20.0)]
+    groups = [
+        GroupSpec(i, m, slack, {"q": costs})
+        for i, (m, slack) in enumerate(zip("abab", (10, 11, 12, 13), strict=True))
+    ]
+    assert not evaluate(heuristic_plan(groups, queues).order, groups, queues)[1]
+    edf = solve(groups, queues, SolverSettings(time_limit_s=10, fallback="edf"))
+    assert edf.status.startswith("edf") and edf.order["q"] == [0, 1, 2, 3]
+    fewest = solve(groups, queues, SolverSettings(time_limit_s=10))
+    assert fewest.status == edf.status
+    assert [groups[i].model for i in fewest.order["q"]] == ["a", "a", "b", "b"]
+    assert "2 groups late where EDF leaves 3" in fewest.notes[-1]
+    with pytest.raises(ValueError, match="fallback"):
+        SolverSettings(fallback="fifo")  # type: ignore[arg-type]
+
+
 def _group_of(cls: ServiceClass) -> RequestGroup:
     group = RequestGroup(0, GroupKey("m", cls.name), limit=4)
     group.add(_req(0, cls=cls))

@@ -94,8 +94,9 @@ from tessera.core.policies.qlm.estimator import GroupCosts, QueuedGroup, start_t
 
 # optimal / feasible: from the joint MILP (proven within the gap / not proven); window-optimal: the
 # rolling-horizon MILP's optimum with the tails fixed (module docstring); heuristic: the warm-start
-# order, feasible, and CBC found nothing better in time; edf-*: no feasible plan found (EDF
-# fallback, as QLM's reference code); trivial: nothing to solve.
+# order, feasible, and CBC found nothing better in time; edf-*: no feasible plan found (the fallback:
+# EDF, as QLM's reference code, or the heuristic order where ``SolverSettings.fallback`` picks it;
+# ``Plan.notes`` says which); trivial: nothing to solve.
 PlanStatus = Literal[
     "optimal", "window-optimal", "feasible", "heuristic", "edf-timeout", "edf-infeasible", "trivial"
 ]
@@ -158,6 +159,14 @@ class SolverSettings:
     # MILP over the first ``window_groups`` groups of the heuristic plan (0: the heuristic plan).
     joint_max_binaries: int = 1000
     window_groups: int = 24
+    # The order when no plan meets every SLO. "edf": EDF (QLM's fallback). "fewest-late" (CHOICE, the
+    # default): with groups of more than one model, the heuristic plan (a block per model) when it
+    # leaves fewer groups late than EDF, or as many with less total wait; else EDF. EDF sorts by slack
+    # alone and so interleaves models, paying a swap at each change: on tessera bench qlm's multi part
+    # with the code trace's lengths, 12 of 13 fallbacks took the heuristic order and throughput went
+    # from 5.49 to 6.48 req/s. With one model there is no swap to save and EDF's smallest worst
+    # lateness is kept.
+    fallback: Literal["edf", "fewest-late"] = "fewest-late"
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:
@@ -172,6 +181,8 @@ class SolverSettings:
             raise ValueError(
                 f"window_groups must be >= 0 (0: no MILP above joint_max_binaries), got {self.window_groups}"
             )
+        if self.fallback not in ("edf", "fewest-late"):
+            raise ValueError(f"fallback must be 'edf' or 'fewest-late', got {self.fallback!r}")
 
 
 def _queued(group: GroupSpec, vq: str) -> QueuedGroup:
@@ -185,16 +196,27 @@ def evaluate(
     tail_aware: bool = True,
 ) -> tuple[float, bool]:
     """Total group waiting time of an order and whether every group meets its SLO (the MILP's model)."""
+    total, late = _wait_and_late(order, groups, queues, tail_aware)
+    return total, late == 0
+
+
+def _wait_and_late(
+    order: Mapping[str, Sequence[int]],
+    groups: Sequence[GroupSpec],
+    queues: Sequence[QueueSpec],
+    tail_aware: bool,
+) -> tuple[float, int]:
+    """Total group waiting time of an order and how many groups it leaves past their SLO."""
     by_id = {g.id: g for g in groups}
-    total, ok = 0.0, True
+    total, late = 0.0, 0
     for q in queues:
         seq = [_queued(by_id[gid], q.name) for gid in order.get(q.name, [])]
         starts = start_times(seq, q.loaded_model, q.residual, q.swap_s)
         total += sum(starts)
         for group, start in zip(seq, starts, strict=True):
             if start + (group.costs.slo_span if tail_aware else 0.0) > group.slack + 1e-6:
-                ok = False
-    return total, ok
+                late += 1
+    return total, late
 
 
 def edf_plan(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], status: PlanStatus) -> Plan:
@@ -667,13 +689,14 @@ def solve(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: So
         # (it finds a feasible order iff one exists), so no MILP is needed.
         if warm_ok:
             return Plan(warm.order, "optimal", warm_total, time.perf_counter() - started, ["smith"])
-        return _fallback(groups, queues, "edf-infeasible", started, "Smith's rule: no feasible order")
+        note = "Smith's rule: no feasible order"
+        return _fallback(groups, queues, "edf-infeasible", started, note, settings, warm)
     phases: dict[str, float] = {}
 
     def best_of_incumbents(note: str) -> Plan:
         if warm_ok:
             return Plan(warm.order, "heuristic", warm_total, time.perf_counter() - started, [note], phases)
-        plan = _fallback(groups, queues, "edf-timeout", started, note)
+        plan = _fallback(groups, queues, "edf-timeout", started, note, settings, warm)
         plan.phases = phases
         return plan
 
@@ -708,7 +731,7 @@ def solve(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings: So
     if sol_status == pulp.LpSolutionInfeasible or cbc_status == pulp.LpStatusInfeasible:
         if warm_ok or not joint:  # infeasible within L slots (or this window), not proven for all
             return best_of_incumbents(f"CBC: {scope} MILP infeasible")
-        plan = _fallback(groups, queues, "edf-infeasible", started, "CBC: infeasible")
+        plan = _fallback(groups, queues, "edf-infeasible", started, "CBC: infeasible", settings, warm)
         plan.phases = phases
         return plan
     if sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
@@ -788,9 +811,23 @@ def _binaries(groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], settings
 
 
 def _fallback(
-    groups: Sequence[GroupSpec], queues: Sequence[QueueSpec], status: PlanStatus, started: float, note: str
+    groups: Sequence[GroupSpec],
+    queues: Sequence[QueueSpec],
+    status: PlanStatus,
+    started: float,
+    note: str,
+    settings: SolverSettings,
+    warm: Plan,
 ) -> Plan:
+    """The plan when no order meets every SLO: EDF, or the heuristic plan ``warm`` under
+    ``settings.fallback`` (``SolverSettings``)."""
     plan = edf_plan(groups, queues, status)
-    plan.solve_s = time.perf_counter() - started
     plan.notes.append(note)
+    if settings.fallback == "fewest-late" and len({g.model for g in groups}) > 1:
+        edf_wait, edf_late = _wait_and_late(plan.order, groups, queues, settings.tail_aware)
+        warm_wait, warm_late = _wait_and_late(warm.order, groups, queues, settings.tail_aware)
+        if (warm_late, warm_wait) < (edf_late, edf_wait):
+            plan = Plan(order=warm.order, status=status, notes=plan.notes)
+            plan.notes.append(f"heuristic order: {warm_late} groups late where EDF leaves {edf_late}")
+    plan.solve_s = time.perf_counter() - started
     return plan

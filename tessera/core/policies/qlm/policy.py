@@ -71,7 +71,12 @@ class QLMSettings(PolicySettings):
         default="swap", description="How requests behind the head group are evicted."
     )
     solver_time_limit_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
-        default=5.0, description="Time limit of one MILP solve in seconds (then the EDF fallback)."
+        default=5.0, description="Time limit of one MILP solve in seconds (then the fallback)."
+    )
+    fallback: Literal["edf", "fewest-late"] = Field(
+        default="fewest-late",
+        description="Order when no plan meets every SLO: edf (QLM's), or fewest-late (groups of several "
+        "models: the heuristic's block per model when it leaves fewer groups late than EDF).",
     )
     mip_gap: Annotated[float, Field(ge=0, lt=1)] = Field(
         default=0.01, description="Relative MILP gap accepted."
@@ -125,6 +130,7 @@ class QLMPolicy(Policy):
         solver_time_limit_s: float = 5.0,
         mip_gap: float = 0.01,
         slots_factor: float = 1.25,
+        fallback: Literal["edf", "fewest-late"] = "fewest-late",
         min_resolve_interval_s: float = 1.0,
         context_len: int = 4096,
         stats_alpha: float = 0.005,
@@ -153,7 +159,9 @@ class QLMPolicy(Policy):
         self.reorder = reorder
         self.eviction = eviction
         self.evict_mode = evict_mode
-        self.solver = SolverSettings(solver_time_limit_s, mip_gap, slots_factor, tail_aware)
+        self.solver = SolverSettings(
+            solver_time_limit_s, mip_gap, slots_factor, tail_aware, fallback=fallback
+        )
         self.min_resolve_interval_s = min_resolve_interval_s
         self.context_len = context_len
         self.stats_alpha = stats_alpha
