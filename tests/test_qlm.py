@@ -487,6 +487,31 @@ def test_qlm_router_uses_an_instance_that_has_not_served_yet() -> None:
     assert all(r.finished_at is not None for r in done)
 
 
+def test_new_groups_join_after_their_model_and_save_swaps() -> None:
+    vq = VirtualQueue("q")
+    groups = [RequestGroup(i, GroupKey(m, "batch"), limit=1) for i, m in enumerate("aba")]
+    for i, g in enumerate(groups[:2]):
+        g.add(_req(i))
+        vq.append(g)
+    groups[2].add(_req(2))
+    vq.insert_after_model(groups[2])
+    assert [g.id for g in vq] == [0, 2, 1]
+    # Interleaved arrivals of two models on one instance, many small groups: appended at the tail
+    # they alternate models and the instance swaps at almost every group.
+    rng = np.random.default_rng(4)
+    mix = Mix(classes=((BATCH, 1.0),), models=(("a", 1.0), ("b", 1.0)))
+    reqs = build_requests(np.linspace(0, 20, 200), [200] * 200, [100] * 200, rng, mix)
+    swaps = {}
+    for where in ("tail", "after-model"):
+        _, m = run_one(
+            reqs,
+            lambda where=where: QLMPolicy(new_group=where, delta_rg=0.1),
+            _cluster(("a", "b"), max_batch=8),
+        )
+        swaps[where] = m["swaps"]
+    assert swaps["after-model"] * 2 < swaps["tail"], swaps
+
+
 def test_batched_swapping_serves_a_model_queue_before_swapping() -> None:
     # Interleaved arrivals of three models: per-request FCFS swaps at almost every request, the
     # per-model queues once per model and round (and at least once per waiting model).

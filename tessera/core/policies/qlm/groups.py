@@ -193,6 +193,16 @@ class VirtualQueue:
         """Add a group at the tail."""
         self.groups.append(group)
 
+    def insert_after_model(self, group: RequestGroup) -> None:
+        """Add a group right after the last group of its model with waiting requests (at the tail when
+        there is none), so that it runs before the VQ swaps away from its model."""
+        same = [i for i, g in enumerate(self.groups) if g.n_pending and g.model == group.model]
+        last = same[-1] if same else None
+        if last is None:
+            self.groups.append(group)
+        else:
+            self.groups.insert(last + 1, group)
+
     def replace(self, groups: Iterable[RequestGroup]) -> None:
         """Install a new order (from the global scheduler)."""
         self.groups = list(groups)
