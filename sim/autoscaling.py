@@ -31,6 +31,7 @@ from tessera.core.chiron import (
     RunningStats,
     batch_room,
     chiron_pick,
+    chiron_place,
     evaluate_group,
 )
 from tessera.core.planners.threshold import ThresholdSettings, threshold_decide
@@ -246,17 +247,19 @@ class ChironController(ClusterController):
         actions: list[ClusterAction] = []
         live = [i for i in _active(view) if i.ready_at <= view.now and i.name not in removed]
         pending_int = self.queue.interactive
-        while pending_int:
-            inst = _pick(pending_int[0], live, self.backlog_s)
-            if inst is None:
-                break
-            actions.append(Dispatch(pending_int.popleft(), inst.name))
+        # The dispatches take effect after this tick: chiron_place counts the ones placed before.
+        placed: dict[str, int] = {}
+        for req, target in chiron_place(pending_int, [InstanceTarget(i) for i in live], self.backlog_s):
+            pending_int.popleft()
+            placed[target.inst.name] = placed.get(target.inst.name, 0) + 1
+            actions.append(Dispatch(req, target.inst.name))
         batch_first = [i for i in live if i.role == "batch"]
         # Mixed instances lend only spare capacity: none while interactive work waits.
         spare = [i for i in live if i.role == "mixed"] if not pending_int else []
         for inst in batch_first + spare:
             kv = inst.profile.kv_capacity_tokens
-            room = batch_room(queue_of(inst).batch_size(), kv, inst.outstanding, self.mean_context)
+            outstanding = inst.outstanding + placed.get(inst.name, 0)
+            room = batch_room(queue_of(inst).batch_size(), kv, outstanding, self.mean_context)
             actions += [Dispatch(req, inst.name) for req in self.queue.take_batch(room)]
             if not self.queue.batch:
                 break

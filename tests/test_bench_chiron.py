@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
 from tessera.bench.scenarios import BenchConfig
 from tessera.bench.scenarios import chiron as scenario
 from tessera.core.baselines import EDF, FCFS
-from tessera.core.chiron import ChironLocal, ChironPolicy, GlobalQueue, chiron_pick, spike_p99
+from tessera.core.chiron import ChironLocal, ChironPolicy, GlobalQueue, RunningStats, chiron_pick, spike_p99
+from tessera.core.planners.types import ChironSettings
 from tessera.core.profiles import load_profile
 from tessera.core.request import ServiceClass
-from tessera.sim.autoscaling import InstanceTarget, ThresholdController
+from tessera.sim.autoscaling import InstanceTarget, ThresholdController, chiron_cluster
 from tessera.sim.cluster import Cluster, ClusterConfig, ClusterController, ClusterRouter, Dispatch
 from tessera.sim.engine import EngineConfig
 from tessera.sim.workloads import build_requests
@@ -277,6 +280,80 @@ def test_interactive_burst_spreads_instead_of_piling_on_one_instance():
     budget = cluster.instances[0].config.budget
     assert per_instance == [budget // 1000] * 3  # each takes what its next prefill iteration holds
     assert len(held) == 40 - sum(per_instance)  # the rest waits at the head of the global queue
+
+
+@pytest.mark.parametrize("prompt", [1000, 60_000])
+def test_queued_interactive_requests_dispatch_counting_the_ones_placed_before(prompt: int):
+    """The controller's dispatches reach the instances after its tick, so each queued interactive
+    request must see the batch slots and KV taken by the ones placed before it in the same tick:
+    otherwise all of them passed the room test of the same (most loaded) instance, which then held the
+    whole queue past its batch size and KV while the global queue, which the autoscaler reads, was
+    empty. Short prompts: the batch size (10) bounds each instance; long ones: the KV."""
+    profile = load_profile("a100-llama3-8b")
+    settings = ChironSettings(max_instances=3, min_instances=3, over_provisioning=1.0, eval_interval_s=5.0)
+    router, controller, factory = chiron_cluster(
+        settings,
+        RunningStats(),
+        lambda: ChironLocal(min_batch=1, max_batch=4096, initial=10),
+        group_s=6.0,
+        interval_s=1.0,
+        exec_margin_s=60.0,
+        mean_context=prompt + 50.0,
+        backlog_s=600.0,  # the prefill backlog does not bind here
+    )
+    cluster = Cluster(
+        ClusterConfig(profiles={"default": profile}, instances=3, role="interactive"),
+        factory,
+        router=router,
+        controller=controller,
+    )
+    inter = ServiceClass("interactive", "interactive", ttft_slo_s=10, itl_slo_s=0.2)
+    for req in build_requests([0.0] * 40, [prompt] * 40, [50] * 40, np.random.default_rng(0)):
+        req.service_class = inter
+        controller.queue.push(req)
+    kv = InstanceTarget(cluster.instances[0]).admissible_kv_tokens
+    fits = min(10, next((n for n in range(1, 40) if kv - n * prompt <= prompt), 40))  # slots, or KV
+    actions = controller.tick(cluster.view())
+    per_instance = Counter(a.name for a in actions if isinstance(a, Dispatch))
+    assert sorted(per_instance.values()) == [fits] * 3
+    assert len(controller.queue.interactive) == 40 - 3 * fits  # the rest stays queued
+    assert (fits == 10) == (prompt == 1000)  # each case binds the limit it is meant to
+
+
+def test_queued_interactive_requests_evict_at_most_the_batch_work_there():
+    """A mixed instance full of batch work takes queued interactive requests by eviction, one batch
+    request each: one tick places no more there than it holds batch requests (before, the whole
+    queue went to it: the prefill test reads the instance as it was before the tick)."""
+    profile = load_profile("a100-llama3-8b")
+    settings = ChironSettings(max_instances=1, over_provisioning=1.0, eval_interval_s=5.0)
+    router, controller, factory = chiron_cluster(
+        settings,
+        RunningStats(),
+        lambda: ChironLocal(min_batch=1, max_batch=4096, initial=5),
+        group_s=6.0,
+        interval_s=1.0,
+        exec_margin_s=60.0,
+        mean_context=1050.0,
+        backlog_s=600.0,
+    )
+    cluster = Cluster(
+        ClusterConfig(profiles={"default": profile}, instances=1, role="mixed"),
+        factory,
+        router=router,
+        controller=controller,
+    )
+    mixed = cluster.instances[0]
+    batch = ServiceClass("batch", "batch", deadline_s=600, itl_slo_s=2.0)
+    for req in build_requests([0.0] * 5, [1000] * 5, [50] * 5, np.random.default_rng(1), prefix="b"):
+        req.service_class = batch
+        mixed.add(req, 0.0)  # at its batch size (5): no room, only eviction
+    inter = ServiceClass("interactive", "interactive", ttft_slo_s=10, itl_slo_s=0.2)
+    for req in build_requests([0.0] * 30, [1000] * 30, [50] * 30, np.random.default_rng(0)):
+        req.service_class = inter
+        controller.queue.push(req)
+    actions = controller.tick(cluster.view())
+    assert sum(1 for a in actions if isinstance(a, Dispatch)) == 5
+    assert len(controller.queue.interactive) == 25
 
 
 def test_workload_arrival_processes_and_lengths():

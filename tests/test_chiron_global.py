@@ -171,6 +171,30 @@ def test_unsaveable_group_does_not_launch_the_whole_cap():
     assert d.batch_backpressure == 1
 
 
+def test_overdue_backlog_beyond_the_cap_takes_every_free_slot():
+    # 300,000 requests of 300 tokens past their deadline: 90M tokens, to finish within one more batch
+    # SLO (3600 s) at 500 tok/s now plus 2000 tok/s per new instance after its 15 s load. Even 6 new
+    # instances give 1.8M + 6 x 7.17M = 44.8M tokens in that time: the group stays late whatever is
+    # launched, so every slot the interactive targets leave is launched (Alg. 2 runs to the cap).
+    # The fewest-k rule alone launched none, since no k lowers BBP.
+    settings = ChironSettings(max_instances=10, scale_down_cooldown_s=0.0, load_time_s=15.0)
+    snap = MetricsSnapshot(
+        ready=RoleCounts(interactive=1, batch=3),
+        instances_with_interactive=1,
+        batch_queue=(BatchGroup(300_000, -100.0),),
+        batch_running=100,
+        batch_tokens_per_s=500.0,
+        mean_output_tokens=300.0,
+        std_output_tokens=0.0,
+    )
+    assert _bbp(snap, 6, settings) == 1
+    d = chiron_decide(snap, AutoscalerState(), settings, now=0.0)
+    assert d.desired.total == 10 and d.desired.batch > 3
+    assert d.batch_backpressure == 1
+    off = chiron_decide(snap, AutoscalerState(), replace(settings, overdue_fills_cap=False), now=0.0)
+    assert off.desired.batch == 3
+
+
 def test_cap_bounds_total_and_interactive_comes_first():
     settings = ChironSettings(max_instances=6, scale_down_cooldown_s=0.0)
     snap = _batch_snapshot(n_groups=4, per_group=50_000, deadline_step=600)

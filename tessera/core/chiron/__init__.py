@@ -15,8 +15,10 @@ from tessera.core.chiron.autoscale import (
 )
 from tessera.core.chiron.dispatch import (
     PREFILL_BACKLOG_S,
+    DispatchQueue,
     DispatchTarget,
     chiron_pick,
+    chiron_place,
     has_room,
     prefill_fits,
 )
@@ -30,6 +32,7 @@ __all__ = [
     "ArrivalMeter",
     "ChironLocal",
     "ChironPolicy",
+    "DispatchQueue",
     "DispatchTarget",
     "GlobalQueue",
     "GroupEvaluation",
@@ -37,6 +40,7 @@ __all__ = [
     "RunningStats",
     "batch_room",
     "chiron_pick",
+    "chiron_place",
     "evaluate_group",
     "has_room",
     "instance_tokens_per_s",

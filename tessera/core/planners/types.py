@@ -250,6 +250,9 @@ class ChironSettings:
     defer_horizon_fraction: float = 0.25  # H = fraction x TTFT SLO
     batch_slo_s: float = 3600.0  # batch TTFT SLO (for the defer horizon)
     throughput_ewma: float = 0.5
+    # A batch group past its deadline that stays late with every free slot launched takes them all
+    # (Alg. 2's loop to the cap) instead of the fewest instances reaching the least BBP (our choice).
+    overdue_fills_cap: bool = True
     # Load forecasting (our extension; off at 0): Θ_op follows the interactive arrival rate's trend.
     forecast_window_s: float = 0.0  # window of the measured arrival rate
     forecast_utilization: float = 0.8  # target busy share at the rate forecast one load time ahead
