@@ -631,6 +631,28 @@ def test_fallback_keeps_models_together_when_it_leaves_fewer_groups_late() -> No
         SolverSettings(fallback="fifo")  # type: ignore[arg-type]
 
 
+def test_estimates_use_the_batch_the_engine_ran() -> None:
+    # Eq. 16 charges every request its whole answer of KV (2100 tokens: a batch of 200), while the
+    # engine admits on the KV in use, prompts plus the tokens generated so far, and runs a larger batch.
+    rng = np.random.default_rng(5)
+    reqs = build_requests(np.zeros(800), [100] * 800, [2000] * 800, rng, Mix(classes=((BATCH, 1.0),)))
+    made: dict[str, QLMPolicy] = {}
+
+    def policy(kind: str) -> QLMPolicy:
+        made[kind] = QLMPolicy(batch_estimate=kind, eps_window_s=2.0)  # type: ignore[arg-type]
+        return made[kind]
+
+    for kind in ("measured", "eq16"):
+        run_one(reqs, lambda kind=kind: policy(kind), _cluster(max_batch=512))
+    measured, eq16 = made["measured"].rates, made["eq16"].rates
+    assert eq16 is not None and eq16.measured_batch is None
+    assert measured is not None and measured.measured_batch is not None
+    stats = next(iter(made["measured"].stats.values()))
+    assert measured.measured_batch > 1.1 * measured.kv_batch(stats)  # 233 against 202
+    assert measured.batch_for(stats) == pytest.approx(measured.measured_batch)
+    assert eq16.batch_for(stats) == eq16.kv_batch(stats)
+
+
 def _group_of(cls: ServiceClass) -> RequestGroup:
     group = RequestGroup(0, GroupKey("m", cls.name), limit=4)
     group.add(_req(0, cls=cls))

@@ -87,6 +87,11 @@ class QLMSettings(PolicySettings):
         description="Where a new request group joins its VQ: tail, or after-model (right after the last "
         "waiting group of its model, saving a model swap; the violation check still reorders).",
     )
+    batch_estimate: Literal["measured", "eq16"] = Field(
+        default="measured",
+        description="Running batch of the waiting-time estimates: measured (the engine's saturated batch, "
+        "once seen) or eq16 (QLM's KV capacity over the mean prompt plus answer).",
+    )
     fallback: Literal["edf", "fewest-late"] = Field(
         default="fewest-late",
         description="Order when no plan meets every SLO: edf (QLM's), or fewest-late (groups of several "
@@ -146,6 +151,7 @@ class QLMPolicy(Policy):
         slots_factor: float = 1.25,
         fallback: Literal["edf", "fewest-late"] = "fewest-late",
         new_group: Literal["tail", "after-model"] = "after-model",
+        batch_estimate: Literal["measured", "eq16"] = "measured",
         min_resolve_interval_s: float = 1.0,
         context_len: int = 4096,
         stats_alpha: float = 0.005,
@@ -180,6 +186,9 @@ class QLMPolicy(Policy):
         if new_group not in ("tail", "after-model"):
             raise ValueError(f"new_group must be 'tail' or 'after-model', got {new_group!r}")
         self.new_group = new_group
+        if batch_estimate not in ("measured", "eq16"):
+            raise ValueError(f"batch_estimate must be 'measured' or 'eq16', got {batch_estimate!r}")
+        self.batch_estimate = batch_estimate
         self.min_resolve_interval_s = min_resolve_interval_s
         self.context_len = context_len
         self.stats_alpha = stats_alpha
@@ -408,12 +417,13 @@ class QLMPolicy(Policy):
         return self.rates
 
     def _size_limit(self, key: GroupKey) -> int:
-        """n_max = delta_rg x avg batch; tight-SLO classes capped so their tail fits half the SLO
-        (our choice: a group of 4 average batches can hold a tight-SLO class's tail past its SLO)."""
+        """n_max = delta_rg x avg batch (Eq. 16's, ``kv_batch``); tight-SLO classes capped so their
+        tail fits half the SLO (our choice: a group of 4 average batches can hold a tight-SLO class's
+        tail past its SLO)."""
         stats = self.stats.get(key)
         if self.rates is None or stats is None:
             return max(1, int(self.delta_rg * self.default_batch))
-        limit = self.delta_rg * self.rates.batch_for(stats)
+        limit = self.delta_rg * self.rates.kv_batch(stats)
         slo = self._ttft_slo.get(key)
         if self.solver.tail_aware and slo is not None:
             limit = min(limit, math.floor(0.5 * slo * self.rates.theta(stats) / stats.mu_out))
@@ -460,6 +470,11 @@ class QLMPolicy(Policy):
         self._tokens_since = 0.0
         if sample is not None:
             rates.eps = rates.eps + self.eps_meter.alpha * (sample - rates.eps)
+            measured = self.eps_meter.batch
+            if self.batch_estimate == "measured" and measured is not None:
+                old = rates.measured_batch
+                alpha = self.eps_meter.alpha
+                rates.measured_batch = measured if old is None else old + alpha * (measured - old)
 
     def prepare(self, view: InstanceView) -> Callable[[], None] | None:
         """The MILP solve as work for another thread (the worker's; Policy protocol item 6), when
