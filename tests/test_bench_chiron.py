@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -282,6 +283,26 @@ def test_interactive_burst_spreads_instead_of_piling_on_one_instance():
     assert len(held) == 40 - sum(per_instance)  # the rest waits at the head of the global queue
 
 
+def _queue_tick_cluster(
+    instances: int, role: str, initial_batch: int, mean_context: float, **settings: Any
+) -> tuple[Cluster, Any]:
+    """A Chiron cluster of ``instances`` fixed instances of ``role`` whose controller is ticked by hand
+    (the prefill backlog does not bind: 600 s)."""
+    router, controller, factory = chiron_cluster(
+        ChironSettings(over_provisioning=1.0, eval_interval_s=5.0, **settings),
+        RunningStats(),
+        lambda: ChironLocal(min_batch=1, max_batch=4096, initial=initial_batch),
+        group_s=6.0,
+        interval_s=1.0,
+        exec_margin_s=60.0,
+        mean_context=mean_context,
+        backlog_s=600.0,
+    )
+    profile = load_profile("a100-llama3-8b")
+    config = ClusterConfig(profiles={"default": profile}, instances=instances, role=role)
+    return Cluster(config, factory, router=router, controller=controller), controller
+
+
 @pytest.mark.parametrize("prompt", [1000, 60_000])
 def test_queued_interactive_requests_dispatch_counting_the_ones_placed_before(prompt: int):
     """The controller's dispatches reach the instances after its tick, so each queued interactive
@@ -289,23 +310,8 @@ def test_queued_interactive_requests_dispatch_counting_the_ones_placed_before(pr
     otherwise all of them passed the room test of the same (most loaded) instance, which then held the
     whole queue past its batch size and KV while the global queue, which the autoscaler reads, was
     empty. Short prompts: the batch size (10) bounds each instance; long ones: the KV."""
-    profile = load_profile("a100-llama3-8b")
-    settings = ChironSettings(max_instances=3, min_instances=3, over_provisioning=1.0, eval_interval_s=5.0)
-    router, controller, factory = chiron_cluster(
-        settings,
-        RunningStats(),
-        lambda: ChironLocal(min_batch=1, max_batch=4096, initial=10),
-        group_s=6.0,
-        interval_s=1.0,
-        exec_margin_s=60.0,
-        mean_context=prompt + 50.0,
-        backlog_s=600.0,  # the prefill backlog does not bind here
-    )
-    cluster = Cluster(
-        ClusterConfig(profiles={"default": profile}, instances=3, role="interactive"),
-        factory,
-        router=router,
-        controller=controller,
+    cluster, controller = _queue_tick_cluster(
+        3, "interactive", 10, prompt + 50.0, max_instances=3, min_instances=3
     )
     inter = ServiceClass("interactive", "interactive", ttft_slo_s=10, itl_slo_s=0.2)
     for req in build_requests([0.0] * 40, [prompt] * 40, [50] * 40, np.random.default_rng(0)):
@@ -324,24 +330,7 @@ def test_queued_interactive_requests_evict_at_most_the_batch_work_there():
     """A mixed instance full of batch work takes queued interactive requests by eviction, one batch
     request each: one tick places no more there than it holds batch requests (before, the whole
     queue went to it: the prefill test reads the instance as it was before the tick)."""
-    profile = load_profile("a100-llama3-8b")
-    settings = ChironSettings(max_instances=1, over_provisioning=1.0, eval_interval_s=5.0)
-    router, controller, factory = chiron_cluster(
-        settings,
-        RunningStats(),
-        lambda: ChironLocal(min_batch=1, max_batch=4096, initial=5),
-        group_s=6.0,
-        interval_s=1.0,
-        exec_margin_s=60.0,
-        mean_context=1050.0,
-        backlog_s=600.0,
-    )
-    cluster = Cluster(
-        ClusterConfig(profiles={"default": profile}, instances=1, role="mixed"),
-        factory,
-        router=router,
-        controller=controller,
-    )
+    cluster, controller = _queue_tick_cluster(1, "mixed", 5, 1050.0, max_instances=1)
     mixed = cluster.instances[0]
     batch = ServiceClass("batch", "batch", deadline_s=600, itl_slo_s=2.0)
     for req in build_requests([0.0] * 5, [1000] * 5, [50] * 5, np.random.default_rng(1), prefix="b"):
