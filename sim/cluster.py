@@ -100,6 +100,7 @@ class RouteRouter(ClusterRouter):
         self._index: PrefixIndex | None = None
         self._prefill: dict[str, PrefillQueue] = {}  # instance -> the prefill sent there
         self._sent: dict[str, dict[Request, int]] = {}  # instance -> requests without a first token -> tokens
+        self._last_model: dict[str, str] = {}  # instance -> the model of the latest request sent there
 
     def route(self, req: Request, view: ClusterView) -> SimInstance:
         """The instance the core route picks among those serving ``req``'s model."""
@@ -107,8 +108,11 @@ class RouteRouter(ClusterRouter):
         if not cands:
             raise RuntimeError(f"no instance serves model {req.model!r} (request {req.id})")
         loads = [
-            InstanceLoad(i.name, req.model, i.role, i.profiles[req.model], i.max_batch, i.outstanding, True,
-                         i.ready_at, self._prefill_ahead(i.name) if self.uses_prefix else PrefillQueue())
+            InstanceLoad(i.name, req.model, i.role, i.profiles[req.model], i.max_batch,
+                         i.assigned_by_model[req.model], True, i.ready_at,
+                         self._prefill_ahead(i.name) if self.uses_prefix else PrefillQueue(),
+                         other_outstanding=i.outstanding - i.assigned_by_model[req.model],
+                         last_model=self._last_model.get(i.name))
             for i in cands
         ]  # fmt: skip
         route_req = RouteRequest(req.model, req.service_class.kind, self.stats, view.now,
@@ -124,6 +128,7 @@ class RouteRouter(ClusterRouter):
                 held = {i.name: min(i.held_prefix_blocks(blocks) * size, most) for i in cands}
                 route_req = replace(route_req, engine_cached_tokens=held)
         chosen = self.rule.pick(route_req, loads)
+        self._last_model[chosen.instance] = req.model
         if self.uses_prefix:
             tokens = max(0, req.prompt_tokens - route_req.cached_tokens.get(chosen.instance, 0))
             chosen.prefill.sent(tokens, view.now, chosen.profile)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -156,6 +156,7 @@ class SimInstance:
         self.used_blocks = 0
         self.swap_used_tokens = 0
         self.assigned: dict[Request, None] = {}  # routed here and not finished, in routing order
+        self.assigned_by_model: Counter[str] = Counter()  # the same requests, counted by model
         self._target: dict[Request, int] = {}  # output tokens each assigned request will produce
         self.now = created_at
         self.heap_seq = -1  # the cluster's latest heap entry for this instance
@@ -233,6 +234,7 @@ class SimInstance:
             )
         req.instance = self.name
         self.assigned[req] = None
+        self.assigned_by_model[req.model] += 1
         self._target[req] = req.target_output_tokens
         self.policy.add(req, now)
         self.notify(now)
@@ -276,6 +278,7 @@ class SimInstance:
             self.policy.remove(req, now)
             req.instance = None
         self.assigned.clear()
+        self.assigned_by_model.clear()
         self._target.clear()
         self.seg = None
         return out
@@ -643,6 +646,7 @@ class SimInstance:
         r.kv_resident = False
         r.finished_at = t
         del self.assigned[r]
+        self.assigned_by_model[r.model] -= 1
         del self._target[r]
         self.finished += 1
         self.policy.remove(r, t)

@@ -37,9 +37,8 @@ from tessera.core.policy import Decision, InstanceView
 from tessera.core.profile import StepProfile
 from tessera.core.profiles import load_profile
 from tessera.core.request import Request, ServiceClass
-from tessera.sim.cluster import ClusterConfig
+from tessera.sim.cluster import ClusterConfig, make_router
 from tessera.sim.engine import EngineConfig
-from tessera.sim.qlm_router import QLMRouter
 from tessera.sim.workloads import Mix, build_requests
 
 INTER = ServiceClass("interactive", "interactive", ttft_slo_s=20.0)
@@ -467,24 +466,26 @@ def test_grouping_and_load_balancing_cut_model_swaps() -> None:
     reqs = build_requests(np.linspace(0, 5, 150), [100] * 150, [100] * 150, rng, mix)
     cluster = _cluster(models, instances=2)
     _, naive = run_one(reqs, SwapFCFS, cluster)
-    _, qlm = run_one(reqs, QLMPolicy, cluster, router=QLMRouter())
+    _, qlm = run_one(reqs, QLMPolicy, cluster, router=make_router("least-wait"))
     assert qlm["swaps"] <= 2 * len(models)
     assert naive["swaps"] > 5 * qlm["swaps"]
     assert qlm["throughput_rps"] > 2 * naive["throughput_rps"]
 
 
-def test_qlm_router_uses_an_instance_that_has_not_served_yet() -> None:
-    # The first request arrives alone, so one instance's policy sees an engine view before the second
-    # instance ever runs; the later groups must still go to the idle instance, not all to the first.
+def test_live_route_keeps_models_together_and_uses_every_instance() -> None:
+    # Two models on two instances, the first request alone: the live route counts each instance's
+    # requests of every model and a swap where it has none of the request's model, so each model
+    # settles on its own instance (one swap each at most) and both instances serve.
     rng = np.random.default_rng(3)
     models = ("a", "b")
     mix = Mix(classes=((BATCH, 1.0),), models=tuple((m, 1.0) for m in models))
     arrivals = np.concatenate([[0.0], np.linspace(5, 10, 199)])
     reqs = build_requests(arrivals, [500] * 200, [200] * 200, rng, mix)
-    done, _ = run_one(reqs, QLMPolicy, _cluster(models, instances=2), router=QLMRouter())
+    done, metrics = run_one(reqs, QLMPolicy, _cluster(models, instances=2), router=make_router("least-wait"))
     served = Counter(r.instance for r in done)
     assert len(served) == 2 and min(served.values()) >= 50, served
     assert all(r.finished_at is not None for r in done)
+    assert metrics["swaps"] <= len(models), metrics["swaps"]
 
 
 def test_new_groups_join_after_their_model_and_save_swaps() -> None:

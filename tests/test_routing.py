@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.core.policies.qlm.estimator import EngineRates, request_wait
+from tessera.core.policies.qlm.lso import TierCosts
 from tessera.core.profile import StepProfile
 from tessera.core.routing import (
     InstanceLoad,
@@ -20,6 +21,7 @@ from tessera.core.routing import (
     healthy,
     make_route,
     seed_stats,
+    swap_penalty,
 )
 
 PROFILE = StepProfile("m", 0.01, 0.001, 0.0, 0.01, 0.0001, kv_capacity_tokens=1_000_000)
@@ -46,6 +48,24 @@ def test_wait_is_zero_with_a_free_batch_slot_and_qlm_rwt_beyond() -> None:
     rates = EngineRates(PROFILE, 4)
     assert estimated_wait(busy, stats, z=1.0) == pytest.approx(request_wait([(3, stats, rates)], 1.0))
     assert estimated_wait(load("a", batch=4, outstanding=9), stats) > estimated_wait(busy, stats)
+
+
+def test_a_multi_model_instance_counts_its_other_models_and_a_swap() -> None:
+    stats = seed_stats()
+    swap = TierCosts().engine_reinit_s + PROFILE.model_load_time()
+    # Six requests of another model in flight: they are ahead of this one, and a swap after them.
+    other = InstanceLoad("a", "m", "mixed", PROFILE, 4, 0, other_outstanding=6, last_model="n")
+    assert swap_penalty(other) == pytest.approx(swap)
+    rates = EngineRates(PROFILE, 4)
+    assert estimated_wait(other, stats, z=1.0) == pytest.approx(request_wait([(3, stats, rates)], 1.0) + swap)
+    # Requests of its own model there: it joins them, no swap of its own.
+    joining = InstanceLoad("b", "m", "mixed", PROFILE, 4, 1, other_outstanding=5, last_model="n")
+    assert swap_penalty(joining) == 0.0
+    # An idle instance that last served another model still swaps; one model alone never does.
+    assert swap_penalty(InstanceLoad("c", "m", "mixed", PROFILE, 4, last_model="n")) == pytest.approx(swap)
+    assert swap_penalty(InstanceLoad("d", "m", "mixed", PROFILE, 4, last_model="m")) == 0.0
+    assert swap_penalty(load("e", outstanding=0)) == 0.0
+    assert choose([other, joining], "m", "batch", stats) is joining
 
 
 def test_least_estimated_wait_wins_and_a_faster_instance_takes_a_longer_queue() -> None:
@@ -164,3 +184,30 @@ def test_expected_ttft_charges_only_the_prefill_left_ahead() -> None:
     assert route.pick(req, [busy, idle]).instance == "idle"  # 1 s ahead + 0.011 s > 0.51 s
     half = RouteRequest("m", "interactive", stats, 0.8, prompt_tokens=5_000, cached_tokens={"busy": 4_990})
     assert route.pick(half, [busy, idle]).instance == "busy"  # 0.21 s left + 0.011 s < 0.51 s
+
+
+def test_live_router_counts_a_multi_model_instance_s_other_models() -> None:
+    """The live router keeps a load per (instance, model); a request of one model must see the requests
+    of the instance's other models in flight and the model it last sent there."""
+    from pathlib import Path
+
+    from tessera.api import load_documents
+    from tessera.local.control_plane import LocalEngine, plan_local
+    from tessera.router.app import RouterState
+    from tessera.router.backends import Backend
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    config = plan_local(load_documents(examples / "quickstart.yaml"), LocalEngine()).instances[0].config
+    first = config.models[0]
+    two = config.model_copy(update={"models": [first, first.model_copy(update={"name": "other"})]})
+    state = RouterState([Backend(name=n, url=f"http://{n}", role="mixed", config=two) for n in ("a", "b")])
+    for load in state.loads.values():
+        load.healthy, load.batch_size = True, 2
+    state.loads[("a", "other")].outstanding = 6  # a is busy with the other model
+    assert state.pick(first.name, "batch", set()).load.instance == "b"
+    assert state.last_model == {"b": first.name}
+    state.loads[("b", first.name)].outstanding = 1
+    state.loads[("a", "other")].outstanding = 0
+    # b serves the first model now: the other model's request goes to a, which last served it
+    state.last_model["a"] = "other"
+    assert state.pick("other", "batch", set()).load.instance == "a"

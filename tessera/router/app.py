@@ -185,6 +185,7 @@ class RouterState:
         self.prefix_tokens: dict[str, list[int]] = {}  # instance -> [prompt tokens sent, of them cached]
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)  # cache-aware decisions
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session key -> its last instance (LRU)
+        self.last_model: dict[str, str] = {}  # instance -> the model of the latest request sent there
         self.engine_started: dict[tuple[str, str], float] = {}  # (instance, model) -> engine start time
         self.backends: dict[str, Backend] = {}
         self.loads: dict[tuple[str, str], InstanceLoad] = {}
@@ -267,11 +268,14 @@ class RouterState:
         token ids, or a text completion prompt or a chat tokenized and rendered as its workers do:
         ``PromptTokenizers``; a model without a tokenizer folder has none, and the text index's estimate
         stands in)."""
+        self._count_other_models()
         loads = [x for x in self.loads.values() if x.instance not in exclude]
         prompt_tokens = len(prompt_token_ids) or len(prompt_text) // CHARS_PER_TOKEN
         if not self.uses_prefix or not (prompt_text or prompt_token_ids):
             req = RouteRequest(model, kind, self.stats[model], time.monotonic(), ttft_slo_s=ttft_slo_s)
-            return Pick(self.route.pick(req, loads), prompt_tokens)
+            chosen = self.route.pick(req, loads)
+            self.last_model[chosen.instance] = model
+            return Pick(chosen, prompt_tokens)
         index = self._prefix_index(model)
         sticky = self.sessions.get(session) if session else None
         hashes = text_block_hashes(prompt_text)
@@ -289,6 +293,7 @@ class RouterState:
                            cached_tokens=cached, engine_cached_tokens=engine, ttft_slo_s=ttft_slo_s,
                            session_instance=sticky)  # fmt: skip
         chosen = self.route.pick(req, loads)
+        self.last_model[chosen.instance] = model
         index.record(chosen.instance, hashes, req.now)
         if session:
             self.sessions[session] = chosen.instance
@@ -304,6 +309,17 @@ class RouterState:
              "candidates": self.route.explain(req, loads)}
         )  # fmt: skip
         return Pick(chosen, req.prompt_tokens - hit)
+
+    def _count_other_models(self) -> None:
+        """Give each (instance, model) load the requests of the instance's other models in flight and
+        the model last sent there: a worker serving several models swaps between them (the
+        estimated wait counts both, ``tessera.core.routing.estimated_wait``)."""
+        per_instance: dict[str, int] = {}
+        for (name, _), load in self.loads.items():
+            per_instance[name] = per_instance.get(name, 0) + load.outstanding
+        for (name, _), load in self.loads.items():
+            load.other_outstanding = per_instance[name] - load.outstanding
+            load.last_model = self.last_model.get(name)
 
     def _prefix_index(self, model: str) -> PrefixIndex:
         index = self.prefixes.get(model)
@@ -375,6 +391,7 @@ class RouterState:
         """Every instance with its role, health, batch size, outstanding requests (and the prompt tokens
         it is expected to prefill for those without a first token yet, cache hits excluded) and
         estimated wait."""
+        self._count_other_models()
         return [
             {
                 "instance": x.instance,

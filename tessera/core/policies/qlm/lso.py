@@ -9,7 +9,7 @@
   now (eviction): those of groups behind the head, latest VQ position first, LIFO in a group,
   only as many as the head group needs.
 
-Pulling and load balancing are the VQ order itself (``QLMPolicy`` and ``QLMRouter``).
+Pulling is the VQ order itself (``QLMPolicy``); load balancing is the router's ``least-wait`` route.
 """
 
 from __future__ import annotations

@@ -25,8 +25,10 @@ and conversation trace lengths) the tail made 6-10 swaps per instance against ba
 after-model brought throughput from 6.48 to 6.99 and 7.03 to 7.77 req/s. The violation check still
 reorders when the insertion would make a group late.
 
-Load balancing (which instance's VQ a group joins) is ``QLMRouter``'s job (its estimate of a new
-group's start is the tail's, an upper bound under after-model).
+Load balancing is the router's: the live router's ``least-wait`` route sends each request to the
+instance of least estimated wait, counting every model's requests there and a model swap where the
+instance has none of this model's (``tessera.core.routing.swap_penalty``); the simulator routes
+through the same route.
 Assumes one GPU-resident model per instance (a swap flushes the KV cache), as the paper.
 """
 
@@ -374,28 +376,6 @@ class QLMPolicy(Policy):
                 out[id(req)] = start + drain_time(k, ahead_prompts, stats, rates, z)
                 ahead_prompts += req.prompt_tokens
         return out
-
-    def tail_start(self, model: str, now: float) -> float:
-        """Estimated start of a new group of ``model`` appended at the VQ tail (router placement)."""
-        pairs = self.queued(now)
-        swap = self.swap_time() if self.rates is not None else 0.0
-        if not pairs:
-            return self.residual(now, model) + (swap if self._active_model not in (None, model) else 0.0)
-        last = pairs[-1][1]
-        start = start_times([q for _, q in pairs], self._active_model, self.residual(now), swap)[-1]
-        start += last.costs.drain
-        if last.model != model:
-            start += swap + last.costs.beyond_drain
-        return start
-
-    def has_open_group(self, req: Request) -> bool:
-        """Whether ``req`` would join an existing open group here (router keeps groups together)."""
-        return self.grouper.open_group(group_key(req)) is not None
-
-    def tail_model(self) -> str | None:
-        """Model of the last group with waiting requests (or the loaded model)."""
-        pending = [g for g in self.vq.groups if g.n_pending]
-        return pending[-1].model if pending else self._active_model
 
     # ---- internals --------------------------------------------------------------------------
     def _stats_for(self, req: Request) -> TokenStats:
