@@ -654,6 +654,21 @@ def test_estimates_use_the_batch_the_engine_ran() -> None:
     assert eq16.batch_for(stats) == eq16.kv_batch(stats)
 
 
+def test_fallback_lets_a_doomed_group_wait_under_overload() -> None:
+    # One model, no order meets every SLO: EDF serves the group that is late anyway first and makes
+    # both others late (3 late); the heuristic order serves the two that can still make it (1 late).
+    queues = [QueueSpec("q", "a")]
+    short = GroupCosts(5, 4, 5, 1)
+    groups = [
+        GroupSpec(0, "a", 5.0, {"q": GroupCosts(10, 9, 10, 1)}),
+        GroupSpec(1, "a", 12.0, {"q": short}),
+        GroupSpec(2, "a", 13.0, {"q": short}),
+    ]
+    assert solve(groups, queues, SolverSettings(fallback="edf")).order["q"] == [0, 1, 2]
+    plan = solve(groups, queues, SolverSettings())
+    assert plan.order["q"][-1] == 0 and "1 groups late where EDF leaves 3" in plan.notes[-1]
+
+
 def _group_of(cls: ServiceClass) -> RequestGroup:
     group = RequestGroup(0, GroupKey("m", cls.name), limit=4)
     group.add(_req(0, cls=cls))

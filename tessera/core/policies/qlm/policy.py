@@ -5,7 +5,7 @@ At every decision point the agent
 1. syncs its groups with the engine's running set and refreshes the estimator
    online (eps from observed throughput, token statistics from completions);
 2. after arrivals, runs the RWT violation check on its VQ and, when a violation is
-   predicted, asks the global scheduler (MILP, EDF fallback) for a new order
+   predicted, asks the global scheduler (MILP, then a fallback order) for a new order
    (debounced: at most one solve per ``min_resolve_interval_s``);
 3. actuates the LSOs: **model swap** when the head group needs another model (drain
    first, or evict and swap at once when a reorder put that group at the head),
@@ -96,8 +96,8 @@ class QLMSettings(PolicySettings):
     )
     fallback: Literal["edf", "fewest-late"] = Field(
         default="fewest-late",
-        description="Order when no plan meets every SLO: edf (QLM's), or fewest-late (groups of several "
-        "models: the heuristic's block per model when it leaves fewer groups late than EDF).",
+        description="Order when no plan meets every SLO: edf (QLM's), or fewest-late (the heuristic plan, "
+        "a block per model, when it leaves fewer groups late than EDF).",
     )
     mip_gap: Annotated[float, Field(ge=0, lt=1)] = Field(
         default=0.01, description="Relative MILP gap accepted."
