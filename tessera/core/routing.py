@@ -62,6 +62,7 @@ ELIGIBLE_ROLES: dict[str, tuple[Role, ...]] = {
 }
 CHARS_PER_TOKEN = 4  # characters per token where a caller estimates tokens from text (English text)
 DEFAULT_Z = 1.0  # quantile of the waiting-time estimate (QLM's default confidence, about the 84th percentile)
+ENGINE_RESTART_S = TierCosts().engine_reinit_s  # a model swap's engine restart (QLM's tier default)
 
 
 class NoInstance(LookupError):
@@ -160,7 +161,7 @@ def estimated_wait(load: InstanceLoad, stats: TokenStats, z: float = DEFAULT_Z) 
 def swap_penalty(load: InstanceLoad) -> float:
     """The model swap a request of ``load.model`` waits for on a multi-model instance that has none of
     its model's requests and serves, or last served, another model: the engine restart QLM's tier model
-    charges (``TierCosts.engine_reinit_s``) plus loading the weights. 0 otherwise. CHOICE: this is what
+    charges (``ENGINE_RESTART_S``) plus loading the weights. 0 otherwise. CHOICE: this is what
     keeps a model's requests together under per-request routing (QLM's load balancing keeps request
     groups together; the live router sees requests, not the workers' groups): on ``tessera bench qlm
     --set part=multi`` with the code trace's lengths, counting the other models' requests and this
@@ -168,7 +169,7 @@ def swap_penalty(load: InstanceLoad) -> float:
     other = load.other_outstanding > 0 or load.last_model not in (None, load.model)
     if load.outstanding > 0 or not other or load.profile is None:
         return 0.0
-    return TierCosts().engine_reinit_s + load.profile.model_load_time()
+    return ENGINE_RESTART_S + load.profile.model_load_time()
 
 
 # ---- plugins ----------------------------------------------------------------------------------------

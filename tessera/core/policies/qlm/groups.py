@@ -196,12 +196,12 @@ class VirtualQueue:
     def insert_after_model(self, group: RequestGroup) -> None:
         """Add a group right after the last group of its model with waiting requests (at the tail when
         there is none), so that it runs before the VQ swaps away from its model."""
-        same = [i for i, g in enumerate(self.groups) if g.n_pending and g.model == group.model]
-        last = same[-1] if same else None
-        if last is None:
-            self.groups.append(group)
-        else:
-            self.groups.insert(last + 1, group)
+        for i in range(len(self.groups) - 1, -1, -1):  # from the tail: stops at the last such group
+            g = self.groups[i]
+            if g.n_pending and g.model == group.model:
+                self.groups.insert(i + 1, group)
+                return
+        self.groups.append(group)
 
     def replace(self, groups: Iterable[RequestGroup]) -> None:
         """Install a new order (from the global scheduler)."""
