@@ -8,7 +8,7 @@ from typing import Any
 from tessera.api.serving_pool import SCALING_HISTORY_LENGTH
 from tessera.api.times import parse_time as parse_time  # the operator reads status times through here
 from tessera.api.times import rfc3339 as rfc3339
-from tessera.core.planners import ROLES, GroupPlan, PlacementPlan, RoleCounts
+from tessera.core.planners import ROLES, GroupPlan, PlacementPlan, RoleCounts, parse_roles
 
 READY = "Ready"
 PLACED = "Placed"
@@ -105,6 +105,7 @@ def plan_to_status(
                 "services": list(g.services),
                 "tensorParallelSize": g.tp,
                 "replicas": {r: g.replicas.get(r) for r in ROLES},
+                "roles": list(g.roles),
                 "readyReplicas": ready.get(g.name, 0),
                 **({"batchSize": batch_sizes[g.name]} if g.name in batch_sizes else {}),
             }
@@ -130,6 +131,7 @@ def plan_from_status(placement: Mapping[str, Any] | None) -> PlacementPlan | Non
                 services=tuple(str(s) for s in g["services"]),
                 tp=int(g.get("tensorParallelSize", 1)),
                 replicas=RoleCounts(**{r: int(g.get("replicas", {}).get(r, 0)) for r in ROLES}),
+                roles=parse_roles(g.get("roles", [])),
             )
             for g in placement.get("groups", [])
         )

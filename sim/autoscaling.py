@@ -35,7 +35,7 @@ from tessera.core.chiron import (
     evaluate_group,
 )
 from tessera.core.planners.threshold import ThresholdSettings, threshold_decide
-from tessera.core.planners.types import ROLES, ChironSettings, MetricsSnapshot, RoleCounts
+from tessera.core.planners.types import ChironSettings, MetricsSnapshot, RoleCounts, assign_roles
 from tessera.core.policy import Policy
 from tessera.core.request import Request
 from tessera.sim.cluster import (
@@ -334,41 +334,27 @@ class ChironController(ClusterController):
         self.memory = step.memory
         assert step.decision is not None  # the simulator always measures
         self.timeline.reasons += [f"{view.now:.0f}s {r}" for r in step.decision.reasons]
-        return self._apply(step.decision.desired, _active(view), view.now)
+        return self._apply(step.decision.desired, _active(view))
 
-    def _apply(self, desired: RoleCounts, insts: list[SimInstance], now: float) -> list[ClusterAction]:
-        """Actions moving the live instances to ``desired`` (conversions first: they are free)."""
-        by_role: dict[str, list[SimInstance]] = {r: [i for i in insts if i.role == r] for r in ROLES}
-        actions: list[ClusterAction] = []
-        # Convert between interactive and mixed before launching or removing (no cold start).
-        for src, dst in (("mixed", "interactive"), ("interactive", "mixed")):
-            move = min(
-                len(by_role[src]) - desired.get(src),  # type: ignore[arg-type]
-                desired.get(dst) - len(by_role[dst]),  # type: ignore[arg-type]
-            )
-            for inst in sorted(by_role[src], key=lambda i: queue_of(i).batch)[: max(0, move)]:
-                actions.append(SetRole(inst.name, dst))
-                by_role[src].remove(inst)
-                by_role[dst].append(inst)
-        for role in ("interactive", "mixed", "batch"):
-            have = by_role[role]
-            want = desired.get(role)  # type: ignore[arg-type]
-            if want > len(have):
-                actions += [AddInstance(role=role) for _ in range(want - len(have))]
-                self.timeline.scale_ups += 1
-                self.timeline.actions += 1
-            elif want < len(have):
-                # Pending launches go first, then the emptiest; instances with interactive work drain.
-                victims = sorted(
-                    have, key=lambda i: (i.ready_at <= now, queue_of(i).interactive, i.outstanding)
-                )
-                for inst in victims[: len(have) - want]:
-                    if queue_of(inst).interactive:
-                        actions.append(DrainInstance(inst.name))
-                    else:
-                        actions.append(RemoveInstance(inst.name))  # its batch work returns to the queue
-                self.timeline.actions += 1
-        return actions
+    def _apply(self, desired: RoleCounts, insts: list[SimInstance]) -> list[ClusterAction]:
+        """Actions moving the live instances to ``desired`` as a cluster's StatefulSet does (``assign_roles``;
+        the live instances in creation order are the ordinals, since only the highest leave): an instance
+        below the new total takes its ordinal's role (re-labelled, no cold start), a larger total starts
+        instances, a smaller one removes the highest ordinals (those with interactive work drain; batch
+        work returns to the queue)."""
+        roles = assign_roles(desired, [inst.role for inst in insts])
+        actions: list[ClusterAction] = [
+            SetRole(inst.name, role) for inst, role in zip(insts, roles, strict=False) if inst.role != role
+        ]
+        starts = [AddInstance(role=role) for role in roles[len(insts) :]]
+        for inst in insts[len(roles) :]:
+            leave = DrainInstance if queue_of(inst).interactive else RemoveInstance
+            actions.append(leave(inst.name))
+        if starts:
+            self.timeline.scale_ups += 1
+        if len(actions) + len(starts):
+            self.timeline.actions += 1
+        return actions + starts
 
 
 class ThresholdController(ClusterController):

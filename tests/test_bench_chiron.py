@@ -12,11 +12,20 @@ from tessera.bench.scenarios import BenchConfig
 from tessera.bench.scenarios import chiron as scenario
 from tessera.core.baselines import EDF, FCFS
 from tessera.core.chiron import ChironLocal, ChironPolicy, GlobalQueue, RunningStats, chiron_pick, spike_p99
-from tessera.core.planners.types import ChironSettings
+from tessera.core.planners.types import ChironSettings, RoleCounts
 from tessera.core.profiles import load_profile
 from tessera.core.request import ServiceClass
 from tessera.sim.autoscaling import InstanceTarget, ThresholdController, chiron_cluster
-from tessera.sim.cluster import Cluster, ClusterConfig, ClusterController, ClusterRouter, Dispatch
+from tessera.sim.cluster import (
+    AddInstance,
+    Cluster,
+    ClusterConfig,
+    ClusterController,
+    ClusterRouter,
+    Dispatch,
+    RemoveInstance,
+    SetRole,
+)
 from tessera.sim.engine import EngineConfig
 from tessera.sim.workloads import build_requests
 
@@ -407,3 +416,18 @@ def test_demand_utilization_sums_instances_before_dividing():
     assert ctl._utilization(cluster.instances, cluster.view()) == 1.0
     kv_only = ThresholdController(ThresholdSettings(), None, interval_s=10.0, static_batch=256)
     assert kv_only._utilization(cluster.instances, cluster.view()) < 0.05  # nothing resident yet
+
+
+def test_the_controller_carries_out_counts_as_the_statefulset_does():
+    """The simulator's Chiron controller changes instances as a cluster does (``assign_roles``): an
+    interactive instance added beside batch ones re-roles none of them, and when the batch work ends
+    the highest ordinals leave and a batch instance left below them serves interactive at once."""
+    cluster, controller = _queue_tick_cluster(3, "batch", 16, 1000.0, max_instances=4)
+    insts = list(cluster.instances)
+    actions = controller._apply(RoleCounts(interactive=1, batch=3), insts)
+    assert actions == [AddInstance(role="interactive")]
+    cluster.apply(actions)
+    insts = list(cluster.instances)
+    assert [inst.role for inst in insts] == ["batch", "batch", "batch", "interactive"]
+    actions = controller._apply(RoleCounts(interactive=1), insts)
+    assert actions == [SetRole(insts[0].name, "interactive")] + [RemoveInstance(x.name) for x in insts[1:]]

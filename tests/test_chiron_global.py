@@ -14,6 +14,7 @@ from tessera.core.planners import (
     ChironSettings,
     MetricsSnapshot,
     RoleCounts,
+    assign_roles,
     chiron_decide,
 )
 from tessera.core.planners.chiron import batch_backpressure, waiting_time
@@ -264,3 +265,23 @@ def test_arrival_meter_counts_the_window():
     assert young.rate(100.0) == 0.0
     with pytest.raises(ValueError, match="window"):
         ArrivalMeter(0.0)
+
+
+def test_a_change_of_counts_re_roles_only_what_it_must():
+    """Decided counts reach a group's pods by ordinal (one StatefulSet: only the highest ordinals leave,
+    new ones come after the last); each running pod keeps its role where the counts allow."""
+    i, m, b = "interactive", "mixed", "batch"
+    assert assign_roles(RoleCounts(interactive=2, mixed=1, batch=1)) == (i, i, m, b)
+    # one more interactive beside the batch ones: a new ordinal; no batch pod is re-roled
+    assert assign_roles(RoleCounts(interactive=3, batch=3), (i, i, b, b, b)) == (i, i, b, b, b, i)
+    # and one fewer again: the top one leaves
+    assert assign_roles(RoleCounts(interactive=2, batch=3), (i, i, b, b, b, i)) == (i, i, b, b, b)
+    # fewer interactive with the interactive ones below the batch ones: the highest surplus ordinal
+    # takes the missing role, the top (batch) ordinal leaves
+    assert assign_roles(RoleCounts(interactive=2, batch=2), (i, i, i, b, b)) == (i, i, b, b)
+    # the batch work done: kept batch ordinals become interactive at once instead of starting new ones
+    assert assign_roles(RoleCounts(interactive=3), (i, i, b, b, b, i)) == (i, i, i)
+    # running ordinals take the missing roles before new ones do, interactive first (highest ordinal)
+    assert assign_roles(RoleCounts(interactive=1, mixed=1), (b, b)) == (m, i)
+    assert assign_roles(RoleCounts(interactive=2, batch=1), (b, b)) == (b, i, i)
+    assert assign_roles(RoleCounts(), (i, b)) == ()

@@ -40,7 +40,8 @@ def _text(inflight: dict[str, float], queued: dict[str, float], itl_count: float
 
 def test_scrapes_read_as_the_operators_queries_give_the_snapshot() -> None:
     plan = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine())
-    group = replace(plan.groups[0].group, replicas=RoleCounts(interactive=1, mixed=1, batch=1))
+    group = replace(plan.groups[0].group, replicas=RoleCounts(interactive=1, mixed=1, batch=1),
+                    roles=("interactive", "mixed", "batch"))  # fmt: skip
     pods = [f"{plan.groups[0].pool}-{group.name}-{i}" for i in range(3)]
     first = {
         pods[0]: _text({"chat": 2, "offline": 0}, {"chat": 1, "offline": 0}, 100, started=10),

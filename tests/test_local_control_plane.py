@@ -9,8 +9,9 @@ import pytest
 
 from tessera.api import load_documents
 from tessera.api.worker_config import ProfileSpec
-from tessera.control.children import CONFIG_KEY, roles_by_ordinal
+from tessera.control.children import CONFIG_KEY
 from tessera.control.pool_plan import desired_pool
+from tessera.core.planners import RoleCounts, assign_roles
 from tessera.local.control_plane import (
     ADMIN_TOKEN_ENV,
     LocalEngine,
@@ -82,7 +83,7 @@ def test_nothing_to_serve_says_why() -> None:
         plan_local([d for d in docs if d.kind != "ServingPool"], LocalEngine())
 
 
-def test_roles_follow_the_operators_ordinal_order() -> None:
-    assert roles_by_ordinal({"batch": 1, "interactive": 2, "mixed": 1}) == [
+def test_a_new_group_orders_its_roles_interactive_mixed_batch() -> None:
+    assert assign_roles(RoleCounts(batch=1, interactive=2, mixed=1)) == (
         "interactive", "interactive", "mixed", "batch"
-    ]  # fmt: skip
+    )  # fmt: skip

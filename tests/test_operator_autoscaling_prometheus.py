@@ -188,6 +188,9 @@ async def test_load_step_scales_up_within_an_interval_and_down_after_the_cooldow
     history = body["status"]["scalingHistory"]
     ups = [h for h in history if h["toReplicas"] > h["fromReplicas"]]
     assert ups and "IBP" in ups[-1]["reason"]
+    # and each pod's role by ordinal, as the ConfigMap gives it to the router
+    (group,) = body["status"]["placement"]["groups"]
+    assert group["roles"] == ["interactive"] * sum(group["replicas"].values()) == ["interactive"]
     print(
         f"load visible in Prometheus after {measured_after:.2f}s; first evaluation seeing it "
         f"{first[0] - visible:.2f}s later scaled 1 -> 2 (StatefulSet patched {scaled_up - start:.2f}s "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +142,18 @@ def test_scaling_history_is_capped_oldest_first() -> None:
 def test_plan_round_trips_through_status() -> None:
     plan = decide(example("multi-model.yaml")).plan
     assert plan_from_status(plan_to_status(plan, {})).groups == plan.groups
+    # each pod keeps its role: a batch pod at ordinal 0 stays batch when an interactive one is added
+    group = replace(
+        plan.groups[0], replicas=RoleCounts(interactive=1, batch=1), roles=("batch", "interactive")
+    )
+    scaled = replace(group, replicas=RoleCounts(interactive=2, batch=1))
+    assert scaled.roles == ("batch", "interactive", "interactive")
+    back = plan_from_status(plan_to_status(replace(plan, groups=(scaled,)), {}))
+    assert back is not None and back.groups == (scaled,)
     assert plan_from_status({"strategy": "x", "groups": [{"services": []}]}) is None
+    bad = plan_to_status(plan, {})
+    bad["groups"][0]["roles"] = ["interactive", "gpu"]
+    assert plan_from_status(bad) is None
 
 
 # -- pool decisions ---------------------------------------------------------------------------------
@@ -194,8 +206,8 @@ def _sample(value: float, **labels: str) -> dict[str, Any]:
 
 
 def test_roles_follow_pod_ordinals() -> None:
-    roles = RoleCounts(interactive=2, mixed=1, batch=1)
-    assert [role_of(i, roles) for i in range(5)] == ["interactive", "interactive", "mixed", "batch", None]
+    roles = ("batch", "interactive", "interactive", "mixed")
+    assert [role_of(i, roles) for i in range(5)] == ["batch", "interactive", "interactive", "mixed", None]
 
 
 def test_snapshot_from_prometheus_results() -> None:

@@ -4,6 +4,7 @@ ConfigMap, ready pods by ordinal, and with the pool's kvEvents each pod's KV-eve
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,15 +13,17 @@ from test_children_gpu_pods import engine_servers
 from tessera.api import load_documents
 from tessera.control.children import desired_children
 from tessera.control.pool_plan import desired_pool
-from tessera.core.planners import RoleCounts
+from tessera.core.planners import Role, RoleCounts
 from tessera.router.discovery import backends_from_cluster
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def _rendered(kv_events: bool = False) -> tuple[list[dict], dict]:
+def _rendered(
+    kv_events: bool = False, roles: tuple[Role, ...] = ("interactive", "mixed", "batch")
+) -> tuple[list[dict], dict]:
     """The quickstart's group ConfigMaps and StatefulSet as the operator writes them (``kv_events``:
-    the pool's kvEvents)."""
+    the pool's kvEvents), its pods running ``roles`` by ordinal."""
     bodies = [d.to_json() for d in load_documents(EXAMPLES / "quickstart.yaml")]
     for b in bodies:
         b["metadata"]["uid"] = "u"
@@ -28,14 +31,14 @@ def _rendered(kv_events: bool = False) -> tuple[list[dict], dict]:
         bodies[0]["spec"]["kvEvents"] = True
     desired = desired_pool(bodies[0], bodies[3:], bodies[1:3], None, 0.0)
     (group,) = desired.plan.groups
-    group = replace(group, replicas=RoleCounts(interactive=1, mixed=1, batch=1))
+    group = replace(group, replicas=RoleCounts(**Counter(roles)), roles=roles)
     children = desired_children(desired.pool, [group], desired.services, desired.configs, "ns")
     sts = next(c for c in children if c["kind"] == "StatefulSet")
     return [c for c in children if c["kind"] == "ConfigMap"], sts
 
 
-def _children() -> tuple[list[dict], str]:
-    config_maps, sts = _rendered()
+def _children(roles: tuple[Role, ...] = ("interactive", "mixed", "batch")) -> tuple[list[dict], str]:
+    config_maps, sts = _rendered(roles=roles)
     return config_maps, sts["metadata"]["name"]
 
 
@@ -81,6 +84,16 @@ def test_ready_pods_become_backends_with_roles_by_ordinal() -> None:
     assert backends[0].config.to_json() == expected
 
 
+def test_pods_take_the_role_the_config_map_gives_their_ordinal() -> None:
+    """After scaling, pods keep their roles out of the interactive-mixed-batch order: a batch pod at
+    ordinal 0 is routed as batch."""
+    config_maps, sts = _children(roles=("batch", "interactive", "mixed"))
+    labels = config_maps[0]["metadata"]["labels"]
+    pods = [_pod(f"{sts}-{i}", labels, f"10.0.0.{i + 1}") for i in range(3)]
+    backends = backends_from_cluster(config_maps, pods).backends
+    assert [b.role for b in backends] == ["batch", "interactive", "mixed"]
+
+
 def test_a_group_config_map_is_read_back_as_written_and_a_broken_one_is_named() -> None:
     import pytest
 
@@ -94,6 +107,14 @@ def test_a_group_config_map_is_read_back_as_written_and_a_broken_one_is_named() 
     broken = {"metadata": {"name": "g-config"}, "data": {**cm["data"], "worker.json": "{not json"}}
     with pytest.raises(ChildError, match=r"ConfigMap g-config: invalid worker\.json"):
         read_group_config_map(broken)
+    placement = json.loads(cm["data"]["placement.json"])
+    older = {**placement, "roles": {"interactive": 1, "batch": 2}}
+    del older["ordinalRoles"]  # written before pods kept their roles: the counts in role order
+    read = read_group_config_map({**cm, "data": {**cm["data"], "placement.json": json.dumps(older)}})
+    assert read is not None and read.roles == ["interactive", "batch", "batch"]
+    wrong = {**placement, "ordinalRoles": ["interactive", "gpu", "batch"]}
+    with pytest.raises(ChildError, match="roles must be a list of interactive, mixed, batch"):
+        read_group_config_map({**cm, "data": {**cm["data"], "placement.json": json.dumps(wrong)}})
 
 
 def test_forged_and_broken_objects_are_skipped_and_counted_not_routed_to() -> None:

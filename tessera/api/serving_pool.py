@@ -437,6 +437,11 @@ class PlacementGroup(ApiModel):
     services: list[str] = Field(description="LLMServices placed in the group.")
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per instance used by the group.")
     replicas: ReplicasByRole = nested(ReplicasByRole, "Instances by role.")
+    roles: list[Literal["interactive", "mixed", "batch"]] = Field(
+        default_factory=list,
+        description="The role of each pod by ordinal (pod N runs roles[N]): a change of the counts keeps "
+        "each running pod's role where it can, so scaling one role re-roles no other pod.",
+    )
     ready_replicas: int = Field(default=0, ge=0, description="Instances ready to serve.")
     batch_size: int | None = Field(
         default=None,

@@ -28,10 +28,12 @@ servers up until the worker has stopped serving (or that grace ran out), then st
 ``terminationGracePeriodSeconds`` adds ``TERMINATION_MARGIN_SECONDS`` for vLLM's own shutdown. The
 group's PodDisruptionBudget bounds voluntary evictions (node drains) the same way.
 
-Roles inside a group (Chiron): one StatefulSet holds all the group's instances, ordered interactive,
-then mixed, then batch by pod ordinal. Scaling a StatefulSet down removes the highest ordinals first, so
-batch instances go first, then mixed, then interactive — the order Chiron retires them in. The worker
-reads the role counts from the (hot-reloaded) ConfigMap and its ordinal from its pod name.
+Roles inside a group (Chiron): one StatefulSet holds all the group's instances, and the ConfigMap's
+``ordinalRoles`` gives each pod ordinal its role (``GroupPlan.roles``, ``assign_roles``). Scaling
+a StatefulSet down removes the highest ordinals first, whatever their role; a change of the counts keeps
+each running pod's role where it can and re-roles the highest ordinals of a role over its count, so
+scaling one role moves no pod of another. A role only steers routing, read by the router from the
+(hot-reloaded) ConfigMap with the ordinal from the pod name: a re-roled pod restarts nothing.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from tessera.api.worker_config import ProfileSpec, WorkerConfig
 from tessera.control.inputs import pool_input, service_input
 from tessera.control.placement_sim import BLOCK_TOKENS, group_profiles
 from tessera.core.activation import IdlePolicy
-from tessera.core.planners import GroupPlan, Role
+from tessera.core.planners import GroupPlan, Role, RoleCounts, assign_roles, parse_roles
 from tessera.core.prefix import kv_events_config
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -154,14 +156,6 @@ PACED_POLICIES = frozenset({"qoe"})
 DEFAULT_BATCHED_TOKENS = 8192  # vLLM's default token budget of one step on GPUs of 70 GiB or more
 # vLLM's sleep mode (model swapping by sleep / wake-up) is a development endpoint: the server needs it on.
 SLEEP_MODE_ENV = {"name": "VLLM_SERVER_DEV_MODE", "value": "1"}
-
-
-ROLE_ORDER: tuple[Role, ...] = ("interactive", "mixed", "batch")  # pods by ordinal: the StatefulSet's order
-
-
-def roles_by_ordinal(roles: dict[str, int]) -> list[Role]:
-    """The role of each pod ordinal: interactive first, then mixed, then batch (the operator's order)."""
-    return [role for role in ROLE_ORDER for _ in range(int(roles.get(role, 0)))]
 
 
 def worker_engine(pool: ServingPool) -> str:
@@ -550,9 +544,9 @@ def scale_to_zero_models(group: GroupPlan, services: Mapping[str, LLMService]) -
 
 
 def placement_info(pool: ServingPool, group: GroupPlan, services: Mapping[str, LLMService]) -> dict[str, Any]:
-    """Where a pod sits: its pool, group and the instance counts by Chiron role (by pod ordinal:
-    interactive first, then mixed, then batch), and, for a group that scales to zero, each model's
-    LLMService and idle policy (``scale_to_zero_models``)."""
+    """Where a pod sits: its pool, group, the instance counts by Chiron role and each pod ordinal's role
+    (``ordinalRoles``), and, for a group that scales to zero, each model's LLMService and idle policy
+    (``scale_to_zero_models``)."""
     info: dict[str, Any] = {
         "pool": pool.name,
         "group": group.name,
@@ -563,6 +557,7 @@ def placement_info(pool: ServingPool, group: GroupPlan, services: Mapping[str, L
             "mixed": group.replicas.mixed,
             "batch": group.replicas.batch,
         },
+        "ordinalRoles": list(group.roles),
     }
     sleeping = scale_to_zero_models(group, services)
     if sleeping:
@@ -621,7 +616,10 @@ def read_group_config_map(config_map: Mapping[str, Any]) -> GroupConfigMap | Non
     name = (config_map.get("metadata") or {}).get("name", "?")
     try:
         placement = json.loads(data[PLACEMENT_KEY])
-        roles = roles_by_ordinal(placement["roles"])
+        counts = RoleCounts(**{role: int(n) for role, n in placement["roles"].items()})
+        roles = list(parse_roles(placement["ordinalRoles"])) if "ordinalRoles" in placement else None
+        if roles is None or len(roles) != counts.total:  # written before pods kept their roles
+            roles = list(assign_roles(counts))
         sleeping = {
             str(model): SleepingModel(
                 str(m["service"]),

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.core.planners import ROLES, BatchGroup, GroupPlan, MetricsSnapshot, RoleCounts
+from tessera.core.planners import ROLES, BatchGroup, GroupPlan, MetricsSnapshot, Role, RoleCounts
 
 Query = Callable[[str], list[dict[str, Any]]]
 DEFAULT_WINDOW = "2m"
@@ -46,14 +46,10 @@ def class_regex(names: Sequence[str]) -> str:
     return "|".join(re.escape(n) for n in sorted(names)) if names else "$^"
 
 
-def role_of(ordinal: int, roles: RoleCounts) -> str | None:
-    """The Chiron role of a group's pod by StatefulSet ordinal: interactive, then mixed, then batch."""
-    bound = 0
-    for role in ROLES:
-        bound += roles.get(role)
-        if ordinal < bound:
-            return role
-    return None
+def role_of(ordinal: int, roles: Sequence[Role]) -> Role | None:
+    """The Chiron role of a group's pod by StatefulSet ordinal (``GroupPlan.roles``); None past the
+    group's pods."""
+    return roles[ordinal] if 0 <= ordinal < len(roles) else None
 
 
 def _ordinal(pod: str) -> int | None:
@@ -115,7 +111,7 @@ def snapshot_from_results(
     ready = {r: 0 for r in ROLES}
     for sample in up:
         ordinal = _ordinal(sample.get("metric", {}).get("pod", ""))
-        role = role_of(ordinal, group.replicas) if ordinal is not None else None
+        role = role_of(ordinal, group.roles) if ordinal is not None else None
         if role is not None and _value(sample) == 1:
             ready[role] += 1
     ready_counts = RoleCounts(**ready)

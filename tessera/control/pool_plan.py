@@ -252,7 +252,12 @@ def carry_counts(pool: ServingPool, new: PlacementPlan, previous: PlacementPlan 
     carried = replace(
         new,
         groups=tuple(
-            replace(g, replicas=kept[g.name].replicas, batch_size=kept[g.name].batch_size)
+            replace(
+                g,
+                replicas=kept[g.name].replicas,
+                batch_size=kept[g.name].batch_size,
+                roles=kept[g.name].roles,
+            )
             if g.name in kept
             else g
             for g in new.groups

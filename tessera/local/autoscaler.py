@@ -15,16 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import httpx
 
-from tessera.control.children import ROLE_ORDER
 from tessera.control.metrics_queries import snapshot_from_results
 from tessera.control.pool_plan import GroupScaling, group_scaling
 from tessera.core.chiron import GroupMemory, evaluate_group
-from tessera.core.planners import RoleCounts
+from tessera.core.planners import ROLES, Role, RoleCounts
 from tessera.core.routing import InstanceLoad
 from tessera.local.control_plane import LocalGroup
 from tessera.local.scrape import Counters, results_from_scrapes
@@ -46,10 +45,11 @@ class _Group:
     counters: Counters = field(default_factory=dict)
 
 
-def effective_counts(local: LocalGroup, counts: RoleCounts) -> RoleCounts:
-    """``counts`` as local mode runs them: cut to the local cap, highest ordinals first."""
-    roles = local.roles(counts)
-    return RoleCounts(**{r: roles.count(r) for r in ROLE_ORDER})
+def effective_counts(local: LocalGroup, counts: RoleCounts, current: Sequence[Role] = ()) -> RoleCounts:
+    """``counts`` as local mode runs them from the running ordinals' roles ``current``: cut to the local
+    cap, highest ordinals first."""
+    roles = local.roles(counts, current)
+    return RoleCounts(**{r: roles.count(r) for r in ROLES})
 
 
 class LocalAutoscaler:
@@ -109,13 +109,13 @@ class LocalAutoscaler:
             texts = await asyncio.gather(*(_scrape(client, w.url) for w in workers))
             scrapes = {w.instance.name: t for w, t in zip(workers, texts, strict=True)}
             results, g.counters = results_from_scrapes(scrapes, g.scaling.kinds, g.counters, now)
-            plan = replace(g.local.group, replicas=g.replicas)
+            plan = replace(g.local.group, replicas=g.replicas, roles=tuple(w.instance.role for w in workers))
             snapshot = snapshot_from_results(results, plan, g.scaling.deadlines, now)
             step = evaluate_group(snapshot, g.memory, g.scaling.settings, now)
             g.memory = step.memory
             if step.decision is None:
                 continue
-            desired = effective_counts(g.local, step.decision.desired)
+            desired = effective_counts(g.local, step.decision.desired, plan.roles)
             if desired != g.replicas:
                 name = g.local.group.name
                 message = (
@@ -133,8 +133,8 @@ class LocalAutoscaler:
 
     def _resize(self, g: _Group, desired: RoleCounts) -> None:
         """Start, re-role and retire workers so that the group runs ``desired``."""
-        roles = g.local.roles(desired)
         workers = self._workers(g)
+        roles = g.local.roles(desired, [w.instance.role for w in workers])
         for w in workers[: len(roles)]:
             if w.instance.role != roles[w.instance.ordinal]:
                 w.instance = replace(w.instance, role=roles[w.instance.ordinal])

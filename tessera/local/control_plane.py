@@ -15,9 +15,8 @@ from typing import Any, Literal
 
 from tessera.api import LLMService, RequestClass, ServingPool
 from tessera.api.worker_config import WorkerConfig
-from tessera.control.children import ROLE_ORDER, roles_by_ordinal
 from tessera.control.pool_plan import PoolDesired, Problem, desired_pool
-from tessera.core.planners import GroupPlan, RoleCounts
+from tessera.core.planners import GroupPlan, RoleCounts, assign_roles
 
 Role = Literal["interactive", "mixed", "batch"]
 # Local workers read their admin token from here (the supervisor sets it): local mode may switch the
@@ -115,9 +114,10 @@ class LocalGroup:
         return LocalInstance(f"{self.pool}-{self.group.name}-{ordinal}", self.pool, self.group.name, ordinal,
                         role, self.config, self.kv_events)  # fmt: skip
 
-    def roles(self, counts: RoleCounts) -> list[Role]:
-        """The role of each running ordinal for ``counts``, within the local cap."""
-        roles = roles_by_ordinal({r: counts.get(r) for r in ROLE_ORDER})
+    def roles(self, counts: RoleCounts, current: Sequence[Role] = ()) -> list[Role]:
+        """The role of each ordinal for ``counts`` (``assign_roles`` from the roles the running ordinals
+        have, ``current``), within the local cap."""
+        roles = list(assign_roles(counts, current))
         return roles if self.instance_cap is None else roles[: self.instance_cap]
 
 

@@ -39,6 +39,8 @@ from tessera.core.planners.types import (
     ScalingDecision,
     ServiceInput,
     Strategy,
+    assign_roles,
+    parse_roles,
 )
 
 __all__ = [
@@ -61,8 +63,10 @@ __all__ = [
     "Strategy",
     "ThresholdDecision",
     "ThresholdSettings",
+    "assign_roles",
     "chiron_decide",
     "next_replacement_interval",
+    "parse_roles",
     "rollout_diff",
     "threshold_decide",
 ]

@@ -7,6 +7,8 @@ onto these. Times are seconds, memory is bytes, rates are requests per second.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -153,6 +155,37 @@ class RoleCounts:
         return f"{self.interactive}i/{self.mixed}m/{self.batch}b"
 
 
+def assign_roles(desired: RoleCounts, current: Sequence[Role] = ()) -> tuple[Role, ...]:
+    """The role of each instance ordinal for ``desired``, given the role each running ordinal has now.
+
+    A group's pods are one StatefulSet: a smaller total removes the highest ordinals, a larger one
+    starts new ordinals after the last, and any running pod can change role without a restart (the
+    role only steers routing and dispatch). So the ordinals below the new total keep their role where
+    the counts allow; the highest ordinals of a role over its count change to the roles under theirs,
+    interactive first (a running instance serves at once, a new one after its cold start); the new
+    ordinals take what is still missing, in ``ROLES`` order. Without running ordinals: interactive
+    first, then mixed, then batch. The operator, local mode and the simulator's Chiron controller all
+    carry out a decision with it, so a change of one role's count re-roles no other instance. (Roles by
+    ordinal in a fixed order re-roled a batch instance, and removed the top one with its batch work,
+    at every change of the interactive count.)"""
+    kept = list(current[: desired.total])
+    have = Counter(kept)
+    missing = [r for r in ROLES for _ in range(max(0, desired.get(r) - have[r]))]
+    for ordinal in reversed(range(len(kept))):
+        role = kept[ordinal]
+        if have[role] > desired.get(role):
+            have[role] -= 1
+            kept[ordinal] = missing.pop(0)
+    return (*kept, *missing)
+
+
+def parse_roles(value: object) -> tuple[Role, ...]:
+    """A list of roles read back from stored JSON (status, ConfigMap); ValueError naming what is wrong."""
+    if not isinstance(value, list) or not all(role in ROLES for role in value):
+        raise ValueError(f"roles must be a list of {', '.join(ROLES)}, got {value!r}")
+    return tuple(value)
+
+
 @dataclass(frozen=True, slots=True)
 class GroupPlan:
     """One placement group: services co-located on instances of ``tp`` GPUs each.
@@ -165,6 +198,12 @@ class GroupPlan:
     tp: int
     replicas: RoleCounts
     batch_size: int | None = None
+    # The role of each pod ordinal: always ``assign_roles`` of ``replicas`` from the roles given, so a
+    # copy with new counts (``replace(group, replicas=...)``) re-roles no more running pods than it must.
+    roles: tuple[Role, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "roles", assign_roles(self.replicas, self.roles))
 
     @property
     def key(self) -> tuple[tuple[str, ...], int]:
