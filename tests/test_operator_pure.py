@@ -211,12 +211,18 @@ def test_roles_follow_pod_ordinals() -> None:
 
 
 def test_snapshot_from_prometheus_results() -> None:
-    group = GroupPlan("g", ("svc",), 1, RoleCounts(interactive=2, mixed=1))
+    group = GroupPlan("g", ("svc",), 1, RoleCounts(interactive=2, mixed=1, batch=1))
     queries = group_queries("ns", "p", "g", {"chat": "interactive", "offline": "batch"}, "2m")
     assert 'class=~"chat"' in queries["interactive_inflight"] and 'group="g"' in queries["up"]
     results = {
-        "up": [_sample(1, pod="p-g-0"), _sample(1, pod="p-g-1"), _sample(0, pod="p-g-2")],
-        "interactive_inflight": [_sample(3, pod="p-g-0"), _sample(0, pod="p-g-1")],
+        "up": [
+            _sample(1, pod="p-g-0"),
+            _sample(1, pod="p-g-1"),
+            _sample(0, pod="p-g-2"),
+            _sample(1, pod="p-g-3"),
+        ],
+        # the batch pod's interactive request is not interactive capacity in use
+        "interactive_inflight": [_sample(3, pod="p-g-0"), _sample(0, pod="p-g-1"), _sample(1, pod="p-g-3")],
         "interactive_queued": [_sample(2)],
         "batch_queued": [_sample(40, **{"class": "offline"})],
         "batch_running": [_sample(5)],
@@ -229,7 +235,7 @@ def test_snapshot_from_prometheus_results() -> None:
     assert snap is not None and snap.interactive_arrival_rps == 4.5
     unmeasured = snapshot_from_results({**results, "interactive_rate": []}, group, {}, 0.0)
     assert unmeasured is not None and unmeasured.interactive_arrival_rps is None
-    assert snap.ready == RoleCounts(interactive=2) and snap.pending == RoleCounts(mixed=1)
+    assert snap.ready == RoleCounts(interactive=2, batch=1) and snap.pending == RoleCounts(mixed=1)
     assert snap.instances_with_interactive == 1 and snap.interactive_queued == 2
     assert snap.batch_queue[0].count == 40 and snap.batch_queue[0].deadline == 1600.0
     assert snap.batch_running == 5 and snap.batch_tokens_per_s is None

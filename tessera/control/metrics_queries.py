@@ -57,6 +57,11 @@ def _ordinal(pod: str) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
+def _pod_role(sample: Mapping[str, Any], roles: Sequence[Role]) -> Role | None:
+    ordinal = _ordinal(sample.get("metric", {}).get("pod", ""))
+    return role_of(ordinal, roles) if ordinal is not None else None
+
+
 def _value(sample: Mapping[str, Any]) -> float:
     try:
         value = float(sample["value"][1])
@@ -100,7 +105,8 @@ def snapshot_from_results(
 ) -> MetricsSnapshot | None:
     """A group's MetricsSnapshot from the query results of ``group_queries``.
 
-    Pods count as ready when their scrape is up; the rest of the group's planned pods are pending.
+    Pods count as ready when their scrape is up; the rest of the group's planned pods are pending. A
+    pod's role is its ordinal's in ``GroupPlan.roles``.
     Batch groups: the worker exports queue lengths, not arrival times, so each batch class is one
     request group whose deadline is ``now`` plus the class deadline (optimistic for requests that
     already waited). Returns None when no worker of the group was scraped yet.
@@ -110,13 +116,16 @@ def snapshot_from_results(
         return None
     ready = {r: 0 for r in ROLES}
     for sample in up:
-        ordinal = _ordinal(sample.get("metric", {}).get("pod", ""))
-        role = role_of(ordinal, group.roles) if ordinal is not None else None
+        role = _pod_role(sample, group.roles)
         if role is not None and _value(sample) == 1:
             ready[role] += 1
     ready_counts = RoleCounts(**ready)
     pending = RoleCounts(**{r: max(0, group.replicas.get(r) - ready[r]) for r in ROLES})
-    busy = sum(1 for s in results.get("interactive_inflight") or [] if _value(s) > 0)
+    # Busy: interactive or mixed pods with interactive work (IBP's numerator over their count); a batch
+    # pod's interactive requests (routed there while no other role existed, or from before a re-role) are
+    # not interactive capacity in use.
+    inflight = results.get("interactive_inflight") or []
+    busy = sum(1 for s in inflight if _value(s) > 0 and _pod_role(s, group.roles) not in ("batch", None))
     batch_queue = tuple(
         BatchGroup(count=int(_value(s)), deadline=now + deadlines[s["metric"]["class"]])
         for s in results.get("batch_queued") or []
