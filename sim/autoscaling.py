@@ -352,7 +352,7 @@ class ChironController(ClusterController):
             actions.append(leave(inst.name))
         if starts:
             self.timeline.scale_ups += 1
-        if len(actions) + len(starts):
+        if actions or starts:
             self.timeline.actions += 1
         return actions + starts
 

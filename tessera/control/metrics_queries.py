@@ -46,20 +46,20 @@ def class_regex(names: Sequence[str]) -> str:
     return "|".join(re.escape(n) for n in sorted(names)) if names else "$^"
 
 
-def role_of(ordinal: int, roles: Sequence[Role]) -> Role | None:
-    """The Chiron role of a group's pod by StatefulSet ordinal (``GroupPlan.roles``); None past the
-    group's pods."""
-    return roles[ordinal] if 0 <= ordinal < len(roles) else None
-
-
-def _ordinal(pod: str) -> int | None:
+def pod_ordinal(pod: str) -> int | None:
+    """A StatefulSet pod's ordinal, from its name (``<statefulset>-<ordinal>``); None for another name."""
     tail = pod.rsplit("-", 1)[-1]
     return int(tail) if tail.isdigit() else None
 
 
+def role_of(ordinal: int | None, roles: Sequence[Role]) -> Role | None:
+    """The Chiron role of a group's pod by StatefulSet ordinal (``GroupPlan.roles``); None past the
+    group's pods or without an ordinal."""
+    return roles[ordinal] if ordinal is not None and 0 <= ordinal < len(roles) else None
+
+
 def _pod_role(sample: Mapping[str, Any], roles: Sequence[Role]) -> Role | None:
-    ordinal = _ordinal(sample.get("metric", {}).get("pod", ""))
-    return role_of(ordinal, roles) if ordinal is not None else None
+    return role_of(pod_ordinal(sample.get("metric", {}).get("pod", "")), roles)
 
 
 def _value(sample: Mapping[str, Any]) -> float:

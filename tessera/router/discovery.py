@@ -53,6 +53,7 @@ from tessera.control.children import (
     group_object_name,
     read_group_config_map,
 )
+from tessera.control.metrics_queries import pod_ordinal, role_of
 from tessera.router.backends import Backend, KVEventsSource
 
 log = logging.getLogger(__name__)
@@ -92,11 +93,6 @@ def _kv_events(pod: Mapping[str, Any], config: WorkerConfig) -> list[KVEventsSou
         for model, port in sorted(ports.items())
         if model in served
     ]
-
-
-def _ordinal(name: str) -> int | None:
-    tail = name.rsplit("-", 1)[-1]
-    return int(tail) if tail.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -212,9 +208,8 @@ def backends_from_cluster(
         # A group scaled to zero: its pods are stopping, and its requests are held until it wakes.
         if not _ready(pod) or not roles:
             continue
-        ordinal = _ordinal(meta.get("name", ""))
         # An ordinal past the role list (scaling in progress) serves as mixed: it takes both kinds.
-        role = roles[ordinal] if ordinal is not None and ordinal < len(roles) else "mixed"
+        role = role_of(pod_ordinal(meta.get("name", "")), roles) or "mixed"
         serving.add(key)
         backends.append(
             Backend(
