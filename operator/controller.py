@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -101,9 +101,11 @@ class MetricsSource(Protocol):
         kinds: Mapping[str, str],
         deadlines: Mapping[str, float],
         now: float,
+        models: Sequence[str] = (),
     ) -> MetricsSnapshot | None:
         """The group's measurements now (``kinds``: class name -> interactive/batch; ``deadlines``:
-        batch class name -> deadline seconds); None when there are none."""
+        batch class name -> deadline seconds; ``models``: the group's models, whose batch requests the
+        router holds count as batch queue); None when there are none."""
         ...
 
     def attainment(self, namespace: str, pool: str, model: str) -> list[dict[str, Any]] | None:
@@ -498,7 +500,7 @@ class Controller:
                 groups.append(group)
                 continue
             snapshot = self.metrics.snapshot(
-                namespace, pool.name, group, scaling.kinds, scaling.deadlines, now
+                namespace, pool.name, group, scaling.kinds, scaling.deadlines, now, scaling.models
             )
             if snapshot is None:
                 unmeasured.add(group.name)

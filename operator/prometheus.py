@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tessera.control.metrics_queries import (
@@ -76,9 +76,11 @@ class PrometheusMetrics:
         kinds: Mapping[str, str],
         deadlines: Mapping[str, float],
         now: float,
+        models: Sequence[str] = (),
     ) -> MetricsSnapshot | None:
-        """The group's measurements now; None when Prometheus has none (or cannot be reached)."""
-        results = self._run(group_queries(namespace, pool, group.name, kinds, self.window))
+        """The group's measurements now (the batch requests the router holds for ``models`` included);
+        None when Prometheus has none (or cannot be reached)."""
+        results = self._run(group_queries(namespace, pool, group.name, kinds, self.window, models))
         return snapshot_from_results(results, group, deadlines, now) if results else None
 
     def attainment(self, namespace: str, pool: str, model: str) -> list[dict[str, Any]] | None:

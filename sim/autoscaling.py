@@ -28,11 +28,13 @@ from tessera.core.chiron import (
     ChironPolicy,
     GlobalQueue,
     GroupMemory,
+    PullCandidate,
     RunningStats,
-    batch_room,
+    batch_pulls,
     chiron_pick,
     chiron_place,
     evaluate_group,
+    interactive_lends,
 )
 from tessera.core.planners.threshold import ThresholdSettings, threshold_decide
 from tessera.core.planners.types import ChironSettings, MetricsSnapshot, RoleCounts, assign_roles
@@ -253,16 +255,23 @@ class ChironController(ClusterController):
             pending_int.popleft()
             placed[target.inst.name] = placed.get(target.inst.name, 0) + 1
             actions.append(Dispatch(req, target.inst.name))
-        batch_first = [i for i in live if i.role == "batch"]
-        # Mixed instances lend only spare capacity: none while interactive work waits.
-        spare = [i for i in live if i.role == "mixed"] if not pending_int else []
-        for inst in batch_first + spare:
-            kv = inst.profile.kv_capacity_tokens
-            outstanding = inst.outstanding + placed.get(inst.name, 0)
-            room = batch_room(queue_of(inst).batch_size(), kv, outstanding, self.mean_context)
-            actions += [Dispatch(req, inst.name) for req in self.queue.take_batch(room)]
-            if not self.queue.batch:
-                break
+        candidates = [
+            PullCandidate(
+                i.name,
+                i.role,
+                queue_of(i).batch_size(),
+                i.profile.kv_capacity_tokens,
+                i.outstanding + placed.get(i.name, 0),
+                ready=i.ready_at <= view.now,
+            )
+            for i in _active(view)
+            if i.name not in removed
+        ]
+        lend = interactive_lends(candidates, self.queue, view.now)
+        for name, n in batch_pulls(
+            candidates, len(self.queue.batch), bool(pending_int), self.mean_context, lend
+        ):
+            actions += [Dispatch(req, name) for req in self.queue.take_batch(n)]
         return actions
 
     def _batch_rates(self, view: ClusterView, ready_batch: int) -> tuple[float | None, float | None]:

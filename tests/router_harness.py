@@ -13,7 +13,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +27,17 @@ from tessera.local.supervisor import Supervisor, WorkerProcess
 from tessera.router.activator import Activator
 from tessera.router.app import RouterState, create_router_app
 from tessera.router.auth import ApiKeys
+from tessera.router.backends import Backend
 from tessera.router.limits import RouterLimits
 from tessera.router.protocol import router_server_config
 from tessera.worker.engines.vllm_process import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-PLAN = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=2)
+_PLANNED = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=2)
+# The quickstart's instances as mixed ones: no autoscaler runs behind these routers to start batch
+# instances, and a mixed instance takes both kinds of work (the router holds batch work for a Chiron
+# pool until a batch or mixed instance has room: tessera.router.batch_hold).
+PLAN = replace(_PLANNED, instances=tuple(replace(i, role="mixed") for i in _PLANNED.instances))
 MODEL = PLAN.instances[0].config.models[0].name
 CLASS_HEADER = PLAN.instances[0].config.class_header
 
@@ -77,10 +82,12 @@ async def serve_router(
     poll_interval_s: float = 0.5,
     route: str = "least-wait",
     activator: Callable[[RouterState], Activator] | None = None,
+    backends: Sequence[Backend] = (),
 ) -> AsyncIterator[RouterUnderTest]:
     """The router over ``workers`` (picking by ``route``) on a free loopback port until the block ends;
-    ``activator`` builds the router's activator over its state (scale to zero)."""
-    state = RouterState([w.backend() for w in workers], route=route)
+    ``activator`` builds the router's activator over its state (scale to zero); ``backends``, when
+    given, replace the workers' own entries (other roles or addresses)."""
+    state = RouterState(list(backends) or [w.backend() for w in workers], route=route)
     app = create_router_app(state, poll_interval_s=poll_interval_s, limits=limits, api_keys=api_keys,
                             activator=activator(state) if activator is not None else None)  # fmt: skip
     port = free_port()

@@ -7,7 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from tessera.core.chiron import ArrivalMeter
+from tessera.core.chiron import (
+    ORPHAN_WAIT_S,
+    ArrivalMeter,
+    GlobalQueue,
+    PullCandidate,
+    batch_pulls,
+    interactive_lends,
+)
 from tessera.core.planners import (
     AutoscalerState,
     BatchGroup,
@@ -18,7 +25,9 @@ from tessera.core.planners import (
     chiron_decide,
 )
 from tessera.core.planners.chiron import batch_backpressure, waiting_time
+from tessera.core.request import Request, ServiceClass
 
+BATCH_CLASS = ServiceClass("offline", kind="batch", deadline_s=600.0)
 S = ChironSettings(over_provisioning=1 / 3, band=0.05, scale_down_cooldown_s=0.0, load_time_s=15.0)
 
 
@@ -285,3 +294,45 @@ def test_a_change_of_counts_re_roles_only_what_it_must():
     assert assign_roles(RoleCounts(interactive=1, mixed=1), (b, b)) == (m, i)
     assert assign_roles(RoleCounts(interactive=2, batch=1), (b, b)) == (b, i, i)
     assert assign_roles(RoleCounts(), (i, b)) == ()
+
+
+def _candidate(name: str, role: str, outstanding: int = 0, ready: bool = True) -> PullCandidate:
+    return PullCandidate(name, role, batch_size=4, kv_capacity_tokens=1_000_000, outstanding=outstanding,
+                         ready=ready)  # fmt: skip
+
+
+def test_batch_pulls_fill_batch_instances_then_mixed_ones_up_to_their_room() -> None:
+    cands = [_candidate("i", "interactive"), _candidate("m", "mixed", 1), _candidate("b", "batch", 3),
+             _candidate("b2", "batch", ready=False)]  # fmt: skip
+    assert batch_pulls(cands, 10, False, 100.0) == [("b", 1), ("m", 3)]
+    assert batch_pulls(cands, 2, False, 100.0) == [("b", 1), ("m", 1)]
+    # mixed instances lend nothing while interactive work waits for an instance
+    assert batch_pulls(cands, 10, True, 100.0) == [("b", 1)]
+    # the KV bounds the room: 1,000,000 tokens hold two requests of 400,000
+    assert batch_pulls(cands, 10, False, 400_000.0) == [("m", 1)]
+    assert batch_pulls(cands, 10, False, 100.0, lend_interactive=True) == [("b", 1), ("m", 3), ("i", 4)]
+
+
+def test_interactive_instances_lend_only_to_work_orphaned_for_the_wait() -> None:
+    queue = GlobalQueue(group_s=6.0)
+    only = [_candidate("i", "interactive")]
+    assert not interactive_lends(only, queue, now=1000.0)  # nothing held
+    queue.push(Request("a", 100.0, 10, 10, service_class=BATCH_CLASS))
+    queue.push(Request("b", 150.0, 10, 10, service_class=BATCH_CLASS))
+    assert not interactive_lends(only, queue, now=100.0 + ORPHAN_WAIT_S - 1)
+    assert interactive_lends(only, queue, now=100.0 + ORPHAN_WAIT_S)
+    # a batch or mixed instance, even one still starting, will take the work
+    assert not interactive_lends([*only, _candidate("b", "batch", ready=False)], queue, now=1e6)
+    assert not interactive_lends([*only, _candidate("m", "mixed")], queue, now=1e6)
+
+
+def test_a_held_request_whose_client_left_is_dropped_from_its_group() -> None:
+    queue = GlobalQueue(group_s=10.0)
+    reqs = [Request(str(i), float(i), 10, 10, service_class=BATCH_CLASS) for i in range(5)]
+    for r in reqs:
+        queue.push(r)
+    assert queue.drop(reqs[2]) and not queue.drop(reqs[2])
+    assert queue.drop(reqs[4])
+    assert sum(g.count for g in queue.batch_groups(0.0)) == 3
+    assert [r.id for r in queue.take_batch(10)] == ["0", "1", "3"]
+    assert queue.batch_groups(0.0) == ()

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tessera.api import load_documents
@@ -119,4 +120,42 @@ async def test_resize_keeps_role_order_and_drains_before_stopping() -> None:
     scaler._resize(group, RoleCounts(interactive=1, mixed=1, batch=1))
     assert supervisor.launched == [plan.instances[1].name, plan.instances[2].name]
     assert [(x.role, x.healthy) for x in router.loads.values()][1:] == [("mixed", False), ("batch", False)]
+    await scaler.close()
+
+
+async def test_batch_work_the_router_holds_starts_a_batch_instance() -> None:
+    """A bulk of batch requests held in the router's batch hold (no batch instance yet) is what the local
+    autoscaler reads as the group's batch queue: it gives a batch instance a slot for it."""
+    plan = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=3)
+    (local,) = plan.groups
+    workers = [WorkerProcess(i, 9000 + i.ordinal, Path("c"), Path("l")) for i in plan.instances]
+    supervisor = _Supervisor(workers)
+    router = RouterState([w.backend() for w in workers])
+    scaler = LocalAutoscaler(plan.groups, supervisor, router, report=lambda _: None)  # type: ignore[arg-type]
+    assert scaler.groups[0].replicas == RoleCounts(interactive=3)  # the cap, all interactive
+    model = local.config.models[0].name
+    offline = local.config.classes["offline"].to_service_class("offline")
+    held = [
+        asyncio.create_task(router.hold.wait(model, offline, 0.0, router.loads.values(), 1000.0))
+        for _ in range(200)
+    ]
+    await asyncio.sleep(0)
+    assert router.hold.held() == {model: {"offline": 200}}
+    idle = _text({"chat": 0, "offline": 0}, {}, 0)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=idle)
+
+    # The first evaluation wants a batch instance, but the cap is full; the second (idle interactive
+    # instances twice in a row) retires interactive ones and the batch instance takes a slot.
+    interval = scaler.groups[0].scaling.settings.eval_interval_s
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        await scaler.step(client, now=100.0)
+        await scaler.step(client, now=100.0 + interval)
+    assert scaler.groups[0].replicas.batch >= 1, scaler.actions
+    assert [w.instance.role for w in supervisor.workers].count("batch") == scaler.groups[0].replicas.batch
+    for task in held:
+        task.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+    assert router.hold.held() == {}
     await scaler.close()

@@ -34,6 +34,7 @@ from tessera.bench.cluster import (
     until_scraped,
 )
 from tessera.bench.harness import WorkerChild, stream_one
+from tessera.control.metrics_queries import group_queries
 from tessera.core.chiron import autoscale as autoscale_module
 from tessera.core.planners import MetricsSnapshot, ScalingDecision
 from tessera.core.planners.chiron import chiron_decide
@@ -199,3 +200,17 @@ async def test_load_step_scales_up_within_an_interval_and_down_after_the_cooldow
         f"{COOLDOWN_S}s), {scaled_down - load_end:.2f}s after the load ended; {finished} requests; "
         + ", ".join(f"{k} at {v - phases['placed']:.1f}s" for k, v in phases.items())
     )
+
+
+async def test_every_snapshot_query_parses_for_names_with_hyphens_and_dots(tmp_path: Path) -> None:
+    """Class and model names are escaped for PromQL's strings: ``re.escape`` writes ``\\-`` and ``\\.``,
+    which a real Prometheus refuses (400) unless the backslash itself is escaped."""
+    prom = Prometheus(free_port(), tmp_path)
+    try:
+        await asyncio.to_thread(prom.wait_ready)
+        kinds = {"chat-fast": "interactive", "bulk.jobs": "batch"}
+        queries = group_queries("ns", "p", "g", kinds, "2m", ("Qwen/Qwen2.5-0.5B-Instruct",))
+        for name, query in queries.items():
+            assert await promql(prom.url, query) is not None, name  # raises on a refused query
+    finally:
+        await asyncio.to_thread(prom.stop)

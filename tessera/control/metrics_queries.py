@@ -11,7 +11,9 @@ Placement reads each model's load over the last re-placement interval from the s
 computed here (a counter that drops was reset: it counts from zero; a series that appears later is a
 new pod or class: it counts from zero too), and the queue and in-flight gauges at each step, so that
 arrivals count the requests still held as well as those that ended. The router's ``tessera_router_*``
-series are not used: they carry no pool label, and a model name is only unique within a pool. Prompt
+series are not used there: they carry no pool label, and a model name is only unique within a pool. The
+one the autoscaler reads is the router's batch hold (``tessera_router_batch_held_requests``, by model
+and class): the router itself serves a model name as one model over every pool it routes to. Prompt
 lengths come from the workers' ``tessera_prompt_tokens`` counter (prompt tokens of finished requests).
 
 Pure: the operator's ``PrometheusMetrics`` (``tessera.operator.prometheus``) sends the queries; local
@@ -42,8 +44,10 @@ def _escape(value: str) -> str:
 
 
 def class_regex(names: Sequence[str]) -> str:
-    """A PromQL regex matching exactly the given class names (no name matches nothing)."""
-    return "|".join(re.escape(n) for n in sorted(names)) if names else "$^"
+    """A PromQL regex matching exactly the given names (no name matches nothing), escaped for a
+    double-quoted PromQL string: Python's ``re.escape`` writes ``\\-`` and ``\\.``, escape sequences that
+    PromQL's strings refuse (a class or model name with a hyphen or a dot failed every query)."""
+    return _escape("|".join(re.escape(n) for n in sorted(names))) if names else "$^"
 
 
 def pod_ordinal(pod: str) -> int | None:
@@ -76,13 +80,24 @@ def _total(result: list[dict[str, Any]]) -> float:
 
 
 def group_queries(
-    namespace: str, pool: str, group: str, kinds: Mapping[str, str], window: str
+    namespace: str,
+    pool: str,
+    group: str,
+    kinds: Mapping[str, str],
+    window: str,
+    models: Sequence[str] = (),
 ) -> dict[str, str]:
-    """The PromQL queries of one group's snapshot, by purpose."""
+    """The PromQL queries of one group's snapshot, by purpose. ``models``: the models the group serves,
+    whose batch requests the router holds (its batch hold, labelled by model: the router serves each
+    model name once, whichever namespace its pool is in)."""
     sel = selector(namespace=namespace, pool=pool, group=group)
     interactive = class_regex([c for c, k in kinds.items() if k == "interactive"])
     batch = class_regex([c for c, k in kinds.items() if k == "batch"])
     return {
+        "batch_held": (
+            f'sum by (class) (tessera_router_batch_held_requests{{model=~"{class_regex(models)}",'
+            f'class=~"{batch}"}})'
+        ),
         "up": f"up{{{sel}}}",
         "interactive_inflight": f'sum by (pod) (tessera_inflight{{{sel},class=~"{interactive}"}})',
         "interactive_queued": f'sum(tessera_queue_length{{{sel},class=~"{interactive}"}})',
@@ -107,9 +122,10 @@ def snapshot_from_results(
 
     Pods count as ready when their scrape is up; the rest of the group's planned pods are pending. A
     pod's role is its ordinal's in ``GroupPlan.roles``.
-    Batch groups: the worker exports queue lengths, not arrival times, so each batch class is one
-    request group whose deadline is ``now`` plus the class deadline (optimistic for requests that
-    already waited). Returns None when no worker of the group was scraped yet.
+    Batch groups: the workers export queue lengths and the router the requests its batch hold keeps
+    back, not arrival times, so each batch class is one request group (both counts together) whose
+    deadline is ``now`` plus the class deadline (optimistic for requests that already waited). Returns
+    None when no worker of the group was scraped yet.
     """
     up = results.get("up") or []
     if not up:
@@ -126,10 +142,13 @@ def snapshot_from_results(
     # not interactive capacity in use.
     inflight = results.get("interactive_inflight") or []
     busy = sum(1 for s in inflight if _value(s) > 0 and _pod_role(s, group.roles) not in ("batch", None))
+    queued: dict[str, float] = {}
+    for s in (results.get("batch_queued") or []) + (results.get("batch_held") or []):
+        name = s.get("metric", {}).get("class")
+        if name in deadlines and _value(s) > 0:
+            queued[name] = queued.get(name, 0.0) + _value(s)
     batch_queue = tuple(
-        BatchGroup(count=int(_value(s)), deadline=now + deadlines[s["metric"]["class"]])
-        for s in results.get("batch_queued") or []
-        if _value(s) > 0 and s.get("metric", {}).get("class") in deadlines
+        BatchGroup(count=int(n), deadline=now + deadlines[name]) for name, n in sorted(queued.items())
     )
     tokens = _total(results.get("batch_tokens") or [])
     rate = results.get("interactive_rate")

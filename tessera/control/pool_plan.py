@@ -144,6 +144,7 @@ class GroupScaling:
     kinds: dict[str, str]  # accepted class name -> "interactive" / "batch"
     deadlines: dict[str, float]  # batch class name -> deadline seconds
     settings: ChironSettings
+    models: tuple[str, ...] = ()  # the model names its services serve (the router's batch hold is by model)
 
 
 def group_scaling(decided: PoolDesired, group: GroupPlan, instance_cap: int | None = None) -> GroupScaling:
@@ -159,7 +160,9 @@ def group_scaling(decided: PoolDesired, group: GroupPlan, instance_cap: int | No
     cap = min(decided.services[s].spec.replicas.max for s in group.services)
     if instance_cap is not None:
         cap = min(cap, instance_cap)
-    return GroupScaling(kinds, deadlines, chiron_settings(pool, min((budget - others) // group.tp, cap)))
+    models = tuple(sorted(decided.services[s].spec.model.name for s in group.services))
+    settings = chiron_settings(pool, min((budget - others) // group.tp, cap))
+    return GroupScaling(kinds, deadlines, settings, models)
 
 
 def pool_services(

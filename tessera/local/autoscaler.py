@@ -3,11 +3,12 @@
 Every pool's ``autoscaling.intervalSeconds`` each placement group (with autoscaling enabled) is
 evaluated exactly as the operator evaluates it: the same classes, deadlines and settings
 (``group_scaling``, capped by ``--max-instances``), the same snapshot (``snapshot_from_results`` over
-direct scrapes, ``tessera.local.scrape``) and the same step (the core's ``evaluate_group``). A decision is
-carried out the way a StatefulSet carries it out: ordinals keep their role order (interactive, mixed,
-batch), new ordinals start as new worker processes (the router takes them once they answer ``/ready``),
-and the highest ordinals go. A leaving worker first leaves the router's rotation and is stopped only
-when the requests the router sent it have finished, so a scale-down loses no accepted request.
+direct scrapes, ``tessera.local.scrape``, and the in-process router's batch hold) and the same step
+(the core's ``evaluate_group``). A decision is carried out the way a StatefulSet carries it out:
+ordinals keep their roles where they can (the core's ``assign_roles``), new ordinals start as new worker
+processes (the router takes them once they answer ``/ready``), and the highest ordinals go. A leaving
+worker first leaves the router's rotation and is stopped only when the requests the router sent it have
+finished, so a scale-down loses no accepted request.
 """
 
 from __future__ import annotations
@@ -108,7 +109,12 @@ class LocalAutoscaler:
             workers = self._workers(g)
             texts = await asyncio.gather(*(_scrape(client, w.url) for w in workers))
             scrapes = {w.instance.name: t for w, t in zip(workers, texts, strict=True)}
-            results, g.counters = results_from_scrapes(scrapes, g.scaling.kinds, g.counters, now)
+            held: dict[str, int] = {}
+            for model, per_class in self.router.hold.held().items():
+                if model in g.scaling.models:
+                    for name, n in per_class.items():
+                        held[name] = held.get(name, 0) + n
+            results, g.counters = results_from_scrapes(scrapes, g.scaling.kinds, g.counters, now, held)
             plan = replace(g.local.group, replicas=g.replicas, roles=tuple(w.instance.role for w in workers))
             snapshot = snapshot_from_results(results, plan, g.scaling.deadlines, now)
             step = evaluate_group(snapshot, g.memory, g.scaling.settings, now)

@@ -28,13 +28,14 @@ def _sample(value: float, now: float, **labels: str) -> dict[str, Any]:
 
 def results_from_scrapes(
     scrapes: Mapping[str, str | None], kinds: Mapping[str, str], previous: Counters,
-    now: float,
+    now: float, held: Mapping[str, int] | None = None,
 ) -> tuple[Results, Counters]:  # fmt: skip
     """The results of ``group_queries`` for one group's pods (``scrapes``: pod name -> its /metrics
     text, None when the scrape failed), and the counters to pass as ``previous`` next time.
 
     ``kinds`` maps the group's class names to ``interactive`` / ``batch``; samples of other classes are
-    ignored, as the queries' class regexes ignore them.
+    ignored, as the queries' class regexes ignore them. ``held``: the batch requests of the group's
+    models that the router's batch hold keeps back, by class name (read from the router in process).
     """
     up, busy = [], []
     interactive_queued = batch_running = tokens_per_s = requests_per_s = 0.0
@@ -83,5 +84,10 @@ def results_from_scrapes(
         "batch_running": [_sample(batch_running, now)],
         "batch_tokens": [_sample(tokens_per_s, now)],
         "interactive_rate": [_sample(requests_per_s, now)] if measured else [],
+        "batch_held": [
+            _sample(n, now, **{"class": c})
+            for c, n in sorted((held or {}).items())
+            if kinds.get(c) == "batch"
+        ],
     }
     return results, counters

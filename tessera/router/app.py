@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -68,6 +68,7 @@ from tessera.core.routing import (
 from tessera.router.activator import ActivationCollector, Activator
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
+from tessera.router.batch_hold import BatchHold, HeldCollector
 from tessera.router.discovery import Discovered
 from tessera.router.headers import downstream_headers, upstream_headers
 from tessera.router.kv_events import Subscriptions
@@ -196,6 +197,7 @@ class RouterState:
         # and classified, while the activator holds their requests
         self.dormant: dict[str, WorkerConfig] = {}
         self.delivered = DeliveredSlo()  # what clients were delivered, judged per model and class
+        self.hold = BatchHold()  # batch requests of Chiron-autoscaled models waiting for room
         self.update(backends)
 
     def update(self, backends: Sequence[Backend]) -> None:
@@ -260,6 +262,7 @@ class RouterState:
         ttft_slo_s: float | None = None,
         session: str = "",
         prompt_token_ids: Sequence[int] = (),
+        only: str = "",
     ) -> Pick:
         """The instance for a request (not one of ``exclude``), with the prompt tokens it is expected to
         prefill there; a cache-aware route also reads which
@@ -267,9 +270,12 @@ class RouterState:
         route on engine-reported blocks reads which engines hold those of ``prompt_token_ids`` (sent as
         token ids, or a text completion prompt or a chat tokenized and rendered as its workers do:
         ``PromptTokenizers``; a model without a tokenizer folder has none, and the text index's estimate
-        stands in)."""
+        stands in). ``only`` names the instance the batch hold released the request to: it is taken while
+        it is ready and not excluded, else the route chooses."""
         self._count_other_models()
         loads = [x for x in self.loads.values() if x.instance not in exclude]
+        if only:
+            loads = [x for x in loads if x.instance == only and x.model == model and x.healthy] or loads
         prompt_tokens = len(prompt_token_ids) or len(prompt_text) // CHARS_PER_TOKEN
         if not self.uses_prefix or not (prompt_text or prompt_token_ids):
             req = RouteRequest(model, kind, self.stats[model], time.monotonic(), ttft_slo_s=ttft_slo_s)
@@ -309,6 +315,31 @@ class RouterState:
              "candidates": self.route.explain(req, loads)}
         )  # fmt: skip
         return Pick(chosen, req.prompt_tokens - hit)
+
+    def holds(self, model: str, kind: str) -> bool:
+        """Whether a request of ``kind`` for ``model`` waits in the batch hold: batch work of a model whose
+        workers run Chiron's autoscaling."""
+        config = self.configs.get(model)
+        return kind == "batch" and config is not None and config.scheduling.autoscale.enabled
+
+    def mean_context(self, model: str) -> float:
+        """Tokens of KV one request of ``model`` holds on average (prompt and answer)."""
+        stats = self.stats[model]
+        return stats.mu_in + stats.mu_out
+
+    def ended(self, load: InstanceLoad) -> None:
+        """A request sent to ``load`` has ended: room there may take a held batch request."""
+        load.outstanding -= 1
+        if load.model in self.stats:  # else the model left the router while the request ran
+            self.hold.release(
+                load.model, self.loads.values(), self.mean_context(load.model), time.monotonic()
+            )
+
+    def release_held(self) -> None:
+        """Hand held batch requests to every instance with room (after a poll round)."""
+        for model in list(self.hold.models):
+            if model in self.stats:
+                self.hold.release(model, self.loads.values(), self.mean_context(model), time.monotonic())
 
     def _count_other_models(self) -> None:
         """Give each (instance, model) load the requests of the instance's other models in flight and
@@ -385,7 +416,8 @@ class RouterState:
             for name, info in class_infos(config).items():
                 classes.setdefault(name, info.to_json())
         return {"classHeader": self.class_header, "classes": classes, "instances": self.instance_rows(),
-                "recentDecisions": list(self.recent), "clientSlo": self.delivered.rows()}  # fmt: skip
+                "recentDecisions": list(self.recent), "clientSlo": self.delivered.rows(),
+                "batchHeld": self.hold.held()}  # fmt: skip
 
     def instance_rows(self) -> list[dict[str, Any]]:
         """Every instance with its role, health, batch size, outstanding requests (and the prompt tokens
@@ -522,6 +554,7 @@ def create_router_app(
                     for (instance, model), endpoint in state.feeds.items()
                 )
             await poll(state, http)
+            state.release_held()
 
         await refresh()
         if freeze_gc:  # after the server's and the first poll's imports and objects
@@ -547,6 +580,7 @@ def create_router_app(
 
     app = RouterApp(title="Tessera router", version="0.1.0", lifespan=lifespan)
     metrics = RouterMetrics(state.instance_rows, state.delivered)
+    metrics.registry.register(HeldCollector(state.hold))
     if activator is not None:
         metrics.registry.register(ActivationCollector(activator))
     app.state.limits = limits
@@ -641,7 +675,7 @@ def create_router_app(
                 up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text,
                               slo, session, token_ids)  # fmt: skip
                 watch = ClientWatch(receive)
-                answer = await _activate_and_send(up, spec.priority)
+                answer = await _activate_and_send(up, service_class)
             except ApiError as exc:
                 end = time.perf_counter()
                 metrics.answered(model, kind, exc.status, end - start)
@@ -690,19 +724,28 @@ def create_router_app(
             if watch is not None:
                 watch.stop()
 
-    async def _activate_and_send(up: Upstream, priority: int) -> Answer:
-        if activator is None:
+    async def _hold_and_send(up: Upstream, service_class: ServiceClass) -> Answer:
+        if not state.holds(up.model, up.kind):
             return await send(state, metrics, holder["transport"], up)
+        instance = await state.hold.wait(up.model, service_class, time.monotonic(), state.loads.values(),
+                                         state.mean_context(up.model))  # fmt: skip
+        state.hold.sent(instance, up.model)  # send() counts it outstanding before it awaits anything
+        return await send(state, metrics, holder["transport"], replace(up, instance=instance))
+
+    async def _activate_and_send(up: Upstream, service_class: ServiceClass) -> Answer:
+        if activator is None:
+            return await _hold_and_send(up, service_class)
+        priority = service_class.priority
         await activator.admit(up.model, up.ttft_slo_s, priority)  # held here while the model sleeps or wakes
         try:
-            return await send(state, metrics, holder["transport"], up)
+            return await _hold_and_send(up, service_class)
         except ApiError as exc:
             # A followed group's instances all went away under the request: the operator is scaling it to
             # zero and discovery has not shown it yet. Held like any request for a cold model, not refused.
             if exc.code != "no_instance" or not activator.lost_instances(up.model):
                 raise
         await activator.admit(up.model, up.ttft_slo_s, priority)
-        return await send(state, metrics, holder["transport"], up)
+        return await _hold_and_send(up, service_class)
 
     app.relayed = {"/v1/completions": relay, "/v1/chat/completions": relay}
     return app

@@ -1,9 +1,9 @@
 """Cluster discovery: the router's backends from the operator's children, read from the API server.
 
 Each placement group has a ConfigMap (``worker.json``: the worker configuration; ``placement.json``:
-role counts) and a StatefulSet whose pods ``<group object>-<ordinal>`` carry the group's labels. A
-pod's role follows from its ordinal the way the operator orders them (interactive, then mixed, then
-batch; ``tessera.control.children``). Only running pods with an IP and a true Ready condition count.
+role counts and ``ordinalRoles``, each ordinal's role) and a StatefulSet whose pods ``<group
+object>-<ordinal>`` carry the group's labels. A pod's role is its ordinal's
+(``tessera.control.children``). Only running pods with an IP and a true Ready condition count.
 A pod of a pool with ``kvEvents`` names its models' KV-event ports in its ``tessera.dev/kv-events``
 annotation; each served model's becomes a ``kvEvents`` source ``tcp://POD_IP:PORT`` of its backend (the
 block size left to the events). A port of a model the group's configuration no longer serves (a pod

@@ -57,6 +57,7 @@ class Upstream:
     ttft_slo_s: float | None = None  # the request class's TTFT SLO
     session: str = ""  # the session key (the session header, else the body's user)
     prompt_token_ids: tuple[int, ...] = ()  # the prompt as token ids (as sent, or as the worker tokenizes it)
+    instance: str = ""  # the instance the batch hold released it to (else the route chooses)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +111,7 @@ async def send(
     while True:
         try:
             picked = state.pick(up.model, up.kind, tried, up.prompt_text, up.ttft_slo_s, up.session,
-                                up.prompt_token_ids)  # fmt: skip
+                                up.prompt_token_ids, up.instance)  # fmt: skip
         except NoInstance as exc:
             if broken is None:
                 raise ApiError(503, f"{exc}; retry when an instance is ready", code="no_instance") from None
@@ -153,7 +154,7 @@ async def send(
             continue
         finally:
             if not kept_open:
-                load.outstanding -= 1
+                state.ended(load)
                 load.prefill.first_token(prefill)
                 if response is not None:
                     await response.aclose()
@@ -260,7 +261,7 @@ async def relay_stream(
         await send({"type": "http.response.body", "body": end, "more_body": False})
     finally:
         await response.aclose()
-        load.outstanding -= 1
+        state.ended(load)
         load.prefill.first_token(prefill_tokens)
         finished = time.perf_counter()
         metrics.answered(model, kind, code, finished - start)

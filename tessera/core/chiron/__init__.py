@@ -22,12 +22,21 @@ from tessera.core.chiron.dispatch import (
     has_room,
     prefill_fits,
 )
-from tessera.core.chiron.global_queue import GlobalQueue, RunningStats, batch_room
+from tessera.core.chiron.global_queue import (
+    ORPHAN_WAIT_S,
+    GlobalQueue,
+    PullCandidate,
+    RunningStats,
+    batch_pulls,
+    batch_room,
+    interactive_lends,
+)
 from tessera.core.chiron.local import BATCH_ITL_S, INTERACTIVE_ITL_S, ChironLocal, ChironPolicy
 
 __all__ = [
     "BATCH_ITL_S",
     "INTERACTIVE_ITL_S",
+    "ORPHAN_WAIT_S",
     "PREFILL_BACKLOG_S",
     "ArrivalMeter",
     "ChironLocal",
@@ -37,13 +46,16 @@ __all__ = [
     "GlobalQueue",
     "GroupEvaluation",
     "GroupMemory",
+    "PullCandidate",
     "RunningStats",
+    "batch_pulls",
     "batch_room",
     "chiron_pick",
     "chiron_place",
     "evaluate_group",
     "has_room",
     "instance_tokens_per_s",
+    "interactive_lends",
     "prefill_fits",
     "spike_p99",
 ]

@@ -4,7 +4,8 @@ Interactive requests that find no instance with room wait here first in, first o
 batch work; batch requests wait in deadline order (EDF over deadline groups, first come first served
 inside one; a request routed back keeps its place by deadline and arrival). Among equal deadlines
 the higher class priority (``ServiceClass.priority``) goes first, before arrival. The batch autoscaler
-reads the queue as deadline groups; batch and mixed instances pull from it up to their room.
+reads the queue as deadline groups; batch and mixed instances pull from it up to their room
+(``batch_pulls``: the simulator's controller and the live router's batch hold release it the same way).
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ import heapq
 import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tessera.core.planners.types import BatchGroup
 from tessera.core.request import Request
+
+# Seconds a held batch request waits with no batch or mixed instance in sight before interactive
+# instances lend it their room (``interactive_lends``): longer than an autoscaler evaluation and an
+# instance's start, so that Chiron's batch instances, once decided, take the work.
+ORPHAN_WAIT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -75,6 +82,22 @@ class GlobalQueue:
             del self.groups[bucket]
         return req
 
+    def drop(self, req: Request) -> bool:
+        """Take a held batch request out of the queue (its client left); False when it is not held."""
+        i = next((k for k, e in enumerate(self.batch) if e[-1] is req), None)
+        if i is None:
+            return False
+        entry = self.batch[i]
+        last = self.batch.pop()
+        if i < len(self.batch):
+            self.batch[i] = last
+            heapq.heapify(self.batch)
+        bucket = int(entry[0] // self.group_s)
+        self.groups[bucket] -= 1
+        if not self.groups[bucket]:
+            del self.groups[bucket]
+        return True
+
     def take_batch(self, room: int) -> list[Request]:
         """Up to ``room`` batch requests, earliest deadline first."""
         return [self.pop_batch() for _ in range(min(max(0, room), len(self.batch)))]
@@ -91,3 +114,57 @@ def batch_room(batch_size: int, kv_capacity_tokens: int, outstanding: int, mean_
     ``mean_context`` tokens its KV cache holds at once, less those it holds already."""
     kv_slots = max(1, int(kv_capacity_tokens / max(1.0, mean_context)))
     return min(batch_size, kv_slots) - outstanding
+
+
+@dataclass(frozen=True, slots=True)
+class PullCandidate:
+    """An instance as batch dispatch sees it."""
+
+    name: str
+    role: str  # "interactive", "mixed" or "batch"
+    batch_size: int  # its local autoscaler's batch size
+    kv_capacity_tokens: int
+    outstanding: int  # requests there (or on their way) that have not ended
+    ready: bool = True  # serving; a starting instance takes nothing yet, but counts as coming
+
+
+def batch_pulls(
+    candidates: Sequence[PullCandidate],
+    waiting: int,
+    interactive_waiting: bool,
+    mean_context: float,
+    lend_interactive: bool = False,
+) -> list[tuple[str, int]]:
+    """How many of the ``waiting`` held batch requests each ready instance takes now, by name: batch
+    instances first, then mixed ones (they lend only spare capacity: none while interactive work
+    waits for an instance), in the order given, each up to its ``batch_room``. Interactive instances
+    take batch work only with ``lend_interactive`` (``interactive_lends``), and to their room too, so a
+    bulk never fills their queues."""
+    order = [c for c in candidates if c.role == "batch"]
+    if not interactive_waiting:
+        order += [c for c in candidates if c.role == "mixed"]
+        if lend_interactive:
+            order += [c for c in candidates if c.role == "interactive"]
+    out: list[tuple[str, int]] = []
+    for c in order:
+        if waiting <= 0:
+            break
+        if not c.ready:
+            continue
+        n = min(waiting, batch_room(c.batch_size, c.kv_capacity_tokens, c.outstanding, mean_context))
+        if n > 0:
+            out.append((c.name, n))
+            waiting -= n
+    return out
+
+
+def interactive_lends(
+    candidates: Sequence[PullCandidate], queue: GlobalQueue, now: float, orphan_wait_s: float = ORPHAN_WAIT_S
+) -> bool:
+    """Whether interactive instances take held batch work now: only when no batch or mixed instance is
+    there, ready or starting, and the longest-held batch request has waited ``orphan_wait_s`` (CHOICE:
+    serve rather than hold for ever). Chiron holds batch work until the autoscaler's batch instances
+    start; a group whose instance cap is all interactive, or one no autoscaler resizes, never gets one."""
+    if not queue.batch or any(c.role in ("batch", "mixed") for c in candidates):
+        return False
+    return now - min(entry[2] for entry in queue.batch) >= orphan_wait_s

@@ -1,0 +1,148 @@
+"""The router's batch hold, the way clients meet it: real sim worker processes of the quickstart (a
+Chiron-autoscaled pool) behind the real router on loopback (``router_harness``).
+
+Batch requests wait in the router while no batch instance of their model is ready and one is coming,
+whatever their shape (completion or chat, streamed or not); the hold shows in ``/router/status`` and
+in ``tessera_router_batch_held_requests``; the batch instance takes them once it is ready, and an
+interactive request is never held. A client that leaves while held leaves the hold; a full hold
+refuses with 429; a model with only interactive instances serves its batch work there once the
+hold's orphan wait has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from router_harness import CLASS_HEADER, MODEL, RouterUnderTest, serve_router, start_workers
+
+from tessera.local.supervisor import WorkerProcess
+from tessera.router.backends import Backend
+from tessera.worker.engines.vllm_process import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+ORPHAN_S = 1.0  # the hold's orphan wait in the test without batch instances (default: a minute)
+BATCH = {CLASS_HEADER: "batch"}  # the offline class's header value
+SHAPES = [  # (path, body, streamed)
+    ("/v1/completions", {"prompt": "hello there", "max_tokens": 4}, False),
+    ("/v1/completions", {"prompt": "hello there", "max_tokens": 4}, True),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, True),
+]
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProcess]]:
+    supervisor = start_workers(tmp_path_factory.mktemp("router-batch-hold"), 2)
+    try:
+        assert supervisor.workers[0].instance.config.scheduling.autoscale.enabled  # a Chiron pool
+        yield supervisor.workers
+    finally:
+        supervisor.stop_all()
+
+
+def _as(worker: WorkerProcess, role: str, url: str = "") -> Backend:
+    return worker.backend().model_copy(update={"role": role, "url": url or worker.url})
+
+
+def _dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens: the instance is starting
+
+
+async def _until(check, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+async def _ask(
+    client: httpx.AsyncClient, url: str, path: str, body: dict, stream: bool
+) -> tuple[int, str, str]:  # type: ignore[type-arg]
+    """(status, the instance that answered, the answer's text) of one request."""
+    payload = {"model": MODEL, **body, "stream": stream}
+    async with client.stream("POST", f"{url}{path}", json=payload, headers=BATCH) as resp:
+        text = (await resp.aread()).decode()
+        return resp.status_code, resp.headers.get("x-tessera-instance", ""), text
+
+
+def _held(router: RouterUnderTest) -> int:
+    return sum(router.state.hold.held().get(MODEL, {}).values())
+
+
+async def test_batch_work_waits_for_the_batch_instance_in_every_shape(workers: list[WorkerProcess]) -> None:
+    interactive, batch = workers
+    backends = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
+    async with serve_router(workers, backends=backends, poll_interval_s=0.3) as router:
+        async with httpx.AsyncClient(timeout=60) as client:
+            asks = [asyncio.create_task(_ask(client, router.url, *shape)) for shape in SHAPES]
+            await _until(lambda: _held(router) == len(SHAPES))
+            # An interactive request is routed at once, to the interactive instance.
+            chat = await client.post(f"{router.url}/v1/completions", headers={CLASS_HEADER: "chat"},
+                                     json={"model": MODEL, "prompt": "hi", "max_tokens": 2})  # fmt: skip
+            assert chat.status_code == 200 and chat.headers["x-tessera-instance"] == interactive.instance.name
+            status = (await client.get(f"{router.url}/router/status")).json()
+            assert status["batchHeld"] == {MODEL: {"offline": len(SHAPES)}}
+            held = await router.metric(
+                "tessera_router_batch_held_requests", model=MODEL, **{"class": "offline"}
+            )
+            assert held == len(SHAPES)
+            assert not any(t.done() for t in asks)  # nothing went to the interactive instance meanwhile
+            # The batch instance becomes ready: the next poll round releases the hold to it.
+            router.state.update([_as(interactive, "interactive"), _as(batch, "batch")])
+            answers = await asyncio.wait_for(asyncio.gather(*asks), 30)
+        for (path, _, stream), (status_code, instance, text) in zip(SHAPES, answers, strict=True):
+            assert status_code == 200, (path, stream, text)
+            assert instance == batch.instance.name, (path, stream)
+            if stream:
+                assert text.rstrip().endswith("data: [DONE]"), text
+            else:
+                assert json.loads(text)["usage"]["completion_tokens"] == 4
+        assert _held(router) == 0 and router.state.hold.reserved == {}
+        assert await router.metric("tessera_router_batch_held_requests") == 0
+
+
+async def test_a_client_that_leaves_leaves_the_hold_and_a_full_hold_refuses(
+    workers: list[WorkerProcess],
+) -> None:
+    interactive, batch = workers
+    backends = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
+    async with serve_router(workers, backends=backends, poll_interval_s=0.3) as router:
+        path, body, stream = SHAPES[0]
+        async with httpx.AsyncClient(timeout=1.0) as impatient:
+            with pytest.raises(httpx.ReadTimeout):
+                await _ask(impatient, router.url, path, body, stream)
+        await _until(lambda: _held(router) == 0)
+        router.state.hold.max_held = 1
+        async with httpx.AsyncClient(timeout=60) as client:
+            first = asyncio.create_task(_ask(client, router.url, path, body, stream))
+            await _until(lambda: _held(router) == 1)
+            refused = await client.post(f"{router.url}{path}", json={"model": MODEL, **body}, headers=BATCH)
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "30"
+            assert refused.json()["error"]["code"] == "batch_hold_full"
+            router.state.update([_as(interactive, "interactive"), _as(batch, "batch")])
+            status_code, instance, _ = await asyncio.wait_for(first, 30)
+        assert status_code == 200 and instance == batch.instance.name
+
+
+async def test_without_a_batch_or_mixed_instance_interactive_ones_lend_their_room(
+    workers: list[WorkerProcess],
+) -> None:
+    interactive, _ = workers
+    async with serve_router([interactive], backends=[_as(interactive, "interactive")]) as router:
+        router.state.hold.orphan_wait_s = ORPHAN_S
+        async with httpx.AsyncClient(timeout=30) as client:
+            asks = [asyncio.create_task(_ask(client, router.url, *shape)) for shape in SHAPES]
+            await _until(lambda: _held(router) == len(SHAPES))
+            start = time.monotonic()
+            answers = await asyncio.wait_for(asyncio.gather(*asks), 30)
+        # held until the orphan wait has passed (and a poll round looked), then served by the
+        # interactive instance: no batch instance ever comes
+        assert time.monotonic() - start >= ORPHAN_S / 2
+        assert [(s, i) for s, i, _ in answers] == [(200, interactive.instance.name)] * len(SHAPES)
+        assert _held(router) == 0
