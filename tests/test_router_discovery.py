@@ -82,6 +82,18 @@ def test_ready_pods_become_backends_with_roles_by_ordinal() -> None:
     ]
     expected = json.loads(config_maps[0]["data"]["worker.json"])
     assert backends[0].config.to_json() == expected
+    assert found.coming == {}  # every planned ordinal serves
+
+
+def test_planned_ordinals_without_a_ready_pod_are_coming() -> None:
+    """A batch pod the autoscaler added that is still starting (or not yet created) is named as coming,
+    so that the router's batch hold waits for it instead of lending interactive room."""
+    config_maps, sts = _children(roles=("interactive", "interactive", "batch", "mixed"))
+    labels = config_maps[0]["metadata"]["labels"]
+    pods = [_pod(f"{sts}-0", labels, "10.0.0.1"), _pod(f"{sts}-2", labels, "10.0.0.3", ready=False)]
+    found = backends_from_cluster(config_maps, pods)
+    (model,) = {m.name for b in found.backends for m in b.config.models}
+    assert found.coming == {model: ["interactive", "batch", "mixed"]}
 
 
 def test_pods_take_the_role_the_config_map_gives_their_ordinal() -> None:

@@ -200,8 +200,11 @@ class RouterState:
         self.hold = BatchHold()  # batch requests of Chiron-autoscaled models waiting for room
         self.update(backends)
 
-    def update(self, backends: Sequence[Backend]) -> None:
-        """Replace the backends (cluster discovery); instances that stay keep their load and health."""
+    def update(self, backends: Sequence[Backend], coming: Mapping[str, Sequence[str]] | None = None) -> None:
+        """Replace the backends (cluster discovery); instances that stay keep their load and health.
+        ``coming``: model -> the roles of its instances that are planned but not yet discovered (a
+        cluster's starting pods); the batch hold waits for a batch or mixed one among them."""
+        self.coming = dict(coming or {})
         old = self.loads
         self.backends = {b.name: b for b in backends}
         self.loads = {}
@@ -339,7 +342,11 @@ class RouterState:
         """Hand held batch requests to every instance with room (after a poll round)."""
         for model in list(self.hold.models):
             if model in self.stats:
-                self.hold.release(model, self.loads.values(), self.mean_context(model), time.monotonic())
+                self._release(model)
+
+    def _release(self, model: str) -> None:
+        self.hold.release(model, self.loads.values(), self.mean_context(model), time.monotonic(),
+                          self.coming.get(model, ()))  # fmt: skip
 
     def _count_other_models(self) -> None:
         """Give each (instance, model) load the requests of the instance's other models in flight and
@@ -543,7 +550,7 @@ def create_router_app(
                     found = await asyncio.to_thread(discover)
                     if follow is not None and activator is not None:
                         follow(found, activator)
-                    state.update(found.backends)
+                    state.update(found.backends, found.coming)
                 except Exception as exc:  # the API server may be briefly unreachable: keep the last view
                     log.warning("backend discovery failed: %s", exc)
             if api_keys is not None:
@@ -727,8 +734,9 @@ def create_router_app(
     async def _hold_and_send(up: Upstream, service_class: ServiceClass) -> Answer:
         if not state.holds(up.model, up.kind):
             return await send(state, metrics, holder["transport"], up)
+        coming = state.coming.get(up.model, ())
         instance = await state.hold.wait(up.model, service_class, time.monotonic(), state.loads.values(),
-                                         state.mean_context(up.model))  # fmt: skip
+                                         state.mean_context(up.model), coming)  # fmt: skip
         state.hold.sent(instance, up.model)  # send() counts it outstanding before it awaits anything
         return await send(state, metrics, holder["transport"], replace(up, instance=instance))
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily
@@ -82,6 +82,7 @@ class BatchHold:
         now: float,
         loads: Iterable[InstanceLoad],
         mean_context: float,
+        coming: Sequence[str] = (),
     ) -> str:
         """Hold a batch request until an instance has room for it; the instance's name. The caller sends
         the request there at once (``sent``): until then it counts as reserved on that instance.
@@ -99,7 +100,7 @@ class BatchHold:
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         hold.waiters[req] = future
         hold.queue.push(req)
-        self.release(model, loads, mean_context, now)
+        self.release(model, loads, mean_context, now, coming)
         try:
             return await future
         except asyncio.CancelledError:
@@ -116,8 +117,18 @@ class BatchHold:
         if not self.reserved[key]:
             del self.reserved[key]
 
-    def release(self, model: str, loads: Iterable[InstanceLoad], mean_context: float, now: float) -> int:
-        """Hand held requests of ``model`` to the ready instances of ``loads`` with room; how many."""
+    def release(
+        self,
+        model: str,
+        loads: Iterable[InstanceLoad],
+        mean_context: float,
+        now: float,
+        coming: Sequence[str] = (),
+    ) -> int:
+        """Hand held requests of ``model`` to the ready instances of ``loads`` with room; how many.
+        ``coming``: the roles of the model's instances that are planned and not yet in ``loads`` (a
+        cluster's starting pods, which discovery does not list): they take nothing, but a batch or mixed
+        one among them keeps the interactive instances from lending their room."""
         hold = self.models.get(model)
         if hold is None or not hold.queue.batch:
             return 0
@@ -133,6 +144,7 @@ class BatchHold:
             for x in sorted(loads, key=lambda x: x.instance)
             if x.model == model
         ]
+        candidates += [PullCandidate(f"(starting {role})", role, 0, 0, 0, ready=False) for role in coming]
         released = 0
         lend = interactive_lends(candidates, hold.queue, now, self.orphan_wait_s)
         for name, n in batch_pulls(candidates, len(hold.queue.batch), False, mean_context, lend):

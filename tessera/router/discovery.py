@@ -117,6 +117,9 @@ class Discovered:
     backends: list[Backend]
     skipped: dict[tuple[str, str], int] = field(default_factory=dict)
     sleeping: list[SleepingGroup] = field(default_factory=list)
+    # model -> the roles of its groups' ordinals that no ready pod serves yet (starting, or not yet
+    # created): the batch hold keeps batch work for a batch or mixed instance that is coming
+    coming: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _controller(meta: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -192,6 +195,7 @@ def backends_from_cluster(
         groups[key] = read
     backends: list[Backend] = []
     serving: set[tuple[str, str, str]] = set()  # groups with a ready pod
+    ready_ordinals: dict[tuple[str, str, str], set[int | None]] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
         key = _group_key(meta)
@@ -209,8 +213,10 @@ def backends_from_cluster(
         if not _ready(pod) or not roles:
             continue
         # An ordinal past the role list (scaling in progress) serves as mixed: it takes both kinds.
-        role = role_of(pod_ordinal(meta.get("name", "")), roles) or "mixed"
+        ordinal = pod_ordinal(meta.get("name", ""))
+        role = role_of(ordinal, roles) or "mixed"
         serving.add(key)
+        ready_ordinals.setdefault(key, set()).add(ordinal)
         backends.append(
             Backend(
                 name=f"{key[0]}/{meta['name']}",
@@ -232,7 +238,12 @@ def backends_from_cluster(
         for key, read in sorted(groups.items())
         if read.sleeping
     ]
-    return Discovered(sorted(backends, key=lambda b: b.name), dict(skipped), sleeping)
+    coming: dict[str, list[str]] = {}
+    for key, read in sorted(groups.items()):
+        waiting = [r for i, r in enumerate(read.roles) if i not in ready_ordinals.get(key, set())]
+        for model in read.config.models if waiting else ():
+            coming.setdefault(model.name, []).extend(waiting)
+    return Discovered(sorted(backends, key=lambda b: b.name), dict(skipped), sleeping, coming)
 
 
 class _SkippedCollector(Collector):
