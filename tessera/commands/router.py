@@ -71,6 +71,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-alive-timeout", type=int, default=d.keep_alive_s,
         help=f"Seconds an idle kept-alive connection stays open (default {d.keep_alive_s}).",
     )  # fmt: skip
+    from tessera.router.batch_hold import MAX_HELD, ORPHAN_WAIT_S
+
+    hold = parser.add_argument_group(
+        "batch hold (batch requests of pools that autoscale: Chiron's global queue)"
+    )
+    hold.add_argument(
+        "--batch-hold-max", type=int, default=MAX_HELD,
+        help=f"Batch requests one model may hold waiting for an instance; more: 429 (default {MAX_HELD}).",
+    )  # fmt: skip
+    hold.add_argument(
+        "--batch-orphan-wait", type=float, default=ORPHAN_WAIT_S,
+        help="Seconds a held batch request waits with no batch or mixed instance of its model ready or "
+        f"starting before interactive instances lend it their room (default {ORPHAN_WAIT_S:g}).",
+    )  # fmt: skip
     parser.add_argument(
         "--api-keys", type=Path, default=None,
         help="API keys file (JSON/YAML, e.g. a mounted Secret; see tessera.router.auth): requests need "
@@ -83,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from tessera.router.app import RouterState, create_router_app
     from tessera.router.auth import ApiKeys, ApiKeysError
     from tessera.router.backends import BackendsError, load_backends
+    from tessera.router.batch_hold import BatchHold
     from tessera.router.protocol import RouterServer, router_server_config
 
     if not 0 < args.port < 65536:
@@ -101,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         limits = RouterLimits(args.max_body_bytes, args.max_header_bytes, args.header_timeout,
                               args.body_timeout, args.keep_alive_timeout)  # fmt: skip
         api_keys = ApiKeys(args.api_keys) if args.api_keys is not None else None
+        hold = BatchHold(args.batch_hold_max, args.batch_orphan_wait)
     except (ValueError, ApiKeysError) as exc:
         print(f"tessera router: {exc}", file=sys.stderr)
         return 2
@@ -121,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         except BackendsError as exc:
             print(f"tessera router: {exc}", file=sys.stderr)
             return 2
-    state = RouterState(backends, route=args.route)
+    state = RouterState(backends, route=args.route, hold=hold)
     activator = waker = None
     if discovery is not None:
         from tessera.router.activator import Activator

@@ -171,7 +171,12 @@ class RouterState:
     """Instances, their loads and the token statistics the route uses."""
 
     def __init__(
-        self, backends: Sequence[Backend], *, z: float = DEFAULT_Z, route: str = "least-wait"
+        self,
+        backends: Sequence[Backend],
+        *,
+        z: float = DEFAULT_Z,
+        route: str = "least-wait",
+        hold: BatchHold | None = None,
     ) -> None:
         self.z = z
         self.route = make_route(route, **_wait_settings(route, z))
@@ -197,7 +202,7 @@ class RouterState:
         # and classified, while the activator holds their requests
         self.dormant: dict[str, WorkerConfig] = {}
         self.delivered = DeliveredSlo()  # what clients were delivered, judged per model and class
-        self.hold = BatchHold()  # batch requests of Chiron-autoscaled models waiting for room
+        self.hold = hold or BatchHold()  # batch requests of Chiron-autoscaled models waiting for room
         self.update(backends)
 
     def update(self, backends: Sequence[Backend], coming: Mapping[str, Sequence[str]] | None = None) -> None:

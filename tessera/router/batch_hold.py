@@ -57,9 +57,11 @@ class BatchHold:
 
     def __init__(self, max_held: int = MAX_HELD, orphan_wait_s: float = ORPHAN_WAIT_S) -> None:
         if max_held < 1:
-            raise ValueError(f"max_held must be at least 1, got {max_held}")
-        if not orphan_wait_s >= 0:
-            raise ValueError(f"orphan_wait_s must be >= 0, got {orphan_wait_s}")
+            raise ValueError(f"--batch-hold-max must be at least 1, got {max_held}")
+        if not 0 <= orphan_wait_s < float("inf"):
+            raise ValueError(
+                f"--batch-orphan-wait must be a finite number of seconds >= 0, got {orphan_wait_s}"
+            )
         self.max_held = max_held
         self.orphan_wait_s = orphan_wait_s
         self.models: dict[str, _ModelHold] = {}
