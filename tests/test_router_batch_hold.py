@@ -150,3 +150,29 @@ async def test_without_a_batch_or_mixed_instance_interactive_ones_lend_their_roo
             answers = await asyncio.wait_for(asyncio.gather(*asks), 30)
         assert [(s, i) for s, i, _ in answers] == [(200, interactive.instance.name)] * len(SHAPES)
         assert _held(router) == 0
+
+
+async def test_held_work_is_answered_when_its_model_leaves_or_stops_autoscaling(
+    workers: list[WorkerProcess],
+) -> None:
+    interactive, batch = workers
+    waiting = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
+    async with serve_router(workers, backends=waiting, poll_interval_s=0.3) as router:
+        path, body, stream = SHAPES[2]
+        async with httpx.AsyncClient(timeout=30) as client:
+            ask = asyncio.create_task(_ask(client, router.url, path, body, stream))
+            await _until(lambda: _held(router) == 1)
+            # The pool stops autoscaling: the route chooses, as for any request (interactive serves).
+            plain = interactive.instance.config.model_copy(deep=True)
+            plain.scheduling.autoscale.enabled = False
+            router.state.update([_as(interactive, "interactive").model_copy(update={"config": plain})])
+            status_code, instance, _ = await asyncio.wait_for(ask, 10)
+            assert (status_code, instance) == (200, interactive.instance.name)
+            # The model goes away while a request is held: it is answered 404, not left waiting.
+            router.state.update(waiting)
+            ask = asyncio.create_task(_ask(client, router.url, path, body, stream))
+            await _until(lambda: _held(router) == 1)
+            router.state.update([])
+            status_code, _, text = await asyncio.wait_for(ask, 10)
+        assert status_code == 404 and json.loads(text)["error"]["code"] == "model_not_found"
+        assert router.state.hold.held() == {}

@@ -339,14 +339,19 @@ class RouterState:
         """A request sent to ``load`` has ended: room there may take a held batch request."""
         load.outstanding -= 1
         if load.model in self.stats:  # else the model left the router while the request ran
-            self.hold.release(
-                load.model, self.loads.values(), self.mean_context(load.model), time.monotonic()
-            )
+            self._release(load.model)
 
     def release_held(self) -> None:
-        """Hand held batch requests to every instance with room (after a poll round)."""
+        """Hand held batch requests to every instance with room (after a poll round). A model no longer
+        served answers its held requests 404; one whose pool stopped autoscaling lets the route choose
+        their instances, as for any request."""
         for model in list(self.hold.models):
-            if model in self.stats:
+            if model not in self.configs:
+                self.hold.end(model, ApiError(404, f"the model {model!r} is no longer served here",
+                                              code="model_not_found", param="model"))  # fmt: skip
+            elif not self.holds(model, "batch"):
+                self.hold.end(model, None)
+            else:
                 self._release(model)
 
     def _release(self, model: str) -> None:

@@ -106,14 +106,29 @@ class BatchHold:
         try:
             return await future
         except asyncio.CancelledError:
-            if future.done() and not future.cancelled():  # released, then its client left
-                self.sent(future.result(), model)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.sent(future.result(), model)  # released, then its client left
             elif hold.queue.drop(req):
                 del hold.waiters[req]
             raise
 
+    def end(self, model: str, error: ApiError | None) -> None:
+        """Stop holding ``model``'s requests: each is answered ``error``, or, without one, released to
+        no instance in particular (its route chooses)."""
+        hold = self.models.pop(model, None)
+        for future in hold.waiters.values() if hold is not None else ():
+            if future.done():  # cancelled: its client left, and its task has not run yet
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result("")
+
     def sent(self, instance: str, model: str) -> None:
-        """A released request went to ``instance`` (or will not go at all): its reservation ends."""
+        """A released request went to ``instance`` (or will not go at all): its reservation ends. A
+        request released to no instance in particular (``end``) has none."""
+        if not instance:
+            return
         key = (instance, model)
         self.reserved[key] -= 1
         if not self.reserved[key]:
