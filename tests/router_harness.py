@@ -13,7 +13,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +28,13 @@ from tessera.router.activator import Activator
 from tessera.router.app import RouterState, create_router_app
 from tessera.router.auth import ApiKeys
 from tessera.router.backends import Backend
+from tessera.router.batch_hold import BatchHold
 from tessera.router.limits import RouterLimits
 from tessera.router.protocol import router_server_config
 from tessera.worker.engines.vllm_process import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-_PLANNED = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=2)
-# The quickstart's instances as mixed ones: no autoscaler runs behind these routers to start batch
-# instances, and a mixed instance takes both kinds of work (the router holds batch work for a Chiron
-# pool until a batch or mixed instance has room: tessera.router.batch_hold).
-PLAN = replace(_PLANNED, instances=tuple(replace(i, role="mixed") for i in _PLANNED.instances))
+PLAN = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=2)
 MODEL = PLAN.instances[0].config.models[0].name
 CLASS_HEADER = PLAN.instances[0].config.class_header
 
@@ -83,11 +80,13 @@ async def serve_router(
     route: str = "least-wait",
     activator: Callable[[RouterState], Activator] | None = None,
     backends: Sequence[Backend] = (),
+    hold: BatchHold | None = None,
 ) -> AsyncIterator[RouterUnderTest]:
     """The router over ``workers`` (picking by ``route``) on a free loopback port until the block ends;
     ``activator`` builds the router's activator over its state (scale to zero); ``backends``, when
-    given, replace the workers' own entries (other roles or addresses)."""
-    state = RouterState(list(backends) or [w.backend() for w in workers], route=route)
+    given, replace the workers' own entries (other roles or addresses); ``hold``: its batch hold (as
+    ``tessera router`` and an autoscaled local mode have; none: batch work is routed on arrival)."""
+    state = RouterState(list(backends) or [w.backend() for w in workers], route=route, hold=hold)
     app = create_router_app(state, poll_interval_s=poll_interval_s, limits=limits, api_keys=api_keys,
                             activator=activator(state) if activator is not None else None)  # fmt: skip
     port = free_port()

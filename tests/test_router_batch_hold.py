@@ -22,6 +22,7 @@ from router_harness import CLASS_HEADER, MODEL, RouterUnderTest, serve_router, s
 
 from tessera.local.supervisor import WorkerProcess
 from tessera.router.backends import Backend
+from tessera.router.batch_hold import BatchHold
 from tessera.worker.engines.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -78,7 +79,7 @@ def _held(router: RouterUnderTest) -> int:
 async def test_batch_work_waits_for_the_batch_instance_in_every_shape(workers: list[WorkerProcess]) -> None:
     interactive, batch = workers
     backends = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
-    async with serve_router(workers, backends=backends, poll_interval_s=0.3) as router:
+    async with serve_router(workers, backends=backends, poll_interval_s=0.3, hold=BatchHold()) as router:
         async with httpx.AsyncClient(timeout=60) as client:
             asks = [asyncio.create_task(_ask(client, router.url, *shape)) for shape in SHAPES]
             await _until(lambda: _held(router) == len(SHAPES))
@@ -112,7 +113,7 @@ async def test_a_client_that_leaves_leaves_the_hold_and_a_full_hold_refuses(
 ) -> None:
     interactive, batch = workers
     backends = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
-    async with serve_router(workers, backends=backends, poll_interval_s=0.3) as router:
+    async with serve_router(workers, backends=backends, poll_interval_s=0.3, hold=BatchHold()) as router:
         path, body, stream = SHAPES[0]
         async with httpx.AsyncClient(timeout=1.0) as impatient:
             with pytest.raises(httpx.ReadTimeout):
@@ -135,7 +136,7 @@ async def test_without_a_batch_or_mixed_instance_interactive_ones_lend_their_roo
 ) -> None:
     interactive, _ = workers
     only = [_as(interactive, "interactive")]
-    async with serve_router([interactive], backends=only, poll_interval_s=0.3) as router:
+    async with serve_router([interactive], backends=only, poll_interval_s=0.3, hold=BatchHold()) as router:
         router.state.hold.orphan_wait_s = ORPHAN_S
         # Discovery names a batch pod that is planned and still starting: the hold waits for it.
         router.state.update(only, {MODEL: ["batch"]})
@@ -157,7 +158,7 @@ async def test_held_work_is_answered_when_its_model_leaves_or_stops_autoscaling(
 ) -> None:
     interactive, batch = workers
     waiting = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
-    async with serve_router(workers, backends=waiting, poll_interval_s=0.3) as router:
+    async with serve_router(workers, backends=waiting, poll_interval_s=0.3, hold=BatchHold()) as router:
         path, body, stream = SHAPES[2]
         async with httpx.AsyncClient(timeout=30) as client:
             ask = asyncio.create_task(_ask(client, router.url, path, body, stream))

@@ -59,8 +59,7 @@ MODEL = PLAN.instances[0].config.models[0].name
 
 def test_router_metrics_count_answers_errors_failover_and_instance_state() -> None:
     backends = [
-        # mixed: they take batch work too (the router holds it for a batch or mixed instance)
-        Backend(name=inst.name, url=f"http://w{n}", role="mixed", config=inst.config)
+        Backend(name=inst.name, url=f"http://w{n}", role=inst.role, config=inst.config)
         for n, inst in enumerate(PLAN.instances)
     ]
     hosts = {f"w{n}": inst.name for n, inst in enumerate(PLAN.instances)}
@@ -114,7 +113,7 @@ def test_router_metrics_count_answers_errors_failover_and_instance_state() -> No
     failed = hosts[failures[0]]
     assert got[("tessera_router_upstream_failures_total", (("instance", failed),))] == 1
     for inst in PLAN.instances:
-        labels = (("instance", inst.name), ("model", MODEL), ("role", "mixed"))
+        labels = (("instance", inst.name), ("model", MODEL), ("role", inst.role))
         # The refused instance left the rotation (no poll ran since); nothing is outstanding.
         assert got[("tessera_router_instance_ready", labels)] == (0.0 if inst.name == failed else 1.0)
         assert got[("tessera_router_outstanding", labels)] == 0

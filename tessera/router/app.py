@@ -202,7 +202,10 @@ class RouterState:
         # and classified, while the activator holds their requests
         self.dormant: dict[str, WorkerConfig] = {}
         self.delivered = DeliveredSlo()  # what clients were delivered, judged per model and class
-        self.hold = hold or BatchHold()  # batch requests of Chiron-autoscaled models waiting for room
+        # Batch requests of autoscaled models waiting for room; None: batch work is routed on arrival (no
+        # autoscaler will start the batch instances a hold would wait for, as with local --no-autoscale)
+        self.hold = hold if hold is not None else BatchHold()
+        self.holding = hold is not None
         self.update(backends)
 
     def update(self, backends: Sequence[Backend], coming: Mapping[str, Sequence[str]] | None = None) -> None:
@@ -326,9 +329,9 @@ class RouterState:
 
     def holds(self, model: str, kind: str) -> bool:
         """Whether a request of ``kind`` for ``model`` waits in the batch hold: batch work of a model whose
-        workers run Chiron's autoscaling."""
+        workers run Chiron's autoscaling, behind a router given a hold."""
         config = self.configs.get(model)
-        return kind == "batch" and config is not None and config.scheduling.autoscale.enabled
+        return self.holding and kind == "batch" and config is not None and config.scheduling.autoscale.enabled
 
     def mean_context(self, model: str) -> float:
         """Tokens of KV one request of ``model`` holds on average (prompt and answer)."""
