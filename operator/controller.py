@@ -105,7 +105,7 @@ class MetricsSource(Protocol):
     ) -> MetricsSnapshot | None:
         """The group's measurements now (``kinds``: class name -> interactive/batch; ``deadlines``:
         batch class name -> deadline seconds; ``models``: the group's models, whose batch requests the
-        router holds count as batch queue); None when there are none."""
+        router holds count as queued work); None when there are none."""
         ...
 
     def attainment(self, namespace: str, pool: str, model: str) -> list[dict[str, Any]] | None:

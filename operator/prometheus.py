@@ -78,7 +78,7 @@ class PrometheusMetrics:
         now: float,
         models: Sequence[str] = (),
     ) -> MetricsSnapshot | None:
-        """The group's measurements now (the batch requests the router holds for ``models`` included);
+        """The group's measurements now (the requests the router holds for ``models`` included);
         None when Prometheus has none (or cannot be reached)."""
         results = self._run(group_queries(namespace, pool, group.name, kinds, self.window, models))
         return snapshot_from_results(results, group, deadlines, now) if results else None

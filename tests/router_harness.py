@@ -28,7 +28,7 @@ from tessera.router.activator import Activator
 from tessera.router.app import RouterState, create_router_app
 from tessera.router.auth import ApiKeys
 from tessera.router.backends import Backend
-from tessera.router.batch_hold import BatchHold
+from tessera.router.chiron_hold import ChironHold
 from tessera.router.limits import RouterLimits
 from tessera.router.protocol import router_server_config
 from tessera.worker.engines.vllm_process import free_port
@@ -80,12 +80,12 @@ async def serve_router(
     route: str = "least-wait",
     activator: Callable[[RouterState], Activator] | None = None,
     backends: Sequence[Backend] = (),
-    hold: BatchHold | None = None,
+    hold: ChironHold | None = None,
 ) -> AsyncIterator[RouterUnderTest]:
     """The router over ``workers`` (picking by ``route``) on a free loopback port until the block ends;
     ``activator`` builds the router's activator over its state (scale to zero); ``backends``, when
-    given, replace the workers' own entries (other roles or addresses); ``hold``: its batch hold (as
-    ``tessera router`` and an autoscaled local mode have; none: batch work is routed on arrival)."""
+    given, replace the workers' own entries (other roles or addresses); ``hold``: its Chiron dispatch (as
+    ``tessera router`` and an autoscaled local mode have; none: every request is routed on arrival)."""
     state = RouterState(list(backends) or [w.backend() for w in workers], route=route, hold=hold)
     app = create_router_app(state, poll_interval_s=poll_interval_s, limits=limits, api_keys=api_keys,
                             activator=activator(state) if activator is not None else None)  # fmt: skip

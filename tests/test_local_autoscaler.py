@@ -18,7 +18,7 @@ from tessera.local.control_plane import LocalEngine, plan_local
 from tessera.local.scrape import results_from_scrapes
 from tessera.local.supervisor import WorkerProcess
 from tessera.router.app import RouterState
-from tessera.router.batch_hold import BatchHold
+from tessera.router.chiron_hold import ChironHold
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 KINDS = {"chat": "interactive", "offline": "batch"}
@@ -131,13 +131,13 @@ async def test_batch_work_the_router_holds_starts_a_batch_instance() -> None:
     (local,) = plan.groups
     workers = [WorkerProcess(i, 9000 + i.ordinal, Path("c"), Path("l")) for i in plan.instances]
     supervisor = _Supervisor(workers)
-    router = RouterState([w.backend() for w in workers], hold=BatchHold())
+    router = RouterState([w.backend() for w in workers], hold=ChironHold())
     scaler = LocalAutoscaler(plan.groups, supervisor, router, report=lambda _: None)  # type: ignore[arg-type]
     assert scaler.groups[0].replicas == RoleCounts(interactive=3)  # the cap, all interactive
     model = local.config.models[0].name
     offline = local.config.classes["offline"].to_service_class("offline")
     held = [
-        asyncio.create_task(router.hold.wait(model, offline, 0.0, router.loads.values(), 1000.0))
+        asyncio.create_task(router.hold.wait(model, offline, 0.0, list(router.loads.values()), 1000.0))
         for _ in range(200)
     ]
     await asyncio.sleep(0)

@@ -165,12 +165,12 @@ def test_service_monitor_selects_the_operators_worker_services() -> None:
 def test_dashboard_queries_only_metrics_the_worker_or_router_exports(objects: list[dict[str, Any]]) -> None:
     import re
 
-    from tessera.router.batch_hold import BatchHold, HeldCollector
+    from tessera.router.chiron_hold import ChironHold, HeldCollector
     from tessera.router.metrics import RouterMetrics
     from tessera.worker.metrics import WorkerMetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-    registries = (WorkerMetrics().registry, RouterMetrics(list).registry, HeldCollector(BatchHold()))
+    registries = (WorkerMetrics().registry, RouterMetrics(list).registry, HeldCollector(ChironHold()))
     exported = {
         family.name + suffix
         for registry in registries

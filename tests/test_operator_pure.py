@@ -242,23 +242,29 @@ def test_snapshot_from_prometheus_results() -> None:
     assert snapshot_from_results({"up": []}, group, {}, 0.0) is None
 
 
-def test_the_routers_batch_hold_counts_as_batch_queue_of_the_groups_models() -> None:
+def test_what_the_router_holds_counts_as_the_groups_queued_work() -> None:
     group = GroupPlan("g", ("svc",), 1, RoleCounts(interactive=1))
     kinds = {"chat-fast": "interactive", "offline": "batch", "bulk.jobs": "batch"}
     queries = group_queries("ns", "p", "g", kinds, "2m", ("Qwen/Qwen2.5-0.5B-Instruct",))
     # PromQL strings refuse re.escape's \- and \.: the backslashes themselves are escaped
-    assert r'model=~"Qwen/Qwen2\\.5\\-0\\.5B\\-Instruct"' in queries["batch_held"]
-    assert r'class=~"bulk\\.jobs|offline"' in queries["batch_held"]
-    assert "tessera_router_batch_held_requests{" in queries["batch_held"]
-    assert group_queries("ns", "p", "g", kinds, "2m")["batch_held"].count('model=~"$^"') == 1
+    assert r'model=~"Qwen/Qwen2\\.5\\-0\\.5B\\-Instruct"' in queries["held"]
+    assert r'class=~"bulk\\.jobs|chat\\-fast|offline"' in queries["held"]
+    assert "tessera_router_chiron_held_requests{" in queries["held"]
+    assert group_queries("ns", "p", "g", kinds, "2m")["held"].count('model=~"$^"') == 1
     results = {
         "up": [_sample(1, pod="p-g-0")],
+        "interactive_queued": [_sample(2)],
         "batch_queued": [_sample(3, **{"class": "offline"})],
-        "batch_held": [_sample(40, **{"class": "offline"}), _sample(7, **{"class": "bulk.jobs"})],
+        "held": [
+            _sample(40, **{"class": "offline"}),
+            _sample(7, **{"class": "bulk.jobs"}),
+            _sample(5, **{"class": "chat-fast"}),
+        ],
     }
     snap = snapshot_from_results(results, group, {"offline": 600.0, "bulk.jobs": 60.0}, now=1000.0)
     assert snap is not None
     assert sorted((g.count, g.deadline) for g in snap.batch_queue) == [(7, 1060.0), (43, 1600.0)]
+    assert snap.interactive_queued == 2 + 5  # the workers' queues and the router's hold
 
 
 def test_attainment_from_prometheus_results() -> None:

@@ -449,7 +449,7 @@ def test_router_command_refuses_bad_limits_and_key_files(
         ("--body-timeout", "-1"): "--body-timeout must be a finite number > 0",
         ("--max-header-bytes", "100"): "--max-header-bytes must be >= 1024",
         ("--api-keys", str(bad_keys)): "keys.0.key: String should have at least 16 characters",
-        ("--batch-hold-max", "0"): "--batch-hold-max must be at least 1, got 0",
+        ("--hold-max", "0"): "--hold-max must be at least 1, got 0",
         ("--batch-orphan-wait", "inf"): "--batch-orphan-wait must be a finite number of seconds >= 0",
     }
     for flags, problem in cases.items():

@@ -71,14 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-alive-timeout", type=int, default=d.keep_alive_s,
         help=f"Seconds an idle kept-alive connection stays open (default {d.keep_alive_s}).",
     )  # fmt: skip
-    from tessera.router.batch_hold import MAX_HELD, ORPHAN_WAIT_S
+    from tessera.router.chiron_hold import MAX_HELD, ORPHAN_WAIT_S
 
     hold = parser.add_argument_group(
-        "batch hold (batch requests of pools that autoscale: Chiron's global queue)"
+        "Chiron's dispatch (requests of pools that autoscale wait for an instance with room)"
     )
     hold.add_argument(
-        "--batch-hold-max", type=int, default=MAX_HELD,
-        help=f"Batch requests one model may hold waiting for an instance; more: 429 (default {MAX_HELD}).",
+        "--hold-max", type=int, default=MAX_HELD,
+        help=f"Requests one model may hold until an instance has room; more: 429 (default {MAX_HELD}).",
     )  # fmt: skip
     hold.add_argument(
         "--batch-orphan-wait", type=float, default=ORPHAN_WAIT_S,
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from tessera.router.app import RouterState, create_router_app
     from tessera.router.auth import ApiKeys, ApiKeysError
     from tessera.router.backends import BackendsError, load_backends
-    from tessera.router.batch_hold import BatchHold
+    from tessera.router.chiron_hold import ChironHold
     from tessera.router.protocol import RouterServer, router_server_config
 
     if not 0 < args.port < 65536:
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         limits = RouterLimits(args.max_body_bytes, args.max_header_bytes, args.header_timeout,
                               args.body_timeout, args.keep_alive_timeout)  # fmt: skip
         api_keys = ApiKeys(args.api_keys) if args.api_keys is not None else None
-        hold = BatchHold(args.batch_hold_max, args.batch_orphan_wait)
+        hold = ChironHold(args.hold_max, args.batch_orphan_wait)
     except (ValueError, ApiKeysError) as exc:
         print(f"tessera router: {exc}", file=sys.stderr)
         return 2

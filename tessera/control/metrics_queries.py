@@ -12,8 +12,8 @@ computed here (a counter that drops was reset: it counts from zero; a series tha
 new pod or class: it counts from zero too), and the queue and in-flight gauges at each step, so that
 arrivals count the requests still held as well as those that ended. The router's ``tessera_router_*``
 series are not used there: they carry no pool label, and a model name is only unique within a pool. The
-one the autoscaler reads is the router's batch hold (``tessera_router_batch_held_requests``, by model
-and class): the router itself serves a model name as one model over every pool it routes to. Prompt
+one the autoscaler reads is what the router's Chiron dispatch holds (``tessera_router_chiron_held_requests``,
+by model and class): the router itself serves a model name as one model over every pool it routes to. Prompt
 lengths come from the workers' ``tessera_prompt_tokens`` counter (prompt tokens of finished requests).
 
 Pure: the operator's ``PrometheusMetrics`` (``tessera.operator.prometheus``) sends the queries; local
@@ -88,15 +88,15 @@ def group_queries(
     models: Sequence[str] = (),
 ) -> dict[str, str]:
     """The PromQL queries of one group's snapshot, by purpose. ``models``: the models the group serves,
-    whose batch requests the router holds (its batch hold, labelled by model: the router serves each
+    whose requests the router's Chiron dispatch holds (labelled by model: the router serves each
     model name once, whichever namespace its pool is in)."""
     sel = selector(namespace=namespace, pool=pool, group=group)
     interactive = class_regex([c for c, k in kinds.items() if k == "interactive"])
     batch = class_regex([c for c, k in kinds.items() if k == "batch"])
     return {
-        "batch_held": (
-            f'sum by (class) (tessera_router_batch_held_requests{{model=~"{class_regex(models)}",'
-            f'class=~"{batch}"}})'
+        "held": (
+            f'sum by (class) (tessera_router_chiron_held_requests{{model=~"{class_regex(models)}",'
+            f'class=~"{class_regex(list(kinds))}"}})'
         ),
         "up": f"up{{{sel}}}",
         "interactive_inflight": f'sum by (pod) (tessera_inflight{{{sel},class=~"{interactive}"}})',
@@ -122,7 +122,7 @@ def snapshot_from_results(
 
     Pods count as ready when their scrape is up; the rest of the group's planned pods are pending. A
     pod's role is its ordinal's in ``GroupPlan.roles``.
-    Batch groups: the workers export queue lengths and the router the requests its batch hold keeps
+    Batch groups: the workers export queue lengths and the router the requests its Chiron dispatch keeps
     back, not arrival times, so each batch class is one request group (both counts together) whose
     deadline is ``now`` plus the class deadline (optimistic for requests that already waited). Returns
     None when no worker of the group was scraped yet.
@@ -143,10 +143,13 @@ def snapshot_from_results(
     inflight = results.get("interactive_inflight") or []
     busy = sum(1 for s in inflight if _value(s) > 0 and _pod_role(s, group.roles) not in ("batch", None))
     queued: dict[str, float] = {}
-    for s in (results.get("batch_queued") or []) + (results.get("batch_held") or []):
+    held_interactive = 0.0
+    for s in (results.get("batch_queued") or []) + (results.get("held") or []):
         name = s.get("metric", {}).get("class")
         if name in deadlines and _value(s) > 0:
             queued[name] = queued.get(name, 0.0) + _value(s)
+        elif name not in deadlines and _value(s) > 0:  # a held interactive request (the query's classes)
+            held_interactive += _value(s)
     batch_queue = tuple(
         BatchGroup(count=int(n), deadline=now + deadlines[name]) for name, n in sorted(queued.items())
     )
@@ -156,7 +159,7 @@ def snapshot_from_results(
         ready=ready_counts,
         pending=pending,
         instances_with_interactive=busy,
-        interactive_queued=int(_total(results.get("interactive_queued") or [])),
+        interactive_queued=int(_total(results.get("interactive_queued") or []) + held_interactive),
         batch_queue=batch_queue,
         batch_running=int(_total(results.get("batch_running") or [])),
         batch_tokens_per_s=tokens if tokens > 0 else None,

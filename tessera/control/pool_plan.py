@@ -144,7 +144,7 @@ class GroupScaling:
     kinds: dict[str, str]  # accepted class name -> "interactive" / "batch"
     deadlines: dict[str, float]  # batch class name -> deadline seconds
     settings: ChironSettings
-    models: tuple[str, ...] = ()  # the model names its services serve (the router's batch hold is by model)
+    models: tuple[str, ...] = ()  # the model names its services serve (what the router holds is by model)
 
 
 def group_scaling(decided: PoolDesired, group: GroupPlan, instance_cap: int | None = None) -> GroupScaling:

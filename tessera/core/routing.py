@@ -120,6 +120,7 @@ class InstanceLoad:
     # and not ended, and the model of the latest request routed there (None: not known).
     other_outstanding: int = 0
     last_model: str | None = None
+    interactive: int = 0  # of ``outstanding``, of an interactive class (Chiron's dispatch reads both kinds)
 
 
 @dataclass(frozen=True, slots=True)

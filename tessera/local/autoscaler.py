@@ -3,7 +3,7 @@
 Every pool's ``autoscaling.intervalSeconds`` each placement group (with autoscaling enabled) is
 evaluated exactly as the operator evaluates it: the same classes, deadlines and settings
 (``group_scaling``, capped by ``--max-instances``), the same snapshot (``snapshot_from_results`` over
-direct scrapes, ``tessera.local.scrape``, and the in-process router's batch hold) and the same step
+direct scrapes, ``tessera.local.scrape``, and what the in-process router holds) and the same step
 (the core's ``evaluate_group``). A decision is carried out the way a StatefulSet carries it out:
 ordinals keep their roles where they can (the core's ``assign_roles``), new ordinals start as new worker
 processes (the router takes them once they answer ``/ready``), and the highest ordinals go. A leaving

@@ -39,7 +39,7 @@ from tessera.local.scale_to_zero import LocalActuator, idle_units
 from tessera.local.supervisor import Supervisor
 from tessera.router.activator import TICK_S, Activator
 from tessera.router.app import ClassInfo, RouterState, create_router_app, router_status
-from tessera.router.batch_hold import BatchHold
+from tessera.router.chiron_hold import ChironHold
 from tessera.router.protocol import RouterServer, router_server_config
 
 LIVE_PERIOD_S = 1.0
@@ -265,8 +265,8 @@ class LocalStack:
     async def start(self, ready_timeout_s: float) -> None:
         """Start every worker (waiting until ready), then the router on ``host:port``."""
         await asyncio.to_thread(self.supervisor.start_all, self.plan.instances, ready_timeout_s)
-        # The batch hold waits for batch instances: only where the autoscaler starts them.
-        hold = BatchHold() if self.autoscale else None
+        # Chiron's dispatch holds work for instances with room: only where the autoscaler starts them.
+        hold = ChironHold() if self.autoscale else None
         self.state = state = RouterState([w.backend() for w in self.supervisor.workers], route=self.route,
                                          hold=hold)  # fmt: skip
         idle = idle_units(self.plan.groups)

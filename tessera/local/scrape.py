@@ -35,7 +35,7 @@ def results_from_scrapes(
 
     ``kinds`` maps the group's class names to ``interactive`` / ``batch``; samples of other classes are
     ignored, as the queries' class regexes ignore them. ``held``: the batch requests of the group's
-    models that the router's batch hold keeps back, by class name (read from the router in process).
+    models that the router's Chiron dispatch keeps back, by class name (read from the router in process).
     """
     up, busy = [], []
     interactive_queued = batch_running = tokens_per_s = requests_per_s = 0.0
@@ -84,10 +84,6 @@ def results_from_scrapes(
         "batch_running": [_sample(batch_running, now)],
         "batch_tokens": [_sample(tokens_per_s, now)],
         "interactive_rate": [_sample(requests_per_s, now)] if measured else [],
-        "batch_held": [
-            _sample(n, now, **{"class": c})
-            for c, n in sorted((held or {}).items())
-            if kinds.get(c) == "batch"
-        ],
+        "held": [_sample(n, now, **{"class": c}) for c, n in sorted((held or {}).items()) if c in kinds],
     }
     return results, counters

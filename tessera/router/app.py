@@ -68,7 +68,7 @@ from tessera.core.routing import (
 from tessera.router.activator import ActivationCollector, Activator
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
-from tessera.router.batch_hold import BatchHold, HeldCollector
+from tessera.router.chiron_hold import ChironHold, HeldCollector
 from tessera.router.discovery import Discovered
 from tessera.router.headers import downstream_headers, upstream_headers
 from tessera.router.kv_events import Subscriptions
@@ -176,7 +176,7 @@ class RouterState:
         *,
         z: float = DEFAULT_Z,
         route: str = "least-wait",
-        hold: BatchHold | None = None,
+        hold: ChironHold | None = None,
     ) -> None:
         self.z = z
         self.route = make_route(route, **_wait_settings(route, z))
@@ -202,16 +202,17 @@ class RouterState:
         # and classified, while the activator holds their requests
         self.dormant: dict[str, WorkerConfig] = {}
         self.delivered = DeliveredSlo()  # what clients were delivered, judged per model and class
-        # Batch requests of autoscaled models waiting for room; None: batch work is routed on arrival (no
-        # autoscaler will start the batch instances a hold would wait for, as with local --no-autoscale)
-        self.hold = hold if hold is not None else BatchHold()
+        # Chiron's dispatch of autoscaled models' requests (tessera.router.chiron_hold); None: they are
+        # routed on arrival (no autoscaler will start the instances a hold would wait for, as with local
+        # --no-autoscale)
+        self.hold = hold if hold is not None else ChironHold()
         self.holding = hold is not None
         self.update(backends)
 
     def update(self, backends: Sequence[Backend], coming: Mapping[str, Sequence[str]] | None = None) -> None:
         """Replace the backends (cluster discovery); instances that stay keep their load and health.
         ``coming``: model -> the roles of its instances that are planned but not yet discovered (a
-        cluster's starting pods); the batch hold waits for a batch or mixed one among them."""
+        cluster's starting pods); the Chiron dispatch waits for a batch or mixed one among them."""
         self.coming = dict(coming or {})
         old = self.loads
         self.backends = {b.name: b for b in backends}
@@ -281,7 +282,7 @@ class RouterState:
         route on engine-reported blocks reads which engines hold those of ``prompt_token_ids`` (sent as
         token ids, or a text completion prompt or a chat tokenized and rendered as its workers do:
         ``PromptTokenizers``; a model without a tokenizer folder has none, and the text index's estimate
-        stands in). ``only`` names the instance the batch hold released the request to: it is taken while
+        stands in). ``only`` names the instance Chiron's dispatch placed the request on: it is taken while
         it is ready and not excluded, else the route chooses."""
         self._count_other_models()
         loads = [x for x in self.loads.values() if x.instance not in exclude]
@@ -327,20 +328,21 @@ class RouterState:
         )  # fmt: skip
         return Pick(chosen, req.prompt_tokens - hit)
 
-    def holds(self, model: str, kind: str) -> bool:
-        """Whether a request of ``kind`` for ``model`` waits in the batch hold: batch work of a model whose
+    def holds(self, model: str) -> bool:
+        """Whether requests for ``model`` go through Chiron's dispatch (``self.hold``): a model whose
         workers run Chiron's autoscaling, behind a router given a hold."""
         config = self.configs.get(model)
-        return self.holding and kind == "batch" and config is not None and config.scheduling.autoscale.enabled
+        return self.holding and config is not None and config.scheduling.autoscale.enabled
 
     def mean_context(self, model: str) -> float:
         """Tokens of KV one request of ``model`` holds on average (prompt and answer)."""
         stats = self.stats[model]
         return stats.mu_in + stats.mu_out
 
-    def ended(self, load: InstanceLoad) -> None:
-        """A request sent to ``load`` has ended: room there may take a held batch request."""
+    def ended(self, load: InstanceLoad, kind: str) -> None:
+        """A request of ``kind`` sent to ``load`` has ended: room there may take a held request."""
         load.outstanding -= 1
+        load.interactive -= kind == "interactive"
         if load.model in self.stats:  # else the model left the router while the request ran
             self._release(load.model)
 
@@ -352,13 +354,13 @@ class RouterState:
             if model not in self.configs:
                 self.hold.end(model, ApiError(404, f"the model {model!r} is no longer served here",
                                               code="model_not_found", param="model"))  # fmt: skip
-            elif not self.holds(model, "batch"):
+            elif not self.holds(model):
                 self.hold.end(model, None)
             else:
                 self._release(model)
 
     def _release(self, model: str) -> None:
-        self.hold.release(model, self.loads.values(), self.mean_context(model), time.monotonic(),
+        self.hold.release(model, list(self.loads.values()), self.mean_context(model), time.monotonic(),
                           self.coming.get(model, ()))  # fmt: skip
 
     def _count_other_models(self) -> None:
@@ -437,7 +439,7 @@ class RouterState:
                 classes.setdefault(name, info.to_json())
         return {"classHeader": self.class_header, "classes": classes, "instances": self.instance_rows(),
                 "recentDecisions": list(self.recent), "clientSlo": self.delivered.rows(),
-                "batchHeld": self.hold.held()}  # fmt: skip
+                "held": self.hold.held()}  # fmt: skip
 
     def instance_rows(self) -> list[dict[str, Any]]:
         """Every instance with its role, health, batch size, outstanding requests (and the prompt tokens
@@ -745,12 +747,14 @@ def create_router_app(
                 watch.stop()
 
     async def _hold_and_send(up: Upstream, service_class: ServiceClass) -> Answer:
-        if not state.holds(up.model, up.kind):
+        if not state.holds(up.model):
             return await send(state, metrics, holder["transport"], up)
-        coming = state.coming.get(up.model, ())
-        instance = await state.hold.wait(up.model, service_class, time.monotonic(), state.loads.values(),
-                                         state.mean_context(up.model), coming)  # fmt: skip
-        state.hold.sent(instance, up.model)  # send() counts it outstanding before it awaits anything
+        prompt = len(up.prompt_token_ids) or len(up.prompt_text) // CHARS_PER_TOKEN
+        loads, coming = list(state.loads.values()), state.coming.get(up.model, ())
+        now = time.monotonic()
+        instance = await state.hold.wait(up.model, service_class, now, loads, state.mean_context(up.model),
+                                         coming, prompt)  # fmt: skip
+        state.hold.sent(instance, up.model, up.kind)  # send() counts it outstanding before it awaits anything
         return await send(state, metrics, holder["transport"], replace(up, instance=instance))
 
     async def _activate_and_send(up: Upstream, service_class: ServiceClass) -> Answer:

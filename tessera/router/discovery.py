@@ -118,7 +118,7 @@ class Discovered:
     skipped: dict[tuple[str, str], int] = field(default_factory=dict)
     sleeping: list[SleepingGroup] = field(default_factory=list)
     # model -> the roles of its groups' ordinals that no ready pod serves yet (starting, or not yet
-    # created): the batch hold keeps batch work for a batch or mixed instance that is coming
+    # created): Chiron's dispatch holds batch work for a batch or mixed instance that is coming
     coming: dict[str, list[str]] = field(default_factory=dict)
 
 

@@ -57,7 +57,7 @@ class Upstream:
     ttft_slo_s: float | None = None  # the request class's TTFT SLO
     session: str = ""  # the session key (the session header, else the body's user)
     prompt_token_ids: tuple[int, ...] = ()  # the prompt as token ids (as sent, or as the worker tokenizes it)
-    instance: str = ""  # the instance the batch hold released it to (else the route chooses)
+    instance: str = ""  # the instance Chiron's dispatch placed it on (else the route chooses)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +124,7 @@ async def send(
         # default headers have no use here and cost as much CPU per request as the transport.
         request = httpx.Request("POST", _url(url), content=up.content, headers=up.headers)
         load.outstanding += 1
+        load.interactive += up.kind == "interactive"
         load.prefill.sent(prefill, time.monotonic(), load.profile)
         response: httpx.Response | None = None
         kept_open = False
@@ -154,7 +155,7 @@ async def send(
             continue
         finally:
             if not kept_open:
-                state.ended(load)
+                state.ended(load, up.kind)
                 load.prefill.first_token(prefill)
                 if response is not None:
                     await response.aclose()
@@ -261,7 +262,7 @@ async def relay_stream(
         await send({"type": "http.response.body", "body": end, "more_body": False})
     finally:
         await response.aclose()
-        state.ended(load)
+        state.ended(load, kind)
         load.prefill.first_token(prefill_tokens)
         finished = time.perf_counter()
         metrics.answered(model, kind, code, finished - start)

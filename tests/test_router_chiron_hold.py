@@ -1,12 +1,13 @@
-"""The router's batch hold, the way clients meet it: real sim worker processes of the quickstart (a
+"""The router's Chiron dispatch, the way clients meet it: real sim worker processes of the quickstart (a
 Chiron-autoscaled pool) behind the real router on loopback (``router_harness``).
 
 Batch requests wait in the router while no batch instance of their model is ready and one is coming,
 whatever their shape (completion or chat, streamed or not); the hold shows in ``/router/status`` and
-in ``tessera_router_batch_held_requests``; the batch instance takes them once it is ready, and an
-interactive request is never held. A client that leaves while held leaves the hold; a full hold
-refuses with 429; a model with only interactive instances serves its batch work there once the
-hold's orphan wait has passed.
+in ``tessera_router_chiron_held_requests``; the batch instance takes them once it is ready. Interactive
+requests pack onto the most loaded interactive instance with room and wait in the router when none
+has room, until a request ends. A client that leaves while held leaves the hold; a full hold refuses
+with 429; a model with only interactive instances serves its batch work there once the hold's orphan
+wait has passed; a model that leaves or stops autoscaling answers what it held.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from router_harness import CLASS_HEADER, MODEL, RouterUnderTest, serve_router, s
 
 from tessera.local.supervisor import WorkerProcess
 from tessera.router.backends import Backend
-from tessera.router.batch_hold import BatchHold
+from tessera.router.chiron_hold import ChironHold
 from tessera.worker.engines.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -79,7 +80,7 @@ def _held(router: RouterUnderTest) -> int:
 async def test_batch_work_waits_for_the_batch_instance_in_every_shape(workers: list[WorkerProcess]) -> None:
     interactive, batch = workers
     backends = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
-    async with serve_router(workers, backends=backends, poll_interval_s=0.3, hold=BatchHold()) as router:
+    async with serve_router(workers, backends=backends, poll_interval_s=0.3, hold=ChironHold()) as router:
         async with httpx.AsyncClient(timeout=60) as client:
             asks = [asyncio.create_task(_ask(client, router.url, *shape)) for shape in SHAPES]
             await _until(lambda: _held(router) == len(SHAPES))
@@ -88,9 +89,9 @@ async def test_batch_work_waits_for_the_batch_instance_in_every_shape(workers: l
                                      json={"model": MODEL, "prompt": "hi", "max_tokens": 2})  # fmt: skip
             assert chat.status_code == 200 and chat.headers["x-tessera-instance"] == interactive.instance.name
             status = (await client.get(f"{router.url}/router/status")).json()
-            assert status["batchHeld"] == {MODEL: {"offline": len(SHAPES)}}
+            assert status["held"] == {MODEL: {"offline": len(SHAPES)}}
             held = await router.metric(
-                "tessera_router_batch_held_requests", model=MODEL, **{"class": "offline"}
+                "tessera_router_chiron_held_requests", model=MODEL, **{"class": "offline"}
             )
             assert held == len(SHAPES)
             assert not any(t.done() for t in asks)  # nothing went to the interactive instance meanwhile
@@ -105,7 +106,7 @@ async def test_batch_work_waits_for_the_batch_instance_in_every_shape(workers: l
             else:
                 assert json.loads(text)["usage"]["completion_tokens"] == 4
         assert _held(router) == 0 and router.state.hold.reserved == {}
-        assert await router.metric("tessera_router_batch_held_requests") == 0
+        assert await router.metric("tessera_router_chiron_held_requests") == 0
 
 
 async def test_a_client_that_leaves_leaves_the_hold_and_a_full_hold_refuses(
@@ -113,7 +114,7 @@ async def test_a_client_that_leaves_leaves_the_hold_and_a_full_hold_refuses(
 ) -> None:
     interactive, batch = workers
     backends = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
-    async with serve_router(workers, backends=backends, poll_interval_s=0.3, hold=BatchHold()) as router:
+    async with serve_router(workers, backends=backends, poll_interval_s=0.3, hold=ChironHold()) as router:
         path, body, stream = SHAPES[0]
         async with httpx.AsyncClient(timeout=1.0) as impatient:
             with pytest.raises(httpx.ReadTimeout):
@@ -125,7 +126,7 @@ async def test_a_client_that_leaves_leaves_the_hold_and_a_full_hold_refuses(
             await _until(lambda: _held(router) == 1)
             refused = await client.post(f"{router.url}{path}", json={"model": MODEL, **body}, headers=BATCH)
             assert refused.status_code == 429 and refused.headers["retry-after"] == "30"
-            assert refused.json()["error"]["code"] == "batch_hold_full"
+            assert refused.json()["error"]["code"] == "hold_full"
             router.state.update([_as(interactive, "interactive"), _as(batch, "batch")])
             status_code, instance, _ = await asyncio.wait_for(first, 30)
         assert status_code == 200 and instance == batch.instance.name
@@ -136,7 +137,7 @@ async def test_without_a_batch_or_mixed_instance_interactive_ones_lend_their_roo
 ) -> None:
     interactive, _ = workers
     only = [_as(interactive, "interactive")]
-    async with serve_router([interactive], backends=only, poll_interval_s=0.3, hold=BatchHold()) as router:
+    async with serve_router([interactive], backends=only, poll_interval_s=0.3, hold=ChironHold()) as router:
         router.state.hold.orphan_wait_s = ORPHAN_S
         # Discovery names a batch pod that is planned and still starting: the hold waits for it.
         router.state.update(only, {MODEL: ["batch"]})
@@ -158,7 +159,7 @@ async def test_held_work_is_answered_when_its_model_leaves_or_stops_autoscaling(
 ) -> None:
     interactive, batch = workers
     waiting = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
-    async with serve_router(workers, backends=waiting, poll_interval_s=0.3, hold=BatchHold()) as router:
+    async with serve_router(workers, backends=waiting, poll_interval_s=0.3, hold=ChironHold()) as router:
         path, body, stream = SHAPES[2]
         async with httpx.AsyncClient(timeout=30) as client:
             ask = asyncio.create_task(_ask(client, router.url, path, body, stream))
@@ -177,3 +178,38 @@ async def test_held_work_is_answered_when_its_model_leaves_or_stops_autoscaling(
             status_code, _, text = await asyncio.wait_for(ask, 10)
         assert status_code == 404 and json.loads(text)["error"]["code"] == "model_not_found"
         assert router.state.hold.held() == {}
+
+
+async def test_interactive_work_packs_onto_the_fullest_instance_and_waits_when_none_has_room(
+    workers: list[WorkerProcess],
+) -> None:
+    first, second = workers
+    backends = [_as(first, "interactive"), _as(second, "interactive")]
+    # One poll at the start (the instances' batch sizes), then the test sets them: two and one.
+    async with serve_router(workers, backends=backends, poll_interval_s=3600, hold=ChironHold()) as router:
+        for load in router.state.loads.values():
+            load.batch_size = 2 if load.instance == first.instance.name else 1
+        chat = {CLASS_HEADER: "chat"}
+        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 200, "stream": True}
+
+        async def ask(client: httpx.AsyncClient) -> tuple[int, str]:
+            async with client.stream("POST", f"{router.url}/v1/completions", json=body, headers=chat) as resp:
+                await resp.aread()
+                return resp.status_code, resp.headers.get("x-tessera-instance", "")
+
+        def outstanding() -> dict[str, int]:
+            return {x.instance: x.outstanding for x in router.state.loads.values()}
+
+        async with httpx.AsyncClient(timeout=60) as client:
+            asks = []
+            for n in range(4):
+                asks.append(asyncio.create_task(ask(client)))
+                await _until(lambda n=n: sum(outstanding().values()) + _held(router) == n + 1)
+            # packed: the first instance takes two, the second the third; the fourth waits in the router
+            assert outstanding() == {first.instance.name: 2, second.instance.name: 1}
+            assert _held(router) == 1
+            assert router.state.hold.held() == {MODEL: {"chat": 1}}
+            answers = await asyncio.wait_for(asyncio.gather(*asks), 60)
+        assert [code for code, _ in answers] == [200] * 4
+        assert [i for _, i in answers[:3]] == [first.instance.name, first.instance.name, second.instance.name]
+        assert _held(router) == 0 and router.state.hold.reserved == {}

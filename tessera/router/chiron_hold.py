@@ -1,0 +1,329 @@
+"""The router's Chiron dispatch: the global queue and the placement of the simulator's Chiron rows, on
+the live path.
+
+For a model whose pool autoscales with Chiron (its workers' ``scheduling.autoscale``), behind a router
+given a ``ChironHold``:
+
+- an interactive request goes where the core's ``chiron_pick`` sends it (an interactive instance with
+  room, the most loaded first; then a mixed one; then a mixed one whose batch work it can evict), and
+  waits here, first in first out, when no instance has room;
+- a batch request always waits here, earliest deadline first, until an instance has room for it (the
+  core's ``batch_pulls``: batch instances first, then mixed ones while no interactive request waits,
+  each up to its ``batch_room``; interactive ones only once a request has waited ``orphan_wait_s``
+  with no batch or mixed instance of the model ready or starting: ``interactive_lends``).
+
+The queue is the core's ``GlobalQueue``, released with ``chiron_place`` then ``batch_pulls``, the
+functions the simulator's Chiron controller calls. So a bulk that arrives before its batch instances
+exist waits for them instead of filling the queues of the instances there at the time, an interactive
+burst packs onto the fewest instances, and the global autoscaler sees what waits: the held requests per
+class are exported (``tessera_router_chiron_held_requests``) and read as queued interactive work and
+batch queue, as a worker's queues are.
+
+The router reads an instance as the dispatch needs it from what it knows: the requests it has there by
+kind, the instance's polled batch size, the prefill it sent there without a first token
+(``PrefillQueue``), and its KV as the profile's capacity less a mean request's context
+(``mean_context``) per request there: an estimate, where the simulator reads the engine's own blocks.
+
+The hold is released whenever room may have appeared: a request of the model ended, a poll round
+refreshed the instances and their batch sizes, or a request joined the hold. A released request is
+counted against its instance (reserved) until it is sent there, so one release never hands the same
+room out twice. A client that leaves while held leaves the hold. ``max_held`` bounds what one model
+may hold; past it a request is refused with 429 and Retry-After, never dropped unanswered.
+
+What the live system still does otherwise than the simulator: a held interactive request does not
+trigger a global evaluation at once (the operator and local mode evaluate every
+``autoscaling.intervalSeconds``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tessera.api.openai_errors import ApiError
+from tessera.core.chiron import (
+    ORPHAN_WAIT_S,
+    PREFILL_BACKLOG_S,
+    GlobalQueue,
+    PullCandidate,
+    batch_pulls,
+    chiron_pick,
+    chiron_place,
+    interactive_lends,
+)
+from tessera.core.request import Request, ServiceClass
+from tessera.core.routing import InstanceLoad
+
+MAX_HELD = 10_000  # requests one model may hold (each is an open client connection)
+RETRY_AFTER_S = 30  # what a refused client is told to wait: an instance starts in minutes
+UNKNOWN_KV = 2**62  # an instance without a profile: its batch size alone bounds its room
+GROUP_S = 1.0  # deadline bucket of the queue's groups (only the order matters here)
+# Prompt tokens one engine iteration prefills, which the router does not know: the simulator's engine
+# default without chunked prefill (a prompt that fits with what waits there starts next iteration).
+PREFILL_BUDGET_TOKENS = 8192
+
+
+@dataclass(slots=True)
+class _ModelHold:
+    """One model's held requests and the release each waits for."""
+
+    queue: GlobalQueue = field(default_factory=lambda: GlobalQueue(GROUP_S))
+    waiters: dict[Request, asyncio.Future[str]] = field(default_factory=dict)
+
+
+class _Counts:
+    """An instance's requests by kind as Chiron's dispatch reads them (``DispatchQueue``)."""
+
+    __slots__ = ("_batch", "_batch_size", "_interactive", "_waiting")
+
+    def __init__(self, interactive: int, batch: int, batch_size: int, waiting: int) -> None:
+        self._interactive, self._batch, self._batch_size, self._waiting = (
+            interactive,
+            batch,
+            batch_size,
+            waiting,
+        )
+
+    @property
+    def interactive(self) -> int:
+        return self._interactive
+
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    def waiting_interactive_tokens(self) -> int:
+        return self._waiting
+
+
+class LoadTarget:
+    """An instance as Chiron's dispatch reads it (``DispatchTarget``), from the router's view: what it
+    sent there (and released to it, not yet sent), its polled batch size, the prefill it has ahead,
+    and its KV estimated at ``mean_context`` tokens per request."""
+
+    __slots__ = ("_kv", "load", "outstanding", "queue")
+
+    def __init__(
+        self, load: InstanceLoad, reserved: tuple[int, int], mean_context: float, now: float
+    ) -> None:
+        self.load = load
+        interactive, batch = load.interactive + reserved[0], load.outstanding - load.interactive + reserved[1]
+        self.outstanding = interactive + batch
+        waiting = load.prefill.left(now, load.profile)
+        self.queue = _Counts(interactive, batch, load.batch_size, waiting)
+        capacity = load.profile.kv_capacity_tokens if load.profile is not None else UNKNOWN_KV
+        self._kv = int(capacity - self.outstanding * mean_context)
+
+    @property
+    def role(self) -> str:
+        return self.load.role
+
+    @property
+    def admissible_kv_tokens(self) -> int:
+        return self._kv
+
+    @property
+    def prefill_budget_tokens(self) -> int:
+        return PREFILL_BUDGET_TOKENS
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.load.profile.prefill(tokens) if self.load.profile is not None else 0.0
+
+
+class ChironHold:
+    """Held requests per model, placed on instances with room (module docstring)."""
+
+    def __init__(
+        self,
+        max_held: int = MAX_HELD,
+        orphan_wait_s: float = ORPHAN_WAIT_S,
+        backlog_s: float = PREFILL_BACKLOG_S,
+    ) -> None:
+        if max_held < 1:
+            raise ValueError(f"--hold-max must be at least 1, got {max_held}")
+        if not 0 <= orphan_wait_s < float("inf"):
+            raise ValueError(
+                f"--batch-orphan-wait must be a finite number of seconds >= 0, got {orphan_wait_s}"
+            )
+        self.max_held = max_held
+        self.orphan_wait_s = orphan_wait_s
+        self.backlog_s = backlog_s
+        self.models: dict[str, _ModelHold] = {}
+        # (instance, model) -> [interactive, batch] requests released there, not yet sent
+        self.reserved: dict[tuple[str, str], list[int]] = {}
+        self._ids = itertools.count()
+
+    def held(self) -> dict[str, dict[str, int]]:
+        """Held requests by model and class name."""
+        out: dict[str, dict[str, int]] = {}
+        for model, hold in self.models.items():
+            for req in hold.waiters:
+                per = out.setdefault(model, {})
+                per[req.service_class.name] = per.get(req.service_class.name, 0) + 1
+        return out
+
+    def _targets(
+        self, model: str, loads: Iterable[InstanceLoad], mean_context: float, now: float
+    ) -> list[LoadTarget]:
+        return [
+            LoadTarget(x, tuple(self.reserved.get((x.instance, model), (0, 0))), mean_context, now)  # type: ignore[arg-type]
+            for x in sorted(loads, key=lambda x: x.instance)
+            if x.model == model and x.healthy
+        ]
+
+    async def wait(
+        self,
+        model: str,
+        service_class: ServiceClass,
+        now: float,
+        loads: Sequence[InstanceLoad],
+        mean_context: float,
+        coming: Sequence[str] = (),
+        prompt_tokens: int = 0,
+    ) -> str:
+        """The instance for a request of ``model``: at once for an interactive request with room
+        somewhere, else once the hold releases it. The caller sends the request there at once
+        (``sent``): until then it counts as reserved on that instance. ApiError 429 when the model
+        already holds ``max_held``."""
+        interactive = service_class.kind != "batch"
+        req = Request(
+            f"held-{next(self._ids)}", now, prompt_tokens, 0, model=model, service_class=service_class
+        )
+        if interactive:
+            target = chiron_pick(req, self._targets(model, loads, mean_context, now), self.backlog_s)
+            if target is not None:
+                self._reserve(target.load.instance, model, interactive)
+                return target.load.instance
+        hold = self.models.setdefault(model, _ModelHold())
+        if len(hold.waiters) >= self.max_held:
+            raise ApiError(
+                429,
+                f"{len(hold.waiters)} requests for {model!r} are already waiting for an instance with room "
+                f"(the router's limit); retry in {RETRY_AFTER_S} s",
+                code="hold_full",
+                headers={"retry-after": str(RETRY_AFTER_S)},
+            )
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        hold.waiters[req] = future
+        hold.queue.push(req)
+        self.release(model, loads, mean_context, now, coming)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.sent(future.result(), model, service_class.kind)  # released, then its client left
+            elif self._drop(hold, req):
+                del hold.waiters[req]
+            raise
+
+    @staticmethod
+    def _drop(hold: _ModelHold, req: Request) -> bool:
+        if req.service_class.kind == "batch":
+            return hold.queue.drop(req)
+        try:
+            hold.queue.interactive.remove(req)
+        except ValueError:
+            return False
+        return True
+
+    def end(self, model: str, error: ApiError | None) -> None:
+        """Stop holding ``model``'s requests: each is answered ``error``, or, without one, released to
+        no instance in particular (its route chooses)."""
+        hold = self.models.pop(model, None)
+        for future in hold.waiters.values() if hold is not None else ():
+            if future.done():  # cancelled: its client left, and its task has not run yet
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result("")
+
+    def _reserve(self, instance: str, model: str, interactive: bool) -> None:
+        counts = self.reserved.setdefault((instance, model), [0, 0])
+        counts[0 if interactive else 1] += 1
+
+    def sent(self, instance: str, model: str, kind: str) -> None:
+        """A released request of ``kind`` went to ``instance`` (or will not go at all): its reservation
+        ends. A request released to no instance in particular (``end``) has none."""
+        if not instance:
+            return
+        key = (instance, model)
+        self.reserved[key][0 if kind != "batch" else 1] -= 1
+        if not any(self.reserved[key]):
+            del self.reserved[key]
+
+    def release(
+        self,
+        model: str,
+        loads: Sequence[InstanceLoad],
+        mean_context: float,
+        now: float,
+        coming: Sequence[str] = (),
+    ) -> int:
+        """Place held requests of ``model`` on the ready instances of ``loads`` with room, interactive
+        ones first (``chiron_place``), then batch ones (``batch_pulls``); how many. ``coming``: the roles
+        of the model's instances that are planned and not yet in ``loads`` (a cluster's starting pods,
+        which discovery does not list): they take nothing, but a batch or mixed one among them keeps
+        the interactive instances from lending their room to batch work."""
+        hold = self.models.get(model)
+        if hold is None or not hold.waiters:
+            return 0
+        released = 0
+        queue = hold.queue
+        if queue.interactive:
+            targets = self._targets(model, loads, mean_context, now)
+            for req, target in chiron_place(queue.interactive, targets, self.backlog_s):
+                queue.interactive.popleft()
+                self._resolve(hold, req, target.load.instance, model)
+                released += 1
+        if not queue.batch:
+            return released
+        candidates = [
+            PullCandidate(
+                t.load.instance,
+                t.role,
+                t.load.batch_size,
+                t.load.profile.kv_capacity_tokens if t.load.profile is not None else UNKNOWN_KV,
+                t.outstanding,
+            )
+            for t in self._targets(model, loads, mean_context, now)
+        ]
+        candidates += [PullCandidate(f"(starting {role})", role, 0, 0, 0, ready=False) for role in coming]
+        lend = interactive_lends(candidates, queue, now, self.orphan_wait_s)
+        for name, n in batch_pulls(candidates, len(queue.batch), bool(queue.interactive), mean_context, lend):
+            for req in queue.take_batch(n):
+                self._resolve(hold, req, name, model)
+                released += 1
+        return released
+
+    def _resolve(self, hold: _ModelHold, req: Request, instance: str, model: str) -> None:
+        hold.waiters.pop(req).set_result(instance)
+        self._reserve(instance, model, req.service_class.kind != "batch")
+
+
+class HeldCollector(Collector):
+    """The hold for Prometheus, read at scrape time: held requests per model and class (what the
+    operator's autoscaler reads as queued interactive work and batch queue besides the workers' own
+    queues)."""
+
+    def __init__(self, hold: ChironHold) -> None:
+        self.hold = hold
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        held = GaugeMetricFamily(
+            "tessera_router_chiron_held_requests",
+            "Requests the router holds until an instance has room (Chiron's global queue).",
+            labels=["model", "class"],
+        )
+        for model, per_class in sorted(self.hold.held().items()):
+            for name, n in sorted(per_class.items()):
+                held.add_metric([model, name], float(n))
+        yield held
