@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--route",
         default="least-wait",
         choices=list(ROUTES),
-        help="How an instance is picked (default least-wait: class roles, then least estimated wait; "
+        help="How an instance is picked for a pool that does not autoscale (one that does runs Chiron's "
+        "dispatch: the fullest instance with room, else held; see tessera.router.chiron_hold) "
+        "(default least-wait: class roles, then least estimated wait; "
         "cache-aware: least expected time to first token (estimated wait, the prefill still ahead there, "
         "the prefill of the prompt the instance has not cached); slo-prefix: the same among the instances "
         "that meet the class's TTFT SLO, a session's own instance first while it is one of them, then the "

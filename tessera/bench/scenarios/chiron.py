@@ -18,9 +18,8 @@ Rows (mechanisms: ``tessera.core.chiron``; the simulator's adapters: ``tessera.s
 - ``chiron``: ``ChironPolicy`` around EDF on every instance (batch size from ITL and throughput
   backpressure), ``evaluate_group`` every ``T_eval`` and at once when interactive requests wait, and
   Chiron's routing (``chiron_pick``; batch work waits in the ``GlobalQueue`` and is pulled by batch
-  instances and the spare capacity of mixed ones, ``batch_pulls``, as the live router's batch hold
-  does; the interactive placement is simulator only: the live router routes interactive requests on
-  arrival, docs/bench.md). ``chiron:defer=true`` (``defer_variant``): BBP
+  instances and the spare capacity of mixed ones, ``batch_pulls``; the live router runs the same
+  dispatch, ``tessera.router.chiron_hold``, docs/bench.md). ``chiron:defer=true`` (``defer_variant``): BBP
   counts a group only near its deadline; ``chiron:op=X`` (``op_history_variant``): Θ_op = 1 / p99
   arrival spike of the history over windows of the load time (paper §5.2). ``chiron:forecast``
   (``forecast_variant``, on by default): load forecasting, our extension: Θ_op follows the trend of
