@@ -56,6 +56,11 @@ def _dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"  # nothing listens: the instance is starting
 
 
+def _batch_starting(workers: list[WorkerProcess]) -> list[Backend]:
+    """The first worker as an interactive instance, the second as a batch instance still starting."""
+    return [_as(workers[0], "interactive"), _as(workers[1], "batch", _dead_url())]
+
+
 async def _until(check, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not check():
@@ -79,8 +84,8 @@ def _held(router: RouterUnderTest) -> int:
 
 async def test_batch_work_waits_for_the_batch_instance_in_every_shape(workers: list[WorkerProcess]) -> None:
     interactive, batch = workers
-    backends = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
-    async with serve_router(workers, backends=backends, poll_interval_s=0.3, hold=ChironHold()) as router:
+    async with serve_router(workers, backends=_batch_starting(workers), poll_interval_s=0.3,
+                            hold=ChironHold()) as router:  # fmt: skip
         async with httpx.AsyncClient(timeout=60) as client:
             asks = [asyncio.create_task(_ask(client, router.url, *shape)) for shape in SHAPES]
             await _until(lambda: _held(router) == len(SHAPES))
@@ -113,8 +118,8 @@ async def test_a_client_that_leaves_leaves_the_hold_and_a_full_hold_refuses(
     workers: list[WorkerProcess],
 ) -> None:
     interactive, batch = workers
-    backends = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
-    async with serve_router(workers, backends=backends, poll_interval_s=0.3, hold=ChironHold()) as router:
+    async with serve_router(workers, backends=_batch_starting(workers), poll_interval_s=0.3,
+                            hold=ChironHold()) as router:  # fmt: skip
         path, body, stream = SHAPES[0]
         async with httpx.AsyncClient(timeout=1.0) as impatient:
             with pytest.raises(httpx.ReadTimeout):
@@ -157,8 +162,8 @@ async def test_without_a_batch_or_mixed_instance_interactive_ones_lend_their_roo
 async def test_held_work_is_answered_when_its_model_leaves_or_stops_autoscaling(
     workers: list[WorkerProcess],
 ) -> None:
-    interactive, batch = workers
-    waiting = [_as(interactive, "interactive"), _as(batch, "batch", _dead_url())]
+    interactive = workers[0]
+    waiting = _batch_starting(workers)
     async with serve_router(workers, backends=waiting, poll_interval_s=0.3, hold=ChironHold()) as router:
         path, body, stream = SHAPES[2]
         async with httpx.AsyncClient(timeout=30) as client:
