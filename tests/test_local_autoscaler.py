@@ -160,3 +160,38 @@ async def test_batch_work_the_router_holds_starts_a_batch_instance() -> None:
     await asyncio.gather(*held, return_exceptions=True)
     assert router.hold.held() == {}
     await scaler.close()
+
+
+async def test_interactive_work_the_router_holds_is_evaluated_at_once() -> None:
+    """An interactive request held for want of room makes the group's evaluation due before its
+    interval, as the simulator's Chiron controller evaluates at once; without one it waits."""
+    plan = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=3)
+    (local,) = plan.groups
+    workers = [WorkerProcess(i, 9000 + i.ordinal, Path("c"), Path("l")) for i in plan.instances]
+    router = RouterState([w.backend() for w in workers], hold=ChironHold())
+    scaler = LocalAutoscaler(plan.groups, _Supervisor(workers), router, report=lambda _: None)  # type: ignore[arg-type]
+    group = scaler.groups[0]
+    scraped: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        scraped.append(str(request.url))
+        return httpx.Response(200, text=_text({"chat": 1}, {}, 0))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        await scaler.step(client, now=100.0)
+        assert scraped and group.memory.last_eval == 100.0
+        scraped.clear()
+        await scaler.step(client, now=101.0)  # before the interval: nothing held, nothing measured
+        assert not scraped
+        # no instance has room (the router has not polled any: none is ready): the chat request waits
+        chat = local.config.classes["chat"].to_service_class("chat")
+        model = local.config.models[0].name
+        held = asyncio.create_task(router.hold.wait(model, chat, 101.0, list(router.loads.values()), 1000.0))
+        await asyncio.sleep(0)
+        assert router.hold.held() == {model: {"chat": 1}}
+        await scaler.step(client, now=101.5)
+        assert scraped and group.memory.last_eval == 101.5
+    assert scaler.period_s <= 0.5
+    held.cancel()
+    await asyncio.gather(held, return_exceptions=True)
+    await scaler.close()

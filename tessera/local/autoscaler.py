@@ -1,7 +1,9 @@
 """Local mode's global autoscaler: the operator's Chiron loop over local worker processes.
 
-Every pool's ``autoscaling.intervalSeconds`` each placement group (with autoscaling enabled) is
-evaluated exactly as the operator evaluates it: the same classes, deadlines and settings
+Every pool's ``autoscaling.intervalSeconds``, and at once while the router holds interactive work of
+the group for want of room (as the simulator's Chiron controller does; the operator evaluates on the
+interval only), each placement group (with autoscaling enabled) is evaluated as the operator evaluates
+it: the same classes, deadlines and settings
 (``group_scaling``, capped by ``--max-instances``), the same snapshot (``snapshot_from_results`` over
 direct scrapes, ``tessera.local.scrape``, and what the in-process router holds) and the same step
 (the core's ``evaluate_group``). A decision is carried out the way a StatefulSet carries it out:
@@ -32,6 +34,7 @@ from tessera.local.supervisor import Supervisor, WorkerProcess
 from tessera.router.app import RouterState
 
 DRAIN_POLL_S = 0.2
+HELD_CHECK_S = 0.5  # how often the loop looks for interactive work the router holds
 SCRAPE_TIMEOUT_S = 2.0
 
 
@@ -86,8 +89,9 @@ class LocalAutoscaler:
 
     @property
     def period_s(self) -> float:
-        """How often the loop looks (the shortest interval of the groups)."""
-        return min((g.scaling.settings.eval_interval_s for g in self.groups), default=0)
+        """How often the loop looks: the shortest interval of the groups, and at least every
+        ``HELD_CHECK_S`` for interactive work the router holds."""
+        return min([HELD_CHECK_S, *(g.scaling.settings.eval_interval_s for g in self.groups)])
 
     async def run(self) -> None:
         """Evaluate every group when due, until cancelled."""
@@ -102,18 +106,20 @@ class LocalAutoscaler:
                     self.report(f"autoscaler: evaluation failed, retrying next interval: {exc!r}")
 
     async def step(self, client: httpx.AsyncClient, now: float) -> None:
-        """One pass: every group whose interval has passed is measured, decided and resized."""
+        """One pass: every group whose interval has passed, or whose interactive work the router holds
+        for want of room (Chiron evaluates at once then), is measured, decided and resized."""
         for g in self.groups:
-            if g.local.group.name in self.paused or not g.memory.due(g.scaling.settings, now):
-                continue
-            workers = self._workers(g)
-            texts = await asyncio.gather(*(_scrape(client, w.url) for w in workers))
-            scrapes = {w.instance.name: t for w, t in zip(workers, texts, strict=True)}
             held: dict[str, int] = {}
             for model, per_class in self.router.hold.held().items():
                 if model in g.scaling.models:
                     for name, n in per_class.items():
                         held[name] = held.get(name, 0) + n
+            waiting = any(g.scaling.kinds.get(name) == "interactive" for name in held)
+            if g.local.group.name in self.paused or not (waiting or g.memory.due(g.scaling.settings, now)):
+                continue
+            workers = self._workers(g)
+            texts = await asyncio.gather(*(_scrape(client, w.url) for w in workers))
+            scrapes = {w.instance.name: t for w, t in zip(workers, texts, strict=True)}
             results, g.counters = results_from_scrapes(scrapes, g.scaling.kinds, g.counters, now, held)
             plan = replace(g.local.group, replicas=g.replicas, roles=tuple(w.instance.role for w in workers))
             snapshot = snapshot_from_results(results, plan, g.scaling.deadlines, now)

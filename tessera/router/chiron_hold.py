@@ -30,9 +30,9 @@ counted against its instance (reserved) until it is sent there, so one release n
 room out twice. A client that leaves while held leaves the hold. ``max_held`` bounds what one model
 may hold; past it a request is refused with 429 and Retry-After, never dropped unanswered.
 
-What the live system still does otherwise than the simulator: a held interactive request does not
-trigger a global evaluation at once (the operator and local mode evaluate every
-``autoscaling.intervalSeconds``).
+What the live system still does otherwise than the simulator: on a cluster a held interactive request
+does not trigger a global evaluation at once (the operator reads the hold through Prometheus and
+evaluates every ``autoscaling.intervalSeconds``; local mode's autoscaler does evaluate at once).
 """
 
 from __future__ import annotations
