@@ -5,7 +5,7 @@ batch work; batch requests wait in deadline order (EDF over deadline groups, fir
 inside one; a request routed back keeps its place by deadline and arrival). Among equal deadlines
 the higher class priority (``ServiceClass.priority``) goes first, before arrival. The batch autoscaler
 reads the queue as deadline groups; batch and mixed instances pull from it up to their room
-(``batch_pulls``: the simulator's controller and the live router's batch hold release it the same way).
+(``batch_pulls``: the simulator's controller and the live router's Chiron dispatch release it the same way).
 """
 
 from __future__ import annotations
