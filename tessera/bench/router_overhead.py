@@ -1,7 +1,9 @@
 """`tessera bench router`: what the router adds, against sending straight to the workers.
 
 Real parts on loopback: ``workers`` sim-engine worker processes of the quickstart plan and the router
-as its own process (``tessera router --backends``), as a cluster runs them. For each level of
+as its own process (``tessera router --backends --dispatch route``: routed on arrival, as direct
+requests are spread, not packed by Chiron's dispatch although the quickstart autoscales), as a cluster
+runs them. For each level of
 concurrent streams, rounds alternate the order of the two paths (direct first, then router first)
 on the same workers; each path sends one wave of ``streams`` streamed chat requests at once
 (``max_tokens`` tokens each). Direct requests go to the workers in turn.
@@ -274,7 +276,9 @@ class RouterProcess:
         """Start the router and wait until it is ready."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tessera", "router", "--backends", str(self.backends), "--port",
-             str(self.port), "--host", "127.0.0.1", "--poll-interval", "0.5"],
+             str(self.port), "--host", "127.0.0.1", "--poll-interval", "0.5",
+             # the relaying and routing on arrival are measured, as by a baseline's source tree
+             *(["--dispatch", "route"] if self.source is None else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             # python -m puts the working directory first on the path: the source tree's package
             cwd=self.source,

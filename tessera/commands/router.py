@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Chiron's dispatch (requests of pools that autoscale wait for an instance with room)"
     )
     hold.add_argument(
+        "--dispatch", choices=["chiron", "route"], default="chiron",
+        help="chiron (default): requests of pools that autoscale go through Chiron's dispatch; route: every "
+        "request is routed on arrival by --route (the autoscaler then sees no work held in the router).",
+    )  # fmt: skip
+    hold.add_argument(
         "--hold-max", type=int, default=MAX_HELD,
         help=f"Requests one model may hold until an instance has room; more: 429 (default {MAX_HELD}).",
     )  # fmt: skip
@@ -139,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         except BackendsError as exc:
             print(f"tessera router: {exc}", file=sys.stderr)
             return 2
-    state = RouterState(backends, route=args.route, hold=hold)
+    state = RouterState(backends, route=args.route, hold=hold if args.dispatch == "chiron" else None)
     activator = waker = None
     if discovery is not None:
         from tessera.router.activator import Activator
