@@ -19,11 +19,14 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from router_harness import CLASS_HEADER, MODEL, RouterUnderTest, serve_router, start_workers
+from router_harness import CLASS_HEADER, MODEL, PLAN, RouterUnderTest, serve_router, start_workers
 
+from tessera.core.chiron import chiron_pick
+from tessera.core.request import Request, ServiceClass
 from tessera.local.supervisor import WorkerProcess
+from tessera.router.app import RouterState
 from tessera.router.backends import Backend
-from tessera.router.chiron_hold import ChironHold
+from tessera.router.chiron_hold import ChironHold, LoadTarget
 from tessera.worker.engines.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -218,3 +221,25 @@ async def test_interactive_work_packs_onto_the_fullest_instance_and_waits_when_n
         assert [code for code, _ in answers] == [200] * 4
         assert [i for _, i in answers[:3]] == [first.instance.name, first.instance.name, second.instance.name]
         assert _held(router) == 0 and router.state.hold.reserved == {}
+
+
+def test_the_dispatch_reads_the_kv_its_engine_reports() -> None:
+    """An instance's free KV for Chiron's dispatch: its engine's reported capacity less a mean request's
+    context per request there, and at most what the engine last reported free."""
+    backend = Backend(name="w0", url="http://w0", role="interactive", config=PLAN.instances[0].config)
+    state = RouterState([backend], hold=ChironHold())
+    (load,) = state.loads.values()
+    load.healthy, load.outstanding = True, 2
+    assert LoadTarget(load, (0, 0), 100.0, 0.0).admissible_kv_tokens == load.profile.kv_capacity_tokens - 200
+    metrics = (
+        f'tessera_batch_size{{model="{MODEL}"}} 8\n'
+        f'tessera_engine_kv_capacity_tokens{{model="{MODEL}"}} 10000\n'
+        f'tessera_engine_kv_used_tokens{{model="{MODEL}"}} 9000\n'
+    )
+    state.observe("w0", metrics)
+    assert (load.batch_size, load.engine_kv_capacity, load.engine_kv_used) == (8, 10000, 9000)
+    target = LoadTarget(load, (0, 0), 100.0, 0.0)
+    assert target.admissible_kv_tokens == 1000 and target.kv_capacity == 10000
+    chat = ServiceClass("chat", kind="interactive", ttft_slo_s=10.0)
+    assert chiron_pick(Request("big", 0.0, 2000, 10, service_class=chat), [target]) is None
+    assert chiron_pick(Request("small", 0.0, 500, 10, service_class=chat), [target]) is target

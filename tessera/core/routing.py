@@ -121,6 +121,9 @@ class InstanceLoad:
     other_outstanding: int = 0
     last_model: str | None = None
     interactive: int = 0  # of ``outstanding``, of an interactive class (Chiron's dispatch reads both kinds)
+    # The engine's KV cache as its worker last reported it, in tokens (None: not known)
+    engine_kv_capacity: int | None = None
+    engine_kv_used: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

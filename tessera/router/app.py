@@ -154,7 +154,13 @@ class Pick:
     prefill_tokens: int
 
 
-_POLLED_FAMILIES = ("tessera_batch_size", "tessera_engine_start_time_seconds")  # what observe() reads
+# what observe() reads
+_POLLED_FAMILIES = (
+    "tessera_batch_size",
+    "tessera_engine_start_time_seconds",
+    "tessera_engine_kv_capacity_tokens",
+    "tessera_engine_kv_used_tokens",
+)
 _POLLED_LINES = tuple(f"{prefix}{name}" for name in _POLLED_FAMILIES for prefix in ("", "# HELP ", "# TYPE "))
 SESSION_HEADER = "x-tessera-session"  # a client's session key (else the body's OpenAI "user" field)
 MAX_SESSIONS = 100_000  # sessions remembered for sticky routing, least recently used forgotten first
@@ -403,8 +409,9 @@ class RouterState:
             del self.sessions[session]
 
     def observe(self, backend: str, metrics_text: str) -> None:
-        """Apply a worker's /metrics: its current batch size per model, and its engines' start times (an
-        engine that restarted between two polls lost its prefix cache: what it held is forgotten)."""
+        """Apply a worker's /metrics: its current batch size per model, its engines' KV capacity and use
+        (Chiron's dispatch reads them), and its engines' start times (an engine that restarted between
+        two polls lost its prefix cache: what it held is forgotten)."""
         # Only the lines of the two families read here are parsed: a worker's exposition is mostly
         # histograms, and parsing all of it every poll was 7% of the router's CPU under load.
         wanted = "\n".join(line for line in metrics_text.splitlines() if line.startswith(_POLLED_LINES))
@@ -419,6 +426,12 @@ class RouterState:
                 if family.name == "tessera_batch_size":
                     if sample.value >= 1:
                         load.batch_size = int(sample.value)
+                    continue
+                if family.name == "tessera_engine_kv_capacity_tokens":
+                    load.engine_kv_capacity = int(sample.value) if sample.value > 0 else None
+                    continue
+                if family.name == "tessera_engine_kv_used_tokens":
+                    load.engine_kv_used = int(sample.value) if sample.value >= 0 else None
                     continue
                 before = self.engine_started.get((backend, model))
                 if before is not None and before != sample.value:

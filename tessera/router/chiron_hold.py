@@ -21,8 +21,9 @@ batch queue, as a worker's queues are.
 
 The router reads an instance as the dispatch needs it from what it knows: the requests it has there by
 kind, the instance's polled batch size, the prefill it sent there without a first token
-(``PrefillQueue``), and its KV as the profile's capacity less a mean request's context
-(``mean_context``) per request there: an estimate, where the simulator reads the engine's own blocks.
+(``PrefillQueue``), and its free KV: the engine's capacity less a mean request's context
+(``mean_context``) per request there, and at most what the engine last reported free (polled every
+``poll_interval_s``), where the simulator reads the engine's own blocks at once.
 
 The hold is released whenever room may have appeared: a request of the model ended, a poll round
 refreshed the instances and their batch sizes, or a request joined the hold. A released request is
@@ -107,9 +108,9 @@ class _Counts:
 class LoadTarget:
     """An instance as Chiron's dispatch reads it (``DispatchTarget``), from the router's view: what it
     sent there (and released to it, not yet sent), its polled batch size, the prefill it has ahead,
-    and its KV estimated at ``mean_context`` tokens per request."""
+    and its free KV (module docstring)."""
 
-    __slots__ = ("_kv", "load", "outstanding", "queue")
+    __slots__ = ("_kv", "kv_capacity", "load", "outstanding", "queue")
 
     def __init__(
         self, load: InstanceLoad, reserved: tuple[int, int], mean_context: float, now: float
@@ -119,8 +120,13 @@ class LoadTarget:
         self.outstanding = interactive + batch
         waiting = load.prefill.left(now, load.profile)
         self.queue = _Counts(interactive, batch, load.batch_size, waiting)
-        capacity = load.profile.kv_capacity_tokens if load.profile is not None else UNKNOWN_KV
-        self._kv = int(capacity - self.outstanding * mean_context)
+        self.kv_capacity = capacity = load.engine_kv_capacity or (
+            load.profile.kv_capacity_tokens if load.profile is not None else UNKNOWN_KV
+        )
+        kv = int(capacity - self.outstanding * mean_context)
+        if load.engine_kv_used is not None:  # what the engine last reported free bounds the estimate
+            kv = min(kv, capacity - load.engine_kv_used)
+        self._kv = kv
 
     @property
     def role(self) -> str:
@@ -291,7 +297,7 @@ class ChironHold:
                 t.load.instance,
                 t.role,
                 t.load.batch_size,
-                t.load.profile.kv_capacity_tokens if t.load.profile is not None else UNKNOWN_KV,
+                t.kv_capacity,
                 t.outstanding,
             )
             for t in self._targets(model, loads, mean_context, now)
