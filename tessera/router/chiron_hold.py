@@ -227,7 +227,7 @@ class ChironHold:
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.sent(future.result(), model, service_class.kind)  # released, then its client left
             elif self._drop(hold, req):
-                del hold.waiters[req]
+                hold.waiters.pop(req, None)  # a release may have taken it already (``_resolve``)
             raise
 
     @staticmethod
@@ -288,8 +288,7 @@ class ChironHold:
             targets = self._targets(model, loads, mean_context, now)
             for req, target in chiron_place(queue.interactive, targets, self.backlog_s):
                 queue.interactive.popleft()
-                self._resolve(hold, req, target.load.instance, model)
-                released += 1
+                released += self._resolve(hold, req, target.load.instance, model)
         if not queue.batch:
             return released
         candidates = [
@@ -306,13 +305,18 @@ class ChironHold:
         lend = interactive_lends(candidates, queue, now, self.orphan_wait_s)
         for name, n in batch_pulls(candidates, len(queue.batch), bool(queue.interactive), mean_context, lend):
             for req in queue.take_batch(n):
-                self._resolve(hold, req, name, model)
-                released += 1
+                released += self._resolve(hold, req, name, model)
         return released
 
-    def _resolve(self, hold: _ModelHold, req: Request, instance: str, model: str) -> None:
-        hold.waiters.pop(req).set_result(instance)
+    def _resolve(self, hold: _ModelHold, req: Request, instance: str, model: str) -> bool:
+        """Hand ``req`` to ``instance``; False when its client has left meanwhile (its task cancelled,
+        and not yet run to take it out of the queue)."""
+        future = hold.waiters.pop(req)
+        if future.done():
+            return False
+        future.set_result(instance)
         self._reserve(instance, model, req.service_class.kind != "batch")
+        return True
 
 
 class HeldCollector(Collector):
