@@ -108,14 +108,17 @@ class LocalAutoscaler:
     async def step(self, client: httpx.AsyncClient, now: float) -> None:
         """One pass: every group whose interval has passed, or whose interactive work the router holds
         for want of room (Chiron evaluates at once then), is measured, decided and resized."""
+        held_by_model = self.router.hold.held()
         for g in self.groups:
+            if g.local.group.name in self.paused:
+                continue
             held: dict[str, int] = {}
-            for model, per_class in self.router.hold.held().items():
+            for model, per_class in held_by_model.items():
                 if model in g.scaling.models:
                     for name, n in per_class.items():
                         held[name] = held.get(name, 0) + n
             waiting = any(g.scaling.kinds.get(name) == "interactive" for name in held)
-            if g.local.group.name in self.paused or not (waiting or g.memory.due(g.scaling.settings, now)):
+            if not (waiting or g.memory.due(g.scaling.settings, now)):
                 continue
             workers = self._workers(g)
             texts = await asyncio.gather(*(_scrape(client, w.url) for w in workers))

@@ -366,8 +366,9 @@ class RouterState:
                 self._release(model)
 
     def _release(self, model: str) -> None:
-        self.hold.release(model, list(self.loads.values()), self.mean_context(model), time.monotonic(),
-                          self.coming.get(model, ()))  # fmt: skip
+        if self.hold.waiting(model):  # every request's end comes here: nothing to do for most
+            self.hold.release(model, list(self.loads.values()), self.mean_context(model), time.monotonic(),
+                              self.coming.get(model, ()))  # fmt: skip
 
     def _count_other_models(self) -> None:
         """Give each (instance, model) load the requests of the instance's other models in flight and
@@ -412,7 +413,7 @@ class RouterState:
         """Apply a worker's /metrics: its current batch size per model, its engines' KV capacity and use
         (Chiron's dispatch reads them), and its engines' start times (an engine that restarted between
         two polls lost its prefix cache: what it held is forgotten)."""
-        # Only the lines of the two families read here are parsed: a worker's exposition is mostly
+        # Only the lines of the families read here are parsed: a worker's exposition is mostly
         # histograms, and parsing all of it every poll was 7% of the router's CPU under load.
         wanted = "\n".join(line for line in metrics_text.splitlines() if line.startswith(_POLLED_LINES))
         for family in text_string_to_metric_families(wanted):

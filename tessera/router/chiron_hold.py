@@ -112,9 +112,8 @@ class LoadTarget:
 
     __slots__ = ("_kv", "kv_capacity", "load", "outstanding", "queue")
 
-    def __init__(
-        self, load: InstanceLoad, reserved: tuple[int, int], mean_context: float, now: float
-    ) -> None:
+    def __init__(self, load: InstanceLoad, reserved: Sequence[int], mean_context: float, now: float) -> None:
+        """``reserved``: the interactive and batch requests released to it and not yet sent."""
         self.load = load
         interactive, batch = load.interactive + reserved[0], load.outstanding - load.interactive + reserved[1]
         self.outstanding = interactive + batch
@@ -167,6 +166,11 @@ class ChironHold:
         self.reserved: dict[tuple[str, str], list[int]] = {}
         self._ids = itertools.count()
 
+    def waiting(self, model: str) -> bool:
+        """Whether requests of ``model`` are held."""
+        hold = self.models.get(model)
+        return hold is not None and bool(hold.waiters)
+
     def held(self) -> dict[str, dict[str, int]]:
         """Held requests by model and class name."""
         out: dict[str, dict[str, int]] = {}
@@ -180,7 +184,7 @@ class ChironHold:
         self, model: str, loads: Iterable[InstanceLoad], mean_context: float, now: float
     ) -> list[LoadTarget]:
         return [
-            LoadTarget(x, tuple(self.reserved.get((x.instance, model), (0, 0))), mean_context, now)  # type: ignore[arg-type]
+            LoadTarget(x, self.reserved.get((x.instance, model), (0, 0)), mean_context, now)
             for x in sorted(loads, key=lambda x: x.instance)
             if x.model == model and x.healthy
         ]
@@ -279,9 +283,9 @@ class ChironHold:
         of the model's instances that are planned and not yet in ``loads`` (a cluster's starting pods,
         which discovery does not list): they take nothing, but a batch or mixed one among them keeps
         the interactive instances from lending their room to batch work."""
-        hold = self.models.get(model)
-        if hold is None or not hold.waiters:
+        if not self.waiting(model):
             return 0
+        hold = self.models[model]
         released = 0
         queue = hold.queue
         if queue.interactive:
