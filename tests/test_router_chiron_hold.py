@@ -2,12 +2,12 @@
 Chiron-autoscaled pool) behind the real router on loopback (``router_harness``).
 
 Batch requests wait in the router while no batch instance of their model is ready and one is coming,
-whatever their shape (completion or chat, streamed or not); the hold shows in ``/router/status`` and
-in ``tessera_router_chiron_held_requests``; the batch instance takes them once it is ready. Interactive
-requests pack onto the most loaded interactive instance with room and wait in the router when none
-has room, until a request ends. A client that leaves while held leaves the hold; a full hold refuses
-with 429; a model with only interactive instances serves its batch work there once the hold's orphan
-wait has passed; a model that leaves or stops autoscaling answers what it held.
+whatever their shape (completion as text or token ids, or chat, streamed or not); the hold shows in
+``/router/status`` and in ``tessera_router_chiron_held_requests``; the batch instance takes them once it
+is ready. Interactive requests pack onto the most loaded interactive instance with room and wait in
+the router when none has room, until a request ends. A client that leaves while held leaves the hold;
+a full hold refuses with 429; a model with only interactive instances serves its batch work there once
+the hold's orphan wait has passed; a model that leaves or stops autoscaling answers what it held.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ BATCH = {CLASS_HEADER: "batch"}  # the offline class's header value
 SHAPES = [  # (path, body, streamed)
     ("/v1/completions", {"prompt": "hello there", "max_tokens": 4}, False),
     ("/v1/completions", {"prompt": "hello there", "max_tokens": 4}, True),
+    ("/v1/completions", {"prompt": [9906, 1070], "max_tokens": 4}, False),  # token ids
+    ("/v1/completions", {"prompt": [9906, 1070], "max_tokens": 4}, True),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, False),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, True),
 ]
