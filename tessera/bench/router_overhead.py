@@ -81,10 +81,10 @@ import httpx
 import numpy as np
 
 from tessera.api import load_documents
-from tessera.bench.load_client import load_client
 from tessera.bench.runner import option
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.local.control_plane import LocalEngine, plan_local
+from tessera.local.load import load_client
 from tessera.local.supervisor import Supervisor
 from tessera.worker.engines.vllm_process import free_port
 

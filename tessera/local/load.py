@@ -8,6 +8,18 @@ records each token's arrival time in a core ``Request`` so the simulator's metri
 length is the trace's). A row with prompt text goes to ``POST /v1/chat/completions`` as one user
 message, answered greedily: the model chooses its own length, at most the trace's output tokens, and
 the answer's text is kept.
+
+``load_client`` is the HTTP client of every load generator (this one and the benches'): it sends over
+the router's own upstream transport (``tessera.router.upstream``: llhttp parsing, a constant-time idle
+stack per host), not httpx's connection pool, whose work per request start and end grows with the
+connections it holds to one origin. At 1,000 streams that pool cost the client 8-13 CPU-seconds a wave
+against 1.2-2.2 on the upstream transport (``tessera bench router``, 2-core machine). In local mode the
+driver shares its process with the router, so the pool's cost stalled the router too: when the
+quickstart's 400-request batch bulk ended (``tessera local up -f examples/quickstart.yaml --trace
+examples/traces/quickstart-bulk.csv``), the event loop stood still for up to 10 s, the router's health
+polls timed out, and chat requests that arrived then waited up to 10.8 s for a first token.
+The transport has no read timeout (a stream lasts as long as its generation): a caller bounds each
+request itself, so that a hang is counted, never a stuck run.
 """
 
 from __future__ import annotations
@@ -25,9 +37,17 @@ import httpx
 from tessera.api.traces import TraceRow
 from tessera.core.request import Phase, Request
 from tessera.router.app import ClassInfo
+from tessera.router.upstream import UpstreamTransport
 
 PROMPT_ID_BASE = 100  # prompt token ids cycle over [100, 100 + PROMPT_ID_SPAN): valid in any real vocab
 PROMPT_ID_SPAN = 200
+
+
+def load_client(connect_timeout_s: float = 30.0) -> httpx.AsyncClient:
+    """An ``httpx.AsyncClient`` over the router's upstream transport, for plain ``http://`` targets;
+    connection errors and broken-off answers raise httpx's ConnectError / ConnectTimeout and
+    RemoteProtocolError as usual."""
+    return httpx.AsyncClient(transport=UpstreamTransport(connect_timeout_s))
 
 
 class WorkloadError(ValueError):
@@ -268,8 +288,7 @@ async def drive(
     """Send every request at its time; returns the outcomes (in request order) and the wall time."""
     counters = counters or LiveCounters()
     own = client is None
-    http = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
-                                       limits=httpx.Limits(max_connections=None))  # fmt: skip
+    http = client or load_client(connect_timeout_s=10.0)
     t0 = counters.t0 = time.monotonic()
 
     async def timed(item: LoadItem) -> Outcome:
