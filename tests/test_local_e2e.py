@@ -123,6 +123,20 @@ async def test_local_mode_serves_streams_and_reports_slo(tmp_path: Path) -> None
     assert all(w.proc is None for w in stack.supervisor.workers) and not stack.supervisor.workers
 
 
+async def test_local_mode_on_a_taken_port_says_so_and_stops_its_workers(tmp_path: Path) -> None:
+    import socket
+
+    plan = plan_local(load_documents(_spec(tmp_path)), LocalEngine(), max_instances_per_group=1)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        stack = LocalStack(plan, tmp_path / "run", "127.0.0.1", taken.getsockname()[1], autoscale=False)
+        # uvicorn ends a failed start with sys.exit: it must not escape the event loop as SystemExit.
+        with pytest.raises(OSError, match=r"port in use.*--port"):
+            await stack.start(60.0)
+    assert not stack.supervisor.workers  # stopped (the supervisor forgets what it stopped)
+
+
 async def _until(check, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not check():

@@ -283,7 +283,7 @@ class LocalStack:
             )
         app = create_router_app(self.state, activator=self.activator)
         self._server = _RouterServer(router_server_config(app, host=self.host, port=self.port))
-        self._task = asyncio.create_task(self._server.serve(), name="router")
+        self._task = asyncio.create_task(self._serve(self._server), name="router")
         while not self._server.started:
             if self._task.done():
                 await asyncio.to_thread(self.supervisor.stop_all)
@@ -296,6 +296,14 @@ class LocalStack:
             self.autoscaler = LocalAutoscaler(groups, self.supervisor, self.state, report=self.report,
                                               paused=paused)  # fmt: skip
             self._scaling = asyncio.create_task(self.autoscaler.run(), name="autoscaler")
+
+    @staticmethod
+    async def _serve(server: RouterServer) -> None:
+        """Serve until stopped. uvicorn ends a failed start (the port taken) with ``sys.exit``, which
+        asyncio raises out of the event loop, past ``start``'s clear message and the workers' stop:
+        here it ends the task instead."""
+        with contextlib.suppress(SystemExit):
+            await server.serve()
 
     async def wait(self) -> None:
         """Serve until the router stops (Ctrl-C / SIGTERM)."""
