@@ -155,8 +155,9 @@ async def send(
             continue
         finally:
             if not kept_open:
-                state.ended(load, up.kind)
+                # Its prefill first: the end may release held work, which must not count it as waiting.
                 load.prefill.first_token(prefill)
+                state.ended(load, up.kind)
                 if response is not None:
                     await response.aclose()
         return Answer(load, response, streaming=False)
@@ -262,8 +263,8 @@ async def relay_stream(
         await send({"type": "http.response.body", "body": end, "more_body": False})
     finally:
         await response.aclose()
-        state.ended(load, kind)
         load.prefill.first_token(prefill_tokens)
+        state.ended(load, kind)
         finished = time.perf_counter()
         metrics.answered(model, kind, code, finished - start)
         record_delivery(metrics, model, kind, service_class, status=code, arrival=start, finished=finished,
