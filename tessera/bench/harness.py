@@ -1,4 +1,8 @@
-"""Shared pieces of the worker benchmarks: a `tessera worker` child process and a streaming client."""
+"""Shared pieces of the worker benchmarks: a `tessera worker` child process and a streaming client.
+
+The client is every load generator's (``tessera.local.load.load_client``: the router's upstream
+transport, whose cost per stream does not grow with the streams open, as httpx's pool's does). It has
+no read timeout, so ``stream_one`` bounds a stream by ``STALL_S`` without a byte."""
 
 from __future__ import annotations
 
@@ -16,7 +20,10 @@ from typing import Any
 import httpx
 
 from tessera.api.worker_config import BENCH_TRUE_LENGTH_HEADER
+from tessera.local.load import load_client
 from tessera.worker.engines.vllm_process import free_port
+
+STALL_S = 600.0  # a stream silent this long (no header, no token) has hung: it fails the run
 
 
 class WorkerChild:
@@ -111,10 +118,15 @@ async def stream_one(
     tokens = 0
     times: list[float] = []
     payload = {**body, "stream": True, "return_token_ids": True}
-    async with client.stream("POST", f"{url}{path}", json=payload, headers=headers) as resp:
+    loop = asyncio.get_running_loop()
+    async with (
+        asyncio.timeout(STALL_S) as silence,
+        client.stream("POST", f"{url}{path}", json=payload, headers=headers) as resp,
+    ):
         if resp.status_code != 200:
             raise RuntimeError(f"{url} answered {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
+            silence.reschedule(loop.time() + STALL_S)
             if not line.startswith("data: {"):
                 continue
             choices = json.loads(line[6:]).get("choices") or ()
@@ -142,8 +154,7 @@ async def replay(
     ``true_lengths`` adds the benchmark-only true-length header (the worker needs benchHints): True
     sends each request's ``max_tokens``, a sequence the given length of each request (outputs that
     end by themselves, known from an earlier greedy run)."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with load_client() as client:
         start = time.perf_counter()
 
         async def one(i: int, at: float, prompt: list[int] | str, n: int, klass: str) -> StreamStat:

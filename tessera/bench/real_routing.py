@@ -72,6 +72,7 @@ from tessera.bench.runner import option
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.core.routing import ROUTES as ROUTE_SPECS
 from tessera.core.routing import uses_engine_blocks
+from tessera.local.load import load_client
 from tessera.worker.engines.vllm_process import VLLMServer, free_port
 
 MODEL = "smollm2"
@@ -283,8 +284,7 @@ class RouterChild:
 
 async def _replay(url: str, turns: list[ChatTurn], max_tokens: int) -> list[StreamStat]:
     """Send every turn at its time through ``url`` (streamed chat); what the client saw of each."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with load_client() as client:
         start = time.perf_counter()
 
         async def one(turn: ChatTurn) -> StreamStat:
