@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -124,8 +125,6 @@ async def test_local_mode_serves_streams_and_reports_slo(tmp_path: Path) -> None
 
 
 async def test_local_mode_on_a_taken_port_says_so_and_stops_its_workers(tmp_path: Path) -> None:
-    import socket
-
     plan = plan_local(load_documents(_spec(tmp_path)), LocalEngine(), max_instances_per_group=1)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

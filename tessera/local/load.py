@@ -18,8 +18,9 @@ driver shares its process with the router, so the pool's cost stalled the router
 quickstart's 400-request batch bulk ended (``tessera local up -f examples/quickstart.yaml --trace
 examples/traces/quickstart-bulk.csv``), the event loop stood still for up to 10 s, the router's health
 polls timed out, and chat requests that arrived then waited up to 10.8 s for a first token.
-The transport has no read timeout (a stream lasts as long as its generation): a caller bounds each
-request itself, so that a hang is counted, never a stuck run.
+The transport has no read timeout: a stream lasts as long as its generation, and a batch request that
+the router's Chiron dispatch holds gets no byte until it is released (up to its deadline), so this
+driver waits for every answer; the benches bound their streams themselves.
 """
 
 from __future__ import annotations
