@@ -439,6 +439,30 @@ def test_eviction_lets_interactive_run_within_an_iteration() -> None:
     assert waits[False] > 10 * waits[True]
 
 
+def test_eviction_spares_interactive_streams_unless_asked() -> None:
+    relaxed = ServiceClass("relaxed", "interactive", ttft_slo_s=600.0)
+    tight = ServiceClass("tight", "interactive", ttft_slo_s=2.0)
+    rng = np.random.default_rng(0)
+    streams = build_requests(
+        np.zeros(24), [200] * 24, [1500] * 24, rng, Mix(classes=((relaxed, 1.0),)), prefix="s"
+    )
+    urgent = build_requests(
+        np.full(4, 5.0), [100] * 4, [50] * 4, rng, Mix(classes=((tight, 1.0),)), prefix="u"
+    )
+    seeds = {("default", "relaxed"): (200.0, 1500.0, 1.0), ("default", "tight"): (100.0, 50.0, 1.0)}
+    evicted, waits = {}, {}
+    for streams_too in (False, True):
+        reqs, _ = run_one(
+            streams + urgent,
+            lambda s=streams_too: QLMPolicy(evict_streams=s, token_seeds=seeds),
+            _cluster(),
+        )
+        evicted[streams_too] = sum(r.preemptions for r in reqs if r.id.startswith("s"))
+        waits[streams_too] = max(r.first_scheduled_at - r.arrival for r in reqs if r.id.startswith("u"))
+    assert evicted[False] == 0  # a stream under way keeps its slot: the urgent group waits for one to free
+    assert evicted[True] > 0 and waits[True] < 0.1 < waits[False]
+
+
 def test_reordering_meets_interactive_slo_where_fcfs_does_not() -> None:
     rng = np.random.default_rng(1)
     batch = build_requests(

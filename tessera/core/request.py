@@ -89,7 +89,6 @@ class Request:
     finished_at: float | None = None
     preemptions: int = 0
     swaps: int = 0
-    evictions: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens the engine found in its prefix cache (not prefilled)
     tokens: TokenTimeline = field(default_factory=TokenTimeline)
     predicted_remaining: float | None = None  # set by length-aware policies

@@ -81,6 +81,11 @@ class QLMSettings(PolicySettings):
     evict_mode: Literal["swap", "recompute"] = Field(
         default="swap", description="How requests behind the head group are evicted."
     )
+    evict_streams: bool = Field(
+        default=False,
+        description="Evict interactive requests that have sent tokens too. Off: their TTFT is decided "
+        "and an eviction would only stall their stream and spend the copy on an overloaded instance.",
+    )
     solver_time_limit_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
         default=5.0, description="Time limit of one MILP solve in seconds (then the fallback)."
     )
@@ -148,6 +153,7 @@ class QLMPolicy(Policy):
         reorder: bool = True,
         eviction: bool = True,
         evict_mode: Literal["swap", "recompute"] = "swap",
+        evict_streams: bool = False,
         solver_time_limit_s: float = 5.0,
         mip_gap: float = 0.01,
         slots_factor: float = 1.25,
@@ -182,6 +188,7 @@ class QLMPolicy(Policy):
         self.reorder = reorder
         self.eviction = eviction
         self.evict_mode = evict_mode
+        self.evict_streams = evict_streams
         self.solver = SolverSettings(
             solver_time_limit_s, mip_gap, slots_factor, tail_aware, fallback=fallback
         )
@@ -283,7 +290,7 @@ class QLMPolicy(Policy):
             want = list(head.pending())[: view.max_batch]
             victims = eviction_victims(
                 head_pos,
-                running,
+                [r for r in running if self._evictable(r)],
                 pos_of,
                 need_slots=len(want),
                 need_tokens=sum(r.context_tokens + 1 for r in want),
@@ -308,6 +315,13 @@ class QLMPolicy(Policy):
             preempt_mode=self.evict_mode if victims else None,
             recheck_at=recheck_at,
         )
+
+    def _evictable(self, req: Request) -> bool:
+        """Whether ``req`` may leave the batch for the head group: not an interactive stream already
+        under way unless ``evict_streams`` (its SLO is its TTFT, already decided; an eviction would
+        stall the client's stream and, measured on an overloaded instance, cost more attainment in
+        copies than the head group gained)."""
+        return self.evict_streams or not (req.service_class.kind == "interactive" and req.generated > 0)
 
     # ---- estimator views (also used by the router and the bench) -----------------------------
     def costs(self, group: RequestGroup, z: float | None = None) -> GroupCosts:
@@ -344,7 +358,12 @@ class QLMPolicy(Policy):
         running = list(self._running.values())
         if not running:
             return 0.0
-        if self.eviction and head is not None and head.deadline() < min(r.slo_deadline for r in running):
+        if (
+            self.eviction
+            and head is not None
+            and head.deadline() < min(r.slo_deadline for r in running)
+            and any(self._evictable(r) for r in running)
+        ):
             return 0.0
         rates = self._rates()
         remaining = []
