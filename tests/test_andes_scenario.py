@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.bench.scenarios._common import mean_row, seed_checks
-from tessera.bench.scenarios.andes import andes_cluster, burst_qoe_bound
+from tessera.bench.scenarios.andes import _out_of_reach, alone_qoe_bound, andes_cluster, burst_qoe_bound
 from tessera.core import Request, ServiceClass
 
 CLS = ServiceClass(name="chat", reading_speed_tps=5.0)
@@ -48,3 +48,17 @@ def test_capacity_bound_falls_once_the_burst_needs_more_work_than_its_length() -
     assert (light, deferred_light) == (1.0, 0)
     assert deferred_heavy > 1200 - 420 / 0.44 - 1
     assert 0.0 < heavy < 0.9
+
+
+def test_alone_bound_is_perfect_for_short_prompts_and_falls_when_the_prefill_outlasts_the_ttft_target() -> (
+    None
+):
+    cluster = andes_cluster({})
+    # All at once: FCFS would queue them, the bound serves each alone.
+    short = [Request(f"s{i}", 0.0, 500, 100, service_class=CLS, true_output_tokens=100) for i in range(50)]
+    # 40k-token prompts: T* = 8 s, the prefill at about 4,500 tokens/s takes about 9 s.
+    long = [Request(f"l{i}", 0.0, 40_000, 100, service_class=CLS, true_output_tokens=100) for i in range(5)]
+    assert alone_qoe_bound(short, cluster) == pytest.approx(1.0)
+    assert alone_qoe_bound(long, cluster) < 0.99
+    assert _out_of_reach("x", 0.95, "0.95", {0: (0.96, 0)}) == []
+    assert "out of reach" in _out_of_reach("x", 0.95, "0.95", {0: (0.84, 0), 1: (0.86, 0)})[0]

@@ -236,6 +236,11 @@ def test_qlm_honours_trace_and_series(traces: dict[str, Path]) -> None:
         _run(qlm, traces["a"], part="single,eviction", requests=80)
     with pytest.raises(ValueError, match="choose among single, multi"):
         _run(qlm, traces["series_a"], part="estimator")
+    # A trace shorter than the part's default count runs whole; one shorter than an asked count is refused.
+    rows = _run(qlm, traces["a"], part="multi")
+    assert {r["requests"] for r in rows} == {200}
+    with pytest.raises(ValueError, match="has 200 requests; --set requests=300 needs more"):
+        _run(qlm, traces["a"], part="multi", requests=300)
 
 
 def test_chiron_honours_trace_and_series(traces: dict[str, Path]) -> None:
@@ -331,6 +336,27 @@ def test_andes_calibration_moves_its_bracket(monkeypatch: pytest.MonkeyPatch) ->
     assert 16 <= rate <= 32
     with pytest.raises(ValueError, match="do not bracket"):
         andes.calibrate(lambda r: [r], None, 1.0, 4.0, 1.5, 3, below=True)  # type: ignore[arg-type]
+
+
+def test_andes_on_prompts_whose_prefill_outlasts_the_ttft_target_names_the_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """40k-token prompts: even alone a request misses T*, so FCFS cannot be calibrated to the paper's
+    QoE; the error says what any policy can reach and which setting to lower, and a run at a given
+    rate says the 0.95 target is out of reach."""
+    rng = np.random.default_rng(0)
+    lines = ["arrival_s,input_tokens,output_tokens"]
+    for i in range(30):
+        lines.append(f"{2.0 * i},{int(rng.integers(38_000, 40_000))},{int(rng.integers(50, 150))}")
+    trace = tmp_path / "long.csv"
+    trace.write_text("\n".join(lines) + "\n")
+    args = ["bench", "andes", "--trace", str(trace), "--set", "workload=azure", "--set", "seeds=1"]
+    assert main([*args, "--set", "fcfs_qoe_azure=0.99"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "Served alone on an idle instance" in err and "--set fcfs_qoe_azure=Q" in err
+    assert main([*args, "--rate", "0.01"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "bound on any policy's avg QoE" in out and "out of reach on this workload" in out
 
 
 # ---- Chiron: held batch work is served, a real deadlock fails clearly ---------------------------------

@@ -33,6 +33,11 @@ up to 6 times, when FCFS's QoE at both ends is on one side of the target). Rows 
 ``mean_tds_tps``, the per-request TDS ``(n-1)/(D_n - D_1)`` averaged.
 Andes settings pass through as ``qoe.<name>=value`` (e.g. ``--set qoe.horizon_s=5``).
 
+Bounds on any policy, printed under the checks: the bursty workload's capacity bound
+(``burst_qoe_bound``) and the replay's requests each served alone on an idle instance
+(``alone_qoe_bound``: on long prompts the prefill alone can outlast ``T*``). A target above the bound
+is marked out of reach; a replay whose FCFS QoE cannot be calibrated says the bound in its error.
+
 Seeds (3 per point, compare means): the bursty and azure workloads run
 ``seeds`` (3) seeds, ``--seed`` and the next ones. The rate is one for all seeds, found on the
 seed-mean FCFS QoE; rows are per seed (``...,seed=N``) and the seed mean (``...,mean``), and the
@@ -69,7 +74,7 @@ from tessera.core.registry import make_policy
 from tessera.core.request import Phase, Request, ServiceClass
 from tessera.core.slo import mean_itl
 from tessera.sim.cluster import ClusterConfig
-from tessera.sim.workloads import build_requests, requests_from_trace
+from tessera.sim.workloads import build_requests, copy_requests, requests_from_trace
 
 DESCRIPTION = "Andes QoE scheduler vs FCFS: cyclic bursts, Azure conversation replay, solver time"
 WORKLOADS = ("bursty", "azure", "solver")
@@ -194,6 +199,18 @@ def burst_qoe_bound(reqs: list[Request], opts: dict[str, Any], cluster: ClusterC
         wait = max(0.0, end - params.ideal_start)
         lost += wait / (wait + tail) if wait + tail > 0 else 0.0  # 1 - QoE of "late by wait, then on pace"
     return 1.0 - lost / len(reqs), int(order.size - fit)
+
+
+def alone_qoe_bound(reqs: list[Request], cluster: ClusterConfig) -> float:
+    """An upper bound on any policy's average QoE over ``reqs``: each request served alone on an
+    idle instance (arrivals a day apart, FCFS), so no queueing and a batch of one. A QoE only gains
+    from earlier tokens, and a token comes no sooner than alone; on long prompts the prefill alone can
+    exceed ``T*``, so the bound can sit below the replay's 0.95 target."""
+    alone = copy_requests(reqs)
+    for i, req in enumerate(alone):
+        req.arrival = i * 86_400.0
+    _, metrics = run_one(alone, lambda: make_policy("fcfs"), cluster)
+    return float(metrics["avg_qoe"])
 
 
 # ---- policies and runs --------------------------------------------------------------------------
@@ -448,32 +465,41 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     cfg["tolerance"] = tol
     # Every workload's requests first, so that the bar's total is known before the first run.
     runs = []
+    bursty_target = option(opts, "fcfs_qoe_bursty", 0.5, float)
+    replay_target = option(opts, "fcfs_qoe_azure", 0.85, float)
     if "bursty" in chosen:
         lengths = bench_trace(config, AZURE_CONV).rows if trace is not None else None
         make = lambda r: [bursty_requests(r, opts, s, lengths) for s in seeds]  # noqa: E731
         rate = config.rate
         if rate is None:
             lo, hi = option(opts, "rate_lo", 1.0, float), option(opts, "rate_hi", 4.0, float)
-            rate, _ = calibrate(
-                make, cluster, lo, hi, option(opts, "fcfs_qoe_bursty", 0.5, float), steps, below=True
-            )
+            rate, _ = calibrate(make, cluster, lo, hi, bursty_target, steps, below=True)
         sets = dict(zip(seeds, make(rate), strict=True))
         cfg["bursty_rate"] = rate
         cfg["bursty_requests"] = {s: len(r) for s, r in sets.items()}
-        runs.append((f"bursty,rate={rate:.3g}", sets, bursty_checks, True))
+        check = partial(bursty_checks, fcfs_target=bursty_target)
+        runs.append((f"bursty,rate={rate:.3g}", sets, check, True))
     if "azure" in chosen:
         bases = [azure_requests(replace(config, seed=s), opts) for s in seeds]
+        alone = {s: alone_qoe_bound(base, cluster) for s, base in zip(seeds, bases, strict=True)}
+        cfg["replay_qoe_bound"] = alone
         make = lambda r: [with_rate(base, r) for base in bases]  # noqa: E731
         rate = config.rate
         if rate is None:
             lo, hi = option(opts, "rate_lo", 1.0, float), option(opts, "rate_hi", 4.0, float)
-            rate, _ = calibrate(
-                make, cluster, lo, hi, option(opts, "fcfs_qoe_azure", 0.85, float), steps, below=False
-            )
+            try:
+                rate, _ = calibrate(make, cluster, lo, hi, replay_target, steps, below=False)
+            except ValueError as exc:
+                raise ValueError(
+                    f"{exc}. Served alone on an idle instance, the replay's requests average QoE "
+                    f"{np.mean(list(alone.values())):.3f} (seed mean), the most any policy reaches: aim FCFS "
+                    "below it with --set fcfs_qoe_azure=Q"
+                ) from None
         sets = dict(zip(seeds, make(rate), strict=True))
         cfg["azure_rate"] = rate
         cfg["azure_requests"] = len(next(iter(sets.values())))
-        runs.append((f"{replay},rate={rate:.3g}", sets, partial(azure_checks, label=replay), False))
+        check = partial(azure_checks, label=replay, fcfs_target=replay_target)
+        runs.append((f"{replay},rate={rate:.3g}", sets, check, False))
     progress(0, total=sum(2 * len(reqs) for _, sets, _, _ in runs for reqs in sets.values()))
     for label, sets, check, bursty in runs:
         got, pairs = compare_seeds(sets, label, cluster, opts, progress)
@@ -492,6 +518,13 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 "start before the burst ends)"
                 for s, (b, n) in bounds.items()
             ]
+            checks += _out_of_reach("bursty", 2 * pairs[-1][0]["avg_qoe"], "2x fcfs", bounds)
+        else:
+            checks += [
+                f"  seed {s}: bound on any policy's avg QoE {b:.3f} (each request alone on an idle instance)"
+                for s, b in alone.items()
+            ]
+            checks += _out_of_reach(replay, 0.95, "0.95", {s: (b, 0) for s, b in alone.items()})
     if "solver" in chosen:
         got = solver_rows(opts, config.seed)
         rows += got
@@ -499,17 +532,28 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     return BenchReport("andes", cfg, rows, checks)
 
 
+def _out_of_reach(label: str, target: float, what: str, bounds: dict[int, tuple[float, int]]) -> list[str]:
+    """A line saying that a QoE target lies above the seed-mean bound on any policy, if it does: that
+    check cannot pass on this workload, whatever the policy."""
+    bound = float(np.mean([b for b, _ in bounds.values()]))
+    if target <= bound:
+        return []
+    return [f"{label}: the target {what} = avg QoE {target:.3f} is above the bound on any policy "
+            f"({bound:.3f}, seed mean): out of reach on this workload"]  # fmt: skip
+
+
 def _check(text: str, ok: bool) -> str:
     return f"{text}: {'PASS' if ok else 'FAIL'}"
 
 
-def bursty_checks(fcfs: dict[str, Any], qoe: dict[str, Any]) -> list[str]:
-    """The bursty-load targets (each check names its threshold)."""
+def bursty_checks(fcfs: dict[str, Any], qoe: dict[str, Any], fcfs_target: float = 0.5) -> list[str]:
+    """The bursty-load targets (each check names its threshold; FCFS's QoE below ``fcfs_target``, the
+    calibration's)."""
     fq, aq = fcfs["avg_qoe"], qoe["avg_qoe"]
     share = qoe["qoe_ge_095_share"] - fcfs["qoe_ge_095_share"]
     thr = qoe["throughput_rps"] / fcfs["throughput_rps"]
     return [
-        _check(f"bursty: fcfs avg QoE {fq:.3f} (target < 0.5)", fq < 0.5),
+        _check(f"bursty: fcfs avg QoE {fq:.3f} (target < {fcfs_target:g})", fq < fcfs_target),
         _check(f"bursty: qoe avg QoE {aq:.3f} = {aq / fq:.2f}x fcfs (target >= 2x and >= 0.8)",
                aq >= 2 * fq and aq >= 0.8),
         _check(f"bursty: share with QoE >= 0.95 +{100 * share:.1f} points (target >= 20)", share >= 0.20),
@@ -517,12 +561,17 @@ def bursty_checks(fcfs: dict[str, Any], qoe: dict[str, Any]) -> list[str]:
     ]  # fmt: skip
 
 
-def azure_checks(fcfs: dict[str, Any], qoe: dict[str, Any], label: str = "azure") -> list[str]:
-    """The replay's targets (each check names its threshold); ``label`` names the replayed trace."""
+def azure_checks(
+    fcfs: dict[str, Any], qoe: dict[str, Any], label: str = "azure", fcfs_target: float = 0.85
+) -> list[str]:
+    """The replay's targets (each check names its threshold; FCFS's QoE near ``fcfs_target``, the
+    calibration's); ``label`` names the replayed trace."""
     fq, aq = fcfs["avg_qoe"], qoe["avg_qoe"]
     ft, at = fcfs["mean_ttft_s"], qoe["mean_ttft_s"]
     return [
-        _check(f"{label}: fcfs avg QoE {fq:.3f} (target about 0.85)", abs(fq - 0.85) <= 0.03),
+        _check(
+            f"{label}: fcfs avg QoE {fq:.3f} (target about {fcfs_target:g})", abs(fq - fcfs_target) <= 0.03
+        ),
         _check(f"{label}: qoe avg QoE {aq:.3f} (target >= 0.95)", aq >= 0.95),
         _check(f"{label}: qoe mean TTFT {at:.2f}s vs fcfs {ft:.2f}s (target lower)", at < ft),
     ]

@@ -142,7 +142,8 @@ def _requests(
     sample: bool = False,
 ) -> list[Request]:
     """``n`` requests of ``mix`` at ``rate``: ShareGPT-like lengths and Poisson arrivals, or from
-    ``config.trace``: a trace's lengths (its first ``n`` rows; ``sample``: ``n`` drawn with
+    ``config.trace``: a trace's lengths (its first ``n`` rows, all of a shorter trace unless ``--set
+    requests`` asked for ``n``; ``sample``: ``n`` drawn with
     replacement) and arrival times rescaled to ``rate`` (``sample``: Poisson), a lengths file's
     lengths (ShareGPT-like prompts where it has none) with Poisson arrivals, or a rate series'
     arrivals with ShareGPT-like lengths."""
@@ -156,9 +157,12 @@ def _requests(
         inputs, outputs = sharegpt_lengths(n, rng)
     else:
         if not sample and len(pool) < n:
-            raise ValueError(
-                f"--trace {config.trace} has {len(pool)} requests; --set requests={n} needs more"
-            )
+            if config is not None and config.options.get("requests") is not None:
+                raise ValueError(
+                    f"--trace {config.trace} has {len(pool)} requests; --set requests={n} needs more "
+                    "(leave it unset to run the whole trace)"
+                )
+            n = len(pool)  # the part's default count: a shorter trace runs whole
         picks = rng.integers(0, len(pool), n) if sample else range(n)
         # prompts for a lengths file without input tokens
         fill = sharegpt_lengths(n, rng)[0] if any(i is None for i, _ in pool) else None
