@@ -65,3 +65,16 @@ def test_unknown_scenario_and_bad_set(capsys):
     assert main(["bench", "baseline", "--set", "requests=abc"]) == 2
     err = capsys.readouterr().err
     assert "known" in err and "KEY=VALUE" in err and "expected int" in err
+
+
+def test_outputs_a_scenario_does_not_write_are_refused_before_it_runs(tmp_path, capsys):
+    """--requests-csv and --plot on a scenario without them: exit 2 at once, naming the scenarios that
+    write them, and nothing written (not a run whose output is silently missing)."""
+    csv = tmp_path / "r.csv"
+    assert main(["bench", "qlm", "--requests-csv", str(csv)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "has no --requests-csv output; the scenarios that do: baseline, elis" in err
+    assert main(["bench", "qlm", "--plot", str(tmp_path / "plots")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "has no --plot output" in err and "andes" in err and "chiron" in err
+    assert not csv.exists() and not (tmp_path / "plots").exists()

@@ -7,6 +7,7 @@ import importlib
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from tessera.bench.scenarios import SCENARIOS
@@ -115,6 +116,14 @@ TABLE_KEYS = (
 )
 
 
+def _plots(module: ModuleType) -> bool:
+    return callable(getattr(module, "plot", None))
+
+
+def _writes_requests_csv(module: ModuleType) -> bool:
+    return bool(getattr(module, "WRITES_REQUESTS_CSV", False))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the scenario, print the table and checks, write JSON/plots/CSV."""
     from rich.console import Console
@@ -145,6 +154,14 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None and refused:
         err.print(f"tessera bench {args.scenario} takes no --trace: {refused}")
         return 2
+    for flag, given, has in (
+        ("--plot", args.plot_dir is not None, _plots),
+        ("--requests-csv", args.requests_csv is not None, _writes_requests_csv),
+    ):
+        if given and not has(module):
+            which = ", ".join(name for name, path in SCENARIOS.items() if has(importlib.import_module(path)))
+            err.print(f"tessera bench {args.scenario} has no {flag} output; the scenarios that do: {which}")
+            return 2
     if args.requests_csv is not None and args.requests_csv.exists():
         args.requests_csv.unlink()  # rows are appended per policy
     config = BenchConfig(
@@ -198,12 +215,8 @@ def run(args: argparse.Namespace) -> int:
         args.json_path.parent.mkdir(parents=True, exist_ok=True)
         args.json_path.write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
     if args.plot_dir is not None:
-        plot = getattr(module, "plot", None)
-        if plot is None:
-            err.print(f"scenario {args.scenario} has no plots")
-        else:
-            for path in plot(report, args.plot_dir):
-                out.print(f"plot: {path}")
+        for path in module.plot(report, args.plot_dir):
+            out.print(f"plot: {path}")
     unused = config.options.unused()
     if unused:
         err.print(

@@ -7,6 +7,8 @@ A scenario is a module exposing:
   policy (or autoscaler, or placement) of the scenario on the same requests,
   seed and engine, side by side;
 - optionally ``plot(report: BenchReport, out_dir: Path) -> list[Path]`` — PNGs;
+- optionally ``WRITES_REQUESTS_CSV = True`` — it writes ``--requests-csv`` (the CLI refuses the flag,
+  and ``--plot`` without ``plot``, before a scenario that has no such output runs);
 - optionally ``TRACE_REFUSED: str`` — why it takes no ``--trace`` and what it takes instead (the CLI
   refuses the flag with it). A scenario that takes ``--trace`` loads it with
   ``tessera.bench.runner.bench_trace`` (or ``trace_arrivals``) and says in its docstring what it does

@@ -60,6 +60,7 @@ DESCRIPTION = (
     "FCFS, EDF, a tuned priority queue and the oracle bounds SJF/SRTF on the Azure conversation trace at "
     "several loads"
 )
+WRITES_REQUESTS_CSV = True  # --requests-csv: one line per request and row
 POLICIES = ("fcfs", "edf", "sjf-oracle", "srtf-oracle")
 
 

@@ -57,6 +57,7 @@ from tessera.sim.workloads import gamma_arrivals, scale_to_rate
 DESCRIPTION = (
     "ELIS: FCFS vs ISRTF with the trained length predictor vs oracle SRTF, Gamma arrivals, batch 1/2/4"
 )
+WRITES_REQUESTS_CSV = True  # --requests-csv: one line per request and row
 ALPACA_TEXT = SHARED_DATA / "alpacaeval_responses_text.jsonl.gz"
 GAMMA_SHAPE = 0.73  # ELIS FabriX trace fit (ELIS Fig. 4)
 
