@@ -60,5 +60,5 @@ def test_alone_bound_is_perfect_for_short_prompts_and_falls_when_the_prefill_out
     long = [Request(f"l{i}", 0.0, 40_000, 100, service_class=CLS, true_output_tokens=100) for i in range(5)]
     assert alone_qoe_bound(short, cluster) == pytest.approx(1.0)
     assert alone_qoe_bound(long, cluster) < 0.99
-    assert _out_of_reach("x", 0.95, "0.95", {0: (0.96, 0)}) == []
-    assert "out of reach" in _out_of_reach("x", 0.95, "0.95", {0: (0.84, 0), 1: (0.86, 0)})[0]
+    assert _out_of_reach("x", 0.95, "0.95", {0: 0.96}) == []
+    assert "out of reach" in _out_of_reach("x", 0.95, "0.95", {0: 0.84, 1: 0.86})[0]
