@@ -78,3 +78,18 @@ def test_outputs_a_scenario_does_not_write_are_refused_before_it_runs(tmp_path, 
     err = " ".join(capsys.readouterr().err.split())
     assert "has no --plot output" in err and "andes" in err and "chiron" in err
     assert not csv.exists() and not (tmp_path / "plots").exists()
+
+
+def test_rate_load_and_seed_are_checked_by_the_flag_parser(capsys):
+    for args, says in (
+        (["--rate", "-1"], "argument --rate: must be a finite number > 0, got -1"),
+        (["--load", "inf"], "argument --load: must be a finite number > 0, got inf"),
+        (["--rate", "x"], "argument --rate: 'x' is not a number"),
+        (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    ):
+        try:
+            rc = main(["bench", "baseline", *args])
+        except SystemExit as exc:  # argparse exits 2 on a bad flag
+            rc = exc.code
+        assert rc == 2
+        assert says in capsys.readouterr().err

@@ -7,6 +7,8 @@ import re
 import sys
 from urllib.parse import urlparse
 
+from tessera.commands import positive_float
+
 HELP = "Run the Kubernetes operator (kopf) for ServingPool, LLMService and RequestClass."
 _NAMESPACE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -26,16 +28,6 @@ def _namespace(text: str) -> str:
             f"{text!r} is not a namespace name (lowercase letters, digits and '-', at most 63)"
         )
     return text
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tick-seconds",
-        type=_positive,
+        type=positive_float,
         default=5.0,
         help="How often each pool looks whether the autoscaler or a resync is due (default 5).",
     )
