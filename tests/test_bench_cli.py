@@ -93,3 +93,12 @@ def test_rate_load_and_seed_are_checked_by_the_flag_parser(capsys):
             rc = exc.code
         assert rc == 2
         assert says in capsys.readouterr().err
+
+
+def test_andes_reports_an_option_its_parts_never_read(capsys):
+    """Andes reads its qoe.<setting> options by name; the others it does not use are reported."""
+    args = ["bench", "andes", "--rate", "1", "--set", "workload=bursty", "--set", "seeds=1"]
+    args += ["--set", "duration_s=30", "--set", "qoe.horizon_s=5"]
+    assert main(args) == 0
+    assert main([*args, "--set", "fcfs_qoe_azure=0.7"]) == 2
+    assert "--set fcfs_qoe_azure had no effect" in " ".join(capsys.readouterr().err.split())

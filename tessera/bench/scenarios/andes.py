@@ -219,13 +219,11 @@ def qoe_settings(opts: dict[str, Any]) -> dict[str, Any]:
     ablations alike, so the bench builds AndesQoE with them directly."""
     defaults = AndesQoE()
     out = {}
-    for key, value in opts.items():
-        if not key.startswith("qoe."):
-            continue
+    for key in [k for k in opts if k.startswith("qoe.")]:  # iterating leaves the other keys unread
         name = key[4:]
         if not hasattr(defaults, name):
             raise ValueError(f"--set {key}: AndesQoE has no setting {name!r}")
-        out[name] = option({name: value}, name, getattr(defaults, name))
+        out[name] = option({name: opts[key]}, name, getattr(defaults, name))
     return out
 
 
@@ -465,9 +463,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     cfg["tolerance"] = tol
     # Every workload's requests first, so that the bar's total is known before the first run.
     runs = []
-    bursty_target = option(opts, "fcfs_qoe_bursty", 0.5, float)
-    replay_target = option(opts, "fcfs_qoe_azure", 0.85, float)
     if "bursty" in chosen:
+        bursty_target = option(opts, "fcfs_qoe_bursty", 0.5, float)
         lengths = bench_trace(config, AZURE_CONV).rows if trace is not None else None
         make = lambda r: [bursty_requests(r, opts, s, lengths) for s in seeds]  # noqa: E731
         rate = config.rate
@@ -480,6 +477,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         check = partial(bursty_checks, fcfs_target=bursty_target)
         runs.append((f"bursty,rate={rate:.3g}", sets, check, True))
     if "azure" in chosen:
+        replay_target = option(opts, "fcfs_qoe_azure", 0.85, float)
         bases = [azure_requests(replace(config, seed=s), opts) for s in seeds]
         make = lambda r: [with_rate(base, r) for base in bases]  # noqa: E731
         rate = config.rate
