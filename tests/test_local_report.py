@@ -67,7 +67,26 @@ def test_workload_errors_say_what_to_change() -> None:
         build_workload(rows, CLASSES, {"a": 512}, WorkloadOptions(model="x"))
     with pytest.raises(WorkloadError, match="--batch-share"):
         WorkloadOptions(batch_share=1.5)
+    with pytest.raises(WorkloadError, match="--time-scale"):
+        WorkloadOptions(time_scale=float("nan"))  # NaN compares false with everything
+    with pytest.raises(WorkloadError, match="--duration"):
+        WorkloadOptions(duration_s=float("nan"))
     with pytest.raises(WorkloadError, match="no batch class"):
         build_workload(
             [TraceRow(0.0, 1, 1)], {"chat": CLASSES["chat"]}, {"a": 64}, WorkloadOptions(batch_share=1.0)
         )
+
+
+def test_local_flags_are_checked_by_the_flag_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    from tessera.cli import main
+
+    for args, says in (
+        (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (["--ready-timeout", "0"], "argument --ready-timeout: must be a finite number > 0, got 0"),
+        (["--kv-cache-gib", "0"], "argument --kv-cache-gib: must be >= 1, got 0"),
+        (["--duration", "nan"], "argument --duration: must be a finite number > 0, got nan"),
+    ):
+        with pytest.raises(SystemExit) as exited:  # argparse exits 2 on a bad flag, before anything starts
+            main(["local", "up", "-f", "examples/quickstart.yaml", *args])
+        assert exited.value.code == 2
+        assert says in capsys.readouterr().err

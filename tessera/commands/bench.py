@@ -11,7 +11,7 @@ from types import ModuleType
 from typing import Any
 
 from tessera.bench.scenarios import SCENARIOS
-from tessera.commands import positive_float
+from tessera.commands import non_negative_int, positive_float
 
 HELP = "Replay a trace through the simulator (or a real engine) and compare policies side by side."
 
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--rate", type=positive_float, help="arrival rate in requests/s")
     group.add_argument("--load", type=positive_float, help="offered load relative to the measured capacity")
-    parser.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
     parser.add_argument("--json", dest="json_path", type=Path, help="write the results as JSON here")
     parser.add_argument("--plot", dest="plot_dir", type=Path, help="write PNG plots into this folder")
     parser.add_argument("--requests-csv", type=Path, help="write one CSV line per request and row")
@@ -115,17 +115,6 @@ TABLE_KEYS = (
     "swaps",
     "wall_s",
 )
-
-
-def _seed(text: str) -> int:
-    """A whole number >= 0 (``--seed``: numpy's generators take no negative seed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def _plots(module: ModuleType) -> bool:

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tessera.commands import non_negative_int, positive_float, positive_int
+
 if TYPE_CHECKING:
     from tessera.local.control_plane import LocalPlan
 
@@ -32,12 +34,14 @@ HELP = "Run the same custom resources on one machine, without a cluster."
 
 def _add_load_flags(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--trace", type=Path, required=required, help="Trace to replay (CSV/JSONL, gz ok).")
-    p.add_argument("--time-scale", type=float, default=1.0, help="Replay speed-up (2 = twice as fast).")
-    p.add_argument("--duration", type=float, default=None, help="Only arrivals within this many seconds.")
+    p.add_argument("--time-scale", type=positive_float, default=1.0,
+                   help="Replay speed-up (2 = twice as fast).")  # fmt: skip
+    p.add_argument("--duration", type=positive_float, default=None,
+                   help="Only arrivals within this many seconds.")  # fmt: skip
     p.add_argument("--max-requests", type=int, default=None, help="At most this many requests.")
     p.add_argument("--batch-share", type=float, default=0.0,
                    help="Share of unclassed trace requests sent as the batch class.")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="Seed of the class draw (default 0).")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="Seed of the class draw (default 0).")
     p.add_argument("--target-model", default=None, help="Send every request to this model.")
     p.add_argument("--max-input-tokens", type=int, default=None, help="Cap of prompt tokens.")
     p.add_argument("--max-output-tokens", type=int, default=None, help="Cap of output tokens.")
@@ -75,8 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--enforce-eager", action="store_true",
                     help="vLLM: skip the torch.compile warm-up (starts about 3x sooner on a small CPU, "
                          "decodes about a quarter slower).")  # fmt: skip
-    up.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM: CPU KV cache per server (GiB).")
-    up.add_argument("--max-model-len", type=int, default=None, help="Override every model's context length.")
+    up.add_argument("--kv-cache-gib", type=positive_int, default=1,
+                    help="vLLM: CPU KV cache per server (GiB).")  # fmt: skip
+    up.add_argument("--max-model-len", type=positive_int, default=None,
+                    help="Override every model's context length.")  # fmt: skip
     up.add_argument("--max-instances", type=int, default=None,
                     help="Instances per placement group at most (default: the plan's; vllm: 1).")  # fmt: skip
     up.add_argument("--no-autoscale", action="store_true",
@@ -90,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--port", type=int, default=8000, help="Router port (default 8000).")
     up.add_argument("--run-dir", type=Path, default=Path(".tessera-local"),
                     help="Worker configurations and logs go here (default .tessera-local).")  # fmt: skip
-    up.add_argument("--ready-timeout", type=float, default=None,
+    up.add_argument("--ready-timeout", type=positive_float, default=None,
                     help="Seconds for workers to get ready (default 60 sim, 900 vllm).")  # fmt: skip
     up.add_argument("--compare-policy", default=None, metavar="POLICY",
                     help="With --trace: then replay it under POLICY (switched in place, engines keep "

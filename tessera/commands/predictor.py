@@ -7,14 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from tessera.commands import positive_int
+
 HELP = "Train and evaluate the response-length predictor (ELIS)."
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _layers(text: str) -> int | None:
@@ -38,17 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gen.add_argument(
         "--prompts", type=Path, default=None, help="JSONL(.gz) with prompt_id and prompt (default AlpacaEval)"
     )
-    gen.add_argument("--limit", type=_positive_int, default=None, help="only the first N prompts")
-    gen.add_argument("--max-tokens", type=_positive_int, default=512, help="cap on each answer (tokens)")
+    gen.add_argument("--limit", type=positive_int, default=None, help="only the first N prompts")
+    gen.add_argument("--max-tokens", type=positive_int, default=512, help="cap on each answer (tokens)")
     gen.add_argument("--no-greedy", action="store_true", help="skip the greedy (temperature 0) answers")
     gen.add_argument("--temperature", type=float, default=0.7, help="of the sampled answers")
     gen.add_argument(
         "--seed", action="append", type=int, default=None, help="one sampled answer per seed (default: 1)"
     )
     gen.add_argument(
-        "--max-num-seqs", type=_positive_int, default=128, help="vLLM batch bound and concurrency"
+        "--max-num-seqs", type=positive_int, default=128, help="vLLM batch bound and concurrency"
     )
-    gen.add_argument("--kv-cache-gib", type=_positive_int, default=4, help="vLLM's CPU KV cache (GiB)")
+    gen.add_argument("--kv-cache-gib", type=positive_int, default=4, help="vLLM's CPU KV cache (GiB)")
     gen.add_argument(
         "--stop-after",
         type=float,
@@ -81,12 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     tr.add_argument(
         "--rows-per-prompt",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="training responses per prompt (default all)",
     )
     tr.add_argument(
-        "--val-rows-per-prompt", type=_positive_int, default=4, help="validation responses per prompt"
+        "--val-rows-per-prompt", type=positive_int, default=4, help="validation responses per prompt"
     )
     tr.add_argument(
         "--val-fraction", type=float, default=0.2, help="share of prompt ids held out (default 0.2)"
@@ -100,10 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tr.add_argument(
         "--exclude-source", action="append", default=[], help="drop rows whose source contains this"
     )
-    tr.add_argument("--window", type=_positive_int, default=50, help="ELIS re-prediction window K (tokens)")
+    tr.add_argument("--window", type=positive_int, default=50, help="ELIS re-prediction window K (tokens)")
     # CPU-budget defaults (see tessera.predictor.train); ELIS' are 16 / 16 / 1e-4.
-    tr.add_argument("--epochs", type=_positive_int, default=6)
-    tr.add_argument("--batch-size", type=_positive_int, default=256)
+    tr.add_argument("--epochs", type=positive_int, default=6)
+    tr.add_argument("--batch-size", type=positive_int, default=256)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     tr.add_argument(
@@ -111,8 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train on every row (default: drop responses outside 1.5 IQR of log length, as ELIS)",
     )
-    tr.add_argument("--hidden", type=_positive_int, default=512)
-    tr.add_argument("--depth", type=_positive_int, default=8)
+    tr.add_argument("--hidden", type=positive_int, default=512)
+    tr.add_argument("--depth", type=positive_int, default=8)
     tr.add_argument("--dropout", type=float, default=0.3, help="head dropout in [0, 1) (training only)")
     tr.add_argument(
         "--dev-fraction",
@@ -127,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="add P(the answer runs to its token cap) to the head (rows need finish_reason, max_tokens)",
     )
     tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    tr.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
 
     ev = sub.add_parser("eval", help="MAE, RMSE, R², Kendall τ of a trained predictor on a JSONL(.gz)")
     ev.add_argument("--data", required=True, type=Path, help="JSONL(.gz) with prompt and response fields")
@@ -146,10 +141,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="heldout: the artifact's validation prompts",
     )
     ev.add_argument("--source", action="append", default=[], help="only rows whose source contains this")
-    ev.add_argument("--max-rows", type=_positive_int, default=None, help="evaluate a seeded sample of rows")
+    ev.add_argument("--max-rows", type=positive_int, default=None, help="evaluate a seeded sample of rows")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--latency", action="store_true", help="also time predict_remaining on batches of 16")
-    ev.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    ev.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     ev.add_argument("--json", type=Path, default=None, help="write the metrics as JSON here")
 
 

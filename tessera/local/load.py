@@ -89,9 +89,9 @@ class WorkloadOptions:
     max_output_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.time_scale <= 0:
+        if not self.time_scale > 0:  # NaN too
             raise WorkloadError(f"--time-scale must be > 0, got {self.time_scale}")
-        if self.duration_s is not None and self.duration_s <= 0:
+        if self.duration_s is not None and not self.duration_s > 0:
             raise WorkloadError(f"--duration must be > 0 seconds, got {self.duration_s}")
         if self.max_requests is not None and self.max_requests < 1:
             raise WorkloadError(f"--max-requests must be >= 1, got {self.max_requests}")
