@@ -30,8 +30,9 @@ def test_baseline_json_shape(tmp_path, capsys):
     assert doc["config"]["requests"] == 40
     names = [r["policy"] for r in doc["results"]]
     assert names[:4] == ["fcfs:load=0.8", "edf:load=0.8", "sjf-oracle:load=0.8", "srtf-oracle:load=0.8"]
-    assert len(names) == 5 and names[4].startswith("priority:delay=")  # the tuned priority queue
-    assert doc["results"][4]["tuned_over"] == ["strict", "30s", "300s"]
+    assert names[4] == "edf:late=last:load=0.8"
+    assert len(names) == 6 and names[5].startswith("priority:delay=")  # the tuned priority queue
+    assert doc["results"][5]["tuned_over"] == ["strict", "30s", "300s"]
     assert [r.get("baseline") for r in doc["results"]].count("strongest baseline") == 1
     for row in doc["results"]:
         assert row["requests"] == 40
@@ -40,7 +41,7 @@ def test_baseline_json_shape(tmp_path, capsys):
         assert 0 <= row["slo_attainment"] <= 1
         assert set(row["slo_attainment_by_class"]) == {"interactive", "batch"}
         assert row["gpu_seconds"] > 0
-    assert len(csv.read_text().splitlines()) == 1 + 4 * 40
+    assert len(csv.read_text().splitlines()) == 1 + 5 * 40
     assert "PASS" in capsys.readouterr().out or doc["checks"]
 
 
@@ -49,13 +50,15 @@ def test_baseline_edf_differs_from_fcfs_under_overload(tmp_path):
     out = tmp_path / "r.json"
     rc = main(["bench", "baseline", "--set", "requests=300", "--load", "1.5", "--json", str(out)])
     assert rc == 0
-    rows = {r["policy"].split(":")[0]: r for r in json.loads(out.read_text())["results"]}
+    rows = {r["policy"].removesuffix(":load=1.5"): r for r in json.loads(out.read_text())["results"]}
+    rows["priority"] = next(r for name, r in rows.items() if name.startswith("priority:"))
     fcfs, edf = rows["fcfs"]["slo_attainment_by_class"], rows["edf"]["slo_attainment_by_class"]
     assert edf["interactive"] > fcfs["interactive"]
     assert rows["edf"]["mean_ttft_s"] != rows["fcfs"]["mean_ttft_s"]
     # The strongest simple baseline is the one of highest attainment among fcfs, edf and priority.
     best = next(r for r in rows.values() if r.get("baseline") == "strongest baseline")
-    assert best["slo_attainment"] == max(rows[p]["slo_attainment"] for p in ("fcfs", "edf", "priority"))
+    simple = ("fcfs", "edf", "edf:late=last", "priority")
+    assert best["slo_attainment"] == max(rows[p]["slo_attainment"] for p in simple)
     assert rows["priority"]["slo_attainment"] > rows["fcfs"]["slo_attainment"]
 
 

@@ -38,6 +38,24 @@ def test_edf_orders_by_slo_deadline() -> None:
     assert [r.id for r in pol.schedule(view([], max_batch=1)).run] == ["b"]
 
 
+def test_edf_late_last_puts_a_request_that_became_late_while_queued_behind_those_on_time() -> None:
+    def first(late_last: bool) -> str:
+        pol = make_policy("edf", {"lateLast": late_last})
+        busy = req("busy", 0.0, 5, deadline=1.0)
+        late, on_time = req("late", 0.0, 5, deadline=3.0), req("on-time", 1.0, 5, deadline=20.0)
+        for r in (busy, late, on_time):
+            pol.add(r, 1.0)
+        assert [r.id for r in pol.schedule(view([], now=1.0, max_batch=1)).run] == ["busy"]
+        busy.phase = Phase.RUNNING
+        assert [r.id for r in pol.schedule(view([busy], now=2.0, max_batch=1)).run] == ["busy"]
+        busy.phase = Phase.FINISHED
+        pol.remove(busy, 9.0)
+        return pol.schedule(view([], now=10.0, max_batch=1)).run[0].id  # "late" queued past its t=3
+
+    assert first(late_last=False) == "late"  # plain EDF: the earliest deadline, met or not
+    assert first(late_last=True) == "on-time"
+
+
 def test_sjf_and_srtf_oracles() -> None:
     sjf = make_policy("sjf-oracle")
     a, b = req("a", 0.0, 100), req("b", 1.0, 10)

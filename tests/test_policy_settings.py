@@ -122,7 +122,7 @@ def test_bad_settings_name_the_field_the_policy_and_what_it_accepts(settings: di
 def test_a_policy_without_settings_says_so() -> None:
     with pytest.raises(ValueError, match=r"unknown setting 'window'.*policy 'fcfs' takes no settings"):
         validate_settings("fcfs", {"window": 1})
-    assert describe_settings("edf") == "policy 'edf' takes no settings"
+    assert describe_settings("sjf-oracle") == "policy 'sjf-oracle' takes no settings"
 
 
 def test_research_ablations_are_not_settings() -> None:

@@ -3,7 +3,9 @@
 - ``fcfs``: vLLM's default. Arrival order, non-preemptive; under KV pressure the
   engine preempts the latest arrival (the last of ``run``).
 - ``edf``: earliest SLO deadline first (TTFT deadline for interactive classes,
-  completion deadline for batch), non-preemptive.
+  completion deadline for batch), non-preemptive. ``late_last`` (CHOICE, off by default: plain EDF)
+  puts the requests already past their deadline behind every request still on time, so that under
+  overload one late request does not make the next ones late too.
 - ``priority``: a class-priority queue, non-preemptive: interactive requests ahead of batch ones,
   arrival order within a kind. ``batch_delay_s`` tunes it: a batch request queues as if it had
   arrived that many seconds later (unset: interactive always first; 0: FCFS).
@@ -38,6 +40,7 @@ lengths, before arrival.
 
 from __future__ import annotations
 
+import heapq
 from typing import Annotated, ClassVar
 
 from pydantic import Field
@@ -59,15 +62,48 @@ class FCFS(PriorityPolicy):
         return (req.arrival, -req.service_class.priority)
 
 
+class EDFSettings(PolicySettings):
+    """Settings of ``edf``."""
+
+    late_last: bool = Field(
+        default=False,
+        description="A request past its SLO deadline waits behind every request still on time: it has "
+        "missed already, and serving it first makes the next ones miss too (overload).",
+    )
+
+
 class EDF(PriorityPolicy):
-    """Earliest SLO deadline first."""
+    """Earliest SLO deadline first; with ``late_last``, the requests already past their deadline last."""
 
     name: ClassVar[str] = "edf"
-    static_keys: ClassVar[bool] = True
+    static_keys: bool = True  # per instance: late_last keys change once, when a deadline passes
+
+    def __init__(self, late_last: bool = False) -> None:
+        super().__init__()
+        self.late_last = late_last
+        self.static_keys = not late_last
+        self._on_time: list[tuple[float, int, Request]] = []  # queued on time, by deadline (lazy)
 
     def key(self, req: Request, now: float) -> tuple:
-        """Absolute SLO deadline, then the higher class priority, then arrival."""
+        """(With ``late_last``: whether the deadline has passed, then) the absolute SLO deadline, then the
+        higher class priority, then arrival."""
+        if self.late_last:
+            return (req.slo_deadline < now, req.slo_deadline, -req.service_class.priority, req.arrival)
         return (req.slo_deadline, -req.service_class.priority, req.arrival)
+
+    def _push(self, req: Request, now: float) -> None:
+        super()._push(req, now)
+        if self.late_last and req.slo_deadline >= now:
+            heapq.heappush(self._on_time, (req.slo_deadline, next(self._seq), req))
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Re-key the queued requests whose deadline passed since the last decision, then EDF."""
+        while self._on_time and self._on_time[0][0] < view.now:
+            _, _, req = heapq.heappop(self._on_time)
+            entry = self._queued.get(id(req))
+            if entry is not None and entry.key[0] is False:  # still queued with its on-time key
+                self._push(req, view.now)
+        return super().schedule(view)
 
 
 class PrioritySettings(PolicySettings):

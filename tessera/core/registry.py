@@ -44,7 +44,7 @@ class NoSettings(PolicySettings):
 # name -> ("module:Class", "module:Settings"). Each later policy adds one line here.
 POLICIES: dict[str, tuple[str, str]] = {
     "fcfs": ("tessera.core.baselines:FCFS", "tessera.core.registry:NoSettings"),
-    "edf": ("tessera.core.baselines:EDF", "tessera.core.registry:NoSettings"),
+    "edf": ("tessera.core.baselines:EDF", "tessera.core.baselines:EDFSettings"),
     "priority": ("tessera.core.baselines:ClassPriority", "tessera.core.baselines:PrioritySettings"),
     "sjf-oracle": ("tessera.core.baselines:SJFOracle", "tessera.core.registry:NoSettings"),
     "srtf-oracle": ("tessera.core.baselines:SRTFOracle", "tessera.core.baselines:SRTFOracleSettings"),

@@ -11,7 +11,8 @@ Parts (``--set part=NAME``, default ``all``):
   token statistics from a 500-request sample and ``eps`` from a separate saturated run
   of 4 x max_batch requests, both refreshed online.
 - ``single``: one model, interactive (TTFT SLO 20 s) + batch (1 h) at ``load`` x the
-  measured capacity; fcfs (the paper's baseline), edf, qlm, qlm without eviction, and the tuned
+  measured capacity; fcfs (the paper's baseline), edf, edf with late requests last, qlm, qlm without
+  eviction, and the tuned
   priority queue (``priority``, interactive first; the best of ``priority_delays``).
 - ``multi``: three models on two instances with model swapping (GPU/CPU/storage
   tiers); FCFS with per-request swapping (least-loaded routing; the paper's baseline) vs QLM (behind
@@ -328,6 +329,7 @@ def _part_single(config: BenchConfig) -> tuple[list[dict[str, Any]], list[str]]:
     factories = {
         "fcfs": lambda: make_policy("fcfs"),
         "edf": lambda: make_policy("edf"),
+        "edf:late=last": lambda: make_policy("edf", late_last=True),
         "qlm": qlm("qlm"),
         "qlm:eviction=off": qlm("qlm:eviction=off", eviction=False),
     }
