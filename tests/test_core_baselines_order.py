@@ -56,6 +56,19 @@ def test_edf_late_last_puts_a_request_that_became_late_while_queued_behind_those
     assert first(late_last=True) == "on-time"
 
 
+def test_edf_late_last_forgets_the_deadlines_of_requests_that_left_its_queue() -> None:
+    """A batch deadline can be an hour away: the deadlines watched for re-keying must not keep every
+    request that already ran until then."""
+    pol = make_policy("edf", {"lateLast": True})
+    for i in range(500):
+        r = req(f"r{i}", float(i), 5, deadline=3600.0)
+        pol.add(r, float(i))
+        (ran,) = pol.schedule(view([], now=float(i), max_batch=1)).run
+        ran.phase = Phase.FINISHED
+        pol.remove(ran, float(i))
+    assert len(pol._on_time) <= 64 + 1
+
+
 def test_sjf_and_srtf_oracles() -> None:
     sjf = make_policy("sjf-oracle")
     a, b = req("a", 0.0, 100), req("b", 1.0, 10)

@@ -103,6 +103,9 @@ class EDF(PriorityPolicy):
             entry = self._queued.get(id(req))
             if entry is not None and entry.key[0] is False:  # still queued with its on-time key
                 self._push(req, view.now)
+        if len(self._on_time) > 2 * len(self._queued) + 64:  # requests that left the queue: drop them
+            self._on_time = [e for e in self._on_time if id(e[2]) in self._queued]
+            heapq.heapify(self._on_time)
         return super().schedule(view)
 
 
