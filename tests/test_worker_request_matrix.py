@@ -24,10 +24,12 @@ from tessera.worker.server.app import create_app
 POLICIES: dict[str, dict[str, Any]] = {
     "fcfs": {"policy": "fcfs"},
     "edf": {"policy": "edf"},
+    "edf-late-last": {"policy": "edf", "settings": {"lateLast": True}},  # late ones set back, all served
     "isrtf": {"policy": "isrtf"},  # the text predictor: needs a prompt text for every shape
     "isrtf-running-mean": {"policy": "isrtf", "settings": {"predictor": "running-mean", "window_tokens": 2}},
     "qoe": {"policy": "qoe"},
     "qlm": {"policy": "qlm"},
+    "qlm-late-last-evict-streams": {"policy": "qlm", "settings": {"lateLast": True, "evictStreams": True}},
     "seallm": {"policy": "seallm"},
     "fcfs+chiron": {"policy": "fcfs", "autoscale": {"enabled": True}},
 }
