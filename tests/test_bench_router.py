@@ -78,12 +78,14 @@ def test_bench_router_restarts_the_operator_and_stops_prometheus_under_load() ->
         assert sum(row["in_flight_at_fault"].values()) == 8
     restarted = rows["router+operator-restarted:streams=8"]["operator"]
     # The new operator rewrote nothing and removed no instance of the two the autoscaler had sized.
-    assert restarted["replicas_before"] == 2 and restarted["replicas_seen"] == [2]
+    assert restarted["replicas_before"] == 2 and restarted["replicas_seen"] == [2], restarted
     assert restarted["child_writes"] == [] and restarted["children_changed"] == []
     stopped = rows["router+prometheus-stopped:streams=8"]["operator"]
     # Prometheus down longer than the scale-down cooldown and two intervals: no scaling on missing metrics.
     assert stopped["outage_s"] > control_faults.COOLDOWN_S + 2 * control_faults.INTERVAL_S
-    assert stopped["replicas_before"] == 2 and stopped["replicas_during"] == stopped["replicas_after"] == [2]
+    assert stopped["replicas_before"] == 2 and stopped["replicas_during"] == stopped["replicas_after"] == [
+        2
+    ], stopped
     # The pool's status said the counts were held for want of measurements, and autoscaled again after.
     assert stopped["scaled_condition_during"]["reason"] == "NoMeasurements"
     assert stopped["scaled_condition_during"]["status"] == "False"

@@ -7,7 +7,12 @@ processes (sim engine) started, as the pool's pods, on the configuration the ope
 group's ConfigMap, and ``tessera router --backends`` in front of them. The pool is the quickstart's,
 autoscaled by Chiron from Prometheus every ``INTERVAL_S``, 1 to ``workers`` instances. ``workers`` pods
 run throughout and the load keeps them all busy, so the autoscaler holds the StatefulSet at ``workers``
-replicas: any change of them during a row is the fault's doing.
+replicas: any change of them during a row is the fault's doing. Each request asks for ``TOKENS`` tokens,
+whatever the scenario's ``max_tokens``: a pod counts as busy when a request is in flight there at a
+scrape, and from 2 instances the autoscaler goes to 1 only when both read idle at two evaluations in a
+row. With 4-token requests (tens of ms in a worker) the clients' turn-around between requests, on a
+loaded 2-core machine as long as the requests, can make that happen with no fault: the likely cause of
+the one 2 -> 1 that CI saw after the Prometheus outage.
 
 Rows, each ``clients`` clients sending streamed requests back to back through the router, counted as the
 other fault rows count theirs (``tessera.bench.router_overhead``):
@@ -64,6 +69,7 @@ COOLDOWN_S = 4.0  # spec.autoscaling.scaleDownCooldownSeconds
 TICK_S = 0.25  # how often the pool daemons look whether the autoscaler is due
 OPERATOR_DOWN_S = 2.0  # no operator runs for this long
 OUTAGE_S = COOLDOWN_S + 2 * INTERVAL_S + 2.0  # Prometheus down for this long
+TOKENS = 64  # each request's max_tokens: ~0.4 s in a sim worker, against ms of client turn-around
 SETTLE_S = 2 * INTERVAL_S + 1.0  # load kept on after a fault ends: the operator's next evaluations
 WRITES = {"POST", "PUT", "PATCH", "DELETE"}
 CHILD_COLLECTIONS = ("/statefulsets", "/services", "/configmaps", "/poddisruptionbudgets")
@@ -119,18 +125,14 @@ class _Pool:
         return at_start + [r for t, r in changes if start < t < end]
 
 
-def run_rows(
-    clients: int, workers: int, max_tokens: int, progress: Progress
-) -> tuple[list[dict[str, Any]], list[str]]:
+def run_rows(clients: int, workers: int, progress: Progress) -> tuple[list[dict[str, Any]], list[str]]:
     """Both rows on a fresh emulated cluster; their checks."""
     with tempfile.TemporaryDirectory(prefix="tessera-bench-control-") as tmp:
-        rows = asyncio.run(_rows(clients, workers, max_tokens, Path(tmp), progress))
+        rows = asyncio.run(_rows(clients, workers, Path(tmp), progress))
     return rows, [_operator_check(rows[0]), _prometheus_check(rows[1])]
 
 
-async def _rows(
-    clients: int, size: int, max_tokens: int, tmp: Path, progress: Progress
-) -> list[dict[str, Any]]:
+async def _rows(clients: int, size: int, tmp: Path, progress: Progress) -> list[dict[str, Any]]:
     from tessera.bench.cluster import (
         Prometheus,
         ReplicaLog,
@@ -163,7 +165,7 @@ async def _rows(
                 router = RouterProcess(backends, free_port())
                 await asyncio.to_thread(router.start)
                 worker = WorkerConfig.model_validate(config)
-                load = (router.url, worker.models[0].name, {worker.class_header: "chat"}, max_tokens, clients)
+                load = (router.url, worker.models[0].name, {worker.class_header: "chat"}, TOKENS, clients)
                 pool = _Pool(harness, prom, body, ReplicaLog(harness, NAMESPACE, sts), size)
                 rows = [await _operator_restart(pool, load)]
                 progress(1)

@@ -53,7 +53,8 @@ when the router went away, found its kept-alive connection closed and could not 
 
 With ``control_faults`` on, two more fault rows run on an emulated cluster (``tessera.bench.control_faults``:
 the operator against KMock's Kubernetes emulator, a real Prometheus, the workers started from the
-operator's ConfigMaps, a router in front of them), with the same load, clients and counts:
+operator's ConfigMaps, a router in front of them), with the same clients and counts (requests of
+``control_faults.TOKENS`` tokens):
 ``router+operator-restarted`` and ``router+prometheus-stopped`` (autoscaling on), each also reporting
 whether the operator changed what it should not. They need the ``prometheus`` binary and the ``kmock``
 package; the option is refused without them.
@@ -429,7 +430,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             supervisor.stop_all()
     control_checks: list[str] = []
     if control_faults:  # on workers of their own, once the local plan's are gone
-        control_rows, control_checks = control.run_rows(min(levels[-1], 300), n_workers, max_tokens, progress)
+        control_rows, control_checks = control.run_rows(min(levels[-1], 300), n_workers, progress)
         fault_rows += control_rows
     checks = _checks(rounds_at, levels)
     for fault in fault_rows:
