@@ -478,6 +478,32 @@ def test_late_last_serves_the_requests_still_on_time_first_under_overload() -> N
     assert met[True] > met[False] + 0.02  # 0.673 against 0.640
 
 
+def test_late_set_back_puts_late_chat_ahead_of_batch_work_with_ample_slack() -> None:
+    # Chat overloads the instance while batch work with an hour of slack waits: unbounded, a late chat
+    # request waits behind every on-time batch one; bounded at 10 s, only behind those due within 10 s.
+    chat = ServiceClass("chat", "interactive", ttft_slo_s=5.0)
+    rng = np.random.default_rng(0)
+    arrivals = np.sort(rng.uniform(0, 60, 150))
+    chats = build_requests(arrivals, [100] * 150, [300] * 150, rng, Mix(classes=((chat, 1.0),)), prefix="c")
+    batch = build_requests(
+        np.zeros(60), [100] * 60, [300] * 60, rng, Mix(classes=((BATCH, 1.0),)), prefix="b"
+    )
+    seeds = {("default", "chat"): (100.0, 300.0, 1.0), ("default", "batch"): (100.0, 300.0, 1.0)}
+    worst_chat, batch_met = {}, {}
+    for bound in (None, 10.0):
+        done, _ = run_one(
+            chats + batch,
+            lambda b=bound: QLMPolicy(late_last=True, late_set_back_s=b, token_seeds=seeds),
+            _cluster(max_batch=4),
+        )
+        worst_chat[bound] = max(r.first_token_at - r.arrival for r in done if r.id.startswith("c"))
+        batch_met[bound] = all(r.finished_at - r.arrival <= 3600 for r in done if r.id.startswith("b"))
+    assert worst_chat[10.0] < worst_chat[None] - 20  # 85.1 s against 121.9 s
+    assert batch_met[10.0] and batch_met[None]
+    with pytest.raises(ValueError, match="late_set_back_s"):
+        QLMPolicy(late_last=True, late_set_back_s=-1.0)
+
+
 def test_reordering_meets_interactive_slo_where_fcfs_does_not() -> None:
     rng = np.random.default_rng(1)
     batch = build_requests(

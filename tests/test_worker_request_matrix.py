@@ -28,8 +28,12 @@ POLICIES: dict[str, dict[str, Any]] = {
     "isrtf": {"policy": "isrtf"},  # the text predictor: needs a prompt text for every shape
     "isrtf-running-mean": {"policy": "isrtf", "settings": {"predictor": "running-mean", "window_tokens": 2}},
     "qoe": {"policy": "qoe"},
-    "qlm": {"policy": "qlm"},
-    "qlm-late-last-evict-streams": {"policy": "qlm", "settings": {"lateLast": True, "evictStreams": True}},
+    "qlm": {"policy": "qlm"},  # late ones set back, bounded
+    "qlm-unbounded-late-evict-streams": {
+        "policy": "qlm",
+        "settings": {"lateSetBackS": None, "evictStreams": True},
+    },
+    "qlm-late-first": {"policy": "qlm", "settings": {"lateLast": False}},
     "seallm": {"policy": "seallm"},
     "fcfs+chiron": {"policy": "fcfs", "autoscale": {"enabled": True}},
 }

@@ -88,12 +88,13 @@ def settings_model(name: str) -> type[PolicySettings]:
 
 def _type_name(annotation: Any) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Annotated:
-        return _type_name(args[0])
+    if origin is typing.Annotated:  # bounds of a member of a union (an optional number) are said here
+        return " ".join([_type_name(args[0]), _bounds(args[1:])]).strip()
     if origin is Literal:
         return " | ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in args if a is not type(None))
+        names = [_type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names + (["null"] if type(None) in args else []))
     if origin in (dict, Mapping):
         return f"map of {_type_name(args[0])} to {_type_name(args[1])}"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -112,6 +113,17 @@ _BOUNDS = {
 }
 
 
+def _bounds(metadata: typing.Iterable[Any]) -> str:
+    """The numeric bounds among a field's metadata, as ``>= 0 and < 1``."""
+    found = []
+    for m in metadata:
+        for item in getattr(m, "metadata", [m]):  # a pydantic FieldInfo carries its constraints inside
+            for kind, op in _BOUNDS.items():
+                if isinstance(item, kind):
+                    found.append(f"{op} {getattr(item, type(item).__name__.lower())}")
+    return " and ".join(found)
+
+
 def describe_settings(name: str) -> str:
     """What policy ``name`` accepts in ``scheduling.settings``: each field, its type, bounds and default."""
     model = settings_model(name)
@@ -119,14 +131,8 @@ def describe_settings(name: str) -> str:
         return f"policy {name!r} takes no settings"
     parts = []
     for field_name, info in model.model_fields.items():
-        bounds = [
-            f"{op} {getattr(m, type(m).__name__.lower())}"
-            for m in info.metadata
-            for kind, op in _BOUNDS.items()
-            if isinstance(m, kind)
-        ]
         default = "" if info.is_required() else f", default {info.get_default(call_default_factory=True)!r}"
-        kind = " ".join([_type_name(info.annotation), " and ".join(bounds)]).strip()
+        kind = " ".join([_type_name(info.annotation), _bounds(info.metadata)]).strip()
         parts.append(f"{info.alias or field_name} ({kind}{default})")
     return f"policy {name!r} accepts: " + "; ".join(parts)
 

@@ -12,13 +12,12 @@ At every decision point the agent
    **eviction** of running requests of groups behind the head so the head group runs
    now, and **pulling** from the head group FCFS, then the following groups of the
    loaded model, while batch slots last (the engine admits while KV fits). With ``late_last``
-   (CHOICE, off by default) the requests already past their SLO deadline are pulled after every
-   on-time one and the head group evicts only for its on-time ones: under overload a late request
-   has missed, and serving it first made the next ones miss too (``tessera bench qlm --set
-   part=single`` with it on: code trace 0.823 -> 0.837, Mooncake 0.947 -> 0.970; EDF with the same
-   rule, ``edf`` ``late_last``, reached 0.819 and 0.964). Off by default because the set-back is
-   unbounded: a chat request late by a moment then waits behind every on-time batch request (``make
-   demo``: chat TTFT p99 22.1 s with it against 2.9 s without).
+   (CHOICE, on by default) the requests already past their SLO deadline are pulled after the on-time
+   ones due within ``late_set_back_s`` (CHOICE, 30 s) and ahead of the rest, and the head group evicts
+   only for its on-time ones: under overload a late request has missed, and serving it first made the
+   next ones miss too. The bound keeps a chat request late by a moment ahead of batch work with
+   ample slack: unbounded, it waited behind every on-time batch request (``make demo``: chat TTFT p99
+   22.1 s, against 2.9 s without the set-back). Figures: docs/bench.md, QLM's single-model part.
 
 Class priority (``ServiceClass.priority``, higher first) acts only where the global scheduler's
 order ties (``milp``: equal slack in the EDF fallback, which decides who misses when no order meets
@@ -89,11 +88,16 @@ class QLMSettings(PolicySettings):
         default="swap", description="How requests behind the head group are evicted."
     )
     late_last: bool = Field(
-        default=False,
+        default=True,
         description="Pull the waiting requests still within their SLO (VQ order) before those already past "
         "it, and evict only for the head group's on-time ones: a late request has missed, and serving it "
-        "first makes the next ones miss too. Unbounded: a late interactive request waits behind every "
-        "on-time batch one.",
+        "first makes the next ones miss too. Without late_set_back_s the set-back is unbounded: a late "
+        "interactive request waits behind every on-time batch one.",
+    )
+    late_set_back_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
+        default=30.0,
+        description="With late_last, a late request waits only behind the on-time requests due within this "
+        "many seconds, and goes ahead of those with more slack (unset: behind every on-time request).",
     )
     evict_streams: bool = Field(
         default=False,
@@ -167,7 +171,8 @@ class QLMPolicy(Policy):
         reorder: bool = True,
         eviction: bool = True,
         evict_mode: Literal["swap", "recompute"] = "swap",
-        late_last: bool = False,
+        late_last: bool = True,
+        late_set_back_s: float | None = 30.0,
         evict_streams: bool = False,
         solver_time_limit_s: float = 5.0,
         mip_gap: float = 0.01,
@@ -203,7 +208,10 @@ class QLMPolicy(Policy):
         self.reorder = reorder
         self.eviction = eviction
         self.evict_mode = evict_mode
+        if late_set_back_s is not None and not late_set_back_s >= 0:
+            raise ValueError(f"late_set_back_s must be >= 0 seconds or None, got {late_set_back_s}")
         self.late_last = late_last
+        self.late_set_back_s = math.inf if late_set_back_s is None else late_set_back_s
         self.evict_streams = evict_streams
         self.solver = SolverSettings(
             solver_time_limit_s, mip_gap, slots_factor, tail_aware, fallback=fallback
@@ -315,27 +323,38 @@ class QLMPolicy(Policy):
             )
             self.counters["evicted"] += len(victims)
         kept = [r for r in running if r not in victims]
-        pulls: list[Request] = []
-        late: list[Request] = []
-        room = view.max_batch - len(kept)
-        for group in self.vq.groups[head_pos:]:
-            if room <= 0 or group.model != head.model:
-                break  # pull only the loaded model: a later model waits for its swap
-            for req in group.pending():
-                if room <= 0:
-                    break
-                if self._late(req, now):
-                    late.append(req)  # after every on-time one of the loaded model
-                    continue
-                pulls.append(req)
-                room -= 1
-        pulls += late[: max(room, 0)]
+        pulls = self._pulls(head_pos, head.model, view.max_batch - len(kept), now)
         run = sorted(kept + pulls, key=lambda r: pos_of.get(id(r), position[id(self.grouper.of[id(r)])]))
         return Decision(
             run=run,
             preempt_mode=self.evict_mode if victims else None,
             recheck_at=recheck_at,
         )
+
+    def _pulls(self, head_pos: int, model: str, room: int, now: float) -> list[Request]:
+        """Up to ``room`` waiting requests of the loaded ``model`` from the head group on, in VQ order
+        (a later model waits for its swap); with ``late_last`` the late ones after the on-time ones due
+        within ``late_set_back_s`` and ahead of the rest, on-time ones keeping their VQ order."""
+        due: list[Request] = []  # on time, before the first with more slack than the set-back
+        ample: list[Request] = []  # on time, from that one on
+        late: list[Request] = []
+        for group in self.vq.groups[head_pos:]:
+            if group.model != model:
+                break
+            for req in group.pending():
+                # Stop once nothing later can take a slot: a later on-time request goes after every
+                # ``due`` one (and, once one had ample slack, after the late ones), a later late one
+                # after the late ones.
+                taken = len(due) + (len(late) if ample else 0) if self.late_last else len(due) + len(ample)
+                if taken >= room:
+                    return (due + late + ample)[:room]
+                if self._late(req, now):
+                    late.append(req)
+                elif ample or req.slo_deadline - now > self.late_set_back_s:
+                    ample.append(req)
+                else:
+                    due.append(req)
+        return (due + late + ample)[: max(room, 0)]
 
     def _late(self, req: Request, now: float) -> bool:
         """Whether ``late_last`` sets ``req`` back: it is already past its SLO deadline."""
