@@ -504,6 +504,25 @@ def test_late_set_back_puts_late_chat_ahead_of_batch_work_with_ample_slack() -> 
         QLMPolicy(late_last=True, late_set_back_s=-1.0)
 
 
+@pytest.mark.parametrize(("middle_ttft_s", "pulled"), [(20.0, {"r0", "r1"}), (60.0, {"r2", "r0"})])
+def test_a_late_request_waits_behind_the_on_time_ones_due_within_the_set_back(
+    middle_ttft_s: float, pulled: set[str]
+) -> None:
+    # VQ order: batch work with an hour of slack, a late interactive request, an on-time interactive
+    # one; two slots at 15 s. An on-time request due within the 10 s bound (slack 5 s) goes ahead of the
+    # late one; one with 45 s of slack goes after it. (VQ order alone pulls r0 and r2 in both cases;
+    # the unbounded set-back r0 and r1 in both.)
+    middle = ServiceClass("middle", "interactive", ttft_slo_s=middle_ttft_s)
+    tight = ServiceClass("tight", "interactive", ttft_slo_s=5.0)
+    policy = QLMPolicy(reorder=False, eviction=False, late_set_back_s=10.0)
+    for req in (_req(0), _req(2, cls=tight), _req(1, cls=middle)):
+        policy.add(req, 0.0)
+    profile = load_profile("a100-llama3-8b")
+    view = InstanceView(15.0, "i0", [], max_batch=2, kv_capacity_tokens=100_000, kv_used_tokens=0,
+                        profile=profile)  # fmt: skip
+    assert {r.id for r in policy.schedule(view).run} == pulled
+
+
 def test_reordering_meets_interactive_slo_where_fcfs_does_not() -> None:
     rng = np.random.default_rng(1)
     batch = build_requests(

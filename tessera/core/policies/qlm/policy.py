@@ -41,7 +41,7 @@ Assumes one GPU-resident model per instance (a swap flushes the KV cache), as th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
@@ -332,29 +332,31 @@ class QLMPolicy(Policy):
         )
 
     def _pulls(self, head_pos: int, model: str, room: int, now: float) -> list[Request]:
-        """Up to ``room`` waiting requests of the loaded ``model`` from the head group on, in VQ order
-        (a later model waits for its swap); with ``late_last`` the late ones after the on-time ones due
-        within ``late_set_back_s`` and ahead of the rest, on-time ones keeping their VQ order."""
-        due: list[Request] = []  # on time, before the first with more slack than the set-back
-        ample: list[Request] = []  # on time, from that one on
+        """Up to ``room`` waiting requests of the loaded ``model`` from the head group on, in VQ order (a
+        later model waits for its swap). With ``late_last`` the late ones met before the ``room``-th
+        on-time one go after every on-time one due within ``late_set_back_s`` (and those ahead of it in
+        VQ order), ahead of the rest; the on-time ones keep their VQ order."""
+        on_time: list[Request] = []
         late: list[Request] = []
+        cut = 0  # the late requests go after on_time[:cut], which ends with the last one due soon
+        for req in self._waiting(head_pos, model):
+            if len(on_time) >= room:
+                break
+            if self._late(req, now):
+                late.append(req)
+            else:
+                on_time.append(req)
+                if req.slo_deadline - now <= self.late_set_back_s:
+                    cut = len(on_time)
+        return (on_time[:cut] + late + on_time[cut:])[: max(room, 0)]
+
+    def _waiting(self, head_pos: int, model: str) -> Iterator[Request]:
+        """The waiting requests of ``model``'s groups from the head on, in VQ order, up to another
+        model's group."""
         for group in self.vq.groups[head_pos:]:
             if group.model != model:
-                break
-            for req in group.pending():
-                # Stop once nothing later can take a slot: a later on-time request goes after every
-                # ``due`` one (and, once one had ample slack, after the late ones), a later late one
-                # after the late ones.
-                taken = len(due) + (len(late) if ample else 0) if self.late_last else len(due) + len(ample)
-                if taken >= room:
-                    return (due + late + ample)[:room]
-                if self._late(req, now):
-                    late.append(req)
-                elif ample or req.slo_deadline - now > self.late_set_back_s:
-                    ample.append(req)
-                else:
-                    due.append(req)
-        return (due + late + ample)[: max(room, 0)]
+                return
+            yield from group.pending()
 
     def _late(self, req: Request, now: float) -> bool:
         """Whether ``late_last`` sets ``req`` back: it is already past its SLO deadline."""
