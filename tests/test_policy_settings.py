@@ -119,6 +119,15 @@ def test_bad_settings_name_the_field_the_policy_and_what_it_accepts(settings: di
     assert "predictor ('text' | 'running-mean' | 'constant', default 'text')" in message
 
 
+def test_an_optional_setting_says_its_bounds_and_null() -> None:
+    # The bounds of an optional number sit inside its union: they were dropped ("lateSetBackS (number").
+    assert "lateSetBackS (number >= 0 or null, default 30.0)" in describe_settings("qlm")
+    assert "predictorCheckpoint (string or null, default None)" in describe_settings("isrtf")
+    with pytest.raises(ValueError, match=r"'lateSetBackS': Input should be greater than or equal to 0"):
+        validate_settings("qlm", {"lateSetBackS": -1})
+    assert validate_settings("qlm", {"lateSetBackS": None}).late_set_back_s is None
+
+
 def test_a_policy_without_settings_says_so() -> None:
     with pytest.raises(ValueError, match=r"unknown setting 'window'.*policy 'fcfs' takes no settings"):
         validate_settings("fcfs", {"window": 1})
