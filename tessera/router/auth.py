@@ -30,7 +30,7 @@ from tessera.api.files import read_json_or_yaml
 from tessera.api.openai_errors import ApiError
 
 log = logging.getLogger(__name__)
-_BEARER = "bearer "
+_BEARER = "bearer"
 
 
 class ApiKeysError(ValueError):
@@ -145,11 +145,15 @@ class ApiKeys:
         if value is None:
             raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
                            code="missing_api_key", param="Authorization", headers=challenge)  # fmt: skip
-        if not value.lower().startswith(_BEARER):
+        # Split on the first whitespace rather than matching "bearer " with its space: servers differ in
+        # whether they strip trailing whitespace from header values, and "Bearer" with nothing after it
+        # is an empty key (invalid), not another scheme.
+        scheme, _, key = value.strip().partition(" ")
+        if scheme.lower() != _BEARER:
             raise ApiError(401, "the Authorization header must be 'Bearer <key>'",
                            code="invalid_api_key", param="Authorization", headers=challenge)  # fmt: skip
         # Looked up by digest: a dict probe does not compare the secret itself byte by byte.
-        entry = self._keys.get(_digest(value[len(_BEARER) :].strip()))
+        entry = self._keys.get(_digest(key.strip()))
         if entry is None:
             raise ApiError(401, "invalid API key (sent in the Authorization header)",
                            code="invalid_api_key", param="Authorization", headers=challenge)  # fmt: skip
