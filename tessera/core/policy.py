@@ -32,6 +32,14 @@ Protocol (the same for the simulator and the worker; both shells call every hook
    ``prepare``: the simulator, with no stream to keep flowing, does, and its decisions do
    that work inline.
 
+Instances of several models (``tessera.core.sharing``): in ``swapping`` mode the view is that of the
+awake model (``active_model``; ``models`` is empty) and ``Decision.load_model`` swaps. In ``co-resident``
+mode every model's engine is resident: ``active_model`` is None, ``models`` holds each engine's own
+view (its KV share, its running requests, its own sequence limit) and the top-level KV fields are
+their sums. ``run`` may then hold requests of several models: each shell admits a request on its
+model's engine while the instance's ``max_batch``, that engine's ``max_running`` and its KV allow,
+head-of-line per engine (an engine stops at its first request that does not fit; the others go on).
+
 ``InstanceView`` is filled the same way by both shells (``kv_blocks`` and
 ``resident_kv_tokens`` are the KV accounting both use; ``tests/test_conformance.py``
 checks the two views field by field). Policies never mutate requests' engine state
@@ -42,16 +50,38 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import ClassVar, Literal
 
 from tessera.core.profile import StepProfile
 from tessera.core.request import Phase, Request
 
 PreemptMode = Literal["recompute", "swap", "keep"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelView:
+    """One engine of a co-resident instance, as a policy sees it (module docstring)."""
+
+    model: str
+    profile: StepProfile  # the model's step times and its own KV capacity and block size
+    kv_capacity_tokens: int  # the engine's KV share, whole blocks
+    kv_used_tokens: int  # held by its resident requests
+    running: int  # its requests in the batch now
+    max_running: int | None = None  # the engine's own limit (vLLM's --max-num-seqs); None: max_batch only
+
+    @property
+    def kv_free_tokens(self) -> int:
+        """KV tokens of this engine not held by resident requests."""
+        return self.kv_capacity_tokens - self.kv_used_tokens
+
+
+NO_MODELS: Mapping[str, ModelView] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +107,18 @@ class InstanceView:
     # Host swap space left for preempted KV, in tokens (0: the engine cannot swap; None: unknown or
     # no limit). Andes prices a preemption as a swap only while it fits; past that the engine recomputes.
     swap_free_tokens: int | None = None
+    # Co-resident instances of several models: each engine's view (empty otherwise; module docstring).
+    models: Mapping[str, ModelView] = field(default_factory=lambda: NO_MODELS)
 
     @property
     def kv_free_tokens(self) -> int:
         """KV tokens not held by resident requests."""
         return self.kv_capacity_tokens - self.kv_used_tokens
+
+    @property
+    def co_resident(self) -> bool:
+        """Whether several engines are resident at once (``models`` is filled)."""
+        return bool(self.models)
 
 
 def kv_blocks(context_tokens: int, block_size: int) -> int:
@@ -171,14 +208,21 @@ class PriorityPolicy(Policy):
     is popped only as far as the engine could admit now (free KV tokens, prefill
     budget, batch slots), so a decision costs O(running + admitted·log queue),
     independent of the queue length.
+
+    Several models (CHOICE): one queue across the models in the policy's own order (each model's
+    requests sit in a heap of their own, merged by key and arrival sequence, so the order is that of a
+    single queue). On a co-resident instance each engine admits in that order into its own KV share
+    and sequence limit and stops at its first request that does not fit (vLLM's head-of-line
+    admission, per engine); the other engines go on filling the instance's batch. With one model
+    every decision is exactly the single-queue one.
     """
 
     preemptive: ClassVar[bool] = False
     static_keys: ClassVar[bool] = False  # key(req, now) never changes for a request
 
     def __init__(self) -> None:
-        self._heap: list[_Entry] = []
-        self._queued: dict[int, _Entry] = {}  # id(req) -> live heap entry; lazy deletion
+        self._heaps: dict[str, list[_Entry]] = {}  # model -> its queued entries; lazy deletion
+        self._queued: dict[int, _Entry] = {}  # id(req) -> live heap entry
         self._running: dict[int, _Entry] = {}
         self._seq = itertools.count()
 
@@ -199,17 +243,60 @@ class PriorityPolicy(Policy):
         return len(self._queued) + len(self._running)
 
     def _push(self, req: Request, now: float) -> None:
-        entry = _Entry(self.key(req, now), next(self._seq), req)
-        self._queued[id(req)] = entry
-        heapq.heappush(self._heap, entry)
+        self._push_entry(_Entry(self.key(req, now), next(self._seq), req))
 
-    def _pop_queued(self) -> _Entry | None:
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            if self._queued.get(id(entry.req)) is entry:
-                del self._queued[id(entry.req)]
+    def _push_entry(self, entry: _Entry) -> None:
+        self._queued[id(entry.req)] = entry
+        heap = self._heaps.get(entry.req.model)
+        if heap is None:
+            heap = self._heaps[entry.req.model] = []
+        heapq.heappush(heap, entry)
+
+    def _heap_entries(self) -> int:
+        """Heap entries, live or stale."""
+        return sum(map(len, self._heaps.values()))
+
+    def _rebuild_heaps(self) -> None:
+        """The heaps from the live queued entries only (drops the stale ones re-keying left behind)."""
+        self._heaps = {}
+        for entry in self._queued.values():
+            self._heaps.setdefault(entry.req.model, []).append(entry)
+        for heap in self._heaps.values():
+            heapq.heapify(heap)
+
+    def _top(self, heap: list[_Entry]) -> _Entry | None:
+        """The heap's least live entry, stale ones dropped on the way (not popped)."""
+        queued = self._queued
+        while heap:
+            entry = heap[0]
+            if queued.get(id(entry.req)) is entry:
                 return entry
+            heapq.heappop(heap)
         return None
+
+    def _pop_queued(self, skip: set[str] | None = None) -> _Entry | None:
+        """The least live queued entry over every model's heap (those of ``skip`` left out), dequeued."""
+        heaps = self._heaps
+        if len(heaps) == 1 and not skip:
+            heap = next(iter(heaps.values()))
+            while heap:
+                entry = heapq.heappop(heap)
+                if self._queued.get(id(entry.req)) is entry:
+                    del self._queued[id(entry.req)]
+                    return entry
+            return None
+        best: list[_Entry] | None = None
+        for model, heap in heaps.items():
+            if skip and model in skip:
+                continue
+            top = self._top(heap)
+            if top is not None and (best is None or _entry_order(top) < _entry_order(best[0])):
+                best = heap
+        if best is None:
+            return None
+        entry = heapq.heappop(best)
+        del self._queued[id(entry.req)]
+        return entry
 
     def _sync_running(self, view: InstanceView) -> None:
         """Requests the engine preempted on its own go back to the queue with a fresh key."""
@@ -224,7 +311,7 @@ class PriorityPolicy(Policy):
                     self._push(entry.req, view.now)
         for rid in now_running.keys() - self._running.keys():  # set difference at C speed, not a batch loop
             req = now_running[rid]
-            # A fresh entry: the queued one may still sit in the heap (lazy deletion) and must not change.
+            # A fresh entry: the queued one may still sit in a heap (lazy deletion) and must not change.
             old = self._queued.pop(rid, None)
             key = old.key if old is not None else self.key(req, view.now)
             self._running[rid] = _Entry(key, next(self._seq), req)
@@ -234,39 +321,22 @@ class PriorityPolicy(Policy):
         self._sync_running(view)
         now = view.now
         entries = list(self._running.values())
-        if not self.static_keys:  # fresh entries: an old one may still sit in the heap (lazy deletion)
+        if not self.static_keys:  # fresh entries: an old one may still sit in a heap (lazy deletion)
             entries = [_Entry(self.key(e.req, now), e.seq, e.req) for e in entries]
             for entry in entries:
                 self._running[id(entry.req)] = entry
         entries.sort(key=_entry_order)
         if self.preemptive:
             for entry in entries:
-                self._queued[id(entry.req)] = entry
-                heapq.heappush(self._heap, entry)
+                self._push_entry(entry)
             self._running.clear()
             entries = []
         run = list(map(_entry_req, entries))
         former = entries if self.preemptive else []
-        # Admission room: the engine stops at the first request that does not fit, so popping
-        # further than the free KV tokens and the prefill budget allow would only churn the heap.
-        room = view.kv_free_tokens
-        budget = view.prefill_budget_tokens
-        while len(run) < view.max_batch:
-            entry = self._pop_queued()
-            if entry is None:
-                break
-            req = entry.req
-            if not req.kv_resident:
-                need = req.prompt_tokens + req.generated + 1
-                if room <= 0 or (budget is not None and budget <= 0 and not req.swapped):
-                    self._queued[id(req)] = entry  # cannot start now: stays queued
-                    heapq.heappush(self._heap, entry)
-                    break
-                room -= need
-                if budget is not None and not req.swapped:
-                    budget -= need
-            run.append(req)
-            self._running[id(req)] = entry
+        if view.models:
+            self._admit_co_resident(view, run)
+        else:
+            self._admit(view, run)
         # Requests that were running keep their KV: they stay in the batch behind the stop point.
         for entry in former:
             if len(run) >= view.max_batch:
@@ -277,6 +347,62 @@ class PriorityPolicy(Policy):
                 self._running[id(entry.req)] = entry
         # Whatever the engine cannot admit returns to the queue at the next decision via _sync_running.
         return Decision(run=run, recheck_after_tokens=self.recheck_tokens())
+
+    def _admit(self, view: InstanceView, run: list[Request]) -> None:
+        """Fill ``run`` from the queue while one engine could admit: the engine stops at the first
+        request that does not fit, so popping further than the free KV tokens and the prefill budget
+        allow would only churn the heap."""
+        room = view.kv_free_tokens
+        budget = view.prefill_budget_tokens
+        while len(run) < view.max_batch:
+            entry = self._pop_queued()
+            if entry is None:
+                break
+            req = entry.req
+            if not req.kv_resident:
+                need = req.prompt_tokens + req.generated + 1
+                if room <= 0 or (budget is not None and budget <= 0 and not req.swapped):
+                    self._push_entry(entry)  # cannot start now: stays queued
+                    break
+                room -= need
+                if budget is not None and not req.swapped:
+                    budget -= need
+            run.append(req)
+            self._running[id(req)] = entry
+
+    def _admit_co_resident(self, view: InstanceView, run: list[Request]) -> None:
+        """``_admit`` over several resident engines: each engine's KV share, prefill budget and sequence
+        limit, head-of-line per engine (a model whose next request does not fit is done)."""
+        engines = view.models
+        room = {m: e.kv_free_tokens for m, e in engines.items()}
+        slots = {m: math.inf if e.max_running is None else e.max_running for m, e in engines.items()}
+        for req in run:  # kept in the batch: they hold their engines' slots
+            if req.model in slots:
+                slots[req.model] -= 1
+        budget = dict.fromkeys(engines, view.prefill_budget_tokens)
+        done: set[str] = {m for m in self._heaps if m not in engines}  # not served here: never admitted
+        done.update(m for m, n in slots.items() if n <= 0)
+        while len(run) < view.max_batch:
+            entry = self._pop_queued(done)
+            if entry is None:
+                break
+            req = entry.req
+            model = req.model
+            if not req.kv_resident:
+                need = req.prompt_tokens + req.generated + 1
+                left = budget[model]
+                if room[model] <= 0 or (left is not None and left <= 0 and not req.swapped):
+                    self._push_entry(entry)
+                    done.add(model)
+                    continue
+                room[model] -= need
+                if left is not None and not req.swapped:
+                    budget[model] = left - need
+            run.append(req)
+            self._running[id(req)] = entry
+            slots[model] -= 1
+            if slots[model] <= 0:
+                done.add(model)
 
     def recheck_tokens(self) -> int | None:
         """Decode iterations until the policy wants to re-rank without an event (None: only on events)."""

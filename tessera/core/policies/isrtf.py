@@ -77,7 +77,6 @@ every displaced request.
 
 from __future__ import annotations
 
-import heapq
 import importlib
 import logging
 from collections import deque
@@ -362,9 +361,8 @@ class ISRTF(PriorityPolicy):
             entry = self._queued.get(rid)
             if entry is not None:  # a running one is re-keyed by every decision
                 self._push(entry.req, now)
-        if len(self._heap) > 2 * len(self._queued) + 64:  # drop the entries re-keying left behind
-            self._heap = list(self._queued.values())
-            heapq.heapify(self._heap)
+        if self._heap_entries() > 2 * len(self._queued) + 64:  # drop the entries re-keying left behind
+            self._rebuild_heaps()
 
     def _live(self, req: Request) -> bool:
         return id(req) in self._queued or id(req) in self._running
