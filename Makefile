@@ -58,6 +58,9 @@ sysdeps:
 	@command -v prometheus >/dev/null 2>&1 || { \
 	  echo "installing Debian package prometheus"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing Debian package redis-server (the router's shared quota store, in tests)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
 
 test: venv sysdeps
 	$(VENV)/bin/pytest -q

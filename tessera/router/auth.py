@@ -8,10 +8,16 @@ tenant and what it may use::
         tenant: team-a
         models: [meta-llama/Llama-3.1-8B-Instruct]   # optional; left out: every model
         classes: [chat]                               # optional, RequestClass names; left out: every class
+        quota:                                        # optional, per tenant (every key of a tenant: the same)
+          requestsPerMinute: 600                      # each optional; left out: not limited
+          tokensPerMinute: 200000                     # prompt + output tokens, as OpenAI counts them
+          concurrentRequests: 32
+          weight: 2                                   # fair share inside the pods (default 1)
 
 A request without a key, or with a key not in the file, gets 401; a key used for a model or class it
-may not use gets 403 (OpenAI-style bodies). The file is read again when it changes (a rotated
-Secret), and a file that became invalid keeps the previous keys (logged).
+may not use gets 403 (OpenAI-style bodies); a request over its tenant's quota gets 429 with
+``Retry-After`` and OpenAI's rate-limit headers (``tessera.router.quota``). The file is read again
+when it changes (a rotated Secret), and a file that became invalid keeps the previous keys (logged).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import Field, ValidationError
@@ -28,6 +34,7 @@ from pydantic import Field, ValidationError
 from tessera.api.base import ApiModel
 from tessera.api.files import read_json_or_yaml
 from tessera.api.openai_errors import ApiError
+from tessera.core.quota import Limits
 
 log = logging.getLogger(__name__)
 _BEARER = "bearer"
@@ -35,6 +42,21 @@ _BEARER = "bearer"
 
 class ApiKeysError(ValueError):
     """The keys file is invalid; the message says where and how to fix it."""
+
+
+class Quota(ApiModel):
+    """A tenant's limits, shared by every router replica, and its fair-share weight."""
+
+    requests_per_minute: int | None = Field(default=None, ge=1, description="Requests per minute.")
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="Prompt + output tokens per minute."
+    )
+    concurrent_requests: int | None = Field(default=None, ge=1, description="Requests in flight at once.")
+    weight: float = Field(default=1.0, gt=0, le=1000, description="Fair-share weight (VTC) inside the pods.")
+
+    def limits(self) -> Limits:
+        """The core's limits of this quota."""
+        return Limits(self.requests_per_minute, self.tokens_per_minute, self.concurrent_requests)
 
 
 class ApiKey(ApiModel):
@@ -45,6 +67,7 @@ class ApiKey(ApiModel):
     tenant: str = Field(min_length=1, max_length=253, description="Who holds the key (logs, errors).")
     models: list[str] | None = Field(default=None, min_length=1, description="Models allowed; None: all.")
     classes: list[str] | None = Field(default=None, min_length=1, description="Classes allowed; None: all.")
+    quota: Quota = Field(default_factory=Quota, description="The tenant's limits and fair-share weight.")
 
 
 class ApiKeysFile(ApiModel):
@@ -71,6 +94,12 @@ def parse_api_keys(data: object, where: str) -> dict[bytes, ApiKey]:
             raise ApiKeysError(f"invalid {where}: keys.{n}.key repeats the key of tenant "
                                f"{by_digest[digest].tenant!r}; every key must be unique")  # fmt: skip
         by_digest[digest] = entry
+    quotas: dict[str, tuple[int, Quota]] = {}
+    for n, entry in enumerate(keys):
+        first, quota = quotas.setdefault(entry.tenant, (n, entry.quota))
+        if quota != entry.quota:  # the counts are per tenant: two keys cannot give it two limits
+            raise ApiKeysError(f"invalid {where}: keys.{n}.quota differs from keys.{first}.quota, both "
+                               f"of tenant {entry.tenant!r}; one tenant, one quota")  # fmt: skip
     return by_digest
 
 
@@ -81,6 +110,8 @@ class Caller:
     tenant: str
     models: frozenset[str] | None
     classes: frozenset[str] | None
+    limits: Limits = field(default_factory=Limits)
+    weight: float = 1.0
 
     def may_use(self, model: str) -> bool:
         """Whether the key may use ``model``."""
@@ -161,4 +192,6 @@ class ApiKeys:
             entry.tenant,
             frozenset(entry.models) if entry.models is not None else None,
             frozenset(entry.classes) if entry.classes is not None else None,
+            entry.quota.limits(),
+            entry.quota.weight,
         )
