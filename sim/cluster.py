@@ -39,6 +39,7 @@ from tessera.core.routing import (
     seed_stats,
     uses_engine_blocks,
 )
+from tessera.sim.coresident import CoResidentInstance
 from tessera.sim.engine import EngineConfig, SimInstance
 
 INF = float("inf")
@@ -303,7 +304,8 @@ class Cluster:
             raise ValueError(f"cannot add an instance for models {names}; known: {list(known)}")
         profiles = {m: known[m] for m in names}
         first = profiles[names[0]]
-        inst = SimInstance(
+        kind = CoResidentInstance if self.config.engine.co_resident and len(profiles) > 1 else SimInstance
+        inst = kind(
             f"i{next(self._names)}",
             profiles,
             (policy or self.policy_factory)(),

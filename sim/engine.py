@@ -39,7 +39,10 @@ Model: docs/papers.md, "Engine: iteration semantics" and "Engine: step-time mode
   active model costs nothing and pauses the running requests with their KV kept; the policy is
   asked again at once, seeing the new model's view. Each model's
   profile then gives its block size so that a block holds the same bytes for every model, and
-  admissions take free KV only (the other models' requests keep theirs).
+  admissions take free KV only (the other models' requests keep theirs). With ``co_resident``
+  (``tessera.core.sharing``'s co-resident mode, what a pod of engines that cannot sleep runs) an
+  instance of several models is a ``tessera.sim.coresident.CoResidentInstance``: one engine per
+  model, each with its own KV share, run side by side.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import math
 import operator
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from tessera.core.policy import Decision, InstanceView, Policy, PreemptMode
@@ -56,6 +59,7 @@ from tessera.core.policy import kv_blocks as blocks_for
 from tessera.core.prefix import leading_run
 from tessera.core.profile import StepProfile
 from tessera.core.request import Phase, Request
+from tessera.core.sharing import CoResidentCost
 from tessera.core.timeline import RunLog
 
 INF = float("inf")
@@ -77,6 +81,11 @@ class EngineConfig:
     max_resident_models: int = 1  # models whose weights fit at once
     prefix_caching: bool = False  # reuse the KV of a prompt's leading blocks cached by earlier requests
     shared_kv: bool = False  # every model resident, one KV pool: model switches keep requests' KV
+    # Several models' engines resident at once, each with its own KV share (tessera.core.sharing's
+    # co-resident mode; the cluster builds such instances as sim.coresident.CoResidentInstance).
+    co_resident: bool = False
+    coresident_cost: CoResidentCost = field(default_factory=CoResidentCost)  # their share of the accelerator
+    max_running: int | None = None  # one co-resident engine's sequence limit (--max-num-seqs); None: none
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -89,6 +98,13 @@ class EngineConfig:
             raise ValueError(f"preempt_mode must be recompute, swap or keep, got {self.preempt_mode!r}")
         if self.max_resident_models < 1:
             raise ValueError("max_resident_models must be >= 1")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"max_running must be >= 1 or None, got {self.max_running}")
+        if self.co_resident and (self.shared_kv or self.prefix_caching):
+            raise ValueError(
+                "co_resident engines each hold their own KV share: it excludes shared_kv (one KV pool) "
+                "and prefix_caching (not modelled per engine)"
+            )
 
     @property
     def budget(self) -> int:
@@ -641,7 +657,7 @@ class SimInstance:
     def _finish(self, r: Request, t: float) -> None:
         r.tokens.detach()
         self.running.remove(r)
-        self.used_blocks -= blocks_for(r.prompt_tokens + r.generated, self.profile.block_size)
+        self._release(r)
         r.phase = Phase.FINISHED
         r.kv_resident = False
         r.finished_at = t
@@ -652,6 +668,10 @@ class SimInstance:
         self.policy.remove(r, t)
         if self.on_finish is not None:
             self.on_finish(r)
+
+    def _release(self, r: Request) -> None:
+        """A finished request gives back the KV blocks it held."""
+        self.used_blocks -= blocks_for(r.prompt_tokens + r.generated, self.profile.block_size)
 
     def _enforce_kv(self, now: float) -> None:
         """Preempt until the resident requests' next steps fit (vLLM: latest in policy order first)."""
