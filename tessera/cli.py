@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # Subcommand name -> module implementing it. Order is the order shown in --help.
 SUBCOMMANDS: dict[str, str] = {
     "crds": "tessera.commands.crds",
+    "reference": "tessera.commands.reference",
     "operator": "tessera.commands.operator",
     "worker": "tessera.commands.worker",
     "local": "tessera.commands.local",

@@ -15,6 +15,7 @@ import importlib
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import annotated_types
@@ -124,16 +125,34 @@ def _bounds(metadata: typing.Iterable[Any]) -> str:
     return " and ".join(found)
 
 
+@dataclass(frozen=True, slots=True)
+class SettingDoc:
+    """One setting of a policy as the reference and the error messages describe it."""
+
+    name: str  # as written in configuration files (camelCase)
+    kind: str  # type and bounds, e.g. "number >= 0"
+    default: str  # repr of the default; "required" when there is none
+    description: str
+
+
+def setting_docs(name: str) -> list[SettingDoc]:
+    """Each setting of policy ``name``: its name, type with bounds, default and description."""
+    docs = []
+    for field_name, info in settings_model(name).model_fields.items():
+        default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
+        kind = " ".join([_type_name(info.annotation), _bounds(info.metadata)]).strip()
+        docs.append(SettingDoc(info.alias or field_name, kind, default, info.description or ""))
+    return docs
+
+
 def describe_settings(name: str) -> str:
     """What policy ``name`` accepts in ``scheduling.settings``: each field, its type, bounds and default."""
-    model = settings_model(name)
-    if not model.model_fields:
+    docs = setting_docs(name)
+    if not docs:
         return f"policy {name!r} takes no settings"
-    parts = []
-    for field_name, info in model.model_fields.items():
-        default = "" if info.is_required() else f", default {info.get_default(call_default_factory=True)!r}"
-        kind = " ".join([_type_name(info.annotation), _bounds(info.metadata)]).strip()
-        parts.append(f"{info.alias or field_name} ({kind}{default})")
+    parts = [
+        f"{d.name} ({d.kind}{'' if d.default == 'required' else f', default {d.default}'})" for d in docs
+    ]
     return f"policy {name!r} accepts: " + "; ".join(parts)
 
 
