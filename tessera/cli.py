@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     "worker": "tessera.commands.worker",
     "local": "tessera.commands.local",
     "router": "tessera.commands.router",
+    "batch": "tessera.commands.batch",
     "bench": "tessera.commands.bench",
     "profile": "tessera.commands.profile",
     "predictor": "tessera.commands.predictor",

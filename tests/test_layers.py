@@ -20,7 +20,7 @@ FOLDERS = {"tessera": ROOT / "tessera", "tessera.operator": ROOT / "operator",
            "tessera.worker": ROOT / "worker", "tessera.sim": ROOT / "sim"}  # fmt: skip
 
 BELOW_SHELLS = {"core", "api", "control", "predictor"}
-SHELLS = {"worker", "operator", "sim", "router", "models"}
+SHELLS = {"worker", "operator", "sim", "router", "models", "batch"}
 # package -> the packages it may import (besides itself)
 MAY_IMPORT: dict[str, set[str]] = {
     "core": set(),
@@ -32,6 +32,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "sim": {"core", "api"},
     "router": {"core", "api", "control"},
     "models": {"core", "api"},
+    "batch": {"core", "api"},
     "local": BELOW_SHELLS | {"worker", "router", "models"},
     "bench": BELOW_SHELLS | SHELLS | {"local"},
     "commands": BELOW_SHELLS | SHELLS | {"local", "bench"},

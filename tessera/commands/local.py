@@ -92,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="How the router picks an instance (as `tessera router --route`; default "
                          "least-wait). precise-prefix: by the prompt blocks each engine reports holding "
                          "(each launched vLLM then publishes its KV events on a free port).")  # fmt: skip
+    up.add_argument("--no-batch", action="store_true",
+                    help="Do not run the batch component (default: `tessera batch` serves /v1/files and "
+                         "/v1/batches behind the router, its state in RUN_DIR/batch).")  # fmt: skip
+    up.add_argument("--api-keys", type=Path, default=None,
+                    help="API keys file (as `tessera router --api-keys`): every request needs a key, and "
+                         "each key's tenant sees only its own files and batches.")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="Router address (default 127.0.0.1).")
     up.add_argument("--port", type=int, default=8000, help="Router port (default 8000).")
     up.add_argument("--run-dir", type=Path, default=Path(".tessera-local"),
@@ -115,11 +121,13 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Dispatch `up` / `load`."""
     from tessera.api import SpecError
+    from tessera.local.batch_process import BatchStartError
     from tessera.local.control_plane import LocalPlanError
     from tessera.local.load import WorkloadError
     from tessera.local.supervisor import PolicySwitchError, WorkerStartError
     from tessera.models.cache import ModelCacheError
     from tessera.models.fit import ModelFitError
+    from tessera.router.auth import ApiKeysError
 
     if args.answers < 0:
         return _fail(f"--answers must be >= 0, got {args.answers}")
@@ -128,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             return asyncio.run(_up(args))
         return asyncio.run(_load(args))
     except (SpecError, LocalPlanError, WorkloadError, WorkerStartError, PolicySwitchError, ModelCacheError,
-            ModelFitError, OSError) as exc:  # fmt: skip
+            ModelFitError, OSError, BatchStartError, ApiKeysError) as exc:  # fmt: skip
         return _fail(str(exc))
 
 
@@ -217,6 +225,7 @@ async def _up(args: argparse.Namespace) -> int:
     from tessera.local.control_plane import LocalEngine, plan_local
     from tessera.local.runner import LocalStack, compare_policies, describe_plan, run_load
     from tessera.router.app import class_infos
+    from tessera.router.auth import ApiKeys
 
     if not 0 < args.port < 65536:
         return _fail(f"--port {args.port} is not a TCP port (1-65535)")
@@ -230,8 +239,10 @@ async def _up(args: argparse.Namespace) -> int:
     policies = {i.config.scheduling.policy for i in plan.instances}
     _check_compare(args, policies)
     print(describe_plan(plan, not args.no_autoscale), flush=True)
+    api_keys = ApiKeys(args.api_keys) if args.api_keys is not None else None
     stack = LocalStack(plan, args.run_dir, args.host, args.port, autoscale=not args.no_autoscale,
-                       report=lambda line: print(line, flush=True), route=args.route)  # fmt: skip
+                       report=lambda line: print(line, flush=True), route=args.route,
+                       batch=not args.no_batch, api_keys=api_keys)  # fmt: skip
     timeout = args.ready_timeout or (900.0 if model_dir else 60.0)  # the worker's vLLM gets 900 s to start
     workload = None
     if args.trace is not None:
@@ -244,6 +255,8 @@ async def _up(args: argparse.Namespace) -> int:
         print(f"workers ready in {time.monotonic() - started:.1f} s (logs in {args.run_dir}/)")
         print(f"OpenAI endpoint: {stack.endpoint}/v1  (class header {stack.state.class_header}; "
               f"status {stack.endpoint}/router/status)", flush=True)  # fmt: skip
+        if stack.batch is not None:
+            print(f"Batch API: {stack.endpoint}/v1/batches (state in {stack.batch.state_dir}/)", flush=True)
         if workload is None:
             print("serving; Ctrl-C stops", flush=True)
             await stack.wait()

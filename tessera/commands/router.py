@@ -4,6 +4,7 @@ least estimated waiting time)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -97,13 +98,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="API keys file (JSON/YAML, e.g. a mounted Secret; see tessera.router.auth): requests need "
         "'Authorization: Bearer <key>', answered 401/403 otherwise. Default: no authentication.",
     )  # fmt: skip
+    parser.add_argument(
+        "--batch-url", default=None, metavar="URL",
+        help="The batch component (`tessera batch`): /v1/files and /v1/batches go there, and its lines' "
+        "deadlines are trusted; the shared secret comes from TESSERA_BATCH_TOKEN. Default: no Batch API.",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT."""
+    from tessera.api.batch_link import TOKEN_ENV
     from tessera.router.app import RouterState, create_router_app
     from tessera.router.auth import ApiKeys, ApiKeysError
     from tessera.router.backends import BackendsError, load_backends
+    from tessera.router.batch_proxy import BatchLink
     from tessera.router.chiron_hold import ChironHold
     from tessera.router.protocol import RouterServer, router_server_config
 
@@ -124,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
                               args.body_timeout, args.keep_alive_timeout)  # fmt: skip
         api_keys = ApiKeys(args.api_keys) if args.api_keys is not None else None
         hold = ChironHold(args.hold_max, args.batch_orphan_wait)
+        batch = BatchLink(args.batch_url, os.environ.get(TOKEN_ENV, "")) if args.batch_url else None
     except (ValueError, ApiKeysError) as exc:
         print(f"tessera router: {exc}", file=sys.stderr)
         return 2
@@ -155,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         activator = Activator({}, {}, waker, lambda model: 0)
     app = create_router_app(state, poll_interval_s=args.poll_interval, limits=limits, api_keys=api_keys,
                             discover=discovery.discover if discovery else None, activator=activator,
-                            follow=waker.follow if waker else None, freeze_gc=True)  # fmt: skip
+                            follow=waker.follow if waker else None, freeze_gc=True,
+                            batch=batch)  # fmt: skip
     if discovery is not None:
         app.state.metrics.registry.register(discovery.collector())
     server = RouterServer(router_server_config(app, host=args.host, port=args.port, log_level=args.log_level))

@@ -79,6 +79,9 @@ class Request:
     response_text: str | None = None  # simulation: the text the model "generates" (predictor input)
     prefix_blocks: tuple[object, ...] = ()  # ids of the prompt's leading blocks; equal ids, equal prefix
     prefix_block_tokens: int = 0  # tokens per prefix block
+    # Absolute SLO deadline of this request itself, on the clock of ``arrival`` (a batch job's expiry,
+    # carried per request); None: the class's deadline from arrival.
+    deadline: float | None = None
 
     phase: Phase = Phase.WAITING
     generated: int = 0
@@ -118,5 +121,7 @@ class Request:
 
     @property
     def slo_deadline(self) -> float:
-        """Absolute SLO deadline from the request's class."""
+        """Absolute SLO deadline: the request's own ``deadline`` when set, else its class's from arrival."""
+        if self.deadline is not None:
+            return self.deadline
         return self.service_class.slo_deadline(self.arrival)

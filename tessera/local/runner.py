@@ -24,6 +24,7 @@ import httpx
 from tessera.core.activation import Backoff, unit_idle_after
 from tessera.core.routing import ROUTES, uses_engine_blocks
 from tessera.local.autoscaler import LocalAutoscaler
+from tessera.local.batch_process import BatchProcess
 from tessera.local.control_plane import LocalPlan
 from tessera.local.load import LiveCounters, Outcome, Workload, drive, outstanding_of
 from tessera.local.report import (
@@ -39,6 +40,7 @@ from tessera.local.scale_to_zero import LocalActuator, idle_units
 from tessera.local.supervisor import Supervisor
 from tessera.router.activator import TICK_S, Activator
 from tessera.router.app import ClassInfo, RouterState, create_router_app, router_status
+from tessera.router.auth import ApiKeys
 from tessera.router.chiron_hold import ChironHold
 from tessera.router.protocol import RouterServer, router_server_config
 
@@ -235,11 +237,15 @@ class LocalStack:
         wake_backoff: Backoff | None = None,
         activation_tick_s: float = TICK_S,
         route: str = "least-wait",
+        batch: bool = False,
+        api_keys: ApiKeys | None = None,
     ) -> None:
         """``wake_backoff`` and ``activation_tick_s``: the activator's retries of a failed wake-up and how
         often it looks for idle groups (services with ``spec.scaleToZero``). ``route``: the router's
         (``tessera.core.routing.ROUTES``); one that reads what the engines hold has every vLLM server the
-        workers launch publish its KV events."""
+        workers launch publish its KV events. ``batch``: also run the batch component (``tessera batch``,
+        its state under ``<run_dir>/batch``) behind the router's /v1/files and /v1/batches. ``api_keys``:
+        the router authenticates every request (``tessera.router.auth``)."""
         self.plan = plan
         self.route = route
         self.supervisor = Supervisor(run_dir, kv_events=uses_engine_blocks(ROUTES[route]))
@@ -253,6 +259,8 @@ class LocalStack:
         self.activator: Activator | None = None
         self.wake_backoff = wake_backoff
         self.activation_tick_s = activation_tick_s
+        self.api_keys = api_keys
+        self.batch = BatchProcess(run_dir, self.endpoint) if batch else None
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
         self._scaling: asyncio.Task[None] | None = None
@@ -281,7 +289,8 @@ class LocalStack:
                 backoff=self.wake_backoff,
                 tick_s=self.activation_tick_s,
             )
-        app = create_router_app(self.state, activator=self.activator)
+        app = create_router_app(self.state, activator=self.activator, api_keys=self.api_keys,
+                                batch=self.batch.link if self.batch is not None else None)  # fmt: skip
         self._server = _RouterServer(router_server_config(app, host=self.host, port=self.port))
         self._task = asyncio.create_task(self._serve(self._server), name="router")
         while not self._server.started:
@@ -290,6 +299,12 @@ class LocalStack:
                 raise OSError(f"the router could not listen on {self.host}:{self.port} (port in use?); "
                               "pick another with --port")  # fmt: skip
             await asyncio.sleep(0.05)
+        if self.batch is not None:
+            try:
+                await asyncio.to_thread(self.batch.start)
+            except BaseException:
+                await self.stop()
+                raise
         if self.autoscale:
             groups = self.plan.groups
             paused = self.actuator.asleep if self.actuator is not None else set()
@@ -315,7 +330,9 @@ class LocalStack:
         return router_status(self.state, self.activator) if self.state is not None else None
 
     async def stop(self) -> None:
-        """Stop the autoscaler, the router, then the workers (those draining too)."""
+        """Stop the batch component, the autoscaler, the router, then the workers (those draining too)."""
+        if self.batch is not None:
+            await asyncio.to_thread(self.batch.stop)
         if self._scaling is not None:
             self._scaling.cancel()
             with contextlib.suppress(asyncio.CancelledError):

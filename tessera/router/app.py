@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tessera.api.batch_link import to_clock
 from tessera.api.openai_errors import ApiError
 from tessera.api.worker_config import ClassHeaderError, WorkerConfig
 from tessera.core.policies.qlm.estimator import TokenStats
@@ -68,6 +69,7 @@ from tessera.core.routing import (
 from tessera.router.activator import ActivationCollector, Activator
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
+from tessera.router.batch_proxy import BatchLink, add_batch_routes, feeder_deadline, without_token
 from tessera.router.chiron_hold import ChironHold, HeldCollector
 from tessera.router.discovery import Discovered
 from tessera.router.headers import downstream_headers, upstream_headers
@@ -548,6 +550,7 @@ def create_router_app(
     activator: Activator | None = None,
     follow: Callable[[Discovered, Activator], None] | None = None,
     freeze_gc: bool = False,
+    batch: BatchLink | None = None,
 ) -> RouterApp:
     """The router's HTTP application over ``state`` (polling runs while the app runs).
 
@@ -560,7 +563,9 @@ def create_router_app(
     (default ``tessera.router.upstream.UpstreamTransport``; tests give an ``httpx.MockTransport``).
     ``freeze_gc`` calls ``freeze_startup_objects`` once started (the ``tessera router`` process).
     ``activator`` turns on scale to zero (``tessera.router.activator``): requests for
-    a sleeping model are held until it has woken. ``app.state.limits`` and ``app.state.metrics`` are what
+    a sleeping model are held until it has woken. ``batch`` forwards the Files and Batch APIs to the
+    batch component and trusts its feeder (``tessera.router.batch_proxy``).
+    ``app.state.limits`` and ``app.state.metrics`` are what
     ``tessera.router.protocol.router_server_config`` serves the app with."""
     limits = limits or RouterLimits()
     holder: dict[str, httpx.AsyncBaseTransport] = {}
@@ -674,6 +679,9 @@ def create_router_app(
         ]
         return {"object": "list", "data": data}
 
+    if batch is not None:
+        add_batch_routes(app, batch, caller_of, lambda: sorted(state.configs))
+
     async def relay(scope: Scope, receive: Receive, respond: Send) -> None:
         """Answer a POST to one of the relayed endpoints (a plain ASGI handler: see ``RouterApp``)."""
         http = HttpRequest(scope, receive)
@@ -685,7 +693,8 @@ def create_router_app(
         counted = False  # the answer's status is in the metrics (a stream counts its own)
         try:
             try:
-                caller = caller_of(http)
+                feeder, deadline = feeder_deadline(batch, http.headers)  # a batch line's: its job's expiry
+                caller = None if feeder else caller_of(http)
                 raw = await read_body(http, limits)
                 payload = parse_payload(raw)
                 if caller is not None:
@@ -696,6 +705,7 @@ def create_router_app(
                 if caller is not None:
                     caller.check_class(class_name, config.classes[class_name].match.header)
                 headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
+                headers = without_token(headers)  # the feeder's token goes no further
                 entry = config.model(payload.model)
                 assert entry is not None  # classify refused a model no worker serves
                 spec = config.class_spec(entry, class_name)  # the model's own SLO and priority of the class
@@ -711,7 +721,7 @@ def create_router_app(
                 up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text,
                               slo, session, token_ids)  # fmt: skip
                 watch = ClientWatch(receive)
-                answer = await _activate_and_send(up, service_class)
+                answer = await _activate_and_send(up, service_class, deadline)
             except ApiError as exc:
                 end = time.perf_counter()
                 metrics.answered(model, kind, exc.status, end - start)
@@ -760,31 +770,38 @@ def create_router_app(
             if watch is not None:
                 watch.stop()
 
-    async def _hold_and_send(up: Upstream, service_class: ServiceClass) -> Answer:
+    async def _hold_and_send(
+        up: Upstream, service_class: ServiceClass, deadline: float | None = None
+    ) -> Answer:
+        """``up`` sent through Chiron's dispatch where its model has one (``deadline``: the request's own,
+        Unix time), else to the instance its route picks."""
         if not state.holds(up.model):
             return await send(state, metrics, holder["transport"], up)
         prompt = len(up.prompt_token_ids) or len(up.prompt_text) // CHARS_PER_TOKEN
         loads, coming = list(state.loads.values()), state.coming.get(up.model, ())
         now = time.monotonic()
+        own = None if deadline is None else to_clock(deadline, time.time(), now)
         instance = await state.hold.wait(up.model, service_class, now, loads, state.mean_context(up.model),
-                                         coming, prompt)  # fmt: skip
+                                         coming, prompt, deadline=own)  # fmt: skip
         state.hold.sent(instance, up.model, up.kind)  # send() counts it outstanding before it awaits anything
         return await send(state, metrics, holder["transport"], replace(up, instance=instance))
 
-    async def _activate_and_send(up: Upstream, service_class: ServiceClass) -> Answer:
+    async def _activate_and_send(
+        up: Upstream, service_class: ServiceClass, deadline: float | None = None
+    ) -> Answer:
         if activator is None:
-            return await _hold_and_send(up, service_class)
+            return await _hold_and_send(up, service_class, deadline)
         priority = service_class.priority
         await activator.admit(up.model, up.ttft_slo_s, priority)  # held here while the model sleeps or wakes
         try:
-            return await _hold_and_send(up, service_class)
+            return await _hold_and_send(up, service_class, deadline)
         except ApiError as exc:
             # A followed group's instances all went away under the request: the operator is scaling it to
             # zero and discovery has not shown it yet. Held like any request for a cold model, not refused.
             if exc.code != "no_instance" or not activator.lost_instances(up.model):
                 raise
         await activator.admit(up.model, up.ttft_slo_s, priority)
-        return await _hold_and_send(up, service_class)
+        return await _hold_and_send(up, service_class, deadline)
 
     app.relayed = {"/v1/completions": relay, "/v1/chat/completions": relay}
     return app

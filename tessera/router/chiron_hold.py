@@ -198,15 +198,16 @@ class ChironHold:
         mean_context: float,
         coming: Sequence[str] = (),
         prompt_tokens: int = 0,
+        deadline: float | None = None,
     ) -> str:
         """The instance for a request of ``model``: at once for an interactive request with room
         somewhere, else once the hold releases it. The caller sends the request there at once
         (``sent``): until then it counts as reserved on that instance. ApiError 429 when the model
-        already holds ``max_held``."""
+        already holds ``max_held``. ``deadline``: the request's own (a batch line's job expiry, on the
+        clock of ``now``), which orders the batch queue in place of its class's."""
         interactive = service_class.kind != "batch"
-        req = Request(
-            f"held-{next(self._ids)}", now, prompt_tokens, 0, model=model, service_class=service_class
-        )
+        req = Request(f"held-{next(self._ids)}", now, prompt_tokens, 0, model=model,
+                      service_class=service_class, deadline=deadline)  # fmt: skip
         if interactive:
             target = chiron_pick(req, self._targets(model, loads, mean_context, now), self.backlog_s)
             if target is not None:

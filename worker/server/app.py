@@ -18,7 +18,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tessera.api.batch_link import DEADLINE_HEADER, parse_deadline, to_clock
 from tessera.api.chat import message_dicts
 from tessera.api.openai_errors import ApiError
 from tessera.api.worker_config import BENCH_TRUE_LENGTH_HEADER, ClassHeaderError, ConfigError, parse_config
@@ -276,6 +277,7 @@ async def _serve(
         raise ApiError(400, message, param="n")
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     true_length = _true_length_hint(worker, http)
+    deadline = _deadline(http, sched.clock)
     if reader is None:
         sampling = body.sampling()
     else:  # the parser's adjustment decides what shapes the output (``ToolCallReader.sampling``)
@@ -292,6 +294,7 @@ async def _serve(
             model=body.model,
             service_class=cls,
             prompt_text=prompt_text,
+            deadline=deadline,
         )
         req.true_output_tokens = true_length
         job_sampling = dict(sampling)  # each job takes its stop strings out of its own copy
@@ -549,6 +552,19 @@ def _true_length_hint(worker: Worker, http: HttpRequest) -> int | None:
     if not value.isdigit() or int(value) < 1:
         raise ApiError(400, f"{header} must be a whole number of tokens >= 1, got {value!r}", param=header)
     return int(value)
+
+
+def _deadline(http: HttpRequest, clock: Callable[[], float]) -> float | None:
+    """The request's own deadline (``x-tessera-deadline``, a batch line's expiry, set by the router for
+    the batch component only: ``tessera.api.batch_link``) on the scheduler's clock; None without one."""
+    value = http.headers.get(DEADLINE_HEADER)
+    if value is None:
+        return None
+    try:
+        deadline = parse_deadline(value)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=DEADLINE_HEADER) from None
+    return to_clock(deadline, time.time(), clock())
 
 
 async def _next_event(job: Job, http: HttpRequest) -> Any:
