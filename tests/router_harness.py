@@ -31,6 +31,7 @@ from tessera.router.backends import Backend
 from tessera.router.chiron_hold import ChironHold
 from tessera.router.limits import RouterLimits
 from tessera.router.protocol import router_server_config
+from tessera.router.quota import QuotaStore
 from tessera.worker.engines.vllm_process import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -81,14 +82,17 @@ async def serve_router(
     activator: Callable[[RouterState], Activator] | None = None,
     backends: Sequence[Backend] = (),
     hold: ChironHold | None = None,
+    quota: QuotaStore | None = None,
 ) -> AsyncIterator[RouterUnderTest]:
     """The router over ``workers`` (picking by ``route``) on a free loopback port until the block ends;
     ``activator`` builds the router's activator over its state (scale to zero); ``backends``, when
     given, replace the workers' own entries (other roles or addresses); ``hold``: its Chiron dispatch (as
-    ``tessera router`` and an autoscaled local mode have; none: every request is routed on arrival)."""
+    ``tessera router`` and an autoscaled local mode have; none: every request is routed on arrival);
+    ``quota``: the tenants' quota store (with ``api_keys``)."""
     state = RouterState(list(backends) or [w.backend() for w in workers], route=route, hold=hold)
     app = create_router_app(state, poll_interval_s=poll_interval_s, limits=limits, api_keys=api_keys,
-                            activator=activator(state) if activator is not None else None)  # fmt: skip
+                            activator=activator(state) if activator is not None else None,
+                            quota=quota)  # fmt: skip
     port = free_port()
     server = uvicorn.Server(router_server_config(app, host="127.0.0.1", port=port))
     task = asyncio.create_task(server.serve())

@@ -5,6 +5,11 @@ prediction: its prompt on first sight (``Predictor.init``) and its answer chunks
 (``Predictor.iter``); finished chunks are cached per request id (LRU). The text generated so far is
 the first ``req.generated`` served tokens of ``req.response_text``, so the simulator can hand over the
 whole response and a real worker the streamed text.
+
+Online learning (``online``, on by default; ``tessera.predictor.online``): each prediction's inputs
+are kept with the request's cached embeddings, and a request that ``forget`` sees finished hands
+them, with its true length, to the learner, whose latest correction every later prediction applies.
+``forget`` is the hook ISRTF already calls for every request that leaves it, on the predicting thread.
 """
 
 from __future__ import annotations
@@ -20,11 +25,19 @@ import torch
 
 from tessera.core.request import Request
 from tessera.predictor.encoder import ChunkEncoder
-from tessera.predictor.features import answer_spans, build_features, prompt_chunk, repetition_stats
+from tessera.predictor.features import N_SCALARS, answer_spans, build_features, prompt_chunk, repetition_stats
 from tessera.predictor.head import LengthHead
+from tessera.predictor.online import (
+    FinishedRequest,
+    OnlineLearner,
+    OnlineSettings,
+    shared_learner,
+)
 from tessera.predictor.samples import EmbeddingStore, chunk_key, shares_tokenizer
 from tessera.predictor.tokens import TokenCounter, token_counter
 from tessera.predictor.train import HEAD_FILE, META_FILE, resolve_artifact, shipped_heads
+
+DEFAULT_ONLINE = OnlineSettings()  # the text predictor learns online unless told otherwise
 
 
 @dataclass(slots=True)
@@ -32,6 +45,9 @@ class _Entry:
     prompt_emb: np.ndarray
     prompt_tokens: int
     full_chunks: list[np.ndarray] = field(default_factory=list)  # embeddings of complete answer chunks
+    # the head's prediction and the scalars at arrival (nothing generated), for the online learner
+    arrival: tuple[float, np.ndarray] | None = None
+    head_prediction: float | None = None  # the head's own latest prediction (before any correction)
 
 
 def load_metadata(artifact_dir: str | Path | None = None) -> dict:
@@ -56,6 +72,7 @@ class TextLengthPredictor:
         cache_size: int = 8192,
         encoder: ChunkEncoder | None = None,
         store: EmbeddingStore | None = None,
+        online: OnlineSettings | OnlineLearner | None = DEFAULT_ONLINE,
     ) -> None:
         self.meta = load_metadata(artifact_dir)
         spec = "minilm" if self.meta["encoder"] == "all-MiniLM-L6-v2" else self.meta["encoder"]
@@ -93,10 +110,32 @@ class TextLengthPredictor:
         # Optional content-addressed store shared across runs (replaying the same texts, e.g. the same
         # trace under several policies, embeds each chunk once); None: every new chunk is embedded.
         self.store = store
+        # Settings: the process's learner for this head (kept across reloads); a learner: that one; None: off.
+        self.online: OnlineLearner | None = (
+            shared_learner(str(folder.resolve()), online) if isinstance(online, OnlineSettings) else online
+        )
+        self.unrecorded = 0  # finished requests the learner missed (their entry left the LRU cache)
 
     def forget(self, req: Request) -> None:
-        """Drop a finished request's cached embeddings."""
-        self._cache.pop(req.id, None)
+        """Drop a request's cached embeddings; a finished one teaches the online learner first."""
+        entry = self._cache.pop(req.id, None)
+        if self.online is None or not req.finished:
+            return
+        if entry is None or entry.arrival is None:
+            self.unrecorded += 1
+            return
+        head, scalars = entry.arrival
+        self.online.record(
+            FinishedRequest(entry.prompt_emb, head, scalars, req.generated, req.generated >= req.max_tokens)
+        )
+
+    def last_head_prediction(self, req: Request) -> float:
+        """The head's own prediction (before any online correction) at ``req``'s latest prediction;
+        KeyError when the request is not cached."""
+        entry = self._cache[req.id]
+        if entry.head_prediction is None:
+            raise KeyError(f"request {req.id} was not predicted")
+        return entry.head_prediction
 
     def predict_remaining(self, requests: Sequence[Request]) -> list[float]:
         """Predicted remaining output tokens, one per request (one encoder and one head pass)."""
@@ -151,7 +190,19 @@ class TextLengthPredictor:
             feats.append(
                 build_features(entry.prompt_emb, stack, lens, req.generated, entry.prompt_tokens, rep)
             )
-        preds = self.head.predict_tokens(torch.from_numpy(np.stack(feats)))
+        x = np.stack(feats)
+        preds = self.head.predict_tokens(torch.from_numpy(x)).numpy().astype(np.float64)
+        for req, pred in zip(requests, preds, strict=True):
+            entries[req.id].head_prediction = float(pred)
+        if self.online is None:
+            return [float(p) for p in preds]
+        new = [i for i, r in enumerate(requests) if r.generated == 0]  # the correction is at arrival only
+        if new:
+            scalars = x[new, -N_SCALARS:]
+            for i, s in zip(new, scalars, strict=True):
+                entries[requests[i].id].arrival = (float(preds[i]), s.copy())
+            prompts = np.stack([entries[requests[i].id].prompt_emb for i in new])
+            preds[new] = self.online.adjust(preds[new], scalars, prompts)
         return [float(p) for p in preds]
 
     def _embed(self, jobs: list[list[int]]) -> np.ndarray:

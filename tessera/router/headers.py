@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tessera.api.tenant import TENANT_HEADERS
+
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -47,8 +49,11 @@ def end_to_end(
 def upstream_headers(items: Iterable[tuple[str, str]], *, drop_authorization: bool) -> list[tuple[str, str]]:
     """Headers of the request the router sends a worker: the client's end-to-end headers and a JSON
     content type; the client's ``Authorization`` is dropped when the router checked it (API keys
-    are the router's business, workers never see them)."""
-    rebuilt = _UPSTREAM_REBUILT | {"authorization"} if drop_authorization else _UPSTREAM_REBUILT
+    are the router's business, workers never see them), and so are the tenant headers a client sent
+    (only the router names a tenant: ``tessera.api.tenant``)."""
+    rebuilt = _UPSTREAM_REBUILT | TENANT_HEADERS
+    if drop_authorization:
+        rebuilt |= {"authorization"}
     return [*end_to_end(items, rebuilt), ("content-type", JSON)]
 
 

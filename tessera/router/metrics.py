@@ -12,6 +12,9 @@ failed (refused connection, or broken off while answering) count per instance. T
 (in the rotation, outstanding requests, batch size, estimated wait) is read from the router state at
 scrape time, so a scrape always shows the current view.
 
+With API keys, per tenant (``tessera_router_tenant_``): answers by status, tokens used, refusals by
+reason and SLO verdicts; tenants are the keys file's, a bounded set.
+
 Label values stay bounded: a request for a model the router does not serve is counted with
 ``model=""`` (the client chooses that string), and ``kind=""`` until the class is known; ``class``
 takes only the configured class names.
@@ -198,13 +201,42 @@ class RouterMetrics:
             ["instance"],
             registry=r,
         )
+        self.tenant_requests = Counter(
+            "tessera_router_tenant_requests",
+            "Requests of each tenant answered, by HTTP status (API keys on).",
+            ["tenant", "code"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "tessera_router_tenant_tokens",
+            "Tokens each tenant used by kind (prompt, completion), as its answers' usage counts them (a "
+            "stream: the prompt as estimated at admission and the token chunks relayed).",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_refused = Counter(
+            "tessera_router_tenant_refused",
+            "Requests of each tenant the router refused, by reason: requests, tokens, concurrency "
+            "(over its quota: 429), request_too_large (429), model_not_allowed, class_not_allowed (403).",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.tenant_slo = Counter(
+            "tessera_router_tenant_slo",
+            "Answers of each tenant judged against their class's SLO as the client saw it, by class and "
+            "verdict (met: true, false).",
+            ["tenant", "class", "met"],
+            registry=r,
+        )
         r.register(_InstanceCollector(instances))
         r.register(_SloCollector(self.slo))
 
-    def answered(self, model: str, kind: str, code: int, seconds: float) -> None:
-        """Count one answered request and its duration."""
+    def answered(self, model: str, kind: str, code: int, seconds: float, tenant: str = "") -> None:
+        """Count one answered request and its duration (and for its tenant, with API keys on)."""
         self.requests.labels(model, kind, str(code)).inc()
         self.duration.labels(model, kind).observe(seconds)
+        if tenant:
+            self.tenant_requests.labels(tenant, str(code)).inc()
 
     def delivered(
         self,
@@ -214,9 +246,12 @@ class RouterMetrics:
         met: bool | None,
         ttft_s: float | None,
         mean_itl_s: float | None,
+        tenant: str = "",
     ) -> None:
         """Record what one answer of class ``klass`` delivered: its TTFT and mean ITL where it had them,
-        and its SLO verdict (None: not judged)."""
+        and its SLO verdict (None: not judged), also for its ``tenant`` when known."""
+        if tenant and met is not None:
+            self.tenant_slo.labels(tenant, klass, "true" if met else "false").inc()
         labels = (model, kind, klass)
         if ttft_s is not None:
             self.ttft.labels(*labels).observe(ttft_s)

@@ -35,6 +35,7 @@ class Payload:
     # render as the worker does; unchecked here, like every field but model and stream.
     messages: Any = None
     tools: Any = None
+    max_tokens: int = 0  # max_completion_tokens, else max_tokens, when a whole number (a quota's estimate)
 
 
 def _kind(value: Any) -> str:
@@ -66,7 +67,17 @@ def parse_payload(raw: bytes) -> Payload:
         raise ApiError(400, f"the field 'stream' must be true or false, got {_kind(stream)}", param="stream")
     user = body.get("user")
     return Payload(model, bool(stream), prompt_text(body), user if isinstance(user, str) else "",
-                   prompt_token_ids(body), body.get("messages"), body.get("tools"))  # fmt: skip
+                   prompt_token_ids(body), body.get("messages"), body.get("tools"),
+                   _max_tokens(body))  # fmt: skip
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The output cap the client asked for (0: none, or not a whole number: the worker says so)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
 def _content_text(content: Any) -> str:

@@ -175,6 +175,7 @@ def record_delivery(
     first_token: float | None = None,
     last_token: float | None = None,
     tokens: int = 0,
+    tenant: str = "",
 ) -> None:
     """Record an answer's client-side TTFT (when a token reached the client), its mean ITL (a
     successful stream of two token chunks or more) and its SLO verdict; nothing before the class is
@@ -188,7 +189,7 @@ def record_delivery(
         ttft = first_token - arrival
         if 200 <= status < 300 and tokens > 1 and last_token is not None:
             itl = (last_token - first_token) / (tokens - 1)
-    metrics.delivered(model, kind, service_class.name, met, ttft, itl)
+    metrics.delivered(model, kind, service_class.name, met, ttft, itl, tenant)
 
 
 def _draining(response: httpx.Response) -> bool:
@@ -211,12 +212,13 @@ async def relay_stream(
     kind: str,
     start: float,
     service_class: ServiceClass | None = None,
-) -> None:
+    tenant: str = "",
+) -> int:
     """Relay the instance's server-sent events to the client (ASGI ``send``) as they come; an error
     event and ``[DONE]`` if the instance breaks off. Counts the answer when it ends: 200, 502 when it
     broke off or the worker ended it with an error event of its own, 499 when the client left (the
     task is cancelled: ``ClientWatch``); and records what it delivered against ``service_class``'s
-    SLO (``record_delivery``)."""
+    SLO (``record_delivery``), for ``tenant`` too; returns the token chunks relayed."""
     load, response, prefill_tokens = answer.load, answer.response, answer.prefill_tokens
     tokens = 0
     first_at = last_at = None  # when the first and the latest token chunks were relayed
@@ -261,13 +263,14 @@ async def relay_stream(
                              "answer is incomplete: retry the request", code="upstream_failed")  # fmt: skip
             end = f"\ndata: {json.dumps(error.body())}\n\n{_DONE}\n\n".encode()
         await send({"type": "http.response.body", "body": end, "more_body": False})
+        return tokens
     finally:
         await response.aclose()
         load.prefill.first_token(prefill_tokens)
         state.ended(load, kind)
         finished = time.perf_counter()
-        metrics.answered(model, kind, code, finished - start)
+        metrics.answered(model, kind, code, finished - start, tenant)
         record_delivery(metrics, model, kind, service_class, status=code, arrival=start, finished=finished,
-                        first_token=first_at, last_token=last_at, tokens=tokens)  # fmt: skip
+                        first_token=first_at, last_token=last_at, tokens=tokens, tenant=tenant)  # fmt: skip
         if tokens:
             state.stats[model].observe_output(tokens)

@@ -1,0 +1,245 @@
+"""Online learning of the text predictor: settings bounds, the correction and its prior, refits (inline,
+in the background, refused, failed), the worker's hook (``forget`` of a finished request), state kept
+across a rebuilt predictor, and the prequential replay with its ranking report."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import kendalltau
+
+from tessera.core import Request
+from tessera.core.request import Phase
+from tessera.predictor.evaluate import prequential, ranking_report
+from tessera.predictor.features import N_SCALARS
+from tessera.predictor.model import TextLengthPredictor
+from tessera.predictor.online import (
+    FinishedRequest,
+    OnlineLearner,
+    OnlineSettings,
+    fit_correction,
+    shared_learner,
+    within_step_tau,
+)
+
+DIM = 8
+
+
+def records(n: int, seed: int = 0, emb_scale: float = 1.0) -> list[FinishedRequest]:
+    """Finished requests whose length follows the first embedding coordinate; the head predicts 100."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        emb = rng.normal(size=DIM).astype(np.float32) * emb_scale
+        length = int(np.clip(np.exp(4.0 + 0.8 * emb[0] + 0.1 * rng.normal()), 1, 2000))
+        out.append(FinishedRequest(emb, 100.0, np.zeros(N_SCALARS, np.float32), length, False))
+    return out
+
+
+def arrays(recs: list[FinishedRequest]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    head = np.array([r.head_prediction for r in recs])
+    scalars = np.stack([r.scalars for r in recs])
+    prompts = np.stack([r.prompt_emb for r in recs])
+    return head, scalars, prompts, np.array([r.length for r in recs])
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("refit_every", 0), ("refit_seconds", float("nan")), ("sample_size", 10), ("prior_weight", 0.0),
+     ("holdout_fraction", 0.9), ("min_samples", 5)],
+)  # fmt: skip
+def test_settings_out_of_bounds_are_refused_naming_them(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"online {field} must be in"):
+        OnlineSettings(**{field: value})
+    with pytest.raises(ValueError, match=r"min_samples .* must be <= sample_size"):
+        OnlineSettings(min_samples=500, sample_size=100)
+
+
+def test_the_correction_learns_the_ranking_and_its_prior_is_the_head() -> None:
+    train, test = records(400), records(200, seed=1)
+    head, scalars, prompts, length = arrays(test)
+    learner = OnlineLearner(OnlineSettings(background=False))
+    assert np.array_equal(learner.adjust(head, scalars, prompts), head)  # nothing learnt: the head's
+    learner.correction = fit_correction(train, prior_weight=10.0)
+    tau = kendalltau(learner.adjust(head, scalars, prompts), length).statistic
+    assert tau > 0.7  # the head alone (a constant) ranks nothing
+    # an overwhelming prior keeps the head's predictions
+    learner.correction = fit_correction(train, prior_weight=1e6)
+    assert np.allclose(learner.adjust(head, scalars, prompts), head, rtol=0.02)
+
+
+def test_refits_every_n_finished_requests_after_min_samples_inline() -> None:
+    learner = OnlineLearner(OnlineSettings(refit_every=50, min_samples=100, background=False))
+    for rec in records(99):
+        learner.record(rec)
+    assert learner.correction is None and learner.refits == 0  # below min_samples: the head alone
+    for rec in records(101, seed=2):
+        learner.record(rec)
+    assert learner.refits + learner.rejected == 3 and learner.refits >= 1  # at 100, 150 and 200
+    assert learner.correction is not None and learner.failed == 0
+    assert len(learner.refit_seconds) == 3 and learner.stats()["seen"] == 200
+
+
+def test_refits_after_refit_seconds_on_its_clock() -> None:
+    now = [0.0]
+    learner = OnlineLearner(
+        OnlineSettings(refit_every=1000, refit_seconds=60, min_samples=20, background=False), lambda: now[0]
+    )
+    for rec in records(30):
+        learner.record(rec)
+    assert len(learner.refit_seconds) == 0
+    now[0] = 61.0
+    learner.record(records(1, seed=3)[0])
+    assert len(learner.refit_seconds) == 1
+
+
+def test_a_refit_that_does_not_beat_the_head_keeps_the_head() -> None:
+    # lengths unrelated to anything the correction reads: it cannot rank the holdout better
+    rng = np.random.default_rng(5)
+    recs = [
+        FinishedRequest(rng.normal(size=DIM).astype(np.float32), 100.0, np.zeros(N_SCALARS, np.float32),
+                        int(rng.integers(1, 500)), False)
+        for _ in range(200)
+    ]  # fmt: skip
+    recs += [FinishedRequest(r.prompt_emb, float(r.length), r.scalars, r.length, False) for r in records(50)]
+    learner = OnlineLearner(
+        OnlineSettings(refit_every=250, min_samples=250, sample_size=250, background=False)
+    )
+    for rec in recs:
+        learner.record(rec)
+    # the newest 50 are predicted exactly by the head: no correction can rank them better
+    assert learner.rejected == 1 and learner.refits == 0 and learner.correction is None
+
+
+def test_a_failed_refit_keeps_the_previous_correction_counted_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    learner = OnlineLearner(OnlineSettings(refit_every=10, min_samples=100, background=False))
+    for rec in records(100):
+        learner.record(rec)
+    good = learner.correction
+    assert good is not None
+    bad = records(10, seed=4)
+    bad[0] = FinishedRequest(np.full(DIM, np.nan, np.float32), 100.0, bad[0].scalars, 10, False)
+    with caplog.at_level("WARNING"):
+        for rec in bad:
+            learner.record(rec)
+    assert learner.failed == 1 and learner.correction is good
+    assert "keeping the previous head" in caplog.text
+
+
+class _SlowLearner(OnlineLearner):
+    """A learner whose refit takes a while and notes the thread it ran on."""
+
+    def refit(self, sample: list[FinishedRequest]) -> None:  # type: ignore[override]
+        self.refit_thread = threading.get_ident()
+        time.sleep(0.3)
+        super().refit(sample)
+
+
+def test_a_background_refit_runs_off_the_caller_and_never_blocks_record() -> None:
+    learner = _SlowLearner(OnlineSettings(refit_every=10, min_samples=100))
+    recs = records(150)
+    for rec in recs[:99]:
+        learner.record(rec)
+    t0 = time.perf_counter()
+    for rec in recs[99:]:  # the 100th starts a refit; those after it come while it runs
+        learner.record(rec)
+    assert time.perf_counter() - t0 < 0.2  # no record waited for the 0.3 s refit
+    learner.wait(5)
+    assert learner.refit_thread != threading.get_ident()
+    assert learner.refits + learner.rejected == 1  # none started while one ran
+
+
+def test_shared_learner_is_one_per_artifact_and_settings() -> None:
+    a = shared_learner("/heads/x", OnlineSettings())
+    assert shared_learner("/heads/x", OnlineSettings()) is a
+    assert shared_learner("/heads/x", OnlineSettings(refit_every=7)) is not a
+    assert shared_learner("/heads/y", OnlineSettings()) is not a
+
+
+def test_within_step_tau_averages_steps_and_ties_count_as_zero() -> None:
+    true = np.array([1, 2, 3, 4] * 5 + [9, 8, 7, 6] * 5, dtype=float)
+    step = np.array([0] * 20 + [1] * 20)
+    pred = true.copy()
+    assert within_step_tau(pred, true, step) == pytest.approx(1.0)
+    pred[20:] = 5.0  # step 1 ranks nothing
+    assert within_step_tau(pred, true, step) == pytest.approx(0.5)
+    assert np.isnan(within_step_tau(pred, true, step, min_n=100))
+    report = ranking_report(pred, true, step)
+    assert report["position_only"]["step0_tau"] == 0.0 and report["tau_by_step"]["0"] == pytest.approx(1.0)
+
+
+# -- the text predictor ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_predictor() -> TextLengthPredictor:
+    return TextLengthPredictor("smollm2", threads=1, online=None)
+
+
+def _request(i: int, prompt: str, response: str, predictor: TextLengthPredictor) -> Request:
+    req = Request(f"q{i}", 0.0, predictor.served.count(prompt), 512, prompt_text=prompt)
+    req.response_text = response
+    return req
+
+
+def test_forget_of_a_finished_request_teaches_the_learner_and_an_unfinished_one_does_not(
+    text_predictor: TextLengthPredictor,
+) -> None:
+    learner = OnlineLearner(OnlineSettings(min_samples=10, refit_every=1000, background=False))
+    text_predictor.online = learner
+    done = _request(0, "Name three colours.", "Red, green and blue.", text_predictor)
+    dropped = _request(1, "Count to five.", "1 2 3 4 5", text_predictor)
+    text_predictor.predict_remaining([done, dropped])
+    done.generated, done.phase = 7, Phase.FINISHED
+    text_predictor.forget(done)
+    text_predictor.forget(dropped)  # removed unfinished (cancelled, say): nothing to learn
+    assert learner.seen == 1
+    (rec,) = list(learner._sample)
+    assert rec.length == 7 and not rec.hit_max_tokens and rec.head_prediction >= 0
+    never_predicted = _request(2, "Hi", "Hello", text_predictor)
+    never_predicted.phase = Phase.FINISHED
+    text_predictor.forget(never_predicted)
+    assert learner.seen == 1 and text_predictor.unrecorded == 1
+
+
+def test_a_rebuilt_predictor_keeps_the_shared_learner(tmp_path: Path) -> None:
+    settings = OnlineSettings(refit_every=999, min_samples=11)  # a key no other test uses
+    first = TextLengthPredictor("smollm2", threads=1, online=settings)
+    req = _request(0, "Say hi.", "Hi!", first)
+    first.predict_remaining([req])
+    req.generated, req.phase = 2, Phase.FINISHED
+    first.forget(req)
+    rebuilt = TextLengthPredictor("smollm2", threads=1, online=settings)  # as a configuration reload does
+    assert rebuilt.online is first.online and rebuilt.online is not None and rebuilt.online.seen == 1
+
+
+def test_prequential_replay_reports_online_head_and_baselines(
+    text_predictor: TextLengthPredictor, tmp_path: Path
+) -> None:
+    rng = np.random.default_rng(0)
+    path = tmp_path / "pairs.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        for _ in range(60):
+            n = int(rng.integers(1, 40))
+            fh.write(json.dumps({"prompt": f"Repeat the word 'ok' {n} times.", "response": " ok" * n}) + "\n")
+    settings = OnlineSettings(refit_every=10, min_samples=20, prior_weight=5.0)
+    got = prequential(text_predictor, path, settings, seed=1, passes=2, after=60)
+    assert got["requests"] == 120 and got["rows"] == 60 and got["learner"]["seen"] == 120
+    assert got["learner"]["refits"] + got["learner"]["rejected"] + got["learner"]["failed"] >= 8
+    late = got["after_seen"]
+    assert set(late) == {"online", "head", "running_mean", "position_only"}
+    # the prompt says the length: learnt online, the arrival ranking beats the head and the running mean
+    assert late["online"]["step0"]["kendall_tau"] > max(
+        late["head"]["step0"]["kendall_tau"], late["running_mean"]["step0"]["kendall_tau"], 0.5
+    )
+    assert late["online"]["step0"]["n"] == 60
+    with pytest.raises(ValueError, match="leaves no request"):
+        prequential(text_predictor, path, settings, after=60)
