@@ -123,8 +123,9 @@ class SchedulingSpec(ApiModel):
     )
     settings: dict[str, Any] = Field(
         default_factory=dict,
-        description="The policy's settings (camelCase keys; the README lists each policy's); unknown fields "
-        "and wrong types are refused, naming them. auto takes none: name the policy to set any.",
+        description="The policy's settings (camelCase keys; docs/reference.md lists each policy's); "
+        "unknown fields and wrong types are refused, naming them. auto takes none: name the policy to "
+        "set any.",
         json_schema_extra={"maxProperties": 64},
     )
 
