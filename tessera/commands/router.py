@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from tessera.commands import positive_int
 from tessera.router.limits import RouterLimits
 
 HELP = "Serve one OpenAI endpoint in front of the worker instances (local backends file or cluster)."
@@ -103,6 +104,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="The batch component (`tessera batch`): /v1/files and /v1/batches go there, and its lines' "
         "deadlines are trusted; the shared secret comes from TESSERA_BATCH_TOKEN. Default: no Batch API.",
     )  # fmt: skip
+    quota = parser.add_argument_group("tenant quotas (the API keys file's quota of each tenant)")
+    quota.add_argument(
+        "--quota-redis", default=os.environ.get("TESSERA_QUOTA_REDIS_URL"), metavar="URL",
+        help="Redis that every router replica counts the tenants' quotas in (redis://host:6379/0; env "
+        "TESSERA_QUOTA_REDIS_URL). Default: none, each router counts alone with the whole limits.",
+    )  # fmt: skip
+    quota.add_argument(
+        "--quota-replicas", type=positive_int, default=1, metavar="N",
+        help="Router replicas sharing the quotas: while Redis is unreachable each one enforces 1/N of every "
+        "limit (default 1).",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from tessera.router.batch_proxy import BatchLink
     from tessera.router.chiron_hold import ChironHold
     from tessera.router.protocol import RouterServer, router_server_config
+    from tessera.router.quota import QuotaStore
 
     if not 0 < args.port < 65536:
         print(f"tessera router: --port {args.port} is not a TCP port (1-65535)", file=sys.stderr)
@@ -132,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
                               args.body_timeout, args.keep_alive_timeout)  # fmt: skip
         api_keys = ApiKeys(args.api_keys) if args.api_keys is not None else None
         hold = ChironHold(args.hold_max, args.batch_orphan_wait)
+        quota = QuotaStore(args.quota_redis, args.quota_replicas) if api_keys is not None else None
         batch = BatchLink(args.batch_url, os.environ.get(TOKEN_ENV, "")) if args.batch_url else None
     except (ValueError, ApiKeysError) as exc:
         print(f"tessera router: {exc}", file=sys.stderr)
@@ -164,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         activator = Activator({}, {}, waker, lambda model: 0)
     app = create_router_app(state, poll_interval_s=args.poll_interval, limits=limits, api_keys=api_keys,
                             discover=discovery.discover if discovery else None, activator=activator,
-                            follow=waker.follow if waker else None, freeze_gc=True,
+                            follow=waker.follow if waker else None, freeze_gc=True, quota=quota,
                             batch=batch)  # fmt: skip
     if discovery is not None:
         app.state.metrics.registry.register(discovery.collector())

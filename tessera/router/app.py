@@ -44,6 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tessera.api.batch_link import to_clock
 from tessera.api.openai_errors import ApiError
+from tessera.api.tenant import TENANT_HEADER, TENANT_WEIGHT_HEADER
 from tessera.api.worker_config import ClassHeaderError, WorkerConfig
 from tessera.core.policies.qlm.estimator import TokenStats
 from tessera.core.prefix import (
@@ -78,6 +79,7 @@ from tessera.router.limits import RouterLimits
 from tessera.router.metrics import DeliveredSlo, RouterMetrics
 from tessera.router.payload import parse_payload, read_body
 from tessera.router.prompt_tokens import PromptTokenizers
+from tessera.router.quota import QuotaCollector, QuotaStore, Ticket, rate_limit_headers, refusal
 from tessera.router.relay import (
     Answer,
     ClientWatch,
@@ -164,6 +166,15 @@ _POLLED_FAMILIES = (
     "tessera_engine_kv_used_tokens",
 )
 _POLLED_LINES = tuple(f"{prefix}{name}" for name in _POLLED_FAMILIES for prefix in ("", "# HELP ", "# TYPE "))
+# The router's refusals of a tenant's request by error code -> the reason its metrics name.
+_TENANT_REFUSALS = {
+    "rate_limit_requests": "requests",
+    "rate_limit_tokens": "tokens",
+    "rate_limit_concurrency": "concurrency",
+    "request_too_large": "request_too_large",
+    "model_not_allowed": "model_not_allowed",
+    "class_not_allowed": "class_not_allowed",
+}
 SESSION_HEADER = "x-tessera-session"  # a client's session key (else the body's OpenAI "user" field)
 MAX_SESSIONS = 100_000  # sessions remembered for sticky routing, least recently used forgotten first
 RECENT_DECISIONS = 20  # cache-aware decisions /router/status shows with their scores
@@ -551,6 +562,7 @@ def create_router_app(
     follow: Callable[[Discovered, Activator], None] | None = None,
     freeze_gc: bool = False,
     batch: BatchLink | None = None,
+    quota: QuotaStore | None = None,
 ) -> RouterApp:
     """The router's HTTP application over ``state`` (polling runs while the app runs).
 
@@ -563,8 +575,9 @@ def create_router_app(
     (default ``tessera.router.upstream.UpstreamTransport``; tests give an ``httpx.MockTransport``).
     ``freeze_gc`` calls ``freeze_startup_objects`` once started (the ``tessera router`` process).
     ``activator`` turns on scale to zero (``tessera.router.activator``): requests for
-    a sleeping model are held until it has woken. ``batch`` forwards the Files and Batch APIs to the
-    batch component and trusts its feeder (``tessera.router.batch_proxy``).
+    a sleeping model are held until it has woken. ``quota`` enforces the API keys' tenant quotas
+    (``tessera.router.quota``; without it, or without API keys, none is). ``batch`` forwards the Files
+    and Batch APIs to the batch component and trusts its feeder (``tessera.router.batch_proxy``).
     ``app.state.limits`` and ``app.state.metrics`` are what
     ``tessera.router.protocol.router_server_config`` serves the app with."""
     limits = limits or RouterLimits()
@@ -589,6 +602,8 @@ def create_router_app(
                     log.warning("backend discovery failed: %s", exc)
             if api_keys is not None:
                 await asyncio.to_thread(api_keys.refresh)
+            if quota is not None:
+                await quota.renew()
             if state.uses_engine:
                 subscriptions.sync(
                     (instance, model, endpoint, state.engine_blocks[model])
@@ -618,12 +633,16 @@ def create_router_app(
                     await task
             await subscriptions.aclose()
             await http.aclose()  # and its transport
+            if quota is not None:
+                await quota.aclose()
 
     app = RouterApp(title="Tessera router", version="0.1.0", lifespan=lifespan)
     metrics = RouterMetrics(state.instance_rows, state.delivered)
     metrics.registry.register(HeldCollector(state.hold))
     if activator is not None:
         metrics.registry.register(ActivationCollector(activator))
+    if quota is not None:
+        metrics.registry.register(QuotaCollector(quota))
     app.state.limits = limits
     app.state.metrics = metrics
 
@@ -691,10 +710,15 @@ def create_router_app(
         service_class: ServiceClass | None = None  # the class's SLO, once known
         watch: ClientWatch | None = None
         counted = False  # the answer's status is in the metrics (a stream counts its own)
+        tenant = ""  # the API key's tenant (keys on), for its metrics
+        ticket: Ticket | None = None  # the request's claim on its tenant's quota, once admitted
+        budget: dict[str, str] = {}  # the quota's rate-limit headers: on every answer after admission
+        used: tuple[int, int] | None = None  # the answer's prompt and completion tokens, once known
         try:
             try:
                 feeder, deadline = feeder_deadline(batch, http.headers)  # a batch line's: its job's expiry
                 caller = None if feeder else caller_of(http)
+                tenant = caller.tenant if caller is not None else ""
                 raw = await read_body(http, limits)
                 payload = parse_payload(raw)
                 if caller is not None:
@@ -718,37 +742,52 @@ def create_router_app(
                 elif state.uses_engine and path == "/v1/chat/completions":
                     token_ids = await state.tokenizers.encode_chat(payload.model, payload.messages,
                                                                    payload.tools)  # fmt: skip
+                prompt_estimate = len(token_ids) or max(1, len(payload.prompt_text) // CHARS_PER_TOKEN)
+                if caller is not None:
+                    headers += [(TENANT_HEADER, tenant), (TENANT_WEIGHT_HEADER, repr(caller.weight))]
+                    if quota is not None and caller.limits.any:
+                        # Counted as OpenAI does (prompt and max_tokens), corrected to the usage at the end.
+                        charged = prompt_estimate + payload.max_tokens
+                        admitted = await quota.admit(tenant, caller.limits, charged)
+                        budget = rate_limit_headers(admitted.verdict)
+                        if admitted.verdict.refused is not None:
+                            raise refusal(tenant, caller.limits, admitted.verdict, charged)
+                        ticket = admitted
                 up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text,
                               slo, session, token_ids)  # fmt: skip
                 watch = ClientWatch(receive)
                 answer = await _activate_and_send(up, service_class, deadline)
             except ApiError as exc:
                 end = time.perf_counter()
-                metrics.answered(model, kind, exc.status, end - start)
+                metrics.answered(model, kind, exc.status, end - start, tenant)
                 counted = True
-                record_delivery(
-                    metrics, model, kind, service_class, status=exc.status, arrival=start, finished=end
-                )
+                if tenant and exc.code in _TENANT_REFUSALS:
+                    metrics.tenant_refused.labels(tenant, _TENANT_REFUSALS[exc.code]).inc()
+                exc.headers = {**budget, **exc.headers}
+                record_delivery(metrics, model, kind, service_class, status=exc.status, arrival=start,
+                                finished=end, tenant=tenant)  # fmt: skip
                 await exc.response()(scope, receive, respond)
                 return
             upstream = answer.response
-            out_headers = downstream_headers(upstream.headers.items(), answer.load.instance)
+            out_headers = {**downstream_headers(upstream.headers.items(), answer.load.instance), **budget}
             if answer.streaming:
                 counted = True
                 raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out_headers.items()]
-                await relay_stream(respond, state, metrics, answer, raw_headers, model=model, kind=kind,
-                                   start=start, service_class=service_class)  # fmt: skip
+                relayed = await relay_stream(respond, state, metrics, answer, raw_headers, model=model,
+                                             kind=kind, start=start, service_class=service_class,
+                                             tenant=tenant)  # fmt: skip
+                used = (prompt_estimate, relayed)
                 return
             end = time.perf_counter()
-            metrics.answered(model, kind, upstream.status_code, end - start)
+            metrics.answered(model, kind, upstream.status_code, end - start, tenant)
             counted = True
             # The answer comes in one piece: the client's first token is the answer itself.
             sent = end if upstream.status_code == 200 else None
             record_delivery(metrics, model, kind, service_class, status=upstream.status_code,
                             arrival=start, finished=end, first_token=sent, last_token=sent,
-                            tokens=1 if sent else 0)  # fmt: skip
+                            tokens=1 if sent else 0, tenant=tenant)  # fmt: skip
             if upstream.status_code == 200:
-                _observe_usage(state, model, upstream.content)
+                used = _observe_usage(state, model, upstream.content)
             answered = Response(upstream.content, upstream.status_code, headers=out_headers)
             await answered(scope, receive, respond)
         except (ClientDisconnect, asyncio.CancelledError) as exc:
@@ -760,7 +799,7 @@ def create_router_app(
                     raise
                 task.uncancel()
             if not counted:
-                metrics.answered(model, kind, 499, time.perf_counter() - start)
+                metrics.answered(model, kind, 499, time.perf_counter() - start, tenant)
                 await Response(status_code=499)(scope, receive, respond)
         except Exception as exc:
             if counted:  # an answer may be under way: it cannot be replaced (the server closes it)
@@ -769,6 +808,18 @@ def create_router_app(
         finally:
             if watch is not None:
                 watch.stop()
+            if ticket is not None:
+                await _settle(ticket, used)
+
+    async def _settle(ticket: Ticket, used: tuple[int, int] | None) -> None:
+        """An admitted request ended: its tokens counted (the estimate corrected to its usage, where
+        known) and its concurrency slot freed."""
+        assert quota is not None
+        if used is not None:
+            metrics.tenant_tokens.labels(ticket.tenant, "prompt").inc(used[0])
+            metrics.tenant_tokens.labels(ticket.tenant, "completion").inc(used[1])
+            await quota.correct(ticket, sum(used))
+        await quota.release(ticket)
 
     async def _hold_and_send(
         up: Upstream, service_class: ServiceClass, deadline: float | None = None
@@ -825,14 +876,19 @@ def router_status(state: RouterState, activator: Activator | None) -> dict[str, 
     return {**state.status(), "activation": activator.status()}
 
 
-def _observe_usage(state: RouterState, model: str, content: bytes) -> None:
-    """Update the model's token statistics from a finished non-streamed answer's usage."""
+def _observe_usage(state: RouterState, model: str, content: bytes) -> tuple[int, int] | None:
+    """Update the model's token statistics from a finished non-streamed answer's usage; its prompt and
+    completion tokens (None without a usage that gives both)."""
     try:
         usage = json.loads(content).get("usage") or {}
     except (json.JSONDecodeError, AttributeError):
-        return
+        return None
     stats = state.stats[model]
-    if isinstance(usage.get("prompt_tokens"), int):
-        stats.observe_input(usage["prompt_tokens"])
-    if isinstance(usage.get("completion_tokens"), int) and usage["completion_tokens"] > 0:
-        stats.observe_output(usage["completion_tokens"])
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if isinstance(prompt, int):
+        stats.observe_input(prompt)
+    if isinstance(completion, int) and completion > 0:
+        stats.observe_output(completion)
+    if isinstance(prompt, int) and isinstance(completion, int):
+        return prompt, completion
+    return None

@@ -23,9 +23,12 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from tessera.api.openai_errors import ApiError
@@ -303,3 +306,25 @@ def refusal(tenant: str, limits: Limits, verdict: Verdict, tokens: int) -> ApiEr
     headers["retry-after-ms"] = str(max(1, math.ceil(wait * 1000)))
     return ApiError(429, f"rate limit reached for tenant {tenant!r}: {limit}; retry after {wait:.2f} s",
                     code=f"rate_limit_{verdict.refused}", headers=headers)  # fmt: skip
+
+
+class QuotaCollector(Collector):
+    """``tessera_router_quota_store_up`` (1 while Redis answers; 0: each replica enforces its share) and
+    ``tessera_router_quota_fallback_admissions_total`` (admissions counted locally instead)."""
+
+    def __init__(self, store: QuotaStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        up = GaugeMetricFamily(
+            "tessera_router_quota_store_up",
+            "1 while the shared quota store (Redis) answers; 0 while each router replica enforces "
+            "1/replicas of every tenant limit alone.",
+        )
+        up.add_metric([], 1.0 if self.store.store_up else 0.0)
+        fallback = CounterMetricFamily(
+            "tessera_router_quota_fallback_admissions",
+            "Quota admissions this replica counted in its own windows because the store was unreachable.",
+        )
+        fallback.add_metric([], float(self.store.fallback_admissions))
+        yield from (up, fallback)
