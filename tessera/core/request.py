@@ -82,6 +82,10 @@ class Request:
     # Absolute SLO deadline of this request itself, on the clock of ``arrival`` (a batch job's expiry,
     # carried per request); None: the class's deadline from arrival.
     deadline: float | None = None
+    # Who sent it (the router's API key tenant; "" unknown) and its fair-share weight
+    # (``tessera.core.fair_share``).
+    tenant: str = ""
+    tenant_weight: float = 1.0
 
     phase: Phase = Phase.WAITING
     generated: int = 0
