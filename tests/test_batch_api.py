@@ -1,0 +1,251 @@
+"""The Batch API on the user's path: the official `openai` client against local mode (sim engine, one
+stack for the module: router, one worker, the `tessera batch` process) with two API keys.
+
+Upload, create, poll, download: every custom_id once, each body what the same request gets online;
+bad input refused OpenAI's way, naming the line; cancel and expiry answer every unsent line in the
+error file; a kill -9 of the batch process mid-job, then a restart, completes with each custom_id
+exactly once; one key cannot see, read, cancel or delete another's files and batches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tessera.api import load_documents
+from tessera.local.control_plane import LocalEngine, plan_local
+from tessera.local.runner import LocalStack
+from tessera.router.auth import ApiKeys
+from tessera.worker.engines.vllm_process import free_port
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+KEY_A = "sk-team-a-0123456789abcdef"
+KEY_B = "sk-team-b-0123456789abcdef"
+CHAT = "/v1/chat/completions"
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+class Stack:
+    """A local-mode stack served from its own event loop (the tests are synchronous clients)."""
+
+    def __init__(self, tmp: Path) -> None:
+        keys = tmp / "keys.json"
+        keys.write_text(json.dumps({"keys": [{"key": KEY_A, "tenant": "team-a"},
+                                             {"key": KEY_B, "tenant": "team-b"}]}))  # fmt: skip
+        plan = plan_local(
+            load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=1
+        )
+        self.model = plan.instances[0].config.models[0].name
+        self.local = LocalStack(plan, tmp / "run", "127.0.0.1", free_port(), autoscale=False, batch=True,
+                                api_keys=ApiKeys(keys))  # fmt: skip
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.local.start(60.0), self.loop).result(120)
+
+    def client(self, key: str = KEY_A) -> Any:
+        return openai.OpenAI(base_url=f"{self.local.endpoint}/v1", api_key=key, max_retries=0, timeout=30.0)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.local.stop(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("batch"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _chat_line(model: str, i: int, max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"question {i}"}],
+        "max_tokens": max_tokens,
+    }
+    return {"custom_id": f"req-{i}", "method": "POST", "url": CHAT, "body": body, **extra}
+
+
+def _upload(client: Any, lines: list[dict[str, Any]] | list[str]) -> Any:
+    text = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n"
+    return client.files.create(file=("input.jsonl", text.encode()), purpose="batch")
+
+
+def _wait(client: Any, batch_id: str, until: tuple[str, ...] = FINAL, timeout_s: float = 120.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in until:
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
+        time.sleep(0.2)
+
+
+def _lines(client: Any, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def _every_id_once(client: Any, batch: Any, n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    out, err = _lines(client, batch.output_file_id), _lines(client, batch.error_file_id)
+    ids = [x["custom_id"] for x in out + err]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(n)), "each custom_id exactly once"
+    assert batch.request_counts.total == n
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (len(out), len(err))
+    return out, err
+
+
+def test_batch_completes_with_the_online_answers(stack: Stack) -> None:
+    client = stack.client()
+    lines = [_chat_line(stack.model, i) for i in range(12)]
+    uploaded = _upload(client, lines)
+    assert client.files.retrieve(uploaded.id).purpose == "batch"
+    created = client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h",
+                                    metadata={"job": "nightly-eval"})  # fmt: skip
+    assert created.status == "validating" and created.expires_at == created.created_at + 24 * 3600
+    batch = _wait(client, created.id)
+    assert batch.status == "completed", batch.errors
+    assert batch.error_file_id is None and batch.metadata == {"job": "nightly-eval"}
+    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+    out, _ = _every_id_once(client, batch, 12)
+    for line in out:
+        assert line["response"]["status_code"] == 200 and line["error"] is None
+        i = int(line["custom_id"].split("-")[1])
+        online = client.chat.completions.with_raw_response.create(**lines[i]["body"]).http_response.json()
+        got = line["response"]["body"]
+        assert got["choices"] == online["choices"] and got["usage"] == online["usage"]
+    # text completions too, and paging of the batch list
+    body = {"model": stack.model, "prompt": "Say", "max_tokens": 3}
+    text = [
+        {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions", "body": body} for i in range(3)
+    ]
+    made = client.batches.create(input_file_id=_upload(client, text).id, endpoint="/v1/completions",
+                                 completion_window="1h")  # fmt: skip
+    done = _wait(client, made.id)
+    assert done.status == "completed" and len(_every_id_once(client, done, 3)[0]) == 3
+    first = client.batches.list(limit=1)
+    assert [b.id for b in first.data] == [done.id] and first.has_more
+    assert created.id in [b.id for b in client.batches.list(after=done.id, limit=5).data]
+    deleted = client.files.delete(uploaded.id)
+    assert deleted.deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
+def test_bad_input_fails_naming_the_line(stack: Stack) -> None:
+    client = stack.client()
+    good = _chat_line(stack.model, 0)
+    cases = {
+        "invalid_json_line": [good, "{not json"],
+        "missing_custom_id": [
+            good,
+            {k: v for k, v in _chat_line(stack.model, 1).items() if k != "custom_id"},
+        ],
+        "duplicate_custom_id": [good, _chat_line(stack.model, 0)],
+        "mismatched_endpoint": [good, {**_chat_line(stack.model, 1), "url": "/v1/completions"}],
+        "model_not_found": [good, _chat_line("no-such-model", 1)],
+        "invalid_request": [good, {**_chat_line(stack.model, 1), "body": {"model": stack.model}}],
+    }
+    for code, lines in cases.items():
+        batch = client.batches.create(input_file_id=_upload(client, lines).id, endpoint=CHAT,
+                                      completion_window="24h")  # fmt: skip
+        batch = _wait(client, batch.id)
+        assert batch.status == "failed" and batch.failed_at, code
+        errors = batch.errors.data
+        assert [(e.code, e.line) for e in errors] == [(code, 2)], (code, errors)
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        client.files.create(file=("empty.jsonl", b"\n"), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(
+            input_file_id=_upload(client, [good]).id, endpoint=CHAT, completion_window="48h"
+        )
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        client.batches.create(input_file_id=_upload(client, [good]).id, endpoint="/v1/embeddings",
+                              completion_window="24h")  # fmt: skip
+    # A body the model server refuses is that line's answer in the error file; the others complete.
+    lines = [_chat_line(stack.model, 0), _chat_line(stack.model, 1, max_tokens=10**6)]
+    batch = _wait(client, client.batches.create(input_file_id=_upload(client, lines).id, endpoint=CHAT,
+                                                completion_window="24h").id)  # fmt: skip
+    assert batch.status == "completed"
+    _, err = _every_id_once(client, batch, 2)
+    assert [x["custom_id"] for x in err] == ["req-1"] and err[0]["response"]["status_code"] == 400
+    assert "context length" in err[0]["response"]["body"]["error"]["message"]
+
+
+def _long_job(stack: Stack, client: Any, n: int, window: str) -> Any:
+    lines = [_chat_line(stack.model, i, max_tokens=400) for i in range(n)]
+    return client.batches.create(
+        input_file_id=_upload(client, lines).id, endpoint=CHAT, completion_window=window
+    )
+
+
+def test_cancel_stops_feeding_and_answers_the_unsent(stack: Stack) -> None:
+    client = stack.client()
+    batch = _long_job(stack, client, 400, "24h")
+    _wait(client, batch.id, until=("in_progress",))
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    batch = _wait(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at
+    out, err = _every_id_once(client, batch, 400)
+    assert err and all(x["error"]["code"] == "batch_cancelled" for x in err)
+    assert all(x["response"]["status_code"] == 200 for x in out)  # in-flight lines finished
+
+
+def test_expiry_answers_unsent_lines_batch_expired(stack: Stack) -> None:
+    client = stack.client()
+    batch = _wait(client, _long_job(stack, client, 400, "2s").id)
+    assert batch.status == "expired" and batch.expired_at
+    _, err = _every_id_once(client, batch, 400)
+    assert err and all(x["error"]["code"] == "batch_expired" for x in err)
+
+
+def test_kill_9_mid_job_then_restart_completes_each_line_once(stack: Stack) -> None:
+    client = stack.client()
+    batch = _long_job(stack, client, 300, "24h")
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 20:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    process = stack.local.batch
+    assert process is not None
+    process.kill()  # SIGKILL: lines in flight were sent, some answered, none recorded after this
+    with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):
+        client.batches.retrieve(batch.id)
+    process.start()
+    batch = _wait(client, batch.id)
+    assert batch.status == "completed"
+    out, err = _every_id_once(client, batch, 300)
+    assert not err and len({x["id"] for x in out}) == 300
+
+
+def test_keys_see_only_their_own_files_and_batches(stack: Stack) -> None:
+    a, b = stack.client(KEY_A), stack.client(KEY_B)
+    mine = _upload(a, [_chat_line(stack.model, 0)])
+    job = a.batches.create(input_file_id=mine.id, endpoint=CHAT, completion_window="24h")
+    assert mine.id not in [f.id for f in b.files.list()]
+    assert job.id not in [x.id for x in b.batches.list().data]
+    for call in (lambda: b.files.retrieve(mine.id), lambda: b.files.content(mine.id),
+                 lambda: b.files.delete(mine.id), lambda: b.batches.retrieve(job.id),
+                 lambda: b.batches.cancel(job.id),
+                 lambda: b.batches.create(input_file_id=mine.id, endpoint=CHAT,
+                                          completion_window="24h")):  # fmt: skip
+        with pytest.raises(openai.NotFoundError):
+            call()
+    with pytest.raises(openai.AuthenticationError):
+        stack.client("sk-nobody-0123456789abcdef").files.list()
+    assert _wait(a, job.id).status == "completed"
