@@ -7,6 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from scheduler_harness import one_model_scheduler
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ProfileSpec, parse_config
 from tessera.core.baselines import EDF, FCFS
@@ -21,7 +22,7 @@ from tessera.sim.workloads import build_requests
 from tessera.worker.engines.sim_realtime import SimEngine
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.runtime import Worker
-from tessera.worker.scheduler import Job, ModelScheduler
+from tessera.worker.scheduler import Job
 
 
 def _config(policy: str, autoscale: bool) -> dict[str, object]:
@@ -35,7 +36,7 @@ async def test_worker_and_simulator_run_the_same_chiron_wrapper() -> None:
     worker = Worker(parse_config(_config("fcfs", autoscale=True)))
     await worker.start()
     try:
-        sched = worker.schedulers["m"]
+        sched = worker.scheduler
         assert type(sched.policy) is ChironPolicy and isinstance(sched.policy.inner, FCFS)
         local = sched.policy.local
         # A reload switches the inner policy; the learned batch size (the same ChironLocal) stays.
@@ -66,7 +67,7 @@ async def test_the_worker_wrapper_moves_the_batch_size() -> None:
     )
     engine = SimEngine("m", profile, 4096)
     await engine.start()
-    sched = ModelScheduler(
+    sched = one_model_scheduler(
         engine,
         make_policy("fcfs"),
         profile=profile,
@@ -80,7 +81,7 @@ async def test_the_worker_wrapper_moves_the_batch_size() -> None:
     )
     await sched.start()
     chat = ServiceClass("chat", "interactive")
-    jobs = [Job(Request(f"r{i}", 0.0, 3, 20 + 10 * i, service_class=chat), [1, 2, 3], {}) for i in range(8)]
+    jobs = [Job(Request(f"r{i}", 0.0, 3, 20 + 10 * i, service_class=chat, model="m"), [1, 2, 3], {}) for i in range(8)]
     for job in jobs:
         sched.submit(job)
     await asyncio.wait_for(asyncio.gather(*(j.done.wait() for j in jobs)), 20)

@@ -31,7 +31,7 @@ async def test_batch_size_grows_from_one_under_a_backlog() -> None:
     worker = Worker(config)
     app = create_app(worker, manage_worker=False)
     await worker.start()
-    sched = worker.schedulers["m"]
+    sched = worker.scheduler
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
             body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 24}

@@ -303,7 +303,7 @@ async def test_worker_serves_the_higher_class_first_under_overload(
     worker = Worker(config)
     app = create_app(worker, manage_worker=False)
     await worker.start()
-    sched = worker.schedulers["m"]
+    sched = worker.scheduler
     done: list[str] = []
 
     async def post(c: httpx.AsyncClient, cls: str, max_tokens: int) -> httpx.Response:

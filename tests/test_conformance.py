@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from scheduler_harness import one_model_scheduler
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ProfileSpec
 from tessera.core.policy import (
@@ -30,7 +31,7 @@ from tessera.sim.engine import EngineConfig, SimInstance
 from tessera.worker.engines.base import TokenDelta
 from tessera.worker.engines.sim_realtime import SimEngine
 from tessera.worker.metrics import WorkerMetrics
-from tessera.worker.scheduler import Job, ModelScheduler
+from tessera.worker.scheduler import InstanceScheduler, Job
 
 CHAT = ServiceClass("chat", ttft_slo_s=1.0)
 BULK = ServiceClass("bulk", kind="batch", deadline_s=60.0)
@@ -99,8 +100,8 @@ def _comparable(view: InstanceView) -> dict[str, Any]:
 
 def _scheduler(
     policy: Policy, profile: StepProfile, max_batch: int, clock: Callable[[], float]
-) -> ModelScheduler:
-    return ModelScheduler(
+) -> InstanceScheduler:
+    return one_model_scheduler(
         SimEngine(MODEL, profile, 4096),
         policy,
         profile=profile,
@@ -225,7 +226,7 @@ async def test_the_same_trace_gives_the_same_decisions() -> None:
     first, second = _trace()
     worker_rec = Recorder(make_policy("srtf-oracle"))
     sched = _scheduler(worker_rec, profile, max_batch, asyncio.get_running_loop().time)
-    await sched.engine.start()
+    await sched.slots[MODEL].engine.start()
     await sched.start()
     try:
         jobs = [Job(r, list(range(1, r.prompt_tokens + 1)), {}) for r in first]
@@ -240,7 +241,7 @@ async def test_the_same_trace_gives_the_same_decisions() -> None:
         await asyncio.wait_for(asyncio.gather(*(j.done.wait() for j in jobs)), 60)
     finally:
         await sched.stop()
-        await sched.engine.close()
+        await sched.slots[MODEL].engine.close()
     assert all(j.finish_reason == "length" for j in jobs)
 
     starts = [rid for kind, rid in expected if kind == "start"]

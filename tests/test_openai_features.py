@@ -97,7 +97,7 @@ async def test_logprobs_of_a_preempted_request_continue_where_it_stopped() -> No
     async with _worker(policy="srtf-oracle", benchHints=True) as (c, worker):
         body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 40, "logprobs": 0, "return_token_ids": True}
         long = asyncio.create_task(c.post("/v1/completions", json=body, headers={TRUE: "40"}))
-        sched = worker.schedulers["m"]
+        sched = worker.scheduler
         while not sched.inflight or next(iter(sched.inflight)).req.generated < 5:
             await asyncio.sleep(0.002)
         short = {"model": "m", "prompt": [8, 9], "max_tokens": 3}
@@ -117,7 +117,7 @@ async def test_structured_output_requests_are_never_preempted() -> None:
         fmt = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema}}
         body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 30, "response_format": fmt}
         long = asyncio.create_task(c.post("/v1/completions", json=body, headers={TRUE: "30"}))
-        sched = worker.schedulers["m"]
+        sched = worker.scheduler
         while not sched.inflight:
             await asyncio.sleep(0.002)
         job = next(iter(sched.inflight))
@@ -136,7 +136,7 @@ async def test_n_choices_are_scheduled_requests_of_one_arrival_joined_into_one_a
         body = {"model": "m", "max_tokens": 3, "n": 3, "return_token_ids": True,
                 "messages": [{"role": "user", "content": "Hi"}]}  # fmt: skip
         seen: list[Any] = []
-        sched = worker.schedulers["m"]
+        sched = worker.scheduler
         submit = sched.submit
         sched.submit = lambda *jobs: (seen.extend(jobs), submit(*jobs))[1]  # type: ignore[method-assign]
         answer = (await c.post("/v1/chat/completions", json={**body, "seed": 7})).json()
@@ -215,7 +215,7 @@ async def test_forced_tool_calls_are_generated_under_their_schema_and_returned_a
     ]  # fmt: skip
     body = {"model": "m", "max_tokens": 4, "messages": history, "tools": TOOLS}
     async with _worker() as (c, worker):
-        sched = worker.schedulers["m"]
+        sched = worker.scheduler
         named = asyncio.create_task(
             c.post("/v1/chat/completions", json={**body, "tool_choice": _named("get_weather")})
         )

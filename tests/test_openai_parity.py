@@ -167,7 +167,7 @@ async def test_worker_answers_as_the_sim_engine_does_directly() -> None:
     worker = Worker(config)
     app = create_app(worker, manage_worker=False)
     await worker.start()
-    engine = worker.schedulers["m"].engine
+    engine = worker.engines["m"]
     assert isinstance(engine, SimEngine)
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
@@ -243,10 +243,10 @@ async def test_logprobs_of_a_preempted_request_are_vllms_own_uninterrupted_ones(
     worker = Worker(parse_config(config))
     app = create_app(worker, manage_worker=False)
     await worker.start()
-    sched = worker.schedulers[TINY_MODEL_NAME]
-    assert isinstance(sched.engine, VLLMEngine)
+    sched = worker.scheduler
+    assert isinstance(worker.engines[TINY_MODEL_NAME], VLLMEngine)
     # The long request's stream is held after 10 tokens, so the short one always finds it running.
-    held = hold_after(sched.engine, 10)
+    held = hold_after(worker.engines[TINY_MODEL_NAME], 10)
     # Long enough that its first tokens reach the worker as several deltas, not one that ends it.
     body = {"model": TINY_MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 600, "temperature": 0,
             "ignore_eos": True, "logprobs": 2}  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from scheduler_harness import one_model_scheduler
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ProfileSpec
 from tessera.core.registry import make_policy
@@ -13,7 +14,7 @@ from tessera.core.request import Phase, Request, ServiceClass
 from tessera.core.slo import SLO_TOLERANCE_S, slo_met
 from tessera.worker.engines.sim_realtime import SimEngine
 from tessera.worker.metrics import WorkerMetrics
-from tessera.worker.scheduler import Job, ModelScheduler
+from tessera.worker.scheduler import Job
 
 CHAT = ServiceClass("chat", ttft_slo_s=1.0, itl_slo_s=0.1)
 TTFT_ONLY = ServiceClass("ttft", ttft_slo_s=1.0)
@@ -91,14 +92,14 @@ async def test_worker_counters_follow_slo_met() -> None:
     )
     engine = SimEngine("m", profile, 4096)
     metrics = WorkerMetrics()
-    sched = ModelScheduler(engine, make_policy("fcfs"), profile=profile, batch=BatchBounds(max=8),
+    sched = one_model_scheduler(engine, make_policy("fcfs"), profile=profile, batch=BatchBounds(max=8),
                            autoscale=AutoscaleSpec(), max_queued=100, class_limits={},
                            metrics=metrics)  # fmt: skip
     await engine.start()
     await sched.start()
     strict = ServiceClass("strict", ttft_slo_s=1e-6)
     jobs = [
-        Job(Request(f"{c.name}-{i}", 0.0, 4, 5, service_class=c), [1, 2, 3, 4], {})
+        Job(Request(f"{c.name}-{i}", 0.0, 4, 5, service_class=c, model="m"), [1, 2, 3, 4], {})
         for c in (TTFT_ONLY, strict, NONE, BATCH_NO_DEADLINE)
         for i in range(2)
     ]

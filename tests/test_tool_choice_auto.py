@@ -139,7 +139,7 @@ async def test_auto_requests_are_preempted_and_resumed_and_read_whole(stream: bo
         headers = {BENCH_TRUE_LENGTH_HEADER: str(len(reply))}
         body = _chat(reply, stream=stream)
         long = asyncio.create_task(c.post("/v1/chat/completions", json=body, headers=headers))
-        sched = worker.schedulers["m"]
+        sched = worker.scheduler
         while not sched.inflight or next(iter(sched.inflight)).req.generated < 5:
             await asyncio.sleep(0.002)
         job = next(iter(sched.inflight))
@@ -190,7 +190,7 @@ async def test_with_a_parser_forced_choices_are_generated_and_read_by_it(stream:
     are compared with vLLM's in test_openai_smollm2.)"""
     named = {"type": "function", "function": {"name": "get_weather"}}
     async with _worker() as (c, worker):
-        engine = worker.schedulers["m"].engine
+        engine = worker.engines["m"]
         sent: list[EngineJob] = []
         relay = engine.stream
         engine.stream = lambda job: sent.append(job) or relay(job)  # type: ignore[method-assign]

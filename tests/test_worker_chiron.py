@@ -36,7 +36,7 @@ async def test_chiron_grows_the_published_batch_size_and_the_in_flight_cap_follo
     )
     worker = Worker(config)
     await worker.start()
-    sched = worker.schedulers["m"]
+    sched = worker.scheduler
     published: list[float] = []
     over_cap = []
     try:

@@ -66,7 +66,7 @@ def _expected(prompt: list[int], n: int) -> list[int]:
 async def _serve(worker: Worker, n: int, prompt_len: int, max_tokens: int) -> tuple[list[Any], int, str]:
     """``n`` concurrent completions; (responses, most requests in flight at once, /metrics mid-run)."""
     transport = httpx.ASGITransport(app=create_app(worker, manage_worker=False))
-    sched = worker.schedulers["m"]
+    sched = worker.scheduler
     peak = 0
     async with httpx.AsyncClient(transport=transport, base_url="http://w", timeout=60) as c:
         body = {"model": "m", "prompt": list(range(3, 3 + prompt_len)), "max_tokens": max_tokens,
@@ -76,7 +76,7 @@ async def _serve(worker: Worker, n: int, prompt_len: int, max_tokens: int) -> tu
         mid = ""
         while not task.done():
             peak = max(peak, len(sched.inflight))
-            if sched.engine_stats is not None and sched.engine_stats.kv_used_tokens and not mid:
+            if sched.slots["m"].stats is not None and sched.slots["m"].stats.kv_used_tokens and not mid:
                 mid = (await c.get("/metrics")).text
             await asyncio.sleep(0.005)
         return await task, peak, mid
@@ -86,7 +86,7 @@ async def test_the_view_takes_the_engines_capacity_and_usage_rises_while_request
     worker = Worker(_config(), engines={"m": _engine(4096)})
     await worker.start()
     try:
-        sched = worker.schedulers["m"]
+        sched = worker.scheduler
         idle = sched._view(0.0)
         assert idle.kv_capacity_tokens == 4096 and idle.kv_used_tokens == 0
         answers, _, mid = await _serve(worker, 3, prompt_len=40, max_tokens=30)
@@ -97,7 +97,7 @@ async def test_the_view_takes_the_engines_capacity_and_usage_rises_while_request
         assert _metric(mid, "tessera_engine_kv_capacity_tokens") == 4096
         assert _metric(mid, "tessera_engine_stats_fallback") == 0
         await asyncio.sleep(0.1)  # a poll after the end
-        assert sched.engine_stats == EngineStats(4096, 0, 16, 0, 0)
+        assert sched.slots["m"].stats == EngineStats(4096, 0, 16, 0, 0)
     finally:
         await worker.stop()
 
@@ -112,7 +112,7 @@ async def test_the_engines_small_kv_cache_triggers_andes_memory_bound_scheduling
         await worker.start()
         try:
             answers, peaks[kv], _ = await _serve(worker, 4, prompt_len=40, max_tokens=20)
-            assert worker.schedulers["m"]._view(0.0).kv_capacity_tokens == kv
+            assert worker.scheduler._view(0.0).kv_capacity_tokens == kv
         finally:
             await worker.stop()
         assert all(a.json()["choices"][0]["token_ids"] == _expected(list(range(3, 43)), 20) for a in answers)
@@ -142,7 +142,7 @@ async def test_an_engine_without_figures_falls_back_to_the_configured_capacity_s
         await worker.start()
         try:
             await asyncio.sleep(0.1)  # several polls
-            sched = worker.schedulers["m"]
+            sched = worker.scheduler
             assert sched._view(0.0).kv_capacity_tokens == CONFIGURED_KV
             metrics = worker.metrics.exposition().decode()
         finally:

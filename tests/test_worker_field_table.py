@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel
+from scheduler_harness import one_model_scheduler
 from test_children_gpu_pods import engine_servers
 
 from tessera.api import LLMServiceSpec, RequestClassSpec, ServingPoolSpec
@@ -464,12 +465,11 @@ def test_every_spec_field_is_accounted_for() -> None:
 def test_the_workers_in_flight_cap_never_exceeds_vllms_max_num_seqs(autoscale: bool) -> None:
     from tessera.worker.engines.sim_realtime import SimEngine
     from tessera.worker.metrics import WorkerMetrics
-    from tessera.worker.scheduler import ModelScheduler
 
     r = render(*_docs((("ServingPool", "spec.autoscaling.enabled", autoscale),)))
     scheduling, entry = r.config.scheduling, r.config.models[0]
     profile = entry.profile.to_profile(entry.name, entry.kv_capacity_tokens)
-    sched = ModelScheduler(
+    sched = one_model_scheduler(
         SimEngine(entry.name, profile, entry.max_model_len),
         make_policy(scheduling.policy, scheduling.settings),
         profile=profile,

@@ -111,7 +111,7 @@ async def test_a_configmap_update_changes_slo_and_queue_bound_for_the_next_reque
 
             # a long request holds the only slot across the update; it must finish untouched
             long = asyncio.ensure_future(c.post("/v1/completions", json={**body, "max_tokens": 150}))
-            while not worker.schedulers["m"].inflight:
+            while not worker.scheduler.inflight:
                 await asyncio.sleep(0.005)
             cm.write(_config(chat_ttft_s=0.001, bulk_max_queued=1, policy="edf"))
             await _until(c, "applied", 1)

@@ -135,7 +135,7 @@ async def test_isrtf_worker_serves_a_chat_request_and_the_completion_behind_it()
                 15,
             )
         assert [r.status_code for r in done] == [200, 200]
-        policy = worker.schedulers["m"].policy
+        policy = worker.scheduler.policy
         assert policy.fallback_predictions == 0  # the chat's text reached the predictor
     finally:
         await worker.stop()
@@ -150,7 +150,7 @@ async def test_a_failing_policy_falls_back_to_arrival_order_and_reports_not_read
         raise RuntimeError("policy bug")
 
     await worker.start()
-    sched = worker.schedulers["m"]
+    sched = worker.scheduler
     sched.policy.schedule = broken  # type: ignore[method-assign]
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:

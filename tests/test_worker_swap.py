@@ -1,5 +1,6 @@
-"""Model swapping (Decision.load_model -> ModelSwapper -> engine sleep / wake-up) and the
-per-class maximum queue time, on a fake adapter and on the simulated engine."""
+"""One scheduler over a pod's models: model swapping (Decision.load_model -> ModelSwapper -> engine
+sleep / wake-up), co-resident models, policy faults, and the per-class maximum queue time, on a
+fake adapter and on the simulated engine."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from scheduler_harness import one_model_scheduler
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ProfileSpec, parse_config
 from tessera.core.baselines import FCFS
@@ -19,7 +21,7 @@ from tessera.worker.engines.base import Engine, EngineJob, TokenDelta
 from tessera.worker.engines.sim_realtime import SimEngine
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.runtime import Worker
-from tessera.worker.scheduler import Job, ModelScheduler, QueueTimeout
+from tessera.worker.scheduler import InstanceScheduler, Job, QueueTimeout
 from tessera.worker.server.app import create_app
 from tessera.worker.swap import ModelSwapper
 
@@ -63,31 +65,34 @@ class FakeEngine(Engine):
         self.asleep = False
 
 
-class AskToLoad(FCFS):
-    """QLM's swap rule in miniature: with work queued and another model loaded, ask for a swap."""
+class DrainThenLoad(FCFS):
+    """QLM's swap rule in miniature: with queued work of another model than the awake one, let the
+    running requests finish, then ask for a swap to the oldest waiting request's model."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.model = model
-        self.asked = 0
+        self.asked: list[str] = []
 
     def schedule(self, view: InstanceView) -> Decision:
         decision = super().schedule(view)
-        if view.active_model not in (None, self.model) and decision.run:
-            self.asked += 1
-            return Decision(run=[], load_model=self.model)
-        return decision
+        other = next((r.model for r in decision.run if r.model != view.active_model), None)
+        if view.active_model is None or other is None:
+            return decision
+        running = [r for r in decision.run if r in view.running]
+        if running:
+            return Decision(run=running)  # drain first
+        self.asked.append(other)
+        return Decision(run=[], load_model=other)
 
 
-def _scheduler(engine: Engine, policy: Any, swapper: ModelSwapper | None, **kw: Any) -> ModelScheduler:
-    return ModelScheduler(
+def _scheduler(engine: Engine, policy: Any, swapper: ModelSwapper | None, **kw: Any) -> InstanceScheduler:
+    return one_model_scheduler(
         engine,
         policy,
         profile=ProfileSpec().to_profile(engine.model, 10**6),
         batch=BatchBounds(max=kw.pop("batch", 4)),
         autoscale=AutoscaleSpec(),
         max_queued=100,
-        class_limits={},
         metrics=swapper.metrics if swapper is not None else WorkerMetrics(),
         swapper=swapper,
         **kw,
@@ -98,57 +103,111 @@ def _job(rid: str, n: int, model: str) -> Job:
     return Job(Request(rid, 0.0, 1, n, model=model), [1], {})
 
 
-async def _pair(engines: dict[str, Engine], policies: dict[str, Any]) -> tuple[ModelSwapper, dict]:
+async def _pod(engines: dict[str, Engine], policy: Any) -> tuple[ModelSwapper, InstanceScheduler]:
+    """One scheduler over every engine of a pod, as the worker builds it."""
     swapper = ModelSwapper(engines, WorkerMetrics())
     await swapper.start()
-    scheds = {m: _scheduler(e, policies[m], swapper) for m, e in engines.items()}
-    for s in scheds.values():
-        await s.start()
-    return swapper, scheds
+    sched = InstanceScheduler(
+        engines,
+        policy,
+        profiles={m: ProfileSpec().to_profile(m, 10**6) for m in engines},
+        batch=BatchBounds(max=4),
+        autoscale=AutoscaleSpec(),
+        max_queued=100,
+        metrics=swapper.metrics,
+        swapper=swapper,
+    )
+    await sched.start()
+    return swapper, sched
 
 
-async def test_load_model_sleeps_the_active_model_after_it_drains_then_wakes_the_other() -> None:
+async def test_load_model_sleeps_the_active_model_then_wakes_the_other() -> None:
     a, b = FakeEngine("a", supports_sleep=True), FakeEngine("b", supports_sleep=True)
-    pol_b = AskToLoad("b")
-    swapper, scheds = await _pair({"a": a, "b": b}, {"a": AskToLoad("a"), "b": pol_b})
-    assert swapper.active == "a" and b.calls == ["sleep"]  # all but one start asleep
+    policy = DrainThenLoad()
+    swapper, sched = await _pod({"a": a, "b": b}, policy)
+    assert sched.mode == "swapping" and swapper.active == "a" and b.calls == ["sleep"]  # one awake
     long_a = _job("a1", 40, "a")
-    scheds["a"].submit(long_a)
+    sched.submit(long_a)
     await asyncio.sleep(0.02)
     job_b = _job("b1", 3, "b")
-    scheds["b"].submit(job_b)  # b's policy asks to load b: a drains first, then the swap
+    sched.submit(job_b)  # the policy lets a drain, then asks to load b
     await asyncio.wait_for(job_b.done.wait(), 5)
-    assert pol_b.asked >= 1
+    assert policy.asked == ["b"]
     assert job_b.error is None and job_b.req.generated == 3
     assert long_a.done.is_set() and long_a.req.generated == 40  # drained, not cut short
     assert job_b.req.first_token_at > long_a.req.finished_at
     assert a.calls == ["sleep"] and b.calls == ["sleep", "wake"]
     assert swapper.active == "b" and swapper.swaps == 1
     assert 'tessera_swaps_total{model="b"} 1.0' in swapper.metrics.exposition().decode()
-    # a job for the sleeping model waits in its queue and runs after the swap back
+    # a job for the sleeping model waits in the queue and runs after the swap back
     job_a = _job("a2", 2, "a")
-    scheds["a"].submit(job_a)
+    sched.submit(job_a)
     await asyncio.wait_for(job_a.done.wait(), 5)
     assert job_a.error is None and swapper.active == "a" and a.calls == ["sleep", "wake"]
-    for s in scheds.values():
-        await s.stop()
+    await sched.stop()
 
 
-async def test_models_without_sleep_stay_resident_and_ignore_load_requests() -> None:
+async def test_load_model_preempts_the_awake_models_requests_as_the_simulator_does() -> None:
+    class LoadOnce(FCFS):
+        """Asks to load the first other model it sees, once; the shell's own rule brings a back."""
+
+        asked = False
+
+        def schedule(self, view: InstanceView) -> Decision:
+            decision = super().schedule(view)
+            other = next((r.model for r in decision.run if r.model != view.active_model), None)
+            if other is None or self.asked:
+                return decision
+            self.asked = True
+            return Decision(run=decision.run, load_model=other)
+
+    a, b = FakeEngine("a", supports_sleep=True), FakeEngine("b", supports_sleep=True)
+    _, sched = await _pod({"a": a, "b": b}, LoadOnce())
+    long_a = _job("a1", 200, "a")
+    sched.submit(long_a)
+    await asyncio.sleep(0.03)
+    job_b = _job("b1", 3, "b")
+    sched.submit(job_b)
+    await asyncio.wait_for(job_b.done.wait(), 5)
+    assert long_a.req.preemptions == 1 and not long_a.done.is_set()  # cut, queued, not lost
+    await asyncio.wait_for(long_a.done.wait(), 10)
+    assert long_a.error is None and long_a.req.generated == 200 and long_a.streams == 2
+    await sched.stop()
+
+
+async def test_models_without_sleep_are_co_resident_and_run_at_once() -> None:
     a, b = FakeEngine("a", supports_sleep=False), FakeEngine("b", supports_sleep=False)
-    swapper, scheds = await _pair({"a": a, "b": b}, {"a": FCFS(), "b": FCFS()})
+    swapper, sched = await _pod({"a": a, "b": b}, FCFS())
     assert swapper.swappable == frozenset() and swapper.active_for("a") is None
+    assert sched.mode == "co-resident" and set(sched._view(0.0).models) == {"a", "b"}
     swapper.request("b")  # the documented fallback: a no-op
     jobs = [_job("a1", 20, "a"), _job("b1", 20, "b")]
-    scheds["a"].submit(jobs[0])
-    scheds["b"].submit(jobs[1])
+    for job in jobs:
+        sched.submit(job)
     await asyncio.wait_for(asyncio.gather(*(j.done.wait() for j in jobs)), 5)
     # both ran at the same time: each started before the other finished
     assert jobs[0].req.first_token_at < jobs[1].req.finished_at
     assert jobs[1].req.first_token_at < jobs[0].req.finished_at
     assert a.calls == [] and b.calls == [] and swapper.swaps == 0
-    for s in scheds.values():
-        await s.stop()
+    await sched.stop()
+
+
+async def test_a_decision_naming_an_unknown_model_or_request_is_a_logged_fault() -> None:
+    class Confused(FCFS):
+        def schedule(self, view: InstanceView) -> Decision:
+            decision = super().schedule(view)
+            stranger = Request("x", 0.0, 1, 1, model="nope")
+            return Decision(run=[stranger, *decision.run], load_model="nope")
+
+    a, b = FakeEngine("a", supports_sleep=True), FakeEngine("b", supports_sleep=True)
+    swapper, sched = await _pod({"a": a, "b": b}, Confused())
+    job = _job("a1", 3, "a")
+    sched.submit(job)
+    await asyncio.wait_for(job.done.wait(), 5)
+    assert job.error is None and job.req.generated == 3
+    assert sched.policy_faults >= 2 and swapper.active == "a"
+    assert 'tessera_policy_faults_total{model="a+b"}' in sched.metrics.exposition().decode()
+    await sched.stop()
 
 
 async def test_fcfs_on_sleep_capable_sim_engines_swaps_with_the_profile_load_time() -> None:
@@ -159,15 +218,14 @@ async def test_fcfs_on_sleep_capable_sim_engines_swaps_with_the_profile_load_tim
     engines = {m: SimEngine(m, profile, 4096, supports_sleep=True) for m in ("x", "y")}
     for e in engines.values():
         await e.start()
-    swapper, scheds = await _pair(engines, {"x": make_policy("fcfs"), "y": make_policy("fcfs")})
+    swapper, sched = await _pod(engines, make_policy("fcfs"))
     job = _job("y1", 5, "y")
-    scheds["y"].submit(job)  # FCFS never asks: the scheduler asks for its sleeping model itself
+    sched.submit(job)  # FCFS never asks: the scheduler loads the model of the work it holds
     await asyncio.wait_for(job.done.wait(), 5)
     assert job.error is None and job.req.generated == 5
     assert engines["x"].sleep_calls == 1 and engines["y"].wake_calls == 1 and swapper.active == "y"
     assert job.req.first_token_at - job.req.arrival >= profile.model_load_time()  # 50 ms load
-    for s in scheds.values():
-        await s.stop()
+    await sched.stop()
     for e in engines.values():
         await e.close()
 
@@ -177,8 +235,8 @@ async def test_request_past_its_class_queue_time_ends_with_queue_timeout() -> No
     chat = ServiceClass("chat", ttft_slo_s=1)
     sched = _scheduler(engine, FCFS(), None, batch=1, class_queue_times={"chat": 0.05})
     await sched.start()
-    first = Job(Request("r1", 0.0, 1, 40, service_class=chat), [1], {})
-    waiting = Job(Request("r2", 0.0, 1, 2, service_class=chat), [1], {})
+    first = Job(Request("r1", 0.0, 1, 40, model="m", service_class=chat), [1], {})
+    waiting = Job(Request("r2", 0.0, 1, 2, model="m", service_class=chat), [1], {})
     sched.submit(first)
     sched.submit(waiting)
     await asyncio.wait_for(waiting.done.wait(), 2)
@@ -263,7 +321,7 @@ async def test_stop_string_across_a_preemption_is_matched_and_no_text_is_lost() 
         await engine.start()
         sched = _scheduler(engine, FCFS(), None)
         await sched.start()
-        job = Job(Request("r", 0.0, 2, 12), list(prompt), {"stop": ["never", stop]})
+        job = Job(Request("r", 0.0, 2, 12, model="m"), list(prompt), {"stop": ["never", stop]})
         sched.submit(job)
         await asyncio.wait_for(job.done.wait(), 5)
         await sched.stop()

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from scheduler_harness import one_model_scheduler
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ConfigError, ProfileSpec, parse_config
 from tessera.core.chiron import ChironLocal
@@ -17,7 +18,7 @@ from tessera.core.request import Request, ServiceClass
 from tessera.worker.engines.sim_realtime import SimEngine, next_token
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.runtime import Worker
-from tessera.worker.scheduler import Job, ModelScheduler
+from tessera.worker.scheduler import InstanceScheduler, Job
 from tessera.worker.server.app import create_app
 
 
@@ -74,8 +75,8 @@ def test_config_errors_name_the_field() -> None:
         )
 
 
-def _scheduler(engine: SimEngine, policy: str, batch: int) -> ModelScheduler:
-    return ModelScheduler(
+def _scheduler(engine: SimEngine, policy: str, batch: int) -> InstanceScheduler:
+    return one_model_scheduler(
         engine,
         make_policy(policy),
         profile=engine.profile,
@@ -102,11 +103,11 @@ async def test_preemptive_policy_resumes_requests_exactly_on_the_sim_engine() ->
     await engine.start()
     sched = _scheduler(engine, "srtf-oracle", batch=1)
     await sched.start()
-    long = Job(Request("long", 0.0, 3, 60, true_output_tokens=60), [1, 2, 3], {})
+    long = Job(Request("long", 0.0, 3, 60, true_output_tokens=60, model="m"), [1, 2, 3], {})
     sched.submit(long)
     while long.req.generated < 10:
         await asyncio.sleep(0.002)
-    short = Job(Request("short", 0.0, 2, 5, true_output_tokens=5), [7, 8], {})
+    short = Job(Request("short", 0.0, 2, 5, true_output_tokens=5, model="m"), [7, 8], {})
     sched.submit(short)  # shorter remaining work: takes the only slot
     await asyncio.wait_for(asyncio.gather(long.done.wait(), short.done.wait()), 10)
     await sched.stop()

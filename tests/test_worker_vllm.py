@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import TINY_MAX_MODEL_LEN, TINY_MODEL_NAME
+from scheduler_harness import one_model_scheduler
 
 from tessera.bench.harness import WorkerChild
 from tessera.worker.engines.vllm_process import VLLMServer
@@ -276,7 +277,7 @@ def test_preempted_twice_resumes_with_identical_token_ids(vllm_server: VLLMServe
     from tessera.worker.engines.base import EngineJob, TokenDelta
     from tessera.worker.engines.vllm import VLLMEngine
     from tessera.worker.metrics import WorkerMetrics
-    from tessera.worker.scheduler import Job, ModelScheduler
+    from tessera.worker.scheduler import InstanceScheduler, Job
 
     prompt = [0, 11, 12, 13, 14]
     sampling = {"temperature": 0, "ignore_eos": True}
@@ -298,12 +299,12 @@ def test_preempted_twice_resumes_with_identical_token_ids(vllm_server: VLLMServe
                     sched._wake.set()
 
     engine = CuttingEngine(TINY_MODEL_NAME, vllm_server.url, TINY_MAX_MODEL_LEN)
-    sched: ModelScheduler
+    sched: InstanceScheduler
     job = Job(Request("r", 0.0, len(prompt), n), prompt, sampling)
 
     async def run() -> None:
         nonlocal sched
-        sched = ModelScheduler(
+        sched = one_model_scheduler(
             engine,
             make_policy("fcfs"),
             profile=ProfileSpec().to_profile(TINY_MODEL_NAME, 10000),

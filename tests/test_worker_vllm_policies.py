@@ -109,7 +109,7 @@ async def test_policy_serves_every_shape_with_vllms_own_tokens(
             metrics = (await c.get("/metrics")).text
             assert f'tessera_decision_failures_total{{model="{TINY_MODEL_NAME}"}} 0.0' in metrics
         if policy == "isrtf":  # every shape's prompt text reached the text predictor
-            assert worker.schedulers[TINY_MODEL_NAME].policy.fallback_predictions == 0
+            assert worker.scheduler.policy.fallback_predictions == 0
     finally:
         await worker.stop()
 
@@ -170,7 +170,7 @@ async def test_chiron_moves_the_batch_size_on_a_real_engine(
     worker = _worker(vllm_server.url, tiny_model_dir, scheduling, {"chat": {"slo": {"ttftSeconds": 60}}})
     app = create_app(worker, manage_worker=False)
     await worker.start()
-    sched = worker.schedulers[TINY_MODEL_NAME]
+    sched = worker.scheduler
     sizes: list[int] = []
     overfull: list[tuple[int, int]] = []
 

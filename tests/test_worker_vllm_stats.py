@@ -78,7 +78,7 @@ async def test_vllm_reports_its_kv_capacity_and_rising_use(vllm_server: VLLMServ
     worker = Worker(config)
     await worker.start()
     try:
-        view = worker.schedulers[TINY_MODEL_NAME]._view(0.0)
+        view = worker.scheduler._view(0.0)
         assert view.kv_capacity_tokens == idle.kv_capacity_tokens != config.models[0].kv_capacity_tokens
         assert view.profile.block_size == idle.block_size
         metrics = worker.metrics.exposition().decode()

@@ -128,9 +128,22 @@ class WorkerMetrics:
             ["result"],
             registry=r,
         )
+        self.policy_faults = Counter(
+            "tessera_policy_faults",
+            "Decisions that named a request or a model this pod does not hold (logged; nothing changed).",
+            ["model"],
+            registry=r,
+        )
+        self.engine_busy = Counter(
+            "tessera_engine_busy_seconds",
+            "Seconds the model's engine had requests in flight (its share of the pod's engine time).",
+            ["model"],
+            registry=r,
+        )
         self.decision_time = Histogram(
             "tessera_decision_seconds",
-            "Time of one scheduling decision.",
+            "Time of one scheduling decision of the pod's policy (the label: the pod's models joined "
+            "by '+').",
             ["model"],
             buckets=_DECISION_BUCKETS,
             registry=r,

@@ -1,7 +1,8 @@
-"""The worker: configuration -> engines and schedulers, class resolution, hot reload, readiness.
+"""The worker: configuration -> engines and the pod's scheduler, classes, hot reload, readiness.
 
-Several models per pod, each with its own engine (one vLLM server each) and scheduler. Model
-swapping (``tessera.worker.swap.ModelSwapper``): where the platform supports vLLM's sleep mode
+Several models per pod, each with its own engine (one vLLM server each), all scheduled by one
+``InstanceScheduler`` under one policy (``tessera.worker.scheduler``). Model swapping
+(``tessera.worker.swap.ModelSwapper``): where the platform supports vLLM's sleep mode
 (CUDA/ROCm, server started with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``) the
 sleep-capable models share the accelerator one at a time and a policy's ``Decision.load_model``
 swaps them through the engines' ``sleep``/``wake_up``; vLLM 0.32 on CPU has no sleep mode, so there
@@ -18,10 +19,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from tessera.api.worker_config import ConfigError, ModelEntry, WorkerConfig, load_config
+from tessera.core.profile import StepProfile
 from tessera.core.request import ServiceClass
 from tessera.worker.engines.base import Engine, EngineError
 from tessera.worker.metrics import WorkerMetrics
-from tessera.worker.scheduler import ModelScheduler
+from tessera.worker.scheduler import InstanceScheduler
 from tessera.worker.swap import ModelSwapper
 from tessera.worker.tool_calls import ToolCallParser
 
@@ -32,16 +34,28 @@ class RestartRequired(ConfigError):
     """The new configuration changes what only a restart applies (the model list)."""
 
 
-def _class_limits(config: WorkerConfig, model: ModelEntry) -> dict[str, int | None]:
-    return {name: config.class_spec(model, name).queue.max_queued for name in config.classes}
+def _class_limits(config: WorkerConfig) -> dict[str, dict[str, int | None]]:
+    """Model -> class -> its queue bound."""
+    return {
+        m.name: {name: config.class_spec(m, name).queue.max_queued for name in config.classes}
+        for m in config.models
+    }
 
 
-def _class_queue_times(config: WorkerConfig, model: ModelEntry) -> dict[str, float | None]:
-    return {name: config.class_spec(model, name).queue.max_queue_time_seconds for name in config.classes}
+def _class_queue_times(config: WorkerConfig) -> dict[str, dict[str, float | None]]:
+    """Model -> class -> its maximum queue time."""
+    return {
+        m.name: {name: config.class_spec(m, name).queue.max_queue_time_seconds for name in config.classes}
+        for m in config.models
+    }
+
+
+def _profiles(config: WorkerConfig) -> dict[str, StepProfile]:
+    return {m.name: m.profile.to_profile(m.name, m.kv_capacity_tokens) for m in config.models}
 
 
 class Worker:
-    """Everything the HTTP layer drives: one scheduler per model."""
+    """Everything the HTTP layer drives: the models' engines and the pod's one scheduler."""
 
     def __init__(
         self,
@@ -54,7 +68,7 @@ class Worker:
         self.config_path = config_path
         self.metrics = WorkerMetrics()
         self.engines: dict[str, Engine] = dict(engines or {})
-        self.schedulers: dict[str, ModelScheduler] = {}
+        self._scheduler: InstanceScheduler | None = None
         self.classes = self._service_classes(config)
         self.draining = False
         self.swapper: ModelSwapper | None = None
@@ -74,7 +88,7 @@ class Worker:
 
     async def start(self) -> None:
         """Create engines (launching vLLM where asked), put all but one swappable model to sleep,
-        then start the schedulers."""
+        then start the scheduler."""
         for entry in self.config.models:
             if entry.name not in self.engines:
                 self.engines[entry.name] = await self._make_engine(entry)
@@ -84,25 +98,33 @@ class Worker:
                 await self._load_tool_parser(entry)
         self.swapper = ModelSwapper(self.engines, self.metrics)
         await self.swapper.start()
-        for entry in self.config.models:
-            engine = self.engines[entry.name]
-            self.schedulers[entry.name] = ModelScheduler(
-                engine,
-                self.config.make_policy(),
-                profile=entry.profile.to_profile(entry.name, entry.kv_capacity_tokens),
-                batch=self.config.scheduling.batch,
-                autoscale=self.config.scheduling.autoscale,
-                max_queued=self.config.scheduling.max_queued,
-                class_limits=_class_limits(self.config, entry),
-                class_queue_times=_class_queue_times(self.config, entry),
-                metrics=self.metrics,
-                swapper=self.swapper,
-                stats_interval_s=self.config.polling.engine_stats_seconds,
-            )
-            await self.schedulers[entry.name].start()
+        self._scheduler = InstanceScheduler(
+            {entry.name: self.engines[entry.name] for entry in self.config.models},
+            self.config.make_policy(),
+            profiles=_profiles(self.config),
+            batch=self.config.scheduling.batch,
+            autoscale=self.config.scheduling.autoscale,
+            max_queued=self.config.scheduling.max_queued,
+            class_limits=_class_limits(self.config),
+            class_queue_times=_class_queue_times(self.config),
+            max_running=self._max_num_seqs,
+            metrics=self.metrics,
+            swapper=self.swapper,
+            stats_interval_s=self.config.polling.engine_stats_seconds,
+        )
+        log.info("serving %s in %s mode under policy %s", ", ".join(self.scheduler.models),
+                 self.scheduler.mode, self.config.scheduling.policy)  # fmt: skip
+        await self.scheduler.start()
         if self.config_path is not None:
             self._file_digest = _digest(self.config_path)
             self._watch_task = asyncio.create_task(self._watch_file(), name="config-watch")
+
+    @property
+    def scheduler(self) -> InstanceScheduler:
+        """The pod's scheduler (from ``start`` on)."""
+        if self._scheduler is None:
+            raise RuntimeError("the worker has not started")
+        return self._scheduler
 
     async def _load_tool_parser(self, entry: ModelEntry) -> None:
         """vLLM's tool parser of the model (``toolParser``) over its tokenizer; ConfigError naming the
@@ -159,26 +181,27 @@ class Worker:
         )
 
     async def stop(self) -> None:
-        """Stop schedulers and engines, and any vLLM server launched here."""
+        """Stop the scheduler and the engines, and any vLLM server launched here."""
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        for sched in self.schedulers.values():
-            await sched.stop()
+        if self._scheduler is not None:
+            await self._scheduler.stop()
         for engine in self.engines.values():
             with contextlib.suppress(Exception):
                 await engine.close()
         for server in self._servers:
             await asyncio.to_thread(server.stop)  # type: ignore[attr-defined]
 
-    def schedulers_need_true_length(self) -> bool:
+    def policy_needs_true_length(self) -> bool:
         """Whether the policy is an oracle (reads ``Request.true_output_tokens``: benchmarks only)."""
-        return any(s.policy.oracle for s in self.schedulers.values())
+        return self._scheduler is not None and self._scheduler.policy.oracle
 
     def ready(self) -> bool:
-        """Ready for traffic: not draining, every engine healthy and no policy failing repeatedly."""
-        return not self.draining and all(s.engine_ok and s.policy_ok for s in self.schedulers.values())
+        """Ready for traffic: not draining, every engine healthy and the policy not failing repeatedly."""
+        sched = self._scheduler
+        return not self.draining and sched is not None and sched.engine_ok and sched.policy_ok
 
     def resolve_class(self, model: ModelEntry, headers: Mapping[str, str]) -> ServiceClass:
         """The class the request's class headers select (each class's own ``match.header``), else the
@@ -231,22 +254,20 @@ class Worker:
                     f"of model {model} was started with; restart the worker pod to raise it"
                 )
         try:
-            policies = {name: new.make_policy() for name in self.schedulers}  # fail before changing anything
+            policy = new.make_policy()  # fail before changing anything
         except ValueError as exc:
             raise ConfigError(f"scheduling: {exc}") from None
         self.config = new
         self.classes = self._service_classes(new)
-        for name, sched in self.schedulers.items():
-            entry = new.model(name)
-            assert entry is not None  # the model list is unchanged
-            sched.reconfigure(
-                policies[name],
+        if self._scheduler is not None:
+            self._scheduler.reconfigure(
+                policy,
                 batch=new.scheduling.batch,
                 autoscale=new.scheduling.autoscale,
                 max_queued=new.scheduling.max_queued,
-                class_limits=_class_limits(new, entry),
-                class_queue_times=_class_queue_times(new, entry),
-                profile=entry.profile.to_profile(name, entry.kv_capacity_tokens),
+                class_limits=_class_limits(new),
+                class_queue_times=_class_queue_times(new),
+                profiles=_profiles(new),
                 stats_interval_s=new.polling.engine_stats_seconds,
             )
         return new

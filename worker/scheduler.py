@@ -1,6 +1,9 @@
-"""The real-time scheduling loop of one model: a core Policy driving an engine adapter.
+"""The real-time scheduling loop of one pod: one core Policy over every model, driving their engines.
 
-The worker holds every accepted request of the model. At each decision point (an arrival, a
+The worker holds every accepted request of every model it serves, in one ``InstanceScheduler``: the
+object one simulated instance holds (``tessera.sim.engine.SimInstance``), with the models' engines as
+its executors (``EngineSlot``). How the pod shares its accelerator between models is
+``tessera.core.sharing``'s mode (``InstanceScheduler.mode``). At each decision point (an arrival, a
 completion, a cancellation, a recheck the policy asked for, the engine coming back) it builds an
 ``InstanceView`` and asks the policy; ``Decision.run`` becomes the in-flight set (protocol in
 ``tessera.core.policy``):
@@ -15,15 +18,15 @@ completion, a cancellation, a recheck the policy asked for, the engine coming ba
 
 Classes may bound the queue time (``queue.maxQueueTimeSeconds``): a request that has not started
 by then ends with ``QueueTimeout`` (HTTP 429, Retry-After), never silently. ``Decision.load_model``
-goes to the pod's ``ModelSwapper`` (sleep / wake-up; see ``tessera.worker.swap``); while another
-model holds the accelerator this scheduler admits nothing and its queue waits.
+goes to the pod's ``ModelSwapper`` (sleep / wake-up; see ``tessera.worker.swap``); while a swap is
+under way nothing starts, and requests of a sleeping model wait in the queue.
 
 With Chiron's local autoscaler on (``scheduling.autoscale.enabled``) the policy runs inside the
 core's ``ChironPolicy``, the same wrapper the simulator runs: it moves the batch size at changes of
 the running set and lets interactive requests evict batch ones; the scheduler only counts the
 engine's decode iterations for it.
-If the engine fails, in-flight requests end with the engine's error (HTTP 503), queued ones stay
-queued, nothing is admitted until a health probe sees the engine back.
+If an engine fails, its in-flight requests end with the engine's error (HTTP 503), queued ones stay
+queued, nothing is admitted to it until a health probe sees it back; the other engines go on.
 """
 
 from __future__ import annotations
@@ -36,17 +39,25 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds
 from tessera.core.chiron import ChironLocal, ChironPolicy
-from tessera.core.policy import Decision, InstanceView, Policy, kv_capacity_whole_blocks, resident_kv_tokens
+from tessera.core.policy import (
+    Decision,
+    InstanceView,
+    ModelView,
+    Policy,
+    kv_capacity_whole_blocks,
+    resident_kv_tokens,
+)
 from tessera.core.profile import StepProfile
 from tessera.core.qoe import request_qoe
 from tessera.core.request import Phase, Request
+from tessera.core.sharing import SharingMode, sharing_mode
 from tessera.core.slo import slo_met
 from tessera.worker.engines.base import (
     Engine,
@@ -122,36 +133,98 @@ class Job:
         return self.req.service_class.name
 
 
-class ModelScheduler:
-    """Queue, policy and in-flight set of one model on one engine."""
+@dataclass(eq=False, slots=True)
+class EngineSlot:
+    """One model's engine in the pod, as the instance scheduler drives it: its profile (the configured
+    one with the KV capacity and block size the engine reports), health, bounds and in-flight set."""
+
+    engine: Engine
+    configured_profile: StepProfile
+    profile: StepProfile
+    class_limits: dict[str, int | None]
+    class_queue_times: dict[str, float | None]
+    max_running: int | None = None  # the engine's own sequence limit (vLLM's --max-num-seqs)
+    stats: EngineStats | None = None  # the engine's latest report
+    reports: bool | None = None  # None until the engine was first asked
+    ok: bool = True
+    inflight: dict[Job, None] = field(default_factory=dict)  # this model's in-flight jobs
+    live: Counter[str] = field(default_factory=Counter)  # accepted jobs by class
+    running: Counter[str] = field(default_factory=Counter)  # in-flight jobs by class
+    busy_since: float | None = None  # when it last went from idle to busy (engine-time share)
+    probe_task: asyncio.Task[None] | None = None
+
+    @property
+    def model(self) -> str:
+        """The model this engine serves."""
+        return self.engine.model
+
+    @property
+    def waiting(self) -> int:
+        """Accepted requests of this model not in flight."""
+        return sum(self.live.values()) - len(self.inflight)
+
+    def apply_stats(self, stats: EngineStats | None) -> None:
+        """The effective profile: the configured one with the engine's KV capacity and block size."""
+        self.stats = stats
+        base = self.configured_profile
+        kv = (base.kv_capacity_tokens, base.block_size) if stats is None else (
+            stats.kv_capacity_tokens, stats.block_size)  # fmt: skip
+        if kv == (base.kv_capacity_tokens, base.block_size):
+            self.profile = base
+        elif kv != (self.profile.kv_capacity_tokens, self.profile.block_size):
+            self.profile = replace(base, kv_capacity_tokens=kv[0], block_size=kv[1])
+
+
+class InstanceScheduler:
+    """Queue, policy and in-flight sets of every model of one pod: one core policy over all of them.
+
+    A pod of one model is exactly the single-model instance. A pod of several runs as
+    ``tessera.core.sharing`` says: ``swapping`` where its engines can sleep (the swapper's models),
+    else ``co-resident``. Co-resident: the view holds each engine's ``ModelView`` and a decision may
+    start requests of several models at once, each on its own engine while the instance's batch size,
+    the engine's ``max_running`` and its KV allow. Swapping: the view is the awake model's;
+    ``Decision.load_model`` preempts the awake model's in-flight requests and swaps (as the simulator
+    does; a policy that wants them drained first, as QLM, keeps them in ``run`` and asks later); with
+    no swap asked, when nothing of the awake model can run but ``run`` holds another model's request,
+    that model is loaded (the simulator's rule)."""
 
     def __init__(
         self,
-        engine: Engine,
+        engines: Mapping[str, Engine],
         policy: Policy,
         *,
-        profile: StepProfile,
+        profiles: Mapping[str, StepProfile],
         batch: BatchBounds,
         autoscale: AutoscaleSpec,
         max_queued: int,
-        class_limits: dict[str, int | None],
+        class_limits: Mapping[str, dict[str, int | None]] | None = None,
         metrics: WorkerMetrics,
-        class_queue_times: dict[str, float | None] | None = None,
+        class_queue_times: Mapping[str, dict[str, float | None]] | None = None,
+        max_running: Mapping[str, int] | None = None,
         swapper: ModelSwapper | None = None,
         stats_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.engine = engine
-        self.configured_profile = profile
-        self.profile = profile  # the configured one with the engine's KV capacity and block size
+        if not engines:
+            raise ValueError("an instance scheduler needs at least one engine")
+        limits = class_limits or {}
+        queue_times = class_queue_times or {}
+        seqs = max_running or {}
+        self.slots: dict[str, EngineSlot] = {
+            model: EngineSlot(
+                engine,
+                profiles[model],
+                profiles[model],
+                dict(limits.get(model, {})),
+                dict(queue_times.get(model, {})),
+                seqs.get(model),
+            )
+            for model, engine in engines.items()
+        }
         self.stats_interval_s = stats_interval_s
-        self.engine_stats: EngineStats | None = None  # the engine's latest report
-        self.engine_reports: bool | None = None  # None until the engine was first asked
         self.metrics = metrics
         self.clock = clock
         self.max_queued = max_queued
-        self.class_limits = class_limits
-        self.class_queue_times = class_queue_times or {}
         self.swapper = swapper
         self.autoscale = autoscale
         # Kept across reloads: a policy switch keeps the batch size learned so far.
@@ -162,14 +235,10 @@ class ModelScheduler:
         self.policy = self._wrap(policy)
         # The batch-size limit the policy sees: the static size, or the bound Chiron moves within.
         self.max_batch = batch.max if autoscale.enabled else batch.start
-        self.engine_ok = True
-        self.inflight: dict[Job, None] = {}  # insertion-ordered set: admission order
+        self.inflight: dict[Job, None] = {}  # insertion-ordered set: admission order, every model
         self.jobs: dict[Request, Job] = {}
-        self._live: Counter[str] = Counter()
-        self._running: Counter[str] = Counter()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
-        self._probe_task: asyncio.Task[None] | None = None
         self._stats_task: asyncio.Task[None] | None = None
         self._recheck_tokens: int | None = None
         self._recheck_at: float | None = None
@@ -178,34 +247,59 @@ class ModelScheduler:
         self._completions: deque[float] = deque(maxlen=64)
         # (expiry, seq, job) of requests whose class bounds the queue time; lazily cleaned
         self._expiries: list[tuple[float, int, Job]] = []
-        self._itl_hist: dict[str, Any] = {}  # per class: the ITL histogram child
-        self._decision_hist = metrics.decision_time.labels(engine.model)
-        self._engine_ttft_hist = metrics.engine_ttft.labels(engine.model)
+        self._itl_hist: dict[tuple[str, str], Any] = {}  # per model and class: the ITL histogram child
+        label = self.label
+        self._decision_hist = metrics.decision_time.labels(label)
         self._seq = itertools.count()
         self._work_thread: ThreadPoolExecutor | None = None  # the policy's work ahead of decisions
         self.decision_failures = 0  # consecutive policy decisions that raised
-        self._decision_failed = metrics.decision_failures.labels(engine.model)
-        self._batch_gauge = metrics.batch_size.labels(engine.model)
-        self._batch_gauge.set(self.batch_size)
+        self.policy_faults = 0  # decisions that named a model this pod does not serve
+        self._decision_failed = metrics.decision_failures.labels(label)
+        self._gauge_batch()
         if swapper is not None:
-            swapper.register(engine.model, lambda: len(self.inflight), self._wake.set)
+            for model, slot in self.slots.items():
+                swapper.register(model, lambda s=slot: len(s.inflight), self._wake.set)
+
+    @property
+    def models(self) -> list[str]:
+        """The pod's models, in configuration order."""
+        return list(self.slots)
+
+    @property
+    def label(self) -> str:
+        """The ``model`` label of the instance's own metrics (decision time, failures): the model of a
+        one-model pod, the pod's models joined by ``+`` otherwise."""
+        return "+".join(self.slots)
+
+    @property
+    def mode(self) -> SharingMode:
+        """How this pod shares its accelerator between its models (``tessera.core.sharing``)."""
+        sleeps = self.swapper is not None and bool(self.swapper.swappable)
+        return sharing_mode(len(self.slots), sleeps)
+
+    @property
+    def engine_ok(self) -> bool:
+        """Whether every engine answered its last probe."""
+        return all(slot.ok for slot in self.slots.values())
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
-        """Start the loop; the engine is probed before anything is admitted."""
-        self.metrics.engine_start_time.labels(self.engine.model).set(time.time())
-        self.engine_ok = await self.engine.healthy()
-        if not self.engine_ok:
-            self._start_probe()
-        if self.engine_ok:
-            await self._read_stats()  # the first decisions already see the engine's capacity
-        self._loop_task = asyncio.create_task(self._run(), name=f"scheduler-{self.engine.model}")
-        self._stats_task = asyncio.create_task(self._poll_stats(), name=f"stats-{self.engine.model}")
+        """Start the loop; each engine is probed before anything is admitted to it."""
+        for slot in self.slots.values():
+            self.metrics.engine_start_time.labels(slot.model).set(time.time())
+            slot.ok = await slot.engine.healthy()
+            if slot.ok:
+                await self._read_stats(slot)  # the first decisions already see the engine's capacity
+            else:
+                self._start_probe(slot)
+        self._loop_task = asyncio.create_task(self._run(), name=f"scheduler-{self.label}")
+        self._stats_task = asyncio.create_task(self._poll_stats(), name=f"stats-{self.label}")
 
     async def stop(self) -> None:
         """Stop the loop and end every stream (requests still held end with an error)."""
-        for task in (self._loop_task, self._probe_task, self._stats_task):
+        tasks = [self._loop_task, self._stats_task, *(s.probe_task for s in self.slots.values())]
+        for task in tasks:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -218,34 +312,39 @@ class ModelScheduler:
 
     @property
     def waiting(self) -> int:
-        """Accepted requests not in flight."""
+        """Accepted requests not in flight, every model."""
         return len(self.jobs) - len(self.inflight)
 
     # ---------------------------------------------------------------- requests
 
     def submit(self, *jobs: Job) -> None:
-        """Accept ``jobs`` (one, or the choices of one request: one class, one arrival time, hence one
-        deadline) or raise QueueFull for all of them (nothing accepted is ever dropped)."""
+        """Accept ``jobs`` (one, or the choices of one request: one model, one class, one arrival time,
+        hence one deadline) or raise QueueFull for all of them (nothing accepted is ever dropped). The
+        queue bounds are per model (``max_queued``) and per model and class."""
+        model = jobs[0].req.model
+        slot = self.slots.get(model)
+        if slot is None:
+            raise ValueError(f"this pod does not serve model {model!r}; it serves {', '.join(self.slots)}")
         cls = jobs[0].class_name
-        limit = self.class_limits.get(cls)
-        excess = self.waiting + len(jobs) - self.max_queued
+        limit = slot.class_limits.get(cls)
+        excess = slot.waiting + len(jobs) - self.max_queued
         if excess > 0:
-            raise QueueFull(f"the queue of model {self.engine.model} is full ({self.max_queued} waiting)",
+            raise QueueFull(f"the queue of model {model} is full ({self.max_queued} waiting)",
                             self._retry_after(excess))  # fmt: skip
-        class_waiting = self._live[cls] - self._running[cls]
+        class_waiting = slot.live[cls] - slot.running[cls]
         if limit is not None and class_waiting + len(jobs) > limit:
             raise QueueFull(f"the queue of class {cls} is full ({limit} waiting)",
                             self._retry_after(class_waiting + len(jobs) - limit))  # fmt: skip
         now = self.clock()
-        max_wait = self.class_queue_times.get(cls)
+        max_wait = slot.class_queue_times.get(cls)
         for job in jobs:
             job.req.arrival = now
             self.jobs[job.req] = job
-            self._live[cls] += 1
+            slot.live[cls] += 1
             self.policy.add(job.req, now)
             if max_wait is not None:
                 heapq.heappush(self._expiries, (now + max_wait, next(self._seq), job))
-        self._gauges(cls)
+        self._gauges(slot, cls)
         self._wake.set()
 
     def cancel(self, job: Job) -> None:
@@ -262,9 +361,9 @@ class ModelScheduler:
         batch: BatchBounds,
         autoscale: AutoscaleSpec,
         max_queued: int,
-        class_limits: dict[str, int | None],
-        class_queue_times: dict[str, float | None] | None = None,
-        profile: StepProfile | None = None,
+        class_limits: Mapping[str, dict[str, int | None]] | None = None,
+        class_queue_times: Mapping[str, dict[str, float | None]] | None = None,
+        profiles: Mapping[str, StepProfile] | None = None,
         stats_interval_s: float | None = None,
     ) -> None:
         """Switch policy and bounds in place; every held request moves to the new policy.
@@ -272,14 +371,15 @@ class ModelScheduler:
         A changed queue-time bound applies to requests that arrive after the change; a new profile
         keeps the KV capacity and block size the engine reports."""
         now = self.clock()
-        if profile is not None:
-            self.configured_profile = self.profile = profile
-            self._apply_stats(self.engine_stats)
+        for model, slot in self.slots.items():
+            if profiles is not None and model in profiles:
+                slot.configured_profile = slot.profile = profiles[model]
+                slot.apply_stats(slot.stats)
+            slot.class_limits = dict((class_limits or {}).get(model, {}))
+            slot.class_queue_times = dict((class_queue_times or {}).get(model, {}))
         if stats_interval_s is not None:
             self.stats_interval_s = stats_interval_s
         self.max_queued = max_queued
-        self.class_limits = class_limits
-        self.class_queue_times = class_queue_times or {}
         self.autoscale = autoscale
         self.chiron.set_bounds(batch.min, batch.max)
         self.chiron.alpha = autoscale.alpha
@@ -292,7 +392,7 @@ class ModelScheduler:
         for req in self.jobs:
             wrapped.add(req, now)
         self.policy = wrapped
-        self._batch_gauge.set(self.batch_size)
+        self._gauge_batch()
         self._wake.set()
 
     def _wrap(self, policy: Policy) -> Policy:
@@ -335,11 +435,11 @@ class ModelScheduler:
         if work is None:
             return
         if self._work_thread is None:
-            self._work_thread = ThreadPoolExecutor(1, thread_name_prefix=f"policy-{self.engine.model}")
+            self._work_thread = ThreadPoolExecutor(1, thread_name_prefix=f"policy-{self.label}")
         try:
             await asyncio.get_running_loop().run_in_executor(self._work_thread, work)
         except Exception:  # decide() does what is still due itself, and logs if that fails too
-            log.exception("policy work ahead of a decision for model %s failed", self.engine.model)
+            log.exception("policy work ahead of a decision for %s failed", self.label)
 
     def _expire(self, now: float) -> None:
         """End requests that waited past their class's maximum queue time without starting."""
@@ -348,10 +448,10 @@ class ModelScheduler:
             req = job.req
             if job.done.is_set() or req.first_scheduled_at is not None:
                 continue  # finished, cancelled or started in time
-            limit = self.class_queue_times.get(job.class_name)
+            limit = self.slots[req.model].class_queue_times.get(job.class_name)
             self._end(job, None, QueueTimeout(
                 f"request {req.id} waited {now - req.arrival:.3f} s in the queue of model "
-                f"{self.engine.model} without starting, past class {job.class_name}'s maximum queue time "
+                f"{req.model} without starting, past class {job.class_name}'s maximum queue time "
                 f"of {limit} s; retry later, or raise queue.maxQueueTimeSeconds",
                 self._retry_after(self.waiting + 1)))  # fmt: skip
 
@@ -363,9 +463,11 @@ class ModelScheduler:
     def decide(self) -> None:
         """One decision point: ask the policy and apply its answer.
 
-        A policy that raises does not stop the model: this decision falls back to arrival order
+        A policy that raises does not stop the pod: this decision falls back to arrival order
         (running requests keep running, then the oldest queued), the failure is counted in
-        ``tessera_decision_failures_total``, and the policy is asked again at the next event."""
+        ``tessera_decision_failures_total``, and the policy is asked again at the next event. A request
+        of ``run`` this pod does not hold, or a ``load_model`` it does not serve, is a policy fault:
+        logged and counted, never a crash; the request stays where it was."""
         now = self.clock()
         if self._expiries:
             self._expire(now)
@@ -379,11 +481,11 @@ class ModelScheduler:
             self.decision_failures += 1
             self._decision_failed.inc()
             if self.decision_failures == 1:  # once per run of failures, not at every event
-                log.exception("policy %s failed a decision for model %s; serving in arrival order "
-                              "until it recovers", self.policy.name, self.engine.model)  # fmt: skip
+                log.exception("policy %s failed a decision for %s; serving in arrival order until it "
+                              "recovers", self.policy.name, self.label)  # fmt: skip
             decision = self._arrival_order()
         self._decision_hist.observe(time.perf_counter() - t0)
-        self._batch_gauge.set(self.batch_size)
+        self._gauge_batch()
         self._recheck_tokens = decision.recheck_after_tokens
         self._recheck_at = decision.recheck_at
         self._iters = 0.0
@@ -391,17 +493,38 @@ class ModelScheduler:
         for job in list(self.inflight):
             if id(job.req) not in chosen and not job.pinned:
                 self._preempt(job, now)
-        if self.swapper is not None and not self._swap_allows(decision):
+        if self.swapper is not None and self.swapper.swappable and not self._swap_allows(decision, now):
             return
-        if not self.engine_ok:
-            return
+        count = dict.fromkeys(self.slots, 0)
+        for job in self.inflight:
+            count[job.req.model] += 1
         for req in decision.run:
             job = self.jobs.get(req)
-            if job is None or job in self.inflight:
+            if job is None:
+                self._fault(f"its decision named request {req.id} of model {req.model!r}, which this pod "
+                            "does not hold")  # fmt: skip
+                continue
+            if job in self.inflight:
                 continue
             if len(self.inflight) >= self.max_batch:
                 break
+            slot = self.slots[req.model]
+            if not slot.ok or not self._awake(req.model):
+                continue  # its engine is down or asleep: it waits
+            if slot.max_running is not None and count[req.model] >= slot.max_running:
+                continue
             self._launch(job, now)
+            count[req.model] += 1
+
+    def _awake(self, model: str) -> bool:
+        swapper = self.swapper
+        return swapper is None or swapper.may_admit(model)
+
+    def _fault(self, what: str) -> None:
+        self.policy_faults += 1
+        self.metrics.policy_faults.labels(self.label).inc()
+        if self.policy_faults == 1 or self.policy_faults % 1000 == 0:
+            log.error("policy %s fault (%d so far): %s", self.policy.name, self.policy_faults, what)
 
     def _arrival_order(self) -> Decision:
         """The fallback decision: in-flight requests, then queued ones by arrival; asks again soon."""
@@ -412,48 +535,84 @@ class ModelScheduler:
 
     def _view(self, now: float) -> InstanceView:
         """The policy's view, every field filled as the simulator fills it. In-flight requests are the
-        resident ones (a preempted stream is aborted: its KV is gone). KV capacity is the engine's
+        resident ones (a preempted stream is aborted: its KV is gone). KV capacity is each engine's
         (``stats``; the configured one if it reports none); KV use is the larger of the core's block
-        accounting of the in-flight requests, which is current but blind to what else the engine
+        accounting of its in-flight requests, which is current but blind to what else the engine
         holds, and the engine's own figure, which is true but up to a poll old: memory pressure is
-        never under-stated. Prefill has no per-iteration budget
-        (vLLM V1 chunks prompts; the sim adapter prefills all joining streams in one step) and nothing
-        is swapped out (preemption recomputes). A model that is not swapped is always the loaded one."""
+        never under-stated. Prefill has no per-iteration budget (vLLM V1 chunks prompts; the sim
+        adapter prefills all joining streams in one step) and nothing is swapped out (preemption
+        recomputes). One model, or the awake one of a swapping pod, is the view's own; a co-resident
+        pod's view holds every engine (``InstanceView.models``) and their sums."""
         running = tuple(job.req for job in self.inflight)
-        model = self.engine.model
-        profile = self.profile
-        used = resident_kv_tokens(running, profile.block_size)
-        if self.engine_stats is not None:
-            used = max(used, self.engine_stats.kv_used_tokens)
+        engines = {m: self._engine_view(slot) for m, slot in self.slots.items()}
+        if len(engines) == 1 or self.mode == "swapping":
+            active = self.swapper.active if self.mode == "swapping" and self.swapper is not None else None
+            model = active if active is not None else next(iter(self.slots))
+            own = engines[model]
+            return InstanceView(
+                now=now,
+                instance=self.label,
+                running=running,
+                max_batch=self.max_batch,
+                kv_capacity_tokens=own.kv_capacity_tokens,
+                kv_used_tokens=own.kv_used_tokens,
+                profile=own.profile,
+                active_model=active if active is not None else model,
+                # Whole iterations; the float sum of 1/B per token can land just below an integer.
+                iteration=math.floor(self._iterations + 1e-6),
+                prefill_budget_tokens=None,
+                swap_free_tokens=0,
+            )
         return InstanceView(
             now=now,
-            instance=model,
+            instance=self.label,
             running=running,
             max_batch=self.max_batch,
-            kv_capacity_tokens=kv_capacity_whole_blocks(profile),
-            kv_used_tokens=used,
-            profile=profile,
-            active_model=(None if self.swapper is None else self.swapper.active_for(model)) or model,
-            # Whole iterations; the float sum of 1/B per token can land just below an integer.
+            kv_capacity_tokens=sum(e.kv_capacity_tokens for e in engines.values()),
+            kv_used_tokens=sum(e.kv_used_tokens for e in engines.values()),
+            profile=next(iter(engines.values())).profile,
+            active_model=None,
             iteration=math.floor(self._iterations + 1e-6),
             prefill_budget_tokens=None,
             swap_free_tokens=0,
+            models=engines,
         )
 
-    def _swap_allows(self, decision: Decision) -> bool:
-        """Pass a load request on; False while this model may not admit (asleep or draining)."""
+    def _engine_view(self, slot: EngineSlot) -> ModelView:
+        profile = slot.profile
+        used = resident_kv_tokens((job.req for job in slot.inflight), profile.block_size)
+        if slot.stats is not None:
+            used = max(used, slot.stats.kv_used_tokens)
+        return ModelView(
+            model=slot.model,
+            profile=profile,
+            kv_capacity_tokens=kv_capacity_whole_blocks(profile),
+            kv_used_tokens=used,
+            running=len(slot.inflight),
+            max_running=slot.max_running,
+        )
+
+    def _swap_allows(self, decision: Decision, now: float) -> bool:
+        """Apply a swapping pod's load: ``load_model`` (or, with none asked, the model of the first
+        request of ``run`` when nothing of the awake model can run) preempts the awake model's
+        in-flight requests and swaps; False while nothing may start (a swap under way)."""
         swapper = self.swapper
         assert swapper is not None
-        model = self.engine.model
-        if decision.load_model is not None:
-            swapper.request(decision.load_model)
-        if swapper.may_admit(model):
-            swapper.poke()
-            return True
-        if any(self.jobs.get(r) not in self.inflight for r in decision.run):
-            swapper.request(model)  # work waits while the model sleeps: ask for it (any policy)
+        target = decision.load_model
+        if target is not None and target not in self.slots:
+            self._fault(f"its decision asked to load model {target!r}, which this pod does not serve")
+            target = None
+        active = swapper.active
+        if target is None and active is not None and not self.slots[active].inflight:
+            runnable = any(r.model == active and r in self.jobs for r in decision.run)
+            if not runnable:
+                target = next((r.model for r in decision.run if r.model != active and r in self.jobs), None)
+        if target is not None and target != active:
+            for job in [j for j in self.slots[active].inflight if not j.pinned] if active else []:
+                self._preempt(job, now)
+            swapper.request(target)
         swapper.poke()
-        return False
+        return not swapper.swapping and swapper.pending is None
 
     # ---------------------------------------------------------------- streams
 
@@ -462,14 +621,18 @@ class ModelScheduler:
         if job.engine_finish is not None or req.generated >= req.max_tokens:  # preempted after its end
             self._end(job, job.engine_finish or "length", None)
             return
+        slot = self.slots[req.model]
         req.phase = Phase.RUNNING
         if req.first_scheduled_at is None:
             req.first_scheduled_at = now
             job.first_prediction = req.predicted_remaining
-            self.metrics.queue_wait.labels(self.engine.model, job.class_name).observe(now - req.arrival)
+            self.metrics.queue_wait.labels(req.model, job.class_name).observe(now - req.arrival)
         self.inflight[job] = None
-        self._running[job.class_name] += 1
-        self._gauges(job.class_name)
+        if not slot.inflight:
+            slot.busy_since = now
+        slot.inflight[job] = None
+        slot.running[job.class_name] += 1
+        self._gauges(slot, job.class_name)
         engine_job = EngineJob(
             request_id=f"{req.id}-{job.streams}",
             prompt_ids=job.prompt_ids + job.output_ids,
@@ -477,12 +640,14 @@ class ModelScheduler:
             sampling=job.sampling,
         )
         job.streams += 1
-        job.task = asyncio.create_task(self._drive(job, engine_job), name=f"stream-{engine_job.request_id}")
+        job.task = asyncio.create_task(
+            self._drive(slot, job, engine_job), name=f"stream-{engine_job.request_id}"
+        )
 
-    async def _drive(self, job: Job, engine_job: EngineJob) -> None:
+    async def _drive(self, slot: EngineSlot, job: Job, engine_job: EngineJob) -> None:
         finish: str | None = None
         try:
-            gen = self.engine.stream(engine_job)
+            gen = slot.engine.stream(engine_job)
             try:
                 async for delta in gen:
                     # A preempted stream's cancellation lands at its next real suspension; tokens
@@ -497,7 +662,7 @@ class ModelScheduler:
             if job.task is not asyncio.current_task():
                 return
             if isinstance(exc, EngineUnavailable):
-                self._engine_down()
+                self._engine_down(slot)
             self._end(job, None, exc)
             return
         if job.task is asyncio.current_task():
@@ -511,15 +676,15 @@ class ModelScheduler:
             return
         now = self.clock()
         req = job.req
-        labels = (self.engine.model, job.class_name)
+        labels = (req.model, job.class_name)
         if job.last_token_at is None:
             self.metrics.ttft.labels(*labels).observe(now - req.arrival)
             if req.first_scheduled_at is not None:
-                self._engine_ttft_hist.observe(now - req.first_scheduled_at)
+                self.metrics.engine_ttft.labels(req.model).observe(now - req.first_scheduled_at)
         else:
-            itl = self._itl_hist.get(job.class_name)
+            itl = self._itl_hist.get(labels)
             if itl is None:  # a labels() lookup per token costs more than the rest of this method
-                itl = self._itl_hist[job.class_name] = self.metrics.itl.labels(*labels)
+                itl = self._itl_hist[labels] = self.metrics.itl.labels(*labels)
             itl.observe(now - job.last_token_at)
         for _ in range(n):
             req.tokens.append(now)
@@ -536,23 +701,35 @@ class ModelScheduler:
         if stopped:  # ends the job; its stream closes (aborted in the engine) at its next step
             self._end(job, "stop", None)
             return
-        iters = n / max(1, len(self.inflight))
+        # Iterations of the request's own engine: each of its in-flight streams gets a token a step.
+        iters = n / max(1, len(self.slots[req.model].inflight))
         self._iters += iters
         self._iterations += iters
         if self._recheck_tokens is not None and self._iters >= self._recheck_tokens:
             self._recheck_tokens = None
             self._wake.set()
 
-    def _preempt(self, job: Job, now: float) -> None:
+    def _leave(self, job: Job, now: float) -> EngineSlot:
+        """Take ``job`` out of the in-flight sets (it was in flight); its engine's busy time is counted
+        when the engine goes idle."""
+        slot = self.slots[job.req.model]
         del self.inflight[job]
-        self._running[job.class_name] -= 1
+        del slot.inflight[job]
+        slot.running[job.class_name] -= 1
+        if not slot.inflight and slot.busy_since is not None:
+            self.metrics.engine_busy.labels(slot.model).inc(max(0.0, now - slot.busy_since))
+            slot.busy_since = None
+        return slot
+
+    def _preempt(self, job: Job, now: float) -> None:
+        slot = self._leave(job, now)
         if job.task is not None:
             job.task.cancel()
             job.task = None
         job.req.phase = Phase.PREEMPTED
         job.req.preemptions += 1
-        self.metrics.preemptions.labels(self.engine.model, job.class_name).inc()
-        self._gauges(job.class_name)
+        self.metrics.preemptions.labels(job.req.model, job.class_name).inc()
+        self._gauges(slot, job.class_name)
 
     def _end(self, job: Job, finish_reason: str | None, error: EngineError | None) -> None:
         if job.done.is_set():
@@ -560,9 +737,7 @@ class ModelScheduler:
         now = self.clock()
         req = job.req
         cls = job.class_name
-        if job in self.inflight:
-            del self.inflight[job]
-            self._running[cls] -= 1
+        slot = self._leave(job, now) if job in self.inflight else self.slots[req.model]
         if job.task is not None and job.task is not asyncio.current_task():
             job.task.cancel()
         job.task = None
@@ -570,24 +745,24 @@ class ModelScheduler:
         req.finished_at = now
         self.policy.remove(req, now)
         del self.jobs[req]
-        self._live[cls] -= 1
+        slot.live[cls] -= 1
         job.finish_reason = finish_reason
         job.error = error
         if error is None and finish_reason != "cancelled":
             self._completions.append(now)
             self._record_finished(job, now)
         elif isinstance(error, QueueTimeout):
-            self.metrics.rejected.labels(self.engine.model, cls, "queue_timeout").inc()
+            self.metrics.rejected.labels(req.model, cls, "queue_timeout").inc()
         elif error is not None:
-            self.metrics.failed.labels(self.engine.model, cls).inc()
-        self._gauges(cls)
+            self.metrics.failed.labels(req.model, cls).inc()
+        self._gauges(slot, cls)
         job.events.put_nowait(None)
         job.done.set()
         self._wake.set()
 
     def _record_finished(self, job: Job, now: float) -> None:
         req = job.req
-        labels = (self.engine.model, job.class_name)
+        labels = (req.model, job.class_name)
         self.metrics.e2e.labels(*labels).observe(now - req.arrival)
         self.metrics.prompt_tokens.labels(*labels).inc(req.prompt_tokens)
         if req.generated:
@@ -603,23 +778,24 @@ class ModelScheduler:
     async def _poll_stats(self) -> None:
         while True:
             await asyncio.sleep(self.stats_interval_s)
-            if self.engine_ok:
-                await self._read_stats()
+            for slot in self.slots.values():
+                if slot.ok:
+                    await self._read_stats(slot)
 
-    async def _read_stats(self) -> None:
+    async def _read_stats(self, slot: EngineSlot) -> None:
         """Ask the engine for its KV cache and request counts; without them, fall back (said once)."""
-        model = self.engine.model
+        model = slot.model
         try:
-            stats = await self.engine.stats()
+            stats = await slot.engine.stats()
         except EngineUnavailable:
             return  # the health probe deals with it; the last report stands meanwhile
         except Exception:  # a malformed report must not stop the poll; said once, as a fallback
-            if self.engine_reports is not False:
+            if slot.reports is not False:
                 log.exception("reading the engine stats of model %s failed", model)
             stats = None
         reports = stats is not None
-        if reports != self.engine_reports:
-            configured = self.configured_profile.kv_capacity_tokens
+        if reports != slot.reports:
+            configured = slot.configured_profile.kv_capacity_tokens
             if stats is None:
                 log.warning("the engine of model %s reports no KV cache figures; policies see the "
                             "configured kvCapacityTokens %d", model, configured)  # fmt: skip
@@ -627,55 +803,49 @@ class ModelScheduler:
                 log.info("the engine of model %s reports a KV cache of %d tokens in blocks of %d "
                          "(configured: %d)", model, stats.kv_capacity_tokens, stats.block_size,
                          configured)  # fmt: skip
-            self.engine_reports = reports
-        capacity_before = self.profile.kv_capacity_tokens
-        self._apply_stats(stats)
+            slot.reports = reports
+        capacity_before = slot.profile.kv_capacity_tokens
+        slot.apply_stats(stats)
         m = self.metrics
         m.engine_stats_fallback.labels(model).set(0 if reports else 1)
-        m.engine_kv_capacity.labels(model).set(kv_capacity_whole_blocks(self.profile))
+        m.engine_kv_capacity.labels(model).set(kv_capacity_whole_blocks(slot.profile))
         if stats is not None:
             m.engine_kv_used.labels(model).set(stats.kv_used_tokens)
             m.engine_running.labels(model).set(stats.running)
             m.engine_waiting.labels(model).set(stats.waiting)
             if stats.started_at is not None:
                 m.engine_start_time.labels(model).set(stats.started_at)
-        if self.profile.kv_capacity_tokens != capacity_before:
+        if slot.profile.kv_capacity_tokens != capacity_before:
             self._wake.set()  # the policy may admit more (or must admit less) now
-
-    def _apply_stats(self, stats: EngineStats | None) -> None:
-        """The effective profile: the configured one with the engine's KV capacity and block size."""
-        self.engine_stats = stats
-        base = self.configured_profile
-        kv = (base.kv_capacity_tokens, base.block_size) if stats is None else (
-            stats.kv_capacity_tokens, stats.block_size)  # fmt: skip
-        if kv == (base.kv_capacity_tokens, base.block_size):
-            self.profile = base
-        elif kv != (self.profile.kv_capacity_tokens, self.profile.block_size):
-            self.profile = replace(base, kv_capacity_tokens=kv[0], block_size=kv[1])
 
     # ---------------------------------------------------------------- health
 
-    def _engine_down(self) -> None:
-        if self.engine_ok:
-            self.engine_ok = False
-            self._start_probe()
+    def _engine_down(self, slot: EngineSlot) -> None:
+        if slot.ok:
+            slot.ok = False
+            self._start_probe(slot)
 
-    def _start_probe(self) -> None:
-        if self._probe_task is None or self._probe_task.done():
-            self._probe_task = asyncio.create_task(self._probe(), name=f"probe-{self.engine.model}")
+    def _start_probe(self, slot: EngineSlot) -> None:
+        if slot.probe_task is None or slot.probe_task.done():
+            slot.probe_task = asyncio.create_task(self._probe(slot), name=f"probe-{slot.model}")
 
-    async def _probe(self) -> None:
-        while not await self.engine.healthy():
+    async def _probe(self, slot: EngineSlot) -> None:
+        while not await slot.engine.healthy():
             await asyncio.sleep(PROBE_INTERVAL_S)
-        self.engine_ok = True
+        slot.ok = True
         self._wake.set()
 
     # ---------------------------------------------------------------- helpers
 
-    def _gauges(self, cls: str) -> None:
-        labels = (self.engine.model, cls)
-        self.metrics.inflight.labels(*labels).set(self._running[cls])
-        self.metrics.queue_length.labels(*labels).set(self._live[cls] - self._running[cls])
+    def _gauge_batch(self) -> None:
+        size = self.batch_size
+        for model in self.slots:
+            self.metrics.batch_size.labels(model).set(size)
+
+    def _gauges(self, slot: EngineSlot, cls: str) -> None:
+        labels = (slot.model, cls)
+        self.metrics.inflight.labels(*labels).set(slot.running[cls])
+        self.metrics.queue_length.labels(*labels).set(slot.live[cls] - slot.running[cls])
 
     def _retry_after(self, excess: int) -> int:
         """Seconds until ``excess`` more requests will have completed at the recent completion rate."""

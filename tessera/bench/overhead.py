@@ -9,9 +9,9 @@ the targets are checked on the median of the per-round paired ratios and differe
 listed with the machine's stalls during it (``tessera.bench.machine``).
 Targets: worker throughput / vLLM throughput >= 0.95; added TTFT p50 <= 5 ms.
 
-Then the scheduler's decision time: ``ModelScheduler.decide`` with ``queued`` (10,000) requests
-waiting and a full batch, p50 over ``decisions`` calls, for each policy that can run here
-(rows ``decide:POLICY``; target <= 1 ms p50).
+Then the scheduler's decision time (``tessera.bench.decision_time``, one model): the pod's
+``InstanceScheduler.decide`` with ``queued`` (10,000) requests waiting and a full batch, p50 over
+``decisions`` calls, for each policy that can run here (rows ``decide:POLICY``; target <= 1 ms p50).
 
 Options (``--set``): streams (32), prompt_tokens (32), max_tokens (128), rounds (5), queued (10000),
 decisions (200), policies (fcfs,isrtf,qoe,qlm), max_num_seqs (64).
@@ -24,13 +24,12 @@ import os
 import random
 import statistics
 import tempfile
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tessera.bench.decision_time import decision_times
 from tessera.bench.machine import MachineWatch, Stalls
 from tessera.bench.runner import option
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
@@ -87,68 +86,6 @@ def _burst_row(name: str, requests: int, bursts: list[dict[str, float]]) -> dict
     """Per-field medians over the rounds' bursts."""
     row: dict[str, Any] = {"policy": name, "requests": requests}
     return row | {key: statistics.median(b[key] for b in bursts) for key in bursts[0]}
-
-
-class _IdleEngine:
-    """An engine whose streams never produce: the decision benchmark times the scheduler alone."""
-
-    model = "bench"
-    max_model_len = 1 << 20
-    supports_sleep = False
-
-    async def healthy(self) -> bool:
-        return True
-
-    async def stream(self, job: Any) -> AsyncIterator[Any]:
-        await asyncio.Event().wait()
-        yield None  # pragma: no cover - never reached
-
-    async def close(self) -> None:
-        return None
-
-
-async def _decision_times(
-    policy_name: str, queued: int, decisions: int, batch: int, seed: int
-) -> list[float]:
-    from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ProfileSpec
-    from tessera.core.registry import make_policy
-    from tessera.core.request import Request, ServiceClass
-    from tessera.worker.metrics import WorkerMetrics
-    from tessera.worker.scheduler import Job, ModelScheduler
-
-    rng = random.Random(seed)
-    sched = ModelScheduler(
-        _IdleEngine(),  # type: ignore[arg-type]
-        make_policy(policy_name),
-        profile=ProfileSpec().to_profile("bench", 1 << 22),
-        batch=BatchBounds(max=batch),
-        autoscale=AutoscaleSpec(),
-        max_queued=queued + 1,
-        class_limits={},
-        metrics=WorkerMetrics(),
-    )
-    classes = [
-        ServiceClass("chat", ttft_slo_s=1.0, itl_slo_s=0.2),
-        ServiceClass("batch", "batch", deadline_s=600),
-    ]
-    for i in range(queued):
-        n = rng.randint(8, 512)
-        prompt = [rng.randrange(3, 900) for _ in range(rng.randint(4, 64))]
-        req = Request(
-            f"r{i}", 0.0, len(prompt), n, service_class=classes[i % 2], prompt_text="x" * len(prompt)
-        )
-        sched.submit(Job(req, prompt, {}))
-    sched.decide()  # admit the first batch
-    times = []
-    for _ in range(decisions):
-        t0 = time.perf_counter()
-        sched.decide()
-        times.append(time.perf_counter() - t0)
-    for job in list(sched.inflight):
-        if job.task is not None:
-            job.task.cancel()
-    await asyncio.sleep(0)
-    return times
 
 
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
@@ -246,7 +183,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     ]
     for name in policies:
         try:
-            times = asyncio.run(_decision_times(name, queued, decisions, streams, config.seed))
+            times = asyncio.run(decision_times(name, 1, queued, decisions, streams, config.seed))
         except Exception as exc:  # a policy that fails here is reported, not hidden
             checks.append(f"decide:{name}: not measured ({type(exc).__name__}: {exc})")
             progress(1)

@@ -1,6 +1,7 @@
 """The worker's FastAPI application.
 
-``/v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``,
+``/v1/completions`` and ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models`` (and
+``/v1/models/{id}``),
 ``/health`` (process alive), ``/ready`` (engines healthy, not draining), ``/metrics``
 (Prometheus), ``POST /admin/reload`` (bearer token), ``/openapi.json``.
 
@@ -89,8 +90,9 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
         "/ready", summary="Readiness: every engine healthy and not draining.", responses={503: _ERRORS[503]}
     )
     async def ready() -> JSONResponse:
-        engines = {name: s.engine_ok for name, s in worker.schedulers.items()}
-        policies = {name: s.policy_ok for name, s in worker.schedulers.items()}
+        sched = worker.scheduler
+        engines = {name: slot.ok for name, slot in sched.slots.items()}
+        policies = dict.fromkeys(sched.slots, sched.policy_ok)
         ok = worker.ready()
         return JSONResponse(
             {"ready": ok, "engines": engines, "policies": policies, "draining": worker.draining},
@@ -101,25 +103,34 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
     async def metrics() -> Response:
         return Response(worker.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
+    def model_cards() -> list[dict[str, Any]]:
+        return [
+            {"id": m.name, "object": "model", "owned_by": "tessera", "max_model_len": m.max_model_len}
+            for m in worker.config.models
+        ]
+
     @app.get("/v1/models", summary="Models served by this worker.")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": m.name, "object": "model", "owned_by": "tessera", "max_model_len": m.max_model_len}
-                for m in worker.config.models
-            ],
-        }
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model_id:path}", summary="One model served by this worker.", responses=_ERRORS)
+    async def one_model(model_id: str) -> dict[str, Any]:
+        card = next((c for c in model_cards() if c["id"] == model_id), None)
+        if card is None:
+            known = ", ".join(m.name for m in worker.config.models)
+            raise ApiError(404, f"the model {model_id!r} does not exist here; models: {known}",
+                           code="model_not_found", param="model")  # fmt: skip
+        return card
 
     @app.post("/v1/completions", summary="OpenAI completions (streaming or not).", responses=_ERRORS)
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
-        _, sched, cls = _route(worker, body.model, http)
+        _, engine, cls = _route(worker, body.model, http)
         if isinstance(body.prompt, str):
             prompt_text = body.prompt
-            prompt_ids = await _engine_call(sched.engine.tokenize(body.prompt))
+            prompt_ids = await _engine_call(engine.tokenize(body.prompt))
         else:
             prompt_ids = list(body.prompt)
-            prompt_text = await _engine_call(sched.engine.detokenize(prompt_ids))
+            prompt_text = await _engine_call(engine.detokenize(prompt_ids))
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
         echo = prompt_text if body.echo else ""
         return await _serve(
@@ -130,16 +141,14 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
         "/v1/chat/completions", summary="OpenAI chat completions (streaming or not).", responses=_ERRORS
     )
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
-        entry, sched, cls = _route(worker, body.model, http)
+        entry, engine, cls = _route(worker, body.model, http)
         messages = message_dicts(body.messages)
         tools = body.tool_dicts()
         # Read with the model's tool parser: auto always (refused without one); 'required' and named
         # choices where the model has one, as vLLM's server with that parser serves them.
         parsed = body.auto_tools() or (body.calls_tools() and body.model in worker.tool_parsers)
         reader = _tool_reader(worker, body, messages, tools) if parsed else None
-        rendered = (
-            sched.engine.tokenize_chat(messages, tools) if tools else sched.engine.tokenize_chat(messages)
-        )
+        rendered = engine.tokenize_chat(messages, tools) if tools else engine.tokenize_chat(messages)
         prompt_ids = await _engine_call(rendered)
         max_tokens = (
             body.max_tokens or body.max_completion_tokens or max(1, entry.max_model_len - len(prompt_ids))
@@ -161,7 +170,7 @@ def create_app(worker: Worker, *, manage_worker: bool = True) -> FastAPI:
             raise ApiError(403, str(exc), code="admin_disabled") from None
         if token is None:
             raise ApiError(403, "the admin endpoint is disabled: configure admin.tokenEnv or admin.tokenFile")
-        if http.headers.get("authorization", "") != f"Bearer {token}":
+        if http.headers.getlist("authorization") != [f"Bearer {token}"]:  # one header, the token
             raise ApiError(401, "missing or wrong admin token; send 'Authorization: Bearer <token>'")
         raw = await http.body()
         try:
@@ -192,7 +201,9 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
             return ApiError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
         where = ".".join(loc) or "body"
         param = param or where
-        problems.append(f"{where}: {err.get('msg')}")
+        # pydantic says "Input should be a finite number"; NaN against a bound read as out of range
+        message = "must be a finite number" if err.get("type") == "finite_number" else err.get("msg")
+        problems.append(f"{where}: {message}")
     return ApiError(400, "invalid request: " + "; ".join(problems), param=param)
 
 
@@ -230,7 +241,7 @@ def _route(worker: Worker, model: str, http: HttpRequest) -> tuple[Any, Any, Any
         cls = worker.resolve_class(entry, http.headers)
     except ClassHeaderError as exc:
         raise ApiError(400, str(exc), code="unknown_class", param=exc.header) from None
-    return entry, worker.schedulers[model], cls
+    return entry, worker.engines[model], cls
 
 
 async def _engine_call(coro: Any) -> Any:
@@ -269,8 +280,10 @@ async def _serve(
             if len(prompt_ids) < entry.max_model_len
             else ("messages" if chat else "prompt"),
         )
-    sched = worker.schedulers[body.model]
-    bound = min(b for b in (sched.max_queued, sched.class_limits.get(cls.name)) if b is not None)
+    sched = worker.scheduler
+    bound = min(
+        b for b in (sched.max_queued, sched.slots[body.model].class_limits.get(cls.name)) if b is not None
+    )
     if body.n > bound:  # the choices queue together: more than fit would be refused forever
         message = (f"n={body.n} choices cannot queue together here: model {body.model} and class {cls.name} "
                    f"queue at most {bound} requests; ask for fewer choices")  # fmt: skip
@@ -543,7 +556,7 @@ def _true_length_hint(worker: Worker, http: HttpRequest) -> int | None:
     header = BENCH_TRUE_LENGTH_HEADER
     value = http.headers.get(header)
     if value is None:
-        if worker.schedulers_need_true_length():
+        if worker.policy_needs_true_length():
             raise ApiError(400, f"the policy reads true output lengths: send {header}", param=header)
         return None
     if not worker.config.scheduling.bench_hints:
@@ -597,7 +610,7 @@ async def _sse(
     """Server-sent events of a request's jobs (``first``: the first job's first event, already read);
     leaving early (client gone) cancels them."""
     model = jobs[0].req.model
-    sched = worker.schedulers[model]
+    sched = worker.scheduler
     chat = render.chat
     obj = "chat.completion.chunk" if chat else "text_completion"
 

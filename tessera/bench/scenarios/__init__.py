@@ -39,6 +39,7 @@ SCENARIOS: dict[str, str] = {
     "routing": "tessera.bench.scenarios.routing",
     "scale-to-zero": "tessera.bench.scenarios.scale_to_zero",
     "worker-overhead": "tessera.bench.overhead",
+    "decision-time": "tessera.bench.decision_time",
     "real-policy": "tessera.bench.real_policy",
     "router": "tessera.bench.router_overhead",
 }

@@ -18,12 +18,20 @@ requests at once on one instance, none finished within 180 s (arrival order: 17.
 of several models (``InstanceView.active_model``) the decision loads the seed's model; the simulator's
 shared-KV engine switches models keeping every request's KV.
 
+On a co-resident instance (``InstanceView.models``: every model's engine resident with its own KV
+share, running at the same time) the batch is not one service's (CHOICE): the seed comes first, then
+the requests of every service in ``O`` order fill the instance's batch, each joining only into its own
+engine's free KV and sequence limit. DB's order then decides which service's requests take the
+instance's slots, and so its share of the accelerator's time; no model is loaded.
+
 Class priority (``ServiceClass.priority``, higher first) breaks ties of ``O_r``, before arrival: fresh
 requests of one service start with equal budgets, so among them the higher class is seeded and
 batched first; among requests starved equally long, the higher class seeds. It never outweighs a
 smaller ``O_r`` or a longer starvation. Round-robin sharing keeps vLLM's arrival order (no priority).
 
 ``RoundRobinSharing`` is SeaLLM's round-robin sharing baseline: the models of an instance take turns.
+On a co-resident instance the turns are over the batch's slots (CHOICE): waiting requests join one
+model at a time in turn, each in its model's arrival order and into its own engine's KV.
 
 The same policies drive the worker and the simulator, which the planner's estimator runs
 (``tessera.control.placement_sim``).
@@ -39,7 +47,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from tessera.core.policy import Decision, InstanceView, Policy, kv_blocks
+from tessera.core.policy import Decision, InstanceView, ModelView, Policy, kv_blocks
 from tessera.core.registry import PolicySettings
 from tessera.core.request import Phase, Request
 
@@ -309,6 +317,41 @@ class DoublingBudget(Policy):
         kept = [r for r in view.running if r.model == seed.model and r not in chosen]
         return run + kept[: max(0, room - len(run))]
 
+    def _fill_co_resident(self, view: InstanceView, seed: Request) -> list[Request]:
+        """The rest of a co-resident instance's batch: every service's requests in O order up to
+        ``max_batch``, each into its own engine's free KV and sequence limit (running requests keep
+        their places otherwise, as in ``_fill``)."""
+        room = view.max_batch - 1
+        if room <= 0:
+            return []
+        engines = view.models
+        taken = dict.fromkeys(engines, 0)
+        slots = {m: math.inf if e.max_running is None else e.max_running for m, e in engines.items()}
+        if seed.model in slots:
+            slots[seed.model] -= 1
+            if not seed.kv_resident:
+                taken[seed.model] = kv_blocks(seed.context_tokens, engines[seed.model].profile.block_size)
+        candidates = [
+            (self._o_key(r, self._held[r])[:4], r) for m in engines for r in self._smallest(m, room, seed)
+        ]
+        candidates.sort(key=lambda c: c[0])
+        run: list[Request] = []
+        for _, r in candidates:
+            if len(run) >= room:
+                break
+            if slots[r.model] <= 0:
+                continue
+            block = engines[r.model].profile.block_size
+            if not r.kv_resident:
+                if not fits_engine_kv(engines[r.model], r, taken[r.model]):
+                    continue
+                taken[r.model] += kv_blocks(r.context_tokens, block)
+            slots[r.model] -= 1
+            run.append(r)
+        chosen = {*run, seed}
+        kept = [r for r in view.running if r not in chosen]
+        return run + kept[: max(0, room - len(run))]
+
     def __len__(self) -> int:
         return len(self._held)
 
@@ -357,12 +400,15 @@ class DoublingBudget(Policy):
         block = self._blocks.get(seed.model) if view.active_model is not None else view.profile.block_size
         if not seed.kv_resident and block is None:
             return Decision(run=[], load_model=seed.model)  # learn its model's KV block first
-        if not seed.kv_resident and not fits_free_kv(view, seed, block or view.profile.block_size):
+        if not seed.kv_resident and not _fits(view, seed, block or view.profile.block_size):
             holding = [self._o_key(r, b) for r, b in self._held.items() if r.kv_resident]
             if holding:
                 own = [e for e in holding if e[-1].model == seed.model] or holding
                 seed = min(own, key=lambda e: e[:4])[-1]
-        run = [seed, *self._fill(view, seed, block or view.profile.block_size)]
+        if view.models:
+            run = [seed, *self._fill_co_resident(view, seed)]
+        else:
+            run = [seed, *self._fill(view, seed, block or view.profile.block_size)]
         self._set_running(set(run))
         # Re-decide when the first running budget runs out, so demotion happens exactly at exhaustion.
         soonest = min(self._held[r].left for r in run)
@@ -380,6 +426,22 @@ def fits_free_kv(view: InstanceView, req: Request, block: int, taken: int = 0) -
     capacity = view.kv_capacity_tokens // active
     free = capacity - view.kv_used_tokens // active - taken
     return free - kv_blocks(req.context_tokens, block) >= int(PREFILL_WATERMARK * capacity)
+
+
+def fits_engine_kv(engine: ModelView, req: Request, taken: int = 0) -> bool:
+    """``fits_free_kv`` on one engine of a co-resident instance: its own KV share and block size."""
+    block = engine.profile.block_size
+    capacity = engine.kv_capacity_tokens // block
+    free = capacity - engine.kv_used_tokens // block - taken
+    return free - kv_blocks(req.context_tokens, block) >= int(PREFILL_WATERMARK * capacity)
+
+
+def _fits(view: InstanceView, req: Request, block: int) -> bool:
+    """Whether ``req`` fits the free KV of the engine it would run on."""
+    engine = view.models.get(req.model)
+    if engine is not None:
+        return fits_engine_kv(engine, req)
+    return fits_free_kv(view, req, block)
 
 
 def _switch(view: InstanceView, model: str) -> str | None:
@@ -420,6 +482,8 @@ class RoundRobinSharing(Policy):
         models = [m for m, q in self._queues.items() if q]
         if not models:
             return Decision(run=[])
+        if view.models:
+            return self._slot_turns(view, models)
         start = self._turn % len(models)
         for model in models[start:] + models[:start]:
             queue = self._queues[model]
@@ -441,3 +505,38 @@ class RoundRobinSharing(Policy):
         waiting = (r for r in queue if not r.kv_resident)
         run = resident + list(itertools.islice(waiting, max(0, view.max_batch - len(resident))))
         return Decision(run=run, recheck_after_tokens=self.turn_tokens)
+
+    def _slot_turns(self, view: InstanceView, models: list[str]) -> Decision:
+        """Co-resident turns: running requests keep their slots; waiting ones join one model at a
+        time, starting after the model that started first last time, each into its engine's KV."""
+        engines = view.models
+        run = list(view.running)
+        slots = {m: math.inf if e.max_running is None else e.max_running for m, e in engines.items()}
+        for r in run:
+            if r.model in slots:
+                slots[r.model] -= 1
+        taken = dict.fromkeys(engines, 0)
+        start = self._turn % len(models)
+        order = [m for m in models[start:] + models[:start] if m in engines]
+        waiting = {m: (r for r in self._queues[m] if r.phase is not Phase.RUNNING) for m in order}
+        first: str | None = None
+        while order and len(run) < view.max_batch:
+            for model in list(order):
+                req = next(waiting[model], None)
+                engine = engines[model]
+                if req is None or slots[model] <= 0:
+                    order.remove(model)
+                    continue
+                if not req.kv_resident:
+                    if not fits_engine_kv(engine, req, taken[model]):
+                        order.remove(model)  # head-of-line, per engine
+                        continue
+                    taken[model] += kv_blocks(req.context_tokens, engine.profile.block_size)
+                slots[model] -= 1
+                run.append(req)
+                first = first or model
+                if len(run) >= view.max_batch:
+                    break
+        if first is not None:
+            self._turn = models.index(first) + 1
+        return Decision(run=run)

@@ -1,0 +1,31 @@
+"""A pod scheduler over one engine, as the tests of one-model behaviour build it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.core.policy import Policy
+from tessera.core.profile import StepProfile
+from tessera.worker.engines.base import Engine
+from tessera.worker.scheduler import InstanceScheduler
+
+
+def one_model_scheduler(
+    engine: Engine,
+    policy: Policy,
+    *,
+    profile: StepProfile,
+    class_limits: dict[str, int | None] | None = None,
+    class_queue_times: dict[str, float | None] | None = None,
+    **kwargs: Any,
+) -> InstanceScheduler:
+    """``InstanceScheduler`` of a pod serving ``engine``'s model alone (class bounds of that model)."""
+    model = engine.model
+    return InstanceScheduler(
+        {model: engine},
+        policy,
+        profiles={model: profile},
+        class_limits={model: dict(class_limits or {})},
+        class_queue_times={model: dict(class_queue_times or {})},
+        **kwargs,
+    )
