@@ -18,6 +18,7 @@ from tessera.api.base import (
     ResourceStatus,
     nested,
 )
+from tessera.api.fair_share import FairShareSpec
 from tessera.api.request_class import ClassOverrides, RequestClassSpec
 from tessera.api.rules import ExcludedWhen, KeysAllowed, LessOrEqual, ListedIn, MutuallyExclusive
 from tessera.api.worker_config import ToolParserName
@@ -127,6 +128,12 @@ class SchedulingSpec(ApiModel):
         "unknown fields and wrong types are refused, naming them. auto takes none: name the policy to "
         "set any.",
         json_schema_extra={"maxProperties": 64},
+    )
+    fair_share: FairShareSpec = Field(
+        default_factory=FairShareSpec,
+        description="VTC fair share between the tenants of the router's API keys: within a class, the "
+        "least served backlogged tenant's request is admitted next, around the policy's own order. "
+        "Co-located services run the first service's.",
     )
 
     @field_validator("settings")

@@ -33,8 +33,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from tessera.api.base import ApiModel
+from tessera.api.fair_share import FairShareSpec
 from tessera.api.files import read_json_or_yaml
 from tessera.api.request_class import RequestClassSpec
+from tessera.core.fair_share import FairShare
 from tessera.core.policy import Policy
 from tessera.core.profile import StepProfile
 from tessera.core.registry import make_policy
@@ -248,6 +250,10 @@ class SchedulingSpec(ApiModel):
     batch: BatchBounds = Field(default_factory=BatchBounds)
     autoscale: AutoscaleSpec = Field(default_factory=AutoscaleSpec)
     pacing: bool = Field(default=False, description="Release streamed tokens at the class's reading speed.")
+    fair_share: FairShareSpec = Field(
+        default_factory=FairShareSpec,
+        description="VTC fair share between the router's tenants around the policy (off by default).",
+    )
     max_queued: Annotated[int, Field(ge=1)] = Field(
         default=10000, description="Most requests waiting per model; beyond: HTTP 429."
     )
@@ -373,8 +379,13 @@ class WorkerConfig(ApiModel):
 
     def make_policy(self) -> Policy:
         """A new instance of the policy the pod's schedulers run (``scheduling.policy`` with its
-        settings): the worker's, and the simulated pod's in ``tessera bench load-shift``."""
-        return make_policy(self.scheduling.policy, **self.scheduling.settings)
+        settings, inside VTC's fair share when ``scheduling.fairShare`` is on): the worker's, and the
+        simulated pod's in ``tessera bench load-shift`` and ``fair-share``."""
+        policy = make_policy(self.scheduling.policy, **self.scheduling.settings)
+        share = self.scheduling.fair_share
+        if not share.enabled:
+            return policy
+        return FairShare(policy, input_weight=share.input_weight, output_weight=share.output_weight)
 
     def model(self, name: str) -> ModelEntry | None:
         """The model entry called ``name``."""

@@ -506,6 +506,7 @@ def worker_config(
             "batch": {"min": bounds.min, "max": bounds.max, "initial": bounds.initial},
             "autoscale": {"enabled": pool.spec.autoscaling.enabled},
             "pacing": policies[0] in PACED_POLICIES,
+            "fairShare": services[group.services[0]].spec.scheduling.fair_share.to_json(),
         },
     }
     try:

@@ -1,0 +1,242 @@
+"""Fair share between tenants: the Virtual Token Counter (VTC) around any policy.
+
+Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024). Each tenant of a request class
+has a counter of the weighted service it received: ``input_weight`` per prompt token when one of its
+requests is admitted, ``output_weight`` per token generated (the paper's defaults, 1 and 2), each
+divided by the tenant's weight (``Request.tenant_weight``: a tenant of weight 2 is owed twice the
+service). Among the requests of one class, the next admitted comes from the backlogged tenant (one
+with requests waiting) whose counter is least; a tenant that becomes backlogged is lifted to the
+least counter among the backlogged ones (to the counter of the tenant admitted last when none is),
+so a tenant that was idle cannot bank service and then starve the others.
+
+``FairShare`` wraps an inner policy, as ``tessera.core.chiron.ChironPolicy`` does: the inner policy
+holds every running and preempted request and, per class, the waiting requests of one tenant only,
+the least served; its own order decides among them and between classes. The other tenants' waiting
+requests are held here and handed over when their tenant becomes the least served (the inner policy
+sees them arrive then). Within one decision, the admissions of a class stop once the admitted
+tenant has passed another backlogged tenant's counter, and the wrapper asks to decide again after
+one iteration, so a burst of free slots is shared as the paper's one-at-a-time admission would.
+
+The paper's bound (its Theorem 4.1): over any interval during which two tenants are both
+backlogged, the weighted service each receives differs by at most ``2 * U``, ``U`` the largest
+weighted tokens of one request (``input_weight * prompt + output_weight * output``).
+``max_service_gap`` is the largest difference this wrapper saw, at its decision points.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tessera.core.policy import Decision, InstanceView, Policy
+from tessera.core.request import Phase, Request
+
+Key = tuple[str, str]  # (class name, tenant)
+
+
+@dataclass(slots=True)
+class _Class:
+    """One request class's tenants: their waiting requests, held here or handed to the inner policy."""
+
+    waiting: dict[str, dict[int, Request]] = field(default_factory=dict)  # tenant -> never-started requests
+    held: dict[str, list[Request]] = field(default_factory=dict)  # tenant -> waiting, not in the inner policy
+    active: str | None = None  # the tenant whose waiting requests the inner policy holds
+    last: str | None = None  # the tenant admitted last
+
+    def backlogged(self) -> list[str]:
+        return [t for t, reqs in self.waiting.items() if reqs]
+
+
+class FairShare(Policy):
+    """VTC fair share between tenants around ``inner`` (module docstring)."""
+
+    def __init__(self, inner: Policy, *, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
+        if not (input_weight >= 0 and output_weight >= 0 and input_weight + output_weight > 0):
+            raise ValueError(f"VTC weights must be >= 0, not both 0; got input {input_weight}, "
+                             f"output {output_weight}")  # fmt: skip
+        self.inner = inner
+        # The wrapper reports the policy it wraps (metrics, logs, the oracle check of benchmarks).
+        self.name = inner.name
+        self.oracle = inner.oracle
+        self.input_weight, self.output_weight = input_weight, output_weight
+        self.counters: dict[Key, float] = {}  # the VTC counters (lifts included)
+        self.service: dict[Key, float] = {}  # weighted service received (no lifts): the bound's measure
+        self.max_service_gap = 0.0
+        self.max_request_service = 0.0  # U: the largest weighted tokens of one finished request
+        self._classes: dict[str, _Class] = {}
+        self._started: set[int] = set()  # id(req) of requests whose admission was charged
+        self._charged_out: dict[int, int] = {}  # id(req) -> generated tokens charged so far
+        self._given: set[int] = set()  # id(req) of waiting requests handed to the inner policy
+        self._since: dict[tuple[str, str, str], tuple[float, float]] = {}  # pair backlogged: services then
+
+    # ---------------------------------------------------------------- the Policy hooks
+
+    def add(self, req: Request, now: float) -> None:
+        """A request arrived: its tenant is lifted if it was not backlogged; the request goes to the
+        inner policy when its tenant is the class's active one, else it is held."""
+        name, tenant = req.service_class.name, req.tenant
+        cls = self._classes.setdefault(name, _Class())
+        waiting = cls.waiting.setdefault(tenant, {})
+        if not waiting:
+            self._lift(name, cls, tenant)
+        waiting[id(req)] = req
+        if cls.active is None:
+            cls.active = tenant
+        if cls.active == tenant:
+            self._give(req, now)
+        else:
+            cls.held.setdefault(tenant, []).append(req)
+
+    def remove(self, req: Request, now: float) -> None:
+        """A request left (finished or cancelled): its service is counted, then it is forgotten."""
+        cls = self._classes[req.service_class.name]
+        rid = id(req)
+        waiting = cls.waiting.get(req.tenant, {})
+        # It ran if its admission was charged, or if it ran and finished between two decisions.
+        ran = rid in self._started or req.generated > 0 or req.phase is Phase.FINISHED
+        if not ran and rid not in self._given:  # held here: the inner policy never saw it
+            del waiting[rid]
+            cls.held[req.tenant].remove(req)
+            return
+        if ran:
+            self._charge(req)
+            self.max_request_service = max(self.max_request_service, self._request_service(req))
+        waiting.pop(rid, None)
+        self._given.discard(rid)
+        self._started.discard(rid)
+        self._charged_out.pop(rid, None)
+        self.inner.remove(req, now)
+
+    def __len__(self) -> int:
+        return len(self.inner) + sum(len(h) for c in self._classes.values() for h in c.held.values())
+
+    def observe(self, view: InstanceView) -> None:
+        """The inner policy takes in the engine's progress."""
+        self.inner.observe(view)
+
+    def prepare(self, view: InstanceView) -> Callable[[], None] | None:
+        """The inner policy's work ahead of a decision, if it has any."""
+        return self.inner.prepare(view)
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Charge what ran, hand each class's least served tenant to the inner policy, and keep its
+        admissions within the counters' order."""
+        for req in view.running:
+            self._charge(req)
+        self._track_gaps()
+        for name, cls in self._classes.items():
+            self._activate(name, cls, view.now)
+        decision = self.inner.schedule(view)
+        run, cut = self._share_admissions(decision.run, view)
+        if not cut:
+            return decision
+        decision.run = run
+        decision.recheck_after_tokens = 1  # the next tenant's admission, after one iteration
+        return decision
+
+    # ---------------------------------------------------------------- VTC
+
+    def _lift(self, name: str, cls: _Class, tenant: str) -> None:
+        """The counter of a tenant becoming backlogged: at least the least backlogged counter (the last
+        admitted tenant's when none is backlogged)."""
+        others = [self.counters.get((name, t), 0.0) for t in cls.backlogged() if t != tenant]
+        floor = min(others) if others else self.counters.get((name, cls.last), 0.0) if cls.last else 0.0
+        key = (name, tenant)
+        self.counters[key] = max(self.counters.get(key, 0.0), floor)
+
+    def _charge(self, req: Request) -> None:
+        """Count ``req``'s admission (once) and its tokens generated since the last count."""
+        rid, key = id(req), (req.service_class.name, req.tenant)
+        weight = req.tenant_weight
+        amount = 0.0
+        if rid not in self._started:
+            self._started.add(rid)
+            cls = self._classes[key[0]]
+            cls.waiting.get(req.tenant, {}).pop(rid, None)
+            self._given.discard(rid)
+            cls.last = req.tenant
+            amount += self.input_weight * req.prompt_tokens
+        done = self._charged_out.get(rid, 0)
+        if req.generated > done:
+            amount += self.output_weight * (req.generated - done)
+            self._charged_out[rid] = req.generated
+        if amount:
+            self.counters[key] = self.counters.get(key, 0.0) + amount / weight
+            self.service[key] = self.service.get(key, 0.0) + amount / weight
+
+    def _request_service(self, req: Request) -> float:
+        return (
+            self.input_weight * req.prompt_tokens + self.output_weight * req.generated
+        ) / req.tenant_weight
+
+    def _least(self, name: str, cls: _Class) -> str | None:
+        backlogged = cls.backlogged()
+        if not backlogged:
+            return None
+        return min(backlogged, key=lambda t: (self.counters.get((name, t), 0.0), t))
+
+    def _activate(self, name: str, cls: _Class, now: float) -> None:
+        """Hand the least served backlogged tenant's waiting requests to the inner policy, taking back
+        those of the tenant that was active."""
+        chosen = self._least(name, cls)
+        if chosen is None or chosen == cls.active:
+            return
+        old = cls.active
+        if old is not None:
+            back = [r for r in cls.waiting.get(old, {}).values() if id(r) in self._given]
+            for req in back:
+                self._given.discard(id(req))
+                self.inner.remove(req, now)  # still waiting: to the inner policy, a cancellation
+            cls.held.setdefault(old, []).extend(back)
+            cls.held[old].sort(key=lambda r: r.arrival)
+        cls.active = chosen
+        for req in cls.held.pop(chosen, []):
+            self._give(req, now)
+
+    def _give(self, req: Request, now: float) -> None:
+        self._given.add(id(req))
+        self.inner.add(req, now)
+
+    def _share_admissions(self, run: list[Request], view: InstanceView) -> tuple[list[Request], bool]:
+        """``run`` without the admissions of a class past the point where its admitted tenant's counter
+        (with those admissions charged) passes another backlogged tenant's; whether any was cut."""
+        running = set(map(id, view.running))
+        virtual: dict[Key, float] = {}
+        closed: set[str] = set()
+        kept: list[Request] = []
+        cut = False
+        for req in run:
+            rid = id(req)
+            if rid in running or rid in self._started:  # running, or resumed: not a new admission
+                kept.append(req)
+                continue
+            name = req.service_class.name
+            if name in closed:
+                cut = True
+                continue
+            kept.append(req)
+            key = (name, req.tenant)
+            virtual[key] = virtual.get(key, self.counters.get(key, 0.0)) + (
+                self.input_weight * req.prompt_tokens / req.tenant_weight
+            )
+            others = [self.counters.get((name, t), 0.0) for t in self._classes[name].backlogged()
+                      if t != req.tenant]  # fmt: skip
+            if others and virtual[key] > min(others):
+                closed.add(name)
+        return kept, cut
+
+    def _track_gaps(self) -> None:
+        """The largest service difference between two tenants over an interval both were backlogged."""
+        seen: set[tuple[str, str, str]] = set()
+        for name, cls in self._classes.items():
+            backlogged = sorted(cls.backlogged())
+            for i, a in enumerate(backlogged):
+                for b in backlogged[i + 1 :]:
+                    pair = (name, a, b)
+                    seen.add(pair)
+                    now = (self.service.get((name, a), 0.0), self.service.get((name, b), 0.0))
+                    start = self._since.setdefault(pair, now)
+                    gap = abs((now[0] - start[0]) - (now[1] - start[1]))
+                    self.max_service_gap = max(self.max_service_gap, gap)
+        for pair in [p for p in self._since if p not in seen]:  # an interval ended
+            del self._since[pair]
