@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from tessera.api.worker_config import WorkerConfig
 from tessera.bench.harness import WorkerChild
-from tessera.bench.router_overhead import (
+from tessera.bench.router_load import (
     READY_TIMEOUT_S,
     RouterProcess,
     Wave,

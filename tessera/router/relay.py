@@ -21,7 +21,7 @@ import functools
 import json
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 from starlette.types import Receive, Send
@@ -33,7 +33,46 @@ from tessera.core.slo import delivered_slo_met
 from tessera.router.metrics import RouterMetrics
 
 if TYPE_CHECKING:
-    from tessera.router.app import RouterState
+    from collections.abc import Mapping, Sequence
+
+    from tessera.core.policies.qlm.estimator import TokenStats
+    from tessera.router.backends import Backend
+
+
+class Picked(Protocol):
+    """A routing decision as relaying reads it: the instance and the prompt tokens it will prefill."""
+
+    @property
+    def load(self) -> InstanceLoad: ...
+
+    @property
+    def prefill_tokens(self) -> int: ...
+
+
+class RelayState(Protocol):
+    """What relaying uses of the router's state (``tessera.router.app.RouterState``, which imports this
+    module: named here as a protocol so that the two do not import each other)."""
+
+    @property
+    def backends(self) -> Mapping[str, Backend]: ...
+
+    @property
+    def stats(self) -> Mapping[str, TokenStats]: ...
+
+    def pick(self, model: str, kind: str, exclude: set[str], prompt_text: str = "",
+             ttft_slo_s: float | None = None, session: str = "", prompt_token_ids: Sequence[int] = (),
+             only: str = "") -> Picked:  # fmt: skip
+        """The instance for a request, not one of ``exclude``."""
+        ...
+
+    def set_health(self, backend: str, healthy: bool) -> None:
+        """Take an instance in or out of the rotation."""
+        ...
+
+    def ended(self, load: InstanceLoad, kind: str) -> None:
+        """A request of ``kind`` sent to ``load`` has ended."""
+        ...
+
 
 _DONE = "data: [DONE]"
 _TOKEN_MARK = b'"finish_reason": null'
@@ -101,7 +140,7 @@ def _url(text: str) -> httpx.URL:
 
 
 async def send(
-    state: RouterState, metrics: RouterMetrics, transport: httpx.AsyncBaseTransport, up: Upstream
+    state: RelayState, metrics: RouterMetrics, transport: httpx.AsyncBaseTransport, up: Upstream
 ) -> Answer:
     """Send ``up`` to the best instance and wait for its answer: the whole answer unless it is a
     stream of events, which is returned open with the instance counting it outstanding (the relay
@@ -203,7 +242,7 @@ def _draining(response: httpx.Response) -> bool:
 
 async def relay_stream(
     send: Send,
-    state: RouterState,
+    state: RelayState,
     metrics: RouterMetrics,
     answer: Answer,
     headers: list[tuple[bytes, bytes]],
