@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tessera.api.batch_link import DEADLINE_HEADER, parse_deadline, to_clock
 from tessera.api.chat import message_dicts
 from tessera.api.openai_errors import ApiError
+from tessera.api.tenant import TENANT_HEADER, TENANT_WEIGHT_HEADER, parse_weight
 from tessera.api.worker_config import BENCH_TRUE_LENGTH_HEADER, ClassHeaderError, ConfigError, parse_config
 from tessera.core.request import Request
 from tessera.worker.engines.base import EngineError, TokenDelta
@@ -308,6 +309,9 @@ async def _serve(
             service_class=cls,
             prompt_text=prompt_text,
             deadline=deadline,
+            # The router's word (it drops a client's copy; tessera.api.tenant): fair share reads them.
+            tenant=http.headers.get(TENANT_HEADER, ""),
+            tenant_weight=parse_weight(http.headers.get(TENANT_WEIGHT_HEADER)),
         )
         req.true_output_tokens = true_length
         job_sampling = dict(sampling)  # each job takes its stop strings out of its own copy
