@@ -18,6 +18,7 @@ from tessera.local.control_plane import LocalEngine, plan_local
 from tessera.local.scrape import results_from_scrapes
 from tessera.local.supervisor import WorkerProcess
 from tessera.router.app import RouterState
+from tessera.router.backends import Backend
 from tessera.router.chiron_hold import ChironHold
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -89,6 +90,9 @@ class _Supervisor:
 
     def stop(self, workers: list[WorkerProcess]) -> None:
         self.stopped += [w.instance.name for w in workers]
+
+    def backends(self) -> list[Backend]:
+        return [w.backend() for w in self.workers]
 
 
 async def test_resize_keeps_role_order_and_drains_before_stopping() -> None:

@@ -10,7 +10,9 @@ direct scrapes, ``tessera.local.scrape``, and what the in-process router holds) 
 ordinals keep their roles where they can (the core's ``assign_roles``), new ordinals start as new worker
 processes (the router takes them once they answer ``/ready``), and the highest ordinals go. A leaving
 worker first leaves the router's rotation and is stopped only when the requests the router sent it have
-finished, so a scale-down loses no accepted request.
+finished, so a scale-down loses no accepted request. A worker that died and waits for the supervisor's
+restart is never scraped and counts as starting (a StatefulSet's pod in CrashLoopBackOff is not ready):
+never as capacity that serves.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class LocalAutoscaler:
             if not (waiting or g.memory.due(g.scaling.settings, now)):
                 continue
             workers = self._workers(g)
-            texts = await asyncio.gather(*(_scrape(client, w.url) for w in workers))
+            texts = await asyncio.gather(*(_scrape(client, w) for w in workers))
             scrapes = {w.instance.name: t for w, t in zip(workers, texts, strict=True)}
             results, g.counters = results_from_scrapes(scrapes, g.scaling.kinds, g.counters, now, held)
             plan = replace(g.local.group, replicas=g.replicas, roles=tuple(w.instance.role for w in workers))
@@ -160,7 +162,7 @@ class LocalAutoscaler:
             self.supervisor.workers.remove(w)  # out of the group now; stopped once drained
         g.replicas = desired
         loads = [x for x in self.router.loads.values() if x.instance in {w.instance.name for w in leaving}]
-        self.router.update([w.backend() for w in self.supervisor.workers])
+        self.router.update(self.supervisor.backends())
         for w in leaving:
             mine = [x for x in loads if x.instance == w.instance.name]
             task = asyncio.create_task(self._drain(w, mine), name=f"drain-{w.instance.name}")
@@ -185,10 +187,13 @@ class LocalAutoscaler:
                 await task
 
 
-async def _scrape(client: httpx.AsyncClient, url: str) -> str | None:
-    """A worker's /metrics text; None when it does not answer (still starting, or gone)."""
+async def _scrape(client: httpx.AsyncClient, worker: WorkerProcess) -> str | None:
+    """A worker's /metrics text; None when it does not answer (still starting, or gone) or is dead
+    (reaped, waiting for its restart: whatever answers on its old port is not it)."""
+    if worker.dead:
+        return None
     try:
-        response = await client.get(f"{url}/metrics")
+        response = await client.get(f"{worker.url}/metrics")
     except httpx.HTTPError:
         return None
     return response.text if response.status_code == 200 else None

@@ -37,7 +37,7 @@ from tessera.local.report import (
     write_plots,
 )
 from tessera.local.scale_to_zero import LocalActuator, idle_units
-from tessera.local.supervisor import Supervisor
+from tessera.local.supervisor import Death, RestartBackoff, Supervisor
 from tessera.router.activator import TICK_S, Activator
 from tessera.router.app import ClassInfo, RouterState, create_router_app, router_status
 from tessera.router.auth import ApiKeys
@@ -46,6 +46,7 @@ from tessera.router.protocol import RouterServer, router_server_config
 
 LIVE_PERIOD_S = 1.0
 RATE_WINDOW_S = 5.0
+REAP_PERIOD_S = 0.5  # how often the stack looks for workers that died
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +224,9 @@ async def _measure(
 
 
 class LocalStack:
-    """Workers (processes) plus the in-process router, started and stopped together."""
+    """Workers (processes) plus the in-process router, started and stopped together. While it runs, a
+    worker that dies is reaped, dropped from the router and restarted after the supervisor's backoff
+    (``tessera.local.supervisor``), each step reported."""
 
     def __init__(
         self,
@@ -237,6 +240,7 @@ class LocalStack:
         wake_backoff: Backoff | None = None,
         activation_tick_s: float = TICK_S,
         route: str = "least-wait",
+        restart_backoff: RestartBackoff | None = None,
         batch: bool = False,
         api_keys: ApiKeys | None = None,
     ) -> None:
@@ -245,10 +249,12 @@ class LocalStack:
         (``tessera.core.routing.ROUTES``); one that reads what the engines hold has every vLLM server the
         workers launch publish its KV events. ``batch``: also run the batch component (``tessera batch``,
         its state under ``<run_dir>/batch``) behind the router's /v1/files and /v1/batches. ``api_keys``:
-        the router authenticates every request (``tessera.router.auth``)."""
+        the router authenticates every request (``tessera.router.auth``). ``restart_backoff``: how long a
+        worker that died waits for its restart (default: ``RestartBackoff()``, the kubelet's)."""
         self.plan = plan
         self.route = route
-        self.supervisor = Supervisor(run_dir, kv_events=uses_engine_blocks(ROUTES[route]))
+        self.supervisor = Supervisor(run_dir, kv_events=uses_engine_blocks(ROUTES[route]),
+                                     backoff=restart_backoff)  # fmt: skip
         self.host = host
         self.port = port
         self.autoscale = autoscale
@@ -264,6 +270,8 @@ class LocalStack:
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
         self._scaling: asyncio.Task[None] | None = None
+        self._reaping: asyncio.Task[None] | None = None
+        self._restarts: set[asyncio.Task[None]] = set()
 
     @property
     def endpoint(self) -> str:
@@ -305,12 +313,42 @@ class LocalStack:
             except BaseException:
                 await self.stop()
                 raise
+        self._reaping = asyncio.create_task(self._reap(), name="reaper")
         if self.autoscale:
             groups = self.plan.groups
             paused = self.actuator.asleep if self.actuator is not None else set()
             self.autoscaler = LocalAutoscaler(groups, self.supervisor, self.state, report=self.report,
                                               paused=paused)  # fmt: skip
             self._scaling = asyncio.create_task(self.autoscaler.run(), name="autoscaler")
+
+    async def _reap(self) -> None:
+        """Until cancelled: reap the workers that died, drop them from the router, restart each after
+        its backoff."""
+        while True:
+            await asyncio.sleep(REAP_PERIOD_S)
+            deaths = self.supervisor.reap()
+            if not deaths:
+                continue
+            for death in deaths:
+                self.report(death.describe())
+            self._refresh_router()
+            for death in deaths:
+                task = asyncio.create_task(self._restart(death), name=f"restart-{death.worker.instance.name}")
+                self._restarts.add(task)
+                task.add_done_callback(self._restarts.discard)
+
+    async def _restart(self, death: Death) -> None:
+        await asyncio.sleep(death.restart_in_s)
+        worker = death.worker
+        if self.supervisor.restart(worker):
+            pid = worker.proc.pid if worker.proc is not None else "?"
+            self.report(f"worker {worker.instance.name} restarted (pid {pid}, port {worker.port}); the "
+                        "router takes it once it answers /ready")  # fmt: skip
+            self._refresh_router()
+
+    def _refresh_router(self) -> None:
+        assert self.state is not None
+        self.state.update(self.supervisor.backends())
 
     @staticmethod
     async def _serve(server: RouterServer) -> None:
@@ -330,13 +368,14 @@ class LocalStack:
         return router_status(self.state, self.activator) if self.state is not None else None
 
     async def stop(self) -> None:
-        """Stop the batch component, the autoscaler, the router, then the workers (those draining too)."""
+        """Stop the batch component, the reaper, the autoscaler, the router, then the workers (those
+        draining too)."""
         if self.batch is not None:
             await asyncio.to_thread(self.batch.stop)
-        if self._scaling is not None:
-            self._scaling.cancel()
+        for task in [t for t in (self._reaping, self._scaling) if t is not None] + list(self._restarts):
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._scaling
+                await task
         if self.autoscaler is not None:
             await self.autoscaler.close()
         if self._server is not None and self._task is not None:

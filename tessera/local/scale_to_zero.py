@@ -69,7 +69,7 @@ class LocalActuator:
         return next(g for g in self.groups if g.group.name == unit)
 
     def _refresh_router(self) -> None:
-        self.router.update([w.backend() for w in self.supervisor.workers])
+        self.router.update(self.supervisor.backends())
 
     async def sleep(self, unit: str) -> None:
         """Take the group's instances out of the router (its models stay listed), then stop them."""

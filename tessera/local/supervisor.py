@@ -8,6 +8,11 @@ SIGTERM (the worker drains, and stops any vLLM server it launched), then SIGKILL
 reload, with a token only this supervisor knows), so the engines keep running. With ``kv_events``, each
 vLLM server a worker launches publishes its KV events on a free port (``launch.kvEventsPort``), and the
 worker's backend entry names that publisher, for a router route that reads what the engines hold.
+
+Every worker has an owner until it is stopped: ``reap`` collects a worker that exited on its own (a
+crash, the OOM killer, a SIGKILL), kills what its process group left behind (a vLLM server it launched),
+and says when ``restart`` should start it again, with a kubelet's restart backoff (``RestartBackoff``).
+``backends`` lists the live workers only, so the router drops a dead one until it is back.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -39,6 +45,45 @@ class PolicySwitchError(RuntimeError):
     """A worker refused a policy switch; the message holds its answer."""
 
 
+@dataclass(frozen=True, slots=True)
+class RestartBackoff:
+    """How long a worker that died waits before its restart: ``base_s`` after the first death, doubled
+    after each further one, at most ``max_s``; a worker that ran ``reset_after_s`` before it died
+    starts over at ``base_s``. The defaults are the kubelet's with Kubernetes 1.33's shorter decay
+    (1 s to 60 s; the kubelet resets after 10 minutes of running)."""
+
+    base_s: float = 1.0
+    max_s: float = 60.0
+    reset_after_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.base_s <= self.max_s and self.reset_after_s > 0):
+            raise ValueError(f"invalid restart backoff {self}: 0 <= base_s <= max_s, reset_after_s > 0")
+
+    def delay(self, deaths: int) -> float:
+        """Seconds before the restart that follows the ``deaths``-th death in a row (from 1)."""
+        return min(self.max_s, self.base_s * 2 ** (deaths - 1))
+
+
+class Death(NamedTuple):
+    """A worker reaped after it exited on its own, and when to restart it."""
+
+    worker: WorkerProcess
+    returncode: int
+    restart_in_s: float
+
+    def describe(self) -> str:
+        """One log line, as a kubelet's event says it."""
+        code = self.returncode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        w = self.worker
+        pid = w.proc.pid if w.proc is not None else "?"
+        return (
+            f"worker {w.instance.name} (pid {pid}) {how}; the router dropped it; restarting it in "
+            f"{self.restart_in_s:g} s (death {w.deaths} in a row; log {w.log_path})"
+        )
+
+
 @dataclass(slots=True)
 class WorkerProcess:
     """One running ``tessera worker``."""
@@ -48,6 +93,10 @@ class WorkerProcess:
     config_path: Path
     log_path: Path
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    started_at: float = 0.0  # time.monotonic() of its latest start
+    deaths: int = 0  # deaths in a row (RestartBackoff), 0 once it has run long enough
+    stopping: bool = False  # its supervisor is stopping it: an exit is no death
+    dead: bool = False  # reaped, not yet restarted
 
     @property
     def url(self) -> str:
@@ -70,10 +119,18 @@ class WorkerProcess:
 class Supervisor:
     """Starts and stops the worker processes of a local plan."""
 
-    def __init__(self, run_dir: Path, *, grace_s: float = 10.0, kv_events: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        grace_s: float = 10.0,
+        kv_events: bool = False,
+        backoff: RestartBackoff | None = None,
+    ) -> None:
         self.run_dir = run_dir
         self.grace_s = grace_s
         self.kv_events = kv_events  # launched vLLM servers publish their KV events
+        self.backoff = backoff or RestartBackoff()
         self.workers: list[WorkerProcess] = []
         self._admin_token = secrets.token_urlsafe(24)
 
@@ -85,7 +142,12 @@ class Supervisor:
         config_path = self.run_dir / f"{instance.name}.json"
         config_path.write_text(json.dumps(instance.config.to_json(), indent=2))
         worker = WorkerProcess(instance, free_port(), config_path, self.run_dir / f"{instance.name}.log")
-        command = [sys.executable, "-m", "tessera", "worker", "--config", str(config_path),
+        self._spawn(worker)
+        self.workers.append(worker)
+        return worker
+
+    def _spawn(self, worker: WorkerProcess) -> None:
+        command = [sys.executable, "-m", "tessera", "worker", "--config", str(worker.config_path),
                    "--host", "127.0.0.1", "--port", str(worker.port),
                    "--grace-seconds", str(self.grace_s / 2)]  # fmt: skip
         with open(worker.log_path, "ab") as log:
@@ -94,8 +156,35 @@ class Supervisor:
                 env={**os.environ, "HF_HUB_OFFLINE": "1", ADMIN_TOKEN_ENV: self._admin_token},
                 start_new_session=True,
             )  # fmt: skip
-        self.workers.append(worker)
-        return worker
+        worker.started_at = time.monotonic()
+
+    def backends(self) -> list[Backend]:
+        """The router's entries of the workers that run (a dead one waits for its restart)."""
+        return [w.backend() for w in self.workers if not w.dead]
+
+    def reap(self) -> list[Death]:
+        """Collect the workers that exited on their own since the last call (their process groups'
+        leftovers killed): each with its exit code and when to restart it."""
+        deaths = []
+        now = time.monotonic()
+        for w in self.workers:
+            if w.dead or w.stopping or w.proc is None or w.proc.poll() is None:
+                continue
+            _signal_group(w, signal.SIGKILL)  # a vLLM server it launched would hold the GPU and port
+            w.dead = True
+            w.deaths = 1 if now - w.started_at >= self.backoff.reset_after_s else w.deaths + 1
+            deaths.append(Death(w, w.proc.returncode, self.backoff.delay(w.deaths)))
+        return deaths
+
+    def restart(self, worker: WorkerProcess) -> bool:
+        """Start a reaped worker again, on a new port (the old one may be taken by now); False when it
+        has left this supervisor or is being stopped meanwhile."""
+        if not worker.dead or worker.stopping or worker not in self.workers:
+            return False
+        worker.port = free_port()
+        self._spawn(worker)
+        worker.dead = False
+        return True
 
     def wait_ready(self, worker: WorkerProcess, deadline: float) -> None:
         """Block until the worker answers /ready; WorkerStartError if it exits or time runs out."""
@@ -156,6 +245,8 @@ class Supervisor:
 
     def stop(self, workers: list[WorkerProcess]) -> None:
         """Stop these workers (SIGTERM, then SIGKILL after the grace period) and forget them."""
+        for w in workers:
+            w.stopping = True
         live = [w for w in workers if w.proc is not None and w.proc.poll() is None]
         for w in live:
             _signal_group(w, signal.SIGTERM)
