@@ -100,7 +100,7 @@ class AcceptedClass(ApiModel):
     )
 
 
-ServicePolicy = Literal["fcfs", "isrtf", "qoe", "qlm", "auto"]
+ServicePolicy = Literal["fcfs", "edf", "isrtf", "qoe", "qlm", "seallm", "round-robin-sharing", "auto"]
 
 
 def _settings_keys() -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -119,8 +119,10 @@ class SchedulingSpec(ApiModel):
 
     policy: ServicePolicy = Field(
         default="auto",
-        description="fcfs (vLLM order), isrtf (ELIS), qoe (Andes), qlm (QLM); auto picks qlm when a batch "
-        "class is accepted, else qoe.",
+        description="fcfs (vLLM order), edf (earliest SLO deadline), isrtf (ELIS), qoe (Andes), qlm (QLM), "
+        "seallm (SeaLLM's doubling budget across a pod's models), round-robin-sharing (the models of a pod "
+        "take turns); auto picks qlm when a batch class is accepted, else qoe. A pod of several models "
+        "runs its first service's policy over all of them.",
     )
     settings: dict[str, Any] = Field(
         default_factory=dict,
