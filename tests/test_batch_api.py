@@ -186,8 +186,8 @@ def test_bad_input_fails_naming_the_line(stack: Stack) -> None:
     assert "context length" in err[0]["response"]["body"]["error"]["message"]
 
 
-def _long_job(stack: Stack, client: Any, n: int, window: str) -> Any:
-    lines = [_chat_line(stack.model, i, max_tokens=400) for i in range(n)]
+def _long_job(stack: Stack, client: Any, n: int, window: str, max_tokens: int = 400) -> Any:
+    lines = [_chat_line(stack.model, i, max_tokens=max_tokens) for i in range(n)]
     return client.batches.create(
         input_file_id=_upload(client, lines).id, endpoint=CHAT, completion_window=window
     )
@@ -208,7 +208,7 @@ def test_cancel_stops_feeding_and_answers_the_unsent(stack: Stack) -> None:
 
 def test_expiry_answers_unsent_lines_batch_expired(stack: Stack) -> None:
     client = stack.client()
-    batch = _wait(client, _long_job(stack, client, 400, "2s").id)
+    batch = _wait(client, _long_job(stack, client, 400, "1s", max_tokens=100).id)
     assert batch.status == "expired" and batch.expired_at
     _, err = _every_id_once(client, batch, 400)
     assert err and all(x["error"]["code"] == "batch_expired" for x in err)
@@ -216,7 +216,7 @@ def test_expiry_answers_unsent_lines_batch_expired(stack: Stack) -> None:
 
 def test_kill_9_mid_job_then_restart_completes_each_line_once(stack: Stack) -> None:
     client = stack.client()
-    batch = _long_job(stack, client, 300, "24h")
+    batch = _long_job(stack, client, 200, "24h", max_tokens=100)
     deadline = time.monotonic() + 60
     while client.batches.retrieve(batch.id).request_counts.completed < 20:
         assert time.monotonic() < deadline
@@ -229,8 +229,8 @@ def test_kill_9_mid_job_then_restart_completes_each_line_once(stack: Stack) -> N
     process.start()
     batch = _wait(client, batch.id)
     assert batch.status == "completed"
-    out, err = _every_id_once(client, batch, 300)
-    assert not err and len({x["id"] for x in out}) == 300
+    out, err = _every_id_once(client, batch, 200)
+    assert not err and len({x["id"] for x in out}) == 200
 
 
 def test_keys_see_only_their_own_files_and_batches(stack: Stack) -> None:
@@ -248,4 +248,8 @@ def test_keys_see_only_their_own_files_and_batches(stack: Stack) -> None:
             call()
     with pytest.raises(openai.AuthenticationError):
         stack.client("sk-nobody-0123456789abcdef").files.list()
+    # a deadline reorders queues: only the batch component's lines may carry one
+    with pytest.raises(openai.PermissionDeniedError, match="x-tessera-deadline"):
+        a.chat.completions.create(**_chat_line(stack.model, 0)["body"],
+                                  extra_headers={"x-tessera-deadline": f"{time.time() + 60}"})  # fmt: skip
     assert _wait(a, job.id).status == "completed"
