@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+from pathlib import Path
+
 import pytest
 
 from tessera.bench.scenarios import BenchConfig
 from tessera.bench.scenarios.elis import run
+from tessera.predictor.dataset import is_validation
+from tessera.predictor.train import DEFAULT_ARTIFACT_DIR
 
 
 def test_elis_scenario_rows_and_checks() -> None:
@@ -55,3 +61,25 @@ def test_elis_scenario_checks_the_seed_means() -> None:
     assert report.config["seeds"] == [3, 4]
     assert report.checks[0].startswith("mean of seeds 3..4: srtf-oracle:batch=1 mean JCT")
     assert any(c.startswith("  seed 4: isrtf:batch=1 mean JCT") for c in report.checks)
+
+
+def test_elis_runs_the_online_row_and_leads_isrtf_rows_with_their_ranking(tmp_path: Path) -> None:
+    # 40 rows of the smollm2 head's own held-out prompts: another file than its training data, all rows kept
+    shipped = Path(DEFAULT_ARTIFACT_DIR / "smollm2" / "data.jsonl.gz")
+    with gzip.open(shipped, "rt") as fh:
+        rows = [line for line in fh if is_validation(json.loads(line)["prompt_id"], 0.2)]
+    data = tmp_path / "unseen.jsonl.gz"
+    with gzip.open(data, "wt") as fh:
+        fh.writelines(rows[:40])
+    opts = {"requests": 40, "batches": "1", "seeds": 1, "artifact": "smollm2", "data": str(data),
+            "refit_every": 10, "min_samples": 10}  # fmt: skip
+    report = run(BenchConfig(scenario="elis", seed=0, options=opts), lambda *a, **k: None)
+    by = {r["policy"]: r for r in report.results}
+    online = by["isrtf:batch=1,online"]
+    assert list(online)[:4] == ["policy", "step0_tau", "within_step_tau", "pooled_tau"]
+    assert "step0_tau" in by["isrtf:batch=1"] and "step0_tau" not in by["fcfs:batch=1"]
+    (learner,) = report.config["online"]["learners"]["isrtf:batch=1,online"]
+    # ISRTF hands a finished request over at its next prediction: the last one's never comes
+    assert learner["seen"] == 39 and learner["refits"] + learner["rejected"] == 3  # at 10, 20 and 30
+    online_checks = [c for c in report.checks if c.startswith("isrtf:batch=1,online recovers")]
+    assert len(online_checks) == 1 and online_checks[0].endswith(("PASS", "FAIL"))

@@ -243,3 +243,49 @@ def test_prequential_replay_reports_online_head_and_baselines(
     assert late["online"]["step0"]["n"] == 60
     with pytest.raises(ValueError, match="leaves no request"):
         prequential(text_predictor, path, settings, after=60)
+
+
+def test_a_file_other_than_the_heads_training_data_keeps_every_unseen_row(tmp_path: Path) -> None:
+    from tessera.predictor.dataset import is_validation, load_pairs, unseen_by_head
+
+    def write(path: Path, groups: list[str]) -> Path:
+        with gzip.open(path, "wt") as fh:
+            for g in groups:
+                fh.write(json.dumps({"prompt_id": g, "prompt": f"about {g}", "response": "text"}) + "\n")
+        return path
+
+    trained_on = [f"t{i}" for i in range(40)]
+    train = write(tmp_path / "train.jsonl.gz", trained_on)
+    meta = {"split": {"by": "prompt_id", "val_fraction": 0.2}, "config": {"data": str(train)}}
+    other = load_pairs(write(tmp_path / "other.jsonl.gz", [f"n{i}" for i in range(30)] + trained_on))
+    kept = {p.group for p in unseen_by_head(other, meta)}
+    held = {g for g in trained_on if is_validation(g, 0.2)}
+    assert 0 < len(held) < 40 and kept == {f"n{i}" for i in range(30)} | held
+    # the training file itself: its held-out prompts only
+    assert {p.group for p in unseen_by_head(load_pairs(train), meta)} == held
+    # the training file not on this machine: the held-out split by id, as before
+    gone = {**meta, "config": {"data": str(tmp_path / "gone.jsonl.gz")}}
+    assert {p.group for p in unseen_by_head(other, gone)} == {
+        p.group for p in other if is_validation(p.group, 0.2)
+    }
+
+
+def test_predictor_eval_online_prints_the_ranking_and_refuses_a_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tessera.cli import main
+
+    path = tmp_path / "pairs.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        for n in range(1, 41):
+            fh.write(json.dumps({"prompt": f"Say 'ok' {n} times.", "response": " ok" * n}) + "\n")
+    out = tmp_path / "online.json"
+    args = ["predictor", "eval", "--model", "smollm2", "--data", str(path), "--threads", "1"]
+    assert main([*args, "--online", "--after", "20", "--min-samples", "10", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "after the learner saw 20" in text and "position only" in text and "refits installed" in text
+    assert json.loads(out.read_text())["after_seen"]["online"]["step0"]["n"] == 20
+    assert main([*args]) == 0  # the head alone: step 0 and within-step τ lead
+    assert capsys.readouterr().out.startswith("Kendall τ at step 0")
+    assert main([*args, "--online", "--split", "heldout"]) == 2
+    assert "takes no --split" in capsys.readouterr().err

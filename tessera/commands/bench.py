@@ -96,6 +96,8 @@ def _fmt(value: Any) -> str:
 
 
 TABLE_KEYS = (
+    "step0_tau",  # a length-ranking policy's Kendall τ at arrival (bench elis), what its order rests on
+    "within_step_tau",
     "requests",
     "mean_ttft_s",
     "p50_ttft_s",

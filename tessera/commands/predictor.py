@@ -146,6 +146,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ev.add_argument("--latency", action="store_true", help="also time predict_remaining on batches of 16")
     ev.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     ev.add_argument("--json", type=Path, default=None, help="write the metrics as JSON here")
+    ev.add_argument(
+        "--online",
+        action="store_true",
+        help="prequential replay of every row in a seeded arrival order: predict each request, then learn "
+        "from it online (the head alone, the running mean and position alone beside it)",
+    )
+    ev.add_argument("--passes", type=positive_int, default=1, help="--online: replays of the file")
+    ev.add_argument(
+        "--after", type=int, default=0, help="--online: also score the requests after the learner saw N"
+    )
+    ev.add_argument("--one-per-prompt", action="store_true", help="--online: one answer per prompt id")
+    ev.add_argument("--refit-every", type=positive_int, default=None, help="--online: finished requests")
+    ev.add_argument("--min-samples", type=positive_int, default=None, help="--online: before the first refit")
+    ev.add_argument("--prior-weight", type=float, default=None, help="--online: the head's prior, samples")
 
 
 def _print_metrics(title: str, m: dict) -> None:
@@ -153,6 +167,58 @@ def _print_metrics(title: str, m: dict) -> None:
         f"{title:<10} n={m['n']:<7} MAE {m['mae']:7.1f}  RMSE {m['rmse']:7.1f}  "
         f"R² {m['r2']:6.3f}  Kendall τ {m['kendall_tau']:6.3f}"
     )
+
+
+def _print_ranking(title: str, m: dict) -> None:
+    """What ISRTF ranks by first: τ at step 0 and within a step, then the pooled τ and MAE."""
+    print(
+        f"{title:<13} τ step 0 {m['step0']['kendall_tau']:6.3f}  within step {m['within_step_tau']:6.3f}  "
+        f"pooled {m['kendall_tau']:6.3f}  MAE {m['mae']:6.1f} (step 0 {m['step0']['mae']:6.1f})"
+    )
+
+
+def _eval_online(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tessera.predictor.evaluate import prequential
+    from tessera.predictor.model import TextLengthPredictor
+    from tessera.predictor.online import OnlineSettings
+
+    if args.split != "all" or args.source or args.latency:
+        raise ValueError("--online replays every row: it takes no --split, --source or --latency")
+    if args.after < 0:
+        raise ValueError(f"--after must be >= 0, got {args.after}")
+    settings = OnlineSettings()
+    given = {
+        "refit_every": args.refit_every,
+        "min_samples": args.min_samples,
+        "prior_weight": args.prior_weight,
+    }
+    settings = replace(settings, **{k: v for k, v in given.items() if v is not None})
+    predictor = TextLengthPredictor(args.model, tokenizer=args.tokenizer, threads=args.threads, online=None)
+    result = prequential(
+        predictor, args.data, settings, args.seed, args.passes, args.after, args.one_per_prompt, args.max_rows
+    )
+    segments = [("all", f"all {result['requests']} requests")]
+    if args.after:
+        segments.append(("after_seen", f"after the learner saw {args.after}"))
+    for key, title in segments:
+        print(f"{title} (rows {result['rows']}, passes {result['passes']}):")
+        seg = result[key]
+        for name in ("online", "head", "running_mean"):
+            _print_ranking(name, seg[name])
+        pooled = seg["position_only"]["kendall_tau"]
+        print(f"{'position only':<13} τ step 0  0.000  within step  0.000  pooled {pooled:6.3f}")
+    learner = result["learner"]
+    print(
+        f"learner: {learner['seen']} finished requests, {learner['refits']} refits installed, "
+        f"{learner['rejected']} kept the head, {learner['failed']} failed; refit time "
+        f"{learner['refit_wall_s_total']:.2f} s in all (CPU {learner['refit_cpu_s_total']:.2f} s, "
+        f"max {learner['refit_wall_s_max'] * 1e3:.0f} ms)"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 def _gen_dataset(args: argparse.Namespace) -> int:
@@ -246,13 +312,23 @@ def run(args: argparse.Namespace) -> int:
             _print_metrics("validation", meta["validation"])
             print("train time {total:.0f} s (embedding {embedding:.0f} s)".format(**meta["seconds"]))
             return 0
+        if args.online:
+            return _eval_online(args)
         from tessera.predictor.evaluate import evaluate, measure_latency
         from tessera.predictor.model import TextLengthPredictor
 
-        predictor = TextLengthPredictor(args.model, tokenizer=args.tokenizer, threads=args.threads)
+        predictor = TextLengthPredictor(
+            args.model, tokenizer=args.tokenizer, threads=args.threads, online=None
+        )
         result = evaluate(predictor, args.data, args.split, tuple(args.source), args.max_rows, args.seed)
-        _print_metrics("all steps", result)
+        print(
+            f"Kendall τ at step 0 {result['step0']['kendall_tau']:.3f}, within a step (mean) "
+            f"{result['within_step_tau']:.3f}, pooled {result['kendall_tau']:.3f} "
+            f"(position only: 0, 0, {result['position_only']['kendall_tau']:.3f})"
+        )
+        print("τ by step: " + ", ".join(f"{k}: {v:.3f}" for k, v in result["tau_by_step"].items()))
         _print_metrics("step 0", result["step0"])
+        _print_metrics("all steps", result)
         print("MAE by step: " + ", ".join(f"{k}: {v:.1f}" for k, v in result["mae_by_step"].items()))
         if args.latency:
             result["latency"] = measure_latency(predictor, args.data, seed=args.seed)

@@ -92,6 +92,38 @@ def heldout(pairs: list[Pair], split: dict) -> list[Pair]:
     return [p for p in pairs if is_validation(key(p), float(split["val_fraction"]))]
 
 
+def unseen_by_head(pairs: list[Pair], meta: dict) -> list[Pair]:
+    """The rows whose prompt a trained head never trained on, from its metadata (``head.json``).
+
+    A file that is not the head's training data keeps every row but those sharing a prompt id with
+    the head's training prompts (AlpacaEval's other models' answers, for the smollm2 head); the
+    training file itself keeps its validation split. When the training file is not on this machine
+    (or the head was split by row), the rows in the head's validation split by id (``heldout``)."""
+    split = meta["split"]
+    source = training_data_path(meta)
+    if split.get("by") == "row" or source is None:
+        return heldout(pairs, split)
+    val_fraction = float(split["val_fraction"])
+    trained: set[str] = set()
+    for _, row in read_jsonl(source):
+        group = row.get("prompt_id") or hashlib.sha1(str(row.get("prompt", "")).encode()).hexdigest()[:12]
+        if not is_validation(str(group), val_fraction):
+            trained.add(str(group))
+    return [p for p in pairs if p.group not in trained]
+
+
+def training_data_path(meta: dict) -> Path | None:
+    """The head's training file from its metadata: absolute, or relative to the repository root (where
+    the shipped heads were trained); None when it is not on this machine."""
+    given = meta.get("config", {}).get("data")
+    if not given:
+        return None
+    path = Path(given)
+    if not path.is_absolute():
+        path = Path(__file__).resolve().parents[2] / path
+    return path if path.is_file() else None
+
+
 def split_by_prompt(pairs: list[Pair], val_fraction: float, salt: str = "") -> tuple[list[Pair], list[Pair]]:
     """(train, validation): every row of a prompt lands on the same side."""
     if not 0.0 < val_fraction < 1.0:

@@ -85,6 +85,7 @@ class TextLengthPredictor:
                 f"({self.meta['encoder_signature']}): retrain with `tessera predictor train`"
             )
         folder = resolve_artifact(artifact_dir)
+        self.artifact = folder  # the head's folder
         state = torch.load(folder / HEAD_FILE, map_location="cpu")
         self.head = LengthHead(
             self.meta["feature_dim"],

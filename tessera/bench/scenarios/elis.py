@@ -1,8 +1,9 @@
 """Scenario ``elis``: FCFS vs ELIS ISRTF (trained length predictor) vs oracle SRTF (ELIS §6).
 
 Workload: prompts and responses from the AlpacaEval prompt/response set (``--set data=FILE`` for
-another JSONL with prompt/response), restricted to the prompts the shipped predictor held out from
-training (so the predictor never saw them); lengths counted with the predictor's tokenizer. Arrivals are Gamma
+another JSONL with prompt/response), without the rows whose prompt the predictor trained on
+(``unseen_by_head``: the head's own training file keeps its held-out split, any other file every row
+but those sharing a training prompt id); lengths counted with the predictor's tokenizer. Arrivals are Gamma
 with ELIS' FabriX shape 0.73 (scale = 1/(0.73·λ); docs/papers.md, "ELIS: evaluation workload") at ``load`` ×
 the measured capacity (FCFS with every request at time 0) of each batch size. One instance, batch sizes 1, 2
 and 4 as in ELIS Fig 6. ``--trace`` replaces the Gamma arrivals: a trace's first ``requests`` arrival
@@ -16,11 +17,17 @@ the oracle's reduction by ±7 points from seed to seed, so one seed cannot settl
 Rows: ``fcfs:batch=B``, ``isrtf:batch=B`` (the policy as shipped: its tail guard on at its defaults,
 or at ``guard_credit``/``guard_after``/``aging``), ``isrtf:batch=B,guard=off`` (no guard, no aging: the
 plain ELIS order),
-``isrtf-tail:batch=B`` (the wait-bounded variant at ``max_wait``), ``srtf-oracle:batch=B`` — the seed
+``isrtf-tail:batch=B`` (the wait-bounded variant at ``max_wait``), ``isrtf:batch=B,online`` (predictor
+text only: the shipped policy with a text predictor that learns online from the run's finished
+requests, starting from the head alone: ``tessera.predictor.online``, refits inline, every
+``refit_every`` finished requests), ``srtf-oracle:batch=B`` — the seed
 means (every number averaged, p99 included); with more than one seed, each seed's rows come first as
 ``...,seed=N``. The checks are on the means, then each seed's reductions for information: the oracle's
 and ISRTF's mean-JCT reductions, the guard's tail (p99 JCT <= 1.5x FCFS's, keeping >= 80% of the
 guard-off mean-JCT gain), and every row against ``fcfs`` on throughput and p99 JCT (``tolerance``).
+Every ISRTF row leads with the ranking its predictions gave (``step0_tau``: Kendall τ of the
+predictions at arrival against the true lengths; ``within_step_tau``: the mean τ among predictions at
+the same window step; ``pooled_tau``: over all predictions), what ISRTF's order rests on.
 
 Options (``--set``): requests (400), batches ("1,2,4"), seeds (5), data (AlpacaEval text; any JSONL
 with ``prompt`` and ``response`` text), predictor (text | running-mean | constant), artifact (a trained
@@ -28,7 +35,8 @@ head's folder for ``text``; default the shipped one), window (50), guard_credit 
 ``isrtf`` row's tail guard: credit as a share of the decode rate, and the wait in recent mean JCTs
 after which it starts; default the policy's), aging (the ``isrtf`` row's linear aging, tokens/s of
 credit per second of age; default the policy's, 0), max_wait (``isrtf-tail``'s promotion wait in
-recent mean JCTs; default the policy's), tolerance (0.10), rate_dist (with a rate series as ``--trace``), and
+recent mean JCTs; default the policy's), refit_every, min_samples and prior_weight (the online
+learner's, default ``OnlineSettings``'), tolerance (0.10), rate_dist (with a rate series as ``--trace``), and
 the cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS``.
 """
 
@@ -51,7 +59,7 @@ from tessera.core.policies.isrtf import (
 )
 from tessera.core.registry import make_policy
 from tessera.core.request import Request
-from tessera.predictor.dataset import heldout, load_pairs, sample_rows
+from tessera.predictor.dataset import load_pairs, sample_rows, unseen_by_head
 from tessera.sim.workloads import gamma_arrivals, scale_to_rate
 
 DESCRIPTION = (
@@ -62,13 +70,14 @@ ALPACA_TEXT = SHARED_DATA / "alpacaeval_responses_text.jsonl.gz"
 GAMMA_SHAPE = 0.73  # ELIS FabriX trace fit (ELIS Fig. 4)
 
 
-def build_workload(data: Path, n: int, seed: int, split: dict | None, predictor: Any) -> list[Request]:
-    """``n`` requests (arrival 0) from held-out prompt/response rows; tokens by the predictor's tokenizer."""
+def build_workload(data: Path, n: int, seed: int, meta: dict | None, predictor: Any) -> list[Request]:
+    """``n`` requests (arrival 0) from the rows whose prompt the head with metadata ``meta`` never
+    trained on (every row without one); tokens by the predictor's tokenizer."""
     from tessera.predictor.tokens import token_counter
 
     pairs = load_pairs(data)
-    if split is not None:
-        pairs = heldout(pairs, split)
+    if meta is not None:
+        pairs = unseen_by_head(pairs, meta)
     if len(pairs) < n:
         raise ValueError(f"{data} has {len(pairs)} usable rows, fewer than requests={n}")
     rows = sample_rows(pairs, n, seed)
@@ -142,20 +151,31 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     # Read --trace first: a file it refuses (a lengths file) is refused before the predictor loads and
     # predicts every workload, which takes a minute on a loaded machine.
     shapes = {s: trace_arrivals(config, n, s) for s in seeds}  # None each without --trace
+    online = _online_settings(opts)
     predictor = _predictor(kind, None if artifact is None else str(artifact))
-    split = predictor.meta["split"] if kind == "text" else None
-    bases = {s: build_workload(data, n, s, split, predictor) for s in seeds}
+    text = predictor if kind == "text" else None
+    bases = {s: build_workload(data, n, s, predictor.meta if text else None, predictor) for s in seeds}
     if kind == "text":
         from tessera.predictor.precomputed import PrecomputedPredictor
 
         # Same predictions, computed ahead in batched passes (one per window step), not per decision.
         predictor = PrecomputedPredictor(predictor, [r for base in bases.values() for r in base], window)
+    recorders: dict[str, _Recorder] = {}
+    learners: dict[str, list[dict[str, Any]]] = {}
 
-    def fresh() -> Any:
-        """The predictor for one ISRTF run: a predictor that learns from finished requests starts anew,
-        so that no row inherits what an earlier row taught it (the precomputed text one is stateless)."""
-        return predictor if kind == "text" else _predictor(kind)
+    def fresh(row: str, learning: bool = False) -> Any:
+        """The predictor for one ISRTF run, its predictions recorded: a predictor that learns from
+        finished requests starts anew, so that no row inherits what an earlier row taught it (the
+        precomputed text one is stateless); ``learning``: the text predictor learning online."""
+        inner = predictor if kind == "text" else _predictor(kind)
+        if learning:
+            inner = _online_predictor(text, online)
+            learners.setdefault(row, []).append(inner.online)
+        recorders[row] = _Recorder(inner, window)
+        return recorders[row]
 
+    shipped = {"window_tokens": window, "aging_tokens_per_s": aging, "guard_credit": guard_credit,
+               "guard_after_jct_multiple": guard_after}  # fmt: skip
     rows: list[dict[str, Any]] = []
     checks: list[str] = []
     capacities: dict[int, list[float]] = {}
@@ -164,21 +184,22 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         # the trained predictor object is a bench variant, not a setting: ISRTF is built directly
         policies = {
             f"fcfs:batch={b}": lambda: make_policy("fcfs"),
-            f"isrtf:batch={b}": lambda: ISRTF(
-                predictor=fresh(),
+            f"isrtf:batch={b}": lambda b=b: ISRTF(predictor=fresh(f"isrtf:batch={b}"), **shipped),
+            f"isrtf:batch={b},guard=off": lambda b=b: ISRTF(
+                predictor=fresh(f"isrtf:batch={b},guard=off"),
                 window_tokens=window,
-                aging_tokens_per_s=aging,
-                guard_credit=guard_credit,
-                guard_after_jct_multiple=guard_after,
+                aging_tokens_per_s=0.0,
+                guard_credit=0.0,
             ),
-            f"isrtf:batch={b},guard=off": lambda: ISRTF(
-                predictor=fresh(), window_tokens=window, aging_tokens_per_s=0.0, guard_credit=0.0
+            f"isrtf-tail:batch={b}": lambda b=b: TailISRTF(
+                predictor=fresh(f"isrtf-tail:batch={b}"), window_tokens=window, max_wait_jct_multiple=max_wait
             ),
-            f"isrtf-tail:batch={b}": lambda: TailISRTF(
-                predictor=fresh(), window_tokens=window, max_wait_jct_multiple=max_wait
-            ),
-            f"srtf-oracle:batch={b}": lambda: make_policy("srtf-oracle", recheck_tokens=window),
         }
+        if kind == "text":
+            policies[f"isrtf:batch={b},online"] = lambda b=b: ISRTF(
+                predictor=fresh(f"isrtf:batch={b},online", learning=True), **shipped
+            )
+        policies[f"srtf-oracle:batch={b}"] = lambda: make_policy("srtf-oracle", recheck_tokens=window)
         if index == 0:
             progress(0, total=n * len(policies) * len(batches) * len(seeds))
         per_seed: dict[int, list[dict[str, Any]]] = {}
@@ -195,7 +216,14 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                 arrivals = scale_to_rate(shape, rate)
             for r, t in zip(base, arrivals, strict=True):
                 r.arrival = float(t)
-            per_seed[seed] = run_policies(base, policies, cluster, progress, requests_csv=config.requests_csv)
+            got = run_policies(base, policies, cluster, progress, requests_csv=config.requests_csv)
+            # the ranking each ISRTF row's predictions gave leads its row
+            per_seed[seed] = [
+                {"policy": r["policy"], **recorders[r["policy"]].ranking(), **r}
+                if r["policy"] in recorders
+                else r
+                for r in got
+            ]
         if n_seeds == 1:
             rows += per_seed[seeds[0]]
             checks += _checks(b, _by_kind(per_seed[seeds[0]]), tol)
@@ -230,6 +258,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "capacity_rps": capacities,
     }
     if kind == "text":
+        cfg["online"] = {
+            "settings": {k: getattr(online, k) for k in online.__dataclass_fields__ if k != "background"},
+            "learners": {row: [learner.stats() for learner in runs] for row, runs in learners.items()},
+        }
         cfg["predictions"] = {
             "precomputed": len(predictor.table),
             "hits": predictor.hits,
@@ -238,10 +270,84 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     return BenchReport("elis", cfg, rows, checks)
 
 
+def _online_settings(opts: Any) -> Any:
+    """The online learner's settings from ``--set`` (inline refits: the replay's clock is virtual)."""
+    from tessera.predictor.online import OnlineSettings
+
+    given = {
+        "refit_every": option(opts, "refit_every", None, int),
+        "min_samples": option(opts, "min_samples", None, int),
+        "prior_weight": option(opts, "prior_weight", None, float),
+    }
+    return OnlineSettings(background=False, **{k: v for k, v in given.items() if v is not None})
+
+
+def _online_predictor(text: Any, settings: Any) -> Any:
+    """A text predictor of the same head, encoder and embedding store with a fresh online learner,
+    on a clock that never moves (refits by count only: the replay's time is virtual)."""
+    from tessera.predictor.model import TextLengthPredictor
+    from tessera.predictor.online import OnlineLearner
+
+    return TextLengthPredictor(
+        text.artifact,
+        threads=1,
+        encoder=text.encoder,
+        store=text.store,
+        online=OnlineLearner(settings, clock=lambda: 0.0),
+    )
+
+
+class _Recorder:
+    """A predictor wrapper noting every prediction with the request's true remaining length."""
+
+    def __init__(self, inner: Any, window: int) -> None:
+        self.inner = inner
+        self.window = window
+        self.served = getattr(inner, "served", None)
+        self.rows: list[tuple[int, float, int]] = []  # (window step, prediction, true remaining)
+
+    def predict_remaining(self, requests: list[Request]) -> list[float]:
+        """The inner predictions, recorded."""
+        preds = self.inner.predict_remaining(requests)
+        for req, pred in zip(requests, preds, strict=True):
+            self.rows.append(
+                (req.generated // self.window, float(pred), req.target_output_tokens - req.generated)
+            )
+        return preds
+
+    def forget(self, req: Request) -> None:
+        """Forwarded (the online learner learns here); a finished request also feeds a running mean
+        (ISRTF feeds the predictor it holds only when that is the running mean itself)."""
+        observe = getattr(self.inner, "observe", None)
+        if observe is not None and req.finished:
+            observe(req)
+        forget = getattr(self.inner, "forget", None)
+        if forget is not None:
+            forget(req)
+
+    def ranking(self) -> dict[str, float]:
+        """τ at arrival, mean τ within a step, pooled τ of the recorded predictions."""
+        from tessera.predictor.evaluate import ranking_report
+
+        arr = np.array(self.rows, dtype=np.float64).reshape(-1, 3)
+        if len(arr) < 2:
+            return {"step0_tau": float("nan"), "within_step_tau": float("nan"), "pooled_tau": float("nan")}
+        got = ranking_report(arr[:, 1], arr[:, 2], arr[:, 0].astype(int))
+        return {
+            "step0_tau": got["step0"]["kendall_tau"],
+            "within_step_tau": got["within_step_tau"],
+            "pooled_tau": got["kendall_tau"],
+        }
+
+
 def _by_kind(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """One batch size's rows by kind: fcfs, isrtf, isrtf:guard=off, isrtf-tail, srtf-oracle."""
-    off = ",guard=off"
-    return {r["policy"].split(":")[0] + (":guard=off" if off in r["policy"] else ""): r for r in rows}
+    """One batch size's rows by kind: fcfs, isrtf, isrtf:guard=off, isrtf:online, isrtf-tail, srtf-oracle."""
+    out = {}
+    for r in rows:
+        name = r["policy"]
+        variant = ":guard=off" if ",guard=off" in name else ":online" if ",online" in name else ""
+        out[name.split(":")[0] + variant] = r
+    return out
 
 
 def _reduction(row: dict[str, Any], fcfs: dict[str, Any]) -> float:
@@ -249,6 +355,8 @@ def _reduction(row: dict[str, Any], fcfs: dict[str, Any]) -> float:
 
 
 TAIL_LIMIT = 1.5  # the starvation guard's target: p99 JCT at most this many times FCFS's
+ONLINE_KEPT = 0.4  # isrtf with online learning: this share of the oracle's mean-JCT gain at batch 1 ...
+ONLINE_TAIL = 1.3  # ... with p99 JCT at most this many times FCFS's (issue 46)
 GAIN_KEPT = 0.8  # ... while keeping this share of the guard-off mean-JCT reduction
 
 
@@ -276,6 +384,16 @@ def _checks(b: int, by: dict[str, dict[str, Any]], tol: float) -> list[str]:
                f"keeps {kept:.0%} of the guard-off mean-JCT reduction {red_p:.1%}")
             + f" (target <= {TAIL_LIMIT:g}x, >= {GAIN_KEPT:.0%}): {'PASS' if ok else 'FAIL'}"
         )  # fmt: skip
+    online = by.get("isrtf:online")
+    if online is not None and red_o > 0:
+        kept, ratio = _reduction(online, fcfs) / red_o, online["p99_jct_s"] / fcfs["p99_jct_s"]
+        ok = kept >= ONLINE_KEPT and ratio <= ONLINE_TAIL
+        target = f" (target >= {ONLINE_KEPT:.0%}, <= {ONLINE_TAIL:g}x): {'PASS' if ok else 'FAIL'}"
+        out.append(
+            f"isrtf:batch={b},online recovers {kept:.0%} of the oracle's reduction "
+            f"(isrtf {red_i / red_o:.0%}), p99 JCT {ratio:.2f}x fcfs's; τ at arrival "
+            f"{online['step0_tau']:.3f} (isrtf {isrtf['step0_tau']:.3f})" + (target if b == 1 else "")
+        )
     rest = [r for r in by.values() if r is not fcfs]
     return [line for line in out if line] + baseline_checks(rest, fcfs, tol)
 
