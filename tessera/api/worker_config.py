@@ -408,13 +408,25 @@ class WorkerConfig(ApiModel):
         """The class a request's headers select, each class by its own ``match.header`` (names compared
         case-insensitively) carrying its ``match.value`` (else its name); None when no class header is
         present (the model's default class applies). ClassHeaderError when a class header carries a
-        value no class takes, or when two headers select different classes."""
-        sent = {k.lower(): v for k, v in headers.items()}
+        value no class takes, when two headers select different classes, or when one class header is
+        sent more than once with different values (``headers.items()`` lists repeats, as Starlette's
+        do: whichever came first or last would otherwise decide the class)."""
+        sent: dict[str, list[str]] = {}
+        for k, v in headers.items():
+            if v:
+                sent.setdefault(k.lower(), []).append(v)
         chosen: dict[str, tuple[str, str]] = {}  # header as configured -> (value sent, class)
         for header, by_value in self._selectors().items():
-            value = sent.get(header.lower())
-            if not value:
+            values = list(dict.fromkeys(sent.get(header.lower(), ())))
+            if len(values) > 1:
+                raise ClassHeaderError(
+                    f"the header {header} is sent more than once with different values "
+                    f"({', '.join(map(repr, values))}); send it once, naming one request class",
+                    header,
+                )
+            if not values:
                 continue
+            value = values[0]
             name = by_value.get(value)
             if name is None:
                 known = ", ".join(by_value)

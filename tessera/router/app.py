@@ -3,7 +3,8 @@
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming or not) go to an instance chosen by the
 core's ``least-wait`` route (``tessera.core.routing``: model, class roles, least estimated waiting
 time); the worker's answer is relayed as it comes, status and headers included. ``GET /v1/models`` lists
-every model served, ``/health`` answers while the process lives, ``/ready`` when at least one instance
+every model served (``GET /v1/models/{id}`` one of them, 404 naming those served), ``/health`` answers
+while the process lives, ``/ready`` when at least one instance
 is ready, ``/router/status`` shows the instances, their load and estimated waits, and the classes, and
 ``/metrics`` exports the same view and what clients saw to Prometheus (``tessera.router.metrics``).
 Every error, the router's own 404 and 405 included, is an OpenAI-style body.
@@ -71,7 +72,7 @@ from tessera.router.activator import ActivationCollector, Activator
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
 from tessera.router.batch_proxy import BatchLink, add_batch_routes, feeder_deadline, without_token
-from tessera.router.chiron_hold import ChironHold, HeldCollector
+from tessera.router.chiron_hold import ChironHold, HeldCollector, HoldBound, hold_bound
 from tessera.router.discovery import Discovered
 from tessera.router.headers import downstream_headers, upstream_headers
 from tessera.router.kv_events import Subscriptions
@@ -93,10 +94,11 @@ from tessera.router.upstream import UpstreamTransport
 POLL_INTERVAL_S = 1.0
 CONNECT_TIMEOUT_S = 5.0  # opening a connection to an instance; an answer may take as long as it takes
 POLL_TIMEOUT_S = 2.0  # each readiness or metrics poll of an instance
+COMPLETION_MAX_TOKENS = 16  # a completion's max_tokens when unset, as the worker and OpenAI default it
 log = logging.getLogger(__name__)
 _ROUTES = (
-    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, /health, /ready, /router/status, "
-    "/metrics"
+    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/models/{id}, /health, /ready, "
+    "/router/status, /metrics"
 )
 
 
@@ -166,6 +168,7 @@ _POLLED_FAMILIES = (
     "tessera_engine_kv_used_tokens",
 )
 _POLLED_LINES = tuple(f"{prefix}{name}" for name in _POLLED_FAMILIES for prefix in ("", "# HELP ", "# TYPE "))
+# a client's session key (else the body's OpenAI "prompt_cache_key", else its "user")
 # The router's refusals of a tenant's request by error code -> the reason its metrics name.
 _TENANT_REFUSALS = {
     "rate_limit_requests": "requests",
@@ -175,7 +178,7 @@ _TENANT_REFUSALS = {
     "model_not_allowed": "model_not_allowed",
     "class_not_allowed": "class_not_allowed",
 }
-SESSION_HEADER = "x-tessera-session"  # a client's session key (else the body's OpenAI "user" field)
+SESSION_HEADER = "x-tessera-session"
 MAX_SESSIONS = 100_000  # sessions remembered for sticky routing, least recently used forgotten first
 RECENT_DECISIONS = 20  # cache-aware decisions /router/status shows with their scores
 
@@ -346,6 +349,26 @@ class RouterState:
              "candidates": self.route.explain(req, loads)}
         )  # fmt: skip
         return Pick(chosen, req.prompt_tokens - hit)
+
+    def oversize(self, model: str, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why no instance of ``model`` could ever hold a request of ``prompt_tokens`` and ``max_tokens``
+        (more than the largest context length, or the largest KV cache, of its instances: the engine's
+        reported capacity where polled, else its configured one), or None when one could."""
+        configs = [*(b.config for b in self.backends.values()), self.dormant.get(model)]
+        entries = [e for c in configs if c is not None and (e := c.model(model)) is not None]
+        if not entries:
+            return None
+        context = max(e.max_model_len for e in entries)
+        polled = [x.engine_kv_capacity for x in self.loads.values() if x.model == model]
+        kv = max([e.kv_capacity_tokens for e in entries] + [c for c in polled if c])
+        need = prompt_tokens + max_tokens
+        if need <= min(context, kv):
+            return None
+        return (
+            f"no instance of {model!r} can hold this request: the prompt has {prompt_tokens} tokens and "
+            f"max_tokens is {max_tokens} ({need} tokens), and its instances hold at most {context} tokens "
+            f"of context and {kv} tokens of KV cache; shorten the prompt or lower max_tokens"
+        )
 
     def holds(self, model: str) -> bool:
         """Whether requests for ``model`` go through Chiron's dispatch (``self.hold``): a model whose
@@ -667,6 +690,14 @@ def create_router_app(
         return internal_error(exc)
 
     def caller_of(http: HttpRequest) -> Caller | None:
+        """The request's API key (None without API keys); 400 for more than one Authorization header,
+        with or without keys: which one counts would depend on the server, and with keys off they go on
+        to the worker as sent."""
+        sent = len(http.headers.getlist("authorization"))
+        if sent > 1:
+            raise ApiError(400, f"the request has {sent} Authorization headers (ambiguous credentials); send "
+                           "one: 'Authorization: Bearer <key>'", code="ambiguous_credentials",
+                           param="Authorization")  # fmt: skip
         return api_keys.authenticate(http.headers) if api_keys is not None else None
 
     @app.get("/health", summary="Liveness: the router process answers.")
@@ -688,15 +719,30 @@ def create_router_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", summary="Models served behind this router (those the API key may use).")
-    async def models(http: HttpRequest) -> dict[str, Any]:
-        caller = caller_of(http)
-        data = [
+    def model_cards(caller: Caller | None) -> list[dict[str, Any]]:
+        return [
             {"id": name, "object": "model", "owned_by": "tessera", "max_model_len": entry.max_model_len}
             for name, config in sorted(state.configs.items())
             if (entry := config.model(name)) is not None and (caller is None or caller.may_use(name))
         ]
-        return {"object": "list", "data": data}
+
+    @app.get("/v1/models", summary="Models served behind this router (those the API key may use).")
+    async def models(http: HttpRequest) -> dict[str, Any]:
+        return {"object": "list", "data": model_cards(caller_of(http))}
+
+    # ``:path``: a model id holds slashes (the official client sends them encoded as %2F)
+    @app.get("/v1/models/{model_id:path}", summary="One model served behind this router (OpenAI's retrieve).")
+    async def one_model(model_id: str, http: HttpRequest) -> dict[str, Any]:
+        caller = caller_of(http)
+        if caller is not None:
+            caller.check_model(model_id)
+        cards = model_cards(caller)
+        card = next((c for c in cards if c["id"] == model_id), None)
+        if card is None:
+            known = ", ".join(c["id"] for c in cards) or "(none)"
+            raise ApiError(404, f"the model {model_id!r} is not served here; models: {known}",
+                           code="model_not_found", param="model")  # fmt: skip
+        return card
 
     if batch is not None:
         add_batch_routes(app, batch, caller_of, lambda: sorted(state.configs))
@@ -735,13 +781,20 @@ def create_router_app(
                 spec = config.class_spec(entry, class_name)  # the model's own SLO and priority of the class
                 service_class = spec.to_service_class(class_name)
                 slo = spec.slo.ttft_seconds
-                session = http.headers.get(SESSION_HEADER) or payload.user
+                session = http.headers.get(SESSION_HEADER) or payload.session
                 token_ids = payload.prompt_token_ids
                 if state.uses_engine and not token_ids and path == "/v1/completions":
                     token_ids = await state.tokenizers.encode(payload.model, payload.prompt_text)
                 elif state.uses_engine and path == "/v1/chat/completions":
                     token_ids = await state.tokenizers.encode_chat(payload.model, payload.messages,
                                                                    payload.tools)  # fmt: skip
+                prompt_tokens = len(token_ids) or len(payload.prompt_text) // CHARS_PER_TOKEN
+                answer_tokens = payload.max_tokens or (COMPLETION_MAX_TOKENS if "chat" not in path else 1)
+                too_large = state.oversize(payload.model, prompt_tokens, answer_tokens)
+                if too_large is not None and token_ids:  # counted as its workers count them
+                    where = "messages" if "chat" in path else "prompt"
+                    where = where if prompt_tokens >= answer_tokens else "max_tokens"
+                    raise ApiError(400, too_large, code="context_length_exceeded", param=where)
                 prompt_estimate = len(token_ids) or max(1, len(payload.prompt_text) // CHARS_PER_TOKEN)
                 if caller is not None:
                     headers += [(TENANT_HEADER, tenant), (TENANT_WEIGHT_HEADER, repr(caller.weight))]
@@ -755,8 +808,12 @@ def create_router_app(
                         ticket = admitted
                 up = Upstream(path, raw, headers, payload.model, kind, payload.stream, payload.prompt_text,
                               slo, session, token_ids)  # fmt: skip
+                bound = hold_bound(service_class, spec.queue.max_queue_time_seconds, spec.queue.max_queued)
                 watch = ClientWatch(receive)
-                answer = await _activate_and_send(up, service_class, deadline)
+                # Too large by the text's estimate: not held for room that may never come, but sent at
+                # once to an instance, whose worker counts the tokens and refuses it (or serves it).
+                answer = await _activate_and_send(up, service_class, bound if too_large is None else None,
+                                                  deadline)  # fmt: skip
             except ApiError as exc:
                 end = time.perf_counter()
                 metrics.answered(model, kind, exc.status, end - start, tenant)
@@ -822,37 +879,38 @@ def create_router_app(
         await quota.release(ticket)
 
     async def _hold_and_send(
-        up: Upstream, service_class: ServiceClass, deadline: float | None = None
+        up: Upstream, service_class: ServiceClass, bound: HoldBound | None, deadline: float | None = None
     ) -> Answer:
-        """``up`` sent through Chiron's dispatch where its model has one (``deadline``: the request's own,
-        Unix time), else to the instance its route picks."""
-        if not state.holds(up.model):
+        """``up`` sent through Chiron's dispatch where its model has one and ``bound`` is given (how long
+        and how many of its class may be held; ``deadline``: the request's own, Unix time), else to the
+        instance its route picks."""
+        if bound is None or not state.holds(up.model):
             return await send(state, metrics, holder["transport"], up)
         prompt = len(up.prompt_token_ids) or len(up.prompt_text) // CHARS_PER_TOKEN
         loads, coming = list(state.loads.values()), state.coming.get(up.model, ())
         now = time.monotonic()
         own = None if deadline is None else to_clock(deadline, time.time(), now)
         instance = await state.hold.wait(up.model, service_class, now, loads, state.mean_context(up.model),
-                                         coming, prompt, deadline=own)  # fmt: skip
+                                         coming, prompt, bound, own)  # fmt: skip
         state.hold.sent(instance, up.model, up.kind)  # send() counts it outstanding before it awaits anything
         return await send(state, metrics, holder["transport"], replace(up, instance=instance))
 
     async def _activate_and_send(
-        up: Upstream, service_class: ServiceClass, deadline: float | None = None
+        up: Upstream, service_class: ServiceClass, bound: HoldBound | None, deadline: float | None = None
     ) -> Answer:
         if activator is None:
-            return await _hold_and_send(up, service_class, deadline)
+            return await _hold_and_send(up, service_class, bound, deadline)
         priority = service_class.priority
         await activator.admit(up.model, up.ttft_slo_s, priority)  # held here while the model sleeps or wakes
         try:
-            return await _hold_and_send(up, service_class, deadline)
+            return await _hold_and_send(up, service_class, bound, deadline)
         except ApiError as exc:
             # A followed group's instances all went away under the request: the operator is scaling it to
             # zero and discovery has not shown it yet. Held like any request for a cold model, not refused.
             if exc.code != "no_instance" or not activator.lost_instances(up.model):
                 raise
         await activator.admit(up.model, up.ttft_slo_s, priority)
-        return await _hold_and_send(up, service_class, deadline)
+        return await _hold_and_send(up, service_class, bound, deadline)
 
     app.relayed = {"/v1/completions": relay, "/v1/chat/completions": relay}
     return app

@@ -28,8 +28,13 @@ kind, the instance's polled batch size, the prefill it sent there without a firs
 The hold is released whenever room may have appeared: a request of the model ended, a poll round
 refreshed the instances and their batch sizes, or a request joined the hold. A released request is
 counted against its instance (reserved) until it is sent there, so one release never hands the same
-room out twice. A client that leaves while held leaves the hold. ``max_held`` bounds what one model
-may hold; past it a request is refused with 429 and Retry-After, never dropped unanswered.
+room out twice. A client that leaves while held leaves the hold. Nothing is held forever: ``max_held``
+bounds what one model may hold and the class's ``queue.maxQueued`` (per instance, times the model's
+instances) what one class may; past either a request is refused with 429 and Retry-After, and a held
+request that no release took within its class's patience (``HoldBound``: ``queue.maxQueueTimeSeconds``,
+else its deadline for a batch class and ``HOLD_TTFT_SLOS`` times its TTFT SLO for an interactive one) is
+answered 503 with Retry-After, never left waiting. A request no instance could ever hold (larger than
+every instance's context or KV cache) is refused before it reaches the hold (``RouterState.oversize``).
 
 What the live system still does otherwise than the simulator: on a cluster a held interactive request
 does not trigger a global evaluation at once (the operator reads the hold through Prometheus and
@@ -42,6 +47,7 @@ import asyncio
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from math import isfinite
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -67,6 +73,38 @@ GROUP_S = 1.0  # deadline bucket of the queue's groups (only the order matters h
 # Prompt tokens one engine iteration prefills, which the router does not know: the simulator's engine
 # default without chunked prefill (a prompt that fits with what waits there starts next iteration).
 PREFILL_BUDGET_TOKENS = 8192
+# CHOICE: an interactive request whose class sets no queue time is held up to this many times its TTFT
+# SLO: past the SLO it is late but a reader still waits a while, and a held interactive request mostly
+# waits for an instance to start (the quickstart's chat: 20 s)
+HOLD_TTFT_SLOS = 10
+HOLD_S = 600.0  # a class with neither a queue time nor an SLO (the activator waits as long for a wake)
+
+
+@dataclass(frozen=True, slots=True)
+class HoldBound:
+    """How long one class's request may be held, why, and how many of the class may be held per
+    instance of the model (None: only ``max_held`` bounds them)."""
+
+    patience_s: float
+    reason: str
+    max_queued: int | None = None
+    by_slo: bool = True  # derived from the SLO: a request's own deadline, when it has one, replaces it
+
+
+def hold_bound(
+    service_class: ServiceClass, max_queue_time_s: float | None, max_queued: int | None
+) -> HoldBound:
+    """The hold's bound for a class: its ``queue.maxQueueTimeSeconds`` when set, else its SLO's
+    (module docstring), and its ``queue.maxQueued``."""
+    sc = service_class
+    if max_queue_time_s is not None:
+        return HoldBound(max_queue_time_s, "its class's queue.maxQueueTimeSeconds", max_queued, by_slo=False)
+    if sc.kind == "batch" and sc.deadline_s is not None and isfinite(sc.deadline_s):
+        return HoldBound(sc.deadline_s, "its class's deadline", max_queued)
+    if sc.ttft_slo_s is not None and isfinite(sc.ttft_slo_s):
+        why = f"{HOLD_TTFT_SLOS} times its class's TTFT SLO of {sc.ttft_slo_s:g} s"
+        return HoldBound(HOLD_TTFT_SLOS * sc.ttft_slo_s, why, max_queued)
+    return HoldBound(HOLD_S, "the router's longest hold", max_queued)
 
 
 @dataclass(slots=True)
@@ -198,13 +236,19 @@ class ChironHold:
         mean_context: float,
         coming: Sequence[str] = (),
         prompt_tokens: int = 0,
+        bound: HoldBound | None = None,
         deadline: float | None = None,
     ) -> str:
         """The instance for a request of ``model``: at once for an interactive request with room
         somewhere, else once the hold releases it. The caller sends the request there at once
         (``sent``): until then it counts as reserved on that instance. ApiError 429 when the model
-        already holds ``max_held``. ``deadline``: the request's own (a batch line's job expiry, on the
-        clock of ``now``), which orders the batch queue in place of its class's."""
+        already holds ``max_held`` or the class its ``bound.max_queued`` per instance; ApiError 503
+        when no release took it within ``bound.patience_s`` (default: ``hold_bound`` of the class).
+        ``deadline``: the request's own (a batch line's job expiry, on the clock of ``now``), which orders
+        the batch queue in place of its class's, and bounds its hold in place of a bound from its SLO."""
+        bound = bound or hold_bound(service_class, None, None)
+        if deadline is not None and bound.by_slo:
+            bound = HoldBound(max(0.0, deadline - now), "its own deadline", bound.max_queued)
         interactive = service_class.kind != "batch"
         req = Request(f"held-{next(self._ids)}", now, prompt_tokens, 0, model=model,
                       service_class=service_class, deadline=deadline)  # fmt: skip
@@ -222,18 +266,44 @@ class ChironHold:
                 code="hold_full",
                 headers={"retry-after": str(RETRY_AFTER_S)},
             )
+        if bound.max_queued is not None:
+            limit = bound.max_queued * max(1, sum(1 for x in loads if x.model == model))
+            mine = sum(1 for r in hold.waiters if r.service_class.name == service_class.name)
+            if mine >= limit:
+                raise ApiError(
+                    429,
+                    f"{mine} requests of class {service_class.name!r} for {model!r} are already waiting for "
+                    f"an instance with room (its queue.maxQueued per instance); retry in {RETRY_AFTER_S} s",
+                    code="hold_full",
+                    headers={"retry-after": str(RETRY_AFTER_S)},
+                )
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         hold.waiters[req] = future
         hold.queue.push(req)
         self.release(model, loads, mean_context, now, coming)
         try:
-            return await future
+            # asyncio.wait leaves the future alone on a timeout or a cancellation: what it holds then
+            # (released, answered, or neither) decides below
+            done, _ = await asyncio.wait({future}, timeout=bound.patience_s)
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.sent(future.result(), model, service_class.kind)  # released, then its client left
             elif self._drop(hold, req):
                 hold.waiters.pop(req, None)  # a release may have taken it already (``_resolve``)
+            future.cancel()
             raise
+        if not done:
+            if self._drop(hold, req):
+                hold.waiters.pop(req, None)
+            future.cancel()
+            raise ApiError(
+                503,
+                f"no instance of {model!r} had room for this {service_class.name!r} request within "
+                f"{bound.patience_s:g} s ({bound.reason}); retry in {RETRY_AFTER_S} s",
+                code="hold_timeout",
+                headers={"retry-after": str(RETRY_AFTER_S)},
+            )
+        return future.result()
 
     @staticmethod
     def _drop(hold: _ModelHold, req: Request) -> bool:

@@ -29,7 +29,8 @@ class Payload:
     model: str
     stream: bool
     prompt_text: str = ""  # the prompt as text, for the prefix index ("" when there is none to read)
-    user: str = ""  # OpenAI's end-user id: a session key for sticky routing
+    # a session key for sticky routing: OpenAI's prompt_cache_key (what it is for), else its end-user id
+    session: str = ""
     prompt_token_ids: tuple[int, ...] = ()  # a completion's prompt given as token ids (the engine's own)
     # A chat's messages and tools as sent (None when absent), for ``tessera.router.prompt_tokens`` to
     # render as the worker does; unchecked here, like every field but model and stream.
@@ -65,8 +66,9 @@ def parse_payload(raw: bytes) -> Payload:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise ApiError(400, f"the field 'stream' must be true or false, got {_kind(stream)}", param="stream")
-    user = body.get("user")
-    return Payload(model, bool(stream), prompt_text(body), user if isinstance(user, str) else "",
+    keys = (body.get("prompt_cache_key"), body.get("user"))
+    session = next((k for k in keys if isinstance(k, str) and k), "")
+    return Payload(model, bool(stream), prompt_text(body), session,
                    prompt_token_ids(body), body.get("messages"), body.get("tools"),
                    _max_tokens(body))  # fmt: skip
 

@@ -1,6 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints (validated; unknown fields are rejected).
 
-Sampling fields are passed to the engine as given; fields left unset are not sent.
+Sampling fields are passed to the engine as given; fields left unset are not sent. Fields of OpenAI's
+request schemas that do not change what is generated (``IGNORED``: stored-completion tags, cache hints,
+processing tiers, end-user ids) are accepted, validated as OpenAI types them, and not acted on; those
+that would change it and are not served (``UNSUPPORTED``, ``ONLY``) are refused with the reason, never
+dropped silently. Numbers must be finite (NaN and infinities are refused by name).
 """
 
 from __future__ import annotations
@@ -31,11 +35,47 @@ SAMPLING_FIELDS = (
 
 
 # Fields of the OpenAI API this worker does not serve (yet), with the reason: refused by name rather
-# than rejected as unknown or dropped.
+# than rejected as unknown or dropped (null, and false where it means off, are served as unset).
 UNSUPPORTED = {
     "best_of": "best_of is not supported by this worker (send n for several choices)",
     "logit_bias": "logit_bias is not supported by this worker yet",
 }
+CHAT_UNSUPPORTED = {
+    "audio": "audio output is not served: the models here generate text",
+    "web_search_options": "web search is not available to the models here",
+    "moderation": "no moderation model runs here: moderate the input and output before and after",
+}
+COMPLETION_UNSUPPORTED = {
+    "suffix": "suffix (insertion) is not served by this worker: send the text before the gap as the prompt",
+}
+# Fields served with some of their values only: field -> (values served, why the others are not).
+ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "modalities": ((["text"],), "only text output is served"),
+    "service_tier": (
+        ("auto", "default"),
+        "this deployment has one processing tier; a request class (its header) sets priority and SLOs",
+    ),
+    "reasoning_effort": (("none",), "the models here take no reasoning budget"),
+    "verbosity": (("medium",), "the models here take no verbosity setting: bound the answer with max_tokens"),
+}
+# Fields accepted and not acted on, with why that is what they ask for here.
+IGNORED = {
+    "metadata": "tags of a stored completion: nothing is stored here",
+    "store": "stores the completion for OpenAI's evals and distillation: nothing is stored here",
+    "safety_identifier": "an end-user id for OpenAI's abuse monitoring",
+    "prompt_cache_key": "a cache-routing hint; the router reads it as a session key (sticky routing)",
+    "prompt_cache_retention": "the engine's prefix cache keeps what its memory holds",
+    "prompt_cache_options": "the engine's prefix cache keeps what its memory holds",
+    "prediction": "a predicted output speeds generation up and never changes it",
+}
+CacheRetention = Literal["in_memory", "24h"]
+
+
+def _ignored(name: str) -> Any:
+    """The field ``name`` of ``IGNORED``: optional, described by why it is not acted on."""
+    return Field(default=None, description=f"Accepted and not acted on: {IGNORED[name]}.")
+
+
 LEGACY_FUNCTIONS = "the deprecated functions/function_call are not served: send tools and tool_choice"
 CHAT_ONLY = "function calling is served on /v1/chat/completions"
 AUTO_TOOLS = (
@@ -96,7 +136,7 @@ class StreamOptions(BaseModel):
 
 
 class _Generation(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field(min_length=1, description="Model name (see /v1/models).")
     max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = Field(
@@ -126,6 +166,18 @@ class _Generation(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     user: str | None = None
+    # IGNORED: validated, not acted on
+    store: bool | None = _ignored("store")
+    metadata: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+            Field(max_length=16),
+        ]
+        | None
+    ) = _ignored("metadata")
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = _ignored("safety_identifier")
+    prompt_cache_key: str | None = _ignored("prompt_cache_key")
+    prompt_cache_retention: CacheRetention | None = _ignored("prompt_cache_retention")
     return_token_ids: bool = Field(default=False, description="Include generated token ids in the response.")
     response_format: ResponseFormat | None = Field(
         default=None,
@@ -133,11 +185,15 @@ class _Generation(BaseModel):
         "preempted once it runs (a resumed stream would restart the grammar).",
     )
     _unsupported: ClassVar[dict[str, str]] = UNSUPPORTED
+    _only: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            # null is unset, as OpenAI's schemas type every optional field (n, stream, logprobs, echo
+            # included) and as clients and frameworks send them
+            data = {k: v for k, v in data.items() if v is not None}
             for name, reason in cls._unsupported.items():
                 if data.get(name) not in (None, False):
                     raise PydanticCustomError(
@@ -145,6 +201,15 @@ class _Generation(BaseModel):
                         "{field}: {reason}; send the request without {field}",
                         {"field": name, "reason": reason},
                     )
+            for name, (served, reason) in cls._only.items():
+                value = data.get(name)
+                if value is not None and not any(value == ok for ok in served):
+                    raise PydanticCustomError(
+                        "unsupported_value",
+                        "{field}={value}: {reason}; send {served} or leave {field} out",
+                        {"field": name, "value": repr(value), "reason": reason,
+                         "served": " or ".join(map(repr, served))},
+                    )  # fmt: skip
         return data
 
     @field_validator("stop")
@@ -192,6 +257,7 @@ class CompletionRequest(_Generation):
     echo: bool = Field(default=False, description="Prepend the prompt's text to the completion.")
     _unsupported: ClassVar[dict[str, str]] = {
         **UNSUPPORTED,
+        **COMPLETION_UNSUPPORTED,
         **dict.fromkeys(("tools", "tool_choice", "functions", "function_call"), CHAT_ONLY),
     }
 
@@ -239,12 +305,22 @@ class ChatCompletionRequest(_Generation):
         "(without one, refused).",
     )
     parallel_tool_calls: bool | None = Field(default=None, description="False: at most one call (required).")
+    # ONLY: served with the values that ask for what is generated anyway
+    modalities: list[Literal["text", "audio"]] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    # IGNORED: validated, not acted on
+    prediction: dict[str, Any] | None = _ignored("prediction")
+    prompt_cache_options: dict[str, Any] | None = _ignored("prompt_cache_options")
     _unsupported: ClassVar[dict[str, str]] = {
         **UNSUPPORTED,
+        **CHAT_UNSUPPORTED,
         "functions": LEGACY_FUNCTIONS,
         "function_call": LEGACY_FUNCTIONS,
         "echo": "echo is served on /v1/completions only",
     }
+    _only: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = ONLY
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
