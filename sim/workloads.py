@@ -276,6 +276,8 @@ def copy_requests(reqs: Sequence[Request]) -> list[Request]:
             response_text=r.response_text,
             prefix_blocks=r.prefix_blocks,
             prefix_block_tokens=r.prefix_block_tokens,
+            tenant=r.tenant,
+            tenant_weight=r.tenant_weight,
         )
         for r in reqs
     ]

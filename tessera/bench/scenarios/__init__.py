@@ -42,6 +42,7 @@ SCENARIOS: dict[str, str] = {
     "decision-time": "tessera.bench.decision_time",
     "real-policy": "tessera.bench.real_policy",
     "router": "tessera.bench.router_overhead",
+    "fair-share": "tessera.bench.scenarios.fair_share",
 }
 
 # Progress callback: advance the bar by ``n`` steps; ``total`` (re)sets the bar's length.
