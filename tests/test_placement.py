@@ -181,7 +181,7 @@ def test_the_estimator_prices_decode_at_the_batch_a_busy_instance_runs():
     import math
 
     from tessera.control.placement import sustained_batch
-    from tessera.control.placement_sim import kv_capacity_bytes
+    from tessera.control.placement_sim import kv_capacity_bytes, separate_kv_bytes
     from tessera.core.planners.types import HistoryRequest
     from tessera.core.profiles import PROFILES
     from tessera.core.request import ServiceClass
@@ -206,11 +206,15 @@ def test_the_estimator_prices_decode_at_the_batch_a_busy_instance_runs():
     pool = PoolInput("p", "H100", 80 * GIB, 4)
     one = eight_b("x")
     # KV-bound: what the GPU holds beside the weights, at the mean context (prompt + half the output);
-    # a group of two splits it.
+    # a group of two splits it as its pods do (two engines, an activation reserve each), or SeaLLM's
+    # unified pool in halves.
     kv_tokens = kv_capacity_bytes(pool, [one], 1) / one.kv_bytes_per_token
     assert sustained_batch(pool, one, 1) == int(kv_tokens // 2048) < 256
     two = [one, eight_b("z")]
-    assert sustained_batch(pool, one, 1, two) == int(kv_capacity_bytes(pool, two, 1) / 128 / 1024 / 2 // 2048)
+    assert sustained_batch(pool, one, 1, two) == int(separate_kv_bytes(pool, two, 1) / 128 / 1024 // 2048)
+    temporal = replace(pool, temporal_sharing=True)
+    halves = int(kv_capacity_bytes(pool, two, 1) / 128 / 1024 / 2 // 2048)
+    assert sustained_batch(temporal, one, 1, two) == halves > sustained_batch(pool, one, 1, two)
     # ITL-bound: a tighter class keeps the batch to what decodes within the bound.
     tight = eight_b("y", slo_class=ServiceClass("fast", itl_slo_s=0.01))
     n = sustained_batch(pool, tight, 1)

@@ -29,7 +29,8 @@ from tessera.core.profile import StepProfile
 
 GIB = 2**30
 LM = StepProfile("lm", 0.01, 1e-4, 1e-7, 0.005, 1e-4, 65536)
-POOL = PoolInput("p", "A800", 80 * GIB, 8)
+# SeaLLM's temporal sharing (one KV pool, DB switches keep KV): most tests here are about it
+POOL = PoolInput("p", "A800", 80 * GIB, 8, temporal_sharing=True)
 
 
 def svc(name: str, weights: int = 14 * GIB, kv: int = 512 * 1024) -> ServiceInput:
@@ -351,3 +352,36 @@ def test_bench_replanner_runs_the_operators_load_shift_watch():
     assert replan(burst, 0.5) == (shifts, {("a",): 3, ("b",): 1})
     assert replan(steady, 0.5)[0] == []
     assert replan(burst, 0.0)[0] == []
+
+
+def test_a_shared_group_plays_as_its_pods_run_it():
+    """Engines that cannot sleep: one engine per model with its own KV share (memory_plan's split), no
+    temporal-sharing overhead, under the first service's policy. Engines that sleep: the same shares,
+    one model awake at a time (a swap per turn)."""
+    from tessera.control.placement_sim import pool_sharing, separate_kv_bytes
+    from tessera.sim.coresident import CoResidentInstance
+
+    cpu = PoolInput("p", "A800", 80 * GIB, 8, engines_sleep=False)
+    gpu = PoolInput("p", "A800", 80 * GIB, 8)
+    assert (pool_sharing(cpu), pool_sharing(gpu), pool_sharing(POOL)) == (
+        "co-resident",
+        "swapping",
+        "temporal",
+    )
+    big = svc("big", weights=26 * GIB, kv=800 * 1024)
+    profiles = group_profiles(cpu, [A, big], 2)
+    each = separate_kv_bytes(cpu, [A, big], 2)
+    assert each == (0.9 * 80 * GIB - 40 * GIB / 2 - 2 * 4 * GIB) / 2
+    assert profiles["big"].kv_capacity_tokens == int(each // (800 * 1024 / 2)) // 16 * 16
+    assert profiles["a"].decode_c0 == pytest.approx(LM.at_tp(2).decode_c0)  # no 1.04 overhead
+    a, b = ServiceInput("a", 14 * GIB, 512 * 1024, LM, policy="fcfs"), B
+    reqs = [(n, HistoryRequest(0.1 * i, 100, 40)) for i in range(6) for n in ("a", "b")]
+    plan = PlacementPlan("x", (group(("a", "b"), 1),))
+    out, cluster = serve(cpu, [a, b], plan, reqs, stats=STATS)
+    (inst,) = cluster.instances
+    assert type(inst) is CoResidentInstance and type(inst.policy) is FCFS
+    assert all(o.finished for o in out) and inst.model_swaps == 0
+    out, cluster = serve(gpu, [a, b], plan, reqs, stats=STATS)
+    (inst,) = cluster.instances
+    assert type(inst) is not CoResidentInstance and inst.model_swaps >= 1
+    assert all(o.finished for o in out)

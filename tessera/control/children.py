@@ -58,11 +58,12 @@ from tessera.api.serving_pool import (
     sets_flag,
 )
 from tessera.api.worker_config import ProfileSpec, WorkerConfig
-from tessera.control.inputs import pool_input, service_input
-from tessera.control.placement_sim import BLOCK_TOKENS, group_profiles
+from tessera.control.inputs import ENGINE_ANNOTATION, pool_input, service_input
+from tessera.control.placement_sim import group_profiles, kv_tokens, separate_kv_bytes
 from tessera.core.activation import IdlePolicy
 from tessera.core.planners import GroupPlan, Role, RoleCounts, assign_roles, parse_roles
 from tessera.core.prefix import kv_events_config
+from tessera.core.sharing import sharing_mode
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "tessera-operator"
@@ -144,7 +145,6 @@ WORKER_REQUESTS = {"cpu": "500m", "memory": "1Gi"}  # the worker process, its pr
 WORKER_LIMITS = {"memory": "4Gi"}
 # ServingPool annotation selecting the workers' engine: "vllm" (default) or "sim" (simulated engine,
 # no engine container; the worker container takes the GPUs) for clusters without GPUs (e2e on kind).
-ENGINE_ANNOTATION = "tessera.dev/engine"
 # Pod-template annotation: a hash of what a running worker cannot take from its hot-reloaded ConfigMap.
 RESTART_HASH_ANNOTATION = "tessera.dev/restart-hash"
 # Model entry fields a running worker keeps from its start: its reload refuses a change of the model
@@ -259,8 +259,9 @@ def _without_flag(args: list[str], flag: str) -> list[str]:
 
 
 def swaps_models(pool: ServingPool, group: GroupPlan) -> bool:
-    """Whether a group's models swap by sleep / wake-up: several models on the vLLM engine."""
-    return worker_engine(pool) == "vllm" and len(group.services) > 1
+    """Whether a group's models swap by sleep / wake-up (``tessera.core.sharing.sharing_mode``: several
+    models on engines that can sleep, the vLLM engine's; the placement estimator asks the same)."""
+    return sharing_mode(len(group.services), engines_sleep=worker_engine(pool) == "vllm") == "swapping"
 
 
 def vllm_args(
@@ -416,20 +417,18 @@ def memory_plan(
         except ValueError as err:
             raise ChildError(f"group {group.name!r}: {err}; use GPUs with more memory") from None
         return {name: ModelMemory(p.kv_capacity_tokens, None) for name, p in profiles.items()}
-    budget = gpu.memory_fraction * gpu.gpu_memory_bytes
-    weights = {name: s.weights_bytes / group.tp for name, s in inputs.items()}
-    kv_each = (budget - sum(weights.values()) - len(inputs) * gpu.activation_bytes_per_gpu) / len(inputs)
-    if kv_each <= 0:
+    try:
+        kv_each = separate_kv_bytes(gpu, list(inputs.values()), group.tp)
+    except ValueError:
         raise ChildError(
             f"group {group.name!r}: the models {sorted(inputs)} leave no KV cache in separate vLLM processes "
             f"on {group.tp} GPU(s) of {pool.spec.gpu.memory}; use GPUs with more memory or fewer models"
-        )
+        ) from None
     plan = {}
     for name, s in inputs.items():
-        tokens = int(kv_each // (s.kv_bytes_per_token / group.tp))
-        share = (weights[name] + gpu.activation_bytes_per_gpu + kv_each) / gpu.gpu_memory_bytes
+        share = (s.weights_bytes / group.tp + gpu.activation_bytes_per_gpu + kv_each) / gpu.gpu_memory_bytes
         # rounded down: the shares' sum stays within the budget
-        plan[name] = ModelMemory(tokens - tokens % BLOCK_TOKENS, math.floor(share * 1e4) / 1e4)
+        plan[name] = ModelMemory(kv_tokens(s, kv_each, group.tp), math.floor(share * 1e4) / 1e4)
     return plan
 
 
@@ -447,9 +446,8 @@ def worker_config(
     first service's spec is the pod's and each other model carries its own in ``classSpecs`` (the class
     a header selects is the same for every model, its objectives are the model's).
     One pod runs one policy: co-located services use the first
-    service's, with its settings (``policy_settings``). Known gap: SeaLLM's placement judges a co-located
-    group under its DB temporal sharing, which the pod does not run (``tessera bench load-shift``'s
-    static row shows the difference).
+    service's, with its settings (``policy_settings``); the placement estimator plays a co-located group
+    the same way (``placement_sim.pod_policy``, in the mode ``swaps_models`` gives).
     Streams are paced for the qoe policy (``PACED_POLICIES``). Per model: the KV capacity of the group
     (``memory_plan``), the context length (``maxModelLength``, else the one the placement reserved
     KV for, within the KV capacity) and model swapping (``sleepMode`` auto where ``swaps_models``: the

@@ -69,6 +69,10 @@ def named_profile(pool: ServingPool, service: LLMService) -> StepProfile | None:
     return PROFILES[name] if abs(billions - size) <= SIZE_TOLERANCE * size else None
 
 
+# The engine of a pool's workers (vllm, the default, or sim); only vLLM's engines can sleep.
+ENGINE_ANNOTATION = "tessera.dev/engine"
+
+
 def pool_input(pool: ServingPool) -> PoolInput:
     """The planners' view of a ServingPool."""
     spec = pool.spec
@@ -83,6 +87,7 @@ def pool_input(pool: ServingPool) -> PoolInput:
         gpus_per_node=1 << (per_instance - 1).bit_length(),
         max_services_per_group=spec.placement.max_services_per_group,
         min_gpus_per_instance=per_instance,
+        engines_sleep=pool.metadata.annotations.get(ENGINE_ANNOTATION, "vllm") == "vllm",
     )
 
 
@@ -259,6 +264,7 @@ def service_input(
     reference = profile.at_tp(model.tensor_parallel_size)
     strictest = strictest_class(service, classes, reference, prompt, output) if classes is not None else None
     scale = DEFAULT_SLO_SCALE if classes is None else slo_scale(service, classes, reference, prompt, output)
+    classes = classes or {}
     return ServiceInput(
         name=service.name,
         weights_bytes=int(weights),
@@ -275,6 +281,9 @@ def service_input(
         history=load.history,
         min_replicas=service.spec.replicas.min,
         max_replicas=service.spec.replicas.max,
+        policy=service.spec.scheduling.resolved_policy(
+            any(classes[c.name].kind == "batch" for c in service.spec.request_classes if c.name in classes)
+        ),
     )
 
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 from tessera.control.placement_sim import (
     ENGINE,
-    SHARING_OVERHEAD,
     RequestOutcome,
-    kv_capacity_bytes,
+    kv_share_bytes,
+    pool_sharing,
     serve,
     service_stats,
+    sharing_factor,
 )
 from tessera.core.planners.naming import group_name
 from tessera.core.planners.types import (
@@ -58,11 +59,14 @@ def validate_services(pool: PoolInput, services: Sequence[ServiceInput]) -> None
 def fits(pool: PoolInput, services: Sequence[ServiceInput], tp: int) -> bool:
     """SeaLLM CanAllocate's memory test, per GPU: Σ W/p + max A + KV_min ≤ γ·M_gpu.
 
-    Activations count once (temporal sharing runs one model per iteration); KV_min holds one request of
-    P99 length of every co-located service."""
+    Activations count once under SeaLLM's temporal sharing (one model per iteration), once per model
+    where the pods run each model's engine in its own process (``placement_sim.pool_sharing``); KV_min
+    holds one request of P99 length of every co-located service."""
     weights = sum(s.weights_bytes for s in services) / tp
     kv_min = sum(s.kv_bytes_per_token * s.p99_context_tokens for s in services) / tp
-    return weights + pool.activation_bytes_per_gpu + kv_min <= pool.memory_fraction * pool.gpu_memory_bytes
+    engines = 1 if pool_sharing(pool) == "temporal" else len(services)
+    activations = engines * pool.activation_bytes_per_gpu
+    return weights + activations + kv_min <= pool.memory_fraction * pool.gpu_memory_bytes
 
 
 def plan_dedicated(pool: PoolInput, services: Sequence[ServiceInput]) -> PlacementPlan:
@@ -202,7 +206,7 @@ def sustained_batch(pool: PoolInput, s: ServiceInput, tp: int, group: Sequence[S
     profile = s.profile.at_tp(tp)
     ctx = max(1.0, s.mean_prompt_tokens + s.mean_output_tokens / 2)
     per_token = max(1.0, s.kv_bytes_per_token / tp)  # bytes per token on each GPU
-    kv = max(0.0, kv_capacity_bytes(pool, members, tp)) / per_token / len(members)
+    kv = kv_share_bytes(pool, members, tp) / per_token
     n = max(1, min(ENGINE.max_batch, int(kv // ctx)))
     itl = s.slo_class.itl_slo_s if s.slo_class is not None else None
     if itl is not None and profile.decode_step(n, round(n * ctx)) > itl:
@@ -265,7 +269,7 @@ def estimate(
     ref_exec = {s.name: s.mean_exec_s() for s in services}
     load: dict[tuple[int, str], list[float]] = {}  # (group, service) -> utilisation per bin
     for g in groups:
-        share = 1 + SHARING_OVERHEAD if len(g.services) > 1 else 1.0
+        share = sharing_factor(pool, len(g.services))
         members = [by_name[m] for m in g.services]
         for n in g.services:
             w = request_work(pool, by_name[n], g.tp, members) / len(hosts[n])
@@ -419,8 +423,8 @@ def plan_seallm(
 
     The greedy steps use the analytic estimator (fast SimulateUI); with ``simulate`` and a history, each
     candidate's final plan is scored by replaying the services' history through the simulator
-    (``tessera.sim`` instances under the core's DB policy, the dispatcher; the paper's
-    SimulatePerformance), which gives
+    (``tessera.sim`` instances playing each group as its pods run it, under its pods' policy, the
+    dispatcher; the paper's SimulatePerformance), which gives
     M_est. ``stats`` are the services' L̂_s / Var_s (the service monitor's); default: from the history.
     ``k_choices``: the K_max values of the candidate set (our reading of SeaLLM §4.1: {1, 2}).
 
@@ -510,7 +514,8 @@ def simulate_performance(
     stats: dict[str, ServiceStats] | None = None,
 ) -> Estimate:
     """Replay every service's history on ``groups`` through the simulator (``tessera.sim`` instances
-    under the core's DB policy, the dispatcher; ``placement_sim``), censoring what is left at twice
+    playing each group as its pods run it, under its pods' policy, the dispatcher; ``placement_sim``),
+    censoring what is left at twice
     the history's span plus a minute, at its place in its service's queue (``queue_censored``)."""
     if not any(s.history for s in services):
         return estimate(pool, services, groups)

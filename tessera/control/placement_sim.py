@@ -1,15 +1,25 @@
 """A placement plan served on the simulator (``tessera.sim``): SeaLLM's SimulatePerformance.
 
 Every instance of a plan is a ``tessera.sim`` engine instance on ``tp`` GPUs holding the group's
-services (SeaLLM §3, §4.4; docs/papers.md, "SeaLLM"):
+services (SeaLLM §3, §4.4; docs/papers.md, "SeaLLM"), each service's step profile at the group's TP
+(``StepProfile.at_tp``). A group of several services is played as its pods run it (``Sharing``; the
+mode ``tessera.core.sharing.sharing_mode`` gives for the pool, as the operator's
+``children.swaps_models`` asks it):
 
-- each service's step profile at the group's TP (``StepProfile.at_tp``), every iteration time x
-  ``1 + SHARING_OVERHEAD`` when several models share the group;
-- one KV pool per group, ``γ·M − Σ W/p − A`` bytes per GPU (``kv_capacity_bytes``), shared by the
-  models (the engine's ``shared_kv``: every model resident, switching keeps every request's KV); a
-  block holds the same bytes for every model, so each model's block is ``BLOCK_TOKENS`` tokens of
-  the group's largest KV per token in its own tokens (rounded to whole tokens);
-- the policy is a core policy (``DoublingBudget`` for SeaLLM, ``FCFS``, ``RoundRobinSharing``);
+- ``co-resident`` (engines that cannot sleep: the sim engine, vLLM on a CPU): one engine per model, each
+  with its own KV share as the operator's ``children.memory_plan`` splits the GPUs' memory
+  (``separate_kv_bytes``), side by side at the co-resident cost (``tessera.sim.coresident``);
+- ``swapping`` (vLLM on GPUs): the same KV shares, one model awake at a time, a swap paying the weights'
+  load (``StepProfile.model_load_time``) and dropping the KV of the requests it interrupts;
+- ``temporal``: SeaLLM's own model, which no pod runs (kept for the before/after comparison of
+  ``tessera bench seallm --set sharing=temporal``): one KV pool per group, ``γ·M − Σ W/p − A`` bytes
+  per GPU (``kv_capacity_bytes``), shared by the models (the engine's ``shared_kv``: every model
+  resident, switching keeps every request's KV); a block holds the same bytes for every model, so each
+  model's block is ``BLOCK_TOKENS`` tokens of the group's largest KV per token in its own tokens
+  (rounded to whole tokens); every iteration time x ``1 + SHARING_OVERHEAD``;
+- the policy is a core policy: a group's pods run its first service's (``ServiceInput.policy``; SeaLLM's
+  ``DoublingBudget`` with the placement's statistics where that is seallm or unset), unless the caller
+  names one (the benches' ``FCFS``, ``RoundRobinSharing``);
 - the dispatcher is the core ``least-loaded`` route (fewest outstanding requests, SeaLLM §3) over the
   instances whose KV pool can hold the request; a request none can hold is rejected (never served).
 
@@ -23,12 +33,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from tessera.core.planners.types import HistoryRequest, PlacementPlan, PoolInput, ServiceInput
 from tessera.core.policies.seallm import DoublingBudget, ServiceStats
 from tessera.core.policy import Policy
 from tessera.core.profile import StepProfile
+from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
+from tessera.core.sharing import CoResidentCost, sharing_mode
 from tessera.core.slo import slo_met
 from tessera.sim.cluster import (
     Cluster,
@@ -40,10 +53,53 @@ from tessera.sim.cluster import (
 )
 from tessera.sim.engine import EngineConfig, SimInstance, blocks_for
 
-SHARING_OVERHEAD = 0.04  # ε_share: iteration time x (1 + ε) when several models share the group (CHOICE)
-BLOCK_TOKENS = 16  # KV block of the group's largest model per token
+SHARING_OVERHEAD = 0.04  # temporal sharing's ε_share: iteration time x (1 + ε) (CHOICE)
+BLOCK_TOKENS = 16  # KV block of the group's largest model per token (temporal), of a KV share (pods)
+Sharing = Literal["co-resident", "swapping", "temporal"]
 # DB's admission test keeps 1 % of the KV pool free when admitting prefills (CHOICE): the engine's watermark
 ENGINE = EngineConfig(max_batch=256, token_budget=8192, watermark=0.01, shared_kv=True)
+# Co-resident engines on a GPU time-slice it: their steps serialise (CoResidentCost's default, CHOICE)
+ENGINES: dict[Sharing, EngineConfig] = {
+    "temporal": ENGINE,
+    "swapping": EngineConfig(max_batch=256, token_budget=8192, watermark=0.01),
+    "co-resident": EngineConfig(
+        max_batch=256, token_budget=8192, watermark=0.01, co_resident=True, coresident_cost=CoResidentCost()
+    ),
+}
+
+
+def pool_sharing(pool: PoolInput) -> Sharing:
+    """How the pool's pods run a group of several models (``sharing_mode``: swapping where the engines
+    can sleep, else co-resident); ``temporal`` only where the pool asks for SeaLLM's own model."""
+    if pool.temporal_sharing:
+        return "temporal"
+    return "swapping" if sharing_mode(2, engines_sleep=pool.engines_sleep) == "swapping" else "co-resident"
+
+
+def sharing_factor(pool: PoolInput, models: int) -> float:
+    """What sharing a group of ``models`` models costs its busy time, for the analytic estimate: temporal
+    sharing's ``1 + SHARING_OVERHEAD``; co-resident engines' ``CoResidentCost`` factor; 1 when swapping
+    (one model runs at a time; the swaps themselves are not charged there: the simulated estimate that
+    scores the plans plays them)."""
+    if models < 2:
+        return 1.0
+    mode = pool_sharing(pool)
+    if mode == "temporal":
+        return 1 + SHARING_OVERHEAD
+    if mode == "co-resident":
+        return ENGINES["co-resident"].coresident_cost.factor(models)
+    return 1.0
+
+
+def kv_share_bytes(pool: PoolInput, services: Sequence[ServiceInput], tp: int) -> float:
+    """Per-GPU KV bytes one of a group's models has (0 when none): its equal part of the unified pool
+    (temporal), else its own engine's share (``separate_kv_bytes``)."""
+    if len(services) < 2 or pool_sharing(pool) == "temporal":
+        return max(0.0, kv_capacity_bytes(pool, services, tp)) / len(services)
+    try:
+        return separate_kv_bytes(pool, services, tp)
+    except ValueError:
+        return 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +141,49 @@ def kv_capacity_bytes(pool: PoolInput, services: Sequence[ServiceInput], tp: int
     )
 
 
+def separate_kv_bytes(pool: PoolInput, services: Sequence[ServiceInput], tp: int) -> float:
+    """Per-GPU KV bytes of each model of a group whose models run separate engines (the operator's
+    ``children.memory_plan``): the budget ``γ·M`` less every model's weights and an activation reserve
+    each, split equally. ValueError when nothing is left."""
+    budget = pool.memory_fraction * pool.gpu_memory_bytes
+    weights = sum(s.weights_bytes for s in services) / tp
+    each = (budget - weights - len(services) * pool.activation_bytes_per_gpu) / len(services)
+    if each <= 0:
+        raise ValueError(f"services {sorted(s.name for s in services)} leave no KV memory on a TP{tp} group")
+    return each
+
+
+def kv_tokens(s: ServiceInput, kv_bytes_per_gpu: float, tp: int) -> int:
+    """Tokens of ``s``'s KV cache in ``kv_bytes_per_gpu`` on each of ``tp`` GPUs, whole blocks."""
+    tokens = int(kv_bytes_per_gpu // (s.kv_bytes_per_token / tp))
+    return tokens - tokens % BLOCK_TOKENS
+
+
 def group_profiles(
-    pool: PoolInput, services: Sequence[ServiceInput], tp: int, *, stall_s: float = 0.0
+    pool: PoolInput,
+    services: Sequence[ServiceInput],
+    tp: int,
+    *,
+    stall_s: float = 0.0,
+    sharing: Sharing | None = None,
 ) -> dict[str, StepProfile]:
     """Each service's step profile on a group of ``tp`` GPUs shared with the others (see the module
-    docstring); ``stall_s`` is the group's start-up time. ValueError when no KV memory is left."""
+    docstring; ``sharing``: how several services share it, default ``pool_sharing``); ``stall_s`` is the
+    group's start-up time. ValueError when no KV memory is left."""
+    mode = sharing or pool_sharing(pool)
+    if len(services) > 1 and mode != "temporal":
+        each = separate_kv_bytes(pool, services, tp)
+        return {
+            s.name: replace(
+                s.profile.at_tp(tp),
+                name=s.name,
+                kv_capacity_tokens=kv_tokens(s, each, tp),
+                kv_bytes_per_token=s.kv_bytes_per_token,
+                weights_bytes=s.weights_bytes,
+                cold_start_s=stall_s,
+            )
+            for s in services
+        }
     capacity = kv_capacity_bytes(pool, services, tp)
     if capacity <= 0:
         raise ValueError(f"services {sorted(s.name for s in services)} leave no KV memory on a TP{tp} group")
@@ -180,15 +274,29 @@ def to_requests(
     ]  # fmt: skip
 
 
+def pod_policy(services: Sequence[ServiceInput], stats: dict[str, ServiceStats]) -> Callable[[], Policy]:
+    """The policy a group's pods run: its first service's (``children.worker_config``), with its default
+    settings (CHOICE: the placement does not see ``scheduling.settings``); SeaLLM's DB with ``stats`` (the
+    placement's service monitor) where that is seallm or unset."""
+    name = services[0].policy
+    if name is None or name == "seallm":
+        return lambda: DoublingBudget(dict(stats))
+    return lambda: make_policy(name)
+
+
 def new_cluster(
     pool: PoolInput,
     services: Sequence[ServiceInput],
     policy: Callable[[], Policy],
     controller: ClusterController | None = None,
-    engine: EngineConfig = ENGINE,
+    engine: EngineConfig | None = None,
+    *,
+    sharing: Sharing | None = None,
 ) -> Cluster:
-    """An empty cluster for ``services`` (instances come from ``add_group``)."""
+    """An empty cluster for ``services`` (instances come from ``add_group``); ``engine`` defaults to the
+    one of ``sharing`` (default: ``pool_sharing``)."""
     profiles = {s.name: s.profile.at_tp(s.tp_min) for s in services}
+    engine = engine or ENGINES[sharing or pool_sharing(pool)]
     config = ClusterConfig(profiles=profiles, instances=0, engine=engine)
     return Cluster(config, policy, router=Dispatcher(), controller=controller)
 
@@ -200,11 +308,17 @@ def add_group(
     tp: int,
     *,
     switch: SwitchCost | None = None,
+    sharing: Sharing | None = None,
+    policy: Callable[[], Policy] | None = None,
 ) -> SimInstance:
-    """Start one instance of a group of ``services`` on ``tp`` GPUs now (after ``switch``'s stall)."""
+    """Start one instance of a group of ``services`` on ``tp`` GPUs now (after ``switch``'s stall), its
+    models sharing it as ``sharing`` says (``group_profiles``), under ``policy`` (default: the
+    cluster's)."""
     stall = switch.stall_s(services, tp) if switch is not None else 0.0
-    profiles = group_profiles(pool, services, tp, stall_s=stall)
-    return cluster.add_instance(models=list(profiles), profiles=profiles, cold=switch is not None)
+    profiles = group_profiles(pool, services, tp, stall_s=stall, sharing=sharing)
+    return cluster.add_instance(
+        models=list(profiles), profiles=profiles, cold=switch is not None, policy=policy
+    )
 
 
 def outcomes(
@@ -250,22 +364,26 @@ def serve(
     stats: dict[str, ServiceStats],
     policy: Callable[[], Policy] | None = None,
     horizon: float = math.inf,
-    engine: EngineConfig = ENGINE,
+    engine: EngineConfig | None = None,
+    sharing: Sharing | None = None,
 ) -> tuple[list[RequestOutcome], Cluster]:
     """Serve ``requests`` (service name, request) on a fixed ``plan`` until every one has finished or the
     clock passes ``horizon`` (default: none): outcomes are censored there, so nothing later can change
-    them, and an overloaded plan's backlog is not played out for nothing. ``policy`` makes each
-    instance's policy (default: SeaLLM's DB with ``stats``); ``engine`` sets the instances' engine
-    (shared KV)."""
+    them, and an overloaded plan's backlog is not played out for nothing. ``policy`` makes every
+    instance's policy (default: each group's pods' own, ``pod_policy``); ``sharing`` says how a group's
+    models share it (default: as the pool's pods do, ``pool_sharing``); ``engine`` replaces the
+    instances' engine settings."""
     by_name = {s.name: s for s in services}
     unplaced = sorted({n for n, _ in requests} - {n for g in plan.groups for n in g.services})
     if unplaced:
         raise ValueError(f"plan hosts no instance of services {unplaced} that have requests")
     factory = policy or (lambda: DoublingBudget(dict(stats)))
-    cluster = new_cluster(pool, services, factory, engine=engine)
+    cluster = new_cluster(pool, services, factory, engine=engine, sharing=sharing)
     for g in plan.groups:
+        members = [by_name[n] for n in g.services]
+        own = policy or pod_policy(members, stats)
         for _ in range(g.replicas.total):
-            add_group(cluster, pool, [by_name[n] for n in g.services], g.tp)
+            add_group(cluster, pool, members, g.tp, sharing=sharing, policy=own)
     reqs = to_requests(requests, services)
     if reqs:
         cluster.run(reqs, until=horizon)

@@ -6,10 +6,11 @@ planner's inputs from the measured load (``tessera.control.inputs``), plans (``p
 ``placement``), adapts the re-placement interval (SeaLLM's Eq. 8) and writes the children and status)
 against an in-memory API (``MemoryKube``). The cluster is ``tessera.sim``: each StatefulSet replica the
 operator asks for is a simulated engine instance of its group (the placement estimator's instance:
-``placement_sim.group_profiles``, one KV pool shared by the group's models, ready after the weight-load
-stall), a removed replica drains, and the group's StatefulSet reports its ready replicas back. What the
-workers measured reaches the operator as Prometheus answers it: each model's ``tessera_*`` counters
-(finished, refused, prompt and output tokens, latency, SLO met and missed, judged by
+``placement_sim.group_profiles``, its models sharing it as the pool's pods do: the sim engine's cannot
+sleep, so a group of several models is co-resident, each with its own KV share; ready after the
+weight-load stall), a removed replica drains, and the group's StatefulSet reports its ready replicas
+back. What the workers measured reaches the operator as Prometheus answers it: each model's
+``tessera_*`` counters (finished, refused, prompt and output tokens, latency, SLO met and missed, judged by
 ``tessera.core.slo.slo_met`` as the worker judges them) sampled at the subqueries' steps and parsed by
 ``metrics_queries.loads_from_results``. Counters move when a request finishes (CHOICE: the worker's ITL
 samples come per token; per request here).
@@ -56,7 +57,7 @@ from tessera.bench.scenarios.seallm import replan
 from tessera.control.children import GROUP_LABEL, read_group_config_map
 from tessera.control.inputs import pool_input, service_inputs, service_load
 from tessera.control.metrics_queries import LOAD_GAUGES, ModelLoad, load_step_s, loads_from_results
-from tessera.control.placement_sim import ENGINE, Dispatcher, SwitchCost, group_profiles
+from tessera.control.placement_sim import ENGINES, Dispatcher, SwitchCost, group_profiles, pool_sharing
 from tessera.control.pool_plan import parse, parse_classes
 from tessera.core.baselines import FCFS
 from tessera.core.planners import GroupPlan, MetricsSnapshot, PlacementPlan, PoolInput, ServiceInput
@@ -585,11 +586,12 @@ def run_loop(s: Setup, seed: int, measured: bool) -> tuple[list[Request], Cluste
     requests = workload(s, seed, classes[CLASS].to_service_class(CLASS))
     workers = SimulatedWorkers({v.name: v.spec.model.name for v in services}, requests) if measured else None
     controller = Controller(kube, lambda *event: None, workers)
-    loop = OperatorLoop(controller, kube, workers, pool_input(pool), inputs)
+    planned = pool_input(pool)
+    loop = OperatorLoop(controller, kube, workers, planned, inputs)
     profiles = {n: i.profile for n, i in inputs.items()}
     cluster = Cluster(
         # FCFS is only the cluster's default: each instance is added with its group's own policy.
-        ClusterConfig(profiles, instances=0, engine=ENGINE),
+        ClusterConfig(profiles, instances=0, engine=ENGINES[pool_sharing(planned)]),
         FCFS,
         router=Dispatcher(),
         controller=loop,

@@ -12,15 +12,17 @@ and Var_s (weights, normalisers, budgets) are fixed per service from all its req
 the same for every row.
 
 Rows (same requests, seed, engines and dispatcher: every instance is a ``tessera.sim`` engine holding its
-group's models with one shared KV pool, fed by the fewest-outstanding-requests dispatcher, as the
-planner's estimator simulates them: ``tessera.control.placement_sim``):
+group's models, fed by the fewest-outstanding-requests dispatcher, as the planner's estimator simulates
+them: ``tessera.control.placement_sim``). A group of several models plays as its pods run it
+(``--set sharing=``): ``pods`` [default], as vLLM pods on these GPUs do: each model its own KV share, one
+awake at a time, a swap paying its weights' load; ``co-resident``: engines that cannot sleep, side by
+side; ``temporal``: SeaLLM's own model (one KV pool, switches keep KV), which no pod runs:
 - ``seallm``: Alg. 1 placement on the warm-up history, then re-placement at every interval boundary on
   the last interval's history, the interval adapted by Eq. 8 from M_est vs M_real, rolled out with the
   least churn (unchanged groups keep serving; changed groups stall for the weight load; their requests
   migrate and recompute their KV); between boundaries the operator's load-shift watch (its default
   ``loadShiftThreshold``, 0.5: a service whose arrivals over the last I_min depart from its plan's rate
-  brings the boundary forward, planned on the last interval as at any boundary); DB scheduling; unified
-  KV cache; temporal sharing;
+  brings the boundary forward, planned on the last interval as at any boundary); DB scheduling;
 - ``seallm:fixed``: the initial placement kept for the whole window (the paper's SeaLLM-A ablation);
 - ``dedicated``: SeaLLM's vLLM baseline: GPUs split evenly, one instance per service with TP
   equal to its share (never below tp_min), vLLM continuous batching (prefill first, FCFS: core ``FCFS``);
@@ -35,8 +37,8 @@ rejected, as vLLM refuses such a prompt: it counts as an SLO miss with SeaLLM's 
 ``T_end − a + exec_ref``, and each row reports how many (``rejected``).
 Options (``--set``): services=16, gpus=32, minutes=60 (the window), interval_minutes=5 (I_0),
 min_interval_minutes=1, max_interval_minutes=30, beta=0.1, load_shift_threshold=0.5 (0: re-place only
-at Eq. 8's boundaries, the paper's timeline), slo_scale=5, rates=R1,R2,... (a sweep; one row per system
-and rate), tolerance=0.10 (seallm and seallm:fixed against the better baseline on
+at Eq. 8's boundaries, the paper's timeline), sharing=pods, slo_scale=5, rates=R1,R2,... (a sweep; one
+row per system and rate), tolerance=0.10 (seallm and seallm:fixed against the better baseline on
 throughput and p99 JCT: no worse than this share), part=serve|planner. ``--set part=planner``
 instead times the planner on 32 services over 64 GPUs and reports the greedy's gap to the exact MILP on
 a small case.
@@ -123,6 +125,14 @@ POOL_REQUESTS = 4000  # size of the length pool that K-means splits into service
 # The operator's default load-shift watch (ServingPool replacementInterval.loadShiftThreshold), so the
 # seallm row measures the re-placement timeline a pool runs unless its spec turns the watch off.
 LOAD_SHIFT_THRESHOLD = ReplacementInterval().load_shift_threshold
+# How a shared group's pods run it (--set sharing=): as vLLM pods on these GPUs do (their engines sleep:
+# one model awake at a time), co-resident engines (engines that cannot sleep), or SeaLLM's own temporal
+# sharing of one KV pool, which no pod runs (for comparing with it): tessera.control.placement_sim
+SHARING: dict[str, dict[str, bool]] = {
+    "pods": {"engines_sleep": True},
+    "co-resident": {"engines_sleep": False},
+    "temporal": {"temporal_sharing": True},
+}
 WARMUP_MINUTES = 5  # warm-up generated before the window whatever I_0 is, so an I_0 sweep replays the same
 # requests; the initial plan sees only its last I_0 of it (its history is one interval)
 
@@ -567,6 +577,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "rates",
         "tolerance",
         "load_shift_threshold",
+        "sharing",
     }
     unknown = sorted(set(config.options) - known)
     if unknown:
@@ -585,7 +596,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     shift = _opt(config, "load_shift_threshold", LOAD_SHIFT_THRESHOLD, zero_ok=True)  # 0: Eq. 8 only
     tol = tolerance(config.options)
     rates = _rates(config)
-    pool = PoolInput("bench", "A800", 80 * GIB, gpus)
+    sharing = str(config.options.get("sharing", "pods"))
+    if sharing not in SHARING:
+        raise ValueError(f"--set sharing= must be one of {', '.join(SHARING)}, got {sharing!r}")
+    pool = replace(PoolInput("bench", "A800", 80 * GIB, gpus), **SHARING[sharing])
     rows: list[dict[str, Any]] = []
     checks: list[str] = []
     progress(0, total=5 * len(rates))
@@ -654,6 +668,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         "interval_minutes": i0,
         "slo_scale": slo_scale,
         "load_shift_threshold": shift,
+        "sharing": sharing,
         "tolerance": tol,
     }
     return BenchReport("seallm", cfg, rows, checks)

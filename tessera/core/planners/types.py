@@ -33,6 +33,12 @@ class PoolInput:
     min_gpus_per_instance: int = 1  # the pool's gpu.perInstance: smallest group size
     memory_fraction: float = 0.9  # SeaLLM γ: usable share of GPU memory
     activation_bytes_per_gpu: int = 4 * 2**30  # activation reserve: max, not sum, over co-located models
+    # Whether the pool's engines can sleep (vLLM on GPUs): its groups of several models then swap them,
+    # else their engines are co-resident (tessera.core.sharing.sharing_mode decides from this)
+    engines_sleep: bool = True
+    # SeaLLM's own model of a shared group instead (one KV pool, DB temporal sharing), which no pod runs:
+    # only to compare with it (tessera bench seallm --set sharing=temporal)
+    temporal_sharing: bool = False
 
     def __post_init__(self) -> None:
         if self.max_gpus < 1:
@@ -85,6 +91,9 @@ class ServiceInput:
     # Requests outstanding (queued or running) when the plan is made: the simulated estimator serves them
     # first, with the mean lengths, before replaying the history.
     backlog: int = 0
+    # The scheduling policy the service's pods run (its resolved ``scheduling.policy``; a group's pod runs
+    # its first service's); None: SeaLLM's DB, the paper's
+    policy: str | None = None
 
     def __post_init__(self) -> None:
         if self.tp_min < 1 or self.tp_min & (self.tp_min - 1):
