@@ -167,10 +167,12 @@ def test_dashboard_queries_only_metrics_the_worker_or_router_exports(objects: li
 
     from tessera.router.chiron_hold import ChironHold, HeldCollector
     from tessera.router.metrics import RouterMetrics
+    from tessera.router.quota import QuotaCollector, QuotaStore
     from tessera.worker.metrics import WorkerMetrics
 
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-    registries = (WorkerMetrics().registry, RouterMetrics(list).registry, HeldCollector(ChironHold()))
+    registries = (WorkerMetrics().registry, RouterMetrics(list).registry, HeldCollector(ChironHold()),
+                  QuotaCollector(QuotaStore(None)))  # fmt: skip
     exported = {
         family.name + suffix
         for registry in registries
