@@ -236,6 +236,7 @@ class InstanceScheduler:
         # The batch-size limit the policy sees: the static size, or the bound Chiron moves within.
         self.max_batch = batch.max if autoscale.enabled else batch.start
         self.inflight: dict[Job, None] = {}  # insertion-ordered set: admission order, every model
+        self._busy_engines = 0  # engines with requests in flight
         self.jobs: dict[Request, Job] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -623,6 +624,7 @@ class InstanceScheduler:
             return
         slot = self.slots[req.model]
         req.phase = Phase.RUNNING
+        req.kv_resident = True  # its KV lives in the engine while it streams (as the simulator marks it)
         if req.first_scheduled_at is None:
             req.first_scheduled_at = now
             job.first_prediction = req.predicted_remaining
@@ -630,6 +632,7 @@ class InstanceScheduler:
         self.inflight[job] = None
         if not slot.inflight:
             slot.busy_since = now
+            self._busy_engines += 1
         slot.inflight[job] = None
         slot.running[job.class_name] += 1
         self._gauges(slot, job.class_name)
@@ -701,8 +704,9 @@ class InstanceScheduler:
         if stopped:  # ends the job; its stream closes (aborted in the engine) at its next step
             self._end(job, "stop", None)
             return
-        # Iterations of the request's own engine: each of its in-flight streams gets a token a step.
-        iters = n / max(1, len(self.slots[req.model].inflight))
+        # Instance iterations, as the simulator counts them: one step of every busy engine (each of an
+        # engine's in-flight streams gets a token a step; with one model, the engine's own steps).
+        iters = n / max(1, len(self.slots[req.model].inflight) * self._busy_engines)
         self._iters += iters
         self._iterations += iters
         if self._recheck_tokens is not None and self._iters >= self._recheck_tokens:
@@ -716,9 +720,11 @@ class InstanceScheduler:
         del self.inflight[job]
         del slot.inflight[job]
         slot.running[job.class_name] -= 1
-        if not slot.inflight and slot.busy_since is not None:
-            self.metrics.engine_busy.labels(slot.model).inc(max(0.0, now - slot.busy_since))
-            slot.busy_since = None
+        if not slot.inflight:
+            self._busy_engines -= 1
+            if slot.busy_since is not None:
+                self.metrics.engine_busy.labels(slot.model).inc(max(0.0, now - slot.busy_since))
+                slot.busy_since = None
         return slot
 
     def _preempt(self, job: Job, now: float) -> None:
@@ -727,6 +733,7 @@ class InstanceScheduler:
             job.task.cancel()
             job.task = None
         job.req.phase = Phase.PREEMPTED
+        job.req.kv_resident = False  # aborted: it resumes by recompute
         job.req.preemptions += 1
         self.metrics.preemptions.labels(job.req.model, job.class_name).inc()
         self._gauges(slot, job.class_name)
@@ -742,6 +749,7 @@ class InstanceScheduler:
             job.task.cancel()
         job.task = None
         req.phase = Phase.FINISHED
+        req.kv_resident = False
         req.finished_at = now
         self.policy.remove(req, now)
         del self.jobs[req]

@@ -1,0 +1,220 @@
+"""Conformance of the two shells on instances of several models: the simulator's co-resident instance
+(``tessera.sim.coresident``) and the worker's one ``InstanceScheduler`` over sim engines.
+
+The simulator runs a trace of 2 and 3 models to the end; at each of its decision points the worker's
+scheduler is brought to the same state (the same requests submitted, one token per instance iteration
+to every in-flight stream, finished streams ended, the clock at the same time) and asked to decide. The
+views the policy gets are equal in every field, each engine's ``ModelView`` included, so both shells
+apply the same sequence of decisions (run sets, preemptions), which is compared too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from tessera.api.worker_config import AutoscaleSpec, BatchBounds
+from tessera.core.policy import Decision, InstanceView, Policy
+from tessera.core.profile import StepProfile
+from tessera.core.registry import make_policy
+from tessera.core.request import Request, ServiceClass
+from tessera.sim.coresident import CoResidentInstance
+from tessera.sim.engine import EngineConfig
+from tessera.worker.engines.base import TokenDelta
+from tessera.worker.engines.sim_realtime import SimEngine
+from tessera.worker.metrics import WorkerMetrics
+from tessera.worker.scheduler import InstanceScheduler, Job
+
+CHAT = ServiceClass("chat", ttft_slo_s=1.0)
+BULK = ServiceClass("bulk", kind="batch", deadline_s=60.0)
+PROFILES = {
+    "a": StepProfile("a", 0.001, 0.0001, 0.0, 0.001, 0.00001, kv_capacity_tokens=4_096, block_size=16),
+    "b": StepProfile("b", 0.003, 0.0002, 0.0, 0.002, 0.00002, kv_capacity_tokens=2_048, block_size=16),
+    "c": StepProfile("c", 0.002, 0.0001, 0.0, 0.001, 0.00001, kv_capacity_tokens=1_024, block_size=32),
+}
+MAX_BATCH, MAX_RUNNING = 4, 3
+# (model, prompt tokens, output tokens, class) of each request; all arrive at 0
+TRACE = [
+    ("a", 20, 30, BULK), ("b", 33, 8, CHAT), ("c", 17, 12, CHAT), ("a", 40, 6, CHAT), ("b", 25, 40, BULK),
+    ("c", 31, 7, BULK), ("a", 12, 15, CHAT), ("b", 18, 5, CHAT), ("c", 50, 20, BULK), ("a", 22, 9, BULK),
+]  # fmt: skip
+
+
+class Recorder(Policy):
+    """Wraps a policy; records each view as it was and each decision's run."""
+
+    name = "recorder"
+
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+        self.snapshots: list[dict[str, Any]] = []
+        self.views: list[InstanceView] = []
+        self.runs: list[list[str]] = []
+
+    def add(self, req: Request, now: float) -> None:
+        """Delegated."""
+        self.inner.add(req, now)
+
+    def remove(self, req: Request, now: float) -> None:
+        """Delegated."""
+        self.inner.remove(req, now)
+
+    def observe(self, view: InstanceView) -> None:
+        """Recorded, delegated."""
+        self.views.append(view)
+        self.snapshots.append(_comparable(view))
+        self.inner.observe(view)
+
+    def schedule(self, view: InstanceView) -> Decision:
+        """Delegated, recorded."""
+        decision = self.inner.schedule(view)
+        self.runs.append([r.id for r in decision.run])
+        return decision
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def _comparable(view: InstanceView) -> dict[str, Any]:
+    out = {f.name: getattr(view, f.name) for f in dataclasses.fields(view)}
+    out["running"] = [(r.id, r.model, r.generated, r.phase, r.kv_resident) for r in view.running]
+    out["models"] = dict(view.models)
+    return out
+
+
+def _requests(models: tuple[str, ...]) -> list[Request]:
+    return [
+        Request(f"r{i}", 0.0, p, n, model=m, service_class=c, true_output_tokens=n)
+        for i, (m, p, n, c) in enumerate(TRACE)
+        if m in models
+    ]
+
+
+@pytest.mark.parametrize("models", [("a", "b"), ("a", "b", "c")], ids=["2-models", "3-models"])
+@pytest.mark.parametrize("policy", ["seallm", "qlm", "round-robin-sharing", "fcfs"])
+async def test_a_co_resident_trace_gives_the_same_views_and_decisions(
+    policy: str, models: tuple[str, ...]
+) -> None:
+    profiles = {m: PROFILES[m] for m in models}
+    config = EngineConfig(
+        max_batch=MAX_BATCH, chunked_prefill=True, swap_space_tokens=0, co_resident=True,
+        max_running=MAX_RUNNING,
+    )  # fmt: skip
+    sim_rec = Recorder(make_policy(policy))
+    inst = CoResidentInstance("+".join(models), profiles, sim_rec, config)
+    for req in _requests(models):
+        inst.add(req, 0.0)
+    while inst.seg is not None:
+        inst.advance()
+    assert all(r.finished for r in inst.assigned) and not inst.assigned
+    assert len(sim_rec.views) >= 5
+    # the trace exercises what a shared instance decides: several engines busy at once, and a batch
+    # that cannot hold every request
+    assert any(len({r.model for r in v.running}) > 1 for v in sim_rec.views)
+
+    now = 0.0
+    worker_rec = Recorder(make_policy(policy))
+    sched = InstanceScheduler(
+        {m: SimEngine(m, p, 4096) for m, p in profiles.items()},
+        worker_rec,
+        profiles=profiles,
+        batch=BatchBounds(max=MAX_BATCH),
+        autoscale=AutoscaleSpec(),
+        max_queued=100,
+        max_running=dict.fromkeys(models, MAX_RUNNING),
+        metrics=WorkerMetrics(),
+        clock=lambda: now,
+    )
+    jobs = [Job(req, list(range(1, req.prompt_tokens + 1)), {}) for req in _requests(models)]
+    for job in jobs:
+        sched.submit(job)
+    iteration = 0
+    try:
+        for sim_view, sim_snapshot in zip(sim_rec.views, sim_rec.snapshots, strict=True):
+            for _ in range(sim_view.iteration - iteration):  # one instance iteration: a token each
+                streaming = list(sched.inflight)
+                for job in streaming:
+                    sched._on_tokens(job, TokenDelta([7]))
+                for job in streaming:
+                    if job.req.generated >= job.req.max_tokens:
+                        sched._end(job, "length", None)
+            iteration = sim_view.iteration
+            now = sim_view.now
+            sched.decide()
+            assert worker_rec.snapshots[-1] == sim_snapshot, f"decision {len(worker_rec.snapshots)}"
+    finally:
+        await sched.stop()
+    assert worker_rec.runs == sim_rec.runs
+    assert len(worker_rec.views) == len(sim_rec.views)
+
+
+@pytest.mark.parametrize("models", [("a", "b"), ("a", "b", "c")], ids=["2-models", "3-models"])
+@pytest.mark.parametrize("policy", ["seallm", "qlm", "round-robin-sharing", "fcfs"])
+async def test_a_swapping_trace_gives_the_same_views_decisions_and_swaps(
+    policy: str, models: tuple[str, ...]
+) -> None:
+    """The same on an instance whose engines sleep: one model awake at a time, ``load_model`` (or, with
+    none asked, the model of the work the decision names) swaps; the worker's swap is awaited where
+    the simulator's instance is busy loading."""
+    from tessera.sim.engine import SimInstance
+    from tessera.worker.swap import ModelSwapper
+
+    profiles = {m: dataclasses.replace(PROFILES[m], weights_bytes=1_000_000) for m in models}  # 1 ms swaps
+    config = EngineConfig(max_batch=MAX_BATCH, chunked_prefill=True, swap_space_tokens=0)
+    sim_rec = Recorder(make_policy(policy))
+    inst = SimInstance("+".join(models), profiles, sim_rec, config)
+    for req in _requests(models):
+        inst.add(req, 0.0)
+    while inst.seg is not None:
+        inst.advance()
+    assert not inst.assigned and inst.model_swaps >= len(models) - 1
+    actives = [v.active_model for v in sim_rec.views]
+
+    now = 0.0
+    worker_rec = Recorder(make_policy(policy))
+    engines = {m: SimEngine(m, p, 4096, supports_sleep=True) for m, p in profiles.items()}
+    for engine in engines.values():
+        await engine.start()
+    swapper = ModelSwapper(engines, WorkerMetrics())
+    await swapper.start()
+    sched = InstanceScheduler(
+        engines,
+        worker_rec,
+        profiles=profiles,
+        batch=BatchBounds(max=MAX_BATCH),
+        autoscale=AutoscaleSpec(),
+        max_queued=100,
+        metrics=swapper.metrics,
+        swapper=swapper,
+        clock=lambda: now,
+    )
+    assert sched.mode == "swapping"
+    jobs = [Job(req, list(range(1, req.prompt_tokens + 1)), {}) for req in _requests(models)]
+    for job in jobs:
+        sched.submit(job)
+    iteration = 0
+    try:
+        for n, (sim_view, sim_snapshot) in enumerate(zip(sim_rec.views, sim_rec.snapshots, strict=True)):
+            for _ in range(sim_view.iteration - iteration):
+                streaming = list(sched.inflight)
+                for job in streaming:
+                    sched._on_tokens(job, TokenDelta([7]))
+                for job in streaming:
+                    if job.req.generated >= job.req.max_tokens:
+                        sched._end(job, "length", None)
+            iteration = sim_view.iteration
+            now = sim_view.now
+            while swapper.swapping:  # the simulator's instance was busy loading meanwhile
+                assert swapper._task is not None
+                await swapper._task
+            sched.decide()
+            assert worker_rec.snapshots[-1] == sim_snapshot, f"decision {n + 1}"
+    finally:
+        await sched.stop()
+        for engine in engines.values():
+            await engine.close()
+    assert worker_rec.runs == sim_rec.runs
+    assert swapper.swaps == inst.model_swaps
+    assert [v.active_model for v in worker_rec.views] == actives
