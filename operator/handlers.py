@@ -21,7 +21,8 @@ import kopf
 
 from tessera.api import GROUP, VERSION
 from tessera.control.pool_plan import pool_ref
-from tessera.operator.controller import CLASSES, POOLS, SERVICES, Controller
+from tessera.operator.controller import Controller
+from tessera.operator.status import CLASSES, POOLS, SERVICES
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ def build_registry(
             return
         # No pool to report it: the service reports itself, and its pool's first pass if the pool
         # appeared meanwhile.
-        await asyncio.to_thread(controller.report_unplaced_service, dict(body), time.time())
+        await asyncio.to_thread(controller.reporter.report_unplaced_service, dict(body), time.time())
         mark_existing(namespace, {ref}, pools_by_name)
 
     @kopf.on.delete(GROUP, VERSION, SERVICES, registry=registry)
@@ -228,9 +229,8 @@ def build_registry(
         **_: Any,
     ) -> None:
         users = list(services_by_class.get((namespace, name), ()))
-        await asyncio.to_thread(
-            controller.report_class, dict(body), sorted({service for service, _ in users}), time.time()
-        )
+        used_by = sorted({service for service, _ in users})
+        await asyncio.to_thread(controller.reporter.report_class, dict(body), used_by, time.time())
         mark_existing(namespace, {pool for _, pool in users}, pools_by_name)
 
     return registry
