@@ -280,7 +280,9 @@ def test_fidelity_replays_the_trace(traces: dict[str, Path]) -> None:
     assert lengths_a[:2] == lengths_b[:2] and lengths_a[2] != lengths_b[2]  # Azure arrivals, their outputs
 
 
-@pytest.mark.parametrize("scenario", ["seallm", "worker-overhead", "real-policy", "router"])
+@pytest.mark.parametrize(
+    "scenario", ["seallm", "worker-overhead", "decision-time", "real-policy", "real-sharing", "router"]
+)
 def test_scenarios_without_a_trace_refuse_it(
     scenario: str, traces: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
