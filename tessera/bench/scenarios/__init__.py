@@ -41,8 +41,10 @@ SCENARIOS: dict[str, str] = {
     "worker-overhead": "tessera.bench.overhead",
     "decision-time": "tessera.bench.decision_time",
     "real-policy": "tessera.bench.real_policy",
+    "real-sharing": "tessera.bench.real_sharing",
     "router": "tessera.bench.router_overhead",
     "fair-share": "tessera.bench.scenarios.fair_share",
+    "batch-job": "tessera.bench.scenarios.batch_job",
     "batch-job": "tessera.bench.scenarios.batch_job",
 }
 
