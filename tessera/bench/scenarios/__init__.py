@@ -45,7 +45,6 @@ SCENARIOS: dict[str, str] = {
     "router": "tessera.bench.router_overhead",
     "fair-share": "tessera.bench.scenarios.fair_share",
     "batch-job": "tessera.bench.scenarios.batch_job",
-    "batch-job": "tessera.bench.scenarios.batch_job",
 }
 
 # Progress callback: advance the bar by ``n`` steps; ``total`` (re)sets the bar's length.
