@@ -300,8 +300,8 @@ def chiron_decide(
         if desired.get(role) > current.get(role):
             last_up[role] = now
     # Only interactive/mixed changes restart the scale-down stabilisation: retiring idle batch instances
-    # says nothing about interactive load (before this fix, a batch retirement held interactive
-    # over-provisioning for another full cooldown).
+    # says nothing about interactive load, and restarting it there would hold interactive
+    # over-provisioning for another full cooldown.
     if (desired.interactive, desired.mixed) != (current.interactive, current.mixed):
         last_scaling = now
     new_state = replace(
