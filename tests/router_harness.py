@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.api import load_documents
@@ -54,11 +55,12 @@ class RouterUnderTest:
     url: str
     port: int
     state: RouterState
+    scrape_headers: dict[str, str]  # what Prometheus sends to scrape it (a key, with API keys on)
 
     async def metric(self, name: str, **labels: str) -> float:
         """The sum of the router's samples ``name`` whose labels include ``labels``."""
         async with httpx.AsyncClient() as client:
-            text = (await client.get(f"{self.url}/metrics")).text
+            text = (await client.get(f"{self.url}/metrics", headers=self.scrape_headers)).text
         return sum(
             s.value
             for fam in text_string_to_metric_families(text)
@@ -69,6 +71,11 @@ class RouterUnderTest:
     def healthy(self) -> dict[str, bool]:
         """Instance -> in the rotation."""
         return {x.instance: x.healthy for x in self.state.loads.values()}
+
+
+def _first_key(api_keys: ApiKeys) -> str:
+    """A key of the router's keys file (with API keys on, its /metrics wants one)."""
+    return str(yaml.safe_load(api_keys.path.read_text())["keys"][0]["key"])
 
 
 @asynccontextmanager
@@ -90,6 +97,7 @@ async def serve_router(
     ``tessera router`` and an autoscaled local mode have; none: every request is routed on arrival);
     ``quota``: the tenants' quota store (with ``api_keys``)."""
     state = RouterState(list(backends) or [w.backend() for w in workers], route=route, hold=hold)
+    scrape = {"Authorization": f"Bearer {_first_key(api_keys)}"} if api_keys is not None else {}
     app = create_router_app(state, poll_interval_s=poll_interval_s, limits=limits, api_keys=api_keys,
                             activator=activator(state) if activator is not None else None,
                             quota=quota)  # fmt: skip
@@ -100,7 +108,7 @@ async def serve_router(
         assert not task.done(), "the router did not start"
         await asyncio.sleep(0.02)
     try:
-        yield RouterUnderTest(f"http://127.0.0.1:{port}", port, state)
+        yield RouterUnderTest(f"http://127.0.0.1:{port}", port, state, scrape)
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 15.0)

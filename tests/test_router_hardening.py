@@ -10,9 +10,13 @@ killed mid-stream leaving a truncated stream counted as 200; and the API keys.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shlex
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -29,6 +33,7 @@ from tessera.router.auth import ApiKeys, ApiKeysError
 from tessera.router.backends import Backend
 from tessera.router.headers import upstream_headers
 from tessera.router.limits import RouterLimits
+from tessera.worker.engines.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
@@ -492,8 +497,11 @@ async def test_api_keys_authenticate_and_authorize(workers: list[WorkerProcess],
         assert (await client.get("/v1/models", headers=c)).json()["data"] == []
         assert [m["id"] for m in (await client.get("/v1/models", headers=b)).json()["data"]] == [MODEL]
         assert (await client.get("/v1/models")).status_code == 401
-        assert (await client.get("/health")).status_code == 200  # probes and scrapes need no key
-        assert (await client.get("/metrics")).status_code == 200
+        assert (await client.get("/health")).status_code == 200  # probes need no key
+        assert (await client.get("/ready")).status_code == 200
+        for ops in ("/metrics", "/router/status"):  # what every tenant sent: not for every client
+            assert (await client.get(ops)).status_code == 401
+            assert (await client.get(ops, headers=b)).status_code == 200
         # A rotated Secret: the file changes, the router reads it at its next poll.
         path.write_text(KEYS.replace("sk-team-a-0123456789abcdef", "sk-team-a-rotated-000000000"))
 
@@ -508,3 +516,40 @@ async def test_api_keys_authenticate_and_authorize(workers: list[WorkerProcess],
         await asyncio.sleep(0.6)
         again = await client.post("/v1/completions", json=BODY, headers=auth("sk-team-a-rotated-000000000"))
         assert again.status_code == 200
+
+
+def test_router_serves_metrics_and_status_on_the_metrics_port_only(
+    workers: list[WorkerProcess], tmp_path: Path
+) -> None:
+    """``tessera router --metrics-port``: /metrics and /router/status there (no key: the NetworkPolicy
+    admits Prometheus alone on it), not on the clients' port, which serves everything else."""
+    backends = tmp_path / "backends.json"
+    backends.write_text(json.dumps({"backends": [workers[0].backend().to_json()]}))
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(KEYS)
+    port, ops = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tessera", "router", "--backends", str(backends),
+                             "--port", str(port), "--metrics-port", str(ops), "--api-keys", str(keys),
+                             "--poll-interval", "0.2"])  # fmt: skip
+    key = {"Authorization": "Bearer sk-team-a-0123456789abcdef"}
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "the router did not get ready"
+            time.sleep(0.1)
+        served = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=BODY, headers=key, timeout=30)
+        assert served.status_code == 200
+        for path in ("/metrics", "/router/status"):
+            assert httpx.get(f"http://127.0.0.1:{port}{path}", headers=key).status_code == 404
+            assert httpx.get(f"http://127.0.0.1:{ops}{path}").status_code == 200
+        metrics = httpx.get(f"http://127.0.0.1:{ops}/metrics").text
+        assert 'tessera_router_requests_total{code="200"' in metrics
+        assert httpx.get(f"http://127.0.0.1:{ops}/v1/models", headers=key).status_code == 404
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

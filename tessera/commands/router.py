@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--host", default="0.0.0.0", help="Address to listen on (default 0.0.0.0).")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on (default 8000).")
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, metavar="PORT",
+        help="Serve /metrics and /router/status on this port only (for a NetworkPolicy that admits "
+        "Prometheus alone there). Default: on --port, behind an API key when --api-keys is given.",
+    )  # fmt: skip
     parser.add_argument("--poll-interval", type=float, default=1.0, help="Seconds between polls (default 1).")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     from tessera.core.routing import ROUTES
@@ -125,11 +130,21 @@ def run(args: argparse.Namespace) -> int:
     from tessera.router.backends import BackendsError, load_backends
     from tessera.router.batch_proxy import BatchLink
     from tessera.router.chiron_hold import ChironHold
-    from tessera.router.protocol import RouterServer, router_server_config
+    from tessera.router.protocol import (
+        RouterServer,
+        SideServer,
+        router_server_config,
+        run_beside,
+        side_server_config,
+    )
     from tessera.router.quota import QuotaStore
 
-    if not 0 < args.port < 65536:
-        print(f"tessera router: --port {args.port} is not a TCP port (1-65535)", file=sys.stderr)
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 < port < 65536:
+            print(f"tessera router: {flag} {port} is not a TCP port (1-65535)", file=sys.stderr)
+            return 2
+    if args.metrics_port == args.port:
+        print("tessera router: --metrics-port must differ from --port", file=sys.stderr)
         return 2
     if args.poll_interval <= 0:
         print("tessera router: --poll-interval must be > 0 seconds", file=sys.stderr)
@@ -179,9 +194,14 @@ def run(args: argparse.Namespace) -> int:
     app = create_router_app(state, poll_interval_s=args.poll_interval, limits=limits, api_keys=api_keys,
                             discover=discovery.discover if discovery else None, activator=activator,
                             follow=waker.follow if waker else None, freeze_gc=True, quota=quota,
-                            batch=batch)  # fmt: skip
+                            batch=batch, ops_apart=args.metrics_port is not None)  # fmt: skip
     if discovery is not None:
         app.state.metrics.registry.register(discovery.collector())
     server = RouterServer(router_server_config(app, host=args.host, port=args.port, log_level=args.log_level))
-    server.run()
+    if args.metrics_port is None:
+        server.run()
+    else:
+        side = SideServer(side_server_config(app, host=args.host, port=args.metrics_port,
+                                             log_level=args.log_level))  # fmt: skip
+        run_beside(server, side)
     return 0 if server.started else 1

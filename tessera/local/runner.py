@@ -396,9 +396,10 @@ class _RouterServer(RouterServer):
 
 
 async def remote_status(endpoint: str) -> dict[str, Any] | None:
-    """A router's status over HTTP (None when it does not answer)."""
+    """A router's status over HTTP (None when it does not answer it: down, or behind an API key)."""
     try:
         async with httpx.AsyncClient(timeout=2.0) as client:
-            return (await client.get(f"{endpoint}/router/status")).json()
+            response = await client.get(f"{endpoint}/router/status")
+        return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, json.JSONDecodeError):
         return None

@@ -584,6 +584,7 @@ def create_router_app(
     activator: Activator | None = None,
     follow: Callable[[Discovered, Activator], None] | None = None,
     freeze_gc: bool = False,
+    ops_apart: bool = False,
     batch: BatchLink | None = None,
     quota: QuotaStore | None = None,
 ) -> RouterApp:
@@ -597,6 +598,9 @@ def create_router_app(
     the file changed). ``transport`` carries everything sent to the instances, requests and polls
     (default ``tessera.router.upstream.UpstreamTransport``; tests give an ``httpx.MockTransport``).
     ``freeze_gc`` calls ``freeze_startup_objects`` once started (the ``tessera router`` process).
+    ``ops_apart``: ``/metrics`` and ``/router/status`` are served by ``app.state.ops`` only, a second app
+    for a port of their own (``tessera router --metrics-port``) that a NetworkPolicy admits from
+    Prometheus alone; else by this app, behind an API key when ``api_keys`` is given.
     ``activator`` turns on scale to zero (``tessera.router.activator``): requests for
     a sleeping model are held until it has woken. ``quota`` enforces the API keys' tenant quotas
     (``tessera.router.quota``; without it, or without API keys, none is). ``batch`` forwards the Files
@@ -711,12 +715,21 @@ def create_router_app(
         ok = bool(up or asleep)
         return JSONResponse({"ready": ok, "instances": up, "sleeping": asleep}, 200 if ok else 503)
 
-    @app.get("/router/status", summary="Instances, their load and estimated waits; the classes.")
-    async def status() -> dict[str, Any]:
+    # What the router knows of every tenant's traffic: on the metrics port when it has one, else here,
+    # behind an API key when keys are on.
+    ops = FastAPI(title="Tessera router: metrics and status") if ops_apart else app
+    app.state.ops = ops if ops_apart else None
+
+    @ops.get("/router/status", summary="Instances, their load and estimated waits; the classes.")
+    async def status(http: HttpRequest) -> dict[str, Any]:
+        if not ops_apart:
+            caller_of(http)
         return router_status(state, activator)
 
-    @app.get("/metrics", summary="Prometheus metrics of the router and its view of the instances.")
-    async def prometheus_metrics() -> Response:
+    @ops.get("/metrics", summary="Prometheus metrics of the router and its view of the instances.")
+    async def prometheus_metrics(http: HttpRequest) -> Response:
+        if not ops_apart:
+            caller_of(http)
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     def model_cards(caller: Caller | None) -> list[dict[str, Any]]:

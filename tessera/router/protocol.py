@@ -27,13 +27,14 @@ on it, which closing it would reset unanswered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
 import json
 import os
 import socket
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import httptools
@@ -243,3 +244,35 @@ def router_server_config(app: FastAPI, *, host: str, port: int, log_level: str =
                     {"limits": limits, "on_reject": staticmethod(app.state.metrics.rejected)})  # fmt: skip
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol, ws="none",
                           timeout_keep_alive=limits.keep_alive_s)  # fmt: skip
+
+
+class SideServer(uvicorn.Server):
+    """A second listener of the router's process (``tessera router --metrics-port``): the process's
+    signals stay with the main server, whose end stops this one (``run_beside``)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def side_server_config(app: FastAPI, *, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
+    """The configuration of the metrics port: the router app's ``app.state.ops`` under the same guarded
+    protocol and limits, without a lifespan (the router app's polls run in its own)."""
+    config = router_server_config(app, host=host, port=port, log_level=log_level)
+    config.app, config.lifespan = app.state.ops, "off"
+    return config
+
+
+def run_beside(main: uvicorn.Server, side: SideServer) -> None:
+    """Serve ``main`` and ``side`` in one event loop until ``main`` stops (SIGTERM/SIGINT), then stop
+    ``side``."""
+
+    async def both() -> None:
+        task = asyncio.create_task(side.serve(), name="metrics-port")
+        try:
+            await main.serve()
+        finally:
+            side.should_exit = True
+            await task
+
+    asyncio.run(both())
