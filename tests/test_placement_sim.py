@@ -385,3 +385,23 @@ def test_a_shared_group_plays_as_its_pods_run_it():
     (inst,) = cluster.instances
     assert type(inst) is not CoResidentInstance and inst.model_swaps >= 1
     assert all(o.finished for o in out)
+
+
+def test_both_estimators_report_each_groups_attainment():
+    """A light service alone on one group and an overloaded pair on another: each group's attainment is
+    that of the requests its instances serve, in the simulated estimate and the analytic one."""
+    from tessera.control.placement import Group, estimate, simulate_performance
+
+    light = _hist_service("a", [i * 2.0 for i in range(100)])
+    heavy = [
+        ServiceInput(
+            n, 14 * GIB, 512 * 1024, LM, mean_prompt_tokens=8000, mean_output_tokens=20,
+            history=tuple(HistoryRequest(i * 0.05, 8000, 20) for i in range(2000)),
+        )
+        for n in ("b", "c")
+    ]  # fmt: skip
+    groups = [Group(0, 1, services=["a"]), Group(1, 1, services=["b", "c"])]
+    cpu = PoolInput("p", "A800", 80 * GIB, 8, engines_sleep=False)
+    for est in (simulate_performance(cpu, [light, *heavy], groups), estimate(cpu, [light, *heavy], groups)):
+        assert set(est.by_group) == {(("a",), 1), (("b", "c"), 1)}
+        assert est.by_group[(("a",), 1)] > 0.95 > 0.5 > est.by_group[(("b", "c"), 1)]

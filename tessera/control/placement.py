@@ -31,6 +31,9 @@ from tessera.core.planners.types import (
     Strategy,
 )
 from tessera.core.policies.seallm import ServiceStats
+from tessera.sim.cluster import Cluster
+
+GroupKey = tuple[tuple[str, ...], int]  # a group's (sorted services, TP), as GroupPlan.key
 
 
 class PlacementError(ValueError):
@@ -150,6 +153,8 @@ class Estimate:
     norm_latency: float
     unserved: dict[str, float]
     max_utilization: float
+    # Estimated SLO attainment of the requests each group (services, TP) serves, over its replicas
+    by_group: dict[GroupKey, float] = field(default_factory=dict)
 
 
 def candidates(pool: PoolInput, k_choices: Sequence[int] = (1, 2)) -> list[Candidate]:
@@ -294,6 +299,7 @@ def estimate(
     }
     unserved: dict[str, float] = {}
     total = viol_total = norm_total = 0.0
+    group_viol: dict[tuple[tuple[str, ...], int], list[float]] = {}  # key -> [violations, requests]
     for s in services:
         ref = ref_exec[s.name]
         placed = hosts.get(s.name, [])
@@ -310,6 +316,7 @@ def estimate(
                 k = lam * BIN_S / len(placed)
                 exec_g = s.mean_exec_s(g.tp)
                 r = seen[(g.index, s.name)][m]
+                before = viol
                 if r >= 1:
                     viol += k
                     norm += k * window_s / ref
@@ -317,6 +324,9 @@ def estimate(
                     slack = s.wait_slack_s(g.tp)
                     viol += k * r * math.exp(-(1 - r) * slack / exec_g)
                     norm += k * exec_g / (1 - r) / ref
+                acc = group_viol.setdefault((tuple(sorted(g.services)), g.tp), [0.0, 0.0])
+                acc[0] += viol - before
+                acc[1] += k
         mean_norm = norm / count if count else 1.0
         unserved[s.name] = viol + ALPHA * mean_norm
         total += count
@@ -327,7 +337,8 @@ def estimate(
     else:
         slo, ln = 1.0, 1.0
     util = max((max(v) for v in rho.values()), default=0.0)
-    return Estimate(slo, ln, unserved, util)
+    by_group = {key: 1 - v / n if n > 0 else 1.0 for key, (v, n) in group_viol.items()}
+    return Estimate(slo, ln, unserved, util, by_group)
 
 
 def can_allocate(
@@ -540,14 +551,29 @@ def simulate_performance(
     ]
     plan = to_plan("seallm", groups, None)
     horizon = 2 * (t1 - t0) + 60.0
-    served, _ = serve(pool, services, plan, reqs, stats=stats, horizon=horizon)
+    served, cluster = serve(pool, services, plan, reqs, stats=stats, horizon=horizon)
     norm = queue_censored(served, horizon, stats)
     outcomes = served[len(backlog) :]  # arrival order keeps the backlog first (time 0, listed first)
     per_service: dict[str, float] = {}
     for o in outcomes:
         per_service[o.service] = per_service.get(o.service, 0.0) + (not o.slo_met)
     n = len(outcomes)
-    return Estimate(sum(o.slo_met for o in outcomes) / n, sum(norm[len(backlog) :]) / n, per_service, 0.0)
+    met, ln = sum(o.slo_met for o in outcomes) / n, sum(norm[len(backlog) :]) / n
+    return Estimate(met, ln, per_service, 0.0, attainment_by_group(cluster, outcomes))
+
+
+def attainment_by_group(cluster: Cluster, outcomes: Sequence[RequestOutcome]) -> dict[GroupKey, float]:
+    """SLO attainment of ``outcomes`` by the group (services, TP) of the instance that served each (a
+    request no instance took is in none)."""
+    key_of = {i.name: (tuple(sorted(i.profiles)), i.gpus) for i in (*cluster.instances, *cluster.retired)}
+    tally: dict[GroupKey, list[int]] = {}
+    for o in outcomes:
+        key = key_of.get(o.instance) if o.instance is not None else None
+        if key is not None:
+            acc = tally.setdefault(key, [0, 0])
+            acc[0] += o.slo_met
+            acc[1] += 1
+    return {key: met / n for key, (met, n) in tally.items()}
 
 
 def queue_censored(

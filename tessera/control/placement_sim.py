@@ -130,6 +130,7 @@ class RequestOutcome:
     slo_met: bool
     ttft: float | None
     finished: bool
+    instance: str | None = None  # the instance that served it last (None: never routed)
 
 
 def kv_capacity_bytes(pool: PoolInput, services: Sequence[ServiceInput], tp: int) -> float:
@@ -350,6 +351,7 @@ def outcomes(
                 slo_met=met,
                 ttft=first - r.arrival if done and first is not None else None,
                 finished=done,
+                instance=r.instance,
             )
         )
     return out

@@ -38,7 +38,12 @@ interval in effect at the shift and gives the service that grew more instances, 
 attainment after the shift recovers to within ``recovery`` [0.05] of before; the loop beats the static
 placement after the shift; and at every placement the live loop made from measurements, ``tessera bench
 seallm``'s planner step (``seallm.replan``) on the same load history gives the same groups. Information
-lines list the interval's trajectory and the placements.
+lines list the interval's trajectory and the placements. Groups of several services get their estimate
+error, group by group (Eq. 8's ``|measured − estimated| / estimated`` of the group's attainment, target
+0.15 median): at each placement, the estimate the planner made of the group against what its instances
+met while the plan was in effect (``shared_group_errors``), and for the static loop's kept plan, each
+interval's own arrivals replayed through the estimator (``replayed_group_errors``: the model alone, not
+the load forecast).
 """
 
 from __future__ import annotations
@@ -46,21 +51,29 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from tessera.api import GROUP, VERSION, LLMService, ServingPool
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
-from tessera.bench.scenarios.seallm import replan
+from tessera.bench.scenarios.seallm import replan, with_history
 from tessera.control.children import GROUP_LABEL, read_group_config_map
 from tessera.control.inputs import pool_input, service_inputs, service_load
 from tessera.control.metrics_queries import LOAD_GAUGES, ModelLoad, load_step_s, loads_from_results
+from tessera.control.placement import estimate, groups_of_plan, simulate_performance
 from tessera.control.placement_sim import ENGINES, Dispatcher, SwitchCost, group_profiles, pool_sharing
 from tessera.control.pool_plan import parse, parse_classes
 from tessera.core.baselines import FCFS
-from tessera.core.planners import GroupPlan, MetricsSnapshot, PlacementPlan, PoolInput, ServiceInput
+from tessera.core.planners import (
+    GroupPlan,
+    HistoryRequest,
+    MetricsSnapshot,
+    PlacementPlan,
+    PoolInput,
+    ServiceInput,
+)
 from tessera.core.policy import Policy
 from tessera.core.request import Request, ServiceClass
 from tessera.core.slo import latency_metrics, slo_met
@@ -268,6 +281,8 @@ class Placement:
     estimated_attainment: float | None
     groups: tuple[GroupPlan, ...]
     seallm_agrees: bool | None  # tessera bench seallm's planner on the same history (None: not measured)
+    # the estimator's attainment of each group's requests, on the inputs the operator planned from
+    group_estimates: Mapping[tuple[tuple[str, ...], int], float]
 
     def instances(self, service: str) -> int:
         """Instances hosting ``service``."""
@@ -322,9 +337,12 @@ class OperatorLoop(ClusterController):
             self.groups[g.key] = g.name
         measured = status.get("measured") or {}
         agrees = None
+        inputs = list(self.services.values())  # the declared loads, until the workers measure
         if self.workers is not None and len(self.workers.calls) > calls:
             previous = self.placements[-1] if self.placements else None
-            agrees = self._seallm_agrees(plan, previous, self.workers.calls[-1])
+            now, window, measured_loads = self.workers.calls[-1]
+            inputs, spans = self._measured_inputs(window, measured_loads)
+            agrees = self._seallm_agrees(plan, previous, now, inputs, spans)
         self.placements.append(
             Placement(
                 at,
@@ -334,34 +352,52 @@ class OperatorLoop(ClusterController):
                 plan.estimated_slo_attainment,
                 plan.groups,
                 agrees,
+                self._group_estimates(plan, inputs),
             )
         )
         self._pending = at
 
-    def _seallm_agrees(
-        self, plan: PlacementPlan, previous: Placement | None, call: tuple[float, float, dict[str, ModelLoad]]
-    ) -> bool:
-        """Whether ``tessera bench seallm``'s re-placement step, given the load history this pass planned
-        from (the operator's input builder over the same measurements), gives the plan's groups."""
-        now, window, measured = call
+    def _group_estimates(
+        self, plan: PlacementPlan, inputs: Sequence[ServiceInput]
+    ) -> dict[tuple[tuple[str, ...], int], float]:
+        """Each group's estimated attainment as the operator's planner scores the plan on ``inputs``
+        (simulated on the history, analytic without one)."""
+        groups = groups_of_plan(plan)
+        if any(s.history for s in inputs):
+            return simulate_performance(self.pool, inputs, groups).by_group
+        return estimate(self.pool, inputs, groups).by_group
+
+    def _measured_inputs(
+        self, window: float, measured: Mapping[str, ModelLoad]
+    ) -> tuple[list[ServiceInput], dict[str, float]]:
+        """The planner's inputs from the loads one pass planned from (the operator's builder), and each
+        service's window."""
         pool = parse(self.kube.objects[("servingpools", POOL)])
         assert isinstance(pool, ServingPool)
         classes, _ = parse_classes(self.kube.bodies("requestclasses"))
-        services = [parse(b) for b in self.kube.bodies("llmservices")]
-        loads = {
-            s.name: service_load(s, measured.get(s.spec.model.name), window)
-            for s in services
-            if isinstance(s, LLMService)
-        }
-        inputs = service_inputs(pool, [s for s in services if isinstance(s, LLMService)], loads, classes)
+        services = [s for s in map(parse, self.kube.bodies("llmservices")) if isinstance(s, LLMService)]
+        loads = {s.name: service_load(s, measured.get(s.spec.model.name), window) for s in services}
+        spans = {n: load.window_s or window for n, load in loads.items()}
+        return service_inputs(pool, services, loads, classes), spans
+
+    def _seallm_agrees(
+        self,
+        plan: PlacementPlan,
+        previous: Placement | None,
+        now: float,
+        inputs: Sequence[ServiceInput],
+        spans: Mapping[str, float],
+    ) -> bool:
+        """Whether ``tessera bench seallm``'s re-placement step, given the load history this pass planned
+        from (``inputs`` and their windows ``spans``: the operator's input builder over the same
+        measurements), gives the plan's groups."""
         history = {s.name: s.history for s in inputs}
-        span = {s.name: loads[s.name].window_s or window for s in inputs}
-        if len(set(span.values())) != 1:
+        if len(set(spans.values())) != 1:
             return False  # one span per boundary in the seallm bench; the services' differ here
         earlier = PlacementPlan("seallm", previous.groups) if previous is not None else None
         backlog = {s.name: s.backlog for s in inputs}
         theirs = replan(
-            self.pool, inputs, history, next(iter(span.values())), EPOCH + now, earlier, None, backlog
+            self.pool, inputs, history, next(iter(spans.values())), EPOCH + now, earlier, None, backlog
         )
         return {(g.key, g.replicas.total) for g in theirs.groups} == {
             (g.key, g.replicas.total) for g in plan.groups
@@ -627,6 +663,80 @@ def phase_row(
     }
 
 
+def shared_group_errors(
+    loop: OperatorLoop, requests: Sequence[Request], cluster: Cluster, end: float
+) -> list[dict]:
+    """For each placement and each of its groups of several services: the estimator's attainment of the
+    group's requests (on the inputs the operator planned from) against what the group's instances met
+    for the requests that arrived while the plan was in effect (from its groups being ready to the next
+    placement, else one interval), and Eq. 8's error of it (``|measured − estimated| / estimated``)."""
+    instances = (*cluster.instances, *cluster.retired)
+    key_of = {i.name: (tuple(sorted(i.profiles)), i.gpus) for i in instances}
+    ready = dict(loop.rolled_out)
+    out = []
+    for k, p in enumerate(loop.placements):
+        start = ready.get(p.at_s, p.at_s)
+        stop = (
+            loop.placements[k + 1].at_s if k + 1 < len(loop.placements) else min(end, p.at_s + p.interval_s)
+        )
+        for g in p.groups:
+            estimated = p.group_estimates.get(g.key)
+            if len(g.services) < 2 or estimated is None:
+                continue
+            mine = [r for r in requests if start <= r.arrival < stop and key_of.get(r.instance) == g.key]
+            if not mine:
+                continue
+            measured = float(np.mean([bool(slo_met(r)) for r in mine]))
+            error = abs(measured - estimated) / estimated if estimated > 0 else math.inf
+            out.append({
+                "at_s": p.at_s, "group": describe([g]), "key": "+".join(g.services) + f" tp{g.tp}",
+                "requests": len(mine), "estimated": estimated, "measured": measured, "error": error,
+            })  # fmt: skip
+    return out
+
+
+def replayed_group_errors(
+    loop: OperatorLoop, requests: Sequence[Request], cluster: Cluster, end: float
+) -> list[dict]:
+    """The estimator's model error on a plan kept for the whole run (the static loop's): in every window
+    of the initial interval from its groups being ready, the simulated estimate of that window's own
+    arrivals (and the requests outstanding at its start, as the operator passes them), group by group,
+    against what the groups' instances met for those arrivals. Only the model is judged here, not the
+    forecast of the load."""
+    (placement,) = loop.placements
+    shared = [g for g in placement.groups if len(g.services) > 1]
+    if not shared:
+        return []
+    key_of = {i.name: (tuple(sorted(i.profiles)), i.gpus) for i in (*cluster.instances, *cluster.retired)}
+    step = placement.interval_s
+    start = loop.rolled_out[0][1] if loop.rolled_out else 0.0
+    groups = groups_of_plan(PlacementPlan("seallm", placement.groups))
+    out = []
+    while start + step <= end + 1e-9:
+        stop = start + step
+        inputs = []
+        for name, s in loop.services.items():
+            mine = [r for r in requests if r.model == name]
+            window = [HistoryRequest(r.arrival - start, r.prompt_tokens, r.target_output_tokens)
+                      for r in mine if start <= r.arrival < stop]  # fmt: skip
+            backlog = sum(1 for r in mine if r.arrival < start and (r.finished_at or math.inf) > start)
+            inputs.append(replace(with_history(s, window, step), backlog=backlog))
+        by_group = simulate_performance(loop.pool, inputs, groups).by_group
+        for g in shared:
+            mine = [r for r in requests if start <= r.arrival < stop and key_of.get(r.instance) == g.key]
+            estimated = by_group.get(g.key)
+            if not mine or estimated is None:
+                continue
+            measured = float(np.mean([bool(slo_met(r)) for r in mine]))
+            out.append({
+                "at_s": start, "group": describe([g]), "key": "+".join(g.services) + f" tp{g.tp}",
+                "requests": len(mine), "estimated": estimated, "measured": measured,
+                "error": abs(measured - estimated) / estimated if estimated > 0 else math.inf,
+            })  # fmt: skip
+        start = stop
+    return out
+
+
 def describe(groups: Sequence[GroupPlan]) -> str:
     """Groups as "services xREPLICAS tpTP", comma-separated."""
     return ", ".join(f"{'+'.join(g.services)} x{g.replicas.total} tp{g.tp}" for g in groups)
@@ -699,6 +809,32 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             f"error {error} -> interval {p.interval_s:.1f} s; placed {groups} (estimate {est})"
         )
     checks.append(f"(static) placed once at t=0: {describe(static.placements[0].groups)}")
+    errors = {
+        "operator-loop": shared_group_errors(loop, live, live_cluster, end),
+        "static": shared_group_errors(static, fixed, fixed_cluster, end),
+        "static, replayed": replayed_group_errors(static, fixed, fixed_cluster, end),
+    }
+    for name, found in errors.items():
+        for e in found:
+            checks.append(
+                f"({name}, shared group) t={e['at_s']:.0f} s {e['group']}: estimated {e['estimated']:.3f}, "
+                f"measured {e['measured']:.3f} over {e['requests']} requests, error {e['error']:.3f}"
+            )
+    for label, found in (
+        ("at the placements' boundaries", errors["operator-loop"] + errors["static"]),
+        ("of the kept plan, each interval's arrivals replayed", errors["static, replayed"]),
+    ):
+        per_group: dict[str, list[float]] = {}
+        for e in found:
+            per_group.setdefault(e["key"], []).append(e["error"])
+        for key, values in sorted(per_group.items()):
+            median = float(np.median(values))
+            checks.append(
+                f"median estimate error {label}, shared group {key}: {median:.3f} over {len(values)} "
+                f"(target <= 0.15): {'PASS' if median <= 0.15 else 'FAIL'}"
+            )
+    if not any(errors.values()):
+        checks.append("(shared groups) no placement co-located services")
     cfg = {
         **config.as_dict(),
         "rates": list(s.rates),
@@ -720,4 +856,6 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         }
         for p in loop.placements
     ]
+    rows[0]["shared_group_errors"] = errors["operator-loop"]
+    rows[3]["shared_group_errors"] = errors["static"] + errors["static, replayed"]
     return BenchReport("load-shift", cfg, rows, checks)
