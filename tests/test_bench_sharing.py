@@ -28,7 +28,7 @@ def test_the_simulated_side_plays_both_services_on_one_co_resident_instance() ->
     )
     profiles = {LONG: long, SHORT: short}
     exec_s = {LONG: long.exec_time(32, 48), SHORT: short.exec_time(32, 16)}
-    plan = _plan(random.Random(0), exec_s, 10.0, 32, {LONG: 48, SHORT: 16}, 6.0)
+    plan = _plan(random.Random(0), exec_s, 20.0, 32, {LONG: 48, SHORT: 16}, 1.5, 4)
     assert {m for _, m, _, _ in plan} == {LONG, SHORT}
     out = simulated_run(profiles, plan, "fcfs", 4, 5.0)
     assert set(out) == {"all", LONG, SHORT}

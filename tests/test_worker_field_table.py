@@ -653,3 +653,19 @@ def test_bad_predictor_fields_are_refused_naming_them(predictor: dict[str, Any],
     body["spec"]["predictor"] = {}
     body["spec"]["scheduling"]["settings"] = {}
     assert server_side_problems(body) == []
+
+
+def test_a_seallm_pod_runs_db_with_the_placements_statistics_of_each_model() -> None:
+    """``scheduling.policy: seallm``: the operator fills DB's per-model statistics from the placement's
+    own (each service's isolated execution time), so the pod does not run DB on the default."""
+    from tessera.api import LLMService, ServingPool
+    from tessera.control.inputs import service_input
+    from tessera.control.placement_sim import stats_of
+
+    pool, service, classes = _docs((("LLMService", "spec.scheduling", {"policy": "seallm"}),))
+    r = render(pool, service, classes)
+    policy = _policy(r)
+    model = service["spec"]["model"]["name"]
+    planned = service_input(ServingPool.model_validate(pool), LLMService.model_validate(service))
+    expected = stats_of(planned, [(h.prompt_tokens, h.output_tokens) for h in planned.history])
+    assert policy.book.stats[model] == expected and expected.mean_exec_s != 10.0

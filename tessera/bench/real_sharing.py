@@ -11,9 +11,11 @@ models in arrival order, each engine admitting in that order).
 Workload (seeded, the same for both policies): per model Poisson arrivals over ``duration`` (20) s of
 random prompt ids (``prompt_tokens``, 32) with exact lengths (``ignore_eos``): ``long_tokens`` (48) on
 SmolLM2, ``short_tokens`` (16) on the tiny model. Each service's isolated execution time ``L̂_s`` is the
-median JCT of ``iso`` (3) requests sent alone to its vLLM server; the arrival rates give each service
-``load`` / 2 of one request-at-a-time server's capacity (``rate_s = load / (2 · L̂_s)``; the batch
-bound serves several at a time, so the default ``load`` 6 queues without overflowing). As SeaLLM
+median JCT of ``iso`` (3) requests sent alone to its vLLM server. Both services arrive at one rate,
+``load · batch / (L̂_long + L̂_short)`` requests per second each: ``load`` 1 would keep a batch of
+``batch`` busy if requests took their isolated time (they take longer batched, so the default 0.8
+queues without overflowing). Equal rates, not equal work: a per-request rate from the tiny model's
+tens of milliseconds would flood the worker's own per-request cost. As SeaLLM
 judges a service: normalized latency ``L_N = JCT / L̂_s`` and the SLO met when ``JCT <= slo_scale · L̂_s``
 (``slo_scale`` 5).
 
@@ -59,12 +61,13 @@ def _plan(
     prompt: int,
     lengths: dict[str, int],
     load: float,
+    batch: int,
 ) -> list[tuple[float, str, list[int], int]]:
     """(arrival s, model, prompt ids, output tokens) of both services' Poisson arrivals over
     ``duration`` seconds, merged in arrival order."""
     out = []
+    rate = load * batch / (exec_s[LONG] + exec_s[SHORT])
     for model in (LONG, SHORT):
-        rate = load / (2 * exec_s[model])
         t = rng.expovariate(rate)
         while t < duration:
             out.append((t, model, [rng.randrange(3, 900) for _ in range(prompt)], lengths[model]))
@@ -169,7 +172,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     lengths = {LONG: option(opts, "long_tokens", 48, int), SHORT: option(opts, "short_tokens", 16, int)}
     batch = option(opts, "batch", 4, int)
     iso = option(opts, "iso", 3, int)
-    load = config.load if config.load is not None else option(opts, "load", 6.0, float)
+    load = config.load if config.load is not None else option(opts, "load", 0.8, float)
     slo_scale = option(opts, "slo_scale", 5.0, float)
     rounds = option(opts, "rounds", 3, int)
     if min(prompt, *lengths.values(), batch, iso, rounds) < 1:
@@ -201,7 +204,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             progress(1)
             try:
                 for r in range(rounds):
-                    plan = _plan(rng, exec_s, duration, prompt, lengths, load)
+                    plan = _plan(rng, exec_s, duration, prompt, lengths, load, batch)
                     plans.append(plan)
                     rows: dict[str, dict[str, Any]] = {}
                     for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:

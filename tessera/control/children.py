@@ -59,7 +59,7 @@ from tessera.api.serving_pool import (
 )
 from tessera.api.worker_config import ProfileSpec, WorkerConfig
 from tessera.control.inputs import ENGINE_ANNOTATION, pool_input, service_input
-from tessera.control.placement_sim import group_profiles, kv_tokens, separate_kv_bytes
+from tessera.control.placement_sim import group_profiles, kv_tokens, separate_kv_bytes, stats_of
 from tessera.core.activation import IdlePolicy
 from tessera.core.planners import GroupPlan, Role, RoleCounts, assign_roles, parse_roles
 from tessera.core.prefix import kv_events_config
@@ -357,7 +357,20 @@ def _group_settings(
 ) -> dict[str, Any]:
     """Settings a group's policy derives from the pool and all its models: QLM's context length (the
     group's longest), weight sizes (``weightsSize``, else the matched profile's) and the batch size it
-    assumes before the engine reports one (``batchSize.initial``)."""
+    assumes before the engine reports one (``batchSize.initial``); SeaLLM's execution-time statistics
+    of each model (``placement_sim.stats_of``: the placement's own, from each service's history at its
+    reference TP)."""
+    if policy == "seallm":
+        stats = {}
+        for n in group.services:
+            planned = service_input(pool, services[n])
+            st = stats_of(planned, [(h.prompt_tokens, h.output_tokens) for h in planned.history])
+            stats[services[n].spec.model.name] = {
+                "meanExecS": st.mean_exec_s,
+                "stdExecS": st.std_exec_s,
+                "starvationS": st.starvation_s,
+            }
+        return {"services": stats}
     if policy != "qlm":
         return {}
     return {
