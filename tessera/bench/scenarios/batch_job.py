@@ -22,7 +22,9 @@ line's end), ``job_window_s`` and ``gpu_seconds``. Checks: the job completes ins
 ``shared``; chat SLO attainment of ``shared`` within ``CHAT_POINTS`` (2 points) of ``chat-only``;
 GPU-seconds of ``shared`` <= ``GPU_RATIO`` (0.7x) ``dedicated``.
 
-Options (``--set``): job_requests, window_slack, chat_ttft_s, profile (a100-llama3-8b), cold_start_s,
+Options (``--set``): job_requests, window_slack, job_at (60: the job comes while chat runs), defer
+(false; true: Chiron's batch backpressure counts the job only within a quarter window of its expiry,
+``ChironSettings.defer``), chat_ttft_s, profile (a100-llama3-8b), cold_start_s,
 initial_instances (1), max_instances (25), eval_interval_s (5). ``--trace`` replaces the chat trace
 (a trace of requests: its arrivals and lengths).
 """
@@ -132,7 +134,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     lone_job = _job(rows, n_job, 0.0, 1e9, np.random.default_rng(config.seed))  # no deadline: its makespan
     calib, lone_metrics = _run(lone_job, lone, profile, 1, ctx, stats, progress)
     window = _job_end(calib, 0.0) * (1 + slack)
-    settings = replace(base, batch_slo_s=window)
+    settings = replace(base, batch_slo_s=window, defer=option(opts, "defer", False, bool))
     chat_class = ServiceClass("chat", "interactive", ttft_slo_s=ttft, itl_slo_s=CHAT_ITL_S)
     start = rows[0].arrival
     chat_rows = [r for r in rows if r.arrival - start < job_at + window]
