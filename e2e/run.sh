@@ -57,12 +57,9 @@ main() {
   # so the multi-GB vLLM image is neither built nor loaded.
   kind load docker-image --name "$CLUSTER" "$OPERATOR_IMAGE"
   kubectl apply -k "$ROOT/manifests"
-  kubectl apply -k "$ROOT/manifests/router"
   # The tests make a namespace of their own; the router discovers in the namespaces it is given, so
-  # on this throwaway cluster it discovers in all of them.
-  kubectl -n tessera-system patch deployment tessera-router --type=json -p='[{"op": "replace",
-    "path": "/spec/template/spec/containers/0/args",
-    "value": ["router", "--kubernetes", "--all-namespaces", "--host", "0.0.0.0", "--port", "8000"]}]'
+  # on this throwaway cluster it discovers in all of them (a ClusterRole, --all-namespaces).
+  kubectl apply -k "$ROOT/manifests/router-cluster-wide"
   kubectl -n tessera-system rollout status deployment/tessera-operator --timeout=180s
   kubectl -n tessera-system rollout status deployment/tessera-router --timeout=180s
   TESSERA_E2E_WORKER_IMAGE="$OPERATOR_IMAGE" KUBECONFIG="${KUBECONFIG:-$HOME/.kube/config}" "$PYTHON" -m pytest "$HERE" -q -p no:cacheprovider

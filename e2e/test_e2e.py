@@ -1,7 +1,7 @@
 """Tessera on a real cluster, GPU-less: the quickstart with simulated-engine workers, reached through
 the router Service. Run by e2e/run.sh, or against any KUBECONFIG where Tessera (manifests/ and
-manifests/router/) is installed and the router discovers in every namespace (``--all-namespaces``; the
-tests make a namespace of their own): ``KUBECONFIG=... pytest e2e``."""
+manifests/router-cluster-wide/) is installed, so that the router discovers in every namespace
+(``--all-namespaces``; the tests make a namespace of their own): ``KUBECONFIG=... pytest e2e``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Local mode as shipped (the quickstart, autoscaling on, so the router runs Chiron's hold), probed as an
 attacker and an ordinary client would, with the official ``openai`` client where a client is involved.
 
-Each test is the regression test of one defect of issue 45: a prompt no instance could ever hold was
-held forever; a held request had no bound; a killed worker was never reaped, replaced or dropped; two
-class headers or two Authorization headers were served; fields the official client sends were refused
-as unknown; ``models.retrieve`` was a 404; NaN was "less than or equal to 2".
+Each test is the regression test of one defect a probe of local mode found: a prompt no instance could
+ever hold was held forever; a held request had no bound; a killed worker was never reaped, replaced or
+dropped; two class headers or two Authorization headers were served; fields the official client sends
+were refused as unknown; ``models.retrieve`` was a 404; NaN was "less than or equal to 2".
 
 The spec differs from the quickstart in three places only: the pool keeps at least two instances (so a
 killed worker's non-streamed requests have another instance to be retried on), its global autoscaler

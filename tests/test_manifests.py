@@ -1,7 +1,10 @@
-"""kubectl kustomize manifests/: least-privilege RBAC, a hardened operator and metrics wiring."""
+"""kubectl kustomize manifests/: least-privilege RBAC, a hardened operator and metrics wiring; Pod
+Security `restricted` on tessera-system, which every pod Tessera runs there meets; NetworkPolicies for
+the workers, the router and the operator by default, and manifests/no-network-policies without them."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -45,12 +48,104 @@ def test_kinds_and_namespace(objects: list[dict[str, Any]]) -> None:
     assert kinds == sorted(
         ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment"]
         + ["CustomResourceDefinition"] * 3
+        + ["Role", "RoleBinding"]  # the router's, in the namespace it serves (test_router_manifests)
+        + ["NetworkPolicy"] * 3
     )
     assert _one(objects, "Namespace")["metadata"]["name"] == "tessera-system"
     for obj in objects:
         if obj["kind"] in ("ServiceAccount", "ConfigMap", "Deployment"):
             assert obj["metadata"]["namespace"] == "tessera-system", obj["kind"]
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tessera"
+
+
+def _pods_in_tessera_system() -> dict[str, dict[str, Any]]:
+    """Every pod template Tessera runs in tessera-system, by folder: operator, router, batch, Redis."""
+    pods = {}
+    for folder in ("manifests", "manifests/router-quota", "manifests/router-batch", "manifests/batch"):
+        for obj in _render(folder):
+            if obj["kind"] in ("Deployment", "StatefulSet"):
+                assert obj["metadata"]["namespace"] == "tessera-system"
+                pods[f"{folder}:{obj['metadata']['name']}"] = obj["spec"]["template"]["spec"]
+    return pods
+
+
+def test_tessera_system_enforces_restricted_pod_security_and_its_pods_meet_it(
+    objects: list[dict[str, Any]],
+) -> None:
+    labels = _one(objects, "Namespace")["metadata"]["labels"]
+    for mode in ("enforce", "warn", "audit"):
+        assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted"
+    pods = _pods_in_tessera_system()
+    assert len(pods) >= 4
+    # The restricted profile's checks (https://kubernetes.io/docs/concepts/security/pod-security-standards/)
+    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                       "projected", "secret"}  # fmt: skip
+    for name, pod in pods.items():
+        security = pod.get("securityContext", {})
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & pod.keys(), name
+        for volume in pod.get("volumes", []):
+            assert set(volume) - {"name"} <= allowed_volumes, (name, volume)
+        for container in pod["containers"] + pod.get("initContainers", []):
+            own = container.get("securityContext", {})
+            assert own.get("runAsNonRoot", security.get("runAsNonRoot")) is True, name
+            assert own.get("runAsUser", security.get("runAsUser", 1)) != 0, name
+            assert own["allowPrivilegeEscalation"] is False, name
+            assert own["capabilities"]["drop"] == ["ALL"] and not own["capabilities"].get("add"), name
+            seccomp = own.get("seccompProfile", security.get("seccompProfile", {}))
+            assert seccomp.get("type") == "RuntimeDefault", name
+            assert not own.get("privileged") and not any("hostPort" in p for p in container.get("ports", []))
+
+
+def _admits(policy: dict[str, Any]) -> dict[int, list[Any]]:
+    """Port -> the peers its rules admit there (None: any peer)."""
+    out: dict[int, list[Any]] = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            assert port["protocol"] == "TCP" and "endPort" not in port
+            out.setdefault(port["port"], []).extend(rule.get("from") or [None])
+    return out
+
+
+def test_network_policies_guard_the_router_s_metrics_port_and_the_operator(
+    objects: list[dict[str, Any]],
+) -> None:
+    from tessera.commands.router import add_arguments
+
+    policies = {p["metadata"]["name"]: p for p in objects if p["kind"] == "NetworkPolicy"}
+    assert set(policies) == {
+        "tessera-workers",
+        "tessera-router",
+        "tessera-operator",
+    }  # workers: test_network_
+    operator = _one(objects, "Deployment")["spec"]["template"]
+    policy = policies["tessera-operator"]
+    assert policy["metadata"]["namespace"] == "tessera-system" and policy["spec"]["policyTypes"] == [
+        "Ingress"
+    ]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= operator["metadata"]["labels"].items()
+    assert _admits(policy) == {8080: [None]}  # its health probe, nothing else
+    router = next(o for o in _render("manifests/router") if o["kind"] == "Deployment")
+    pod = router["spec"]["template"]
+    policy = policies["tessera-router"]
+    assert policy["metadata"]["namespace"] == router["metadata"]["namespace"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(container["args"][1:])
+    admitted = _admits(policy)
+    assert set(admitted) == {args.port, args.metrics_port}
+    assert admitted[args.port] == [None]  # the clients
+    (prometheus,) = admitted[args.metrics_port]  # /metrics and /router/status: Prometheus alone
+    assert prometheus["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert "kubernetes.io/metadata.name" in prometheus["namespaceSelector"]["matchLabels"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == args.metrics_port and ports["http"] == args.port
+
+
+def test_the_opt_out_is_the_base_without_its_network_policies(objects: list[dict[str, Any]]) -> None:
+    without = _render("manifests/no-network-policies")
+    assert without == [o for o in objects if o["kind"] != "NetworkPolicy"]
 
 
 def test_crds_are_the_generated_ones(objects: list[dict[str, Any]]) -> None:

