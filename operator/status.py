@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tessera.api.serving_pool import SCALING_HISTORY_LENGTH, ReplacementInterval
+from tessera.api.serving_pool import SCALING_HISTORY_LENGTH, ReplacementInterval, ServingPool
 from tessera.api.times import parse_time as parse_time  # the operator reads status times through here
 from tessera.api.times import rfc3339 as rfc3339
-from tessera.control.children import GROUP_LABEL, endpoint_url
+from tessera.control.children import GROUP_LABEL, endpoint_url, worker_engine
 from tessera.control.pool_plan import (
     POOL_NOT_FOUND,
     PoolDesired,
@@ -37,6 +37,7 @@ from tessera.core.planners import (
     rollout_diff,
 )
 from tessera.core.planners.replacement import prediction_error
+from tessera.core.sharing import sharing_mode
 from tessera.operator.kube import Kube
 from tessera.operator.reconcile import Conflict, contains
 
@@ -123,12 +124,17 @@ def history_entries(
 
 
 def plan_to_status(
-    plan: PlacementPlan, ready: Mapping[str, int], batch_sizes: Mapping[str, int] | None = None
+    plan: PlacementPlan,
+    ready: Mapping[str, int],
+    batch_sizes: Mapping[str, int] | None = None,
+    modes: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The plan as the ServingPool's ``status.placement`` JSON; ``ready`` maps group name to ready pods,
     ``batch_sizes`` group name to the batch size its workers report (a measurement, not part of the
-    plan: ``plan_from_status`` does not read it back)."""
+    plan: ``plan_from_status`` does not read it back), ``modes`` group name to how its pods share
+    their accelerator between models (``sharing_modes``)."""
     batch_sizes = batch_sizes or {}
+    modes = modes or {}
     status: dict[str, Any] = {
         "strategy": plan.strategy,
         "groups": [
@@ -140,6 +146,7 @@ def plan_to_status(
                 "roles": list(g.roles),
                 "readyReplicas": ready.get(g.name, 0),
                 **({"batchSize": batch_sizes[g.name]} if g.name in batch_sizes else {}),
+                **({"sharing": modes[g.name]} if g.name in modes else {}),
             }
             for g in plan.groups
         ],
@@ -149,6 +156,13 @@ def plan_to_status(
     if plan.estimated_norm_latency is not None:
         status["estimatedNormLatency"] = plan.estimated_norm_latency
     return status
+
+
+def sharing_modes(pool: ServingPool, plan: PlacementPlan) -> dict[str, str]:
+    """Group name -> ``single``, ``co-resident`` or ``swapping`` (``tessera.core.sharing``), as the
+    group's pods run it: the one function the worker configuration and the estimator ask."""
+    sleeps = worker_engine(pool) == "vllm"
+    return {g.name: sharing_mode(len(g.services), sleeps) for g in plan.groups}
 
 
 def plan_from_status(placement: Mapping[str, Any] | None) -> PlacementPlan | None:
@@ -379,7 +393,9 @@ class StatusReporter:
                 for g in (status.get("placement") or {}).get("groups") or []
                 if "batchSize" in g
             }
-        placement = plan_to_status(plan, ready, batch_sizes) if plan else {"groups": []}
+        placement = (
+            plan_to_status(plan, ready, batch_sizes, sharing_modes(pool, plan)) if plan else {"groups": []}
+        )
         placement["unplaced"] = [
             {"name": n, "reason": p.reason, "message": p.message} for n, p in sorted(unplaced.items())
         ]

@@ -487,3 +487,27 @@ def test_planner_inputs_use_the_matching_sim_profile_else_the_fallback(
     # Weights: the service's own size when given, else the profile's.
     size = service.spec.model.weights_size
     assert planned.weights_bytes == (int(parse_quantity(size)) if size else profile.weights_bytes)
+
+
+def test_the_placement_status_says_how_each_group_shares_its_accelerator() -> None:
+    """One model: single; several on the vLLM engine (sleep mode on GPUs): swapping; several on the sim
+    engine, which never sleeps: co-resident. The mode is the one the pods and the estimator run."""
+    from tessera.api import ServingPool
+    from tessera.core.planners import GroupPlan, PlacementPlan, RoleCounts
+    from tessera.operator.status import plan_to_status, sharing_modes
+
+    groups = (
+        GroupPlan("g1", ("a",), 1, RoleCounts(mixed=1)),
+        GroupPlan("g2", ("b", "c"), 1, RoleCounts(mixed=1)),
+    )
+    plan = PlacementPlan("seallm", groups)
+    spec = {"gpu": {"type": "H100", "memory": "80Gi"}, "instances": {"min": 1, "max": 2}}
+    body = {"metadata": {"name": "p"}, "spec": spec}
+    vllm = ServingPool.model_validate(body)
+    sim = ServingPool.model_validate(
+        {**body, "metadata": {"name": "p", "annotations": {"tessera.dev/engine": "sim"}}}
+    )
+    assert sharing_modes(vllm, plan) == {"g1": "single", "g2": "swapping"}
+    assert sharing_modes(sim, plan) == {"g1": "single", "g2": "co-resident"}
+    status = plan_to_status(plan, {}, None, sharing_modes(sim, plan))
+    assert [g["sharing"] for g in status["groups"]] == ["single", "co-resident"]

@@ -449,6 +449,12 @@ class PlacementGroup(ApiModel):
         description="Batch size the local autoscaler runs now: the mean of the workers' tessera_batch_size "
         "over the group's pods and models, rounded (unset until Prometheus reports it).",
     )
+    sharing: Literal["single", "co-resident", "swapping"] | None = Field(
+        default=None,
+        description="How a pod of the group shares its accelerator between its models: single (one "
+        "model), co-resident (every model's engine resident, run side by side under one scheduler) or "
+        "swapping (one awake at a time, vLLM sleep mode).",
+    )
 
 
 class UnplacedService(ApiModel):
