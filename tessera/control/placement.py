@@ -121,9 +121,8 @@ ALPHA = 1e-4  # Eq. 6's α: L_N only breaks ties between equal violation counts
 # Plan choice (CHOICE): a candidate whose estimated L_N is above this multiple of the lowest is out, and a
 # new plan above it times the previous plan's L_N does not replace it. Attainment first alone, when a
 # service's load is beyond every candidate (its requests miss in all of them), prefers the plan that gives
-# up on it: the others then meet their SLOs, and its queue grows (tessera bench seallm --seed 1 --set
-# minutes=20: a plan 0.004 ahead in attainment at 4x the L_N gave the bursting service 2 GPUs of 32;
-# normalized latency 6.69x lower than round-robin's before this bound, 40.0x with it).
+# up on it: the others then meet their SLOs, and its queue grows; the bound keeps a plan a hair ahead in
+# attainment from starving a bursting service of GPUs (figures: docs/bench.md, SeaLLM).
 LN_BOUND = 2.0
 
 

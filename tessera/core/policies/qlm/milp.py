@@ -163,11 +163,8 @@ class SolverSettings:
     # default): the heuristic plan (a block per model, Smith's rule inside) when it leaves fewer groups
     # late than EDF, or as many with less total wait; else EDF. Under overload EDF serves the groups
     # already late first, so every later one misses too, and with several models it interleaves them,
-    # paying a swap at each change. tessera bench qlm: on the multi part with the code trace's lengths
-    # 12 of 13 fallbacks took the heuristic order (5.49 -> 6.48 req/s); on the single part single
-    # attainment went 0.651 -> 0.764 (code trace; EDF's 0.660) and 0.817 -> 0.911 (Mooncake; EDF's
-    # 0.828), at a p99 JCT of +126% and +82% over FCFS's (+32%, +66% with EDF): the requests that miss
-    # anyway wait longer.
+    # paying a swap at each change. The heuristic meets more SLOs under overload at a longer tail: the
+    # requests that miss anyway wait longer (figures: docs/bench.md, QLM).
     fallback: Literal["edf", "fewest-late"] = "fewest-late"
 
     def __post_init__(self) -> None:
