@@ -69,3 +69,23 @@ def test_json_round_trip_and_errors(tmp_path):
     path.write_text(json.dumps({"bogus": 1}))
     with pytest.raises(ValueError, match="unknown profile fields"):
         load_profile(str(path))
+
+
+def test_coresident_factor_is_the_lockstep_models_and_refuses_bad_samples():
+    from tessera.core.profiles import CORESIDENT_COSTS, coresident_factor
+
+    # alone 10 and 30 ms per token; together both at 40 ms: the steps serialise exactly
+    assert coresident_factor([0.010, 0.030], [0.040, 0.040]) == pytest.approx(1.0)
+    assert coresident_factor([0.010, 0.010], [0.015, 0.013]) == pytest.approx(0.7)  # they overlap
+    for alone, together in (([0.01], [0.01]), ([0.01, 0.01], [0.01]), ([0.01, 0.0], [0.02, 0.02])):
+        with pytest.raises(ValueError, match="two engines"):
+            coresident_factor(alone, together)
+    assert CORESIDENT_COSTS["gpu-time-slicing"].factor(2) == 1.0
+    assert all(c.source for c in CORESIDENT_COSTS.values())
+
+
+def test_profile_coresident_needs_a_launched_model(capsys):
+    from tessera.cli import main
+
+    assert main(["profile", "--endpoint", "http://127.0.0.1:9", "--coresident"]) == 2
+    assert "--coresident needs --launch" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from tessera.bench.measure import measure_and_fit, served_models
+from tessera.core.sharing import CoResidentCost
 
 # A real model's server on a loaded 2-core machine can take over 5 minutes to start (the worker allows 10).
 START_TIMEOUT_S = 900.0
@@ -70,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM --dtype (default: the known model's, else auto)",
     )
     launch.add_argument("--enforce-eager", action="store_true", help="vLLM --enforce-eager (as the demo)")
+    launch.add_argument(
+        "--coresident",
+        action="store_true",
+        help="instead of a step profile, measure two servers of the model side by side (decode with "
+        "--max-batch streams each, alone and together, --repeats rounds) and write the co-resident cost "
+        "(the simulator's CoResidentCost) to --out",
+    )
 
 
 def reproduce_command(args: argparse.Namespace) -> str:
@@ -84,6 +92,8 @@ def reproduce_command(args: argparse.Namespace) -> str:
     ]  # fmt: skip
     if args.launch:
         flags += [("--kv-cache-gib", args.kv_cache_gib), ("--dtype", args.dtype)]
+    if args.coresident:
+        argv.append("--coresident")
     argv += [str(x) for flag, value in flags if value is not None for x in (flag, value)]
     if args.launch and args.enforce_eager:
         argv.append("--enforce-eager")
@@ -97,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     from tessera.core.profiles import describe_profile, save_profile
     from tessera.worker.engines.vllm_process import VLLMStartError
 
+    if args.coresident and not args.launch:
+        print("--coresident needs --launch MODEL (it starts both servers)", file=sys.stderr)
+        return 2
     if args.endpoint is not None:
         args.endpoint = args.endpoint.rstrip("/")
         if not args.endpoint.startswith(("http://", "https://")):
@@ -113,6 +126,18 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch < 1 or args.kv_cache_gib < 1:
         print("--max-batch and --kv-cache-gib must be >= 1", file=sys.stderr)
         return 2
+    if args.coresident:
+        try:
+            cost = _coresident(args)
+        except (httpx.HTTPError, RuntimeError, ValueError, VLLMStartError) as exc:
+            print(f"tessera profile: {exc}", file=sys.stderr)
+            return 1
+        from tessera.core.profiles import coresident_cost_to_dict
+
+        args.out.write_text(json.dumps(coresident_cost_to_dict(cost), indent=2) + "\n")
+        print(f"{args.out}: co-resident factor {cost.factors[0]:.3f} (2 engines)")
+        print(cost.source)
+        return 0
     try:
         if args.launch:
             profile, m = _launched(args)
@@ -178,3 +203,65 @@ def _launched(args: argparse.Namespace) -> tuple:
     weights = sum(f.stat().st_size for f in resolved.path.glob("*.safetensors"))
     per_token = kv_bytes_per_token(resolved.path, dtype)[0]
     return replace(profile, kv_bytes_per_token=per_token, weights_bytes=weights or profile.weights_bytes), m
+
+
+def _coresident(args: argparse.Namespace) -> CoResidentCost:
+    """Two servers of ``--launch``'s model on this machine: each one's decode seconds per token with
+    ``--max-batch`` streams alone, then both at once, in ``--repeats`` interleaved rounds; the factor is
+    the median round's (``coresident_factor``). Prefill interference is not measured."""
+    import asyncio
+    import statistics
+
+    import httpx
+
+    from tessera.bench.machine import MachineWatch
+    from tessera.bench.measure import stream_completion
+    from tessera.core.profiles import coresident_factor
+    from tessera.models.cache import resolve_model
+    from tessera.worker.engines.vllm_process import VLLMServer
+
+    resolved = resolve_model(args.launch)
+    dtype = args.dtype or (resolved.known.dtype if resolved.known is not None else "float32")
+    name = resolved.known.name if resolved.known is not None else resolved.path.name
+    servers = [
+        VLLMServer(
+            resolved.path, served_model_name=name, max_model_len=args.max_model_len or 2048,
+            max_num_seqs=args.max_batch, kv_cache_gib=args.kv_cache_gib, dtype=dtype,
+            start_timeout_s=START_TIMEOUT_S, extra_args=["--enforce-eager"] if args.enforce_eager else [],
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+
+    async def per_token(client: httpx.AsyncClient, url: str) -> float:
+        prompt = [10 + i for i in range(32)]
+        runs = await asyncio.gather(
+            *(stream_completion(client, url, name, prompt, args.decode_tokens) for _ in range(args.max_batch))
+        )
+        return statistics.mean((r.jct - r.ttft) / max(1, r.tokens - 1) for r in runs)
+
+    async def rounds(urls: list[str]) -> list[tuple[list[float], list[float]]]:
+        out = []
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+            for url in urls:  # warm-up
+                await stream_completion(client, url, name, [10, 11, 12, 13], 4)
+            for _ in range(args.repeats):
+                alone = [await per_token(client, url) for url in urls]
+                together = list(await asyncio.gather(*(per_token(client, url) for url in urls)))
+                out.append((alone, together))
+        return out
+
+    with servers[0], servers[1], MachineWatch() as watch:
+        measured = asyncio.run(rounds([s.url for s in servers]))
+    factors = [coresident_factor(alone, together) for alone, together in measured]
+
+    def ms(times: list[float]) -> str:
+        return "/".join(f"{t * 1e3:.2f}" for t in times)
+
+    shown = "; ".join(f"alone {ms(a)} ms, together {ms(b)} ms" for a, b in measured)
+    source = (
+        f"tessera profile --coresident: two vLLM servers of {name} ({dtype}), {args.max_batch} decode "
+        f"streams of {args.decode_tokens} tokens each, per-token decode time per round: {shown}; "
+        f"factor median of {[round(f, 3) for f in factors]}; {watch.describe_load()} while measuring; "
+        f"reproduce: {reproduce_command(args)}"
+    )
+    return CoResidentCost((statistics.median(factors),), source=source)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.core.profile import StepProfile
+from tessera.core.sharing import CoResidentCost
 
 _A100 = "docs/papers.md step-time table (A100 80GB roofline: 2.0 TB/s, 312 TFLOPS fp16); c1 = 0.02 ms"
 _H100 = (
@@ -114,6 +115,28 @@ PROFILES: dict[str, StepProfile] = {
     )
 }
 DEFAULT_PROFILE = "a100-llama3-8b"
+
+
+def coresident_factor(alone: list[float], together: list[float]) -> float:
+    """``CoResidentCost``'s factor for ``len(alone)`` engines: each engine's decode seconds per token
+    measured alone and while all decode at once. The simulator's model (``tessera.sim.coresident``)
+    says each engine's token then takes ``factor × Σ alone``; the factor is the mean over the engines."""
+    if len(alone) < 2 or len(alone) != len(together) or min(alone + together) <= 0:
+        raise ValueError(f"need two engines or more with positive times, got {alone} and {together}")
+    return sum(together) / len(together) / sum(alone)
+
+
+def coresident_cost_to_dict(cost: CoResidentCost) -> dict:
+    """A co-resident cost as JSON-ready data."""
+    return {"factors": list(cost.factors), "source": cost.source}
+
+
+# Named co-resident costs (tessera profile --coresident measures one): how engines of one instance share
+# its accelerator. On a GPU, processes time-slice the device: their steps serialise (1.0, CHOICE, not
+# measured here). On this 2-core CPU two vLLM servers share the cores (measured, source says how).
+CORESIDENT_COSTS: dict[str, CoResidentCost] = {
+    "gpu-time-slicing": CoResidentCost(),
+}
 
 
 def profile_to_dict(profile: StepProfile) -> dict:
