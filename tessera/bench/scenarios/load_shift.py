@@ -89,6 +89,7 @@ from tessera.sim.cluster import (
     ClusterView,
     DrainInstance,
 )
+from tessera.sim.coresident import CoResidentInstance
 from tessera.sim.engine import SimInstance
 
 DESCRIPTION = (
@@ -737,6 +738,23 @@ def replayed_group_errors(
     return out
 
 
+def engine_shares(name: str, cluster: Cluster) -> list[str]:
+    """Information lines: how co-resident instances shared their accelerator, per model (engine
+    seconds of its steps and their share), by group."""
+    seconds: dict[tuple[str, ...], dict[str, float]] = {}
+    for inst in (*cluster.instances, *cluster.retired):
+        if isinstance(inst, CoResidentInstance):
+            mine = seconds.setdefault(tuple(sorted(inst.profiles)), {})
+            for model, t in inst.engine_seconds.items():
+                mine[model] = mine.get(model, 0.0) + t
+    lines = []
+    for group, by_model in sorted(seconds.items()):
+        total = sum(by_model.values()) or 1.0
+        shares = ", ".join(f"{m} {t:.0f} s ({t / total:.0%})" for m, t in sorted(by_model.items()))
+        lines.append(f"({name}) co-resident {'+'.join(group)}: engine time {shares}")
+    return lines
+
+
 def describe(groups: Sequence[GroupPlan]) -> str:
     """Groups as "services xREPLICAS tpTP", comma-separated."""
     return ", ".join(f"{'+'.join(g.services)} x{g.replicas.total} tp{g.tp}" for g in groups)
@@ -809,6 +827,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             f"error {error} -> interval {p.interval_s:.1f} s; placed {groups} (estimate {est})"
         )
     checks.append(f"(static) placed once at t=0: {describe(static.placements[0].groups)}")
+    for name, cluster in (("operator-loop", live_cluster), ("static", fixed_cluster)):
+        checks.extend(engine_shares(name, cluster))
     errors = {
         "operator-loop": shared_group_errors(loop, live, live_cluster, end),
         "static": shared_group_errors(static, fixed, fixed_cluster, end),
