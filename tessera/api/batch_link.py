@@ -5,9 +5,10 @@ The two share one secret (``TESSERA_BATCH_TOKEN`` in both processes' environment
 Secret key). Each request between them carries it in ``x-tessera-batch-token``:
 
 - router -> batch component (``/v1/files``, ``/v1/batches``): the router has authenticated the client
-  and names its tenant (``x-tessera-tenant``) and the models it may use that are served
-  (``x-tessera-models``, comma-separated); the batch component believes those headers only with the
-  token, so files and batches are scoped to the API key's tenant.
+  and names its tenant (``x-tessera-tenant``), the models it may use that are served
+  (``x-tessera-models``, comma-separated) and the batch classes it may use with the header that selects
+  each (``x-tessera-batch-classes``, JSON ``{name: [header, value]}``); the batch component believes
+  those headers only with the token, so files and batches are scoped to the API key's tenant.
 - batch component -> router (each line, as a request of the batch class): the token marks the request
   as the feeder's, the only one whose ``x-tessera-deadline`` the router accepts (any other client's is
   refused with 403). The router drops the token and forwards the deadline to the worker, which trusts
@@ -25,6 +26,7 @@ TOKEN_ENV = "TESSERA_BATCH_TOKEN"
 TOKEN_HEADER = "x-tessera-batch-token"
 TENANT_HEADER = "x-tessera-tenant"
 MODELS_HEADER = "x-tessera-models"
+CLASSES_HEADER = "x-tessera-batch-classes"
 DEADLINE_HEADER = "x-tessera-deadline"
 NO_KEYS_TENANT = "default"  # the tenant of every caller of a router without API keys
 

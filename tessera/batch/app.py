@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tessera.api.batch_link import MODELS_HEADER, TENANT_HEADER, TOKEN_HEADER
+from tessera.api.batch_link import CLASSES_HEADER, MODELS_HEADER, TENANT_HEADER, TOKEN_HEADER
 from tessera.api.openai_errors import ApiError
 from tessera.batch.feeder import Feeder
 from tessera.batch.rules import ENDPOINTS, MAX_FILE_BYTES, WindowError, window_seconds
@@ -92,8 +92,9 @@ def _metadata_error(metadata: dict[str, str] | None) -> str | None:
     return None
 
 
-def create_batch_app(store: BatchStore, feeder: Feeder, token: str) -> FastAPI:
-    """The API over ``store``; ``feeder`` runs while the app runs; ``token``: the router's secret."""
+def create_batch_app(store: BatchStore, feeder: Feeder, token: str, class_name: str | None = None) -> FastAPI:
+    """The API over ``store``; ``feeder`` runs while the app runs; ``token``: the router's secret;
+    ``class_name``: the request class of every line (None: the one batch class the router names)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -134,6 +135,25 @@ def create_batch_app(store: BatchStore, feeder: Feeder, token: str) -> FastAPI:
     def models_of(http: HttpRequest) -> list[str] | None:
         value = http.headers.get(MODELS_HEADER)
         return None if value is None else [m for m in value.split(",") if m]
+
+    def batch_class_of(http: HttpRequest) -> tuple[str, str]:
+        try:
+            classes = json.loads(http.headers.get(CLASSES_HEADER, "{}"))
+        except json.JSONDecodeError:
+            classes = {}
+        if class_name is not None:
+            if class_name not in classes:
+                raise ApiError(400, f"the batch class {class_name!r} (tessera batch --class) is not served "
+                                    f"or not allowed for this API key; batch classes: "
+                                    f"{', '.join(sorted(classes)) or '(none)'}")  # fmt: skip
+            header, value = classes[class_name]
+            return str(header), str(value)
+        if len(classes) != 1:
+            raise ApiError(400, "batch jobs need exactly one request class of kind batch that this API key "
+                                f"may use; there are: {', '.join(sorted(classes)) or '(none)'} (pick one "
+                                "with tessera batch --class)")  # fmt: skip
+        header, value = next(iter(classes.values()))
+        return str(header), str(value)
 
     def now() -> int:
         return int(time.time())
@@ -214,7 +234,7 @@ def create_batch_app(store: BatchStore, feeder: Feeder, token: str) -> FastAPI:
             raise ApiError(400, f"the file {source['id']} has purpose {source['purpose']!r}, not 'batch'",
                            param="input_file_id")  # fmt: skip
         row = store.create_batch(tenant, source["id"], body.endpoint, body.completion_window, window_s,
-                                 body.metadata, models_of(http), now())  # fmt: skip
+                                 body.metadata, models_of(http), batch_class_of(http), now())  # fmt: skip
         feeder.wake.set()
         return batch_object(row)
 

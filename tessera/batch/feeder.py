@@ -1,7 +1,7 @@
 """The feeder: validates new batches and sends their lines through the router, one request each.
 
 Each line goes to the router's endpoint of its batch as a request of the service's batch class (the
-router's ``/router/status`` names it: the one class of kind ``batch``, or ``--class``), with the job's
+router named it when the batch was created: the one class of kind ``batch``, or ``--class``), with the job's
 expiry as its deadline (``x-tessera-deadline``, honoured by EDF, QLM and Chiron's global queue) and the
 feeder token (``tessera.api.batch_link``). At most ``concurrency`` lines are in flight at once over all
 batches; the router's hold keeps them until an instance has room, so the pool sets the pace. A 429 or
@@ -41,14 +41,6 @@ EXPIRED = "This request could not be executed before the completion window expir
 CANCELLED = "This request was not sent: the batch was cancelled."
 
 
-class NoBatchClass(RuntimeError):
-    """The router serves no batch class the feeder can use."""
-
-
-class RouterUnavailable(RuntimeError):
-    """The router did not answer (it may be starting): the feeder tries again next round."""
-
-
 @dataclass(frozen=True, slots=True)
 class FeederSettings:
     """How the feeder reaches the router and how much it sends at once."""
@@ -57,7 +49,6 @@ class FeederSettings:
     token: str
     concurrency: int = 64
     poll_s: float = 0.5
-    class_name: str | None = None  # the batch class; None: the router's one class of kind batch
 
 
 class Feeder:
@@ -69,7 +60,6 @@ class Feeder:
         self.clock = clock
         self.wake = asyncio.Event()
         self.tasks: dict[str, set[asyncio.Task[None]]] = {}  # batch id -> its lines in flight
-        self._class: tuple[str, str] | None = None  # (header, value) of the batch class
         self._client: httpx.AsyncClient | None = None
 
     def _now(self) -> int:
@@ -103,7 +93,7 @@ class Feeder:
         for batch in self.store.active():
             status = batch["status"]
             if status == "validating":
-                await self._validate(batch)
+                self._validate(batch)
             elif status == "in_progress":
                 self._progress(batch)
             elif status == "cancelling" and not self._busy(batch):
@@ -116,7 +106,7 @@ class Feeder:
     def _busy(self, batch: dict[str, Any]) -> bool:
         return bool(self.tasks.get(batch["id"])) or batch["in_flight"] > 0
 
-    async def _validate(self, batch: dict[str, Any]) -> None:
+    def _validate(self, batch: dict[str, Any]) -> None:
         now = self._now()
         try:
             data = self.store.read_file(batch["input_file_id"])
@@ -129,37 +119,7 @@ class Feeder:
         if errors:
             self.store.fail(batch["id"], errors, now)
             return
-        try:
-            await self._batch_class()
-        except NoBatchClass as exc:
-            self.store.fail(batch["id"], [LineError("no_batch_class", str(exc))], now)
-            return
-        except RouterUnavailable as exc:
-            log.warning("%s; batch %s stays validating", exc, batch["id"])
-            return
         self.store.start(batch["id"], lines, now)
-
-    async def _batch_class(self) -> tuple[str, str]:
-        """The class header and value of the batch class, from the router's status (once)."""
-        if self._class is not None:
-            return self._class
-        assert self._client is not None
-        try:
-            status = (await self._client.get("/router/status", timeout=10.0)).json()
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
-            message = f"the router at {self.settings.router_url} did not answer its status: {exc}"
-            raise RouterUnavailable(message) from None
-        classes = status.get("classes", {})
-        wanted = self.settings.class_name
-        batch = [
-            n for n, c in classes.items() if (c.get("kind") == "batch" if wanted is None else n == wanted)
-        ]
-        if len(batch) != 1:
-            named = f"class {wanted!r}" if wanted else "exactly one class of kind batch"
-            raise NoBatchClass(f"the router must serve {named} for batch jobs; it serves: "
-                               f"{', '.join(sorted(classes)) or '(none)'}")  # fmt: skip
-        self._class = (status["classHeader"], classes[batch[0]]["headerValue"])
-        return self._class
 
     def _progress(self, batch: dict[str, Any]) -> None:
         batch_id = batch["id"]
@@ -192,13 +152,7 @@ class Feeder:
     async def _send(self, batch: dict[str, Any], index: int, custom_id: str, body: dict[str, Any]) -> None:
         """Send one line until it has an answer; record it (or hand the line back when cancelled)."""
         batch_id, expires = batch["id"], float(batch["expires_at"])
-        try:
-            header, value = await self._batch_class()
-        except (NoBatchClass, RouterUnavailable) as exc:
-            log.warning("%s; line %d of %s waits", exc, index, batch_id)
-            self.store.requeue(batch_id, index)
-            await asyncio.sleep(self.settings.poll_s)
-            return
+        header, value = json.loads(batch["batch_class"])
         headers = {header: value, TOKEN_HEADER: self.settings.token, DEADLINE_HEADER: f"{expires:.3f}"}
         assert self._client is not None
         failures = 0

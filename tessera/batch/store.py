@@ -39,6 +39,7 @@ CREATE INDEX IF NOT EXISTS files_by_tenant ON files (tenant, seq);
 CREATE TABLE IF NOT EXISTS batches (
   id TEXT PRIMARY KEY, tenant TEXT NOT NULL, seq INTEGER NOT NULL, endpoint TEXT NOT NULL,
   input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL, metadata TEXT, models TEXT,
+  batch_class TEXT NOT NULL,
   status TEXT NOT NULL, errors TEXT, output_file_id TEXT, error_file_id TEXT,
   created_at INTEGER NOT NULL, in_progress_at INTEGER, expires_at INTEGER NOT NULL,
   finalizing_at INTEGER, completed_at INTEGER, failed_at INTEGER, expired_at INTEGER,
@@ -162,16 +163,19 @@ class BatchStore:
 
     def create_batch(self, tenant: str, input_file_id: str, endpoint: str, window: str, window_s: int,
                      metadata: dict[str, str] | None, models: Iterable[str] | None,
-                     now: int) -> dict[str, Any]:  # fmt: skip
-        """A new batch of ``tenant``, validating; ``models``: those its lines may name (None: any)."""
+                     batch_class: tuple[str, str], now: int) -> dict[str, Any]:  # fmt: skip
+        """A new batch of ``tenant``, validating; ``models``: those its lines may name (None: any);
+        ``batch_class``: the header and value that make each line a request of the batch class."""
         batch_id = new_id("batch_")
         with self._tx() as db:
             db.execute(
                 "INSERT INTO batches (id, tenant, seq, endpoint, input_file_id, completion_window, metadata, "
-                "models, status, created_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'validating', ?, ?)",
+                "models, batch_class, status, created_at, expires_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'validating', ?, ?)",
                 (batch_id, tenant, self._seq("batches"), endpoint, input_file_id, window,
                  json.dumps(metadata) if metadata is not None else None,
-                 json.dumps(sorted(models)) if models is not None else None, now, now + window_s),
+                 json.dumps(sorted(models)) if models is not None else None, json.dumps(list(batch_class)),
+                 now, now + window_s),
             )  # fmt: skip
         return self.batch(tenant, batch_id) or {}
 

@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"tessera batch: cannot use --state-dir {args.state_dir}: {exc}", file=sys.stderr)
         return 2
-    settings = FeederSettings(args.router.rstrip("/"), token, args.concurrency, class_name=args.class_name)
-    app = create_batch_app(store, Feeder(store, settings), token)
+    settings = FeederSettings(args.router.rstrip("/"), token, args.concurrency)
+    app = create_batch_app(store, Feeder(store, settings), token, args.class_name)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     try:
         server.run()

@@ -758,7 +758,7 @@ def create_router_app(
         return card
 
     if batch is not None:
-        add_batch_routes(app, batch, caller_of, lambda: sorted(state.configs))
+        add_batch_routes(app, batch, caller_of, lambda: state.configs)
 
     async def relay(scope: Scope, receive: Receive, respond: Send) -> None:
         """Answer a POST to one of the relayed endpoints (a plain ASGI handler: see ``RouterApp``)."""

@@ -12,6 +12,7 @@ to the worker and into Chiron's hold, and the token itself goes no further. Any 
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response
 
 from tessera.api.batch_link import (
+    CLASSES_HEADER,
     DEADLINE_HEADER,
     MODELS_HEADER,
     NO_KEYS_TENANT,
@@ -29,6 +31,7 @@ from tessera.api.batch_link import (
     parse_deadline,
 )
 from tessera.api.openai_errors import ApiError
+from tessera.api.worker_config import WorkerConfig
 from tessera.router.auth import Caller
 
 # Largest body forwarded (an upload): the batch component's file limit plus the multipart framing.
@@ -85,21 +88,34 @@ def without_token(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(k, v) for k, v in headers if k.lower() != TOKEN_HEADER]
 
 
+def batch_classes(configs: Mapping[str, WorkerConfig], caller: Caller | None) -> dict[str, list[str]]:
+    """The batch classes served that ``caller`` may use: name -> [its header, the value selecting it]."""
+    found: dict[str, list[str]] = {}
+    for config in configs.values():
+        for name, spec in config.classes.items():
+            if spec.kind == "batch" and (caller is None or caller.classes is None or name in caller.classes):
+                found.setdefault(name, [spec.match.header, spec.header_value(name)])
+    return found
+
+
 def add_batch_routes(
     app: FastAPI,
     link: BatchLink,
     caller_of: Callable[[HttpRequest], Caller | None],
-    served: Callable[[], list[str]],
+    served: Callable[[], Mapping[str, WorkerConfig]],
 ) -> None:
-    """Forward the Files and Batch endpoints of ``app`` to the batch component; ``served``: the models
-    the router serves now (a caller with API keys sees those it may use)."""
+    """Forward the Files and Batch endpoints of ``app`` to the batch component; ``served``: model ->
+    the configuration of its instances, now (a caller with API keys sees the models and classes it may
+    use)."""
 
     async def forward(http: HttpRequest) -> Response:
         caller = caller_of(http)
-        models = [m for m in served() if caller is None or caller.may_use(m)]
+        configs = served()
+        models = [m for m in sorted(configs) if caller is None or caller.may_use(m)]
         headers = {k: v for k, v in http.headers.items() if k.lower() in _KEPT}
         headers |= {TOKEN_HEADER: link.token, TENANT_HEADER: caller.tenant if caller else NO_KEYS_TENANT,
-                    MODELS_HEADER: ",".join(models)}  # fmt: skip
+                    MODELS_HEADER: ",".join(models),
+                    CLASSES_HEADER: json.dumps(batch_classes(configs, caller))}  # fmt: skip
         body = b""
         async for chunk in http.stream():
             body += chunk
