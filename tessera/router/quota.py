@@ -47,7 +47,8 @@ from tessera.core.quota import (
 log = logging.getLogger(__name__)
 RETRY_S = 5.0  # after a failure, Redis is tried again this much later (admissions meanwhile: local)
 LEASE_S = 30.0  # a concurrency slot outlives its replica by at most this much
-TIMEOUT_S = 0.25  # each Redis call; past it the admission falls back to the local share
+TIMEOUT_S = 1.0  # each Redis call; past it the admission falls back to the local share (a stalled event
+# loop on a loaded machine took more than 0.25 s: a false outage)
 _DIMENSIONS: tuple[Dimension | None, ...] = (None, "requests", "tokens", "concurrency")
 
 # KEYS: requests hash, tokens hash, concurrency sorted set. ARGV: requests/minute, tokens/minute,
