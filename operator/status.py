@@ -514,7 +514,7 @@ class StatusReporter:
             body = bodies.get(name)
             if body is None:
                 continue
-            groups = plan.groups_of(name) if plan else []
+            groups = plan.groups_of(decided.placed_as(name)) if plan else []
             replicas = sum(g.replicas.total for g in groups)
             ready_count = sum(ready.get(g.name, 0) for g in groups)
             status = dict(body.get("status") or {})

@@ -123,6 +123,10 @@ VALUES = {
     "dtype": "float16",
     "max_model_len": "77",
     "kv_events_config": '{"enable_kv_cache_events": true}',
+    "enable_lora": "true",
+    "max_loras": "3",
+    "max_lora_rank": "32",
+    "max_cpu_loras": "5",
 }
 # The destinations of the flags the operator reads (VLLM_FLAGS_READ).
 READ_VALUES = {"gpu_memory_utilization": "0.5", "max_num_batched_tokens": "4096"}

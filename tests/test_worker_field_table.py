@@ -351,6 +351,13 @@ NOT_FOR_WORKER: dict[str, str] = {
     "LLMService.spec.model.tensorParallelSize": "placement's smallest TP; the group's TP reaches vLLM and "
     "kvCapacityTokens (rows of ServingPool.spec.gpu.perInstance)",
     "LLMService.spec.poolRef.name": "which pool places the service",
+    # An adapter needs a second LLMService (its base): tests/test_lora_adapters.py follows these fields
+    # into the worker configuration (models[].adapterOf, adapterSource, adapterRank) and vLLM's flags.
+    "LLMService.spec.model.adapter.base": "placement: served by its base's group (config adapterOf)",
+    "LLMService.spec.model.adapter.source": "config models[].adapterSource (tests/test_lora_adapters.py)",
+    "LLMService.spec.model.adapter.rank": "config models[].adapterRank; checked against maxLoraRank",
+    "ServingPool.spec.maxLoraRank": "vLLM --max-lora-rank of a base with adapters (test_lora_adapters)",
+    "ServingPool.spec.maxLoras": "vLLM --max-loras of a base with adapters (tests/test_lora_adapters.py)",
     "LLMService.spec.replicas.min": "placement: replica bounds",
     "LLMService.spec.replicas.max": "placement: replica bounds",
     "LLMService.spec.expectedLoad.requestsPerSecond": "placement: load before the workers measure one",

@@ -38,10 +38,43 @@ class VolumeSource(ApiModel):
     path: str = Field(default="/", description="Directory inside the volume holding the model files.")
 
 
+# Where an adapter's files are: an absolute directory the base's vLLM server reads (a mounted volume or
+# the pool's model cache), or a Hugging Face id (hf://org/name or org/name) it downloads.
+ADAPTER_SOURCE_PATTERN = r"^(/.+|(hf://)?[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+)$"
+MAX_ADAPTER_RANK = 512  # vLLM's largest --max-lora-rank
+
+
+class AdapterSpec(ApiModel):
+    """A LoRA adapter of a base model: served by the base's vLLM servers under this service's model name."""
+
+    base: str = Field(
+        pattern=NAME_PATTERN,
+        max_length=NAME_MAX_LENGTH,
+        description="Name of the LLMService of the base model, in the same namespace and pool; it must be "
+        "a full model (not itself an adapter).",
+    )
+    source: str = Field(
+        min_length=2,
+        max_length=1024,
+        pattern=ADAPTER_SOURCE_PATTERN,
+        description="The adapter's files: an absolute directory in the engine container (a mounted volume "
+        "or the pool's model cache), or a Hugging Face id (org/name or hf://org/name).",
+    )
+    rank: int = Field(
+        ge=1,
+        le=MAX_ADAPTER_RANK,
+        description="The adapter's LoRA rank (r); at most the pool's maxLoraRank.",
+    )
+
+
 class ModelSpec(ApiModel):
     """The model to serve and how vLLM loads it."""
 
-    RULES = (MutuallyExclusive("source", "volume"),)
+    RULES = (
+        MutuallyExclusive("source", "volume"),
+        MutuallyExclusive("adapter", "source"),
+        MutuallyExclusive("adapter", "volume"),
+    )
 
     name: str = Field(
         min_length=1,
@@ -78,6 +111,12 @@ class ModelSpec(ApiModel):
         "--tool-call-parser, e.g. hermes, llama3_json, mistral, pythonic): the worker serves tool_choice "
         "auto, the default when a request gives tools, by reading the calls back from the generated "
         "text with it; unset: such requests are refused (400).",
+    )
+    adapter: AdapterSpec | None = Field(
+        default=None,
+        description="Serve a LoRA adapter of another LLMService's model (its base) under this name, on the "
+        "base's instances: the service keeps its own request classes, SLOs and scheduling. Weights, dtype, "
+        "tensor parallelism and context length are the base's (source and volume may not be set).",
     )
 
 

@@ -34,6 +34,11 @@ VLLM_FLAG_SOURCES: tuple[tuple[str, str], ...] = (
     ("--config", "would let a file set any of these flags: give its flags here instead"),
     ("--device-memory-utilization", "is vLLM's other name of --gpu-memory-utilization: use that name"),
     ("--kv-events-config", "the operator sets from the ServingPool's kvEvents (ports the router finds)"),
+    ("--enable-lora", "the operator sets on a base model that LLMService adapters name (model.adapter)"),
+    ("--no-enable-lora", "the operator sets --enable-lora on a base model that adapters name"),
+    ("--max-loras", "the operator sets from the ServingPool's maxLoras and the base's adapters"),
+    ("--max-lora-rank", "the operator sets from the ServingPool's maxLoraRank"),
+    ("--max-cpu-loras", "the operator sets from the number of adapters of the base"),
 )
 OPERATOR_OWNED_VLLM_FLAGS = tuple(flag for flag, _ in VLLM_FLAG_SOURCES)
 # vLLM flags extraVllmArgs may set that the operator reads there (the GPU memory share for placement and
@@ -57,6 +62,9 @@ DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 MAX_INSTANCES = 1000  # instances of one pool: planning cost and memory grow with them
 MAX_BATCH = 65536  # sequences in one engine batch
 MAX_SERVICES_PER_GROUP = 8  # models in one pod: each has its own vLLM server and ports
+# The ranks vLLM's --max-lora-rank accepts (its LoRAConfig refuses any other).
+LoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+MAX_LORAS = 256  # adapters in one engine batch: each slot holds the adapter's weights in GPU memory
 LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 DNS_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 
@@ -412,6 +420,20 @@ class ServingPoolSpec(ApiModel):
         "on port 8200 + the model's index in its pod, bound on every interface) and the router's "
         "precise-prefix route subscribes to them (tessera router --kubernetes discovers the ports). The "
         "events carry prompt token ids: apply manifests/network, which admits only the router there.",
+    )
+    max_lora_rank: LoraRank = Field(
+        default=16,
+        description="Largest LoRA rank the base models' vLLM servers accept (--max-lora-rank; one of 1, 8, "
+        "16, 32, 64, 128, 256, 320, 512): an adapter LLMService of a higher rank is refused. vLLM reserves "
+        "GPU memory for adapters of this rank.",
+    )
+    max_loras: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_LORAS,
+        description="Adapters one batch of a base model may mix (--max-loras: slots in GPU memory); the "
+        "others wait in CPU memory (--max-cpu-loras, every adapter of the base). Unset: the number of "
+        "adapters of the base.",
     )
 
 

@@ -194,6 +194,23 @@ class ModelEntry(ApiModel):
         ),
     )
 
+    adapter_of: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "This model is a LoRA adapter served by the vLLM server of the pod's model of this name (its "
+            "base; url is the base's): the worker loads it there at run time (/v1/load_lora_adapter, the "
+            "server started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING) and schedules it as "
+            "one more model of the pod."
+        ),
+    )
+    adapter_source: str | None = Field(
+        default=None, min_length=1, description="The adapter's files: a directory or a Hugging Face id."
+    )
+    adapter_rank: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="The adapter's LoRA rank."
+    )
+
     def tokenizer_dir(self) -> str | None:
         """The folder whose tokenizer the worker tokenizes with (``tokenizer``, else the launched model's);
         None: it asks the engine."""
@@ -203,6 +220,8 @@ class ModelEntry(ApiModel):
     def _engine_source(self) -> ModelEntry:
         if self.engine == "vllm" and (self.url is None) == (self.launch is None):
             raise ValueError(f"model {self.name!r}: a vllm model needs exactly one of url or launch")
+        if (self.adapter_of is None) != (self.adapter_source is None):
+            raise ValueError(f"model {self.name!r}: an adapter needs both adapterOf and adapterSource")
         return self
 
 
@@ -370,6 +389,12 @@ class WorkerConfig(ApiModel):
                         f"({', '.join(sorted(self.classes))}) with the same kind and match; a model "
                         "changes only a class's SLOs, QoE, priority and queue bounds"
                     )
+            base = next((b for b in self.models if b.name == m.adapter_of), None)
+            if m.adapter_of is not None and (base is None or base.adapter_of is not None):
+                raise ValueError(
+                    f"model {m.name!r}: adapterOf {m.adapter_of!r} must name a full model of the pod "
+                    f"({', '.join(b.name for b in self.models if b.adapter_of is None)})"
+                )
             if m.default_class is not None and m.default_class not in self.classes:
                 raise ValueError(
                     f"model {m.name!r}: defaultClass {m.default_class!r} is not among the classes "

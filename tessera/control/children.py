@@ -58,6 +58,7 @@ from tessera.api.serving_pool import (
     sets_flag,
 )
 from tessera.api.worker_config import ProfileSpec, WorkerConfig
+from tessera.control.adapters import RUNTIME_LORA_ENV, adapters_of, lora_args
 from tessera.control.inputs import ENGINE_ANNOTATION, pool_input, service_input
 from tessera.control.placement_sim import group_profiles, kv_tokens, separate_kv_bytes, stats_of
 from tessera.core.activation import IdlePolicy
@@ -271,6 +272,7 @@ def vllm_args(
     port: int,
     gpu_memory_utilization: float | None = None,
     kv_events_port: int | None = None,
+    adapters: Sequence[LLMService] = (),
 ) -> list[str]:
     """The vLLM OpenAI server arguments of one placed model (the operator-owned flags first).
 
@@ -285,7 +287,8 @@ def vllm_args(
     ``gpu_memory_utilization`` (a co-located model's share, ``memory_plan``) replaces the pool's.
     Co-located models (``swaps_models``) start with ``--enable-sleep-mode`` (their container also gets
     ``VLLM_SERVER_DEV_MODE=1``) so that the worker can swap them. ``kv_events_port`` (the pool's
-    ``kvEvents``): the server publishes its KV events there (``--kv-events-config``).
+    ``kvEvents``): the server publishes its KV events there (``--kv-events-config``). A base model
+    with ``adapters`` (LLMServices naming it in ``model.adapter``) serves LoRA adapters (``lora_args``).
     """
     model_arg, _, _ = _model_location(service)
     model = service.spec.model
@@ -317,6 +320,7 @@ def vllm_args(
         args.append("--enable-sleep-mode")
     if kv_events_port is not None:
         args += ["--kv-events-config", kv_events_config(kv_events_port)]
+    args += lora_args(pool, list(adapters))
     return args + list(extra)
 
 
@@ -478,11 +482,7 @@ def worker_config(
     for index, name in enumerate(group.services):
         service = services[name]
         spec = service.spec
-        own: dict[str, dict[str, Any]] = {}  # this model's spec of classes it overrides differently
-        for accepted in spec.request_classes:
-            merged = classes[accepted.name].with_overrides(accepted.overrides).to_json()
-            if merged_classes.setdefault(accepted.name, merged) != merged:
-                own[accepted.name] = merged
+        own = _own_class_specs(spec, classes, merged_classes)
         has_batch = any(classes[c.name].kind == "batch" for c in spec.request_classes)
         policies.append(spec.scheduling.resolved_policy(has_batch))
         settings.append(policy_settings(spec, policies[-1]))
@@ -505,6 +505,9 @@ def worker_config(
         if own:
             entry["classSpecs"] = own
         models.append(entry)
+        models += [
+            _adapter_entry(entry, adapter, classes, merged_classes) for adapter in adapters_of(name, services)
+        ]
     for alias, value in _group_settings(pool, group, services, policies[0], models).items():
         _default(settings[0], alias, value)
     bounds = pool.spec.autoscaling.batch_size
@@ -524,6 +527,49 @@ def worker_config(
         return WorkerConfig.model_validate(config)
     except ValidationError as err:
         raise ChildError(f"group {group.name!r}: the worker configuration would be invalid: {err}") from None
+
+
+def _own_class_specs(
+    spec: LLMServiceSpec, classes: Mapping[str, RequestClassSpec], merged_classes: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """A model's spec of the classes it overrides differently from the pod's (``merged_classes``, which
+    gains the classes it lacks), by class name."""
+    own: dict[str, dict[str, Any]] = {}
+    for accepted in spec.request_classes:
+        merged = classes[accepted.name].with_overrides(accepted.overrides).to_json()
+        if merged_classes.setdefault(accepted.name, merged) != merged:
+            own[accepted.name] = merged
+    return own
+
+
+def _adapter_entry(
+    base: Mapping[str, Any],
+    adapter: LLMService,
+    classes: Mapping[str, RequestClassSpec],
+    merged_classes: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    """The worker's model entry of an adapter served by ``base``'s entry: the base's engine, server,
+    profile, KV capacity and context; its own name, source, default class and classes (``merged_classes``
+    gains those the pod lacks, as for a full model). It never sleeps on its own: the base's server
+    holds it."""
+    spec = adapter.spec
+    assert spec.model.adapter is not None
+    own = _own_class_specs(spec, classes, merged_classes)
+    kept = ("engine", "url", "profile", "kvCapacityTokens", "maxModelLen")
+    entry: dict[str, Any] = {k: base[k] for k in kept if k in base}
+    entry |= {
+        "name": spec.model.name,
+        "adapterOf": base["name"],
+        "adapterSource": spec.model.adapter.source,
+        "adapterRank": spec.model.adapter.rank,
+        "defaultClass": spec.default_class_name,
+        "sleepMode": "off",
+    }
+    if spec.model.tool_parser is not None:
+        entry["toolParser"] = spec.model.tool_parser
+    if own:
+        entry["classSpecs"] = own
+    return entry
 
 
 def restart_hash(config: WorkerConfig, vllm_containers: Sequence[Mapping[str, Any]]) -> str:
@@ -780,7 +826,7 @@ def _engine_container(
             args.append(SERVER_SEPARATOR)
         model = services[name].spec.model.name
         args += vllm_args(pool, group, services[name], ports[index], memory[name].gpu_memory_utilization,
-                          events.get(model))  # fmt: skip
+                          events.get(model), adapters_of(name, services))  # fmt: skip
         _, volume, mount = _model_location(services[name])
         if volume is not None and mount is not None:
             volumes.append(volume)
@@ -807,6 +853,8 @@ def _engine_container(
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
     if swaps_models(pool, group):
         env.append(dict(SLEEP_MODE_ENV))
+    if any(adapters_of(name, services) for name in group.services):
+        env.append(dict(RUNTIME_LORA_ENV))
     health = {"exec": {"command": ["python3", "-c", HEALTH_CHECK, *map(str, ports)]}, "timeoutSeconds": 10}
     container: dict[str, Any] = {
         "name": ENGINE_CONTAINER,
@@ -871,7 +919,8 @@ def stateful_set(
     and the engine container."""
     name = group_object_name(pool.name, group.name)
     labels = group_labels(pool.name, group.name)
-    pod_labels = {**labels, **{serves_label(s): "true" for s in group.services}}
+    served = [*group.services, *(a.name for s in group.services for a in adapters_of(s, services))]
+    pod_labels = {**labels, **{serves_label(s): "true" for s in served}}
     ports = kv_events_ports(pool, group, services)
     events = {KV_EVENTS_ANNOTATION: json.dumps(ports, sort_keys=True)} if ports else {}
     containers = [_worker_container(pool)]
@@ -994,5 +1043,6 @@ def desired_children(
             stateful_set(pool, group, services, configs[group.name], namespace),
         ]
         placed += [s for s in group.services if s not in placed]
+        placed += [a.name for s in group.services for a in adapters_of(s, services) if a.name not in placed]
     children += [endpoint_service(pool, services[s], namespace) for s in sorted(placed)]
     return children

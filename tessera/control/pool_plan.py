@@ -14,6 +14,7 @@ from typing import Any
 
 from tessera.api import LLMService, RequestClass, RequestClassSpec, ServingPool, SpecError, parse_document
 from tessera.api.worker_config import WorkerConfig
+from tessera.control.adapters import adapter_problems, is_adapter
 from tessera.control.children import (
     GROUP_LABEL,
     SERVES_PREFIX,
@@ -135,6 +136,11 @@ class PoolDesired:
     # What a new plan was planned from, by service name (empty when the plan in effect was kept).
     loads: dict[str, ServiceLoad] = field(default_factory=dict)
     inputs: dict[str, ServiceInput] = field(default_factory=dict)
+
+    def placed_as(self, name: str) -> str:
+        """The service whose groups serve ``name``: an adapter's base, else the service itself."""
+        adapter = self.services[name].spec.model.adapter if name in self.services else None
+        return adapter.base if adapter is not None else name
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,6 +338,8 @@ def desired_pool(
     for their declared or default load over ``window_s`` seconds (default: the pool's first
     re-placement interval).
     A service the pool cannot place is left out with its own problem (``place``); the others are placed.
+    An adapter (``tessera.control.adapters``) is not planned: it is served by its base's groups, or left
+    out with its own problem (an invalid adapter, or a base that is not placed) while its base serves.
     Returns a Problem (reason InvalidSpec) when the pool's own spec is invalid: nothing is created.
     When the pool as a whole cannot be built, the plan in effect stays (``placement_problem`` says why).
     """
@@ -343,12 +351,17 @@ def desired_pool(
     namespace = pool_body.get("metadata", {}).get("namespace") or "default"
     classes, _ = parse_classes(class_bodies)
     services, rejected = pool_services(pool.name, service_bodies, classes)
+    bad = adapter_problems(pool, services, {n: p.message for n, p in rejected.items()})
+    rejected.update({n: Problem(reason, message) for n, (reason, message) in bad.items()})
+    adapters = {n: s for n, s in services.items() if n not in bad and is_adapter(s)}
+    services = {n: s for n, s in services.items() if n not in bad and n not in adapters}
     try:
         if not replan and previous is not None:
             placed = {s for g in previous.groups for s in g.services}
             left_out = {n: p for n, p in (unplaced or {}).items() if n in services and n not in placed}
             rejected.update(left_out)
             services = {n: s for n, s in services.items() if n not in left_out}
+            services = with_adapters(services, adapters, placed, rejected)
             configs = group_configs(pool, previous.groups, services, classes)
             children = desired_children(pool, previous.groups, services, configs, namespace)
             return PoolDesired(pool, services, classes, rejected, previous, None, children, configs)
@@ -363,6 +376,8 @@ def desired_pool(
         plan, planned, left_out = place(pool, services, classes, loads, previous, now, namespace)
         rejected.update(left_out)
         services = {n: s for n, s in services.items() if n not in left_out}
+        placed = {s for g in plan.groups for s in g.services}
+        services = with_adapters(services, adapters, placed, rejected)
         configs = group_configs(pool, plan.groups, services, classes)
         children = desired_children(pool, plan.groups, services, configs, namespace)
     except (PlacementError, ChildError, ValueError) as err:
@@ -370,11 +385,37 @@ def desired_pool(
         kept = (
             previous if previous and all(s in services for g in previous.groups for s in g.services) else None
         )
+        if kept:
+            services = with_adapters(
+                services, adapters, {s for g in kept.groups for s in g.services}, rejected
+            )
         configs = group_configs(pool, kept.groups, services, classes) if kept else {}
         children = desired_children(pool, kept.groups, services, configs, namespace) if kept else []
         return PoolDesired(pool, services, classes, rejected, kept, str(err), children, configs)
     inputs = {s.name: s for s in planned}
     return PoolDesired(pool, services, classes, rejected, plan, None, children, configs, loads, inputs)
+
+
+def with_adapters(
+    bases: Mapping[str, LLMService],
+    adapters: Mapping[str, LLMService],
+    placed: set[str],
+    rejected: dict[str, Problem],
+) -> dict[str, LLMService]:
+    """``bases`` and the ``adapters`` whose base is ``placed``; each other adapter is added to
+    ``rejected`` with its base's problem (it is served where its base runs, and its base runs nowhere)."""
+    served = dict(bases)
+    for name, adapter in adapters.items():
+        spec = adapter.spec.model.adapter
+        assert spec is not None
+        if spec.base in placed:
+            served[name] = adapter
+            continue
+        why = rejected.get(spec.base)
+        reason = why.reason if why is not None and why.unplaced else UNPLACEABLE
+        detail = f": {why.message}" if why is not None else ""
+        rejected[name] = Problem(reason, f"its base LLMService {spec.base!r} is not placed{detail}")
+    return served
 
 
 def place(
