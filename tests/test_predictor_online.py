@@ -21,6 +21,7 @@ from tessera.predictor.features import N_SCALARS
 from tessera.predictor.model import TextLengthPredictor
 from tessera.predictor.online import (
     FinishedRequest,
+    Fitted,
     OnlineLearner,
     OnlineSettings,
     fit_correction,
@@ -29,6 +30,7 @@ from tessera.predictor.online import (
 )
 
 DIM = 8
+NO_LATER = np.zeros((0, 2 + N_SCALARS), np.float32)
 
 
 def records(n: int, seed: int = 0, emb_scale: float = 1.0) -> list[FinishedRequest]:
@@ -38,7 +40,7 @@ def records(n: int, seed: int = 0, emb_scale: float = 1.0) -> list[FinishedReque
     for _ in range(n):
         emb = rng.normal(size=DIM).astype(np.float32) * emb_scale
         length = int(np.clip(np.exp(4.0 + 0.8 * emb[0] + 0.1 * rng.normal()), 1, 2000))
-        out.append(FinishedRequest(emb, 100.0, np.zeros(N_SCALARS, np.float32), length, False))
+        out.append(FinishedRequest(emb, 100.0, np.zeros(N_SCALARS, np.float32), length, False, NO_LATER))
     return out
 
 
@@ -64,25 +66,51 @@ def test_settings_out_of_bounds_are_refused_naming_them(field: str, value: float
 def test_the_correction_learns_the_ranking_and_its_prior_is_the_head() -> None:
     train, test = records(400), records(200, seed=1)
     head, scalars, prompts, length = arrays(test)
+    arrival = np.zeros(len(head), dtype=int)
     learner = OnlineLearner(OnlineSettings(background=False))
-    assert np.array_equal(learner.adjust(head, scalars, prompts), head)  # nothing learnt: the head's
-    learner.correction = fit_correction(train, prior_weight=10.0)
-    tau = kendalltau(learner.adjust(head, scalars, prompts), length).statistic
+    assert np.array_equal(learner.adjust(head, scalars, prompts, arrival), head)  # nothing learnt: the head's
+    learner.fitted = Fitted(fit_correction(train, prior_weight=10.0), None)
+    tau = kendalltau(learner.adjust(head, scalars, prompts, arrival), length).statistic
     assert tau > 0.7  # the head alone (a constant) ranks nothing
+    # later positions are the calibration's, none here: the head's
+    assert np.array_equal(learner.adjust(head, scalars, prompts, arrival + 50), head)
     # an overwhelming prior keeps the head's predictions
-    learner.correction = fit_correction(train, prior_weight=1e6)
-    assert np.allclose(learner.adjust(head, scalars, prompts), head, rtol=0.02)
+    learner.fitted = Fitted(fit_correction(train, prior_weight=1e6), None)
+    assert np.allclose(learner.adjust(head, scalars, prompts, arrival), head, rtol=0.02)
+
+
+def test_the_later_calibration_rescales_a_head_that_overpredicts_running_requests() -> None:
+    # the head predicts 4x the true remaining length at every later position: ranking within a step is
+    # right, but a running request looks longer than a queued one of the same length
+    rng = np.random.default_rng(0)
+    recs = []
+    for _ in range(300):
+        length = int(rng.integers(60, 500))
+        later = np.array(
+            [[g, 4.0 * (length - g)] + [0.0] * N_SCALARS for g in range(50, length, 50)], np.float32
+        )
+        recs.append(FinishedRequest(rng.normal(size=DIM).astype(np.float32), float(length),
+                                    np.zeros(N_SCALARS, np.float32), length, False, later))  # fmt: skip
+    learner = OnlineLearner(
+        OnlineSettings(refit_every=300, min_samples=300, sample_size=300, background=False)
+    )
+    for rec in recs:
+        learner.record(rec)
+    assert learner.fitted is not None and learner.fitted.later is not None and learner.refits == 1
+    later = recs[0].later
+    got = learner.adjust(later[:, 1], later[:, 2:], np.zeros((len(later), DIM)), later[:, 0])
+    assert np.allclose(got, recs[0].length - later[:, 0], rtol=0.15)  # not 4x: the prior shrinks a little
 
 
 def test_refits_every_n_finished_requests_after_min_samples_inline() -> None:
     learner = OnlineLearner(OnlineSettings(refit_every=50, min_samples=100, background=False))
     for rec in records(99):
         learner.record(rec)
-    assert learner.correction is None and learner.refits == 0  # below min_samples: the head alone
+    assert learner.fitted is None and learner.refits == 0  # below min_samples: the head alone
     for rec in records(101, seed=2):
         learner.record(rec)
     assert learner.refits + learner.rejected == 3 and learner.refits >= 1  # at 100, 150 and 200
-    assert learner.correction is not None and learner.failed == 0
+    assert learner.fitted is not None and learner.failed == 0
     assert len(learner.refit_seconds) == 3 and learner.stats()["seen"] == 200
 
 
@@ -104,17 +132,18 @@ def test_a_refit_that_does_not_beat_the_head_keeps_the_head() -> None:
     rng = np.random.default_rng(5)
     recs = [
         FinishedRequest(rng.normal(size=DIM).astype(np.float32), 100.0, np.zeros(N_SCALARS, np.float32),
-                        int(rng.integers(1, 500)), False)
+                        int(rng.integers(1, 500)), False, NO_LATER)
         for _ in range(200)
     ]  # fmt: skip
-    recs += [FinishedRequest(r.prompt_emb, float(r.length), r.scalars, r.length, False) for r in records(50)]
+    recs += [FinishedRequest(r.prompt_emb, float(r.length), r.scalars, r.length, False, NO_LATER)
+             for r in records(50)]  # fmt: skip
     learner = OnlineLearner(
         OnlineSettings(refit_every=250, min_samples=250, sample_size=250, background=False)
     )
     for rec in recs:
         learner.record(rec)
     # the newest 50 are predicted exactly by the head: no correction can rank them better
-    assert learner.rejected == 1 and learner.refits == 0 and learner.correction is None
+    assert learner.rejected == 1 and learner.refits == 0 and learner.fitted == Fitted(None, None)
 
 
 def test_a_failed_refit_keeps_the_previous_correction_counted_and_logged(
@@ -123,14 +152,14 @@ def test_a_failed_refit_keeps_the_previous_correction_counted_and_logged(
     learner = OnlineLearner(OnlineSettings(refit_every=10, min_samples=100, background=False))
     for rec in records(100):
         learner.record(rec)
-    good = learner.correction
-    assert good is not None
+    good = learner.fitted
+    assert good is not None and good.arrival is not None
     bad = records(10, seed=4)
-    bad[0] = FinishedRequest(np.full(DIM, np.nan, np.float32), 100.0, bad[0].scalars, 10, False)
+    bad[0] = FinishedRequest(np.full(DIM, np.nan, np.float32), 100.0, bad[0].scalars, 10, False, NO_LATER)
     with caplog.at_level("WARNING"):
         for rec in bad:
             learner.record(rec)
-    assert learner.failed == 1 and learner.correction is good
+    assert learner.failed == 1 and learner.fitted is good
     assert "keeping the previous head" in caplog.text
 
 
@@ -203,7 +232,7 @@ def test_forget_of_a_finished_request_teaches_the_learner_and_an_unfinished_one_
     text_predictor.forget(dropped)  # removed unfinished (cancelled, say): nothing to learn
     assert learner.seen == 1
     (rec,) = list(learner._sample)
-    assert rec.length == 7 and not rec.hit_max_tokens and rec.head_prediction >= 0
+    assert rec.length == 7 and not rec.hit_max_tokens and rec.head_prediction >= 0 and len(rec.later) == 0
     never_predicted = _request(2, "Hi", "Hello", text_predictor)
     never_predicted.phase = Phase.FINISHED
     text_predictor.forget(never_predicted)

@@ -45,8 +45,11 @@ class _Entry:
     prompt_emb: np.ndarray
     prompt_tokens: int
     full_chunks: list[np.ndarray] = field(default_factory=list)  # embeddings of complete answer chunks
-    # the head's prediction and the scalars at arrival (nothing generated), for the online learner
+    # for the online learner: the head's prediction and the scalars at arrival (nothing generated) ...
     arrival: tuple[float, np.ndarray] | None = None
+    later: list[np.ndarray] = field(
+        default_factory=list
+    )  # ... and at each later position: generated, ŷ, scalars
     head_prediction: float | None = None  # the head's own latest prediction (before any correction)
 
 
@@ -126,8 +129,11 @@ class TextLengthPredictor:
             self.unrecorded += 1
             return
         head, scalars = entry.arrival
+        later = np.stack(entry.later) if entry.later else np.zeros((0, 2 + N_SCALARS), np.float32)
         self.online.record(
-            FinishedRequest(entry.prompt_emb, head, scalars, req.generated, req.generated >= req.max_tokens)
+            FinishedRequest(
+                entry.prompt_emb, head, scalars, req.generated, req.generated >= req.max_tokens, later
+            )
         )
 
     def last_head_prediction(self, req: Request) -> float:
@@ -197,13 +203,16 @@ class TextLengthPredictor:
             entries[req.id].head_prediction = float(pred)
         if self.online is None:
             return [float(p) for p in preds]
-        new = [i for i, r in enumerate(requests) if r.generated == 0]  # the correction is at arrival only
-        if new:
-            scalars = x[new, -N_SCALARS:]
-            for i, s in zip(new, scalars, strict=True):
-                entries[requests[i].id].arrival = (float(preds[i]), s.copy())
-            prompts = np.stack([entries[requests[i].id].prompt_emb for i in new])
-            preds[new] = self.online.adjust(preds[new], scalars, prompts)
+        scalars = x[:, -N_SCALARS:]
+        for i, req in enumerate(requests):
+            entry = entries[req.id]
+            if req.generated == 0:
+                entry.arrival = (float(preds[i]), scalars[i].copy())
+            elif not entry.later or entry.later[-1][0] < req.generated:  # one row per position
+                entry.later.append(np.concatenate([[req.generated, preds[i]], scalars[i]]).astype(np.float32))
+        prompts = np.stack([entries[r.id].prompt_emb for r in requests])
+        generated = np.array([r.generated for r in requests])
+        preds = self.online.adjust(preds, scalars, prompts, generated)
         return [float(p) for p in preds]
 
     def _embed(self, jobs: list[list[int]]) -> np.ndarray:
