@@ -38,6 +38,11 @@ The built-in routes:
   ignored every instance's load until the SLO broke, so with an SLO far above the TTFTs (3 s against
   0.1 s on multi-turn chat) the route was prefix affinity alone and lost to it on TTFT p99
   (``tessera bench routing --set workload=chat``).
+- ``adapter-affinity``: as ``least-wait``'s candidates, ranked by the estimated wait plus what the
+  request's LoRA adapter costs there (``adapter_cost``: nothing where it is resident, its load where a
+  slot is free, else a slot's release too), so that an adapter's requests gather where it is loaded
+  until the wait there outweighs loading it elsewhere (llm-d's and the Gateway API inference
+  extension's LoRA affinity, priced in seconds like the prefix routes).
 """
 
 from __future__ import annotations
@@ -124,6 +129,11 @@ class InstanceLoad:
     # The engine's KV cache as its worker last reported it, in tokens (None: not known)
     engine_kv_capacity: int | None = None
     engine_kv_used: int | None = None
+    # A LoRA adapter's load (``model`` is the adapter): the base model whose engine serves it, the
+    # adapters resident in that engine's GPU slots and how many it has (vLLM's --max-loras)
+    adapter_of: str | None = None
+    resident_adapters: frozenset[str] = frozenset()
+    adapter_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +181,8 @@ def swap_penalty(load: InstanceLoad) -> float:
     --set part=multi`` with the code trace's lengths, counting the other models' requests and this
     penalty took the live route from 5.79 req/s (19.4% under batched swapping) to 8.55 (18.9% over)."""
     other = load.other_outstanding > 0 or load.last_model not in (None, load.model)
-    if load.outstanding > 0 or not other or load.profile is None:
+    # An adapter shares its base's engine: loading it is ``adapter_cost``'s, never an engine restart.
+    if load.outstanding > 0 or not other or load.profile is None or load.adapter_of is not None:
         return 0.0
     return ENGINE_RESTART_S + load.profile.model_load_time()
 
@@ -280,6 +291,49 @@ def precise_prefix_scorer(settings: PrecisePrefixSettings) -> Scorer:
     return score
 
 
+class AdapterSettings(BaseModel):
+    """Parameters of the ``adapter-affinity`` scorer."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    z: float = Field(DEFAULT_Z, ge=0.0, le=5.0, description="quantile of the waiting-time estimate")
+    load_seconds: float = Field(
+        0.1,
+        ge=0.0,
+        le=60.0,
+        description="loading an adapter into a free GPU slot of its base's engine, in seconds (CHOICE: "
+        "a rank-16 adapter of an 8B model is about 40 MB, read from CPU memory or a local disk)",
+    )
+
+
+def adapter_cost(req: RouteRequest, load: InstanceLoad, load_seconds: float) -> float:
+    """Seconds the request's adapter costs on ``load``'s instance before its request can start, beyond
+    the wait for a batch slot: 0 where it is resident (or the model is no adapter); ``load_seconds``
+    where the engine has a free adapter slot; else also a slot's release, which waits for a resident
+    adapter's requests to end: CHOICE: the mean time between request completions there (a mean
+    request's decode time over the requests in flight), the soonest one can end."""
+    if load.adapter_of is None or load.model in load.resident_adapters:
+        return 0.0
+    if len(load.resident_adapters) < load.adapter_slots:
+        return load_seconds
+    if load.profile is None or req.stats is None:
+        return load_seconds
+    running = max(1, min(load.batch_size, load.outstanding + load.other_outstanding))
+    context = running * int(req.stats.mu_in + req.stats.mu_out / 2)
+    decode = req.stats.mu_out * load.profile.decode_step(running, context)
+    return load_seconds + decode / running
+
+
+def adapter_scorer(settings: AdapterSettings) -> Scorer:
+    """Least estimated wait plus the adapter's cost there (``adapter_cost``), in seconds: the adapter's
+    resident instance first, then one with a free slot, each weighed against its queue."""
+    wait = wait_scorer(WaitSettings(z=settings.z))
+
+    def score(req: RouteRequest, load: InstanceLoad) -> float:
+        return round(wait(req, load) + adapter_cost(req, load, settings.load_seconds), 9)
+
+    return score
+
+
 def session_affinity(req: RouteRequest, load: InstanceLoad) -> int:
     """The instance the request's session used last first (its context is likely cached there)."""
     return 0 if req.session_instance is not None and load.instance == req.session_instance else 1
@@ -324,6 +378,7 @@ SCORERS: dict[str, tuple[type[BaseModel], Callable[[Any], Scorer]]] = {
     "expected-ttft": (WaitSettings, ttft_scorer),
     "prefix-affinity": (NoSettings, _fixed(prefix_affinity)),
     "precise-prefix": (PrecisePrefixSettings, precise_prefix_scorer),
+    "adapter-affinity": (AdapterSettings, adapter_scorer),
     "session-affinity": (NoSettings, _fixed(session_affinity)),
     "role-preference": (NoSettings, _fixed(role_preference)),
     "outstanding": (NoSettings, _fixed(outstanding)),
@@ -439,6 +494,15 @@ ROUTES: dict[str, RouteSpec] = {
             ScorerSpec(name="session-affinity"),
             ScorerSpec(name="expected-ttft"),
             ScorerSpec(name="prefix-affinity"),
+            ScorerSpec(name="outstanding"),
+            ScorerSpec(name="name"),
+        ),
+    ),
+    "adapter-affinity": RouteSpec(
+        filters=("serves-model", "healthy", "class-roles"),
+        scorers=(
+            ScorerSpec(name="adapter-affinity"),
+            ScorerSpec(name="role-preference"),
             ScorerSpec(name="outstanding"),
             ScorerSpec(name="name"),
         ),
