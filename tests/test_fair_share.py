@@ -17,6 +17,7 @@ from router_harness import CLASS_HEADER, MODEL, PLAN
 from tessera.api.tenant import TENANT_HEADER, TENANT_WEIGHT_HEADER
 from tessera.api.worker_config import WorkerConfig
 from tessera.core.fair_share import FairShare
+from tessera.core.policy import InstanceView
 from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.local.supervisor import Supervisor
@@ -98,6 +99,20 @@ def test_a_cancelled_held_request_leaves_no_trace() -> None:
     assert len(policy) == 2
     policy.remove(held, 0.1)
     assert len(policy) == 1 and policy.counters[("chat", "b")] == 0.0
+
+
+def test_a_tenant_arriving_before_the_engine_shows_an_admission_is_lifted_past_it() -> None:
+    """The worker may take an arrival between a decision and the next one (which shows what the engine
+    admitted): the lift counts the admission proposed, as the simulator's later decision would."""
+    entry = BASE.models[0]
+    view = InstanceView(0.0, "i", [], 1, 100_000, 0, entry.profile.to_profile(MODEL, 100_000))
+    policy = FairShare(make_policy("fcfs"))
+    first, second = (Request(f"b{i}", 0.0, 40, 10, MODEL, CHAT, tenant="b") for i in range(2))
+    policy.add(first, 0.0)
+    policy.add(second, 0.0)
+    assert policy.schedule(view).run == [first]
+    policy.add(Request("a0", 0.01, 40, 10, MODEL, CHAT, tenant="a"), 0.01)
+    assert policy.counters[("chat", "a")] == 40.0  # b's admitted prompt, not 0
 
 
 @pytest.mark.parametrize("inner", ["fcfs", "edf", "srtf-oracle"])

@@ -68,6 +68,10 @@ class FairShare(Policy):
         self._charged_out: dict[int, int] = {}  # id(req) -> generated tokens charged so far
         self._given: set[int] = set()  # id(req) of waiting requests handed to the inner policy
         self._since: dict[tuple[str, str, str], tuple[float, float]] = {}  # pair backlogged: services then
+        # The prompt service of the admissions the latest decision proposed, charged once the engine
+        # shows them running: a tenant arriving before that is lifted with them counted, wherever the
+        # shell's next decision falls (the worker and the simulator decide at different instants).
+        self._proposed: dict[Key, float] = {}
 
     # ---------------------------------------------------------------- the Policy hooks
 
@@ -121,6 +125,7 @@ class FairShare(Policy):
     def schedule(self, view: InstanceView) -> Decision:
         """Charge what ran, hand each class's least served tenant to the inner policy, and keep its
         admissions within the counters' order."""
+        self._proposed = {}
         for req in view.running:
             self._charge(req)
         self._track_gaps()
@@ -139,10 +144,14 @@ class FairShare(Policy):
     def _lift(self, name: str, cls: _Class, tenant: str) -> None:
         """The counter of a tenant becoming backlogged: at least the least backlogged counter (the last
         admitted tenant's when none is backlogged)."""
-        others = [self.counters.get((name, t), 0.0) for t in cls.backlogged() if t != tenant]
-        floor = min(others) if others else self.counters.get((name, cls.last), 0.0) if cls.last else 0.0
+        others = [self._counted((name, t)) for t in cls.backlogged() if t != tenant]
+        floor = min(others) if others else self._counted((name, cls.last)) if cls.last else 0.0
         key = (name, tenant)
         self.counters[key] = max(self.counters.get(key, 0.0), floor)
+
+    def _counted(self, key: Key) -> float:
+        """A tenant's counter with the admissions proposed for it and not yet seen running."""
+        return self.counters.get(key, 0.0) + self._proposed.get(key, 0.0)
 
     def _charge(self, req: Request) -> None:
         """Count ``req``'s admission (once) and its tokens generated since the last count."""
@@ -223,6 +232,8 @@ class FairShare(Policy):
                       if t != req.tenant]  # fmt: skip
             if others and virtual[key] > min(others):
                 closed.add(name)
+        for key, value in virtual.items():
+            self._proposed[key] = value - self.counters.get(key, 0.0)
         return kept, cut
 
     def _track_gaps(self) -> None:
