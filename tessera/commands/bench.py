@@ -99,6 +99,8 @@ TABLE_KEYS = (
     "step0_tau",  # a length-ranking policy's Kendall τ at arrival (bench elis), what its order rests on
     "within_step_tau",
     "requests",
+    "gpus",  # bench lora-density: the fewest GPUs that hold the target
+    "worst_adapter_slo_attainment",
     "mean_ttft_s",
     "p50_ttft_s",
     "p99_ttft_s",

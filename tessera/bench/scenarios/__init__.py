@@ -45,6 +45,7 @@ SCENARIOS: dict[str, str] = {
     "router": "tessera.bench.router_overhead",
     "fair-share": "tessera.bench.scenarios.fair_share",
     "batch-job": "tessera.bench.scenarios.batch_job",
+    "lora-density": "tessera.bench.scenarios.lora_density",
 }
 
 # Progress callback: advance the bar by ``n`` steps; ``total`` (re)sets the bar's length.
