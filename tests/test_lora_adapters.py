@@ -143,6 +143,11 @@ def test_the_pool_sets_slots_and_rank_and_a_base_without_adapters_gets_no_lora_f
             "rank 64 is above ServingPool 'h100-pool''s maxLoraRank 16",
         ),
         (_adapter("x", base="x"), INVALID_ADAPTER, "names this service itself"),
+        (
+            {**_adapter("x"), "spec": {**_adapter("x")["spec"], "scaleToZero": {"afterSeconds": 60}}},
+            INVALID_ADAPTER,
+            "spec.scaleToZero is not served for an adapter yet",
+        ),
     ],
 )
 def test_an_adapter_that_cannot_be_served_is_refused_on_its_own_status(
@@ -209,3 +214,27 @@ def test_the_worker_configuration_refuses_an_adapter_of_no_full_model() -> None:
     del config["models"][1]["adapterSource"]
     with pytest.raises(ValueError, match="needs both adapterOf and adapterSource"):
         WorkerConfig.model_validate(config)
+
+
+def test_the_example_serves_both_adapters_on_the_base_s_pods() -> None:
+    bodies = [d.to_json() for d in load_documents(EXAMPLES / "lora-adapters.yaml")]
+    for b in bodies:
+        b["metadata"]["uid"] = f"{b['metadata']['name']}-uid"
+    pool = next(b for b in bodies if b["kind"] == "ServingPool")
+    services = [b for b in bodies if b["kind"] == "LLMService"]
+    classes = [b for b in bodies if b["kind"] == "RequestClass"]
+    decided = desired_pool(pool, services, classes, None, 0.0)
+    assert isinstance(decided, PoolDesired) and decided.rejected == {}
+    args, _ = _engine_args(decided)
+    i = args.index("--enable-lora")
+    assert args[i : i + 7] == [
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "16",
+        "--max-cpu-loras",
+        "2",
+    ]
+    (config,) = decided.configs.values()
+    assert [m.adapter_of for m in config.models] == [None, BASE_MODEL, BASE_MODEL]

@@ -32,7 +32,8 @@ def adapter_problems(
 
     ``services`` are the pool's valid services by name, ``rejected`` the messages of the pool's others
     (a base there is named with its own fault). An adapter is refused when its base is not a valid
-    service of the pool, is itself an adapter, or when its rank is above the pool's ``maxLoraRank``.
+    service of the pool, is itself an adapter, when it asks for scale to zero of its own, or when its
+    rank is above the pool's ``maxLoraRank``.
     """
     problems: dict[str, tuple[str, str]] = {}
     for name, service in services.items():
@@ -58,6 +59,13 @@ def adapter_problems(
                 INVALID_ADAPTER,
                 f"base LLMService {adapter.base!r} is itself an adapter (of "
                 f"{base.spec.model.adapter.base!r}); an adapter's base must be a full model: name that one",
+            )
+        elif service.spec.scale_to_zero is not None:
+            # An adapter sleeps only with its base's pods: unloading one alone is not built yet.
+            problems[name] = (
+                INVALID_ADAPTER,
+                "spec.scaleToZero is not served for an adapter yet: it sleeps with its base (set "
+                f"scaleToZero on {adapter.base!r}); remove it here",
             )
         elif adapter.rank > pool.spec.max_lora_rank:
             problems[name] = (
