@@ -14,7 +14,7 @@ from tessera.api import SpecError, load_documents, parse_document
 from tessera.api.worker_config import WorkerConfig
 from tessera.control import children
 from tessera.control.adapters import ADAPTER_BASE_NOT_FOUND, INVALID_ADAPTER
-from tessera.control.pool_plan import PoolDesired, desired_pool
+from tessera.control.pool_plan import PoolDesired, desired_pool, group_scaling
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 BASE_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -238,3 +238,18 @@ def test_the_example_serves_both_adapters_on_the_base_s_pods() -> None:
     ]
     (config,) = decided.configs.values()
     assert [m.adapter_of for m in config.models] == [None, BASE_MODEL, BASE_MODEL]
+
+
+def test_the_group_s_autoscaler_reads_its_adapters_classes_and_models() -> None:
+    pool, (base,), classes = _quickstart()
+    base["spec"]["requestClasses"] = [{"name": "chat"}]  # the batch class is the adapter's alone
+    batch = _adapter("offline-adapter")
+    batch["spec"]["requestClasses"] = [{"name": "offline"}]
+    decided = desired_pool(pool, [base, _adapter("support"), batch], classes, None, 0.0)
+    assert isinstance(decided, PoolDesired) and decided.plan is not None
+    (group,) = decided.plan.groups
+    scaling = group_scaling(decided, group)
+    # The router holds requests by model: an adapter's held requests scale its base's group.
+    assert scaling.models == tuple(sorted((BASE_MODEL, "org/support", "org/offline-adapter")))
+    assert scaling.kinds == {"chat": "interactive", "offline": "batch"}
+    assert scaling.deadlines == {"offline": 3600}

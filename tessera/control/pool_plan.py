@@ -14,7 +14,7 @@ from typing import Any
 
 from tessera.api import LLMService, RequestClass, RequestClassSpec, ServingPool, SpecError, parse_document
 from tessera.api.worker_config import WorkerConfig
-from tessera.control.adapters import adapter_problems, is_adapter
+from tessera.control.adapters import adapter_problems, adapters_of, is_adapter
 from tessera.control.children import (
     GROUP_LABEL,
     SERVES_PREFIX,
@@ -155,10 +155,13 @@ class GroupScaling:
 
 def group_scaling(decided: PoolDesired, group: GroupPlan, instance_cap: int | None = None) -> GroupScaling:
     """The classes, deadlines and Chiron settings of ``group``: it may not outgrow the pool's GPU budget
-    left by the other groups, any hosted service's replicas.max, nor ``instance_cap`` (local mode)."""
+    left by the other groups, any hosted service's replicas.max, nor ``instance_cap`` (local mode).
+    The adapters its bases serve count as its services for the classes and models (their demand is
+    the group's), not for the replica cap (an adapter has no instances of its own)."""
     assert decided.plan is not None
     pool = decided.pool
-    accepted = {c.name for s in group.services for c in decided.services[s].spec.request_classes}
+    served = [*group.services, *(a.name for s in group.services for a in adapters_of(s, decided.services))]
+    accepted = {c.name for s in served for c in decided.services[s].spec.request_classes}
     kinds = {c: decided.classes[c].kind for c in accepted}
     deadlines = {c: decided.classes[c].slo.deadline_seconds or 0.0 for c in accepted if kinds[c] == "batch"}
     budget = pool.spec.instances.max * pool.spec.gpu.per_instance
@@ -166,7 +169,7 @@ def group_scaling(decided: PoolDesired, group: GroupPlan, instance_cap: int | No
     cap = min(decided.services[s].spec.replicas.max for s in group.services)
     if instance_cap is not None:
         cap = min(cap, instance_cap)
-    models = tuple(sorted(decided.services[s].spec.model.name for s in group.services))
+    models = tuple(sorted(decided.services[s].spec.model.name for s in served))
     settings = chiron_settings(pool, min((budget - others) // group.tp, cap))
     return GroupScaling(kinds, deadlines, settings, models)
 
