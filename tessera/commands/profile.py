@@ -206,8 +206,9 @@ def _launched(args: argparse.Namespace) -> tuple:
 
 
 def _coresident(args: argparse.Namespace) -> CoResidentCost:
-    """Two servers of ``--launch``'s model on this machine: each one's decode seconds per token with
-    ``--max-batch`` streams alone, then both at once, in ``--repeats`` interleaved rounds; the factor is
+    """Two servers of ``--launch``'s model on this machine: each one's seconds per decode token of
+    ``--max-batch`` streams started together (their last token's time over the tokens) alone, then both
+    at once, in ``--repeats`` interleaved rounds; the factor is
     the median round's (``coresident_factor``). Prefill interference is not measured."""
     import asyncio
     import statistics
@@ -237,7 +238,9 @@ def _coresident(args: argparse.Namespace) -> CoResidentCost:
         runs = await asyncio.gather(
             *(stream_completion(client, url, name, prompt, args.decode_tokens) for _ in range(args.max_batch))
         )
-        return statistics.mean((r.jct - r.ttft) / max(1, r.tokens - 1) for r in runs)
+        # the batch's wall time per token: a busy server merges tokens into chunks, so chunk times and
+        # a stream's own first-to-last token time understate it
+        return max(r.jct for r in runs) / args.decode_tokens
 
     async def rounds(urls: list[str]) -> list[tuple[list[float], list[float]]]:
         out = []

@@ -136,6 +136,19 @@ def coresident_cost_to_dict(cost: CoResidentCost) -> dict:
 # measured here). On this 2-core CPU two vLLM servers share the cores (measured, source says how).
 CORESIDENT_COSTS: dict[str, CoResidentCost] = {
     "gpu-time-slicing": CoResidentCost(),
+    # Noisy (the machine was shared: rounds 0.62-1.07) and asymmetric (the second server decoded 2-4x
+    # slower alone than the first, the same model): a first reading, not a calibration to rely on.
+    "cpu-2core-tiny": CoResidentCost(
+        (0.717,),
+        source=(
+            "tessera profile --coresident (2026-12-06, this 2-core machine shared with other users): two "
+            "vLLM servers of the tiny model (float32), 8 decode streams of 256 tokens each, seconds per "
+            "token alone / together per round: 3.55/9.33 -> 13.05/5.41 ms, 4.43/9.09 -> 3.65/13.21 ms, "
+            "3.64/14.34 -> 22.35/16.02 ms; factors 0.717, 0.623, 1.067, median kept; load average (1 min) "
+            "5.6-10.7 while measuring; reproduce: tessera profile --launch TINY_DIR --coresident "
+            "--max-batch 8 --max-model-len 512 --decode-tokens 256 --repeats 3 --out coresident.json"
+        ),
+    ),
 }
 
 
