@@ -125,7 +125,8 @@ class PoolDesired:
     """What a pool reconcile should make true."""
 
     pool: ServingPool
-    services: dict[str, LLMService]  # the pool's services placed by ``plan`` (valid and placeable)
+    # The pool's services placed by ``plan`` (valid and placeable), and the adapters their groups serve
+    services: dict[str, LLMService]
     classes: dict[str, RequestClassSpec]
     # The pool's services left out, by name: invalid ones and those the pool cannot place.
     rejected: dict[str, Problem] = field(default_factory=dict)
