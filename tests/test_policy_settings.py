@@ -221,11 +221,13 @@ def test_service_settings_reach_the_worker_configuration() -> None:
 
     plan = plan_local(load_documents(EXAMPLE), LocalEngine())
     by_policy = {i.config.scheduling.policy: i.config.scheduling.settings for i in plan.instances}
-    # isrtf: the service's settings, plus its predictor block (the text predictor and its encoder)
+    # isrtf: the service's settings, plus its predictor block (the text predictor, its encoder, and
+    # online learning, on by default)
     assert by_policy["isrtf"] == {
         "windowTokens": 50,
         "predictor": "text",
         "predictorEncoder": "sentence-transformers/all-MiniLM-L6-v2",
+        "predictorOnline": True,
     }
     assert by_policy["qoe"] == {"horizonS": 10}
 

@@ -203,8 +203,9 @@ class PredictorSpec(ApiModel):
 
     It becomes isrtf's settings where ``scheduling.settings`` does not set them (those take precedence):
     enabled → predictor (text, else the running mean per class), repredictEveryTokens → windowTokens,
-    checkpoint → predictorCheckpoint, encoder → predictorEncoder. No other policy predicts lengths from
-    text (QLM estimates from its token statistics), so the block does not concern them.
+    checkpoint → predictorCheckpoint, encoder → predictorEncoder, online → predictorOnline. No other
+    policy predicts lengths from text (QLM estimates from its token statistics), so the block does not
+    concern them.
     """
 
     enabled: bool = Field(
@@ -227,6 +228,11 @@ class PredictorSpec(ApiModel):
         pattern=r"^/.+$",
         description="Absolute directory, in the worker container (image or mounted volume), of a trained "
         "predictor (what `tessera predictor train --out DIR` writes); unset means the shipped one.",
+    )
+    online: bool = Field(
+        default=True,
+        description="The text predictor learns online from the worker's finished requests (isrtf "
+        "predictorOnline): a correction of the trained head refitted in the background.",
     )
     repredict_every_tokens: int = Field(
         default=50,

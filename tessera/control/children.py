@@ -349,6 +349,7 @@ def policy_settings(spec: LLMServiceSpec, policy: str) -> dict[str, Any]:
         if settings.get("predictor") == "text":
             _default(settings, "predictorCheckpoint", predictor.checkpoint)
             _default(settings, "predictorEncoder", predictor.encoder)
+            _default(settings, "predictorOnline", predictor.online)
     return settings
 
 

@@ -2,7 +2,7 @@
 
 What ISRTF uses is the ranking of requests at the same position: at arrival (step 0) the queue it
 reorders, and at each window boundary the requests re-ranked together. The pooled Kendall τ over all
-steps rewards "later steps have less left", which ranking by position alone already gets (issue 46:
+steps rewards "later steps have less left", which ranking by position alone already gets (docs/bench.md:
 0.731 by position against 0.697 for the head on coding prompts). So every report carries τ at step 0,
 the mean τ within each step (``within_step_tau``) and the position-only baseline on the same steps.
 

@@ -1,7 +1,7 @@
 """Online learning of the text predictor from the deployment's own finished requests.
 
-A head trained once on one prompt set ranks other prompts poorly (issue 46: step-0 Kendall τ 0.105 on
-coding prompts against 0.217 on its own held-out split), while every worker sees the true length of
+A head trained once on one prompt set ranks other prompts poorly (step-0 Kendall τ 0.105 on coding
+prompts against 0.217 on its own held-out split; docs/bench.md), while every worker sees the true length of
 every answer it serves. ``OnlineLearner`` keeps a bounded sample of recently finished requests and
 refits, every ``refit_every`` finished requests or ``refit_seconds`` seconds, a correction of the
 shipped head on them.

@@ -356,7 +356,7 @@ def _reduction(row: dict[str, Any], fcfs: dict[str, Any]) -> float:
 
 TAIL_LIMIT = 1.5  # the starvation guard's target: p99 JCT at most this many times FCFS's
 ONLINE_KEPT = 0.4  # isrtf with online learning: this share of the oracle's mean-JCT gain at batch 1 ...
-ONLINE_TAIL = 1.3  # ... with p99 JCT at most this many times FCFS's (issue 46)
+ONLINE_TAIL = 1.3  # ... with p99 JCT at most this many times FCFS's (the online learner's target)
 GAIN_KEPT = 0.8  # ... while keeping this share of the guard-off mean-JCT reduction
 
 

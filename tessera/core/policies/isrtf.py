@@ -101,7 +101,10 @@ log = logging.getLogger(__name__)
 
 
 def _make_predictor(
-    spec: LengthPredictor | str, checkpoint: str | None = None, encoder: str | None = None
+    spec: LengthPredictor | str,
+    checkpoint: str | None = None,
+    encoder: str | None = None,
+    online: bool = True,
 ) -> LengthPredictor:
     if not isinstance(spec, str):
         if not isinstance(spec, LengthPredictor):
@@ -120,7 +123,8 @@ def _make_predictor(
                 f"{checkpoint or 'the shipped artifact'} was trained on: name that encoder or train a "
                 "predictor on yours (`tessera predictor train`)"
             )
-        return getattr(module, name)(artifact_dir=checkpoint)
+        # online: the text predictor's default learner (kept across reloads); off: None
+        return getattr(module, name)(artifact_dir=checkpoint, **({} if online else {"online": None}))
     if spec == "running-mean":
         return RunningMeanPredictor()
     if spec == "constant":
@@ -172,11 +176,17 @@ class ISRTFSettings(PolicySettings):
         "checkpoint was trained on another. predictor text only.",
     )
 
-    @field_validator("predictor_checkpoint", "predictor_encoder")
+    predictor_online: bool = Field(
+        default=True,
+        description="The text predictor learns online from this worker's finished requests (a correction "
+        "of the trained head refitted in the background; tessera.predictor.online). predictor text only.",
+    )
+
+    @field_validator("predictor_checkpoint", "predictor_encoder", "predictor_online")
     @classmethod
     def _text_only(cls, value: str | None, info: ValidationInfo) -> str | None:
         predictor = info.data.get("predictor")
-        if value is not None and predictor is not None and predictor != "text":
+        if value not in (None, True) and predictor is not None and predictor != "text":
             raise ValueError(f"applies to predictor 'text' only, not {predictor!r}")
         return value
 
@@ -197,6 +207,7 @@ class ISRTF(PriorityPolicy):
         predictor_encoder: str | None = None,
         guard_credit: float = DEFAULT_GUARD_CREDIT,
         guard_after_jct_multiple: float = DEFAULT_GUARD_AFTER_JCT_MULTIPLE,
+        predictor_online: bool = True,
     ) -> None:
         super().__init__()
         if window_tokens < 1:
@@ -209,7 +220,7 @@ class ISRTF(PriorityPolicy):
             raise ValueError(f"guard_after_jct_multiple must be > 0, got {guard_after_jct_multiple}")
         if preempt_mode not in ("recompute", "swap", "keep"):
             raise ValueError(f"preempt_mode must be recompute, swap or keep, got {preempt_mode!r}")
-        self.predictor = _make_predictor(predictor, predictor_checkpoint, predictor_encoder)
+        self.predictor = _make_predictor(predictor, predictor_checkpoint, predictor_encoder, predictor_online)
         self.preempt_mode: PreemptMode = preempt_mode
         self.window = window_tokens
         self.aging = aging_tokens_per_s
@@ -403,6 +414,7 @@ class TailISRTF(ISRTF):
         max_wait_jct_multiple: float = DEFAULT_MAX_WAIT_JCT_MULTIPLE,
         guard_credit: float = 0.0,
         guard_after_jct_multiple: float = DEFAULT_GUARD_AFTER_JCT_MULTIPLE,
+        predictor_online: bool = True,
     ) -> None:
         super().__init__(
             predictor,
@@ -413,6 +425,7 @@ class TailISRTF(ISRTF):
             predictor_encoder,
             guard_credit,
             guard_after_jct_multiple,
+            predictor_online,
         )
         if not max_wait_jct_multiple > 0:
             raise ValueError(f"max_wait_jct_multiple must be > 0, got {max_wait_jct_multiple}")
