@@ -441,3 +441,40 @@ def test_zz_vllm_death_gives_503_not_ready_then_recovers(
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert _complete(worker.url).status_code == 200
+
+
+async def test_an_adapter_vllm_cannot_load_fails_alone_and_the_base_keeps_serving(
+    vllm_server: VLLMServer,
+) -> None:
+    """The shared server runs without ``--enable-lora``: loading an adapter into it is refused by vLLM
+    itself. The worker says so, starts anyway, serves the base, and the adapter's requests get an error
+    naming the model."""
+    from tessera.api.worker_config import parse_config
+    from tessera.worker.engines.base import EngineRejected
+    from tessera.worker.engines.vllm import VLLMEngine
+    from tessera.worker.runtime import Worker
+    from tessera.worker.server.app import create_app
+
+    engine = VLLMEngine("tiny-lora", vllm_server.url, TINY_MAX_MODEL_LEN)
+    with pytest.raises(EngineRejected, match="tiny-lora"):
+        await engine.load_lora_adapter("/nowhere/adapter")
+    await engine.close()
+    config = _config(vllm_server.url)
+    base = config["models"][0]
+    config["models"].append({**base, "name": "tiny-lora", "adapterOf": base["name"],
+                             "adapterSource": "/nowhere/adapter", "adapterRank": 8})  # fmt: skip
+    worker = Worker(parse_config(config))
+    app = create_app(worker, manage_worker=False)
+    await worker.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            ok = await c.post(
+                "/v1/completions", json={"model": base["name"], "prompt": [5, 6], "max_tokens": 3}
+            )
+            assert ok.status_code == 200, ok.text
+            bad = await c.post(
+                "/v1/completions", json={"model": "tiny-lora", "prompt": [5, 6], "max_tokens": 3}
+            )
+        assert bad.status_code >= 400 and "tiny-lora" in bad.text, bad.text
+    finally:
+        await worker.stop()

@@ -96,6 +96,8 @@ class Worker:
         for entry in self.config.models:
             if entry.tool_parser is not None:
                 await self._load_tool_parser(entry)
+            if entry.adapter_of is not None and entry.engine == "vllm":
+                await self._load_adapter(entry)
         self.swapper = ModelSwapper(self.engines, self.metrics)
         await self.swapper.start()
         self._scheduler = InstanceScheduler(
@@ -125,6 +127,23 @@ class Worker:
         if self._scheduler is None:
             raise RuntimeError("the worker has not started")
         return self._scheduler
+
+    async def _load_adapter(self, entry: ModelEntry) -> None:
+        """Load a LoRA adapter into its base's vLLM server. A failure is logged and leaves the adapter's
+        requests answered with the engine's error; the base and the pod's other models keep serving."""
+        from tessera.worker.engines.vllm import VLLMEngine
+
+        engine = self.engines[entry.name]
+        if not isinstance(engine, VLLMEngine) or entry.adapter_source is None:
+            return  # an engine the caller gave (tests) loads nothing
+        try:
+            await engine.load_lora_adapter(entry.adapter_source)
+        except EngineError as exc:
+            log.error("could not load the LoRA adapter %s (of %s) from %s: %s; its requests fail until the "
+                      "pod restarts", entry.name, entry.adapter_of, entry.adapter_source, exc)  # fmt: skip
+        else:
+            log.info("loaded the LoRA adapter %s of %s from %s", entry.name, entry.adapter_of,
+                     entry.adapter_source)  # fmt: skip
 
     async def _load_tool_parser(self, entry: ModelEntry) -> None:
         """vLLM's tool parser of the model (``toolParser``) over its tokenizer; ConfigError naming the

@@ -262,6 +262,19 @@ class VLLMEngine(Engine):
             raise EngineUnavailable(f"vLLM for {self.model} is unreachable: {exc!r}") from exc
         return parse_vllm_metrics(text, self.model) if status == 200 else None
 
+    async def load_lora_adapter(self, source: str) -> None:
+        """``POST /v1/load_lora_adapter``: this engine's model is a LoRA adapter of the server's base model
+        (``adapterOf``), loaded at run time from ``source`` (the server runs with ``--enable-lora`` and
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``). An adapter the server holds already is not an error."""
+        body = {"lora_name": self.model, "lora_path": source}
+        try:
+            status, text = await self._request("POST", "/v1/load_lora_adapter", 300.0, json=body)
+        except _ERRORS as exc:
+            raise EngineUnavailable(f"vLLM for {self.model} is unreachable: {exc!r}") from exc
+        if status == 400 and "already been loaded" in text:
+            return
+        _raise_for_status(status, text, self.model)
+
     async def sleep(self) -> None:
         """``POST /sleep?level=1``: offload weights, drop the KV cache."""
         await self._post_admin("/sleep", {"level": "1"})
