@@ -303,6 +303,8 @@ def test_bench_scenario_small_run_counts_every_request_and_replans():
     assert report.checks[-1].startswith("seallm:fixed vs ") and "p99_jct" in report.checks[-1]
     with pytest.raises(ValueError, match="unknown --set options"):
         run(BenchConfig("seallm", options={"minute": 3}), lambda *a, **k: None)
+    with pytest.raises(ValueError, match="sharing= must be one of pods, co-resident, temporal"):
+        run(BenchConfig("seallm", options={"sharing": "shared-kv"}), lambda *a, **k: None)
 
 
 def test_bench_runs_with_different_initial_intervals_replay_the_same_requests():
