@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
+from collections.abc import Callable
 
-from tessera.core.policy import Decision, InstanceView, ModelView, PreemptMode
+from tessera.core.policy import Decision, InstanceView, ModelView, Policy, PreemptMode
 from tessera.core.policy import kv_blocks as blocks_for
+from tessera.core.profile import StepProfile
 from tessera.core.request import Phase, Request
-from tessera.sim.engine import SimInstance, _Segment
+from tessera.sim.engine import EngineConfig, SimInstance, _Segment
 
 _generated_of = operator.attrgetter("generated")
 
@@ -38,8 +40,22 @@ _generated_of = operator.attrgetter("generated")
 class CoResidentInstance(SimInstance):
     """A ``SimInstance`` of several resident engines sharing one accelerator (module docstring)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        name: str,
+        profiles: dict[str, StepProfile],
+        policy: Policy,
+        config: EngineConfig | None = None,
+        *,
+        role: str = "default",
+        created_at: float = 0.0,
+        ready_at: float | None = None,
+        on_finish: Callable[[Request], None] | None = None,
+    ) -> None:
+        super().__init__(
+            name, profiles, policy, config,
+            role=role, created_at=created_at, ready_at=ready_at, on_finish=on_finish,
+        )  # fmt: skip
         if len(self.profiles) < 2:
             raise ValueError(f"instance {self.name}: a co-resident instance serves two models or more")
         self.active_model = None  # type: ignore[assignment] - every model is loaded
