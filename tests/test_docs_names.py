@@ -12,7 +12,9 @@ from tessera.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
-SOURCES = [p for folder in ("tessera", "worker", "operator", "sim") for p in (ROOT / folder).rglob("*.py")]
+SOURCES = [
+    p for folder in ("tessera", "worker", "operator", "sim", "bench") for p in (ROOT / folder).rglob("*.py")
+]
 # Flags of other tools that the docs show in their commands (git log, docker build).
 OTHER_TOOLS = {"--oneline", "--target"}
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")

@@ -300,7 +300,7 @@ def test_preempted_twice_resumes_with_identical_token_ids(vllm_server: VLLMServe
 
     engine = CuttingEngine(TINY_MODEL_NAME, vllm_server.url, TINY_MAX_MODEL_LEN)
     sched: InstanceScheduler
-    job = Job(Request("r", 0.0, len(prompt), n), prompt, sampling)
+    job = Job(Request("r", 0.0, len(prompt), n, model=TINY_MODEL_NAME), prompt, sampling)
 
     async def run() -> None:
         nonlocal sched
