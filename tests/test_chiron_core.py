@@ -81,7 +81,10 @@ async def test_the_worker_wrapper_moves_the_batch_size() -> None:
     )
     await sched.start()
     chat = ServiceClass("chat", "interactive")
-    jobs = [Job(Request(f"r{i}", 0.0, 3, 20 + 10 * i, service_class=chat, model="m"), [1, 2, 3], {}) for i in range(8)]
+    jobs = [
+        Job(Request(f"r{i}", 0.0, 3, 20 + 10 * i, service_class=chat, model="m"), [1, 2, 3], {})
+        for i in range(8)
+    ]
     for job in jobs:
         sched.submit(job)
     await asyncio.wait_for(asyncio.gather(*(j.done.wait() for j in jobs)), 20)

@@ -155,7 +155,9 @@ CASES: dict[str, Case] = {
     "temperature_high": Case(400, ("temperature",), body=_with(temperature=3)),
     "temperature_string": Case(400, ("temperature",), body=_with(temperature="hot")),
     "temperature_nan": Case(
-        400, ("temperature: must be a finite number",), content=b'{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL.encode()
+        400,
+        ("temperature: must be a finite number",),
+        content=b'{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL.encode(),
     ),
     "top_p_zero": Case(400, ("top_p",), body=_with(top_p=0)),
     "top_p_high": Case(400, ("top_p",), body=_with(top_p=1.5)),
