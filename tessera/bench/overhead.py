@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from tessera.bench.decision_time import decision_times
+from tessera.bench.decision_time import decision_rows
 from tessera.bench.machine import MachineWatch, Stalls
 from tessera.bench.runner import option
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
@@ -181,27 +181,9 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         f"added TTFT p50 {added_ms:.2f} ms, median of {rounds} paired rounds (target <= 5 ms): "
         f"{'PASS' if added_ms <= 5 else 'FAIL'}",
     ]
-    for name in policies:
-        try:
-            times = asyncio.run(decision_times(name, 1, queued, decisions, streams, config.seed))
-        except Exception as exc:  # a policy that fails here is reported, not hidden
-            checks.append(f"decide:{name}: not measured ({type(exc).__name__}: {exc})")
-            progress(1)
-            continue
-        p50 = float(np.median(times))
-        results.append(
-            {
-                "policy": f"decide:{name}",
-                "queued": queued,
-                "decision_p50_s": p50,
-                "decision_p99_s": float(np.percentile(times, 99)),
-            }
-        )
-        checks.append(
-            f"decide:{name} p50 {p50 * 1e3:.3f} ms with {queued} queued (target <= 1 ms): "
-            f"{'PASS' if p50 <= 1e-3 else 'FAIL'}"
-        )
-        progress(1)
+    rows, decided = decision_rows(policies, 1, queued, decisions, streams, config.seed, progress)
+    results += rows
+    checks += decided
     cfg = {
         **config.as_dict(),
         "streams": streams,
