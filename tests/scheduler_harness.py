@@ -6,7 +6,7 @@ from typing import Any
 
 from tessera.core.policy import Policy
 from tessera.core.profile import StepProfile
-from tessera.worker.engines.base import Engine
+from tessera.worker.engines.base import Engine, TokenDelta
 from tessera.worker.scheduler import InstanceScheduler
 
 
@@ -29,3 +29,15 @@ def one_model_scheduler(
         class_queue_times={model: dict(class_queue_times or {})},
         **kwargs,
     )
+
+
+def run_iterations(sched: InstanceScheduler, iterations: int) -> None:
+    """Drive ``sched`` as the simulator's instance runs ``iterations`` iterations: each gives every
+    in-flight stream one token, and the streams at their ``max_tokens`` end."""
+    for _ in range(iterations):
+        streaming = list(sched.inflight)
+        for job in streaming:
+            sched._on_tokens(job, TokenDelta([7]))
+        for job in streaming:
+            if job.req.generated >= job.req.max_tokens:
+                sched._end(job, "length", None)

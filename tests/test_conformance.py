@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from scheduler_harness import one_model_scheduler
+from scheduler_harness import one_model_scheduler, run_iterations
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ProfileSpec
 from tessera.core.policy import (
@@ -28,7 +28,6 @@ from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.sim.cluster import Cluster, ClusterConfig
 from tessera.sim.engine import EngineConfig, SimInstance
-from tessera.worker.engines.base import TokenDelta
 from tessera.worker.engines.sim_realtime import SimEngine
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.scheduler import InstanceScheduler, Job
@@ -153,13 +152,7 @@ async def test_the_same_queue_state_gives_the_same_view(policy: str) -> None:
     iteration = 0
     try:
         for sim_view, sim_snapshot in zip(sim_rec.views, sim_rec.snapshots, strict=True):
-            for _ in range(sim_view.iteration - iteration):  # one engine iteration: a token each
-                streaming = list(sched.inflight)
-                for job in streaming:
-                    sched._on_tokens(job, TokenDelta([7]))
-                for job in streaming:
-                    if job.req.generated >= job.req.max_tokens:
-                        sched._end(job, "length", None)
+            run_iterations(sched, sim_view.iteration - iteration)
             iteration = sim_view.iteration
             now = sim_view.now
             sched.decide()

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+from scheduler_harness import run_iterations
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds
 from tessera.core.policy import Decision, InstanceView, Policy
@@ -22,7 +23,6 @@ from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.sim.coresident import CoResidentInstance
 from tessera.sim.engine import EngineConfig
-from tessera.worker.engines.base import TokenDelta
 from tessera.worker.engines.sim_realtime import SimEngine
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.scheduler import InstanceScheduler, Job
@@ -133,13 +133,7 @@ async def test_a_co_resident_trace_gives_the_same_views_and_decisions(
     iteration = 0
     try:
         for sim_view, sim_snapshot in zip(sim_rec.views, sim_rec.snapshots, strict=True):
-            for _ in range(sim_view.iteration - iteration):  # one instance iteration: a token each
-                streaming = list(sched.inflight)
-                for job in streaming:
-                    sched._on_tokens(job, TokenDelta([7]))
-                for job in streaming:
-                    if job.req.generated >= job.req.max_tokens:
-                        sched._end(job, "length", None)
+            run_iterations(sched, sim_view.iteration - iteration)
             iteration = sim_view.iteration
             now = sim_view.now
             sched.decide()
@@ -197,13 +191,7 @@ async def test_a_swapping_trace_gives_the_same_views_decisions_and_swaps(
     iteration = 0
     try:
         for n, (sim_view, sim_snapshot) in enumerate(zip(sim_rec.views, sim_rec.snapshots, strict=True)):
-            for _ in range(sim_view.iteration - iteration):
-                streaming = list(sched.inflight)
-                for job in streaming:
-                    sched._on_tokens(job, TokenDelta([7]))
-                for job in streaming:
-                    if job.req.generated >= job.req.max_tokens:
-                        sched._end(job, "length", None)
+            run_iterations(sched, sim_view.iteration - iteration)
             iteration = sim_view.iteration
             now = sim_view.now
             while swapper.swapping:  # the simulator's instance was busy loading meanwhile
