@@ -47,6 +47,7 @@ from typing import Any
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds
 from tessera.core.chiron import ChironLocal, ChironPolicy
 from tessera.core.policy import (
+    NO_MODELS,
     Decision,
     InstanceView,
     ModelView,
@@ -544,36 +545,30 @@ class InstanceScheduler:
         adapter prefills all joining streams in one step) and nothing is swapped out (preemption
         recomputes). One model, or the awake one of a swapping pod, is the view's own; a co-resident
         pod's view holds every engine (``InstanceView.models``) and their sums."""
+        # Whole iterations; the float sum of 1/B per token can land just below an integer.
+        iteration = math.floor(self._iterations + 1e-6)
         running = tuple(job.req for job in self.inflight)
-        engines = {m: self._engine_view(slot) for m, slot in self.slots.items()}
-        if len(engines) == 1 or self.mode == "swapping":
-            active = self.swapper.active if self.mode == "swapping" and self.swapper is not None else None
-            model = active if active is not None else next(iter(self.slots))
-            own = engines[model]
-            return InstanceView(
-                now=now,
-                instance=self.label,
-                running=running,
-                max_batch=self.max_batch,
-                kv_capacity_tokens=own.kv_capacity_tokens,
-                kv_used_tokens=own.kv_used_tokens,
-                profile=own.profile,
-                active_model=active if active is not None else model,
-                # Whole iterations; the float sum of 1/B per token can land just below an integer.
-                iteration=math.floor(self._iterations + 1e-6),
-                prefill_budget_tokens=None,
-                swap_free_tokens=0,
-            )
+        if self.mode == "co-resident":
+            engines: Mapping[str, ModelView] = {m: self._engine_view(s) for m, s in self.slots.items()}
+            kv_capacity = sum(e.kv_capacity_tokens for e in engines.values())
+            kv_used = sum(e.kv_used_tokens for e in engines.values())
+            profile, active = next(iter(engines.values())).profile, None
+        else:  # one model, or the awake one (the first while a swap is under way)
+            swapper = self.swapper
+            active = (swapper.active if swapper is not None else None) or next(iter(self.slots))
+            own = self._engine_view(self.slots[active])
+            engines, profile = NO_MODELS, own.profile
+            kv_capacity, kv_used = own.kv_capacity_tokens, own.kv_used_tokens
         return InstanceView(
             now=now,
             instance=self.label,
             running=running,
             max_batch=self.max_batch,
-            kv_capacity_tokens=sum(e.kv_capacity_tokens for e in engines.values()),
-            kv_used_tokens=sum(e.kv_used_tokens for e in engines.values()),
-            profile=next(iter(engines.values())).profile,
-            active_model=None,
-            iteration=math.floor(self._iterations + 1e-6),
+            kv_capacity_tokens=kv_capacity,
+            kv_used_tokens=kv_used,
+            profile=profile,
+            active_model=active,
+            iteration=iteration,
             prefill_budget_tokens=None,
             swap_free_tokens=0,
             models=engines,
