@@ -121,6 +121,16 @@ class InstanceView:
         return bool(self.models)
 
 
+def engine_slots(view: InstanceView, kept: Iterable[Request]) -> dict[str, float]:
+    """Requests each engine of a co-resident view may still start, the ``kept`` ones holding their
+    engines' slots (inf: only the instance's batch limit bounds the engine)."""
+    slots = {m: math.inf if e.max_running is None else e.max_running for m, e in view.models.items()}
+    for req in kept:
+        if req.model in slots:
+            slots[req.model] -= 1
+    return slots
+
+
 def kv_blocks(context_tokens: int, block_size: int) -> int:
     """KV blocks a resident request with ``context_tokens`` tokens holds: what its next step needs."""
     return context_tokens // block_size + 1  # == ceil((context + 1) / block)
@@ -375,10 +385,7 @@ class PriorityPolicy(Policy):
         limit, head-of-line per engine (a model whose next request does not fit is done)."""
         engines = view.models
         room = {m: e.kv_free_tokens for m, e in engines.items()}
-        slots = {m: math.inf if e.max_running is None else e.max_running for m, e in engines.items()}
-        for req in run:  # kept in the batch: they hold their engines' slots
-            if req.model in slots:
-                slots[req.model] -= 1
+        slots = engine_slots(view, run)
         budget = dict.fromkeys(engines, view.prefill_budget_tokens)
         done: set[str] = {m for m in self._heaps if m not in engines}  # not served here: never admitted
         done.update(m for m, n in slots.items() if n <= 0)

@@ -47,7 +47,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from tessera.core.policy import Decision, InstanceView, ModelView, Policy, kv_blocks
+from tessera.core.policy import Decision, InstanceView, ModelView, Policy, engine_slots, kv_blocks
 from tessera.core.registry import PolicySettings
 from tessera.core.request import Phase, Request
 
@@ -326,11 +326,9 @@ class DoublingBudget(Policy):
             return []
         engines = view.models
         taken = dict.fromkeys(engines, 0)
-        slots = {m: math.inf if e.max_running is None else e.max_running for m, e in engines.items()}
-        if seed.model in slots:
-            slots[seed.model] -= 1
-            if not seed.kv_resident:
-                taken[seed.model] = kv_blocks(seed.context_tokens, engines[seed.model].profile.block_size)
+        slots = engine_slots(view, [seed])
+        if seed.model in engines and not seed.kv_resident:
+            taken[seed.model] = kv_blocks(seed.context_tokens, engines[seed.model].profile.block_size)
         candidates = [
             (self._o_key(r, self._held[r])[:4], r) for m in engines for r in self._smallest(m, room, seed)
         ]
@@ -511,10 +509,7 @@ class RoundRobinSharing(Policy):
         time, starting after the model that started first last time, each into its engine's KV."""
         engines = view.models
         run = list(view.running)
-        slots = {m: math.inf if e.max_running is None else e.max_running for m, e in engines.items()}
-        for r in run:
-            if r.model in slots:
-                slots[r.model] -= 1
+        slots = engine_slots(view, run)
         taken = dict.fromkeys(engines, 0)
         start = self._turn % len(models)
         order = [m for m in models[start:] + models[:start] if m in engines]
