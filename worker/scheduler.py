@@ -497,9 +497,6 @@ class InstanceScheduler:
                 self._preempt(job, now)
         if self.swapper is not None and self.swapper.swappable and not self._swap_allows(decision, now):
             return
-        count = dict.fromkeys(self.slots, 0)
-        for job in self.inflight:
-            count[job.req.model] += 1
         for req in decision.run:
             job = self.jobs.get(req)
             if job is None:
@@ -513,10 +510,9 @@ class InstanceScheduler:
             slot = self.slots[req.model]
             if not slot.ok or not self._awake(req.model):
                 continue  # its engine is down or asleep: it waits
-            if slot.max_running is not None and count[req.model] >= slot.max_running:
+            if slot.max_running is not None and len(slot.inflight) >= slot.max_running:
                 continue
             self._launch(job, now)
-            count[req.model] += 1
 
     def _awake(self, model: str) -> bool:
         swapper = self.swapper
