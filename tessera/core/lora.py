@@ -1,0 +1,78 @@
+"""LoRA adapters inside one engine: the rules vLLM applies to them, shared by the pod's scheduler and
+the simulator so that both hold the same adapters and admit the same batches.
+
+An adapter is a model of its base's instance (an LLMService with ``spec.model.adapter``) and runs in
+the base's engine; requests name the adapter as their ``model``. vLLM bounds two things:
+
+- **GPU slots** (``--max-loras``): one batch mixes requests of at most that many distinct adapters
+  (``admits``). Requests of the base model itself take no slot.
+- **Resident adapters** (``--max-cpu-loras``): adapters whose weights the engine holds in memory. One
+  that is not resident is read from its source first (``AdapterCache.use`` says so, and which resident
+  adapter made room): that load is the adapter's swap, measured, far cheaper than a model's.
+
+Pure: no clock and no I/O; the shells say when an adapter was used or loaded.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Mapping
+
+from tessera.core.request import Request
+
+
+def batch_adapters(requests: Iterable[Request], adapter_of: Mapping[str, str]) -> frozenset[str]:
+    """The distinct adapters among ``requests`` (``adapter_of``: adapter -> its base; a request whose
+    model is not there is a base model's and takes no slot)."""
+    return frozenset(r.model for r in requests if r.model in adapter_of)
+
+
+def admits(in_batch: Collection[str], model: str, adapter_of: Mapping[str, str], max_loras: int) -> bool:
+    """Whether a request of ``model`` may join a batch that holds the adapters ``in_batch``: a base
+    model's always; an adapter's when it is in the batch already or a GPU slot is free."""
+    return model not in adapter_of or model in in_batch or len(in_batch) < max_loras
+
+
+class AdapterCache:
+    """The adapters an engine holds in memory, least recently used first (vLLM's ``--max-cpu-loras``
+    LRU). ``capacity`` is at least one."""
+
+    def __init__(self, capacity: int, resident: Iterable[str] = ()) -> None:
+        if capacity < 1:
+            raise ValueError(f"an adapter cache holds at least one adapter, not {capacity}")
+        self.capacity = capacity
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        for name in resident:
+            self.use(name)
+
+    @property
+    def resident(self) -> frozenset[str]:
+        """The adapters held now."""
+        return frozenset(self._lru)
+
+    def __contains__(self, adapter: object) -> bool:
+        return adapter in self._lru
+
+    def use(self, adapter: str, busy: Collection[str] = ()) -> tuple[bool, str | None]:
+        """Mark ``adapter`` used now: (whether it had to be loaded, the adapter evicted to make room or
+        None). Adapters in ``busy`` (in the running batch) are never evicted; when every resident one is
+        busy the cache grows past its capacity for the moment, as vLLM keeps an adapter a running
+        request uses."""
+        if adapter in self._lru:
+            self._lru.move_to_end(adapter)
+            return False, None
+        evicted = None
+        if len(self._lru) >= self.capacity:
+            evicted = next((a for a in self._lru if a not in busy), None)
+            if evicted is not None:
+                del self._lru[evicted]
+        self._lru[adapter] = None
+        return True, evicted
+
+    def drop(self, adapter: str) -> bool:
+        """Forget ``adapter`` (unloaded: scale to zero of the adapter, or a failed load); whether it was
+        held."""
+        if adapter not in self._lru:
+            return False
+        del self._lru[adapter]
+        return True

@@ -1,0 +1,46 @@
+"""The LoRA rules the pod's scheduler and the simulator share (``tessera.core.lora``)."""
+
+import pytest
+
+from tessera.core.lora import AdapterCache, admits, batch_adapters
+from tessera.core.request import Request
+
+ADAPTERS = {"a1": "base", "a2": "base", "a3": "base"}
+
+
+def _req(rid: str, model: str) -> Request:
+    return Request(id=rid, arrival=0.0, prompt_tokens=8, max_tokens=8, model=model)
+
+
+def test_batch_adapters_counts_distinct_adapters_not_the_base() -> None:
+    batch = [_req("1", "a1"), _req("2", "a1"), _req("3", "base"), _req("4", "a2")]
+    assert batch_adapters(batch, ADAPTERS) == {"a1", "a2"}
+
+
+def test_a_full_batch_admits_its_own_adapters_and_the_base_only() -> None:
+    full = frozenset({"a1", "a2"})
+    assert admits(full, "a1", ADAPTERS, max_loras=2)
+    assert admits(full, "base", ADAPTERS, max_loras=2)
+    assert not admits(full, "a3", ADAPTERS, max_loras=2)
+    assert admits(full, "a3", ADAPTERS, max_loras=3)
+
+
+def test_cache_loads_once_and_evicts_the_least_recently_used_idle_adapter() -> None:
+    cache = AdapterCache(2)
+    assert cache.use("a1") == (True, None)
+    assert cache.use("a2") == (True, None)
+    assert cache.use("a1") == (False, None)  # a1 is now the most recent
+    assert cache.use("a3") == (True, "a2")
+    assert cache.resident == {"a1", "a3"}
+    # a busy adapter stays: a1 runs, so a3 makes room although a1 is older
+    assert cache.use("a2", busy={"a1"}) == (True, "a3")
+    # every resident adapter busy: the cache holds one more for the moment
+    assert cache.use("a3", busy={"a1", "a2"}) == (True, None)
+    assert cache.resident == {"a1", "a2", "a3"}
+    assert cache.drop("a1") and not cache.drop("a1")
+    assert "a1" not in cache
+
+
+def test_cache_refuses_no_room() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        AdapterCache(0)
