@@ -2,7 +2,7 @@
 
 import pytest
 
-from tessera.core.lora import AdapterCache, admits, batch_adapters
+from tessera.core.lora import AdapterCache, admits, batch_adapters, engine_batch
 from tessera.core.request import Request
 
 ADAPTERS = {"a1": "base", "a2": "base", "a3": "base"}
@@ -44,3 +44,13 @@ def test_cache_loads_once_and_evicts_the_least_recently_used_idle_adapter() -> N
 def test_cache_refuses_no_room() -> None:
     with pytest.raises(ValueError, match="at least one"):
         AdapterCache(0)
+
+
+def test_engine_batch_keeps_running_requests_and_skips_adapters_without_a_slot() -> None:
+    old = _req("old", "a1")
+    new = [_req("n2", "a2"), _req("n3", "a3"), _req("nb", "base"), _req("n1", "a1")]
+    run, deferred = engine_batch([old, *new], {old}, ADAPTERS, max_loras=2)
+    assert [r.id for r in run] == ["old", "n2", "nb", "n1"]
+    assert [r.id for r in deferred] == ["n3"]
+    everything, none = engine_batch([old, *new], {old}, ADAPTERS, max_loras=0)
+    assert len(everything) == 5 and none == []

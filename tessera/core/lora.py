@@ -16,7 +16,7 @@ Pure: no clock and no I/O; the shells say when an adapter was used or loaded.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from tessera.core.request import Request
 
@@ -31,6 +31,31 @@ def admits(in_batch: Collection[str], model: str, adapter_of: Mapping[str, str],
     """Whether a request of ``model`` may join a batch that holds the adapters ``in_batch``: a base
     model's always; an adapter's when it is in the batch already or a GPU slot is free."""
     return model not in adapter_of or model in in_batch or len(in_batch) < max_loras
+
+
+def engine_batch(
+    run: Sequence[Request], running: Collection[Request], adapter_of: Mapping[str, str], max_loras: int
+) -> tuple[list[Request], list[Request]]:
+    """The engine's side of a decision's ``run``: (the requests it runs, those it leaves waiting).
+    Requests ``running`` already keep their slots; a new one joins while ``admits`` allows, in the
+    decision's order, and one that finds no GPU slot waits while the others go on (vLLM's scheduler
+    skips such a request and keeps scheduling). ``max_loras`` 0: no LoRA, everything runs."""
+    if max_loras <= 0 or not adapter_of:
+        return list(run), []
+    kept = [r for r in run if r in running]
+    in_batch = set(batch_adapters(kept, adapter_of))
+    out: list[Request] = []
+    deferred: list[Request] = []
+    for req in run:
+        if req in running:
+            out.append(req)
+        elif admits(in_batch, req.model, adapter_of, max_loras):
+            out.append(req)
+            if req.model in adapter_of:
+                in_batch.add(req.model)
+        else:
+            deferred.append(req)
+    return out, deferred
 
 
 class AdapterCache:

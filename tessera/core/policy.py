@@ -82,6 +82,7 @@ class ModelView:
 
 
 NO_MODELS: Mapping[str, ModelView] = MappingProxyType({})
+NO_ADAPTERS: Mapping[str, str] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +110,20 @@ class InstanceView:
     swap_free_tokens: int | None = None
     # Co-resident instances of several models: each engine's view (empty otherwise; module docstring).
     models: Mapping[str, ModelView] = field(default_factory=lambda: NO_MODELS)
+    # LoRA adapters served by this instance's engines (``tessera.core.lora``): adapter -> the base model
+    # whose engine runs it (requests name the adapter as their model; ``models`` is keyed by engine, so
+    # by base), and the adapters one batch may mix (vLLM's --max-loras; 0: no LoRA).
+    adapter_of: Mapping[str, str] = field(default_factory=lambda: NO_ADAPTERS)
+    max_loras: int = 0
 
     @property
     def kv_free_tokens(self) -> int:
         """KV tokens not held by resident requests."""
         return self.kv_capacity_tokens - self.kv_used_tokens
+
+    def engine_of(self, model: str) -> str:
+        """The engine (``models`` key) that runs ``model``: its base for an adapter, else itself."""
+        return self.adapter_of.get(model, model)
 
     @property
     def co_resident(self) -> bool:
