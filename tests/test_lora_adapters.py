@@ -87,6 +87,12 @@ def test_adapters_are_served_by_their_base_group_with_lora_flags_and_worker_entr
     assert list(by_name) == [BASE_MODEL, "org/legal", "org/support"]
     base, support = by_name[BASE_MODEL], by_name["org/support"]
     assert base.adapter_of is None
+    # The pod's scheduler bounds batches and loads by the same slots the server starts with.
+    assert (base.max_loras, base.max_cpu_loras) == (2, 2)
+    assert support.max_loras is None and config.adapter_of == {
+        "org/legal": BASE_MODEL,
+        "org/support": BASE_MODEL,
+    }
     assert (support.adapter_of, support.adapter_source, support.adapter_rank) == (
         BASE_MODEL,
         "/adapters/support",
@@ -125,6 +131,8 @@ def test_the_pool_sets_slots_and_rank_and_a_base_without_adapters_gets_no_lora_f
         "--max-cpu-loras",
         "3",
     ]
+    (config,) = decided.configs.values()
+    assert (config.models[0].max_loras, config.models[0].max_cpu_loras) == (2, 3)
     args, env = _engine_args(_decide())
     assert "--enable-lora" not in args and all(e["name"] != "VLLM_ALLOW_RUNTIME_LORA_UPDATING" for e in env)
 
@@ -213,6 +221,17 @@ def test_the_worker_configuration_refuses_an_adapter_of_no_full_model() -> None:
     config["models"][1]["adapterOf"] = BASE_MODEL
     del config["models"][1]["adapterSource"]
     with pytest.raises(ValueError, match="needs both adapterOf and adapterSource"):
+        WorkerConfig.model_validate(config)
+    config["models"][1]["adapterSource"] = "/adapters/support"
+    del config["models"][0]["maxLoras"], config["models"][0]["maxCpuLoras"]
+    with pytest.raises(ValueError, match="must set maxLoras"):
+        WorkerConfig.model_validate(config)
+    config["models"][0] |= {"maxLoras": 2, "maxCpuLoras": 1}
+    with pytest.raises(ValueError, match="maxCpuLoras 1 needs maxLoras and must be at least it"):
+        WorkerConfig.model_validate(config)
+    config["models"][0]["maxCpuLoras"] = 2
+    config["models"][1]["maxLoras"] = 2
+    with pytest.raises(ValueError, match="belong to the base model"):
         WorkerConfig.model_validate(config)
 
 

@@ -54,3 +54,9 @@ def test_engine_batch_keeps_running_requests_and_skips_adapters_without_a_slot()
     assert [r.id for r in deferred] == ["n3"]
     everything, none = engine_batch([old, *new], {old}, ADAPTERS, max_loras=0)
     assert len(everything) == 5 and none == []
+
+
+def test_each_base_engine_has_its_own_slots() -> None:
+    adapter_of = {**ADAPTERS, "b1": "other"}
+    assert admits({"a1", "a2"}, "b1", adapter_of, max_loras=2)
+    assert not admits({"a1", "a2"}, "a3", adapter_of, max_loras=2)

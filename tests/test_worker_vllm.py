@@ -463,6 +463,7 @@ async def test_an_adapter_vllm_cannot_load_fails_alone_and_the_base_keeps_servin
     base = config["models"][0]
     config["models"].append({**base, "name": "tiny-lora", "adapterOf": base["name"],
                              "adapterSource": "/nowhere/adapter", "adapterRank": 8})  # fmt: skip
+    base["maxLoras"] = 1
     worker = Worker(parse_config(config))
     app = create_app(worker, manage_worker=False)
     await worker.start()

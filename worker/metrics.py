@@ -134,6 +134,12 @@ class WorkerMetrics:
             ["model"],
             registry=r,
         )
+        self.adapter_loads = Counter(
+            "tessera_lora_adapter_loads",
+            "LoRA adapters loaded into their base's engine on demand (the adapter's swap), by adapter.",
+            ["model"],
+            registry=r,
+        )
         self.engine_busy = Counter(
             "tessera_engine_busy_seconds",
             "Seconds the model's engine had requests in flight (its share of the pod's engine time).",

@@ -27,6 +27,14 @@ the running set and lets interactive requests evict batch ones; the scheduler on
 engine's decode iterations for it.
 If an engine fails, its in-flight requests end with the engine's error (HTTP 503), queued ones stay
 queued, nothing is admitted to it until a health probe sees it back; the other engines go on.
+
+LoRA adapters (``adapter_of``) are models of the pod that run in their base's engine: they count in
+its KV, its sequence limit and its busy time, never as an engine of their own (the view's ``models``
+and the sharing mode are by engine). A decision's new requests start only while their base's batch
+holds at most ``max_loras`` adapters (``tessera.core.lora.engine_batch``, vLLM's own rule, so that no
+request waits inside vLLM out of the policy's reach). An adapter the engine does not hold is loaded
+first (``adapter_loader``, the adapter's swap: its requests wait meanwhile, the others go on), and
+the least recently used idle adapter is unloaded when the engine holds ``maxCpuLoras`` already.
 """
 
 from __future__ import annotations
@@ -39,13 +47,14 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds
 from tessera.core.chiron import ChironLocal, ChironPolicy
+from tessera.core.lora import AdapterCache, engine_batch
 from tessera.core.policy import (
     NO_MODELS,
     Decision,
@@ -76,6 +85,10 @@ PROBE_INTERVAL_S = 0.5
 # in arrival order meanwhile, so nothing accepted stalls).
 DECISION_FAILURES_NOT_READY = 5
 log = logging.getLogger(__name__)
+
+
+# Loads (True) or unloads (False) a LoRA adapter in its base's engine; raises EngineError on failure.
+AdapterLoader = Callable[[str, bool], Awaitable[None]]
 
 
 class QueueTimeout(EngineError):
@@ -205,9 +218,29 @@ class InstanceScheduler:
         swapper: ModelSwapper | None = None,
         stats_interval_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        adapter_of: Mapping[str, str] | None = None,
+        max_loras: Mapping[str, int] | None = None,
+        adapter_cache: Mapping[str, int] | None = None,
+        adapter_loader: AdapterLoader | None = None,
     ) -> None:
         if not engines:
             raise ValueError("an instance scheduler needs at least one engine")
+        self.adapter_of = dict(adapter_of or {})
+        for adapter, base in self.adapter_of.items():
+            if adapter not in engines or base not in engines or base in self.adapter_of:
+                raise ValueError(f"adapter {adapter!r} needs its own engine and a full base model among the "
+                                 f"pod's ({', '.join(engines)}), not {base!r}")  # fmt: skip
+        # One batch's adapter slots: the least of the bases' (a pod's bases share the pool's maxLoras).
+        self.max_loras = min((max_loras or {}).values(), default=0) if self.adapter_of else 0
+        self.adapter_loader = adapter_loader
+        # What each base's engine holds: every adapter at start, as the worker loads them there.
+        self.adapter_caches: dict[str, AdapterCache] = {}
+        for base, size in (adapter_cache or {}).items():
+            held = [a for a, b in self.adapter_of.items() if b == base]
+            if held:
+                self.adapter_caches[base] = AdapterCache(max(size, 1), held[: max(size, 1)])
+        self._loading: dict[str, asyncio.Task[None]] = {}  # adapter -> its load under way
+        self.adapter_loads = 0  # adapters loaded on demand (their swaps)
         limits = class_limits or {}
         queue_times = class_queue_times or {}
         seqs = max_running or {}
@@ -222,6 +255,10 @@ class InstanceScheduler:
             )
             for model, engine in engines.items()
         }
+        # Engine (base) -> its slots: the base's first, then its adapters'.
+        self.groups: dict[str, list[EngineSlot]] = {}
+        for model, slot in self.slots.items():
+            self.groups.setdefault(self.adapter_of.get(model, model), []).append(slot)
         self.stats_interval_s = stats_interval_s
         self.metrics = metrics
         self.clock = clock
@@ -277,7 +314,7 @@ class InstanceScheduler:
     def mode(self) -> SharingMode:
         """How this pod shares its accelerator between its models (``tessera.core.sharing``)."""
         sleeps = self.swapper is not None and bool(self.swapper.swappable)
-        return sharing_mode(len(self.slots), sleeps)
+        return sharing_mode(len(self.groups), sleeps)
 
     @property
     def engine_ok(self) -> bool:
@@ -497,7 +534,11 @@ class InstanceScheduler:
                 self._preempt(job, now)
         if self.swapper is not None and self.swapper.swappable and not self._swap_allows(decision, now):
             return
-        for req in decision.run:
+        run = decision.run
+        if self.max_loras:
+            running = {job.req for job in self.inflight}
+            run, _ = engine_batch(run, running, self.adapter_of, self.max_loras)
+        for req in run:
             job = self.jobs.get(req)
             if job is None:
                 self._fault(f"its decision named request {req.id} of model {req.model!r}, which this pod "
@@ -508,10 +549,14 @@ class InstanceScheduler:
             if len(self.inflight) >= self.max_batch:
                 break
             slot = self.slots[req.model]
-            if not slot.ok or not self._awake(req.model):
+            engine = self.adapter_of.get(req.model, req.model)
+            if not slot.ok or not self._awake(engine):
                 continue  # its engine is down or asleep: it waits
-            if slot.max_running is not None and len(slot.inflight) >= slot.max_running:
+            base = self.slots[engine]
+            if base.max_running is not None and self._in_engine(engine) >= base.max_running:
                 continue
+            if not self._adapter_held(req.model):
+                continue  # its adapter is loading: it waits, the others go on
             self._launch(job, now)
 
     def _awake(self, model: str) -> bool:
@@ -545,14 +590,14 @@ class InstanceScheduler:
         iteration = math.floor(self._iterations + 1e-6)
         running = tuple(job.req for job in self.inflight)
         if self.mode == "co-resident":
-            engines: Mapping[str, ModelView] = {m: self._engine_view(s) for m, s in self.slots.items()}
+            engines: Mapping[str, ModelView] = {m: self._engine_view(m) for m in self.groups}
             kv_capacity = sum(e.kv_capacity_tokens for e in engines.values())
             kv_used = sum(e.kv_used_tokens for e in engines.values())
             profile, active = next(iter(engines.values())).profile, None
         else:  # one model, or the awake one (the first while a swap is under way)
             swapper = self.swapper
-            active = (swapper.active if swapper is not None else None) or next(iter(self.slots))
-            own = self._engine_view(self.slots[active])
+            active = (swapper.active if swapper is not None else None) or next(iter(self.groups))
+            own = self._engine_view(active)
             engines, profile = NO_MODELS, own.profile
             kv_capacity, kv_used = own.kv_capacity_tokens, own.kv_used_tokens
         return InstanceView(
@@ -568,21 +613,74 @@ class InstanceScheduler:
             prefill_budget_tokens=None,
             swap_free_tokens=0,
             models=engines,
+            adapter_of=self.adapter_of,
+            max_loras=self.max_loras,
         )
 
-    def _engine_view(self, slot: EngineSlot) -> ModelView:
+    def _engine_view(self, engine: str) -> ModelView:
+        """One engine as the policy sees it: the base's capacity and limits, with its adapters' requests
+        counted in (they share its KV)."""
+        slot = self.slots[engine]
         profile = slot.profile
-        used = resident_kv_tokens((job.req for job in slot.inflight), profile.block_size)
+        group = self.groups[engine]
+        inflight = (job.req for s in group for job in s.inflight)
+        used = resident_kv_tokens(inflight, profile.block_size)
         if slot.stats is not None:
             used = max(used, slot.stats.kv_used_tokens)
         return ModelView(
-            model=slot.model,
+            model=engine,
             profile=profile,
             kv_capacity_tokens=kv_capacity_whole_blocks(profile),
             kv_used_tokens=used,
-            running=len(slot.inflight),
+            running=self._in_engine(engine),
             max_running=slot.max_running,
         )
+
+    def _in_engine(self, engine: str) -> int:
+        """Requests in flight on ``engine``, its adapters' included."""
+        return sum(len(s.inflight) for s in self.groups[engine])
+
+    def _adapter_held(self, model: str) -> bool:
+        """Whether ``model``'s engine holds it (a base model always); an adapter it does not hold starts
+        loading, its least recently used idle adapter unloaded first where the engine is full."""
+        base = self.adapter_of.get(model)
+        cache = self.adapter_caches.get(base) if base is not None else None
+        if cache is None:
+            return True
+        if model in cache:
+            if model not in self._loading:
+                cache.use(model)
+                return True
+            return False
+        busy = {s.model for s in self.groups[base] if s.inflight}
+        _, evicted = cache.use(model, busy)
+        self._loading[model] = asyncio.create_task(self._load_adapter(model, evicted), name=f"lora-{model}")
+        return False
+
+    async def _load_adapter(self, adapter: str, evicted: str | None) -> None:
+        """Unload ``evicted`` (if any), then load ``adapter`` into its base's engine: the adapter's swap.
+        A failed load drops it from the cache and ends its waiting requests with the engine's error."""
+        loader = self.adapter_loader
+        t0 = self.clock()
+        try:
+            if loader is not None:
+                if evicted is not None:
+                    await loader(evicted, False)
+                await loader(adapter, True)
+        except EngineError as exc:
+            self.adapter_caches[self.adapter_of[adapter]].drop(adapter)
+            log.error("loading the LoRA adapter %s failed: %s; its waiting requests end with this error",
+                      adapter, exc)  # fmt: skip
+            for job in [j for r, j in self.jobs.items() if r.model == adapter and j not in self.inflight]:
+                self._end(job, None, exc)
+        else:
+            self.adapter_loads += 1
+            self.metrics.adapter_loads.labels(adapter).inc()
+            log.info("loaded the LoRA adapter %s in %.3f s%s", adapter, self.clock() - t0,
+                     f" (unloaded {evicted})" if evicted else "")  # fmt: skip
+        finally:
+            del self._loading[adapter]
+            self._wake.set()
 
     def _swap_allows(self, decision: Decision, now: float) -> bool:
         """Apply a swapping pod's load: ``load_model`` (or, with none asked, the model of the first
@@ -623,6 +721,7 @@ class InstanceScheduler:
         self.inflight[job] = None
         if not slot.inflight:
             slot.busy_since = now
+        if not self._in_engine(self.adapter_of.get(req.model, req.model)):
             self._busy_engines += 1
         slot.inflight[job] = None
         slot.running[job.class_name] += 1
@@ -697,7 +796,7 @@ class InstanceScheduler:
             return
         # Instance iterations, as the simulator counts them: one step of every busy engine (each of an
         # engine's in-flight streams gets a token a step; with one model, the engine's own steps).
-        iters = n / max(1, len(self.slots[req.model].inflight) * self._busy_engines)
+        iters = n / max(1, self._in_engine(self.adapter_of.get(req.model, req.model)) * self._busy_engines)
         self._iters += iters
         self._iterations += iters
         if self._recheck_tokens is not None and self._iters >= self._recheck_tokens:
@@ -711,11 +810,11 @@ class InstanceScheduler:
         del self.inflight[job]
         del slot.inflight[job]
         slot.running[job.class_name] -= 1
-        if not slot.inflight:
+        if not self._in_engine(self.adapter_of.get(job.req.model, job.req.model)):
             self._busy_engines -= 1
-            if slot.busy_since is not None:
-                self.metrics.engine_busy.labels(slot.model).inc(max(0.0, now - slot.busy_since))
-                slot.busy_since = None
+        if not slot.inflight and slot.busy_since is not None:
+            self.metrics.engine_busy.labels(slot.model).inc(max(0.0, now - slot.busy_since))
+            slot.busy_since = None
         return slot
 
     def _preempt(self, job: Job, now: float) -> None:
@@ -778,7 +877,7 @@ class InstanceScheduler:
         while True:
             await asyncio.sleep(self.stats_interval_s)
             for slot in self.slots.values():
-                if slot.ok:
+                if slot.ok and slot.model not in self.adapter_of:  # an adapter's server is its base's
                     await self._read_stats(slot)
 
     async def _read_stats(self, slot: EngineSlot) -> None:

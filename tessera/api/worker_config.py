@@ -210,6 +210,22 @@ class ModelEntry(ApiModel):
     adapter_rank: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="The adapter's LoRA rank."
     )
+    max_loras: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description=(
+            "A base model serving adapters: how many adapters one batch of its engine mixes (its vLLM "
+            "server's --max-loras, each a slot in GPU memory); the pod's scheduler starts no request "
+            "that would need one more. Unset: the model serves no adapters."
+        ),
+    )
+    max_cpu_loras: Annotated[int, Field(ge=1)] | None = Field(
+        default=None,
+        description=(
+            "A base model serving adapters: how many adapters its engine holds loaded (--max-cpu-loras, "
+            "at least maxLoras); an adapter past them is loaded on demand, the least recently used idle "
+            "one unloaded first. Unset: maxLoras."
+        ),
+    )
 
     def tokenizer_dir(self) -> str | None:
         """The folder whose tokenizer the worker tokenizes with (``tokenizer``, else the launched model's);
@@ -222,7 +238,18 @@ class ModelEntry(ApiModel):
             raise ValueError(f"model {self.name!r}: a vllm model needs exactly one of url or launch")
         if (self.adapter_of is None) != (self.adapter_source is None):
             raise ValueError(f"model {self.name!r}: an adapter needs both adapterOf and adapterSource")
+        if self.adapter_of is not None and (self.max_loras is not None or self.max_cpu_loras is not None):
+            raise ValueError(f"model {self.name!r}: maxLoras and maxCpuLoras belong to the base model, not "
+                             "to an adapter")  # fmt: skip
+        if self.max_cpu_loras is not None and (self.max_loras is None or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"model {self.name!r}: maxCpuLoras {self.max_cpu_loras} needs maxLoras and "
+                             f"must be at least it ({self.max_loras})")  # fmt: skip
         return self
+
+    @property
+    def adapter_cache_size(self) -> int:
+        """Adapters a base's engine holds loaded (``maxCpuLoras``, else ``maxLoras``; 0 for none)."""
+        return self.max_cpu_loras or self.max_loras or 0
 
 
 class BatchBounds(ApiModel):
@@ -395,6 +422,11 @@ class WorkerConfig(ApiModel):
                     f"model {m.name!r}: adapterOf {m.adapter_of!r} must name a full model of the pod "
                     f"({', '.join(b.name for b in self.models if b.adapter_of is None)})"
                 )
+            if base is not None and base.max_loras is None:
+                raise ValueError(
+                    f"model {m.name!r}: its base {base.name!r} must set maxLoras (its engine's --max-loras) "
+                    "to serve adapters"
+                )
             if m.default_class is not None and m.default_class not in self.classes:
                 raise ValueError(
                     f"model {m.name!r}: defaultClass {m.default_class!r} is not among the classes "
@@ -411,6 +443,11 @@ class WorkerConfig(ApiModel):
         if not share.enabled:
             return policy
         return FairShare(policy, input_weight=share.input_weight, output_weight=share.output_weight)
+
+    @property
+    def adapter_of(self) -> dict[str, str]:
+        """Adapter -> its base model, for the pod's adapters."""
+        return {m.name: m.adapter_of for m in self.models if m.adapter_of is not None}
 
     def model(self, name: str) -> ModelEntry | None:
         """The model entry called ``name``."""

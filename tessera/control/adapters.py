@@ -98,7 +98,7 @@ def lora_args(pool: ServingPool, adapters: list[LLMService]) -> list[str]:
     """
     if not adapters:
         return []
-    slots = pool.spec.max_loras or len(adapters)
+    slots, held = lora_slots(pool, adapters)
     return [
         "--enable-lora",
         "--max-loras",
@@ -106,5 +106,12 @@ def lora_args(pool: ServingPool, adapters: list[LLMService]) -> list[str]:
         "--max-lora-rank",
         str(pool.spec.max_lora_rank),
         "--max-cpu-loras",
-        str(max(slots, len(adapters))),
+        str(held),
     ]
+
+
+def lora_slots(pool: ServingPool, adapters: list[LLMService]) -> tuple[int, int]:
+    """(``--max-loras``, ``--max-cpu-loras``) of a base serving ``adapters`` (``lora_args``): what its
+    vLLM server starts with and what the pod's scheduler bounds its batches and loads by."""
+    slots = pool.spec.max_loras or len(adapters)
+    return slots, max(slots, len(adapters))

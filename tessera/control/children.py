@@ -58,7 +58,7 @@ from tessera.api.serving_pool import (
     sets_flag,
 )
 from tessera.api.worker_config import ProfileSpec, WorkerConfig
-from tessera.control.adapters import RUNTIME_LORA_ENV, adapters_of, lora_args
+from tessera.control.adapters import RUNTIME_LORA_ENV, adapters_of, lora_args, lora_slots
 from tessera.control.inputs import ENGINE_ANNOTATION, pool_input, service_input
 from tessera.control.placement_sim import group_profiles, kv_tokens, separate_kv_bytes, stats_of
 from tessera.core.activation import IdlePolicy
@@ -505,10 +505,11 @@ def worker_config(
             entry["toolParser"] = spec.model.tool_parser
         if own:
             entry["classSpecs"] = own
+        adapters = adapters_of(name, services)
+        if adapters:
+            entry["maxLoras"], entry["maxCpuLoras"] = lora_slots(pool, adapters)
         models.append(entry)
-        models += [
-            _adapter_entry(entry, adapter, classes, merged_classes) for adapter in adapters_of(name, services)
-        ]
+        models += [_adapter_entry(entry, adapter, classes, merged_classes) for adapter in adapters]
     for alias, value in _group_settings(pool, group, services, policies[0], models).items():
         _default(settings[0], alias, value)
     bounds = pool.spec.autoscaling.batch_size

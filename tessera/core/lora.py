@@ -29,8 +29,12 @@ def batch_adapters(requests: Iterable[Request], adapter_of: Mapping[str, str]) -
 
 def admits(in_batch: Collection[str], model: str, adapter_of: Mapping[str, str], max_loras: int) -> bool:
     """Whether a request of ``model`` may join a batch that holds the adapters ``in_batch``: a base
-    model's always; an adapter's when it is in the batch already or a GPU slot is free."""
-    return model not in adapter_of or model in in_batch or len(in_batch) < max_loras
+    model's always; an adapter's when it is in the batch already or a GPU slot of its base's engine is
+    free (each engine has ``max_loras`` slots; adapters of another base hold none of them)."""
+    if model not in adapter_of or model in in_batch:
+        return True
+    base = adapter_of[model]
+    return sum(1 for a in in_batch if adapter_of.get(a) == base) < max_loras
 
 
 def engine_batch(

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import ClassVar, Literal
 
+from tessera.core.lora import admits, batch_adapters
 from tessera.core.profile import StepProfile
 from tessera.core.request import Phase, Request
 
@@ -136,8 +137,9 @@ def engine_slots(view: InstanceView, kept: Iterable[Request]) -> dict[str, float
     engines' slots (inf: only the instance's batch limit bounds the engine)."""
     slots = {m: math.inf if e.max_running is None else e.max_running for m, e in view.models.items()}
     for req in kept:
-        if req.model in slots:
-            slots[req.model] -= 1
+        engine = view.engine_of(req.model)
+        if engine in slots:
+            slots[engine] -= 1
     return slots
 
 
@@ -374,8 +376,9 @@ class PriorityPolicy(Policy):
         allow would only churn the heap."""
         room = view.kv_free_tokens
         budget = view.prefill_budget_tokens
+        lora = _LoraSkip(view, run, self._heaps)
         while len(run) < view.max_batch:
-            entry = self._pop_queued()
+            entry = self._pop_queued(lora.skip)
             if entry is None:
                 break
             req = entry.req
@@ -389,6 +392,7 @@ class PriorityPolicy(Policy):
                     budget -= need
             run.append(req)
             self._running[id(req)] = entry
+            lora.joined(req)
 
     def _admit_co_resident(self, view: InstanceView, run: list[Request]) -> None:
         """``_admit`` over several resident engines: each engine's KV share, prefill budget and sequence
@@ -397,33 +401,69 @@ class PriorityPolicy(Policy):
         room = {m: e.kv_free_tokens for m, e in engines.items()}
         slots = engine_slots(view, run)
         budget = dict.fromkeys(engines, view.prefill_budget_tokens)
-        done: set[str] = {m for m in self._heaps if m not in engines}  # not served here: never admitted
-        done.update(m for m, n in slots.items() if n <= 0)
+        lora = _LoraSkip(view, run, self._heaps)
+        # Heaps (models) left out: those of engines not served here (never admitted) and, as the
+        # engines fill, every model of a full engine (an adapter's engine is its base's).
+        by_engine: dict[str, list[str]] = {}
+        for m in self._heaps:
+            by_engine.setdefault(view.engine_of(m), []).append(m)
+        done = lora.skip
+        for engine, members in by_engine.items():
+            if engine not in engines or slots[engine] <= 0:
+                done.update(members)
         while len(run) < view.max_batch:
             entry = self._pop_queued(done)
             if entry is None:
                 break
             req = entry.req
-            model = req.model
+            engine = view.engine_of(req.model)
             if not req.kv_resident:
                 need = req.prompt_tokens + req.generated + 1
-                left = budget[model]
-                if room[model] <= 0 or (left is not None and left <= 0 and not req.swapped):
+                left = budget[engine]
+                if room[engine] <= 0 or (left is not None and left <= 0 and not req.swapped):
                     self._push_entry(entry)
-                    done.add(model)
+                    done.update(by_engine[engine])
                     continue
-                room[model] -= need
+                room[engine] -= need
                 if left is not None and not req.swapped:
-                    budget[model] = left - need
+                    budget[engine] = left - need
             run.append(req)
             self._running[id(req)] = entry
-            slots[model] -= 1
-            if slots[model] <= 0:
-                done.add(model)
+            lora.joined(req)
+            slots[engine] -= 1
+            if slots[engine] <= 0:
+                done.update(by_engine[engine])
 
     def recheck_tokens(self) -> int | None:
         """Decode iterations until the policy wants to re-rank without an event (None: only on events)."""
         return None
+
+
+class _LoraSkip:
+    """The queue heaps (models) an admission loop leaves out for LoRA's GPU slots: the adapters that
+    cannot join the batch now (``tessera.core.lora.admits``), kept up to date as requests join. With no
+    adapters it is an empty set and costs nothing."""
+
+    def __init__(self, view: InstanceView, run: Iterable[Request], heaps: Mapping[str, object]) -> None:
+        self.skip: set[str] = set()
+        self._adapter_of = view.adapter_of
+        self._max = view.max_loras
+        if self._max <= 0 or not self._adapter_of:
+            self._adapters: list[str] = []
+            return
+        self._adapters = [m for m in heaps if m in self._adapter_of]
+        self._in_batch = set(batch_adapters(run, self._adapter_of))
+        self._update()
+
+    def _update(self) -> None:
+        in_batch, adapter_of, most = self._in_batch, self._adapter_of, self._max
+        self.skip.update(a for a in self._adapters if not admits(in_batch, a, adapter_of, most))
+
+    def joined(self, req: Request) -> None:
+        """``req`` joined the batch: its adapter now holds a slot."""
+        if self._adapters and req.model in self._adapter_of and req.model not in self._in_batch:
+            self._in_batch.add(req.model)
+            self._update()
 
 
 _entry_order = operator.attrgetter("key", "seq")

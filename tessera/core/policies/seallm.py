@@ -327,24 +327,27 @@ class DoublingBudget(Policy):
         engines = view.models
         taken = dict.fromkeys(engines, 0)
         slots = engine_slots(view, [seed])
-        if seed.model in engines and not seed.kv_resident:
-            taken[seed.model] = kv_blocks(seed.context_tokens, engines[seed.model].profile.block_size)
+        own = view.engine_of(seed.model)
+        if own in engines and not seed.kv_resident:
+            taken[own] = kv_blocks(seed.context_tokens, engines[own].profile.block_size)
+        services = [m for m in self._by_o if view.engine_of(m) in engines]  # adapters ride their base's
         candidates = [
-            (self._o_key(r, self._held[r])[:4], r) for m in engines for r in self._smallest(m, room, seed)
+            (self._o_key(r, self._held[r])[:4], r) for m in services for r in self._smallest(m, room, seed)
         ]
         candidates.sort(key=lambda c: c[0])
         run: list[Request] = []
         for _, r in candidates:
             if len(run) >= room:
                 break
-            if slots[r.model] <= 0:
+            engine = view.engine_of(r.model)
+            if slots[engine] <= 0:
                 continue
-            block = engines[r.model].profile.block_size
+            block = engines[engine].profile.block_size
             if not r.kv_resident:
-                if not fits_engine_kv(engines[r.model], r, taken[r.model]):
+                if not fits_engine_kv(engines[engine], r, taken[engine]):
                     continue
-                taken[r.model] += kv_blocks(r.context_tokens, block)
-            slots[r.model] -= 1
+                taken[engine] += kv_blocks(r.context_tokens, block)
+            slots[engine] -= 1
             run.append(r)
         chosen = {*run, seed}
         kept = [r for r in view.running if r not in chosen]
@@ -395,9 +398,10 @@ class DoublingBudget(Policy):
         seed = starved[-1] if starved is not None else best[-1]
         if view.active_model is not None:
             self._blocks[view.active_model] = view.profile.block_size
-        block = self._blocks.get(seed.model) if view.active_model is not None else view.profile.block_size
+        engine = view.engine_of(seed.model)
+        block = self._blocks.get(engine) if view.active_model is not None else view.profile.block_size
         if not seed.kv_resident and block is None:
-            return Decision(run=[], load_model=seed.model)  # learn its model's KV block first
+            return Decision(run=[], load_model=engine)  # learn its model's KV block first
         if not seed.kv_resident and not _fits(view, seed, block or view.profile.block_size):
             holding = [self._o_key(r, b) for r, b in self._held.items() if r.kv_resident]
             if holding:
@@ -436,7 +440,7 @@ def fits_engine_kv(engine: ModelView, req: Request, taken: int = 0) -> bool:
 
 def _fits(view: InstanceView, req: Request, block: int) -> bool:
     """Whether ``req`` fits the free KV of the engine it would run on."""
-    engine = view.models.get(req.model)
+    engine = view.models.get(view.engine_of(req.model))
     if engine is not None:
         return fits_engine_kv(engine, req)
     return fits_free_kv(view, req, block)
@@ -445,7 +449,8 @@ def _fits(view: InstanceView, req: Request, block: int) -> bool:
 def _switch(view: InstanceView, model: str) -> str | None:
     """The model to load before running ``model``'s requests (None when it is active or the instance
     serves one model)."""
-    return model if view.active_model is not None and model != view.active_model else None
+    engine = view.engine_of(model)  # an adapter's engine is its base's
+    return engine if view.active_model is not None and engine != view.active_model else None
 
 
 class RoundRobinSharing(Policy):
@@ -493,9 +498,10 @@ class RoundRobinSharing(Policy):
             break
         else:
             model = models[start]
-        if _switch(view, model) is not None:
+        load = _switch(view, model)
+        if load is not None:
             self._turn = models.index(model)  # its turn starts once it is loaded
-            return Decision(run=[], load_model=model)
+            return Decision(run=[], load_model=load)
         self._turn = models.index(model) + 1
         queue = self._queues[model]
         resident = [r for r in view.running if r.model == model]
@@ -512,22 +518,23 @@ class RoundRobinSharing(Policy):
         slots = engine_slots(view, run)
         taken = dict.fromkeys(engines, 0)
         start = self._turn % len(models)
-        order = [m for m in models[start:] + models[:start] if m in engines]
+        order = [m for m in models[start:] + models[:start] if view.engine_of(m) in engines]
         waiting = {m: (r for r in self._queues[m] if r.phase is not Phase.RUNNING) for m in order}
         first: str | None = None
         while order and len(run) < view.max_batch:
             for model in list(order):
                 req = next(waiting[model], None)
-                engine = engines[model]
-                if req is None or slots[model] <= 0:
+                key = view.engine_of(model)
+                engine = engines[key]
+                if req is None or slots[key] <= 0:
                     order.remove(model)
                     continue
                 if not req.kv_resident:
-                    if not fits_engine_kv(engine, req, taken[model]):
+                    if not fits_engine_kv(engine, req, taken[key]):
                         order.remove(model)  # head-of-line, per engine
                         continue
-                    taken[model] += kv_blocks(req.context_tokens, engine.profile.block_size)
-                slots[model] -= 1
+                    taken[key] += kv_blocks(req.context_tokens, engine.profile.block_size)
+                slots[key] -= 1
                 run.append(req)
                 first = first or model
                 if len(run) >= view.max_batch:

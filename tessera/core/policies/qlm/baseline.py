@@ -81,18 +81,19 @@ class SwapFCFS(Policy):
         if not self._waiting:
             return Decision(run=running)
         head = self._head(view)
-        if view.active_model is not None and head.model != view.active_model:
+        engine = view.engine_of(head.model)  # an adapter runs in its base's engine: no swap between them
+        if view.active_model is not None and engine != view.active_model:
             if running:
                 return Decision(run=running)  # drain, then swap
-            self._recent = [head.model] + [m for m in self._recent if m != head.model]
+            self._recent = [engine] + [m for m in self._recent if m != engine]
             self.tiers.plan(self._recent[1:], {m: view.profile.weights_bytes for m in self._recent}, view.now)
-            self.gate.issue(head.model, view.profile.weights_bytes, view.now)
-            return Decision(run=[], load_model=head.model)
+            self.gate.issue(engine, view.profile.weights_bytes, view.now)
+            return Decision(run=[], load_model=engine)
         run = running
         for *_, req in self._waiting:
             if len(run) >= view.max_batch:
                 break
-            if req.model != head.model:
+            if view.engine_of(req.model) != engine:
                 if self._in_order:
                     break
                 continue
@@ -121,6 +122,7 @@ class SwapBatched(SwapFCFS):
         """The loaded model's oldest waiting request, unless another model's oldest has waited too long
         (or the loaded model has none): then the oldest waiting request of all."""
         oldest = self._waiting[0][-1]
-        if oldest.model == view.active_model or view.now - oldest.arrival >= self.max_wait_s:
+        active = view.active_model
+        if view.engine_of(oldest.model) == active or view.now - oldest.arrival >= self.max_wait_s:
             return oldest
-        return next((e[-1] for e in self._waiting if e[-1].model == view.active_model), oldest)
+        return next((e[-1] for e in self._waiting if view.engine_of(e[-1].model) == active), oldest)

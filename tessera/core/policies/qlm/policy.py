@@ -303,7 +303,7 @@ class QLMPolicy(Policy):
         running = sorted(view.running, key=lambda r: position[id(self.grouper.of[id(r)])])
         if head is None:
             return Decision(run=running, recheck_at=recheck_at)
-        if view.active_model is not None and head.model != view.active_model:
+        if view.active_model is not None and view.engine_of(head.model) != view.active_model:
             if running and not (self.eviction and head is self._reordered_head):
                 return Decision(run=running, recheck_at=recheck_at)  # drain, then swap
             return self._swap_to(head, view)
@@ -608,4 +608,4 @@ class QLMPolicy(Policy):
         self.gate.issue(head.model, sizes[head.model], view.now)
         self._reordered_head = None
         self.counters["model_swaps"] += 1
-        return Decision(run=[], load_model=head.model, preempt_mode=self.evict_mode)
+        return Decision(run=[], load_model=view.engine_of(head.model), preempt_mode=self.evict_mode)
