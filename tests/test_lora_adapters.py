@@ -151,11 +151,6 @@ def test_the_pool_sets_slots_and_rank_and_a_base_without_adapters_gets_no_lora_f
             "rank 64 is above ServingPool 'h100-pool''s maxLoraRank 16",
         ),
         (_adapter("x", base="x"), INVALID_ADAPTER, "names this service itself"),
-        (
-            {**_adapter("x"), "spec": {**_adapter("x")["spec"], "scaleToZero": {"afterSeconds": 60}}},
-            INVALID_ADAPTER,
-            "spec.scaleToZero is not served for an adapter yet",
-        ),
     ],
 )
 def test_an_adapter_that_cannot_be_served_is_refused_on_its_own_status(
@@ -165,6 +160,17 @@ def test_an_adapter_that_cannot_be_served_is_refused_on_its_own_status(
     assert decided.rejected["x"].reason == reason and said in decided.rejected["x"].message
     assert list(decided.services) == ["llama-8b"]  # the base keeps serving, without LoRA
     assert "--enable-lora" not in _engine_args(decided)[0]
+
+
+def test_an_idle_adapter_is_unloaded_while_its_base_s_pods_stay() -> None:
+    idle = {**_adapter("x"), "spec": {**_adapter("x")["spec"], "scaleToZero": {"afterSeconds": 60}}}
+    decided = _decide(idle)
+    assert decided.rejected == {}
+    (config,) = decided.configs.values()
+    base, adapter = config.models
+    assert adapter.unload_after_seconds == 60 and base.unload_after_seconds is None
+    (sts,) = [c for c in decided.children if c["kind"] == "StatefulSet"]
+    assert sts["spec"]["replicas"] >= 1  # the base does not sleep with its adapter
 
 
 def test_an_adapter_of_an_adapter_is_refused_and_the_first_adapter_served() -> None:

@@ -29,7 +29,12 @@ CHAT = ServiceClass("chat", ttft_slo_s=1.0)
 
 
 def _pod(
-    loads: list[tuple[str, bool]], *, fail: str = "", max_running: int | None = None
+    loads: list[tuple[str, bool]],
+    *,
+    fail: str = "",
+    max_running: int | None = None,
+    clock: list[float] | None = None,
+    unload_after: dict[str, float] | None = None,
 ) -> InstanceScheduler:
     async def loader(adapter: str, load: bool) -> None:
         loads.append((adapter, load))
@@ -46,11 +51,12 @@ def _pod(
         max_queued=100,
         max_running={BASE: max_running} if max_running else None,
         metrics=WorkerMetrics(),
-        clock=lambda: 0.0,
+        clock=(lambda: clock[0]) if clock else (lambda: 0.0),
         adapter_of=ADAPTERS,
         max_loras={BASE: 2},
         adapter_cache={BASE: 2},
         adapter_loader=loader,
+        unload_after=unload_after,
     )
 
 
@@ -135,5 +141,33 @@ async def test_the_base_s_sequence_limit_counts_its_adapters() -> None:
         _submit(sched, ["a1", BASE, "a2", BASE])
         sched.decide()
         assert len(sched.inflight) == 2
+    finally:
+        await sched.stop()
+
+
+async def test_an_idle_adapter_is_unloaded_after_its_bound_and_loaded_again_by_a_request() -> None:
+    loads: list[tuple[str, bool]] = []
+    clock = [0.0]
+    sched = _pod(loads, clock=clock, unload_after={"a1": 60.0})
+    try:
+        jobs = _submit(sched, ["a1"], tokens=1)
+        sched.decide()
+        run_iterations(sched, 1)
+        assert jobs[0].done.is_set()
+        sched.decide()  # idle from now
+        clock[0] = 59.0
+        sched.decide()
+        assert "a1" in sched.adapter_caches[BASE] and loads == []
+        clock[0] = 60.5
+        sched.decide()
+        await asyncio.sleep(0)
+        assert loads == [("a1", False)] and "a1" not in sched.adapter_caches[BASE]
+        assert "a2" in sched.adapter_caches[BASE]  # no bound: stays
+        again = _submit(sched, ["a1"], tokens=1)
+        sched.decide()
+        assert not sched.inflight  # loading first
+        await asyncio.sleep(0)
+        sched.decide()
+        assert loads[-1] == ("a1", True) and again[0] in sched.inflight
     finally:
         await sched.stop()

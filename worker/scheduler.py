@@ -222,6 +222,7 @@ class InstanceScheduler:
         max_loras: Mapping[str, int] | None = None,
         adapter_cache: Mapping[str, int] | None = None,
         adapter_loader: AdapterLoader | None = None,
+        unload_after: Mapping[str, float] | None = None,
     ) -> None:
         if not engines:
             raise ValueError("an instance scheduler needs at least one engine")
@@ -240,6 +241,10 @@ class InstanceScheduler:
             if held:
                 self.adapter_caches[base] = AdapterCache(max(size, 1), held[: max(size, 1)])
         self._loading: dict[str, asyncio.Task[None]] = {}  # adapter -> its load under way
+        # Adapters unloaded after this many idle seconds (scale to zero of an adapter), and when each
+        # was last busy.
+        self.unload_after = {a: s for a, s in (unload_after or {}).items() if a in self.adapter_of}
+        self._idle_since: dict[str, float] = {}
         self.adapter_loads = 0  # adapters loaded on demand (their swaps)
         limits = class_limits or {}
         queue_times = class_queue_times or {}
@@ -455,7 +460,7 @@ class InstanceScheduler:
     async def _run(self) -> None:
         while True:
             expiry = self._expiries[0][0] if self._expiries else None
-            due = [t for t in (self._recheck_at, expiry) if t is not None]
+            due = [t for t in (self._recheck_at, expiry, self._next_unload()) if t is not None]
             timeout = max(0.0, min(due) - self.clock()) if due else None
             # asyncio.timeout, not wait_for: under Python 3.11's wait_for this task could stay stuck
             # while being cancelled (stop() hung with a policy's recheck time set).
@@ -510,6 +515,8 @@ class InstanceScheduler:
         now = self.clock()
         if self._expiries:
             self._expire(now)
+        if self.unload_after:
+            self._unload_idle(now)
         t0 = time.perf_counter()
         try:
             view = self._view(now)
@@ -647,15 +654,51 @@ class InstanceScheduler:
         cache = self.adapter_caches.get(base) if base is not None else None
         if cache is None:
             return True
-        if model in cache:
-            if model not in self._loading:
-                cache.use(model)
-                return True
+        if model in self._loading:  # a load, or an idle unload, under way: it waits for it
             return False
+        if model in cache:
+            cache.use(model)
+            return True
         busy = {s.model for s in self.groups[base] if s.inflight}
         _, evicted = cache.use(model, busy)
         self._loading[model] = asyncio.create_task(self._load_adapter(model, evicted), name=f"lora-{model}")
         return False
+
+    def _idle_adapters(self) -> list[tuple[str, float]]:
+        """(adapter, when it may be unloaded) of the held adapters with an idle bound and no requests."""
+        out = []
+        for adapter, after in self.unload_after.items():
+            cache = self.adapter_caches.get(self.adapter_of[adapter])
+            slot = self.slots[adapter]
+            if cache is None or adapter not in cache or adapter in self._loading or slot.live.total():
+                self._idle_since.pop(adapter, None)
+                continue
+            since = self._idle_since.setdefault(adapter, self.clock())
+            out.append((adapter, since + after))
+        return out
+
+    def _next_unload(self) -> float | None:
+        return min((t for _, t in self._idle_adapters()), default=None)
+
+    def _unload_idle(self, now: float) -> None:
+        """Unload the adapters idle past their bound (scale to zero of an adapter; the base stays)."""
+        for adapter, due in self._idle_adapters():
+            if due <= now:
+                self.adapter_caches[self.adapter_of[adapter]].drop(adapter)
+                del self._idle_since[adapter]
+                self._loading[adapter] = asyncio.create_task(self._unload(adapter), name=f"unlora-{adapter}")
+
+    async def _unload(self, adapter: str) -> None:
+        """Unload an idle adapter; a failure is logged (the engine may keep it: nothing else changes)."""
+        try:
+            if self.adapter_loader is not None:
+                await self.adapter_loader(adapter, False)
+            log.info("unloaded the idle LoRA adapter %s", adapter)
+        except EngineError as exc:
+            log.warning("unloading the idle LoRA adapter %s failed: %s", adapter, exc)
+        finally:
+            del self._loading[adapter]
+            self._wake.set()
 
     async def _load_adapter(self, adapter: str, evicted: str | None) -> None:
         """Unload ``evicted`` (if any), then load ``adapter`` into its base's engine: the adapter's swap.

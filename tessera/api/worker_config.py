@@ -210,6 +210,14 @@ class ModelEntry(ApiModel):
     adapter_rank: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="The adapter's LoRA rank."
     )
+    unload_after_seconds: Annotated[float, Field(ge=1, allow_inf_nan=False)] | None = Field(
+        default=None,
+        description=(
+            "An adapter: unloaded from its base's engine after this many seconds without requests (its "
+            "LLMService's scaleToZero.afterSeconds; the base keeps serving), loaded again by the next "
+            "request. Unset: it stays loaded while the engine has room."
+        ),
+    )
     max_loras: Annotated[int, Field(ge=1)] | None = Field(
         default=None,
         description=(
@@ -238,6 +246,8 @@ class ModelEntry(ApiModel):
             raise ValueError(f"model {self.name!r}: a vllm model needs exactly one of url or launch")
         if (self.adapter_of is None) != (self.adapter_source is None):
             raise ValueError(f"model {self.name!r}: an adapter needs both adapterOf and adapterSource")
+        if self.adapter_of is None and self.unload_after_seconds is not None:
+            raise ValueError(f"model {self.name!r}: unloadAfterSeconds is for an adapter (adapterOf)")
         if self.adapter_of is not None and (self.max_loras is not None or self.max_cpu_loras is not None):
             raise ValueError(f"model {self.name!r}: maxLoras and maxCpuLoras belong to the base model, not "
                              "to an adapter")  # fmt: skip

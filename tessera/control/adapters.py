@@ -60,13 +60,6 @@ def adapter_problems(
                 f"base LLMService {adapter.base!r} is itself an adapter (of "
                 f"{base.spec.model.adapter.base!r}); an adapter's base must be a full model: name that one",
             )
-        elif service.spec.scale_to_zero is not None:
-            # An adapter sleeps only with its base's pods: unloading one alone is not built yet.
-            problems[name] = (
-                INVALID_ADAPTER,
-                "spec.scaleToZero is not served for an adapter yet: it sleeps with its base (set "
-                f"scaleToZero on {adapter.base!r}); remove it here",
-            )
         elif adapter.rank > pool.spec.max_lora_rank:
             problems[name] = (
                 INVALID_ADAPTER,

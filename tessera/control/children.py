@@ -569,6 +569,8 @@ def _adapter_entry(
     }
     if spec.model.tool_parser is not None:
         entry["toolParser"] = spec.model.tool_parser
+    if spec.scale_to_zero is not None:  # an idle adapter is unloaded; its base's pods stay
+        entry["unloadAfterSeconds"] = spec.scale_to_zero.after_seconds
     if own:
         entry["classSpecs"] = own
     return entry
