@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from tessera.core.lora import adapters_in_flight
 from tessera.core.policy import Policy
 from tessera.core.prefix import PrefixIndex
 from tessera.core.profile import StepProfile
@@ -67,7 +68,8 @@ class ClusterView:
     held: Collection[Request] = ()  # requests a router held in the global queue, in arrival order
 
     def serving(self, model: str) -> list[SimInstance]:
-        """Instances that can serve ``model`` and accept new requests (ready or warming up)."""
+        """Instances that can serve ``model`` (an adapter: those of its base) and accept new requests
+        (ready or warming up)."""
         return [i for i in self.instances if not i.draining and model in i.profiles]
 
 
@@ -113,7 +115,7 @@ class RouteRouter(ClusterRouter):
                          i.assigned_by_model[req.model], True, i.ready_at,
                          self._prefill_ahead(i.name) if self.uses_prefix else PrefillQueue(),
                          other_outstanding=i.outstanding - i.assigned_by_model[req.model],
-                         last_model=self._last_model.get(i.name))
+                         last_model=self._last_model.get(i.name), **_adapter_load(i, req.model))
             for i in cands
         ]  # fmt: skip
         route_req = RouteRequest(req.model, req.service_class.kind, self.stats, view.now,
@@ -153,6 +155,17 @@ class RouteRouter(ClusterRouter):
         if self._index is None:
             self._index = PrefixIndex(max(1, inst.capacity_blocks * inst.profile.block_size // block_tokens))
         return self._index
+
+
+def _adapter_load(inst: SimInstance, model: str) -> dict[str, object]:
+    """``InstanceLoad``'s adapter fields of ``model`` on ``inst`` (none for a full model): its base, the
+    adapters with requests in flight there (``adapters_in_flight``: what the live router reads from
+    the requests it relayed and vLLM's running and waiting adapters) and the engine's GPU slots."""
+    base = inst.adapter_of.get(model)
+    if base is None:
+        return {}
+    resident = adapters_in_flight(inst.assigned_by_model, inst.adapter_of)
+    return {"adapter_of": base, "resident_adapters": resident, "adapter_slots": inst.max_loras}
 
 
 def make_router(name: str) -> ClusterRouter:
@@ -226,12 +239,21 @@ class ClusterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: str = "least-loaded"
     role: str = "default"
+    # LoRA adapters: adapter -> its base (a model of ``profiles``); every instance of a base serves its
+    # adapters on the base's engine (``tessera.sim.engine``'s module docstring)
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.instances < 0:
             raise ValueError(f"instances must be >= 0, got {self.instances}")
         if not self.profiles:
             raise ValueError("a cluster needs at least one model profile")
+        bad = [a for a, b in self.adapters.items() if b not in self.profiles or a in self.profiles]
+        if bad:
+            raise ValueError(
+                f"adapters {', '.join(bad)}: each needs a base among the cluster's models "
+                f"({', '.join(self.profiles)}) and a name that is not one of them"
+            )
 
 
 @dataclass(slots=True)
@@ -249,6 +271,7 @@ class ClusterResult:
     cpu_s: float  # CPU time of this process (wall_s includes waiting for a busy machine's cores)
     events: int
     instance_log: list[tuple[float, str, str]]  # (time, instance, what happened)
+    adapter_loads: int = 0  # LoRA adapters the engines loaded (their adapter caches' misses)
 
 
 class Cluster:
@@ -298,7 +321,9 @@ class Cluster:
         tensor-parallel degree or KV pool); ``policy`` the cluster's policy factory (the policy its
         pod runs)."""
         known = self.config.profiles if profiles is None else profiles
-        names = list(models) if models is not None else list(known)
+        of = self.config.adapters
+        # an adapter is served by its base's instance
+        names = list(dict.fromkeys(of.get(m, m) for m in models)) if models is not None else list(known)
         unknown = [m for m in names if m not in known]
         if unknown or not names:
             raise ValueError(f"cannot add an instance for models {names}; known: {list(known)}")
@@ -313,6 +338,7 @@ class Cluster:
             role=role,
             created_at=self.now,
             ready_at=self.now + (first.cold_start_s if cold else 0.0),
+            adapters={a: b for a, b in of.items() if b in profiles},
         )
         if max_batch is not None:
             inst.max_batch = max_batch
@@ -417,6 +443,7 @@ class Cluster:
         # A request reaches its engine after the serving path's per-request overhead (the profile's
         # request_overhead_s; 0 for roofline profiles). Metrics still count from the client's arrival.
         overhead = {m: p.request_overhead_s for m, p in self.config.profiles.items()}
+        overhead.update({a: overhead[b] for a, b in self.config.adapters.items()})
         ingress = {id(r): r.arrival + overhead.get(r.model, 0.0) for r in requests}
         arrivals = sorted(requests, key=lambda r: ingress[id(r)])
         n = len(arrivals)
@@ -504,4 +531,5 @@ class Cluster:
             cpu_s=time.process_time() - cpu0,
             events=events,
             instance_log=self.log,
+            adapter_loads=sum(i.adapter_loads for i in everyone),
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from tessera.core.request import Request
 
@@ -101,3 +102,44 @@ class AdapterCache:
             return False
         del self._lru[adapter]
         return True
+
+
+# Loading an adapter the engine does not hold, in seconds (CHOICE until measured: a rank-16 adapter of an
+# 8B model is about 40 MB of safetensors, read from a local disk or the page cache and copied to the
+# device; the adapter-affinity scorer prices a load at the same value by default).
+ADAPTER_LOAD_S = 0.1
+# Extra time of an engine step whose batch holds adapter requests, as a fraction of the base's step
+# (ASSUMED until measured: a rank-16 adapter adds under 1% of an 8B model's FLOPs, but the batched
+# multi-adapter kernels cost more than their FLOPs; S-LoRA and Punica report per-token slowdowns of this
+# order against the base model alone).
+LORA_STEP_OVERHEAD = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class LoraCost:
+    """What adapters cost an engine: ``load_s`` seconds to load one it does not hold (its
+    ``AdapterCache`` misses; vLLM loads synchronously, so the engine's next step waits), and
+    ``step_overhead``, the fraction a step whose batch holds adapter requests takes beyond the base's
+    step. ``source`` says where the numbers come from."""
+
+    load_s: float = ADAPTER_LOAD_S
+    step_overhead: float = LORA_STEP_OVERHEAD
+    source: str = "CHOICE: 0.1 s per load and an ASSUMED 20% step overhead, neither measured"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.load_s <= 60:
+            raise ValueError(f"an adapter load takes 0 to 60 seconds, not {self.load_s}")
+        if not 0 <= self.step_overhead <= 10:
+            raise ValueError(f"the LoRA step overhead is a fraction from 0 to 10, not {self.step_overhead}")
+
+    def step_factor(self, adapters_in_batch: bool) -> float:
+        """The factor on a base step's time: ``1 + step_overhead`` when the batch holds adapter
+        requests, else 1."""
+        return 1.0 + self.step_overhead if adapters_in_batch else 1.0
+
+
+def adapters_in_flight(outstanding: Mapping[str, int], adapter_of: Mapping[str, str]) -> frozenset[str]:
+    """The adapters with requests in flight on an engine (``outstanding``: model -> its requests sent
+    there and not ended): what vLLM reports as its running and waiting adapters, and what a router
+    knows from the requests it relayed. Routing reads them as the engine's resident adapters."""
+    return frozenset(m for m, n in outstanding.items() if n > 0 and m in adapter_of)

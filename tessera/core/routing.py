@@ -54,6 +54,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tessera.core.lora import ADAPTER_LOAD_S
 from tessera.core.policies.qlm.estimator import EngineRates, TokenStats, request_wait
 from tessera.core.policies.qlm.lso import TierCosts
 from tessera.core.profile import StepProfile
@@ -297,11 +298,12 @@ class AdapterSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     z: float = Field(DEFAULT_Z, ge=0.0, le=5.0, description="quantile of the waiting-time estimate")
     load_seconds: float = Field(
-        0.1,
+        ADAPTER_LOAD_S,
         ge=0.0,
         le=60.0,
         description="loading an adapter into a free GPU slot of its base's engine, in seconds (CHOICE: "
-        "a rank-16 adapter of an 8B model is about 40 MB, read from CPU memory or a local disk)",
+        "a rank-16 adapter of an 8B model is about 40 MB, read from CPU memory or a local disk; the "
+        "simulator's engines charge the same by default, tessera.core.lora.ADAPTER_LOAD_S)",
     )
 
 
