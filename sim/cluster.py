@@ -24,12 +24,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from tessera.core.lora import adapters_in_flight
+from tessera.core.lora import adapter_sets
 from tessera.core.policy import Policy
 from tessera.core.prefix import PrefixIndex
 from tessera.core.profile import StepProfile
-from tessera.core.request import Request
+from tessera.core.request import Phase, Request
 from tessera.core.routing import (
     PREFIX_ROUTES,
     ROUTES,
@@ -94,9 +95,10 @@ class RouteRouter(ClusterRouter):
     (``precise-prefix``) reads each instance's own prefix cache: what a live engine's KV events would
     have told the router, without their delay."""
 
-    def __init__(self, route: str) -> None:
+    def __init__(self, route: str, **settings: Any) -> None:
+        """``settings``: scorer settings by scorer name (``make_route``'s overrides)."""
         self.name = route
-        self.rule = make_route(route)
+        self.rule = make_route(route, **settings)
         self.uses_prefix = route in PREFIX_ROUTES
         self.uses_engine = uses_engine_blocks(ROUTES[route])
         self.stats = seed_stats()  # the live router's seed statistics (it refines them from answers)
@@ -159,13 +161,15 @@ class RouteRouter(ClusterRouter):
 
 def _adapter_load(inst: SimInstance, model: str) -> dict[str, object]:
     """``InstanceLoad``'s adapter fields of ``model`` on ``inst`` (none for a full model): its base, the
-    adapters with requests in flight there (``adapters_in_flight``: what the live router reads from
-    the requests it relayed and vLLM's running and waiting adapters) and the engine's GPU slots."""
+    adapters in the engine's batch and of its waiting requests (``adapter_sets``: what vLLM reports to
+    the live router) and the engine's GPU slots."""
     base = inst.adapter_of.get(model)
     if base is None:
         return {}
-    resident = adapters_in_flight(inst.assigned_by_model, inst.adapter_of)
-    return {"adapter_of": base, "resident_adapters": resident, "adapter_slots": inst.max_loras}
+    waiting = (r for r in inst.assigned if not r.kv_resident and r.phase is not Phase.RUNNING)
+    resident, queued = adapter_sets(inst.running, waiting, inst.adapter_of)
+    return {"adapter_of": base, "resident_adapters": resident, "waiting_adapters": queued,
+            "adapter_slots": inst.max_loras}  # fmt: skip
 
 
 def make_router(name: str) -> ClusterRouter:

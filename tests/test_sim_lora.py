@@ -118,15 +118,18 @@ def test_a_base_and_its_adapters_share_one_kv_pool() -> None:
 
 
 def test_the_cluster_fills_the_adapter_fields_routing_reads() -> None:
-    cluster, _ = _cluster(instances=2, router="adapter-affinity", max_loras=2)
+    cluster, _ = _cluster(instances=2, router="adapter-affinity", max_loras=1)
     first, second = cluster.instances
     first.add(_req("x", "a1", out=50), 0.0)
+    first.advance()  # a1 takes the one slot
+    first.add(_req("w", "a2", out=50), 0.0)  # a2 waits for it
     assert _adapter_load(first, "a1") == {
-        "adapter_of": "base", "resident_adapters": frozenset({"a1"}), "adapter_slots": 2
+        "adapter_of": "base", "resident_adapters": frozenset({"a1"}),
+        "waiting_adapters": frozenset({"a2"}), "adapter_slots": 1,
     }  # fmt: skip
     assert _adapter_load(second, "a1")["resident_adapters"] == frozenset()
     assert _adapter_load(first, "base") == {}
-    # a1's next request joins it there, though that instance is the busier one
+    # a1's next request joins it there, though that instance is the busier one; a2's goes to the free slot
     router = RouteRouter("adapter-affinity")
     assert router.route(_req("y", "a1"), cluster.view()) is first
     assert router.route(_req("z", "a2"), cluster.view()) is second

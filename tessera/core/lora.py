@@ -138,8 +138,10 @@ class LoraCost:
         return 1.0 + self.step_overhead if adapters_in_batch else 1.0
 
 
-def adapters_in_flight(outstanding: Mapping[str, int], adapter_of: Mapping[str, str]) -> frozenset[str]:
-    """The adapters with requests in flight on an engine (``outstanding``: model -> its requests sent
-    there and not ended): what vLLM reports as its running and waiting adapters, and what a router
-    knows from the requests it relayed. Routing reads them as the engine's resident adapters."""
-    return frozenset(m for m, n in outstanding.items() if n > 0 and m in adapter_of)
+def adapter_sets(
+    running: Iterable[Request], waiting: Iterable[Request], adapter_of: Mapping[str, str]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(the adapters of an engine's ``running`` requests: those holding its GPU slots, the adapters of
+    its ``waiting`` ones): what vLLM reports as its running and waiting adapters, and what routing
+    reads (``InstanceLoad.resident_adapters`` and ``waiting_adapters``)."""
+    return batch_adapters(running, adapter_of), batch_adapters(waiting, adapter_of)
