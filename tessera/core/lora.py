@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from tessera.core.profile import StepProfile
 from tessera.core.request import Request
 
 
@@ -145,3 +146,21 @@ def adapter_sets(
     its ``waiting`` ones): what vLLM reports as its running and waiting adapters, and what routing
     reads (``InstanceLoad.resident_adapters`` and ``waiting_adapters``)."""
     return batch_adapters(running, adapter_of), batch_adapters(waiting, adapter_of)
+
+
+def charged_profile(profile: StepProfile, cost: LoraCost) -> StepProfile:
+    """``profile`` with every step of a batch holding adapter requests charged (``cost.step_factor``):
+    what the estimators price a base's engine at when its adapters have load. CHOICE: every step pays,
+    as the engine's nearly always holds one of their requests once they carry a real share of its load
+    (a batch of ``B`` holds none with probability ``(1 - share) ** B``)."""
+    k = cost.step_factor(True)
+    if k == 1.0:
+        return profile
+    return replace(
+        profile,
+        decode_c0=profile.decode_c0 * k,
+        decode_c1=profile.decode_c1 * k,
+        decode_c2=profile.decode_c2 * k,
+        prefill_p0=profile.prefill_p0 * k,
+        prefill_p1=profile.prefill_p1 * k,
+    )
