@@ -178,6 +178,10 @@ class SimInstance:
                     f"instance {name}: adapter {adapter!r} needs a base among its full models "
                     f"({', '.join(profiles)}) and a name of its own; its base is {base!r}"
                 )
+        if adapters and config is not None and config.prefix_caching:
+            # vLLM keys a cached block by its adapter too; one prefix cache for every adapter would share
+            # blocks across them.
+            raise ValueError(f"instance {name}: prefix caching with LoRA adapters is not simulated")
         self.name = name
         # An adapter runs on its base's engine: its requests take the base's profile (module docstring).
         self.profiles = {**profiles, **{a: profiles[b] for a, b in adapters.items()}}

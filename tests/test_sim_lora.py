@@ -140,6 +140,8 @@ def test_adapters_need_a_base_and_slots_a_cache_that_holds_them() -> None:
         ClusterConfig({"base": PROF}, 1, adapters={"a1": "other"})
     with pytest.raises(ValueError, match="at least max_loras"):
         EngineConfig(max_loras=4, max_cpu_loras=2)
+    with pytest.raises(ValueError, match="prefix caching"):
+        _cluster(prefix_caching=True)
     with pytest.raises(ValueError, match="co-resident"):
         cfg = ClusterConfig({"base": PROF, "b2": PROF}, 1, EngineConfig(co_resident=True), adapters=ADAPTERS)
         Cluster(cfg, FCFS)
