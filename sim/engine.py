@@ -230,7 +230,7 @@ class SimInstance:
         # LoRA adapters: GPU slots of one batch, the adapters the engine holds, loads so far
         cfg = self.config
         self.max_loras = (cfg.max_loras or len(adapters)) if adapters else 0
-        held = max(cfg.max_cpu_loras or self.max_loras, self.max_loras)
+        held = max(cfg.max_cpu_loras or self.max_loras, self.max_loras)  # it holds every adapter of a batch
         self.adapter_cache: AdapterCache | None = AdapterCache(held) if adapters else None
         self.adapter_loads = 0
 
@@ -397,9 +397,10 @@ class SimInstance:
         budget = None if self.config.chunked_prefill else self.config.budget
         prefill_tokens = sum(self._prefill_left.values())
         run = d.run
-        if self.adapter_of:  # vLLM's side: adapters without a GPU slot wait (module docstring)
-            run, _ = engine_batch(run, set(self.running), self.adapter_of, self.max_loras)
         of = self.adapter_of
+        if of:  # vLLM's side: adapters without a GPU slot wait (module docstring); the awake engine's only
+            mine = [r for r in run if of.get(r.model, r.model) == self.active_model]
+            run, _ = engine_batch(mine, set(self.running), of, self.max_loras)
         for req in run:
             if req.phase is Phase.RUNNING or req.phase is Phase.FINISHED:
                 continue

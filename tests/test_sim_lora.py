@@ -145,3 +145,13 @@ def test_adapters_need_a_base_and_slots_a_cache_that_holds_them() -> None:
     with pytest.raises(ValueError, match="co-resident"):
         cfg = ClusterConfig({"base": PROF, "b2": PROF}, 1, EngineConfig(co_resident=True), adapters=ADAPTERS)
         Cluster(cfg, FCFS)
+
+
+def test_the_slots_are_the_awake_engine_s_alone() -> None:
+    # Two bases swapping on one instance, one slot each: b2's adapter asked first takes no slot of
+    # base's engine, which is awake and runs its own adapter at once.
+    adapters = {"a0": "base", "c0": "b2"}
+    cfg = ClusterConfig({"base": PROF, "b2": PROF}, 1, EngineConfig(max_loras=1), adapters=adapters)
+    other, mine = _req("c", "c0"), _req("a", "a0")
+    Cluster(cfg, FCFS).run([other, mine])
+    assert mine.first_token_at < other.first_token_at
