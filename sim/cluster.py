@@ -117,7 +117,8 @@ class RouteRouter(ClusterRouter):
                          i.assigned_by_model[req.model], True, i.ready_at,
                          self._prefill_ahead(i.name) if self.uses_prefix else PrefillQueue(),
                          other_outstanding=i.outstanding - i.assigned_by_model[req.model],
-                         last_model=self._last_model.get(i.name), **_adapter_load(i, req.model))
+                         last_model=self._last_model.get(i.name),
+                         same_engine_outstanding=_same_engine(i, req.model), **_adapter_load(i, req.model))
             for i in cands
         ]  # fmt: skip
         route_req = RouteRequest(req.model, req.service_class.kind, self.stats, view.now,
@@ -133,7 +134,8 @@ class RouteRouter(ClusterRouter):
                 held = {i.name: min(i.held_prefix_blocks(blocks) * size, most) for i in cands}
                 route_req = replace(route_req, engine_cached_tokens=held)
         chosen = self.rule.pick(route_req, loads)
-        self._last_model[chosen.instance] = req.model
+        picked = next(i for i, x in zip(cands, loads, strict=True) if x is chosen)
+        self._last_model[chosen.instance] = picked.engine_of(req.model)  # an adapter's is its base's
         if self.uses_prefix:
             tokens = max(0, req.prompt_tokens - route_req.cached_tokens.get(chosen.instance, 0))
             chosen.prefill.sent(tokens, view.now, chosen.profile)
@@ -141,7 +143,7 @@ class RouteRouter(ClusterRouter):
         if blocks:
             full = blocks[: req.prompt_tokens // req.prefix_block_tokens]
             self._prefix_index(cands[0], req.prefix_block_tokens).record(chosen.instance, full, view.now)
-        return next(i for i, x in zip(cands, loads, strict=True) if x is chosen)
+        return picked
 
     def _prefill_ahead(self, instance: str) -> PrefillQueue:
         """The prefill sent to ``instance``, less the requests that have had their first token since
@@ -157,6 +159,14 @@ class RouteRouter(ClusterRouter):
         if self._index is None:
             self._index = PrefixIndex(max(1, inst.capacity_blocks * inst.profile.block_size // block_tokens))
         return self._index
+
+
+def _same_engine(inst: SimInstance, model: str) -> int:
+    """Requests on ``inst`` of the other models of ``model``'s engine (its base and the base's adapters)."""
+    if not inst.adapter_of:
+        return 0
+    engine = inst.engine_of(model)
+    return sum(n for m, n in inst.assigned_by_model.items() if m != model and inst.engine_of(m) == engine)
 
 
 def _adapter_load(inst: SimInstance, model: str) -> dict[str, object]:

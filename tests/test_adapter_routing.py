@@ -107,3 +107,14 @@ def test_the_scorer_s_settings_are_typed() -> None:
     assert route.pick(request(), [queued, lora("f", set())]).instance == "r"
     with pytest.raises(ValueError, match="adapter-affinity"):
         make_route("adapter-affinity", **{"adapter-affinity": {"load_seconds": -1}})
+
+
+def test_a_base_pays_no_swap_for_its_own_adapters_requests() -> None:
+    # Only the base's adapters' requests there (its own engine) and an adapter served last: no swap.
+    own = InstanceLoad("a", "base", "interactive", PROFILE, 4, 0, other_outstanding=3, last_model="base",
+                       same_engine_outstanding=3)  # fmt: skip
+    assert swap_penalty(own) == 0.0
+    # One of them is another engine's model's: the base's engine must be woken.
+    other = InstanceLoad("a", "base", "interactive", PROFILE, 4, 0, other_outstanding=3, last_model="base",
+                         same_engine_outstanding=2)  # fmt: skip
+    assert swap_penalty(other) > 0.0

@@ -12,7 +12,7 @@ from tessera.core.lora import LoraCost, batch_adapters
 from tessera.core.policy import Decision, InstanceView
 from tessera.core.profile import StepProfile
 from tessera.core.request import Request
-from tessera.sim.cluster import Cluster, ClusterConfig, RouteRouter, _adapter_load
+from tessera.sim.cluster import Cluster, ClusterConfig, RouteRouter, _adapter_load, _same_engine
 from tessera.sim.engine import EngineConfig
 
 PROF = StepProfile(
@@ -129,6 +129,7 @@ def test_the_cluster_fills_the_adapter_fields_routing_reads() -> None:
     }  # fmt: skip
     assert _adapter_load(second, "a1")["resident_adapters"] == frozenset()
     assert _adapter_load(first, "base") == {}
+    assert _same_engine(first, "base") == 2 and _same_engine(first, "a1") == 1
     # a1's next request joins it there, though that instance is the busier one; a2's goes to the free slot
     router = RouteRouter("adapter-affinity")
     assert router.route(_req("y", "a1"), cluster.view()) is first
@@ -155,3 +156,15 @@ def test_the_slots_are_the_awake_engine_s_alone() -> None:
     other, mine = _req("c", "c0"), _req("a", "a0")
     Cluster(cfg, FCFS).run([other, mine])
     assert mine.first_token_at < other.first_token_at
+
+
+def test_base_requests_spread_over_instances_busy_with_its_adapters() -> None:
+    # Each instance has adapter requests in flight: a base request pays no swap anywhere, so least-wait
+    # spreads the base's requests by load instead of piling them where the base already runs.
+    cluster, _ = _cluster(instances=2, router="least-wait")
+    for inst in cluster.instances:
+        inst.add(_req(f"x{inst.name}", "a1", out=50), 0.0)
+    router = RouteRouter("least-wait")
+    picked = [router.route(_req(f"b{k}", "base"), cluster.view()) for k in range(2)]
+    picked[0].add(_req("b0", "base", out=50), 0.0)
+    assert router.route(_req("b1", "base"), cluster.view()) is not picked[0]

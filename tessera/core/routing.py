@@ -126,6 +126,9 @@ class InstanceLoad:
     # and not ended, and the model of the latest request routed there (None: not known).
     other_outstanding: int = 0
     last_model: str | None = None
+    # Of ``other_outstanding``, the requests of models on this model's own engine (a base and its LoRA
+    # adapters share one), which no swap separates from it
+    same_engine_outstanding: int = 0
     interactive: int = 0  # of ``outstanding``, of an interactive class (Chiron's dispatch reads both kinds)
     # The engine's KV cache as its worker last reported it, in tokens (None: not known)
     engine_kv_capacity: int | None = None
@@ -177,14 +180,16 @@ def estimated_wait(load: InstanceLoad, stats: TokenStats, z: float = DEFAULT_Z) 
 
 
 def swap_penalty(load: InstanceLoad) -> float:
-    """The model swap a request of ``load.model`` waits for on a multi-model instance that has none of
-    its model's requests and serves, or last served, another model: the engine restart QLM's tier model
-    charges (``ENGINE_RESTART_S``) plus loading the weights. 0 otherwise. CHOICE: this is what
-    keeps a model's requests together under per-request routing (QLM's load balancing keeps request
-    groups together; the live router sees requests, not the workers' groups): on ``tessera bench qlm
-    --set part=multi`` with the code trace's lengths, counting the other models' requests and this
-    penalty took the live route from 5.79 req/s (19.4% under batched swapping) to 8.55 (18.9% over)."""
-    other = load.other_outstanding > 0 or load.last_model not in (None, load.model)
+    """The model swap a request of ``load.model`` waits for on a multi-model instance that has none of its
+    model's requests and serves, or last served, another model on another engine (a base's adapters are on
+    its own: ``same_engine_outstanding``, and a router records an adapter's request as its base's in
+    ``last_model``): the engine restart QLM's tier model charges (``ENGINE_RESTART_S``) plus loading the
+    weights. 0 otherwise. CHOICE: this is what keeps a model's requests together under per-request routing
+    (QLM's load balancing keeps request groups together; the live router sees requests, not the workers'
+    groups): on ``tessera bench qlm --set part=multi`` with the code trace's lengths, counting the other
+    models' requests and this penalty took the live route from 5.79 req/s (19.4% under batched swapping)
+    to 8.55 (18.9% over)."""
+    other = load.other_outstanding > load.same_engine_outstanding or load.last_model not in (None, load.model)
     # An adapter shares its base's engine: loading it is ``adapter_cost``'s, never an engine restart.
     if load.outstanding > 0 or not other or load.profile is None or load.adapter_of is not None:
         return 0.0
