@@ -24,11 +24,13 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
+from tessera.core.lora import adapter_sets
 from tessera.core.policy import Policy
 from tessera.core.prefix import PrefixIndex
 from tessera.core.profile import StepProfile
-from tessera.core.request import Request
+from tessera.core.request import Phase, Request
 from tessera.core.routing import (
     PREFIX_ROUTES,
     ROUTES,
@@ -67,7 +69,8 @@ class ClusterView:
     held: Collection[Request] = ()  # requests a router held in the global queue, in arrival order
 
     def serving(self, model: str) -> list[SimInstance]:
-        """Instances that can serve ``model`` and accept new requests (ready or warming up)."""
+        """Instances that can serve ``model`` (an adapter: those of its base) and accept new requests
+        (ready or warming up)."""
         return [i for i in self.instances if not i.draining and model in i.profiles]
 
 
@@ -92,9 +95,10 @@ class RouteRouter(ClusterRouter):
     (``precise-prefix``) reads each instance's own prefix cache: what a live engine's KV events would
     have told the router, without their delay."""
 
-    def __init__(self, route: str) -> None:
+    def __init__(self, route: str, **settings: Any) -> None:
+        """``settings``: scorer settings by scorer name (``make_route``'s overrides)."""
         self.name = route
-        self.rule = make_route(route)
+        self.rule = make_route(route, **settings)
         self.uses_prefix = route in PREFIX_ROUTES
         self.uses_engine = uses_engine_blocks(ROUTES[route])
         self.stats = seed_stats()  # the live router's seed statistics (it refines them from answers)
@@ -113,7 +117,8 @@ class RouteRouter(ClusterRouter):
                          i.assigned_by_model[req.model], True, i.ready_at,
                          self._prefill_ahead(i.name) if self.uses_prefix else PrefillQueue(),
                          other_outstanding=i.outstanding - i.assigned_by_model[req.model],
-                         last_model=self._last_model.get(i.name))
+                         last_model=self._last_model.get(i.name),
+                         same_engine_outstanding=_same_engine(i, req.model), **_adapter_load(i, req.model))
             for i in cands
         ]  # fmt: skip
         route_req = RouteRequest(req.model, req.service_class.kind, self.stats, view.now,
@@ -129,7 +134,8 @@ class RouteRouter(ClusterRouter):
                 held = {i.name: min(i.held_prefix_blocks(blocks) * size, most) for i in cands}
                 route_req = replace(route_req, engine_cached_tokens=held)
         chosen = self.rule.pick(route_req, loads)
-        self._last_model[chosen.instance] = req.model
+        picked = next(i for i, x in zip(cands, loads, strict=True) if x is chosen)
+        self._last_model[chosen.instance] = picked.engine_of(req.model)  # an adapter's is its base's
         if self.uses_prefix:
             tokens = max(0, req.prompt_tokens - route_req.cached_tokens.get(chosen.instance, 0))
             chosen.prefill.sent(tokens, view.now, chosen.profile)
@@ -137,7 +143,7 @@ class RouteRouter(ClusterRouter):
         if blocks:
             full = blocks[: req.prompt_tokens // req.prefix_block_tokens]
             self._prefix_index(cands[0], req.prefix_block_tokens).record(chosen.instance, full, view.now)
-        return next(i for i, x in zip(cands, loads, strict=True) if x is chosen)
+        return picked
 
     def _prefill_ahead(self, instance: str) -> PrefillQueue:
         """The prefill sent to ``instance``, less the requests that have had their first token since
@@ -153,6 +159,27 @@ class RouteRouter(ClusterRouter):
         if self._index is None:
             self._index = PrefixIndex(max(1, inst.capacity_blocks * inst.profile.block_size // block_tokens))
         return self._index
+
+
+def _same_engine(inst: SimInstance, model: str) -> int:
+    """Requests on ``inst`` of the other models of ``model``'s engine (its base and the base's adapters)."""
+    if not inst.adapter_of:
+        return 0
+    engine = inst.engine_of(model)
+    return sum(n for m, n in inst.assigned_by_model.items() if m != model and inst.engine_of(m) == engine)
+
+
+def _adapter_load(inst: SimInstance, model: str) -> dict[str, object]:
+    """``InstanceLoad``'s adapter fields of ``model`` on ``inst`` (none for a full model): its base, the
+    adapters in the engine's batch and of its waiting requests (``adapter_sets``: what vLLM reports to
+    the live router) and the engine's GPU slots."""
+    base = inst.adapter_of.get(model)
+    if base is None:
+        return {}
+    waiting = (r for r in inst.assigned if not r.kv_resident and r.phase is not Phase.RUNNING)
+    resident, queued = adapter_sets(inst.running, waiting, inst.adapter_of)
+    return {"adapter_of": base, "resident_adapters": resident, "waiting_adapters": queued,
+            "adapter_slots": inst.max_loras}  # fmt: skip
 
 
 def make_router(name: str) -> ClusterRouter:
@@ -226,12 +253,21 @@ class ClusterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: str = "least-loaded"
     role: str = "default"
+    # LoRA adapters: adapter -> its base (a model of ``profiles``); every instance of a base serves its
+    # adapters on the base's engine (``tessera.sim.engine``'s module docstring)
+    adapters: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.instances < 0:
             raise ValueError(f"instances must be >= 0, got {self.instances}")
         if not self.profiles:
             raise ValueError("a cluster needs at least one model profile")
+        bad = [a for a, b in self.adapters.items() if b not in self.profiles or a in self.profiles]
+        if bad:
+            raise ValueError(
+                f"adapters {', '.join(bad)}: each needs a base among the cluster's models "
+                f"({', '.join(self.profiles)}) and a name that is not one of them"
+            )
 
 
 @dataclass(slots=True)
@@ -249,6 +285,7 @@ class ClusterResult:
     cpu_s: float  # CPU time of this process (wall_s includes waiting for a busy machine's cores)
     events: int
     instance_log: list[tuple[float, str, str]]  # (time, instance, what happened)
+    adapter_loads: int = 0  # LoRA adapters the engines loaded (their adapter caches' misses)
 
 
 class Cluster:
@@ -298,7 +335,9 @@ class Cluster:
         tensor-parallel degree or KV pool); ``policy`` the cluster's policy factory (the policy its
         pod runs)."""
         known = self.config.profiles if profiles is None else profiles
-        names = list(models) if models is not None else list(known)
+        of = self.config.adapters
+        # an adapter is served by its base's instance
+        names = list(dict.fromkeys(of.get(m, m) for m in models)) if models is not None else list(known)
         unknown = [m for m in names if m not in known]
         if unknown or not names:
             raise ValueError(f"cannot add an instance for models {names}; known: {list(known)}")
@@ -313,6 +352,7 @@ class Cluster:
             role=role,
             created_at=self.now,
             ready_at=self.now + (first.cold_start_s if cold else 0.0),
+            adapters={a: b for a, b in of.items() if b in profiles},
         )
         if max_batch is not None:
             inst.max_batch = max_batch
@@ -417,6 +457,7 @@ class Cluster:
         # A request reaches its engine after the serving path's per-request overhead (the profile's
         # request_overhead_s; 0 for roofline profiles). Metrics still count from the client's arrival.
         overhead = {m: p.request_overhead_s for m, p in self.config.profiles.items()}
+        overhead.update({a: overhead[b] for a, b in self.config.adapters.items()})
         ingress = {id(r): r.arrival + overhead.get(r.model, 0.0) for r in requests}
         arrivals = sorted(requests, key=lambda r: ingress[id(r)])
         n = len(arrivals)
@@ -504,4 +545,5 @@ class Cluster:
             cpu_s=time.process_time() - cpu0,
             events=events,
             instance_log=self.log,
+            adapter_loads=sum(i.adapter_loads for i in everyone),
         )

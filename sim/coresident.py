@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from tessera.core.policy import Decision, InstanceView, ModelView, Policy, PreemptMode
 from tessera.core.policy import kv_blocks as blocks_for
@@ -51,7 +51,14 @@ class CoResidentInstance(SimInstance):
         created_at: float = 0.0,
         ready_at: float | None = None,
         on_finish: Callable[[Request], None] | None = None,
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
+        if adapters:
+            # Each engine's batch would need the slot rule and adapter cache of its own: not modelled.
+            raise ValueError(
+                f"instance {name}: LoRA adapters ({', '.join(adapters)}) on a co-resident instance of "
+                "several base models are not simulated; give each base an instance of its own"
+            )
         super().__init__(
             name, profiles, policy, config,
             role=role, created_at=created_at, ready_at=ready_at, on_finish=on_finish,

@@ -43,6 +43,15 @@ Model: docs/papers.md, "Engine: iteration semantics" and "Engine: step-time mode
   (``tessera.core.sharing``'s co-resident mode, what a pod of engines that cannot sleep runs) an
   instance of several models is a ``tessera.sim.coresident.CoResidentInstance``: one engine per
   model, each with its own KV share, run side by side.
+- LoRA adapters (``adapters``: adapter -> its base, ``tessera.core.lora``): an adapter is a model of
+  its base's engine, not an engine of its own. Its requests (which name the adapter) take the base's
+  profile and KV pool and run in the base's batch; ``profiles`` maps each adapter to its base's profile.
+  Each decision's ``run`` passes vLLM's slot rule (``engine_batch``: one batch mixes at most
+  ``max_loras`` adapters; a request whose adapter finds no slot waits while the others go on). The
+  engine holds ``max_cpu_loras`` adapters (``AdapterCache``); starting a request whose adapter it does
+  not hold loads it first, which delays the engine's next step by ``LoraCost.load_s`` (vLLM loads
+  synchronously before the step), and a step whose batch holds adapter requests takes
+  ``LoraCost.step_factor`` times the base's step time.
 """
 
 from __future__ import annotations
@@ -50,10 +59,12 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal
 
+from tessera.core.lora import AdapterCache, LoraCost, batch_adapters, engine_batch
 from tessera.core.policy import Decision, InstanceView, Policy, PreemptMode
 from tessera.core.policy import kv_blocks as blocks_for
 from tessera.core.prefix import leading_run
@@ -86,6 +97,12 @@ class EngineConfig:
     co_resident: bool = False
     coresident_cost: CoResidentCost = field(default_factory=CoResidentCost)  # their share of the accelerator
     max_running: int | None = None  # one co-resident engine's sequence limit (--max-num-seqs); None: none
+    # LoRA adapters (an instance with ``adapters``): adapters one batch mixes (--max-loras; None: one slot
+    # per adapter the instance serves, the operator's default), adapters the engine holds in memory
+    # (--max-cpu-loras; None: max_loras, vLLM's default), and what loading and running them costs.
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
+    lora_cost: LoraCost = field(default_factory=LoraCost)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -100,6 +117,13 @@ class EngineConfig:
             raise ValueError("max_resident_models must be >= 1")
         if self.max_running is not None and self.max_running < 1:
             raise ValueError(f"max_running must be >= 1 or None, got {self.max_running}")
+        if self.max_loras is not None and self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1 or None, got {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < (self.max_loras or 1):
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras or 1}): "
+                "an engine holds every adapter of its batch"
+            )
         if self.co_resident and (self.shared_kv or self.prefix_caching):
             raise ValueError(
                 "co_resident engines each hold their own KV share: it excludes shared_kv (one KV pool) "
@@ -143,11 +167,25 @@ class SimInstance:
         created_at: float = 0.0,
         ready_at: float | None = None,
         on_finish: Callable[[Request], None] | None = None,
+        adapters: Mapping[str, str] | None = None,
     ) -> None:
         if not profiles:
             raise ValueError(f"instance {name}: needs at least one model profile")
+        adapters = dict(adapters or {})
+        for adapter, base in adapters.items():
+            if base not in profiles or adapter in profiles:
+                raise ValueError(
+                    f"instance {name}: adapter {adapter!r} needs a base among its full models "
+                    f"({', '.join(profiles)}) and a name of its own; its base is {base!r}"
+                )
+        if adapters and config is not None and config.prefix_caching:
+            # vLLM keys a cached block by its adapter too; one prefix cache for every adapter would share
+            # blocks across them.
+            raise ValueError(f"instance {name}: prefix caching with LoRA adapters is not simulated")
         self.name = name
-        self.profiles = profiles
+        # An adapter runs on its base's engine: its requests take the base's profile (module docstring).
+        self.profiles = {**profiles, **{a: profiles[b] for a, b in adapters.items()}}
+        self.adapter_of: Mapping[str, str] = MappingProxyType(adapters)
         self.policy = policy
         self.config = config or EngineConfig()
         self.role = role
@@ -189,6 +227,12 @@ class SimInstance:
         self.prefix_cache: OrderedDict[object, None] = OrderedDict()
         self.prefill_tokens_computed = 0
         self.prefix_hit_tokens = 0
+        # LoRA adapters: GPU slots of one batch, the adapters the engine holds, loads so far
+        cfg = self.config
+        self.max_loras = (cfg.max_loras or len(adapters)) if adapters else 0
+        held = max(cfg.max_cpu_loras or self.max_loras, self.max_loras)  # it holds every adapter of a batch
+        self.adapter_cache: AdapterCache | None = AdapterCache(held) if adapters else None
+        self.adapter_loads = 0
 
     # ---- capacity ---------------------------------------------------------------------------
     @property
@@ -231,7 +275,13 @@ class SimInstance:
             iteration=self.iterations,
             prefill_budget_tokens=None if self.config.chunked_prefill else self.config.budget,
             swap_free_tokens=self._swap_room(),
+            adapter_of=self.adapter_of,
+            max_loras=self.max_loras,
         )
+
+    def engine_of(self, model: str) -> str:
+        """The model whose engine runs ``model``: its base for an adapter, else itself."""
+        return self.adapter_of.get(model, model)
 
     # ---- entry points used by the cluster ---------------------------------------------------
     def add(self, req: Request, now: float) -> None:
@@ -321,7 +371,8 @@ class SimInstance:
             # and asked for no swap (a policy that is not model-aware, e.g. FCFS on a co-located
             # group): load the first one's model, as the worker's scheduler holding work for a sleeping
             # model asks the swapper for it once the active model has drained.
-            other = next((r.model for r in decision.run if r.model != self.active_model), None)
+            engine_of = self.engine_of
+            other = next((r.model for r in decision.run if engine_of(r.model) != self.active_model), None)
             if other is not None and not self._load_model(other, now):
                 self._decide(now, switched=True)
 
@@ -345,10 +396,15 @@ class SimInstance:
         block = self.profile.block_size
         budget = None if self.config.chunked_prefill else self.config.budget
         prefill_tokens = sum(self._prefill_left.values())
-        for req in d.run:
+        run = d.run
+        of = self.adapter_of
+        if of:  # vLLM's side: adapters without a GPU slot wait (module docstring); the awake engine's only
+            mine = [r for r in run if of.get(r.model, r.model) == self.active_model]
+            run, _ = engine_batch(mine, set(self.running), of, self.max_loras)
+        for req in run:
             if req.phase is Phase.RUNNING or req.phase is Phase.FINISHED:
                 continue
-            if req.model != self.active_model:
+            if of.get(req.model, req.model) != self.active_model:
                 continue  # cannot run until its model is loaded
             if len(self.running) >= self.max_batch:
                 break
@@ -433,6 +489,8 @@ class SimInstance:
             self.prefix_cache.popitem(last=False)
 
     def _start(self, req: Request, now: float, prefill: int) -> None:
+        if self.adapter_cache is not None and req.model in self.adapter_of:
+            self._use_adapter(req.model)
         req.phase = Phase.RUNNING
         req.kv_resident = True
         if req.first_scheduled_at is None:
@@ -442,6 +500,25 @@ class SimInstance:
             self._prefill_left[req] = prefill
         else:
             req.tokens.attach(self.log)
+
+    def _use_adapter(self, adapter: str) -> None:
+        """A request of ``adapter`` starts: a miss of the adapter cache loads it (evicting the least
+        recently used adapter no running request uses), and the next step waits for the load."""
+        cache = self.adapter_cache
+        assert cache is not None
+        if adapter in cache:
+            cache.use(adapter)
+            return
+        cache.use(adapter, batch_adapters(self.running, self.adapter_of))
+        self.adapter_loads += 1
+        self._overhead += self.config.lora_cost.load_s
+
+    def _lora_factor(self) -> float:
+        """The factor on the next step's time: the LoRA overhead when the batch holds adapter requests."""
+        of = self.adapter_of
+        if not of:
+            return 1.0
+        return self.config.lora_cost.step_factor(any(r.model in of for r in self.running))
 
     def _preempt(self, req: Request, mode: PreemptMode, now: float, *, engine: bool) -> None:
         """Take ``req`` out of the batch (or drop the KV of a paused one)."""
@@ -480,6 +557,7 @@ class SimInstance:
     def _load_model(self, model: str, now: float) -> bool:
         if model not in self.profiles:
             raise ValueError(f"instance {self.name}: policy asked to load unknown model {model!r}")
+        model = self.engine_of(model)  # an adapter's model is its base's
         if self.config.shared_kv:
             for req in list(self.running):
                 if req in self._prefill_left:
@@ -514,10 +592,11 @@ class SimInstance:
         prof = self.profile
         t0 = now + self._overhead
         self._overhead = 0.0
+        lora = self._lora_factor()
         if self._prefill_left and not self.config.chunked_prefill:
             tokens = sum(self._prefill_left.values())
             chunks = tuple(self._prefill_left.items())
-            self.seg = _Segment("prefill", t0, t0 + prof.prefill(tokens), 1, chunks=chunks)
+            self.seg = _Segment("prefill", t0, t0 + prof.prefill(tokens) * lora, 1, chunks=chunks)
             return
         decoding = len(self.running) - len(self._prefill_left)
         if self._prefill_left:  # chunked: one mixed iteration
@@ -535,7 +614,7 @@ class SimInstance:
                 dt = prof.decode_step(decoding, context) + prof.prefill_p1 * chunk_tokens
             else:
                 dt = prof.prefill(chunk_tokens)
-            self.seg = _Segment("prefill", t0, t0 + dt, 1, decodes=decoding, chunks=tuple(chunks))
+            self.seg = _Segment("prefill", t0, t0 + dt * lora, 1, decodes=decoding, chunks=tuple(chunks))
             return
         if not decoding:
             if self._recheck_at is not None and self._recheck_at > now:
@@ -547,8 +626,8 @@ class SimInstance:
         if self._recheck_after is not None:
             k = min(k, max(1, self._recheck_after))
         k = self._kv_iterations(decoding, k)
-        a = prof.decode_c0 + prof.decode_c1 * decoding + prof.decode_c2 * context
-        g = prof.decode_c2 * decoding
+        a = (prof.decode_c0 + prof.decode_c1 * decoding + prof.decode_c2 * context) * lora
+        g = prof.decode_c2 * decoding * lora
         seg = _Segment("decode", t0, 0.0, k, a, g)
         seg.end = t0 + k * a + g * k * (k - 1) / 2
         if self._recheck_at is not None and self._recheck_at < seg.end:

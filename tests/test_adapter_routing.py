@@ -24,12 +24,20 @@ LOAD_S = AdapterSettings().load_seconds
 
 
 def lora(
-    name: str, resident: set[str], *, slots: int = 2, outstanding: int = 0, others: int = 0
+    name: str,
+    resident: set[str],
+    *,
+    slots: int = 2,
+    outstanding: int = 0,
+    others: int = 0,
+    waiting: set[str] = frozenset(),
 ) -> InstanceLoad:
-    """The load of adapter ``a1`` on instance ``name``, whose base engine holds ``resident``."""
+    """The load of adapter ``a1`` on instance ``name``, whose base engine holds ``resident`` in its
+    batch and has requests of ``waiting`` queued."""
     return InstanceLoad(
         name, "a1", "interactive", PROFILE, 4, outstanding, other_outstanding=others, last_model="base",
         adapter_of="base", resident_adapters=frozenset(resident), adapter_slots=slots,
+        waiting_adapters=frozenset(waiting),
     )  # fmt: skip
 
 
@@ -48,9 +56,25 @@ def test_resident_beats_free_slot_beats_full_slots() -> None:
     assert adapter_cost(request(), full, LOAD_S) > LOAD_S  # a slot must be released first
     assert pick(full, free, resident) == "r"
     assert pick(full, free) == "f"
-    # The release of a slot waits for a request to end: longer with fewer requests in flight to end.
+    # The release of a slot waits for a request to end: longer where the batch is larger (slower steps).
     busy = lora("x", {"a2", "a3"}, others=4)
-    assert LOAD_S < adapter_cost(request(), busy, LOAD_S) < adapter_cost(request(), full, LOAD_S)
+    assert LOAD_S < adapter_cost(request(), full, LOAD_S) < adapter_cost(request(), busy, LOAD_S)
+
+
+def test_adapters_waiting_for_a_slot_claim_it_and_queue_ahead() -> None:
+    # One slot in use and one free, but a2 waits for it: a1 waits for a release too.
+    claimed = lora("c", {"a3"}, waiting={"a2"})
+    full = lora("x", {"a2", "a3"})
+    assert adapter_cost(request(), lora("f", {"a3"}), LOAD_S) == LOAD_S
+    assert adapter_cost(request(), claimed, LOAD_S) == pytest.approx(adapter_cost(request(), full, LOAD_S))
+    # Each adapter waiting ahead is one more release; a1's own waiting requests put it in the queue.
+    two_ahead = lora("q", {"a2", "a3"}, waiting={"a4", "a5"})
+    one_ahead = lora("q", {"a2", "a3"}, waiting={"a4", "a1"})
+    release = adapter_cost(request(), full, LOAD_S) - LOAD_S
+    assert adapter_cost(request(), two_ahead, LOAD_S) == pytest.approx(LOAD_S + 3 * release)
+    assert adapter_cost(request(), one_ahead, LOAD_S) == pytest.approx(LOAD_S + 2 * release)
+    # A resident adapter's waiting requests are no queue for a slot: it holds one.
+    assert adapter_cost(request(), lora("r", {"a1"}, waiting={"a1", "a2"}), LOAD_S) == 0.0
 
 
 def test_a_long_queue_where_the_adapter_is_resident_sends_it_elsewhere() -> None:
@@ -83,3 +107,14 @@ def test_the_scorer_s_settings_are_typed() -> None:
     assert route.pick(request(), [queued, lora("f", set())]).instance == "r"
     with pytest.raises(ValueError, match="adapter-affinity"):
         make_route("adapter-affinity", **{"adapter-affinity": {"load_seconds": -1}})
+
+
+def test_a_base_pays_no_swap_for_its_own_adapters_requests() -> None:
+    # Only the base's adapters' requests there (its own engine) and an adapter served last: no swap.
+    own = InstanceLoad("a", "base", "interactive", PROFILE, 4, 0, other_outstanding=3, last_model="base",
+                       same_engine_outstanding=3)  # fmt: skip
+    assert swap_penalty(own) == 0.0
+    # One of them is another engine's model's: the base's engine must be woken.
+    other = InstanceLoad("a", "base", "interactive", PROFILE, 4, 0, other_outstanding=3, last_model="base",
+                         same_engine_outstanding=2)  # fmt: skip
+    assert swap_penalty(other) > 0.0

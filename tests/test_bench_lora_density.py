@@ -40,3 +40,12 @@ def test_the_adapters_overhead_costs_gpus_not_attainment() -> None:
 def test_bad_options_are_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         _run(**bad)
+
+
+def test_shared_runs_on_the_adapter_engine_whose_slots_bound_it() -> None:
+    # One GPU slot for four adapters: a batch runs one adapter at a time, and a request of another
+    # waits for every request of the one in the batch; no count up to max_instances holds the TTFT SLO.
+    slots = _run(scales="16", max_loras=1, max_instances=16)["shared:x16"]
+    every = _run(scales="16")["shared:x16"]
+    assert every["gpus"] is not None and every["worst_adapter_slo_attainment"] >= 0.95
+    assert slots["gpus"] is None and slots["worst_adapter_slo_attainment"] < 0.95

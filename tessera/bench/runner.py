@@ -201,6 +201,9 @@ def run_one(
     metrics["events"] = result.events
     metrics["cpu_s"] = result.cpu_s
     metrics["iterations"] = result.iterations
+    if cluster_config.adapters:  # LoRA adapters: loads of adapters the engines did not hold
+        metrics["adapter_loads"] = result.adapter_loads
+        metrics["adapter_loads_per_request"] = result.adapter_loads / len(reqs)
     return reqs, metrics
 
 

@@ -116,6 +116,7 @@ TABLE_KEYS = (
     "goodput_rps",
     "gpu_seconds",
     "preemptions",
+    "adapter_loads_per_request",  # LoRA benches: adapters loaded per request (adapter-cache misses)
     "swaps",
     "wall_s",
 )

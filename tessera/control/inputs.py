@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tessera.api import LLMService, RequestClassSpec, ServingPool, parse_quantity
 from tessera.control.metrics_queries import ModelLoad, load_step_s
+from tessera.core.lora import LoraCost, charged_profile
 from tessera.core.planners import ChironSettings, HistoryRequest, IntervalMetrics, PoolInput, ServiceInput
 from tessera.core.profile import StepProfile
 from tessera.core.profiles import PROFILES
@@ -120,6 +121,7 @@ class ServiceLoad:
     window_s: float | None = None  # what the measured figures cover
     history: tuple[HistoryRequest, ...] = ()
     outstanding: float | None = None  # requests the workers held at the window's end (measured only)
+    adapter_rate: float = 0.0  # of ``rate``, the requests of the service's LoRA adapters (a base's)
 
     def to_status(self) -> dict[str, Any]:
         """The LLMService's ``status.load`` JSON (PlannedLoad)."""
@@ -248,6 +250,33 @@ def slo_scale(
     return strictest[0] / profile.exec_time(prompt, max(1, output)) if strictest else DEFAULT_SLO_SCALE
 
 
+def with_adapter_loads(base: ServiceLoad, adapters: Sequence[ServiceLoad]) -> ServiceLoad:
+    """The load a base model's instances serve: its own and its LoRA adapters' (each adapter's requests
+    run on the base's engine, so they are the base's compute): rates summed, mean lengths weighted by
+    rate, histories merged in arrival order (the latest ``MAX_HISTORY_REQUESTS``), backlogs summed; the
+    sources stay the base's."""
+    if not adapters:
+        return base
+    loads = [base, *adapters]
+    rate = sum(x.rate for x in loads)
+    weights = [x.rate for x in loads] if rate > 0 else [1.0] * len(loads)
+
+    def mean(values: list[float]) -> float:
+        return sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
+
+    history = sorted((h for x in loads for h in x.history), key=lambda h: h.arrival)[-MAX_HISTORY_REQUESTS:]
+    backlog = [x.outstanding for x in loads if x.outstanding is not None]
+    return replace(
+        base,
+        rate=rate,
+        prompt_tokens=mean([x.prompt_tokens for x in loads]),
+        output_tokens=mean([x.output_tokens for x in loads]),
+        history=tuple(history),
+        outstanding=sum(backlog) if backlog else None,
+        adapter_rate=sum(x.rate for x in adapters),
+    )
+
+
 def service_input(
     pool: ServingPool,
     service: LLMService,
@@ -260,6 +289,8 @@ def service_input(
     profile = service_profile(pool, service)
     weights = parse_quantity(model.weights_size) if model.weights_size else profile.weights_bytes
     load = load or service_load(service, None, 0.0)
+    if load.adapter_rate > 0:  # its engine's steps pay the adapters' LoRA overhead
+        profile = charged_profile(profile, LoraCost())
     prompt, output = round(load.prompt_tokens), max(1, round(load.output_tokens))
     reference = profile.at_tp(model.tensor_parallel_size)
     strictest = strictest_class(service, classes, reference, prompt, output) if classes is not None else None

@@ -25,7 +25,14 @@ from tessera.control.children import (
     worker_config,
     worker_engine,
 )
-from tessera.control.inputs import ServiceLoad, chiron_settings, pool_input, service_inputs, service_load
+from tessera.control.inputs import (
+    ServiceLoad,
+    chiron_settings,
+    pool_input,
+    service_inputs,
+    service_load,
+    with_adapter_loads,
+)
 from tessera.control.metrics_queries import ModelLoad
 from tessera.control.placement import PlacementError, plan_placement, validate_services
 from tessera.core.planners import (
@@ -376,6 +383,17 @@ def desired_pool(
         loads = {
             name: service_load(service, (measured or {}).get(service.spec.model.name), window)
             for name, service in services.items()
+        }
+        # A base's instances serve its adapters' requests too: it is planned for theirs with its own.
+        loads = {
+            name: with_adapter_loads(
+                load,
+                [
+                    service_load(a, (measured or {}).get(a.spec.model.name), window)
+                    for a in adapters_of(name, adapters)
+                ],
+            )
+            for name, load in loads.items()
         }
         plan, planned, left_out = place(pool, services, classes, loads, previous, now, namespace)
         rejected.update(left_out)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
+from tessera.core.profile import StepProfile
 from tessera.core.request import Request
 
 
@@ -105,3 +107,64 @@ class AdapterCache:
             return False
         del self._lru[adapter]
         return True
+
+
+# Loading an adapter the engine does not hold, in seconds (CHOICE until measured: a rank-16 adapter of an
+# 8B model is about 40 MB of safetensors, read from a local disk or the page cache and copied to the
+# device; the adapter-affinity scorer prices a load at the same value by default).
+ADAPTER_LOAD_S = 0.1
+# Extra time of an engine step whose batch holds adapter requests, as a fraction of the base's step
+# (ASSUMED until measured: a rank-16 adapter adds under 1% of an 8B model's FLOPs, but the batched
+# multi-adapter kernels cost more than their FLOPs; S-LoRA and Punica report per-token slowdowns of this
+# order against the base model alone).
+LORA_STEP_OVERHEAD = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class LoraCost:
+    """What adapters cost an engine: ``load_s`` seconds to load one it does not hold (its
+    ``AdapterCache`` misses; vLLM loads synchronously, so the engine's next step waits), and
+    ``step_overhead``, the fraction a step whose batch holds adapter requests takes beyond the base's
+    step. ``source`` says where the numbers come from."""
+
+    load_s: float = ADAPTER_LOAD_S
+    step_overhead: float = LORA_STEP_OVERHEAD
+    source: str = "CHOICE: 0.1 s per load and an ASSUMED 20% step overhead, neither measured"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.load_s <= 60:
+            raise ValueError(f"an adapter load takes 0 to 60 seconds, not {self.load_s}")
+        if not 0 <= self.step_overhead <= 10:
+            raise ValueError(f"the LoRA step overhead is a fraction from 0 to 10, not {self.step_overhead}")
+
+    def step_factor(self, adapters_in_batch: bool) -> float:
+        """The factor on a base step's time: ``1 + step_overhead`` when the batch holds adapter
+        requests, else 1."""
+        return 1.0 + self.step_overhead if adapters_in_batch else 1.0
+
+
+def adapter_sets(
+    running: Iterable[Request], waiting: Iterable[Request], adapter_of: Mapping[str, str]
+) -> tuple[frozenset[str], frozenset[str]]:
+    """(the adapters of an engine's ``running`` requests: those holding its GPU slots, the adapters of
+    its ``waiting`` ones): what vLLM reports as its running and waiting adapters, and what routing
+    reads (``InstanceLoad.resident_adapters`` and ``waiting_adapters``)."""
+    return batch_adapters(running, adapter_of), batch_adapters(waiting, adapter_of)
+
+
+def charged_profile(profile: StepProfile, cost: LoraCost) -> StepProfile:
+    """``profile`` with every step of a batch holding adapter requests charged (``cost.step_factor``):
+    what the estimators price a base's engine at when its adapters have load. CHOICE: every step pays,
+    as the engine's nearly always holds one of their requests once they carry a real share of its load
+    (a batch of ``B`` holds none with probability ``(1 - share) ** B``)."""
+    k = cost.step_factor(True)
+    if k == 1.0:
+        return profile
+    return replace(
+        profile,
+        decode_c0=profile.decode_c0 * k,
+        decode_c1=profile.decode_c1 * k,
+        decode_c2=profile.decode_c2 * k,
+        prefill_p0=profile.prefill_p0 * k,
+        prefill_p1=profile.prefill_p1 * k,
+    )

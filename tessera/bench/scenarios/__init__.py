@@ -46,6 +46,7 @@ SCENARIOS: dict[str, str] = {
     "fair-share": "tessera.bench.scenarios.fair_share",
     "batch-job": "tessera.bench.scenarios.batch_job",
     "lora-density": "tessera.bench.scenarios.lora_density",
+    "lora-routing": "tessera.bench.scenarios.lora_routing",
 }
 
 # Progress callback: advance the bar by ``n`` steps; ``total`` (re)sets the bar's length.

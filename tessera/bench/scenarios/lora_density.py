@@ -11,12 +11,16 @@ Rows (``shared:xS`` and ``dedicated:xS`` at each scale S), each with its GPU cou
 adapter's SLO attainment:
 
 - ``shared``: every adapter served by the base's instances (what an adapter LLMService is: the base's
-  vLLM servers with ``--enable-lora`` and ``--max-loras`` at least the adapter count, so no adapter
-  waits for a slot); the fewest instances of ``profile`` on which every adapter's SLO attainment is at
-  least ``target``. The adapters' extra compute is charged as ``lora_overhead``, a fraction added to
-  the per-token prefill and decode costs. CHOICE: 0.2 by default, ASSUMED, not measured here (a rank-16
-  adapter adds under 1% of the base's FLOPs; batched multi-adapter kernels cost more than their FLOPs,
-  and S-LoRA / Punica report per-token slowdowns of this order); ``--set lora_overhead=`` varies it.
+  vLLM servers with ``--enable-lora``), on the simulator's adapter engine (``tessera.sim.engine``: the
+  adapters' requests in the base's one engine, KV pool and batch, at most ``max_loras`` adapters per
+  batch, default the adapter count as the operator renders it, so no adapter waits for a slot; an
+  adapter cache of ``max_cpu_loras`` adapters, default ``max_loras``, whose misses cost ``load_s``); the
+  fewest instances of ``profile`` on which every adapter's SLO attainment is at least ``target``. A step
+  whose batch holds adapter requests takes ``1 + lora_overhead`` times the base's step
+  (``tessera.core.lora.LoraCost``; CHOICE: ``LORA_STEP_OVERHEAD``, 0.2, ASSUMED, not measured here: a
+  rank-16 adapter adds under 1% of the base's FLOPs, batched multi-adapter kernels cost more than their
+  FLOPs, and S-LoRA / Punica report per-token slowdowns of this order); ``--set lora_overhead=`` varies
+  it, ``load_s`` (``ADAPTER_LOAD_S``, 0.1 s, a CHOICE until measured) the load.
 - ``dedicated``: each adapter a deployment of its own (a full model per fine-tune, merged weights): for
   each adapter the fewest instances that hold its SLO attainment at ``target`` on its own requests,
   summed.
@@ -26,9 +30,10 @@ Check at each scale: the GPU-count ratio dedicated / shared, against the goal of
 (AIBrix reports 4.7x lower cost through adapter density). A dedicated deployment needs at least one
 GPU per adapter, so the ratio is highest where each adapter's own load is far below a GPU's.
 
-Options (``--set``): requests (2000), adapters (16), scales ("1,4,16,64"), ttft_slo (2.0), itl_slo (0.2),
-target (0.95), lora_overhead (0.2), max_instances (64), and the cluster options of
-``tessera.bench.runner.CLUSTER_OPTIONS`` (profile h100-llama3-8b).
+Options (``--set``): requests (2000), adapters (16), scales ("1,4,16,32,64"), ttft_slo (2.0), itl_slo
+(0.2), target (0.95), lora_overhead (0.2), load_s (0.1), max_loras (adapters), max_cpu_loras
+(max_loras), max_instances (64), and the cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS``
+(profile h100-llama3-8b).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import numpy as np
 from tessera.bench.runner import AZURE_CONV, cluster_config_from, option, run_one, trace_requests
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import parse_loads, with_rate
+from tessera.core.lora import ADAPTER_LOAD_S, LORA_STEP_OVERHEAD, LoraCost
 from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.core.slo import slo_met
@@ -59,19 +65,25 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     n = option(opts, "requests", 2000, int)
     count = option(opts, "adapters", 16, int)
     target = option(opts, "target", 0.95, float)
-    overhead = option(opts, "lora_overhead", 0.2, float)
+    overhead = option(opts, "lora_overhead", LORA_STEP_OVERHEAD, float)
+    load_s = option(opts, "load_s", ADAPTER_LOAD_S, float)
     limit = option(opts, "max_instances", 64, int)
     ttft, itl = option(opts, "ttft_slo", 2.0, float), option(opts, "itl_slo", 0.2, float)
-    scales = parse_loads(opts.get("scales"), (1.0, 4.0, 16.0, 64.0))
-    if count < 1 or limit < 1 or not 0 < target <= 1 or overhead < 0 or ttft <= 0 or itl <= 0:
+    scales = parse_loads(opts.get("scales"), (1.0, 4.0, 16.0, 32.0, 64.0))
+    if count < 1 or limit < 1 or not 0 < target <= 1 or ttft <= 0 or itl <= 0:
         raise ValueError(
-            f"need adapters >= 1, max_instances >= 1, 0 < target <= 1, lora_overhead >= 0 and positive "
-            f"SLOs; got adapters={count}, max_instances={limit}, target={target}, lora_overhead={overhead}, "
-            f"ttft_slo={ttft}, itl_slo={itl}"
+            f"need adapters >= 1, max_instances >= 1, 0 < target <= 1 and positive SLOs; got "
+            f"adapters={count}, max_instances={limit}, target={target}, ttft_slo={ttft}, itl_slo={itl}"
         )
+    slots = option(opts, "max_loras", count, int)
+    held = option(opts, "max_cpu_loras", slots, int)
     cluster = cluster_config_from(opts, profile="h100-llama3-8b")
     profile = next(iter(cluster.profiles.values()))
-    shared_cluster = replace(cluster, profiles={"default": _with_overhead(profile, overhead)})
+    names = [f"adapter-{a:02d}" for a in range(count)]
+    engine = replace(
+        cluster.engine, max_loras=slots, max_cpu_loras=held, lora_cost=LoraCost(load_s, overhead)
+    )
+    shared_cluster = replace(cluster, engine=engine, adapters=dict.fromkeys(names, "default"))
     chat = ServiceClass(name="chat", kind="interactive", ttft_slo_s=ttft, itl_slo_s=itl)
     base = trace_requests(config, AZURE_CONV, n, rate=config.rate)
     rng = np.random.default_rng(config.seed)
@@ -85,7 +97,10 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     checks: list[str] = []
     for scale in scales:
         requests = with_rate(base, rate * scale)
-        shared = _fewest(requests, shared_cluster, limit, target, adapter_of)
+        on_adapters = with_rate(base, rate * scale)
+        for r in on_adapters:  # the shared engines serve each request under its adapter's name
+            r.model = names[adapter_of[r.id]]
+        shared = _fewest(on_adapters, shared_cluster, limit, target, adapter_of)
         progress(len(requests))
         dedicated: list[tuple[int | None, float]] = []
         for a in range(count):
@@ -105,8 +120,8 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
             )  # fmt: skip
         checks.append(_check(label, rate * scale, shared[0], total, limit))
     cfg = {**config.as_dict(), "requests": n, "adapters": count, "target": target, "lora_overhead": overhead,
-           "ttft_slo_s": ttft, "itl_slo_s": itl, "profile": profile.name, "trace_rate_rps": rate,
-           "scales": list(scales)}  # fmt: skip
+           "load_s": load_s, "max_loras": slots, "max_cpu_loras": held, "ttft_slo_s": ttft, "itl_slo_s": itl,
+           "profile": profile.name, "trace_rate_rps": rate, "scales": list(scales)}  # fmt: skip
     return BenchReport("lora-density", cfg, rows, checks)
 
 
@@ -116,18 +131,6 @@ def _rate(requests: Sequence[Request]) -> float:
     if span <= 0:
         raise ValueError("the trace's requests all arrive at once: give --rate")
     return len(requests) / span
-
-
-def _with_overhead(profile: Any, overhead: float) -> Any:
-    """``profile`` with the adapters' extra compute: per-token prefill and decode costs × (1 + overhead)."""
-    k = 1.0 + overhead
-    return replace(
-        profile,
-        name=f"{profile.name}+lora",
-        decode_c1=profile.decode_c1 * k,
-        decode_c2=profile.decode_c2 * k,
-        prefill_p1=profile.prefill_p1 * k,
-    )
 
 
 def _fewest(
