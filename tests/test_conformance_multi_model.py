@@ -22,7 +22,7 @@ from tessera.core.profile import StepProfile
 from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.sim.coresident import CoResidentInstance
-from tessera.sim.engine import EngineConfig
+from tessera.sim.engine import EngineConfig, SimInstance
 from tessera.worker.engines.sim_realtime import SimEngine
 from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.scheduler import InstanceScheduler, Job
@@ -206,3 +206,69 @@ async def test_a_swapping_trace_gives_the_same_views_decisions_and_swaps(
     assert worker_rec.runs == sim_rec.runs
     assert swapper.swaps == inst.model_swaps
     assert [v.active_model for v in worker_rec.views] == actives
+
+
+# A base and three LoRA adapters of it on one engine, two GPU slots: (model, prompt, output, class).
+LORA_TRACE = [
+    ("a1", 20, 12, CHAT), ("a2", 33, 8, CHAT), ("a3", 17, 10, CHAT), ("base", 40, 6, CHAT),
+    ("a1", 25, 9, BULK), ("a3", 31, 7, BULK), ("a2", 12, 15, CHAT), ("base", 18, 5, BULK),
+]  # fmt: skip
+LORA_ADAPTERS = {"a1": "a", "a2": "a", "a3": "a"}
+
+
+def _lora_requests() -> list[Request]:
+    return [
+        Request(f"r{i}", 0.0, p, n, model="a" if m == "base" else m, service_class=c, true_output_tokens=n)
+        for i, (m, p, n, c) in enumerate(LORA_TRACE)
+    ]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "edf", "qoe", "qlm", "seallm"])
+async def test_a_trace_of_lora_adapters_gives_the_same_views_and_decisions(policy: str) -> None:
+    """Adapters are models of their base's engine in both shells: the same views (one engine, the
+    adapters and their slots), the same decisions, and never more adapters in a batch than slots."""
+    profile = PROFILES["a"]
+    requests = _lora_requests()
+    config = EngineConfig(max_batch=MAX_BATCH, chunked_prefill=True, swap_space_tokens=0, max_loras=2,
+                          max_cpu_loras=3)  # fmt: skip
+    sim_rec = Recorder(make_policy(policy))
+    inst = SimInstance("a+a1+a2+a3", {"a": profile}, sim_rec, config, adapters=LORA_ADAPTERS)
+    for req in requests:
+        inst.add(req, 0.0)
+    while inst.seg is not None:
+        inst.advance()
+        assert len({r.model for r in inst.running} & set(LORA_ADAPTERS)) <= 2
+    assert len(sim_rec.views) >= 4
+    assert all(v.adapter_of == LORA_ADAPTERS and v.max_loras == 2 for v in sim_rec.views)
+    # the slots bind: two adapters run together while the third's requests wait
+    assert any(len({r.model for r in v.running} & set(LORA_ADAPTERS)) == 2 for v in sim_rec.views)
+
+    now = 0.0
+    worker_rec = Recorder(make_policy(policy))
+    models = ["a", *LORA_ADAPTERS]
+    sched = InstanceScheduler(
+        {m: SimEngine(m, profile, 4096) for m in models},
+        worker_rec,
+        profiles=dict.fromkeys(models, profile),
+        batch=BatchBounds(max=MAX_BATCH),
+        autoscale=AutoscaleSpec(),
+        max_queued=100,
+        metrics=WorkerMetrics(),
+        clock=lambda: now,
+        adapter_of=LORA_ADAPTERS,
+        max_loras={"a": 2},
+        adapter_cache={"a": 3},
+    )
+    for req in _lora_requests():
+        sched.submit(Job(req, list(range(1, req.prompt_tokens + 1)), {}))
+    iteration = 0
+    try:
+        for sim_view, sim_snapshot in zip(sim_rec.views, sim_rec.snapshots, strict=True):
+            run_iterations(sched, sim_view.iteration - iteration)
+            iteration = sim_view.iteration
+            now = sim_view.now
+            sched.decide()
+            assert worker_rec.snapshots[-1] == sim_snapshot, f"decision {len(worker_rec.snapshots)}"
+    finally:
+        await sched.stop()
+    assert worker_rec.runs == sim_rec.runs
