@@ -307,14 +307,32 @@ class DoublingBudget(Policy):
             return []
         run: list[Request] = []
         taken = 0 if seed.kv_resident else kv_blocks(seed.context_tokens, block)
-        for r in self._smallest(seed.model, room, seed):
+        # The services batched with the seed's: its own, and the other adapters of its engine (LoRA
+        # adapters share their base's batch; CHOICE: merged in O order as co-resident services are).
+        engine = view.engine_of(seed.model)
+        services = [seed.model]
+        if view.adapter_of:
+            services += [m for m in self._by_o if m != seed.model and view.engine_of(m) == engine]
+        if len(services) == 1:
+            candidates = self._smallest(seed.model, room, seed)
+        else:
+            keyed = [
+                (self._o_key(r, self._held[r])[:4], r)
+                for m in services
+                for r in self._smallest(m, room, seed)
+            ]
+            keyed.sort(key=lambda c: c[0])
+            candidates = [r for _, r in keyed]
+        for r in candidates:
+            if len(run) >= room:
+                break
             if r.kv_resident:
                 run.append(r)
             elif fits_free_kv(view, r, block, taken):
                 run.append(r)
                 taken += kv_blocks(r.context_tokens, block)
         chosen = {*run, seed}
-        kept = [r for r in view.running if r.model == seed.model and r not in chosen]
+        kept = [r for r in view.running if r.model in services and r not in chosen]
         return run + kept[: max(0, room - len(run))]
 
     def _fill_co_resident(self, view: InstanceView, seed: Request) -> list[Request]:
