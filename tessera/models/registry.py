@@ -20,12 +20,13 @@ class KnownModel:
     load but answer nonsense is refused). ``dtype`` is what vLLM serves it in. ``cpu_profile`` names
     the step-time profile (``tessera.core.profiles.PROFILES``) measured on vLLM on the CPU: local mode
     gives it to the workers that launch the model, for the policies' service-time estimates.
-    ``base`` makes it a LoRA adapter of that known model (a PEFT folder; its check runs base + adapter).
+    ``base`` makes it a LoRA adapter of that known model (a PEFT folder; its check runs base + adapter):
+    ``build`` then also gets the base's folder, pulled first into the same cache.
     """
 
     name: str
     summary: str
-    build: Callable[[Path], object]
+    build: Callable[..., object]
     dtype: str = "auto"
     check_prompt: str | None = None
     check_expect: str | None = None
@@ -47,13 +48,11 @@ SMOLLM2 = KnownModel(
 )
 
 
-def _build_smollm2_lora(out_dir: Path) -> None:
-    """Train the SmolLM2 adapter into ``out_dir`` from the SmolLM2 of the same cache (pulled when missing)."""
+def _build_smollm2_lora(out_dir: Path, base_dir: Path) -> None:
+    """Train the SmolLM2 adapter into ``out_dir`` from the SmolLM2 folder ``base_dir``."""
     from tessera.models.lora import SHARED_RESPONSES, train_adapter, training_pairs
-    from tessera.models.pull import pull
 
-    base = pull(SMOLLM2, out_dir.parent).folder
-    train_adapter(base, out_dir, training_pairs(SHARED_RESPONSES))
+    train_adapter(base_dir, out_dir, training_pairs(SHARED_RESPONSES))
 
 
 SMOLLM2_LORA = KnownModel(
