@@ -115,3 +115,40 @@ async def test_a_chat_to_the_adapter_gets_vllms_own_adapter_answer_beside_base_r
     # the worker reports what its engine holds: the adapter resident, the base's slots as vLLM has them
     assert f'tessera_lora_adapter_resident{{base="{TINY_MODEL_NAME}",model="{ADAPTER}"}} 1.0' in metrics
     assert f'tessera_lora_slots{{model="{TINY_MODEL_NAME}"}} {float(TINY_MAX_LORAS)}' in metrics
+
+
+async def test_the_worker_unloads_and_reloads_an_adapter_in_its_bases_vllm(
+    vllm_server: VLLMServer, tiny_adapter_dir: Path, tmp_path: Path
+) -> None:
+    """The pod scheduler's adapter swap on real vLLM: unloaded, the server no longer serves the adapter
+    and the worker reports it gone; loaded again, it answers as before."""
+    from tessera.worker.runtime import Worker
+
+    spec = tmp_path / "lora.yaml"
+    spec.write_text(SPEC.replace("SOURCE", str(tiny_adapter_dir)))
+    plan = plan_local(load_documents(spec), LocalEngine("vllm", vllm_url=vllm_server.url))
+    worker = Worker(plan.instances[0].config)
+    direct = openai.AsyncOpenAI(base_url=f"{vllm_server.url}/v1", api_key="unused")
+
+    def resident() -> float | None:
+        labels = {"model": ADAPTER, "base": TINY_MODEL_NAME}
+        return worker.metrics.registry.get_sample_value("tessera_lora_adapter_resident", labels)
+
+    await worker.start()
+    try:
+        assert resident() == 1
+        before = await _answer(direct, ADAPTER)
+        await worker.swap_adapter(ADAPTER, False)
+        assert resident() == 0
+        with pytest.raises(openai.NotFoundError):
+            await _answer(direct, ADAPTER)
+        await worker.swap_adapter(ADAPTER, False)  # not held: nothing to do, no error
+        await worker.swap_adapter(ADAPTER, True)
+        assert resident() == 1 and await _answer(direct, ADAPTER) == before
+        registry, timed = worker.metrics.registry, {"model": ADAPTER}
+        assert registry.get_sample_value("tessera_lora_load_seconds_count", timed) == 2  # timed, both
+        assert 0 < (registry.get_sample_value("tessera_lora_load_seconds_sum", timed) or 0) < 60
+    finally:
+        await worker.stop()
+        await direct.close()
+        httpx.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": ADAPTER}, timeout=30)
