@@ -39,3 +39,25 @@ def test_a_running_server_serves_the_adapters_and_a_base_without_adapters_gets_n
     quick = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine("vllm", model_dir="/m"))
     for m in quick.instances[0].config.models:
         assert m.launch is not None and m.launch.extra_args == [] and m.launch.env == {}
+
+
+async def test_an_adapter_without_url_gets_the_engine_of_the_server_its_base_launched() -> None:
+    from tessera.worker.engines.vllm import VLLMEngine
+    from tessera.worker.runtime import Worker
+
+    docs = load_documents(EXAMPLES / "lora-adapters.yaml")
+    config = plan_local(docs, LocalEngine("vllm", model_dir="/models/base")).instances[0].config
+    worker = Worker(config)
+    base = config.models[0]
+    assert base.adapter_of is None and base.launch is not None
+    # as the worker made it after launching the base's server (no server is started here)
+    worker.engines[base.name] = VLLMEngine(base.name, "http://127.0.0.1:8123", base.max_model_len,
+                                           tokenizer="/models/base")  # fmt: skip
+    adapter = next(m for m in config.models if m.adapter_of == base.name)
+    engine = await worker._make_engine(adapter)
+    assert isinstance(engine, VLLMEngine)
+    assert (engine.model, engine.url, engine.tokenizer_path) == (
+        adapter.name,
+        "http://127.0.0.1:8123",
+        "/models/base",
+    )
