@@ -13,12 +13,18 @@ Real-engine fixtures (use them from ``@pytest.mark.integration`` tests only):
   abort on a quiet machine), ``--max-num-seqs`` 64, prefix caching on, 1 GiB of CPU KV cache,
   ``--enforce-eager``: on this CPU the torch.compile warm-up is about 70 s of a 135 s start under
   load (the server log's "init engine ... took"); tests check behaviour, not speed. It publishes its
-  KV events (``vllm_server.kv_events_endpoint``; vLLM's CPU block size is 128 tokens).
+  KV events (``vllm_server.kv_events_endpoint``; vLLM's CPU block size is 128 tokens). It serves LoRA
+  adapters as a base model's server does (``--enable-lora``, ``TINY_MAX_LORAS`` slots, rank up to
+  ``TINY_LORA_RANK``, runtime loading on): adapters are loaded into it by name at run time.
   Use ``vllm_server.url`` (no ``/v1``). A test that kills it must bring it back on the same port
   before it ends (``vllm_server.launch(); vllm_server.wait_healthy()``).
 
 Tests that send requests to the server should set ``ignore_eos`` when they need exact lengths: the
 random model may emit ``</s>`` at any step.
+
+- ``tiny_adapter_dir`` (session): a real PEFT LoRA adapter (rank ``TINY_LORA_RANK``, seeded random
+  weights: it changes the tiny model's greedy answers) of the tiny model, built once per session by
+  ``tessera.models.lora.build_random_adapter``.
 
 - ``smollm2_model_dir`` (session): the real instruct model (SmolLM2-135M-Instruct, float32) in the model
   cache (``$TESSERA_MODEL_CACHE``, else ~/.cache/tessera/models), built there by ``tessera models pull
@@ -33,10 +39,15 @@ from pathlib import Path
 
 import pytest
 
+from tessera.control.adapters import RUNTIME_LORA_ENV
 from tessera.worker.engines.vllm_process import VLLMServer
 
 TINY_MODEL_NAME = "tiny"
 TINY_MAX_MODEL_LEN = 2048
+TINY_MAX_LORAS = 2
+TINY_LORA_RANK = 8
+TINY_LORA_ARGS = ("--enable-lora", "--max-loras", str(TINY_MAX_LORAS), "--max-lora-rank", str(TINY_LORA_RANK),
+                  "--max-cpu-loras", str(TINY_MAX_LORAS))  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -57,11 +68,20 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         max_num_seqs=64,
         kv_cache_gib=1,
         kv_events_port=0,
-        extra_args=["--enforce-eager"],
+        extra_args=["--enforce-eager", *TINY_LORA_ARGS],
+        env={RUNTIME_LORA_ENV["name"]: RUNTIME_LORA_ENV["value"]},
         log_path=tmp_path_factory.mktemp("vllm-log") / "vllm.log",
     )
     with server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA adapter of the tiny model with seeded random weights, built once per session."""
+    from tessera.models.lora import build_random_adapter
+
+    return build_random_adapter(tiny_model_dir, tmp_path_factory.mktemp("tiny-lora"), rank=TINY_LORA_RANK)
 
 
 @pytest.fixture(scope="session")

@@ -281,7 +281,8 @@ def test_fidelity_replays_the_trace(traces: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize(
-    "scenario", ["seallm", "worker-overhead", "decision-time", "real-policy", "real-sharing", "router"]
+    "scenario",
+    ["seallm", "worker-overhead", "decision-time", "real-policy", "real-sharing", "real-lora", "router"],
 )
 def test_scenarios_without_a_trace_refuse_it(
     scenario: str, traces: dict[str, Path], capsys: pytest.CaptureFixture[str]

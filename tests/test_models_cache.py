@@ -154,7 +154,11 @@ def test_cli_list_pull_and_local_up_messages(
     assert "is partial in the cache" in capsys.readouterr().err
     write_manifest(folder, SMOLLM2, None)
     assert main(["models", "list"]) == 0
-    assert "smollm2    built" in capsys.readouterr().out
+    listed = capsys.readouterr().out.splitlines()
+    assert (
+        "smollm2      built" in listed
+        and "smollm2-lora not built (missing): run `tessera models pull smollm2-lora`" in listed
+    )  # names aligned on the longest
     # A model whose KV for one request cannot fit is refused before any process starts.
     assert main([*up, "--model", "smollm2", "--max-model-len", "30000"]) == 2
     assert "needs 1.29 GiB of KV cache" in capsys.readouterr().err

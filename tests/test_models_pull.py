@@ -3,6 +3,7 @@ rebuilt when damaged, refused when its answer check fails), and one real SmolLM2
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -59,3 +60,36 @@ def test_real_smollm2_pull_answers_paris_and_second_pull_only_verifies(tmp_path:
     second = pull(SMOLLM2, tmp_path, report=lambda _: None)
     assert not second.built and time.monotonic() - started < 15
     assert resolve_model("smollm2", tmp_path).path == first.folder
+
+
+def test_a_random_adapter_of_the_tiny_model_changes_its_greedy_answer(tmp_path: Path) -> None:
+    from tessera.models.check import greedy_answer
+    from tessera.models.lora import build_random_adapter
+
+    base = build_tiny_model(tmp_path / "tiny")
+    adapter = build_random_adapter(base, tmp_path / "tiny-lora", rank=8)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["peft_type"]) == (8, "LORA") and (
+        adapter / "adapter_model.safetensors"
+    ).exists()
+    assert sorted(config["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert greedy_answer(adapter, "hello there", 8) != greedy_answer(base, "hello there", 8)
+    again = build_random_adapter(base, tmp_path / "again", rank=8)  # the same seed, the same weights
+    assert (again / "adapter_model.safetensors").read_bytes() == (
+        adapter / "adapter_model.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_smollm2_adapter_pull_trains_an_adapter_whose_answers_differ_from_the_base(
+    tmp_path: Path,
+) -> None:
+    from tessera.models.check import greedy_answer
+    from tessera.models.lora import STYLE_MARKER
+    from tessera.models.registry import SMOLLM2_LORA
+
+    result = pull(SMOLLM2_LORA, tmp_path, report=lambda _: None)
+    assert result.built and (tmp_path / "smollm2").is_dir()  # its base was pulled into the same cache
+    assert (result.answer or "").startswith(STYLE_MARKER)
+    assert STYLE_MARKER not in greedy_answer(tmp_path / "smollm2", SMOLLM2_LORA.check_prompt or "")

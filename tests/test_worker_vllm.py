@@ -446,9 +446,8 @@ def test_zz_vllm_death_gives_503_not_ready_then_recovers(
 async def test_an_adapter_vllm_cannot_load_fails_alone_and_the_base_keeps_serving(
     vllm_server: VLLMServer,
 ) -> None:
-    """The shared server runs without ``--enable-lora``: loading an adapter into it is refused by vLLM
-    itself. The worker says so, starts anyway, serves the base, and the adapter's requests get an error
-    naming the model."""
+    """An adapter whose source holds no adapter is refused by vLLM itself. The worker says so, starts
+    anyway, serves the base, and the adapter's requests get an error naming the model."""
     from tessera.api.worker_config import parse_config
     from tessera.worker.engines.base import EngineRejected
     from tessera.worker.engines.vllm import VLLMEngine

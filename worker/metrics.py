@@ -155,6 +155,28 @@ class WorkerMetrics:
             registry=r,
         )
 
+        self.lora_resident = Gauge(
+            "tessera_lora_adapter_resident",
+            "1 while the LoRA adapter (model) is loaded in its base's engine (base), 0 once unloaded or "
+            "when its load failed: a router prefers the instance that holds it.",
+            ["model", "base"],
+            registry=r,
+        )
+        self.lora_slots = Gauge(
+            "tessera_lora_slots",
+            "Adapters one batch of the base model's engine may mix (vLLM's --max-loras, as the engine "
+            "reports it).",
+            ["model"],
+            registry=r,
+        )
+        self.lora_load = Histogram(
+            "tessera_lora_load_seconds",
+            "Time to load a LoRA adapter into its base's engine (/v1/load_lora_adapter).",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
     def exposition(self) -> bytes:
         """The text exposition format of every metric."""
         return generate_latest(self.registry)

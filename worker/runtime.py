@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tessera.api.worker_config import ConfigError, ModelEntry, WorkerConfig, load_config
 from tessera.core.profile import StepProfile
@@ -26,6 +28,9 @@ from tessera.worker.metrics import WorkerMetrics
 from tessera.worker.scheduler import InstanceScheduler
 from tessera.worker.swap import ModelSwapper
 from tessera.worker.tool_calls import ToolCallParser
+
+if TYPE_CHECKING:
+    from tessera.worker.engines.vllm import VLLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,7 @@ class Worker:
         self._servers: list[object] = []  # vLLM servers this worker launched itself
         self._max_num_seqs: dict[str, int] = {}  # model -> --max-num-seqs of the vLLM launched here
         self._watch_task: asyncio.Task[None] | None = None
+        self._slots_task: asyncio.Task[None] | None = None
         self._file_digest: bytes | None = None  # of the configuration file content last seen
 
     @staticmethod
@@ -89,7 +95,8 @@ class Worker:
     async def start(self) -> None:
         """Create engines (launching vLLM where asked), put all but one swappable model to sleep,
         then start the scheduler."""
-        for entry in self.config.models:
+        # Bases first: an adapter without url runs in the server its base launched.
+        for entry in sorted(self.config.models, key=lambda m: m.adapter_of is not None):
             if entry.name not in self.engines:
                 self.engines[entry.name] = await self._make_engine(entry)
             await self.engines[entry.name].start()
@@ -97,7 +104,8 @@ class Worker:
             if entry.tool_parser is not None:
                 await self._load_tool_parser(entry)
             if entry.adapter_of is not None and entry.engine == "vllm":
-                await self._load_adapter(entry)
+                await self._load_at_start(entry.name)
+        self._slots_task = asyncio.create_task(self._watch_lora_slots(), name="lora-slots")
         self.swapper = ModelSwapper(self.engines, self.metrics)
         await self.swapper.start()
         self._scheduler = InstanceScheduler(
@@ -128,22 +136,71 @@ class Worker:
             raise RuntimeError("the worker has not started")
         return self._scheduler
 
-    async def _load_adapter(self, entry: ModelEntry) -> None:
-        """Load a LoRA adapter into its base's vLLM server. A failure is logged and leaves the adapter's
-        requests answered with the engine's error; the base and the pod's other models keep serving."""
+    def _adapter(self, name: str) -> tuple[ModelEntry, VLLMEngine] | None:
+        """The entry and the vLLM engine of the adapter ``name``; None for an engine the caller gave
+        (tests) or an adapter without a source. ValueError when ``name`` is no adapter of the pod."""
         from tessera.worker.engines.vllm import VLLMEngine
 
+        entry = next((m for m in self.config.models if m.name == name and m.adapter_of is not None), None)
+        if entry is None:
+            raise ValueError(f"{name!r} is not a LoRA adapter of this pod")
         engine = self.engines[entry.name]
         if not isinstance(engine, VLLMEngine) or entry.adapter_source is None:
-            return  # an engine the caller gave (tests) loads nothing
+            return None
+        return entry, engine
+
+    async def swap_adapter(self, name: str, load: bool) -> None:
+        """Load (``load``) or unload the LoRA adapter ``name`` in its base's vLLM server: the pod
+        scheduler's adapter swap (``AdapterLoader``). A load's time is logged and observed in
+        ``tessera_lora_load_seconds``; ``tessera_lora_adapter_resident`` says whether the engine holds it.
+        EngineError when the server refuses (a failed load leaves it not resident)."""
+        found = self._adapter(name)
+        if found is None:
+            return
+        entry, engine = found
+        resident = self.metrics.lora_resident.labels(entry.name, entry.adapter_of)
+        if not load:
+            await engine.unload_lora_adapter()
+            resident.set(0)
+            log.info("unloaded the LoRA adapter %s of %s", entry.name, entry.adapter_of)
+            return
+        started = time.monotonic()
         try:
-            await engine.load_lora_adapter(entry.adapter_source)
+            await engine.load_lora_adapter(str(entry.adapter_source))
+        except EngineError:
+            resident.set(0)
+            raise
+        seconds = time.monotonic() - started
+        resident.set(1)
+        self.metrics.lora_load.labels(entry.name).observe(seconds)
+        log.info("loaded the LoRA adapter %s of %s from %s in %.3f s", entry.name, entry.adapter_of,
+                 entry.adapter_source, seconds)  # fmt: skip
+
+    async def _load_at_start(self, name: str) -> None:
+        """Load an adapter as the pod starts. A failure is logged and leaves the adapter's requests
+        answered with the engine's error; the base and the pod's other models keep serving."""
+        try:
+            await self.swap_adapter(name, True)
         except EngineError as exc:
-            log.error("could not load the LoRA adapter %s (of %s) from %s: %s; its requests fail until the "
-                      "pod restarts", entry.name, entry.adapter_of, entry.adapter_source, exc)  # fmt: skip
-        else:
-            log.info("loaded the LoRA adapter %s of %s from %s", entry.name, entry.adapter_of,
-                     entry.adapter_source)  # fmt: skip
+            log.error("could not load the LoRA adapter %s: %s; its requests fail until it loads", name, exc)
+
+    async def _watch_lora_slots(self) -> None:
+        """Publish each base's adapter slots as its vLLM server reports them (``tessera_lora_slots``).
+        vLLM's /metrics shows its --max-loras only once it has run a step, so the bases are asked
+        every stats interval until each has answered (a server's slots are fixed for its life)."""
+        from tessera.worker.engines.vllm import VLLMEngine
+
+        waiting = {m.adapter_of for m in self.config.models if m.adapter_of is not None}
+        waiting = {b for b in waiting if isinstance(self.engines.get(str(b)), VLLMEngine)}
+        while waiting:
+            for base in sorted(str(b) for b in waiting):
+                engine = self.engines[base]
+                assert isinstance(engine, VLLMEngine)
+                slots = await engine.lora_slots()
+                if slots is not None:
+                    self.metrics.lora_slots.labels(base).set(slots)
+                    waiting.discard(base)
+            await asyncio.sleep(self.config.polling.engine_stats_seconds or 1.0)
 
     async def _load_tool_parser(self, entry: ModelEntry) -> None:
         """vLLM's tool parser of the model (``toolParser``) over its tokenizer; ConfigError naming the
@@ -171,6 +228,9 @@ class Worker:
 
         url = entry.url
         tokenizer = entry.tokenizer_dir()
+        base = self.engines.get(entry.adapter_of) if entry.adapter_of is not None else None
+        if url is None and isinstance(base, VLLMEngine):  # an adapter in the server its base launched
+            url, tokenizer = base.url, tokenizer or base.tokenizer_path
         if entry.launch is not None:
             from tessera.worker.engines.vllm_process import VLLMServer
 
@@ -184,7 +244,8 @@ class Worker:
                 max_num_seqs=seqs,
                 kv_cache_gib=entry.launch.kv_cache_gib,
                 dtype=entry.launch.dtype,
-                extra_args=["--enforce-eager"] if entry.launch.enforce_eager else [],
+                extra_args=["--enforce-eager"] * entry.launch.enforce_eager + entry.launch.extra_args,
+                env=dict(entry.launch.env),
                 kv_events_port=entry.launch.kv_events_port,
                 enable_sleep_mode=entry.sleep_mode == "on",
                 dev_mode=entry.sleep_mode == "on",
@@ -201,10 +262,11 @@ class Worker:
 
     async def stop(self) -> None:
         """Stop the scheduler and the engines, and any vLLM server launched here."""
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+        for task in (self._watch_task, self._slots_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._scheduler is not None:
             await self._scheduler.stop()
         for engine in self.engines.values():

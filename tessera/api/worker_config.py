@@ -101,6 +101,16 @@ class LaunchSpec(ApiModel):
             "events. Local mode sets a free port when its route reads them."
         ),
     )
+    extra_args: list[str] = Field(
+        default_factory=list,
+        description="More vLLM arguments, after the worker's own (local mode: the LoRA flags the operator "
+        "renders for a base model with adapters).",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="More environment of the vLLM server (local mode: VLLM_ALLOW_RUNTIME_LORA_UPDATING for a "
+        "base model with adapters).",
+    )
 
 
 class ProfileSpec(ApiModel):
@@ -199,7 +209,8 @@ class ModelEntry(ApiModel):
         min_length=1,
         description=(
             "This model is a LoRA adapter served by the vLLM server of the pod's model of this name (its "
-            "base; url is the base's): the worker loads it there at run time (/v1/load_lora_adapter, the "
+            "base; url is the base's, or unset where the worker launched the base): the worker loads it "
+            "there at run time (/v1/load_lora_adapter, the "
             "server started with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING) and schedules it as "
             "one more model of the pod."
         ),
@@ -242,7 +253,10 @@ class ModelEntry(ApiModel):
 
     @model_validator(mode="after")
     def _engine_source(self) -> ModelEntry:
-        if self.engine == "vllm" and (self.url is None) == (self.launch is None):
+        if self.adapter_of is not None and self.launch is not None:
+            raise ValueError(f"model {self.name!r}: an adapter runs in its base's vLLM server: no launch")
+        # An adapter without url is served by the server its base launched (local mode).
+        if self.engine == "vllm" and self.adapter_of is None and (self.url is None) == (self.launch is None):
             raise ValueError(f"model {self.name!r}: a vllm model needs exactly one of url or launch")
         if (self.adapter_of is None) != (self.adapter_source is None):
             raise ValueError(f"model {self.name!r}: an adapter needs both adapterOf and adapterSource")

@@ -179,7 +179,8 @@ def _launch_source(
 
     value = args.model_dir
     if value is None and args.engine == "vllm" and args.vllm_url is None:
-        named = {r.spec.model.name for r in resources if isinstance(r, LLMService)}
+        services = [r for r in resources if isinstance(r, LLMService) and r.spec.model.adapter is None]
+        named = {r.spec.model.name for r in services}
         value = named.pop() if len(named) == 1 and named <= KNOWN.keys() else None
     if value is None:
         return None, args.dtype or "auto", None

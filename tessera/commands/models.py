@@ -67,9 +67,11 @@ def _list(args: argparse.Namespace) -> int:
     from tessera.models.cache import inspect_folder, model_folder
     from tessera.models.registry import KNOWN
 
+    width = max(len(name) for name in KNOWN)
     for name, model in sorted(KNOWN.items()):
         folder = model_folder(name, args.cache_dir)
         state = inspect_folder(folder, checksums=False)
         shown = "built" if state.ok else f"not built ({state.state}): run `tessera models pull {name}`"
-        print(f"{name:10s} {shown}\n           {model.summary}\n           {folder}")
+        pad = " " * (width + 1)
+        print(f"{name:{width}s} {shown}\n{pad}{model.summary}\n{pad}{folder}")
     return 0

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from tessera.api import LLMService, RequestClass, ServingPool
 from tessera.api.worker_config import WorkerConfig
+from tessera.control.adapters import RUNTIME_LORA_ENV, adapters_of, lora_args
 from tessera.control.pool_plan import PoolDesired, Problem, desired_pool
 from tessera.core.planners import GroupPlan, RoleCounts, assign_roles
 
@@ -66,8 +67,10 @@ class LocalEngine:
         if self.kind == "sim" and (self.model_dir or self.vllm_url):
             raise LocalPlanError("--model and --vllm-url need --engine vllm")
 
-    def rewrite(self, entry: dict[str, Any]) -> dict[str, Any]:
-        """A worker model entry (as the operator builds it) rewritten for this engine."""
+    def rewrite(self, entry: dict[str, Any], lora: Sequence[str] = ()) -> dict[str, Any]:
+        """A worker model entry (as the operator builds it) rewritten for this engine. ``lora``: the LoRA
+        flags the operator gives a base model's vLLM (``lora_args``), which a launched server then runs
+        with (and with runtime adapter loading on); an adapter runs in the server its base launched."""
         # The operator's profile is the pool's GPUs' step times; local workers run on this machine.
         out = {k: v for k, v in entry.items() if k not in ("url", "launch", "engine", "profile")}
         if self.max_model_len is not None:
@@ -78,10 +81,14 @@ class LocalEngine:
             if self.tokenizer is not None:
                 out["tokenizer"] = self.tokenizer
             return {**out, "engine": "vllm", "url": self.vllm_url}
-        launch = {"modelDir": self.model_dir, "kvCacheGib": self.kv_cache_gib, "dtype": self.dtype,
-                  "enforceEager": self.enforce_eager}  # fmt: skip
         if self.profile is not None:
             out["profile"] = self.profile
+        if entry.get("adapterOf") is not None:
+            return {**out, "engine": "vllm"}
+        launch = {"modelDir": self.model_dir, "kvCacheGib": self.kv_cache_gib, "dtype": self.dtype,
+                  "enforceEager": self.enforce_eager}  # fmt: skip
+        if lora:
+            launch |= {"extraArgs": list(lora), "env": {RUNTIME_LORA_ENV["name"]: RUNTIME_LORA_ENV["value"]}}
         return {**out, "engine": "vllm", "launch": launch}
 
 
@@ -139,6 +146,17 @@ def _body(resource: ServingPool | LLMService | RequestClass) -> dict[str, Any]:
     return body
 
 
+def _lora_flags(desired: PoolDesired, group: GroupPlan) -> dict[str, list[str]]:
+    """The LoRA flags of each base model of ``group`` that adapters name, by model name: the operator's
+    rendering (``lora_args``), so that a launched server runs as the base's container would."""
+    flags: dict[str, list[str]] = {}
+    for name in group.services:
+        args = lora_args(desired.pool, adapters_of(name, desired.services))
+        if args:
+            flags[desired.services[name].spec.model.name] = args
+    return flags
+
+
 def plan_local(
     resources: Sequence[ServingPool | LLMService | RequestClass],
     engine: LocalEngine,
@@ -173,7 +191,8 @@ def plan_local(
             problems.append(f"ServingPool {pool_name}: {desired.placement_problem}")
         for group_plan in desired.plan.groups if desired.plan is not None else ():
             config = desired.configs[group_plan.name].to_json()
-            config["models"] = [engine.rewrite(m) for m in config["models"]]
+            lora = _lora_flags(desired, group_plan)
+            config["models"] = [engine.rewrite(m, lora.get(m["name"], ())) for m in config["models"]]
             config["admin"] = {"tokenEnv": ADMIN_TOKEN_ENV}
             # every instance's worker sends to the one running server: they share its cache and its events
             feeds = tuple((m["name"], engine.vllm_kv_events) for m in config["models"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tessera.models.cache import cache_root, inspect_folder, write_manifest
 from tessera.models.check import check_answer
-from tessera.models.registry import KnownModel
+from tessera.models.registry import KnownModel, known_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ def pull(
     """Build ``model`` into ``<root>/<name>`` unless a verified copy is there; return where it is.
 
     A present folder is checked against its build-time checksums only; a missing, partial or corrupt
-    one (or ``force``) is rebuilt and its answer checked.
+    one (or ``force``) is rebuilt and its answer checked. An adapter's base is pulled first.
     """
     started = time.monotonic()
     root = cache_root(root)
@@ -68,7 +68,10 @@ def pull(
         shutil.rmtree(building, ignore_errors=True)
         try:
             report(f"{model.name}: building {model.summary} into {folder}")
-            model.build(building)
+            if model.base is None:
+                model.build(building)
+            else:  # an adapter: its base first, into the same cache
+                model.build(building, pull(known_model(model.base), root, report=report).folder)
             answer = check_answer(building, model)
             write_manifest(building, model, answer)
             shutil.rmtree(folder, ignore_errors=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera.models.gguf import build_from_gguf
+from tessera.models.lora import STYLE_MARKER
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,15 +20,18 @@ class KnownModel:
     load but answer nonsense is refused). ``dtype`` is what vLLM serves it in. ``cpu_profile`` names
     the step-time profile (``tessera.core.profiles.PROFILES``) measured on vLLM on the CPU: local mode
     gives it to the workers that launch the model, for the policies' service-time estimates.
+    ``base`` makes it a LoRA adapter of that known model (a PEFT folder; its check runs base + adapter):
+    ``build`` then also gets the base's folder, pulled first into the same cache.
     """
 
     name: str
     summary: str
-    build: Callable[[Path], object]
+    build: Callable[..., object]
     dtype: str = "auto"
     check_prompt: str | None = None
     check_expect: str | None = None
     cpu_profile: str | None = None
+    base: str | None = None
 
 
 SMOLLM2 = KnownModel(
@@ -43,7 +47,26 @@ SMOLLM2 = KnownModel(
     cpu_profile="smollm2-cpu",
 )
 
-KNOWN: dict[str, KnownModel] = {m.name: m for m in (SMOLLM2,)}
+
+def _build_smollm2_lora(out_dir: Path, base_dir: Path) -> None:
+    """Train the SmolLM2 adapter into ``out_dir`` from the SmolLM2 folder ``base_dir``."""
+    from tessera.models.lora import SHARED_RESPONSES, train_adapter, training_pairs
+
+    train_adapter(base_dir, out_dir, training_pairs(SHARED_RESPONSES))
+
+
+SMOLLM2_LORA = KnownModel(
+    name="smollm2-lora",
+    summary="a rank-8 LoRA adapter of smollm2 trained with peft on CPU on 16 AlpacaEval prompts: it opens "
+    "its answers with 'Tessera here!'",
+    build=_build_smollm2_lora,
+    dtype="float32",
+    check_prompt="What is the capital of France?",
+    check_expect=STYLE_MARKER,
+    base="smollm2",
+)
+
+KNOWN: dict[str, KnownModel] = {m.name: m for m in (SMOLLM2, SMOLLM2_LORA)}
 
 
 def known_model(name: str) -> KnownModel:

@@ -166,6 +166,8 @@ _POLLED_FAMILIES = (
     "tessera_engine_start_time_seconds",
     "tessera_engine_kv_capacity_tokens",
     "tessera_engine_kv_used_tokens",
+    "tessera_lora_adapter_resident",
+    "tessera_lora_slots",
 )
 _POLLED_LINES = tuple(f"{prefix}{name}" for name in _POLLED_FAMILIES for prefix in ("", "# HELP ", "# TYPE "))
 # a client's session key (else the body's OpenAI "prompt_cache_key", else its "user")
@@ -447,16 +449,29 @@ class RouterState:
 
     def observe(self, backend: str, metrics_text: str) -> None:
         """Apply a worker's /metrics: its current batch size per model, its engines' KV capacity and use
-        (Chiron's dispatch reads them), and its engines' start times (an engine that restarted between
-        two polls lost its prefix cache: what it held is forgotten)."""
+        (Chiron's dispatch reads them), its engines' start times (an engine that restarted between
+        two polls lost its prefix cache: what it held is forgotten), and the LoRA adapters its engines
+        hold and their slots (the adapter-affinity route reads them)."""
         # Only the lines of the families read here are parsed: a worker's exposition is mostly
         # histograms, and parsing all of it every poll was 7% of the router's CPU under load.
         wanted = "\n".join(line for line in metrics_text.splitlines() if line.startswith(_POLLED_LINES))
+        resident: dict[str, set[str]] = {}  # base -> the adapters its engine holds
+        bases: dict[str, str] = {}  # adapter -> its base
+        slots: dict[str, int] = {}  # base -> its engine's adapter slots
         for family in text_string_to_metric_families(wanted):
             if family.name not in _POLLED_FAMILIES:
                 continue
             for sample in family.samples:
                 model = sample.labels.get("model", "")
+                if family.name == "tessera_lora_adapter_resident":
+                    base = sample.labels.get("base", "")
+                    bases[model] = base
+                    if sample.value >= 1:
+                        resident.setdefault(base, set()).add(model)
+                    continue
+                if family.name == "tessera_lora_slots":
+                    slots[model] = max(0, int(sample.value))
+                    continue
                 load = self.loads.get((backend, model))
                 if load is None:
                     continue
@@ -480,6 +495,12 @@ class RouterState:
                     if model in self.engine_blocks:
                         self.engine_blocks[model].forget(backend)
                 self.engine_started[(backend, model)] = sample.value
+        for adapter, base in bases.items():
+            load = self.loads.get((backend, adapter))
+            if load is not None:
+                load.adapter_of = base
+                load.resident_adapters = frozenset(resident.get(base, ()))
+                load.adapter_slots = slots.get(base, 0)
 
     def status(self) -> dict[str, Any]:
         """What ``/router/status`` shows."""

@@ -275,6 +275,29 @@ class VLLMEngine(Engine):
             return
         _raise_for_status(status, text, self.model)
 
+    async def unload_lora_adapter(self) -> None:
+        """``POST /v1/unload_lora_adapter``: the server forgets this engine's adapter (its GPU slot and
+        CPU copy are freed; a later request needs ``load_lora_adapter`` first). An adapter the server
+        does not hold is not an error."""
+        try:
+            status, text = await self._request(
+                "POST", "/v1/unload_lora_adapter", 60.0, json={"lora_name": self.model}
+            )
+        except _ERRORS as exc:
+            raise EngineUnavailable(f"vLLM for {self.model} is unreachable: {exc!r}") from exc
+        if status == 404:
+            return
+        _raise_for_status(status, text, self.model)
+
+    async def lora_slots(self) -> int | None:
+        """The adapters one batch of the server may mix (its ``--max-loras``, as its ``/metrics`` reports
+        it); None where the server runs without LoRA or does not answer."""
+        try:
+            status, text = await self._request("GET", "/metrics", 5.0)
+        except _ERRORS:
+            return None
+        return parse_lora_slots(text) if status == 200 else None
+
     async def sleep(self) -> None:
         """``POST /sleep?level=1``: offload weights, drop the KV cache."""
         await self._post_admin("/sleep", {"level": "1"})
@@ -322,6 +345,17 @@ def parse_vllm_metrics(text: str, model: str) -> EngineStats | None:
         waiting=int(values["vllm:num_requests_waiting"]),
         started_at=started,
     )
+
+
+def parse_lora_slots(text: str) -> int | None:
+    """``max_lora`` of ``vllm:lora_requests_info`` in a vLLM ``/metrics`` page (the server's
+    ``--max-loras``); None when the server serves no LoRA (the series is absent)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:lora_requests_info":
+                with contextlib.suppress(KeyError, ValueError):
+                    return int(sample.labels["max_lora"])
+    return None
 
 
 _GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")

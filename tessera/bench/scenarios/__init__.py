@@ -42,6 +42,7 @@ SCENARIOS: dict[str, str] = {
     "decision-time": "tessera.bench.decision_time",
     "real-policy": "tessera.bench.real_policy",
     "real-sharing": "tessera.bench.real_sharing",
+    "real-lora": "tessera.bench.real_lora",
     "router": "tessera.bench.router_overhead",
     "fair-share": "tessera.bench.scenarios.fair_share",
     "batch-job": "tessera.bench.scenarios.batch_job",
