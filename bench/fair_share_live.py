@@ -3,10 +3,13 @@ VTC (docs/bench.md, "Fair share between tenants").
 
     .venv/bin/python bench/fair_share_live.py --fair on  [--rate-a 3.5 --flood 10 --seconds 30]
     .venv/bin/python bench/fair_share_live.py --fair off
+    .venv/bin/python bench/fair_share_live.py --fair off --flood 0   # a alone
 
 One instance (batch 8, fcfs, chat TTFT SLO 2 s, queue bound 5000), two API keys; a sends streamed chat
 requests of ``--max-tokens`` tokens as Poisson arrivals at ``--rate-a``, b at ``--flood`` times that, for
-``--seconds``; prints one JSON line (a's TTFT p50/p99 and share within 2 s, answers of each tenant).
+``--seconds`` (``--flood 0``: a alone); prints one JSON line (a's TTFT p50/p99 and share within 2 s,
+answers of each tenant). The default 3.5 req/s is a's fair share: half of what the sim engine serves
+at batch 8 with the worker's default step times (200 tokens at 4 + 0.2 x 8 ms a step: 7.1 req/s).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ async def _one(client: httpx.AsyncClient, key: str, max_tokens: int, ttfts: list
 async def _tenant(client: httpx.AsyncClient, key: str, rate: float, args: argparse.Namespace, seed: int,
                   ttfts: list[float], codes: list) -> None:  # fmt: skip
     rng, at, tasks, start = np.random.default_rng(seed), 0.0, [], time.perf_counter()
-    while (at := at + rng.exponential(1 / rate)) <= args.seconds:
+    while rate > 0 and (at := at + rng.exponential(1 / rate)) <= args.seconds:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         tasks.append(asyncio.create_task(_one(client, key, args.max_tokens, ttfts, codes)))
     await asyncio.gather(*tasks)
