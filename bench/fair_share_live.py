@@ -3,10 +3,15 @@ VTC (docs/bench.md, "Fair share between tenants").
 
     .venv/bin/python bench/fair_share_live.py --fair on  [--rate-a 3.5 --flood 10 --seconds 30]
     .venv/bin/python bench/fair_share_live.py --fair off
+    .venv/bin/python bench/fair_share_live.py --fair off --flood 0   # a alone
 
-One instance (batch 8, fcfs, chat TTFT SLO 2 s, queue bound 5000), two API keys; a sends streamed chat
-requests of ``--max-tokens`` tokens as Poisson arrivals at ``--rate-a``, b at ``--flood`` times that, for
-``--seconds``; prints one JSON line (a's TTFT p50/p99 and share within 2 s, answers of each tenant).
+One instance (batch 8, fcfs, chat TTFT SLO 2 s, the chat class's queue bound ``--max-queued``, 5000),
+two API keys; a sends streamed chat requests of ``--max-tokens`` tokens as Poisson arrivals at
+``--rate-a``, b at ``--flood`` times that, for ``--seconds`` (``--flood 0``: a alone); prints one JSON
+line (a's TTFT p50/p99 and share within 2 s, answers of each tenant, seconds until the last answer).
+The default 3.5 req/s is a's fair share on an idle machine: half of what the sim engine serves at
+batch 8 with the worker's default step times (200 tokens at 4 + 0.2 x 8 ms a step: 7.1 req/s). On a
+busy one the pod streams fewer tokens than that: ``--rate-a`` half the answers per second it served.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ spec:
 apiVersion: tessera.dev/v1alpha1
 kind: RequestClass
 metadata: {{name: chat}}
-spec: {{kind: interactive, slo: {{ttftSeconds: 2, itlSeconds: 0.2}}, queue: {{maxQueued: 5000}},
+spec: {{kind: interactive, slo: {{ttftSeconds: 2, itlSeconds: 0.2}}, queue: {{maxQueued: {max_queued}}},
         match: {{value: chat}}}}
 ---
 apiVersion: tessera.dev/v1alpha1
@@ -73,7 +78,7 @@ async def _one(client: httpx.AsyncClient, key: str, max_tokens: int, ttfts: list
 async def _tenant(client: httpx.AsyncClient, key: str, rate: float, args: argparse.Namespace, seed: int,
                   ttfts: list[float], codes: list) -> None:  # fmt: skip
     rng, at, tasks, start = np.random.default_rng(seed), 0.0, [], time.perf_counter()
-    while (at := at + rng.exponential(1 / rate)) <= args.seconds:
+    while rate > 0 and (at := at + rng.exponential(1 / rate)) <= args.seconds:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         tasks.append(asyncio.create_task(_one(client, key, args.max_tokens, ttfts, codes)))
     await asyncio.gather(*tasks)
@@ -82,15 +87,18 @@ async def _tenant(client: httpx.AsyncClient, key: str, rate: float, args: argpar
 async def _load(port: int, args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=5000, max_keepalive_connections=200)
     got = {t: ([], []) for t in KEYS}
+    start = time.perf_counter()
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=900, limits=limits) as client:
         await asyncio.gather(*(_tenant(client, KEYS[t], args.rate_a * (args.flood if t == "b" else 1), args,
                                        seed, *got[t]) for seed, t in enumerate(KEYS)))  # fmt: skip
     ttfts, codes = got["a"]
     return {"fair": args.fair, "rate_a": args.rate_a, "flood": args.flood, "seconds": args.seconds,
+            "max_queued": args.max_queued,
             "a_requests": len(codes), "a_ok": codes.count(200),
             "a_p50_ttft_s": float(np.percentile(ttfts, 50)), "a_p99_ttft_s": float(np.percentile(ttfts, 99)),
             "a_within_2s": float(np.mean([x <= 2 for x in ttfts])),
-            "b_requests": len(got["b"][1]), "b_ok": got["b"][1].count(200)}  # fmt: skip
+            "b_requests": len(got["b"][1]), "b_ok": got["b"][1].count(200),
+            "elapsed_s": time.perf_counter() - start}  # fmt: skip
 
 
 def _ready(port: int) -> bool:
@@ -108,11 +116,14 @@ def main() -> int:
     parser.add_argument("--flood", type=float, default=10.0)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--max-queued", type=int, default=5000, help="the chat class's queue bound")
     parser.add_argument("--port", type=int, default=18431)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        (folder / "spec.yaml").write_text(SPEC.format(model=MODEL, fair=str(args.fair == "on").lower()))
+        (folder / "spec.yaml").write_text(
+            SPEC.format(model=MODEL, fair=str(args.fair == "on").lower(), max_queued=args.max_queued)
+        )
         (folder / "keys.yaml").write_text("keys:\n" + "".join(
             f"  - {{key: {k}, tenant: team-{t}}}\n" for t, k in KEYS.items()))  # fmt: skip
         command = [sys.executable, "-m", "tessera", "local", "up", "-f", str(folder / "spec.yaml"),

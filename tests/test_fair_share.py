@@ -143,6 +143,39 @@ def test_the_service_gap_of_two_backlogged_tenants_stays_within_vtcs_bound(inner
     assert policy.max_request_service == bound / 2
 
 
+def _preempting(preempt: bool, mode: str) -> tuple[FairShare, list[Request]]:
+    """b's four long requests at 0 fill a batch of 2; a's two short ones arrive at 0.05 s and 0.06 s;
+    VTC with or without ``preempt``, the engine preempting by ``mode``."""
+    reqs = [Request(f"b{i}", 0.0, 40, 200, MODEL, CHAT, 200, tenant="b") for i in range(4)]
+    reqs += [Request(f"a{i}", 0.05 + i / 100, 40, 10, MODEL, CHAT, 10, tenant="a") for i in range(2)]
+    policy = FairShare(make_policy("fcfs"), preempt=preempt)
+    entry = BASE.models[0]
+    engine = EngineConfig(max_batch=2, chunked_prefill=True, swap_space_tokens=0, preempt_mode=mode)  # type: ignore[arg-type]
+    Cluster(ClusterConfig({MODEL: entry.profile.to_profile(MODEL, entry.kv_capacity_tokens)}, 1, engine),
+            lambda: policy).run(reqs)  # fmt: skip
+    return policy, reqs
+
+
+@pytest.mark.parametrize("mode", ["recompute", "keep"])
+def test_preempt_gives_the_least_served_tenant_its_share_of_the_slots_at_once(mode: str) -> None:
+    """Without ``preempt`` a waits for one of b's requests to end; with it, a takes the slot of b's
+    latest admitted request at its next decision (b holds both slots, over its share of one), and only
+    that one: a holding its share, its second request waits as in plain VTC. The preempted request
+    resumes and completes; the service gap stays within the bound."""
+    plain, before = _preempting(False, mode)
+    fair, after = _preempting(True, mode)
+    first_end = min(r.finished_at or 0.0 for r in before if r.tenant == "b")
+    assert before[4].first_scheduled_at is not None and before[4].first_scheduled_at >= first_end
+    assert plain.preempted == 0 and fair.preempted == 1
+    a0, a1 = after[4], after[5]
+    assert a0.first_scheduled_at is not None and a0.first_scheduled_at < 0.06  # at its arrival's decision
+    assert after[1].preemptions == 1 and after[0].preemptions == 0  # b1, the latest admitted
+    assert a1.first_scheduled_at is not None and a1.first_scheduled_at >= (a0.finished_at or 0.0)
+    assert all(r.generated == r.target_output_tokens for r in after)
+    bound = 2 * max(1 * r.prompt_tokens + 2 * r.generated for r in after)
+    assert fair.max_service_gap <= bound and fair.service == plain.service  # each got all it asked
+
+
 def test_the_router_drops_a_tenant_header_a_client_sent() -> None:
     sent = [("x-tessera-tenant", "someone-else"), ("X-Tessera-Tenant-Weight", "1000"), ("accept", "*/*")]
     for drop in (True, False):

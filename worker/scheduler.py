@@ -66,6 +66,7 @@ from tessera.core.policy import (
 )
 from tessera.core.profile import StepProfile
 from tessera.core.qoe import request_qoe
+from tessera.core.queue_share import tenant_queue_share
 from tessera.core.request import Phase, Request
 from tessera.core.sharing import SharingMode, sharing_mode
 from tessera.core.slo import slo_met
@@ -164,6 +165,10 @@ class EngineSlot:
     inflight: dict[Job, None] = field(default_factory=dict)  # this model's in-flight jobs
     live: Counter[str] = field(default_factory=Counter)  # accepted jobs by class
     running: Counter[str] = field(default_factory=Counter)  # in-flight jobs by class
+    # The same by (class, tenant), and each tenant's weight: the queue bounds' tenant shares.
+    tenant_live: Counter[tuple[str, str]] = field(default_factory=Counter)
+    tenant_running: Counter[tuple[str, str]] = field(default_factory=Counter)
+    tenant_weights: dict[str, float] = field(default_factory=dict)
     busy_since: float | None = None  # when it last went from idle to busy (engine-time share)
     probe_task: asyncio.Task[None] | None = None
 
@@ -176,6 +181,14 @@ class EngineSlot:
     def waiting(self) -> int:
         """Accepted requests of this model not in flight."""
         return sum(self.live.values()) - len(self.inflight)
+
+    def tenants_waiting(self, cls: str | None = None) -> Counter[str]:
+        """Accepted requests not in flight by tenant, of class ``cls`` (None: every class)."""
+        out: Counter[str] = Counter()
+        for key, n in self.tenant_live.items():
+            if cls is None or key[0] == cls:
+                out[key[1]] += n - self.tenant_running[key]
+        return +out
 
     def apply_stats(self, stats: EngineStats | None) -> None:
         """The effective profile: the configured one with the engine's KV capacity and block size."""
@@ -364,32 +377,46 @@ class InstanceScheduler:
     def submit(self, *jobs: Job) -> None:
         """Accept ``jobs`` (one, or the choices of one request: one model, one class, one arrival time,
         hence one deadline) or raise QueueFull for all of them (nothing accepted is ever dropped). The
-        queue bounds are per model (``max_queued``) and per model and class."""
+        queue bounds are per model (``max_queued``) and per model and class, each split between the
+        tenants waiting there by weight (``tessera.core.queue_share``)."""
         model = jobs[0].req.model
         slot = self.slots.get(model)
         if slot is None:
             raise ValueError(f"this pod does not serve model {model!r}; it serves {', '.join(self.slots)}")
         cls = jobs[0].class_name
+        tenant, weight = jobs[0].req.tenant, jobs[0].req.tenant_weight
+        self._check_share(slot, None, self.max_queued, tenant, weight, len(jobs), f"model {model}")
         limit = slot.class_limits.get(cls)
-        excess = slot.waiting + len(jobs) - self.max_queued
-        if excess > 0:
-            raise QueueFull(f"the queue of model {model} is full ({self.max_queued} waiting)",
-                            self._retry_after(excess))  # fmt: skip
-        class_waiting = slot.live[cls] - slot.running[cls]
-        if limit is not None and class_waiting + len(jobs) > limit:
-            raise QueueFull(f"the queue of class {cls} is full ({limit} waiting)",
-                            self._retry_after(class_waiting + len(jobs) - limit))  # fmt: skip
+        if limit is not None:
+            self._check_share(slot, cls, limit, tenant, weight, len(jobs), f"class {cls}")
+        slot.tenant_weights[tenant] = weight
         now = self.clock()
         max_wait = slot.class_queue_times.get(cls)
         for job in jobs:
             job.req.arrival = now
             self.jobs[job.req] = job
             slot.live[cls] += 1
+            slot.tenant_live[cls, tenant] += 1
             self.policy.add(job.req, now)
             if max_wait is not None:
                 heapq.heappush(self._expiries, (now + max_wait, next(self._seq), job))
         self._gauges(slot, cls)
         self._wake.set()
+
+    def _check_share(
+        self, slot: EngineSlot, cls: str | None, bound: int, tenant: str, weight: float, n: int, what: str
+    ) -> None:
+        """QueueFull unless ``n`` more requests of ``tenant`` (of ``weight``) fit in its share of
+        ``bound``, the queue of ``what`` (of class ``cls``, or of the whole model; the share:
+        ``tessera.core.queue_share``)."""
+        waiting = slot.tenants_waiting(cls)
+        others = [slot.tenant_weights[t] for t in waiting if t != tenant]
+        share = tenant_queue_share(bound, weight, others)
+        excess = waiting[tenant] + n - share
+        if excess > 0:
+            whose = f"; tenant {tenant!r} holds its share, {share}" if others else ""
+            raise QueueFull(f"the queue of {what} is full ({bound} waiting{whose})",
+                            self._retry_after(excess))  # fmt: skip
 
     def cancel(self, job: Job) -> None:
         """The client went away: abort the stream (if any) and forget the request."""
@@ -768,6 +795,7 @@ class InstanceScheduler:
             self._busy_engines += 1
         slot.inflight[job] = None
         slot.running[job.class_name] += 1
+        slot.tenant_running[job.class_name, req.tenant] += 1
         self._gauges(slot, job.class_name)
         engine_job = EngineJob(
             request_id=f"{req.id}-{job.streams}",
@@ -853,6 +881,7 @@ class InstanceScheduler:
         del self.inflight[job]
         del slot.inflight[job]
         slot.running[job.class_name] -= 1
+        slot.tenant_running[job.class_name, job.req.tenant] -= 1
         if not self._in_engine(self.adapter_of.get(job.req.model, job.req.model)):
             self._busy_engines -= 1
         if not slot.inflight and slot.busy_since is not None:
@@ -887,6 +916,12 @@ class InstanceScheduler:
         self.policy.remove(req, now)
         del self.jobs[req]
         slot.live[cls] -= 1
+        key = (cls, req.tenant)
+        slot.tenant_live[key] -= 1
+        if not slot.tenant_live[key]:  # tenants come and go: keep only those with requests here
+            del slot.tenant_live[key], slot.tenant_running[key]
+            if all(t != req.tenant for _, t in slot.tenant_live):
+                del slot.tenant_weights[req.tenant]
         job.finish_reason = finish_reason
         job.error = error
         if error is None and finish_reason != "cancelled":

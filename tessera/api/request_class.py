@@ -49,7 +49,9 @@ class QueueBounds(ApiModel):
     """Admission bounds of the class's queue on each worker; requests beyond them are rejected (HTTP 429)."""
 
     max_queued: Annotated[int, Field(ge=1)] | None = Field(
-        default=None, description="Most requests of this class waiting on one worker; unset means unbounded."
+        default=None,
+        description="Most requests of this class waiting on one worker, split between the tenants "
+        "waiting by weight (a tenant alone may hold all); unset means unbounded.",
     )
     max_queue_time_seconds: Seconds | None = Field(
         default=None,

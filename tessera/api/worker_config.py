@@ -325,7 +325,9 @@ class SchedulingSpec(ApiModel):
         description="VTC fair share between the router's tenants around the policy (off by default).",
     )
     max_queued: Annotated[int, Field(ge=1)] = Field(
-        default=10000, description="Most requests waiting per model; beyond: HTTP 429."
+        default=10000,
+        description="Most requests waiting per model, split between the tenants waiting by weight (a "
+        "tenant alone may hold all); beyond: HTTP 429.",
     )
     bench_hints: bool = Field(
         default=False,

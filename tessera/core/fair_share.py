@@ -17,6 +17,19 @@ sees them arrive then). Within one decision, the admissions of a class stop once
 tenant has passed another backlogged tenant's counter, and the wrapper asks to decide again after
 one iteration, so a burst of free slots is shared as the paper's one-at-a-time admission would.
 
+Preemption (CHOICE ``preempt``, off by default: the paper's VTC admits one request at a time into
+free slots and never preempts). With continuous batching a slot frees only when a running request
+ends, so at full utilisation the least served tenant waits for the others' requests to finish. With
+``preempt`` on, when the least served backlogged tenant of a class has waiting requests that the free
+slots cannot take, it takes slots from the class's running requests of tenants that hold more than
+their weighted share of the class's running requests and whose counters are above its own: the most
+served tenant's latest admitted first, at most as many as it lacks of its own share. The preempted
+requests go back to their tenant's waiting ones (held here until their tenant is the least served
+again; they resume without a second charge), leaving the batch with the engine's preemption mode.
+The order of admissions is still the counters' (only the least served tenant takes a slot, and only
+from tenants served more), so the bound below is kept; the share guard keeps two tenants from
+preempting each other by turns.
+
 The paper's bound (its Theorem 4.1): over any interval during which two tenants are both
 backlogged, the weighted service each receives differs by at most ``2 * U``, ``U`` the largest
 weighted tokens of one request (``input_weight * prompt + output_weight * output``).
@@ -25,10 +38,11 @@ weighted tokens of one request (``input_weight * prompt + output_weight * output
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from tessera.core.policy import Decision, InstanceView, Policy
+from tessera.core.policy import Decision, InstanceView, Policy, resident_kv_tokens
 from tessera.core.request import Phase, Request
 
 Key = tuple[str, str]  # (class name, tenant)
@@ -50,7 +64,9 @@ class _Class:
 class FairShare(Policy):
     """VTC fair share between tenants around ``inner`` (module docstring)."""
 
-    def __init__(self, inner: Policy, *, input_weight: float = 1.0, output_weight: float = 2.0) -> None:
+    def __init__(
+        self, inner: Policy, *, input_weight: float = 1.0, output_weight: float = 2.0, preempt: bool = False
+    ) -> None:
         if not (input_weight >= 0 and output_weight >= 0 and input_weight + output_weight > 0):
             raise ValueError(f"VTC weights must be >= 0, not both 0; got input {input_weight}, "
                              f"output {output_weight}")  # fmt: skip
@@ -59,6 +75,9 @@ class FairShare(Policy):
         self.name = inner.name
         self.oracle = inner.oracle
         self.input_weight, self.output_weight = input_weight, output_weight
+        self.preempt = preempt
+        self.preempted = 0  # requests this wrapper took out of the batch (``preempt``)
+        self._weights: dict[Key, float] = {}  # each tenant's weight, as its latest request carried it
         self.counters: dict[Key, float] = {}  # the VTC counters (lifts included)
         self.service: dict[Key, float] = {}  # weighted service received (no lifts): the bound's measure
         self.max_service_gap = 0.0
@@ -79,6 +98,7 @@ class FairShare(Policy):
         """A request arrived: its tenant is lifted if it was not backlogged; the request goes to the
         inner policy when its tenant is the class's active one, else it is held."""
         name, tenant = req.service_class.name, req.tenant
+        self._weights[name, tenant] = req.tenant_weight
         cls = self._classes.setdefault(name, _Class())
         waiting = cls.waiting.setdefault(tenant, {})
         if not waiting:
@@ -98,13 +118,15 @@ class FairShare(Policy):
         waiting = cls.waiting.get(req.tenant, {})
         # It ran if its admission was charged, or if it ran and finished between two decisions.
         ran = rid in self._started or req.generated > 0 or req.phase is Phase.FINISHED
-        if not ran and rid not in self._given:  # held here: the inner policy never saw it
-            del waiting[rid]
-            cls.held[req.tenant].remove(req)
-            return
         if ran:
             self._charge(req)
             self.max_request_service = max(self.max_request_service, self._request_service(req))
+        if rid in waiting and rid not in self._given:  # held here (the inner policy does not hold it)
+            del waiting[rid]
+            cls.held[req.tenant].remove(req)
+            self._started.discard(rid)
+            self._charged_out.pop(rid, None)
+            return
         waiting.pop(rid, None)
         self._given.discard(rid)
         self._started.discard(rid)
@@ -131,6 +153,8 @@ class FairShare(Policy):
         self._track_gaps()
         for name, cls in self._classes.items():
             self._activate(name, cls, view.now)
+        if self.preempt:
+            view = self._take_slots(view)
         decision = self.inner.schedule(view)
         run, cut = self._share_admissions(decision.run, view)
         if not cut:
@@ -138,6 +162,18 @@ class FairShare(Policy):
         decision.run = run
         decision.recheck_after_tokens = 1  # the next tenant's admission, after one iteration
         return decision
+
+    # ---------------------------------------------------------------- read-only state
+
+    def counter(self, class_name: str, tenant: str) -> float:
+        """A tenant's VTC counter in a class (lifts included; 0 before its first request)."""
+        return self.counters.get((class_name, tenant), 0.0)
+
+    def least_served(self, class_name: str) -> str | None:
+        """The tenant of ``class_name`` whose waiting requests the inner policy holds now: the least
+        served backlogged one as of the latest decision (None: no request of the class seen)."""
+        cls = self._classes.get(class_name)
+        return cls.active if cls is not None else None
 
     # ---------------------------------------------------------------- VTC
 
@@ -158,9 +194,13 @@ class FairShare(Policy):
         rid, key = id(req), (req.service_class.name, req.tenant)
         weight = req.tenant_weight
         amount = 0.0
-        if rid not in self._started:
+        cls = self._classes[key[0]]
+        if rid in self._started:
+            # Resumed after this wrapper preempted it (``preempt``): no longer among the waiting.
+            if req.phase is Phase.RUNNING and cls.waiting.get(req.tenant, {}).pop(rid, None):
+                self._given.discard(rid)
+        else:
             self._started.add(rid)
-            cls = self._classes[key[0]]
             cls.waiting.get(req.tenant, {}).pop(rid, None)
             self._given.discard(rid)
             cls.last = req.tenant
@@ -205,6 +245,52 @@ class FairShare(Policy):
     def _give(self, req: Request, now: float) -> None:
         self._given.add(id(req))
         self.inner.add(req, now)
+
+    def _take_slots(self, view: InstanceView) -> InstanceView:
+        """``preempt``: take the slots the least served tenants lack from the tenants over their share
+        (module docstring); the view the inner policy then decides on, without those requests."""
+        free = view.max_batch - len(view.running)
+        victims: list[Request] = []
+        for name, cls in self._classes.items():
+            least = cls.active
+            want = sum(1 for r in cls.waiting.get(least, {}).values() if id(r) in self._given) if least else 0
+            if want <= free:
+                continue
+            mine = [r for r in view.running if r.service_class.name == name]
+            held: dict[str, list[Request]] = {}
+            for r in mine:
+                held.setdefault(r.tenant, []).append(r)
+            tenants = set(held) | set(cls.backlogged())
+            total = sum(self._weights.get((name, t), 1.0) for t in tenants)
+
+            def share(tenant: str, name: str = name, total: float = total, n: int = len(mine)) -> float:
+                return n * self._weights.get((name, tenant), 1.0) / total
+
+            lacks = math.floor(share(least) + 1e-9) - len(held.get(least, ()))
+            floor = self._counted((name, least))
+            over = [
+                (self._counted((name, t)), r.first_scheduled_at or 0.0, r)
+                for t, rs in held.items()
+                if t != least and self._counted((name, t)) > floor
+                for r in sorted(rs, key=lambda r: r.first_scheduled_at or 0.0)[math.ceil(share(t) - 1e-9) :]
+            ]
+            over.sort(key=lambda c: (c[0], c[1]), reverse=True)  # the most served, latest admitted first
+            victims += [r for *_, r in over[: max(0, min(want - free, lacks))]]
+        if not victims:
+            return view
+        now, gone = view.now, set(map(id, victims))
+        for req in victims:
+            cls = self._classes[req.service_class.name]
+            waiting = cls.waiting.setdefault(req.tenant, {})
+            if not waiting:
+                self._lift(req.service_class.name, cls, req.tenant)
+            waiting[id(req)] = req
+            cls.held.setdefault(req.tenant, []).append(req)
+            self.inner.remove(req, now)  # back among its tenant's waiting requests, held here
+        self.preempted += len(victims)
+        freed = resident_kv_tokens(victims, view.profile.block_size)
+        return replace(view, running=tuple(r for r in view.running if id(r) not in gone),
+                       kv_used_tokens=view.kv_used_tokens - freed)  # fmt: skip
 
     def _share_admissions(self, run: list[Request], view: InstanceView) -> tuple[list[Request], bool]:
         """``run`` without the admissions of a class past the point where its admitted tenant's counter

@@ -10,16 +10,25 @@ next rows of the trace. The instance thus serves about twice a's load, while b a
 what it can serve.
 
 Rows (the inner policy ``policy``, default fcfs): ``<policy>:tenants=a`` (a alone),
-``<policy>:tenants=a+b`` (both, no fair share) and ``<policy>:tenants=a+b:vtc`` (both, the policy inside
-VTC with weights ``input_weight`` 1 and ``output_weight`` 2). The contract's metrics are tenant a's;
-``b_p99_ttft_s``, ``b_slo_attainment`` and ``b_output_tokens_per_s`` are b's. The VTC row also reports
+``<policy>:tenants=a:half-batch`` (a alone with half the batch slots: a reference for a strict split of
+the slots between the tenants, optimistic since b's prefills and fuller batches do not slow a's steps
+here), ``<policy>:tenants=a+b``
+(both, no fair share) and ``<policy>:tenants=a+b:vtc`` (both, the policy inside VTC with weights
+``input_weight`` 1 and ``output_weight`` 2). The contract's metrics are tenant a's; ``b_p99_ttft_s``,
+``b_slo_attainment`` and ``b_output_tokens_per_s`` are b's. The VTC row also reports
 ``max_service_gap`` (the largest difference in weighted service between a and b over an interval both
 were backlogged, at the wrapper's decision points) and ``vtc_bound`` (the paper's 2U: twice the largest
-weighted tokens of one request).
+weighted tokens of one request), and where a's TTFT goes (means over a's requests, seconds):
+``a_wait_order_s`` waiting while b was the least served tenant (behind b in VTC's order),
+``a_wait_slot_s`` while a was the least served but the decision left no batch slot for it (b's running
+requests, or a's own earlier ones, held them), ``a_wait_other_s`` the rest before it started (KV, VTC's
+one admission at a time, the engine's next iteration boundary after its arrival) and ``a_prefill_s``
+from its start to its first token; ``a_ahead_at_arrival``: the share of a's arrivals at which a's
+counter (lifted) was above b's.
 
 Checks: with VTC, a's TTFT p99 within ``ttft_factor`` (1.2) × alone and its SLO attainment within
-``slo_points`` (3) points of alone; the same for the row without VTC (expected to fail: the flood
-takes the queue); the service gap within the bound.
+``slo_points`` (3) points of alone; the same for the half-batch row and the row without VTC (expected
+to fail: the flood takes the queue); the service gap within the bound.
 
 Options (``--set``): requests, flood, ttft_slo, policy, input_weight, output_weight, ttft_factor,
 slo_points, and the cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS`` (max_batch default 32).
@@ -28,6 +37,8 @@ slo_points, and the cluster options of ``tessera.bench.runner.CLUSTER_OPTIONS`` 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -36,7 +47,7 @@ from tessera.bench.runner import AZURE_CONV, cluster_config_from, option, run_on
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 from tessera.bench.scenarios._common import saturation_rate
 from tessera.core.fair_share import FairShare
-from tessera.core.policy import Policy
+from tessera.core.policy import Decision, InstanceView, Policy
 from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
 from tessera.core.slo import summarize
@@ -74,32 +85,100 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     tenant_a = _tenant(base[:n_a], "a", poisson_arrivals(n_a, rate_a, rng), chat)
     tenant_b = _tenant(base[n_a:], "b", poisson_arrivals(n_b, rate_a * flood, rng), chat)
     both = sorted(tenant_a + tenant_b, key=lambda r: r.arrival)
-    progress(0, total=n_a * 2 + n_b * 2)
-    built: list[FairShare] = []
+    built: list[_Traced] = []
 
-    def vtc() -> Policy:
-        built.append(FairShare(make_policy(inner), input_weight=w_in, output_weight=w_out))
-        return built[-1]
+    def vtc(preempt: bool) -> Callable[[], Policy]:
+        def factory() -> Policy:
+            fair = FairShare(make_policy(inner), input_weight=w_in, output_weight=w_out, preempt=preempt)
+            built.append(_Traced(fair, "a", "b"))
+            return built[-1]
 
+        return factory
+
+    half = replace(cluster, engine=replace(cluster.engine, max_batch=max(1, cluster.engine.max_batch // 2)))
+    progress(0, total=n_a * 4 + n_b * 3)
     rows = [
         _row(f"{inner}:tenants=a", tenant_a, lambda: make_policy(inner), cluster, progress),
+        _row(f"{inner}:tenants=a:half-batch", tenant_a, lambda: make_policy(inner), half, progress),
         _row(f"{inner}:tenants=a+b", both, lambda: make_policy(inner), cluster, progress),
-        _row(f"{inner}:tenants=a+b:vtc", both, vtc, cluster, progress),
+        _row(f"{inner}:tenants=a+b:vtc", both, vtc(False), cluster, progress),
+        _row(f"{inner}:tenants=a+b:vtc+preempt", both, vtc(True), cluster, progress),
     ]
-    (policy,) = built
     bound = 2 * max(w_in * r.prompt_tokens + w_out * r.target_output_tokens for r in both)
-    rows[2]["max_service_gap"] = policy.max_service_gap
-    rows[2]["vtc_bound"] = bound
     alone = rows[0]
     checks = [_check(row, alone, factor, points) for row in rows[1:]]
-    verdict = "PASS" if policy.max_service_gap <= bound else "FAIL"
-    checks.append(f"{rows[2]['policy']} largest service gap of a and b both backlogged "
-                  f"{policy.max_service_gap:.0f} vs VTC's bound 2U {bound:.0f}: {verdict}")  # fmt: skip
+    for row, traced in zip(rows[3:], built, strict=True):
+        gap = traced.fair.max_service_gap
+        row.update(max_service_gap=gap, vtc_bound=bound, vtc_preempted=traced.fair.preempted,
+                   **traced.breakdown(n_a))  # fmt: skip
+        checks.append(f"{row['policy']} largest service gap of a and b both backlogged {gap:.0f} vs VTC's "
+                      f"bound 2U {bound:.0f}: {'PASS' if gap <= bound else 'FAIL'}")  # fmt: skip
     cfg = {**config.as_dict(), "requests": n_a, "flood": flood, "ttft_slo": slo, "policy": inner,
            "input_weight": w_in, "output_weight": w_out, "capacity_rps": capacity, "rate_a_rps": rate_a,
            "cluster": {"instances": cluster.instances, "max_batch": cluster.engine.max_batch,
                        "profile": next(iter(cluster.profiles.values())).name}}  # fmt: skip
     return BenchReport("fair-share", cfg, rows, checks)
+
+
+class _Traced(Policy):
+    """The VTC row's policy: ``fair`` itself, timing where ``tenant``'s requests wait before they start
+    (module docstring: a's breakdown), ``other`` the tenant it shares its class with. Each interval
+    between two decisions goes to the reason the earlier decision left the request waiting for."""
+
+    def __init__(self, fair: FairShare, tenant: str, other: str) -> None:
+        self.fair, self.tenant, self.other = fair, tenant, other
+        self.name, self.oracle = fair.name, fair.oracle
+        self.waits = {"order": 0.0, "slot": 0.0, "other": 0.0}
+        self._waiting: dict[int, tuple[Request, str, float]] = {}  # id -> (request, reason, since)
+        self.arrivals = self.ahead = 0
+
+    def add(self, req: Request, now: float) -> None:
+        self.fair.add(req, now)
+        if req.tenant == self.tenant:
+            self._waiting[id(req)] = (req, "other", now)
+            name = req.service_class.name
+            self.arrivals += 1
+            self.ahead += self.fair.counter(name, self.tenant) > self.fair.counter(name, self.other)
+
+    def remove(self, req: Request, now: float) -> None:
+        self.fair.remove(req, now)
+        self._waiting.pop(id(req), None)  # cancelled before it started
+
+    def observe(self, view: InstanceView) -> None:
+        self.fair.observe(view)
+
+    def prepare(self, view: InstanceView) -> Callable[[], None] | None:
+        return self.fair.prepare(view)
+
+    def schedule(self, view: InstanceView) -> Decision:
+        for rid, (req, reason, since) in list(self._waiting.items()):
+            started = req.first_scheduled_at
+            self.waits[reason] += (view.now if started is None else started) - since
+            if started is None:
+                self._waiting[rid] = (req, reason, view.now)
+            else:
+                del self._waiting[rid]
+        decision = self.fair.schedule(view)
+        proposed = set(map(id, decision.run))
+        full = len(decision.run) >= view.max_batch
+        for rid, (req, _, since) in self._waiting.items():
+            if rid in proposed:
+                reason = "other"  # admitted unless the engine finds no room for it
+            elif self.fair.least_served(req.service_class.name) != req.tenant:
+                reason = "order"
+            else:
+                reason = "slot" if full else "other"
+            self._waiting[rid] = (req, reason, since)
+        return decision
+
+    def __len__(self) -> int:
+        return len(self.fair)
+
+    def breakdown(self, requests: int) -> dict[str, float]:
+        """The row's columns of where the tenant's TTFT went, means over its ``requests``."""
+        out = {f"a_wait_{k}_s": v / requests for k, v in self.waits.items()}
+        out["a_ahead_at_arrival"] = self.ahead / max(1, self.arrivals)
+        return out
 
 
 def _tenant(rows: list[Request], tenant: str, arrivals: np.ndarray, cls: ServiceClass) -> list[Request]:
@@ -127,6 +206,8 @@ def _row(
     mine = [r for r in done if r.tenant == "a"]
     span = max(r.finished_at or 0.0 for r in done) - min(r.arrival for r in done)
     row: dict[str, Any] = {"policy": name, **summarize(mine, makespan_s=span)}
+    row["a_prefill_s"] = float(np.mean([(r.first_token_at or 0.0) - (r.first_scheduled_at or 0.0)
+                                        for r in mine]))  # fmt: skip
     row["wall_s"] = metrics["wall_s"]
     others = [r for r in done if r.tenant == "b"]
     if others:
