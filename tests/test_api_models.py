@@ -175,16 +175,16 @@ def test_load_forecasting_reaches_chiron_from_the_pool_spec() -> None:
         ServingPoolSpec.model_validate({**POOL, "autoscaling": {"forecastWindowSeconds": -1}})
 
 
-def test_batch_launch_timing_reaches_chiron_from_the_pool_spec() -> None:
+def test_just_in_time_batch_launches_reach_chiron_from_the_pool_spec() -> None:
     from tessera.api.serving_pool import ServingPool
     from tessera.control.inputs import chiron_settings
 
-    auto = {"batchJustInTime": True, "batchSettleSeconds": 30}
+    auto = {"batchJustInTime": True}
     body = {"apiVersion": "tessera.dev/v1alpha1", "kind": "ServingPool", "metadata": {"name": "p"},
             "spec": {**POOL, "autoscaling": auto}}  # fmt: skip
     settings = chiron_settings(ServingPool.model_validate(body), 8)
-    assert (settings.just_in_time, settings.batch_settle_s) == (True, 30)
+    assert settings.just_in_time
     plain = chiron_settings(ServingPool.model_validate({**body, "spec": POOL}), 8)
-    assert (plain.just_in_time, plain.batch_settle_s) == (False, 0)
-    with pytest.raises(ValidationError, match="batchSettleSeconds"):
-        ServingPoolSpec.model_validate({**POOL, "autoscaling": {"batchSettleSeconds": -1}})
+    assert not plain.just_in_time
+    with pytest.raises(ValidationError, match="batchJustInTime"):
+        ServingPoolSpec.model_validate({**POOL, "autoscaling": {"batchJustInTime": "soon"}})

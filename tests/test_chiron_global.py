@@ -372,30 +372,3 @@ def test_just_in_time_never_waits_for_an_overdue_group():
     jit = replace(S, just_in_time=True)
     snap = _job_snapshot(-10.0)
     assert chiron_decide(snap, AutoscalerState(), jit, now=0.0).desired.batch > 0
-
-
-def test_batch_settle_holds_launches_and_the_ramp_reading():
-    # Batch instances launched at t=0 are ready at 15 s and read a tenth of their steady throughput
-    # while they prefill their first batch. Without a settle time that reading enters Θ_B and asks for
-    # more instances; with one, neither happens until load time + settle have passed.
-    state = AutoscalerState(last_scale_up={"batch": 0.0}, instance_tokens_per_s=2000.0,
-                            last_batch_launch_backpressure=1)  # fmt: skip
-    snap = replace(
-        _job_snapshot(1000.0),
-        ready=RoleCounts(interactive=1, batch=2),
-        batch_tokens_per_s=400.0,
-        batch_instance_tokens_per_s=200.0,
-        batch_running=100,
-    )
-    plain = chiron_decide(snap, state, S, now=20.0)
-    assert plain.desired.batch > 2 and plain.state.instance_tokens_per_s == pytest.approx(1100.0)
-    settle = replace(S, batch_settle_s=30.0)
-    held = chiron_decide(snap, state, settle, now=20.0)
-    assert held.desired.batch == 2 and held.state.instance_tokens_per_s == 2000.0
-    after = chiron_decide(snap, state, settle, now=46.0)  # past 15 + 30 s: measured and acted on
-    assert after.desired.batch > 2 and after.state.instance_tokens_per_s == pytest.approx(1100.0)
-
-
-def test_batch_settle_must_not_be_negative():
-    with pytest.raises(ValueError, match="batch_settle_s"):
-        ChironSettings(batch_settle_s=-1.0)

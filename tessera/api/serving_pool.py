@@ -193,15 +193,6 @@ class AutoscalingSpec(ApiModel):
         "latest evaluation that still meets them (our extension of Chiron; false: as soon as a deadline "
         "would be missed with none added, as Chiron).",
     )
-    batch_settle_seconds: float = Field(
-        default=0.0,
-        ge=0,
-        le=3600,
-        allow_inf_nan=False,
-        description="Seconds after launched batch instances are ready before their measured throughput "
-        "counts and another batch launch may follow (a new instance first prefills a whole batch); 0: "
-        "only while they start, as Chiron (at most an hour).",
-    )
     batch_size: BatchSizeBounds = nested(BatchSizeBounds, "Bounds of the local autoscaler's batch size.")
 
 

@@ -339,5 +339,4 @@ def chiron_settings(pool: ServingPool, max_instances: int) -> ChironSettings:
         forecast_window_s=autoscaling.forecast_window_seconds,
         forecast_utilization=autoscaling.forecast_utilization,
         just_in_time=autoscaling.batch_just_in_time,
-        batch_settle_s=autoscaling.batch_settle_seconds,
     )

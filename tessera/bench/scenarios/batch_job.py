@@ -24,16 +24,15 @@ GPU-seconds of ``shared`` <= ``GPU_RATIO`` (0.7x) ``dedicated``.
 
 The pool starts with one interactive instance (a lean pool has no mixed spare); the calibration's lone
 instance is a batch instance. ``shared`` launches batch instances just in time
-(``ChironSettings.just_in_time``) and reads a launched instance's throughput only once it has served a
-cold start past its load (``batch_settle_s``): with Chiron's own rules the ramp of each new instance
-read as too little throughput and the pool launched ten batch instances for a job one meets.
+(``ChironSettings.just_in_time``): with Chiron's own rule the ramp of each new instance (a whole batch
+of prompts prefilled, almost no output) read as too little throughput, and the pool launched ten
+batch instances for a job that one meets.
 
 Options (``--set``): job_requests, window_slack, job_at (60: the job comes while chat runs), defer
 (false; true: Chiron's batch backpressure counts the job only within a quarter window of its expiry,
-``ChironSettings.defer``), just_in_time (true), batch_settle_s (the profile's cold start; 0 and
-just_in_time=false: Chiron's rules), chat_ttft_s, profile (a100-llama3-8b), cold_start_s,
-initial_instances (1), max_instances (25), eval_interval_s (5). ``--trace`` replaces the chat trace
-(a trace of requests: its arrivals and lengths).
+``ChironSettings.defer``), just_in_time (true; false: Chiron's rule), chat_ttft_s, profile
+(a100-llama3-8b), cold_start_s, initial_instances (1), max_instances (25), eval_interval_s (5).
+``--trace`` replaces the chat trace (a trace of requests: its arrivals and lengths).
 """
 
 from __future__ import annotations
@@ -147,7 +146,6 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
         batch_slo_s=window,
         defer=option(opts, "defer", False, bool),
         just_in_time=option(opts, "just_in_time", True, bool),
-        batch_settle_s=option(opts, "batch_settle_s", profile.cold_start_s, float),
     )
     chat_class = ServiceClass("chat", "interactive", ttft_slo_s=ttft, itl_slo_s=CHAT_ITL_S)
     start = rows[0].arrival

@@ -12,10 +12,8 @@ See docs/papers.md, "Chiron: global autoscaler, interactive" and "..., batch".
   when even they leave it late (``overdue_fills_cap``; our choices). Batch instances
   retire all together once no batch request is queued or running; while batch work is queued, not
   deferred, and no batch or mixed instance would pull it, one batch instance is kept (our choice).
-  Two more choices of ours, off by default (Chiron's rules): ``batch_settle_s`` holds further batch
-  launches, and the reading of Θ_B, until launched instances have served that long past their load
-  (their first windows prefill a whole batch and read far below the steady rate); ``just_in_time``
-  launches the fewest instances that meet the deadlines at the latest evaluation that still meets them.
+  With ``just_in_time`` (our choice, off by default: Chiron's rule) the fewest instances that meet the
+  deadlines launch only at the latest evaluation that still meets them.
 
 - Load forecasting (our extension, ``forecast_window_s`` > 0): the target share Θ follows the
   interactive arrival rate's trend one load time ahead (``forecast_theta``) instead of the fixed Θ_op.
@@ -208,9 +206,7 @@ def chiron_decide(
         batch=snapshot.ready.batch + snapshot.pending.batch,
     )
     per_instance = state.instance_tokens_per_s or settings.default_instance_tokens_per_s
-    launched = state.last_scale_up.get("batch", -math.inf)
-    settling = settings.batch_settle_s > 0 and now - launched < settings.load_time_s + settings.batch_settle_s
-    if snapshot.batch_instance_tokens_per_s and not settling:
+    if snapshot.batch_instance_tokens_per_s:
         a = settings.throughput_ewma
         measured = snapshot.batch_instance_tokens_per_s
         per_instance = (
@@ -277,7 +273,7 @@ def chiron_decide(
     bbp_now = 0
     if queued > 0:
         k, bbp_now, bbp_after, wait = _batch_instances_needed(snapshot, settings, per_instance, now, free)
-        held = (snapshot.pending.batch > 0 or settling) and bbp_now <= state.last_batch_launch_backpressure
+        held = snapshot.pending.batch > 0 and bbp_now <= state.last_batch_launch_backpressure
         if k > 0 and wait:
             reasons.append(
                 f"batch backpressure: {bbp_now} groups late; +{k} batch instances launched at the next "

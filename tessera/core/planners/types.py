@@ -301,11 +301,6 @@ class ChironSettings:
     # A batch group past its deadline that stays late with every free slot launched takes them all
     # (Alg. 2's loop to the cap) instead of the fewest instances reaching the least BBP (our choice).
     overdue_fills_cap: bool = True
-    # Seconds after a batch launch's instances are ready before their measured throughput counts and
-    # another batch launch may follow, unless the backpressure grows (our choice; 0: only while they
-    # start, as Chiron). A new instance first prefills a whole batch: its first windows read far
-    # below the steady rate, and the estimate then asked for more instances that were never needed.
-    batch_settle_s: float = 0.0
     # Launch the fewest batch instances that meet the deadlines only at the latest evaluation that
     # still meets them (our choice; False: as soon as any group would be late, as Chiron). Until then
     # the held work fills the spare room of mixed instances, and the instances launched later run for
@@ -330,8 +325,6 @@ class ChironSettings:
             raise ValueError("scale_down_evaluations must be >= 1")
         if not 0 < self.throughput_ewma <= 1:
             raise ValueError("throughput_ewma must be in (0, 1]")
-        if self.batch_settle_s < 0:
-            raise ValueError("batch_settle_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
