@@ -29,6 +29,7 @@ from tessera.router.activator import Activator
 from tessera.router.app import RouterState, create_router_app
 from tessera.router.auth import ApiKeys
 from tessera.router.backends import Backend
+from tessera.router.batch_proxy import BatchLink
 from tessera.router.chiron_hold import ChironHold
 from tessera.router.limits import RouterLimits
 from tessera.router.protocol import router_server_config
@@ -90,17 +91,18 @@ async def serve_router(
     backends: Sequence[Backend] = (),
     hold: ChironHold | None = None,
     quota: QuotaStore | None = None,
+    batch: BatchLink | None = None,
 ) -> AsyncIterator[RouterUnderTest]:
     """The router over ``workers`` (picking by ``route``) on a free loopback port until the block ends;
     ``activator`` builds the router's activator over its state (scale to zero); ``backends``, when
     given, replace the workers' own entries (other roles or addresses); ``hold``: its Chiron dispatch (as
     ``tessera router`` and an autoscaled local mode have; none: every request is routed on arrival);
-    ``quota``: the tenants' quota store (with ``api_keys``)."""
+    ``quota``: the tenants' quota store (with ``api_keys``); ``batch``: the batch component it trusts."""
     state = RouterState(list(backends) or [w.backend() for w in workers], route=route, hold=hold)
     scrape = {"Authorization": f"Bearer {_first_key(api_keys)}"} if api_keys is not None else {}
     app = create_router_app(state, poll_interval_s=poll_interval_s, limits=limits, api_keys=api_keys,
                             activator=activator(state) if activator is not None else None,
-                            quota=quota)  # fmt: skip
+                            quota=quota, batch=batch)  # fmt: skip
     port = free_port()
     server = uvicorn.Server(router_server_config(app, host="127.0.0.1", port=port))
     task = asyncio.create_task(server.serve())

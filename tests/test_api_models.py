@@ -173,3 +173,18 @@ def test_load_forecasting_reaches_chiron_from_the_pool_spec() -> None:
     assert chiron_settings(ServingPool.model_validate({**body, "spec": POOL}), 8).forecast_window_s == 0
     with pytest.raises(ValidationError, match="forecastWindowSeconds"):
         ServingPoolSpec.model_validate({**POOL, "autoscaling": {"forecastWindowSeconds": -1}})
+
+
+def test_just_in_time_batch_launches_reach_chiron_from_the_pool_spec() -> None:
+    from tessera.api.serving_pool import ServingPool
+    from tessera.control.inputs import chiron_settings
+
+    auto = {"batchJustInTime": True}
+    body = {"apiVersion": "tessera.dev/v1alpha1", "kind": "ServingPool", "metadata": {"name": "p"},
+            "spec": {**POOL, "autoscaling": auto}}  # fmt: skip
+    settings = chiron_settings(ServingPool.model_validate(body), 8)
+    assert settings.just_in_time
+    plain = chiron_settings(ServingPool.model_validate({**body, "spec": POOL}), 8)
+    assert not plain.just_in_time
+    with pytest.raises(ValidationError, match="batchJustInTime"):
+        ServingPoolSpec.model_validate({**POOL, "autoscaling": {"batchJustInTime": "soon"}})

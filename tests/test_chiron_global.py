@@ -336,3 +336,39 @@ def test_a_held_request_whose_client_left_is_dropped_from_its_group() -> None:
     assert sum(g.count for g in queue.batch_groups(0.0)) == 3
     assert [r.id for r in queue.take_batch(10)] == ["0", "1", "3"]
     assert queue.batch_groups(0.0) == ()
+
+
+def _job_snapshot(deadline: float, **kw) -> MetricsSnapshot:
+    """One job of 6,000 lines of 300 tokens (1.8M tokens), nothing of it running yet, beside one
+    interactive instance with no spare: only batch instances (2,000 tok/s each after a 15 s load) run it."""
+    return MetricsSnapshot(
+        ready=RoleCounts(interactive=1),
+        instances_with_interactive=1,
+        batch_queue=(BatchGroup(6_000, deadline),),
+        batch_tokens_per_s=0.0,
+        mean_output_tokens=300.0,
+        std_output_tokens=0.0,
+        **kw,
+    )
+
+
+def test_just_in_time_waits_while_a_later_launch_still_meets_the_deadline():
+    # One instance needs 15 + 900 s for the job; the deadline is 2000 s away, so launching at the
+    # next evaluation (5 s) still meets it: just in time waits, Alg. 2 launches at once.
+    jit = replace(S, just_in_time=True)
+    snap = _job_snapshot(2000.0)
+    assert chiron_decide(snap, AutoscalerState(), S, now=0.0).desired.batch == 1
+    d = chiron_decide(snap, AutoscalerState(), jit, now=0.0)
+    assert d.desired.batch == 0
+    assert d.batch_backpressure == 1 and "just in time" in d.reasons[-1]
+    # At 1082 s one instance launched now ends at 1997 s, launched at the next evaluation at 2002 s: now.
+    assert chiron_decide(snap, AutoscalerState(), jit, now=1082.0).desired.batch == 1
+    # Later one instance no longer suffices: two (15 + 450 s) wait until 1532 s, their latest start.
+    assert chiron_decide(snap, AutoscalerState(), jit, now=1530.0).desired.batch == 0
+    assert chiron_decide(snap, AutoscalerState(), jit, now=1532.0).desired.batch == 2
+
+
+def test_just_in_time_never_waits_for_an_overdue_group():
+    jit = replace(S, just_in_time=True)
+    snap = _job_snapshot(-10.0)
+    assert chiron_decide(snap, AutoscalerState(), jit, now=0.0).desired.batch > 0

@@ -7,6 +7,7 @@
 - Redis stopped mid-run: both replicas keep serving, each admitting its share (limit / replicas),
   and say so in their metrics.
 - The official ``openai`` client reads the 429 and its own retry succeeds after ``Retry-After``.
+- A Batch API job's lines, sent by the batch component's feeder, count against the job's tenant.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import pytest
 from redis_harness import RedisServer
 from router_harness import CLASS_HEADER, MODEL, serve_router, start_workers
 
+from tessera.api.batch_link import TENANT_HEADER, TOKEN_HEADER
 from tessera.core.quota import Limits, TenantWindows, Window, admit
 from tessera.router.auth import ApiKeys, ApiKeysError
+from tessera.router.batch_proxy import BatchLink
 from tessera.router.quota import QuotaStore
 
 openai = pytest.importorskip("openai")
@@ -208,5 +211,36 @@ async def test_the_openai_client_reads_the_429_and_its_retry_succeeds_after_retr
             assert (await holding).status_code == 200
             assert await router.metric("tessera_router_tenant_refused_total", reason="concurrency") >= 2
             assert await router.metric("tessera_router_tenant_tokens_total", tenant="team-a") > 0
+    finally:
+        supervisor.stop_all()
+
+
+@pytest.mark.integration
+async def test_a_batch_jobs_lines_count_against_its_tenants_quota(tmp_path: Path) -> None:
+    keys = _keys(tmp_path, {"requestsPerMinute": 50}, {"requestsPerMinute": 2})
+    link = BatchLink("http://127.0.0.1:9", "batch-token-0123456789")
+    supervisor = start_workers(tmp_path, 1)
+
+    async def line(client: httpx.AsyncClient, url: str, tenant: str) -> httpx.Response:
+        headers = {TOKEN_HEADER: link.token, TENANT_HEADER: tenant, CLASS_HEADER: "chat"}
+        return await client.post(f"{url}/v1/completions", headers=headers,
+                                 json={"model": MODEL, "prompt": "hello", "max_tokens": 2})  # fmt: skip
+
+    try:
+        async with (
+            serve_router(supervisor.workers, api_keys=keys, quota=QuotaStore(None), batch=link) as router,
+            httpx.AsyncClient(timeout=30) as client,
+        ):
+            lines = [await line(client, router.url, "team-b") for _ in range(3)]
+            assert [r.status_code for r in lines] == [200, 200, 429]
+            assert (
+                lines[2].json()["error"]["code"] == "rate_limit_requests"
+                and "retry-after" in lines[2].headers
+            )
+            # the tenant's own key shares the budget its job's lines used up; the other tenant's is apart
+            assert (await _send(client, router.url, KEY_B)).status_code == 429
+            assert (await _send(client, router.url, KEY_A)).status_code == 200
+            gone = await line(client, router.url, "team-gone")
+            assert gone.status_code == 403 and gone.json()["error"]["code"] == "tenant_unknown"
     finally:
         supervisor.stop_all()

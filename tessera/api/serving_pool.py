@@ -187,6 +187,12 @@ class AutoscalingSpec(ApiModel):
         le=1,
         description="With load forecasting: the share of interactive instances busy at the forecast rate.",
     )
+    batch_just_in_time: bool = Field(
+        default=False,
+        description="Launch the batch instances that held batch work needs to meet its deadlines only at the "
+        "latest evaluation that still meets them (our extension of Chiron; false: as soon as a deadline "
+        "would be missed with none added, as Chiron).",
+    )
     batch_size: BatchSizeBounds = nested(BatchSizeBounds, "Bounds of the local autoscaler's batch size.")
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from tessera.api.batch_link import DEADLINE_HEADER, TOKEN_HEADER
+from tessera.api.batch_link import DEADLINE_HEADER, TENANT_HEADER, TOKEN_HEADER
 from tessera.batch.rules import LineError, parse_input
 from tessera.batch.store import BatchStore, error_line, output_line
 
@@ -153,7 +153,9 @@ class Feeder:
         """Send one line until it has an answer; record it (or hand the line back when cancelled)."""
         batch_id, expires = batch["id"], float(batch["expires_at"])
         header, value = json.loads(batch["batch_class"])
-        headers = {header: value, TOKEN_HEADER: self.settings.token, DEADLINE_HEADER: f"{expires:.3f}"}
+        # The job's tenant: the router counts the line against its quota, as the tenant's own requests.
+        headers = {header: value, TOKEN_HEADER: self.settings.token, DEADLINE_HEADER: f"{expires:.3f}",
+                   TENANT_HEADER: batch["tenant"]}  # fmt: skip
         assert self._client is not None
         failures = 0
         while True:

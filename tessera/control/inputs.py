@@ -369,4 +369,5 @@ def chiron_settings(pool: ServingPool, max_instances: int) -> ChironSettings:
         scale_down_cooldown_s=autoscaling.scale_down_cooldown_seconds,
         forecast_window_s=autoscaling.forecast_window_seconds,
         forecast_utilization=autoscaling.forecast_utilization,
+        just_in_time=autoscaling.batch_just_in_time,
     )

@@ -71,7 +71,13 @@ from tessera.core.routing import (
 from tessera.router.activator import ActivationCollector, Activator
 from tessera.router.auth import ApiKeys, Caller
 from tessera.router.backends import Backend
-from tessera.router.batch_proxy import BatchLink, add_batch_routes, feeder_deadline, without_token
+from tessera.router.batch_proxy import (
+    BatchLink,
+    add_batch_routes,
+    feeder_caller,
+    feeder_deadline,
+    without_token,
+)
 from tessera.router.chiron_hold import ChironHold, HeldCollector, HoldBound, hold_bound
 from tessera.router.discovery import Discovered
 from tessera.router.headers import downstream_headers, upstream_headers
@@ -797,16 +803,16 @@ def create_router_app(
         try:
             try:
                 feeder, deadline = feeder_deadline(batch, http.headers)  # a batch line's: its job's expiry
-                caller = None if feeder else caller_of(http)
+                caller = feeder_caller(api_keys, http.headers) if feeder else caller_of(http)
                 tenant = caller.tenant if caller is not None else ""
                 raw = await read_body(http, limits)
                 payload = parse_payload(raw)
-                if caller is not None:
+                if caller is not None and not feeder:
                     caller.check_model(payload.model)
                 model = payload.model if payload.model in state.configs else ""
                 class_name, kind = state.classify(payload.model, http.headers)
                 config = state.configs[payload.model]
-                if caller is not None:
+                if caller is not None and not feeder:
                     caller.check_class(class_name, config.classes[class_name].match.header)
                 headers = upstream_headers(http.headers.items(), drop_authorization=api_keys is not None)
                 headers = without_token(headers)  # the feeder's token goes no further

@@ -169,6 +169,15 @@ class ApiKeys:
         except ApiKeysError as exc:
             log.warning("%s; keeping the current keys", exc)
 
+    def tenant_caller(self, tenant: str) -> Caller | None:
+        """The caller that work done for ``tenant`` counts against (its quota and fair-share weight; its
+        models and classes unchecked: the batch component checked them when the job was created), or
+        None when no key of ``tenant`` is left."""
+        entry = next((e for e in self._keys.values() if e.tenant == tenant), None)
+        if entry is None:
+            return None
+        return Caller(entry.tenant, None, None, entry.quota.limits(), entry.quota.weight)
+
     def authenticate(self, headers: Mapping[str, str]) -> Caller:
         """The caller of a request with ``Authorization: Bearer <key>``; ApiError 401 otherwise."""
         challenge = {"www-authenticate": "Bearer"}

@@ -4,8 +4,10 @@ With ``tessera router --batch-url URL`` (the secret in ``TESSERA_BATCH_TOKEN``),
 ``/v1/batches`` (and below) go to the batch component: the router authenticates the caller as for any
 request (API keys) and names its tenant and the served models it may use (``tessera.api.batch_link``),
 so every file and batch belongs to one API key's tenant. A request carrying the token is the feeder's:
-it skips the API-key check (the job's owner was checked at creation), its ``x-tessera-deadline`` goes on
-to the worker and into Chiron's hold, and the token itself goes no further. Any other client's
+it skips the API-key check (the job's owner was checked at creation) but names the job's tenant
+(``x-tessera-tenant``), whose quota and fair-share weight it counts against as that tenant's own
+requests do (``feeder_caller``); its ``x-tessera-deadline`` goes on to the worker and into Chiron's hold,
+and the token itself goes no further. Any other client's
 ``x-tessera-deadline`` is refused (403): a deadline reorders queues, so only the batch component sets it.
 """
 
@@ -32,7 +34,7 @@ from tessera.api.batch_link import (
 )
 from tessera.api.openai_errors import ApiError
 from tessera.api.worker_config import WorkerConfig
-from tessera.router.auth import Caller
+from tessera.router.auth import ApiKeys, Caller
 
 # Largest body forwarded (an upload): the batch component's file limit plus the multipart framing.
 MAX_FORWARD_BYTES = 100 * 1024 * 1024 + 64 * 1024
@@ -81,6 +83,19 @@ def feeder_deadline(link: BatchLink | None, headers: Mapping[str, str]) -> tuple
         return feeder, parse_deadline(value)
     except ValueError as exc:
         raise ApiError(400, str(exc), param=DEADLINE_HEADER) from None
+
+
+def feeder_caller(keys: ApiKeys | None, headers: Mapping[str, str]) -> Caller | None:
+    """The caller a feeder's line counts against: the tenant it names (None without API keys); ApiError
+    403 for a tenant with no key left (it lost its access after the job was created)."""
+    if keys is None:
+        return None
+    tenant = headers.get(TENANT_HEADER, "")
+    caller = keys.tenant_caller(tenant)
+    if caller is None:
+        raise ApiError(403, f"the batch line's tenant {tenant!r} has no API key any more",
+                       code="tenant_unknown", param=TENANT_HEADER)  # fmt: skip
+    return caller
 
 
 def without_token(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:

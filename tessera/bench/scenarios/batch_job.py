@@ -22,11 +22,17 @@ line's end), ``job_window_s`` and ``gpu_seconds``. Checks: the job completes ins
 ``shared``; chat SLO attainment of ``shared`` within ``CHAT_POINTS`` (2 points) of ``chat-only``;
 GPU-seconds of ``shared`` <= ``GPU_RATIO`` (0.7x) ``dedicated``.
 
+The pool starts with one interactive instance (a lean pool has no mixed spare); the calibration's lone
+instance is a batch instance. ``shared`` launches batch instances just in time
+(``ChironSettings.just_in_time``): with Chiron's own rule the ramp of each new instance (a whole batch
+of prompts prefilled, almost no output) read as too little throughput, and the pool launched ten
+batch instances for a job that one meets.
+
 Options (``--set``): job_requests, window_slack, job_at (60: the job comes while chat runs), defer
 (false; true: Chiron's batch backpressure counts the job only within a quarter window of its expiry,
-``ChironSettings.defer``), chat_ttft_s, profile (a100-llama3-8b), cold_start_s,
-initial_instances (1), max_instances (25), eval_interval_s (5). ``--trace`` replaces the chat trace
-(a trace of requests: its arrivals and lengths).
+``ChironSettings.defer``), just_in_time (true; false: Chiron's rule), chat_ttft_s, profile
+(a100-llama3-8b), cold_start_s, initial_instances (1), max_instances (25), eval_interval_s (5).
+``--trace`` replaces the chat trace (a trace of requests: its arrivals and lengths).
 """
 
 from __future__ import annotations
@@ -76,7 +82,8 @@ def _job(rows: list[Any], n: int, at: float, window: float, rng: np.random.Gener
 
 
 def _run(reqs: list[Request], settings: ChironSettings, profile: Any, initial: int, mean_context: float,
-         stats: tuple[float, float], progress: Progress) -> tuple[list[Request], dict[str, Any]]:  # fmt: skip
+         stats: tuple[float, float], progress: Progress, role: str = "interactive",
+         ) -> tuple[list[Request], dict[str, Any]]:  # fmt: skip
     router, controller, factory = chiron_cluster(
         settings,
         RunningStats.seeded(500, *stats),
@@ -87,7 +94,7 @@ def _run(reqs: list[Request], settings: ChironSettings, profile: Any, initial: i
         mean_context=mean_context,
     )
     cluster = ClusterConfig(profiles={"default": profile}, instances=initial,
-                            engine=EngineConfig(max_batch=BS_MAX), role="mixed")  # fmt: skip
+                            engine=EngineConfig(max_batch=BS_MAX), role=role)  # fmt: skip
     done, metrics = run_one(reqs, factory, cluster, router=router, controller=controller, progress=progress)
     return done, {**metrics, **controller.timeline.metrics()}
 
@@ -130,11 +137,16 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
                           batch_slo_s=3600.0)  # fmt: skip
     # The window a lone batch instance just meets: the job's makespan there, plus the slack.
     progress(0, total=n_job)
-    lone = replace(base, min_instances=1, max_instances=1)
+    lone = replace(base, min_instances=1, max_instances=1, min_interactive=0)
     lone_job = _job(rows, n_job, 0.0, 1e9, np.random.default_rng(config.seed))  # no deadline: its makespan
-    calib, lone_metrics = _run(lone_job, lone, profile, 1, ctx, stats, progress)
+    calib, lone_metrics = _run(lone_job, lone, profile, 1, ctx, stats, progress, role="batch")
     window = _job_end(calib, 0.0) * (1 + slack)
-    settings = replace(base, batch_slo_s=window, defer=option(opts, "defer", False, bool))
+    settings = replace(
+        base,
+        batch_slo_s=window,
+        defer=option(opts, "defer", False, bool),
+        just_in_time=option(opts, "just_in_time", True, bool),
+    )
     chat_class = ServiceClass("chat", "interactive", ttft_slo_s=ttft, itl_slo_s=CHAT_ITL_S)
     start = rows[0].arrival
     chat_rows = [r for r in rows if r.arrival - start < job_at + window]

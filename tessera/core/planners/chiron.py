@@ -12,6 +12,8 @@ See docs/papers.md, "Chiron: global autoscaler, interactive" and "..., batch".
   when even they leave it late (``overdue_fills_cap``; our choices). Batch instances
   retire all together once no batch request is queued or running; while batch work is queued, not
   deferred, and no batch or mixed instance would pull it, one batch instance is kept (our choice).
+  With ``just_in_time`` (our choice, off by default: Chiron's rule) the fewest instances that meet the
+  deadlines launch only at the latest evaluation that still meets them.
 
 - Load forecasting (our extension, ``forecast_window_s`` > 0): the target share Θ follows the
   interactive arrival rate's trend one load time ahead (``forecast_theta``) instead of the fixed Θ_op.
@@ -92,10 +94,11 @@ def batch_backpressure(
     extra_instances: int,
     settings: ChironSettings,
     overdue_only: bool = False,
+    launch_delay_s: float = 0.0,
 ) -> int:
     """BBP(k) (Eq. 2 with slack): groups, in deadline order, whose last request would start after its
-    deadline with ``extra_instances`` more batch instances launched now (QLM Eq. 2-3 estimate).
-    ``overdue_only``: count only the groups already past their deadline."""
+    deadline with ``extra_instances`` more batch instances launched ``launch_delay_s`` from now (QLM
+    Eq. 2-3 estimate). ``overdue_only``: count only the groups already past their deadline."""
     late = 0
     ahead_n = 0
     horizon = settings.defer_horizon_fraction * settings.batch_slo_s
@@ -114,7 +117,8 @@ def batch_backpressure(
             slack = settings.batch_slo_s
         elif settings.defer and slack > horizon:
             continue
-        if waiting_time(tokens, rate_now, extra_instances, per_instance, settings.load_time_s) > slack:
+        load_s = settings.load_time_s + launch_delay_s
+        if waiting_time(tokens, rate_now, extra_instances, per_instance, load_s) > slack:
             late += 1
     return late
 
@@ -127,8 +131,10 @@ def _deferred(groups: tuple[BatchGroup, ...], settings: ChironSettings, now: flo
 
 def _batch_instances_needed(
     snapshot: MetricsSnapshot, settings: ChironSettings, per_instance: float, now: float, free: int
-) -> tuple[int, int, int]:
-    """(k, BBP(0), BBP(k)): the fewest extra batch instances (≤ free) reaching the least achievable BBP.
+) -> tuple[int, int, int, bool]:
+    """(k, BBP(0), BBP(k), wait): the fewest extra batch instances (≤ free) reaching the least
+    achievable BBP, and, with ``just_in_time``, whether the same k launched one evaluation later
+    reaches it still (then the launch waits; never for a group past its deadline).
 
     Alg. 2 adds instances while BBP(k) > 0; a group whose slack is shorter than the load time can
     never be saved, and the literal loop would then launch every free slot for nothing. BBP(k) does not
@@ -153,7 +159,7 @@ def _batch_instances_needed(
     if rate_now is None:
         rate_now = snapshot.ready.batch * per_instance
 
-    def bbp(k: int, overdue_only: bool = False) -> int:
+    def bbp(k: int, overdue_only: bool = False, delay_s: float = 0.0) -> int:
         return batch_backpressure(
             snapshot.batch_queue,
             now=now,
@@ -164,16 +170,17 @@ def _batch_instances_needed(
             extra_instances=pending_batch + k,
             settings=settings,
             overdue_only=overdue_only,
+            launch_delay_s=delay_s,
         )
 
     base = bbp(0)
     if base == 0 or free <= 0:
-        return 0, base, base
+        return 0, base, base, False
     best = bbp(free)
     if settings.overdue_fills_cap and bbp(free, overdue_only=True) > 0:
-        return free, base, best
+        return free, base, best, False
     if best == base:
-        return 0, base, base
+        return 0, base, base, False
     lo, hi = 1, free
     while lo < hi:
         mid = (lo + hi) // 2
@@ -181,7 +188,11 @@ def _batch_instances_needed(
             hi = mid
         else:
             lo = mid + 1
-    return lo, base, best
+    # Just in time: the same k launched at the next evaluation still reaches the least BBP, and no
+    # group has missed its deadline already.
+    overdue = any(g.count and g.deadline <= now for g in snapshot.batch_queue)
+    wait = settings.just_in_time and not overdue and bbp(lo, delay_s=settings.eval_interval_s) <= best
+    return lo, base, best, wait
 
 
 def chiron_decide(
@@ -261,8 +272,14 @@ def chiron_decide(
     free = settings.max_instances - (interactive + mixed + batch)
     bbp_now = 0
     if queued > 0:
-        k, bbp_now, bbp_after = _batch_instances_needed(snapshot, settings, per_instance, now, free)
-        if k > 0 and not (snapshot.pending.batch > 0 and bbp_now <= state.last_batch_launch_backpressure):
+        k, bbp_now, bbp_after, wait = _batch_instances_needed(snapshot, settings, per_instance, now, free)
+        held = snapshot.pending.batch > 0 and bbp_now <= state.last_batch_launch_backpressure
+        if k > 0 and wait:
+            reasons.append(
+                f"batch backpressure: {bbp_now} groups late; +{k} batch instances launched at the next "
+                "evaluation still meet them (just in time): wait"
+            )
+        elif k > 0 and not held:
             batch += k
             reasons.append(
                 f"batch backpressure: {bbp_now} groups late; +{k} batch instances (BBP then {bbp_after})"

@@ -301,6 +301,11 @@ class ChironSettings:
     # A batch group past its deadline that stays late with every free slot launched takes them all
     # (Alg. 2's loop to the cap) instead of the fewest instances reaching the least BBP (our choice).
     overdue_fills_cap: bool = True
+    # Launch the fewest batch instances that meet the deadlines only at the latest evaluation that
+    # still meets them (our choice; False: as soon as any group would be late, as Chiron). Until then
+    # the held work fills the spare room of mixed instances, and the instances launched later run for
+    # less time.
+    just_in_time: bool = False
     # Load forecasting (our extension; off at 0): Θ_op follows the interactive arrival rate's trend.
     forecast_window_s: float = 0.0  # window of the measured arrival rate
     forecast_utilization: float = 0.8  # target busy share at the rate forecast one load time ahead
