@@ -25,13 +25,14 @@ non-finite coefficients, or whose process dies, keeps the previous correction (`
 
 Refits run off the decision path (``background``): the caller only appends to the sample (one row
 copied into preallocated columns) and wakes a refit thread; that thread copies the sample's columns
-and hands them to a refit process of its own (spawned once, at nice 19), which fits and sends back
-the small correction. A thread of the worker's process would hold its interpreter lock through the
-fit's Python parts and, on a loaded 2-core machine, lengthened the tail of the decisions' prediction
-time (p99 43 ms against 17.7 ms without refits); in a process the worker holds the lock only for the
-copy and the install. Predictions read whichever correction was installed last (one attribute
-read), so no decision waits for a refit. ``background=False`` refits inline, for replays on a
-virtual clock (the prequential evaluation and ``tessera bench elis``).
+and hands them to a refit process of its own (started once, in Linux's idle scheduling class),
+which fits and sends back the small correction. A thread of the worker's process would hold its
+interpreter lock through the fit's Python parts and, on a loaded 2-core machine, lengthened the
+tail of the decisions' prediction time (p99 43 ms against 17.7 ms without refits); in a process
+the worker holds the lock only for the copy, the send and the install. Predictions read whichever
+correction was installed last (one attribute read), so no decision waits for a refit.
+``background=False`` refits inline, for replays on a virtual clock (the prequential evaluation and
+``tessera bench elis``).
 
 State that survives a configuration reload: ``shared_learner`` hands the same learner to every text
 predictor of one artifact and settings in the process, so a policy rebuilt by a reload keeps the
@@ -42,21 +43,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
 
 import numpy as np
 from scipy.stats import kendalltau
 
 log = logging.getLogger(__name__)
 
-REFIT_NICE = 19  # the refit process's CPU priority (Linux nice)
+REFIT_NICE = 19  # the refit process's nice, beside the idle scheduling class (Linux)
 MIN_STEP_SAMPLES = 10  # a step's τ enters the within-step mean only with this many requests at it
 
 
@@ -336,10 +339,73 @@ def refit_job(tables: SampleTables, prior_weight: float, holdout_fraction: float
     return RefitOutcome(fitted, time.perf_counter() - t0, time.process_time() - c0, os.getpid())
 
 
-def _refit_process_init() -> None:
-    """A refit process runs at the lowest CPU priority: the cores go to the worker's process first."""
+class RefitProcess:
+    """A process of its own that fits the samples it is sent, at the lowest CPU priority from its start.
+
+    CHOICE: a fresh interpreter running ``tessera.predictor.refit_main`` over a socket, not
+    multiprocessing's fork (it would copy the threads of torch and of the worker) nor its spawn (it
+    re-imports the worker's main module in the child, and runs it again where that has no
+    ``__main__`` guard). The parent puts the child in the idle scheduling class as soon as it exists,
+    so even its start (importing numpy and scipy, about a second of CPU) runs only on CPU time the
+    worker leaves; its linear algebra uses one thread."""
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        with theirs:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "tessera.predictor.refit_main", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        _lowest_priority(self._proc.pid)
+        self._conn = Connection(mine.detach())
+        self.last_send_s = 0.0  # this process's time sending the latest sample (pickling, writing)
+
+    def fit(self, tables: SampleTables, prior_weight: float, holdout_fraction: float) -> RefitOutcome:
+        """``refit_job`` run in the process; what it raised is raised here, EOFError if it died."""
+        t0 = time.perf_counter()
+        self._conn.send((tables, prior_weight, holdout_fraction))
+        self.last_send_s = time.perf_counter() - t0
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    def close(self) -> None:
+        """End the process (it exits when its end of the socket closes)."""
+        self._conn.close()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _lowest_priority(pid: int) -> None:
+    """Run process ``pid`` (0: this one) only when the CPU is otherwise idle: Linux's SCHED_IDLE
+    (weight 3 against nice 0's 1024) and nice 19 for schedulers that ignore the class; elsewhere it
+    runs as it is."""
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, REFIT_NICE)
+        os.setpriority(os.PRIO_PROCESS, pid, REFIT_NICE)
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+
+
+def serve_refits(conn: Connection) -> None:
+    """The refit process's loop: fit each sample sent until the socket closes."""
+    _lowest_priority(0)
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply: tuple[bool, Any] = (True, refit_job(*job))
+        except Exception as exc:  # sent back as text: the worker counts and logs it
+            reply = (False, f"{type(exc).__name__}: {exc}")
+        conn.send(reply)
 
 
 def within_step_tau(
@@ -371,7 +437,7 @@ class OnlineLearner:
         self._idle.set()
         self._due = threading.Event()  # set by ``record``: the refit thread has a refit to run
         self._thread: threading.Thread | None = None
-        self._pool: ProcessPoolExecutor | None = None
+        self._process: RefitProcess | None = None
         self.fitted: Fitted | None = None  # None: the head alone
         self.seen = 0  # finished requests recorded so far
         self._since_refit = 0
@@ -382,6 +448,7 @@ class OnlineLearner:
         self.refit_seconds: list[float] = []  # wall time of each refit's fit, where it ran
         self.refit_cpu_seconds: list[float] = []  # CPU time of each refit's fit, where it ran
         self.snapshot_seconds: list[float] = []  # this process's time copying the sample for a refit
+        self.send_seconds: list[float] = []  # ... and sending it to the refit process
         self.refit_pids: list[int] = []  # the process each refit ran in
 
     def sample(self) -> SampleTables:
@@ -429,17 +496,15 @@ class OnlineLearner:
         t0 = time.perf_counter()
         tables = self.sample()
         self.snapshot_seconds.append(time.perf_counter() - t0)
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(
-                max_workers=1,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_refit_process_init,
-            )
-        job = self._pool.submit(refit_job, tables, *self._fit_settings())
+        if self._process is None:
+            self._process = RefitProcess()
         try:
-            return job.result()
-        except BrokenProcessPool:
-            self._pool = None  # the process died: the next refit starts another
+            outcome = self._process.fit(tables, *self._fit_settings())
+            self.send_seconds.append(self._process.last_send_s)
+            return outcome
+        except (EOFError, OSError):
+            self._process.close()
+            self._process = None  # the process died: the next refit starts another
             raise
 
     def _fit_settings(self) -> tuple[float, float]:
@@ -464,15 +529,21 @@ class OnlineLearner:
         finally:
             self._idle.set()
 
+    @property
+    def refitting(self) -> bool:
+        """A refit is in flight."""
+        return not self._idle.is_set()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for a refit in flight (tests and measurements); False when it is still running."""
         return self._idle.wait(timeout)
 
     def close(self) -> None:
-        """Stop the refit process (a later refit starts another)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the refit process once no refit is in flight (a later refit starts another)."""
+        self._idle.wait()
+        process, self._process = self._process, None
+        if process is not None:
+            process.close()
 
     def adjust(
         self, head_prediction: np.ndarray, scalars: np.ndarray, prompt_emb: np.ndarray, generated: np.ndarray
@@ -504,6 +575,7 @@ class OnlineLearner:
             "refit_cpu_s_total": float(sum(self.refit_cpu_seconds)),
             "refit_wall_s_max": float(max(self.refit_seconds, default=0.0)),
             "snapshot_s_total": float(sum(self.snapshot_seconds)),
+            "send_s_total": float(sum(self.send_seconds)),
         }
 
 
@@ -531,10 +603,12 @@ __all__ = [
     "OnlineLearner",
     "OnlineSettings",
     "RefitOutcome",
+    "RefitProcess",
     "SampleTables",
     "fit_correction",
     "fit_later",
     "refit_job",
+    "serve_refits",
     "shared_learner",
     "validated_fit",
     "within_step_tau",
