@@ -99,7 +99,7 @@ def online_rows(opts: dict[str, Any], progress: Progress) -> tuple[list[dict[str
     on_learner = predictors["on"].online
     assert on_learner is not None
     stats = on_learner.stats()
-    held = [a + b for a, b in zip(on_learner.snapshot_seconds, on_learner.send_seconds, strict=False)]
+    held = [a + b for a, b in zip(on_learner.snapshot_seconds, on_learner.pickle_seconds, strict=False)]
     on_learner.close()
     off_ms, on_ms = (np.array(times[r]) * 1e3 for r in ("off", "on"))
     during = on_ms[np.array(refitting, dtype=bool)]
@@ -115,7 +115,7 @@ def online_rows(opts: dict[str, Any], progress: Progress) -> tuple[list[dict[str
             "refit_wall_s_per_1000": stats["refit_wall_s_total"] * per_k,
             "refit_cpu_s_per_1000": stats["refit_cpu_s_total"] * per_k,
             "refit_wall_s_max": stats["refit_wall_s_max"],
-            # what a refit costs this process: copying the sample and sending it (the decision
+            # what a refit costs this process: copying the sample and serialising it (the decision
             # thread can wait for these, once per refit, and for nothing else of it)
             "here_ms_per_refit": 1e3 * float(np.mean(held)) if held else 0.0,
             "here_ms_max": 1e3 * max(held, default=0.0),
@@ -132,7 +132,7 @@ def online_rows(opts: dict[str, Any], progress: Progress) -> tuple[list[dict[str
         f"refits: {on['refits']} ({stats['failed']} failed), {on['refit_cpu_s_per_1000']:.3f} s CPU and "
         f"{on['refit_wall_s_per_1000']:.2f} s wall per 1,000 finished requests in the refit process; "
         f"{on['here_ms_per_refit']:.1f} ms (max {on['here_ms_max']:.1f}) per refit in this process "
-        "copying and sending the sample",
+        "copying and serialising the sample",
     ]
     results = [off, on]
     cfg = {
