@@ -70,13 +70,13 @@ def test_the_correction_learns_the_ranking_and_its_prior_is_the_head() -> None:
     arrival = np.zeros(len(head), dtype=int)
     learner = OnlineLearner(OnlineSettings(background=False))
     assert np.array_equal(learner.adjust(head, scalars, prompts, arrival), head)  # nothing learnt: the head's
-    learner.fitted = Fitted(fit_correction(SampleTables.of(train), prior_weight=10.0), None)
+    learner.fitted = Fitted(fit_correction(SampleTables.of(train), 10.0, 10.0), None)
     tau = kendalltau(learner.adjust(head, scalars, prompts, arrival), length).statistic
     assert tau > 0.7  # the head alone (a constant) ranks nothing
     # later positions are the calibration's, none here: the head's
     assert np.array_equal(learner.adjust(head, scalars, prompts, arrival + 50), head)
     # an overwhelming prior keeps the head's predictions
-    learner.fitted = Fitted(fit_correction(SampleTables.of(train), prior_weight=1e6), None)
+    learner.fitted = Fitted(fit_correction(SampleTables.of(train), 1e6, 1e6), None)
     assert np.allclose(learner.adjust(head, scalars, prompts, arrival), head, rtol=0.02)
 
 
