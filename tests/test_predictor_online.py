@@ -291,6 +291,7 @@ def test_prequential_replay_reports_online_head_and_baselines(
         late["head"]["step0"]["kendall_tau"], late["running_mean"]["step0"]["kendall_tau"], 0.5
     )
     assert late["online"]["step0"]["n"] == 60
+    assert got["new_prompt_requests"] == 0 and got["after_seen_new_prompts"] is None  # pass 2 repeats all
     with pytest.raises(ValueError, match="leaves no request"):
         prequential(text_predictor, path, settings, after=60)
 
@@ -334,8 +335,24 @@ def test_predictor_eval_online_prints_the_ranking_and_refuses_a_split(
     assert main([*args, "--online", "--after", "20", "--min-samples", "10", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "after the learner saw 20" in text and "position only" in text and "refits installed" in text
+    assert "the 20 whose prompt was new" in text  # one pass of 40 distinct prompts
     assert json.loads(out.read_text())["after_seen"]["online"]["step0"]["n"] == 20
     assert main([*args]) == 0  # the head alone: step 0 and within-step τ lead
     assert capsys.readouterr().out.startswith("Kendall τ at step 0")
     assert main([*args, "--online", "--split", "heldout"]) == 2
     assert "takes no --split" in capsys.readouterr().err
+
+
+def test_bench_decision_time_online_part_times_decisions_with_and_without_refits() -> None:
+    from tessera.bench.refit_time import online_rows
+
+    opts = {"rounds": 2, "decisions": 15, "batch": 4, "refit_every": 20}
+    rows, checks, cfg = online_rows(opts, lambda *a, **k: None)
+    off, on = rows
+    assert off["policy"] == "predict:refits=off" and on["policy"] == "predict:refits=on"
+    assert off["decisions"] == on["decisions"] == 30 and sum(on["hist_ms"].values()) == 30
+    assert on["finished"] == 120 and on["refits"] >= 1 and on["refit_failed"] == 0
+    assert on["refit_cpu_s_per_1000"] > 0 and on["here_ms_max"] > 0
+    assert "decisions ran during a refit" in checks[0] and cfg["part"] == "online"
+    with pytest.raises(ValueError, match="rounds=0"):
+        online_rows({"rounds": 0}, lambda *a, **k: None)
