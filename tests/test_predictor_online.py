@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import threading
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from tessera.predictor.online import (
     Fitted,
     OnlineLearner,
     OnlineSettings,
+    SampleTables,
     fit_correction,
     shared_learner,
     within_step_tau,
@@ -69,13 +70,13 @@ def test_the_correction_learns_the_ranking_and_its_prior_is_the_head() -> None:
     arrival = np.zeros(len(head), dtype=int)
     learner = OnlineLearner(OnlineSettings(background=False))
     assert np.array_equal(learner.adjust(head, scalars, prompts, arrival), head)  # nothing learnt: the head's
-    learner.fitted = Fitted(fit_correction(train, prior_weight=10.0), None)
+    learner.fitted = Fitted(fit_correction(SampleTables.of(train), 10.0, 10.0), None)
     tau = kendalltau(learner.adjust(head, scalars, prompts, arrival), length).statistic
     assert tau > 0.7  # the head alone (a constant) ranks nothing
     # later positions are the calibration's, none here: the head's
     assert np.array_equal(learner.adjust(head, scalars, prompts, arrival + 50), head)
     # an overwhelming prior keeps the head's predictions
-    learner.fitted = Fitted(fit_correction(train, prior_weight=1e6), None)
+    learner.fitted = Fitted(fit_correction(SampleTables.of(train), 1e6, 1e6), None)
     assert np.allclose(learner.adjust(head, scalars, prompts, arrival), head, rtol=0.02)
 
 
@@ -163,27 +164,46 @@ def test_a_failed_refit_keeps_the_previous_correction_counted_and_logged(
     assert "keeping the previous head" in caplog.text
 
 
-class _SlowLearner(OnlineLearner):
-    """A learner whose refit takes a while and notes the thread it ran on."""
-
-    def refit(self, sample: list[FinishedRequest]) -> None:  # type: ignore[override]
-        self.refit_thread = threading.get_ident()
-        time.sleep(0.3)
-        super().refit(sample)
-
-
-def test_a_background_refit_runs_off_the_caller_and_never_blocks_record() -> None:
-    learner = _SlowLearner(OnlineSettings(refit_every=10, min_samples=100))
+def test_a_background_refit_runs_in_another_process_and_never_blocks_record() -> None:
+    learner = OnlineLearner(OnlineSettings(refit_every=10, min_samples=100))
     recs = records(150)
     for rec in recs[:99]:
         learner.record(rec)
     t0 = time.perf_counter()
     for rec in recs[99:]:  # the 100th starts a refit; those after it come while it runs
         learner.record(rec)
-    assert time.perf_counter() - t0 < 0.2  # no record waited for the 0.3 s refit
-    learner.wait(5)
-    assert learner.refit_thread != threading.get_ident()
-    assert learner.refits + learner.rejected == 1  # none started while one ran
+    assert time.perf_counter() - t0 < 0.2  # no record waited for the refit process to start or fit
+    assert learner.wait(120)
+    assert learner.refit_pids and learner.refit_pids[0] != os.getpid()
+    assert learner.refits + learner.rejected == 1 and learner.failed == 0  # none started while one ran
+    assert learner.fitted is not None and learner.fitted.arrival is not None  # the embedding ranks here
+    assert learner.refit_cpu_seconds[0] > 0 and len(learner.snapshot_seconds) == 1
+    # a refit that fails in its process keeps the installed correction, counted
+    good = learner.fitted
+    for rec in records(9, seed=7):
+        learner.record(rec)
+    learner.record(
+        FinishedRequest(np.full(DIM, np.nan, np.float32), 100.0, recs[0].scalars, 10, False, NO_LATER)
+    )
+    assert learner.wait(120)
+    assert learner.failed == 1 and learner.fitted is good
+    learner.close()
+
+
+def test_the_sample_keeps_the_newest_requests_oldest_first() -> None:
+    learner = OnlineLearner(
+        OnlineSettings(sample_size=20, min_samples=20, refit_every=10**6, background=False)
+    )
+    recs = records(45)
+    for rec in recs:
+        learner.record(rec)
+    got = learner.sample()
+    assert np.array_equal(got.length, [r.length for r in recs[-20:]])
+    assert np.array_equal(got.prompt_emb, np.stack([r.prompt_emb for r in recs[-20:]]))
+    with pytest.raises(ValueError, match="differ in size"):
+        learner.record(
+            FinishedRequest(np.zeros(DIM + 1, np.float32), 1.0, recs[0].scalars, 1, False, NO_LATER)
+        )
 
 
 def test_shared_learner_is_one_per_artifact_and_settings() -> None:
@@ -231,8 +251,9 @@ def test_forget_of_a_finished_request_teaches_the_learner_and_an_unfinished_one_
     text_predictor.forget(done)
     text_predictor.forget(dropped)  # removed unfinished (cancelled, say): nothing to learn
     assert learner.seen == 1
-    (rec,) = list(learner._sample)
-    assert rec.length == 7 and not rec.hit_max_tokens and rec.head_prediction >= 0 and len(rec.later) == 0
+    got = learner.sample()
+    assert len(got) == 1 and got.length[0] == 7 and not got.hit_max_tokens[0] and got.head[0] >= 0
+    assert len(got.later) == 0
     never_predicted = _request(2, "Hi", "Hello", text_predictor)
     never_predicted.phase = Phase.FINISHED
     text_predictor.forget(never_predicted)
@@ -270,6 +291,7 @@ def test_prequential_replay_reports_online_head_and_baselines(
         late["head"]["step0"]["kendall_tau"], late["running_mean"]["step0"]["kendall_tau"], 0.5
     )
     assert late["online"]["step0"]["n"] == 60
+    assert got["new_prompt_requests"] == 0 and got["after_seen_new_prompts"] is None  # pass 2 repeats all
     with pytest.raises(ValueError, match="leaves no request"):
         prequential(text_predictor, path, settings, after=60)
 
@@ -313,8 +335,24 @@ def test_predictor_eval_online_prints_the_ranking_and_refuses_a_split(
     assert main([*args, "--online", "--after", "20", "--min-samples", "10", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "after the learner saw 20" in text and "position only" in text and "refits installed" in text
+    assert "the 20 whose prompt was new" in text  # one pass of 40 distinct prompts
     assert json.loads(out.read_text())["after_seen"]["online"]["step0"]["n"] == 20
     assert main([*args]) == 0  # the head alone: step 0 and within-step τ lead
     assert capsys.readouterr().out.startswith("Kendall τ at step 0")
     assert main([*args, "--online", "--split", "heldout"]) == 2
     assert "takes no --split" in capsys.readouterr().err
+
+
+def test_bench_decision_time_online_part_times_decisions_with_and_without_refits() -> None:
+    from tessera.bench.refit_time import online_rows
+
+    opts = {"rounds": 2, "decisions": 15, "batch": 4, "refit_every": 20}
+    rows, checks, cfg = online_rows(opts, lambda *a, **k: None)
+    off, on = rows
+    assert off["policy"] == "predict:refits=off" and on["policy"] == "predict:refits=on"
+    assert off["decisions"] == on["decisions"] == 30 and sum(on["hist_ms"].values()) == 30
+    assert on["finished"] == 120 and on["refits"] >= 1 and on["refit_failed"] == 0
+    assert on["refit_cpu_s_per_1000"] > 0 and on["here_ms_max"] > 0
+    assert "decisions ran during a refit" in checks[0] and cfg["part"] == "online"
+    with pytest.raises(ValueError, match="rounds=0"):
+        online_rows({"rounds": 0}, lambda *a, **k: None)

@@ -8,7 +8,9 @@ classes alternating, models interleaved in arrival) and a full batch of ``batch`
 each engine's view (``InstanceView.models``), as a CPU pod of several models runs.
 
 Options (``--set``): models (3), queued (2000, per model), decisions (200), batch (32),
-policies (fcfs,edf,isrtf,seallm,round-robin-sharing,qlm).
+policies (fcfs,edf,isrtf,seallm,round-robin-sharing,qlm); part (``scheduler``, the above, or
+``online``: the text predictor's share of a decision with and without online refits,
+``tessera.bench.refit_time``, which lists its own options).
 """
 
 from __future__ import annotations
@@ -133,8 +135,16 @@ def decision_rows(
 
 
 def run(config: BenchConfig, progress: Progress) -> BenchReport:
-    """Decision time per policy over ``models`` models' queues."""
+    """Decision time per policy over ``models`` models' queues (or part ``online``)."""
     opts = config.options
+    part = option(opts, "part", "scheduler", str)
+    if part == "online":
+        from tessera.bench.refit_time import online_rows
+
+        rows, lines, part_cfg = online_rows(opts, progress)
+        return BenchReport("decision-time", {**config.as_dict(), **part_cfg}, rows, lines)
+    if part != "scheduler":
+        raise ValueError(f"--set part={part!r}: expected scheduler or online")
     models = option(opts, "models", 3, int)
     queued = option(opts, "queued", 2000, int)
     decisions = option(opts, "decisions", 200, int)

@@ -160,6 +160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ev.add_argument("--refit-every", type=positive_int, default=None, help="--online: finished requests")
     ev.add_argument("--min-samples", type=positive_int, default=None, help="--online: before the first refit")
     ev.add_argument("--prior-weight", type=float, default=None, help="--online: the head's prior, samples")
+    ev.add_argument(
+        "--arrival-prior-weight", type=float, default=None, help="--online: arrival scalars' penalty"
+    )
+    ev.add_argument(
+        "--embedding-prior-weight", type=float, default=None, help="--online: arrival embedding's penalty"
+    )
 
 
 def _print_metrics(title: str, m: dict) -> None:
@@ -193,6 +199,8 @@ def _eval_online(args: argparse.Namespace) -> int:
         "refit_every": args.refit_every,
         "min_samples": args.min_samples,
         "prior_weight": args.prior_weight,
+        "arrival_prior_weight": args.arrival_prior_weight,
+        "embedding_prior_weight": args.embedding_prior_weight,
     }
     settings = replace(settings, **{k: v for k, v in given.items() if v is not None})
     predictor = TextLengthPredictor(args.model, tokenizer=args.tokenizer, threads=args.threads, online=None)
@@ -202,6 +210,9 @@ def _eval_online(args: argparse.Namespace) -> int:
     segments = [("all", f"all {result['requests']} requests")]
     if args.after:
         segments.append(("after_seen", f"after the learner saw {args.after}"))
+    if result["after_seen_new_prompts"] is not None:
+        n_new = result["new_prompt_requests"]
+        segments.append(("after_seen_new_prompts", f"of those, the {n_new} whose prompt was new"))
     for key, title in segments:
         print(f"{title} (rows {result['rows']}, passes {result['passes']}):")
         seg = result[key]

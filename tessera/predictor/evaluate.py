@@ -121,7 +121,8 @@ def prequential(
     arrival order, ``passes`` times (each pass reshuffled): predict every step of a request, then
     let the learner learn from it. Reports the online predictor, the head alone, the running mean of
     finished lengths and position alone, over the requests that arrived after the learner had seen
-    ``after`` (and over all), plus the learner's refit counts and costs."""
+    ``after`` (and over all, and over those after ``after`` whose prompt no earlier request had), plus
+    the learner's refit counts and costs."""
     if passes < 1 or after < 0:
         raise ValueError(f"passes must be >= 1 and after >= 0, got {passes} and {after}")
     pairs = load_pairs(data)
@@ -139,6 +140,8 @@ def prequential(
     served, window = predictor.served, predictor.window
     cols: dict[str, list[float]] = {"online": [], "head": [], "running_mean": [], "true": [], "step": []}
     arrival_index: list[int] = []
+    novel: list[bool] = []  # per prediction: its prompt had not been seen finished before
+    seen_prompts: set[str] = set()
     total, count = 0.0, 0
     for index, row in enumerate(order):
         pair = pairs[row]
@@ -160,12 +163,15 @@ def prequential(
             cols["true"].append(length - generated)
             cols["step"].append(k)
             arrival_index.append(index)
+            novel.append(pair.group not in seen_prompts)
         req.generated, req.phase = length, Phase.FINISHED
         predictor.forget(req)
+        seen_prompts.add(pair.group)
         total, count = total + length, count + 1
     arr = {k: np.asarray(v, dtype=np.float64) for k, v in cols.items()}
     step = arr["step"].astype(int)
     late = np.asarray(arrival_index) >= after
+    new = late & np.asarray(novel, dtype=bool)
 
     def scored(sel: np.ndarray) -> dict:
         out = {
@@ -184,6 +190,10 @@ def prequential(
         "after": after,
         "all": scored(np.ones_like(late)),
         "after_seen": scored(late),
+        # the same, only requests whose prompt no earlier request had: what carries to new prompts
+        # (a prompt answered several times, or a second pass, is learnt by heart otherwise)
+        "after_seen_new_prompts": scored(new) if (new & (step == 0)).sum() > 1 else None,
+        "new_prompt_requests": int((new & (step == 0)).sum()),
         "learner": learner.stats(),
         "settings": {k: getattr(settings, k) for k in settings.__dataclass_fields__},
     }
