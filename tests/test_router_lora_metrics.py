@@ -61,3 +61,21 @@ def test_the_adapter_affinity_route_sends_an_adapter_to_the_instance_whose_engin
     router.observe(other, exposition({AD1: 0, AD2: 1}, slots=1))
     assert {router.pick(AD1, "interactive", set()).load.instance for _ in range(4)} == {holder}
     assert router.pick(AD2, "interactive", set()).load.instance == other
+
+
+def test_observe_reads_the_adapters_in_each_batch_and_waiting_from_the_pod_s_scheduler() -> None:
+    """A worker's scheduler reports each adapter's requests running (it holds a GPU slot) and waiting:
+    the router's resident and waiting sets, as the simulator fills them for the shared scorer."""
+    metrics = WorkerMetrics()
+    for adapter in (AD1, AD2):
+        metrics.lora_resident.labels(adapter, BASE).set(1)  # both loaded
+    metrics.lora_requests.labels(AD1, BASE, "running").set(3)
+    metrics.lora_requests.labels(AD1, BASE, "waiting").set(0)
+    metrics.lora_requests.labels(AD2, BASE, "running").set(0)
+    metrics.lora_requests.labels(AD2, BASE, "waiting").set(2)
+    metrics.lora_slots.labels(BASE).set(1)
+    router = state()
+    router.observe("a", metrics.exposition().decode())
+    load = router.loads[("a", AD2)]
+    assert load.resident_adapters == frozenset({AD1}) and load.waiting_adapters == frozenset({AD2})
+    assert load.adapter_slots == 1

@@ -162,6 +162,14 @@ class WorkerMetrics:
             ["model", "base"],
             registry=r,
         )
+        self.lora_requests = Gauge(
+            "tessera_lora_adapter_requests",
+            "Requests of the LoRA adapter (model) of a base's engine (base) running in its batch or "
+            "waiting (state): an adapter running holds one of the engine's GPU slots (vLLM's "
+            "lora_requests_info); the adapter-affinity route reads them.",
+            ["model", "base", "state"],
+            registry=r,
+        )
         self.lora_slots = Gauge(
             "tessera_lora_slots",
             "Adapters one batch of the base model's engine may mix (vLLM's --max-loras, as the engine "

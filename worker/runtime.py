@@ -100,11 +100,19 @@ class Worker:
             if entry.name not in self.engines:
                 self.engines[entry.name] = await self._make_engine(entry)
             await self.engines[entry.name].start()
+        # Each base's engine holds its first maxCpuLoras adapters from the start (what the scheduler's
+        # adapter cache starts with); the others load on demand.
+        room = {m.name: m.adapter_cache_size for m in self.config.models if m.max_loras}
         for entry in self.config.models:
             if entry.tool_parser is not None:
                 await self._load_tool_parser(entry)
-            if entry.adapter_of is not None and entry.engine == "vllm":
-                await self._load_at_start(entry.name)
+            if entry.adapter_of is not None and room.get(entry.adapter_of, 0) > 0:
+                room[entry.adapter_of] -= 1
+                if entry.engine == "vllm":
+                    await self._load_at_start(entry.name)
+        for entry in self.config.models:  # what the server starts with, until it reports its own
+            if entry.max_loras:
+                self.metrics.lora_slots.labels(entry.name).set(entry.max_loras)
         self._slots_task = asyncio.create_task(self._watch_lora_slots(), name="lora-slots")
         self.swapper = ModelSwapper(self.engines, self.metrics)
         await self.swapper.start()
@@ -121,6 +129,13 @@ class Worker:
             metrics=self.metrics,
             swapper=self.swapper,
             stats_interval_s=self.config.polling.engine_stats_seconds,
+            adapter_of=self.config.adapter_of,
+            max_loras={m.name: m.max_loras for m in self.config.models if m.max_loras},
+            adapter_cache={m.name: m.adapter_cache_size for m in self.config.models if m.max_loras},
+            adapter_loader=self.swap_adapter,
+            unload_after={
+                m.name: m.unload_after_seconds for m in self.config.models if m.unload_after_seconds
+            },
         )
         log.info("serving %s in %s mode under policy %s", ", ".join(self.scheduler.models),
                  self.scheduler.mode, self.config.scheduling.policy)  # fmt: skip

@@ -1022,6 +1022,10 @@ class InstanceScheduler:
         labels = (slot.model, cls)
         self.metrics.inflight.labels(*labels).set(slot.running[cls])
         self.metrics.queue_length.labels(*labels).set(slot.live[cls] - slot.running[cls])
+        base = self.adapter_of.get(slot.model)
+        if base is not None:
+            self.metrics.lora_requests.labels(slot.model, base, "running").set(len(slot.inflight))
+            self.metrics.lora_requests.labels(slot.model, base, "waiting").set(slot.waiting)
 
     def _retry_after(self, excess: int) -> int:
         """Seconds until ``excess`` more requests will have completed at the recent completion rate."""

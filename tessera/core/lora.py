@@ -109,14 +109,17 @@ class AdapterCache:
         return True
 
 
-# Loading an adapter the engine does not hold, in seconds (CHOICE until measured: a rank-16 adapter of an
-# 8B model is about 40 MB of safetensors, read from a local disk or the page cache and copied to the
-# device; the adapter-affinity scorer prices a load at the same value by default).
+# Loading an adapter the engine does not hold, in seconds (CHOICE for a GPU: a rank-16 adapter of an 8B
+# model is about 40 MB of safetensors, read from a local disk or the page cache and copied to the
+# device; the adapter-affinity scorer prices a load at the same value by default). Measured on CPU vLLM
+# (`tessera bench real-lora`): 64-100 ms median for SmolLM2's rank-8 adapter, the same order.
 ADAPTER_LOAD_S = 0.1
 # Extra time of an engine step whose batch holds adapter requests, as a fraction of the base's step
 # (ASSUMED until measured: a rank-16 adapter adds under 1% of an 8B model's FLOPs, but the batched
 # multi-adapter kernels cost more than their FLOPs; S-LoRA and Punica report per-token slowdowns of this
-# order against the base model alone).
+# order against the base model alone). CPU vLLM runs LoRA through plain torch versions of those kernels
+# and measured 1.41-1.44x the base's throughput cost for SmolLM2, and no extra cost for mixing two
+# adapters (`tessera bench real-lora`): a figure for CPU pods, not for a GPU's kernels.
 LORA_STEP_OVERHEAD = 0.2
 
 
@@ -129,7 +132,9 @@ class LoraCost:
 
     load_s: float = ADAPTER_LOAD_S
     step_overhead: float = LORA_STEP_OVERHEAD
-    source: str = "CHOICE: 0.1 s per load and an ASSUMED 20% step overhead, neither measured"
+    source: str = (
+        "CHOICE: 0.1 s per load (64-100 ms measured on CPU vLLM) and an ASSUMED 20% GPU step overhead"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.load_s <= 60:

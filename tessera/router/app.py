@@ -173,6 +173,7 @@ _POLLED_FAMILIES = (
     "tessera_engine_kv_capacity_tokens",
     "tessera_engine_kv_used_tokens",
     "tessera_lora_adapter_resident",
+    "tessera_lora_adapter_requests",
     "tessera_lora_slots",
 )
 _POLLED_LINES = tuple(f"{prefix}{name}" for name in _POLLED_FAMILIES for prefix in ("", "# HELP ", "# TYPE "))
@@ -464,6 +465,10 @@ class RouterState:
         resident: dict[str, set[str]] = {}  # base -> the adapters its engine holds
         bases: dict[str, str] = {}  # adapter -> its base
         slots: dict[str, int] = {}  # base -> its engine's adapter slots
+        # base -> the adapters with requests in its batch (each holds a GPU slot) / waiting: what the
+        # shared scorer reads as resident and waiting, as the simulator fills them
+        running: dict[str, set[str]] = {}
+        waiting: dict[str, set[str]] = {}
         for family in text_string_to_metric_families(wanted):
             if family.name not in _POLLED_FAMILIES:
                 continue
@@ -474,6 +479,13 @@ class RouterState:
                     bases[model] = base
                     if sample.value >= 1:
                         resident.setdefault(base, set()).add(model)
+                    continue
+                if family.name == "tessera_lora_adapter_requests":
+                    base = sample.labels.get("base", "")
+                    bases[model] = base
+                    if sample.value >= 1:
+                        state = sample.labels.get("state")
+                        (running if state == "running" else waiting).setdefault(base, set()).add(model)
                     continue
                 if family.name == "tessera_lora_slots":
                     slots[model] = max(0, int(sample.value))
@@ -505,7 +517,11 @@ class RouterState:
             load = self.loads.get((backend, adapter))
             if load is not None:
                 load.adapter_of = base
-                load.resident_adapters = frozenset(resident.get(base, ()))
+                # In a GPU slot: running there; an engine that reports no requests (an older worker)
+                # is read by what it holds.
+                held = running.get(base) if running or waiting else resident.get(base)
+                load.resident_adapters = frozenset(held or ())
+                load.waiting_adapters = frozenset(waiting.get(base, ()))
                 load.adapter_slots = slots.get(base, 0)
 
     def status(self) -> dict[str, Any]:
