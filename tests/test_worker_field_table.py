@@ -379,6 +379,7 @@ NOT_FOR_WORKER: dict[str, str] = {
     "ServingPool.spec.instances.min": "operator: instance counts",
     "ServingPool.spec.instances.max": "operator: instance counts",
     "ServingPool.spec.instances.desired": "operator: instance counts",
+    "ServingPool.spec.autoscaling.batchJustInTime": "operator: Chiron's global autoscaler (batch launches)",
     "ServingPool.spec.autoscaling.intervalSeconds": "operator: Chiron's global autoscaler",
     "ServingPool.spec.autoscaling.overProvisioning": "operator: Chiron's global autoscaler",
     "ServingPool.spec.autoscaling.overProvisioningBand": "operator: Chiron's global autoscaler",

@@ -346,7 +346,7 @@ class InstanceScheduler:
         for slot in self.slots.values():
             self.metrics.engine_start_time.labels(slot.model).set(time.time())
             slot.ok = await slot.engine.healthy()
-            if slot.ok:
+            if slot.ok and slot.model not in self.adapter_of:  # an adapter's figures are its base's
                 await self._read_stats(slot)  # the first decisions already see the engine's capacity
             else:
                 self._start_probe(slot)
