@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from tessera.core.policy import Policy
+from tessera.core.policy import InstanceView, Policy
 from tessera.core.profile import StepProfile
 from tessera.worker.engines.base import Engine, TokenDelta
 from tessera.worker.scheduler import InstanceScheduler
@@ -41,3 +42,32 @@ def run_iterations(sched: InstanceScheduler, iterations: int) -> None:
         for job in streaming:
             if job.req.generated >= job.req.max_tokens:
                 sched._end(job, "length", None)
+
+
+class SetClock:
+    """A clock the test sets (``now``), read by the scheduler it is given to."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def replay_decisions(
+    sched: InstanceScheduler,
+    sim_views: Sequence[InstanceView],
+    sim_snapshots: Sequence[Any],
+    worker_snapshots: Sequence[Any],
+    clock: SetClock,
+) -> None:
+    """Bring ``sched`` to each of the simulator's decision points in turn (its iterations run, the clock
+    at the view's time) and decide there; the view the worker's policy recorded (its last of
+    ``worker_snapshots``) must equal the simulator's. Stops ``sched`` at the end."""
+    iteration = 0
+    for n, (view, snapshot) in enumerate(zip(sim_views, sim_snapshots, strict=True), start=1):
+        run_iterations(sched, view.iteration - iteration)
+        iteration = view.iteration
+        clock.now = view.now
+        sched.decide()
+        assert worker_snapshots[-1] == snapshot, f"decision {n}"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from scheduler_harness import one_model_scheduler, run_iterations
+from scheduler_harness import SetClock, one_model_scheduler, replay_decisions
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds, ProfileSpec
 from tessera.core.policy import (
@@ -143,20 +143,14 @@ async def test_the_same_queue_state_gives_the_same_view(policy: str) -> None:
             assert inst.used_blocks * profile.block_size == resident_kv_tokens(resident, profile.block_size)
     assert len(sim_rec.views) >= 5
 
-    now = 0.0
+    clock = SetClock()
     worker_rec = Recorder(make_policy(policy))
-    sched = _scheduler(worker_rec, profile, max_batch, lambda: now)
+    sched = _scheduler(worker_rec, profile, max_batch, clock)
     jobs = [Job(req, list(range(1, req.prompt_tokens + 1)), {}) for req in _requests(STATE_TRACE)]
     for job in jobs:
         sched.submit(job)
-    iteration = 0
     try:
-        for sim_view, sim_snapshot in zip(sim_rec.views, sim_rec.snapshots, strict=True):
-            run_iterations(sched, sim_view.iteration - iteration)
-            iteration = sim_view.iteration
-            now = sim_view.now
-            sched.decide()
-            assert worker_rec.snapshots[-1] == sim_snapshot
+        replay_decisions(sched, sim_rec.views, sim_rec.snapshots, worker_rec.snapshots, clock)
     finally:
         await sched.stop()
     assert len(worker_rec.views) == len(sim_rec.views)

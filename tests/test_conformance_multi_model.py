@@ -14,7 +14,7 @@ import dataclasses
 from typing import Any
 
 import pytest
-from scheduler_harness import run_iterations
+from scheduler_harness import SetClock, replay_decisions, run_iterations
 
 from tessera.api.worker_config import AutoscaleSpec, BatchBounds
 from tessera.core.policy import Decision, InstanceView, Policy
@@ -114,7 +114,7 @@ async def test_a_co_resident_trace_gives_the_same_views_and_decisions(
     # that cannot hold every request
     assert any(len({r.model for r in v.running}) > 1 for v in sim_rec.views)
 
-    now = 0.0
+    clock = SetClock()
     worker_rec = Recorder(make_policy(policy))
     sched = InstanceScheduler(
         {m: SimEngine(m, p, 4096) for m, p in profiles.items()},
@@ -125,19 +125,13 @@ async def test_a_co_resident_trace_gives_the_same_views_and_decisions(
         max_queued=100,
         max_running=dict.fromkeys(models, MAX_RUNNING),
         metrics=WorkerMetrics(),
-        clock=lambda: now,
+        clock=clock,
     )
     jobs = [Job(req, list(range(1, req.prompt_tokens + 1)), {}) for req in _requests(models)]
     for job in jobs:
         sched.submit(job)
-    iteration = 0
     try:
-        for sim_view, sim_snapshot in zip(sim_rec.views, sim_rec.snapshots, strict=True):
-            run_iterations(sched, sim_view.iteration - iteration)
-            iteration = sim_view.iteration
-            now = sim_view.now
-            sched.decide()
-            assert worker_rec.snapshots[-1] == sim_snapshot, f"decision {len(worker_rec.snapshots)}"
+        replay_decisions(sched, sim_rec.views, sim_rec.snapshots, worker_rec.snapshots, clock)
     finally:
         await sched.stop()
     assert worker_rec.runs == sim_rec.runs
@@ -243,7 +237,7 @@ async def test_a_trace_of_lora_adapters_gives_the_same_views_and_decisions(polic
     # the slots bind: two adapters run together while the third's requests wait
     assert any(len({r.model for r in v.running} & set(LORA_ADAPTERS)) == 2 for v in sim_rec.views)
 
-    now = 0.0
+    clock = SetClock()
     worker_rec = Recorder(make_policy(policy))
     models = ["a", *LORA_ADAPTERS]
     sched = InstanceScheduler(
@@ -254,21 +248,15 @@ async def test_a_trace_of_lora_adapters_gives_the_same_views_and_decisions(polic
         autoscale=AutoscaleSpec(),
         max_queued=100,
         metrics=WorkerMetrics(),
-        clock=lambda: now,
+        clock=clock,
         adapter_of=LORA_ADAPTERS,
         max_loras={"a": 2},
         adapter_cache={"a": 3},
     )
     for req in _lora_requests():
         sched.submit(Job(req, list(range(1, req.prompt_tokens + 1)), {}))
-    iteration = 0
     try:
-        for sim_view, sim_snapshot in zip(sim_rec.views, sim_rec.snapshots, strict=True):
-            run_iterations(sched, sim_view.iteration - iteration)
-            iteration = sim_view.iteration
-            now = sim_view.now
-            sched.decide()
-            assert worker_rec.snapshots[-1] == sim_snapshot, f"decision {len(worker_rec.snapshots)}"
+        replay_decisions(sched, sim_rec.views, sim_rec.snapshots, worker_rec.snapshots, clock)
     finally:
         await sched.stop()
     assert worker_rec.runs == sim_rec.runs
