@@ -197,13 +197,8 @@ def group_profiles(
         p = s.profile.at_tp(tp)
         block = max(1, round(block_bytes / per_token[s.name]))
         out[s.name] = replace(
-            p,
+            p.slowed(slow),
             name=s.name,
-            decode_c0=p.decode_c0 * slow,
-            decode_c1=p.decode_c1 * slow,
-            decode_c2=p.decode_c2 * slow,
-            prefill_p0=p.prefill_p0 * slow,
-            prefill_p1=p.prefill_p1 * slow,
             block_size=block,
             kv_capacity_tokens=blocks * block,
             kv_bytes_per_token=s.kv_bytes_per_token,

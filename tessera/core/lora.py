@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from tessera.core.profile import StepProfile
 from tessera.core.request import Request
@@ -163,13 +163,4 @@ def charged_profile(profile: StepProfile, cost: LoraCost) -> StepProfile:
     as the engine's nearly always holds one of their requests once they carry a real share of its load
     (a batch of ``B`` holds none with probability ``(1 - share) ** B``)."""
     k = cost.step_factor(True)
-    if k == 1.0:
-        return profile
-    return replace(
-        profile,
-        decode_c0=profile.decode_c0 * k,
-        decode_c1=profile.decode_c1 * k,
-        decode_c2=profile.decode_c2 * k,
-        prefill_p0=profile.prefill_p0 * k,
-        prefill_p1=profile.prefill_p1 * k,
-    )
+    return profile if k == 1.0 else profile.slowed(k)

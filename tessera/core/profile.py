@@ -76,6 +76,18 @@ class StepProfile:
             gpus=tp,
         )
 
+    def slowed(self, factor: float) -> StepProfile:
+        """The same model with every prefill and decode step taking ``factor`` times as long (a share of
+        the accelerator, or work added to each step)."""
+        return replace(
+            self,
+            decode_c0=self.decode_c0 * factor,
+            decode_c1=self.decode_c1 * factor,
+            decode_c2=self.decode_c2 * factor,
+            prefill_p0=self.prefill_p0 * factor,
+            prefill_p1=self.prefill_p1 * factor,
+        )
+
     def exec_time(self, prompt_tokens: int, output_tokens: int) -> float:
         """Isolated execution time of one request (batch 1, no queueing): its prefill plus
         ``output_tokens - 1`` decode steps, in closed form (the context grows one token a step)."""

@@ -246,15 +246,7 @@ def co_resident(profile: StepProfile, awake: int) -> StepProfile:
     if tokens < 4096:
         raise ValueError(f"--set awake_per_gpu={awake}: {awake} copies of {profile.name}'s weights leave "
                          f"{max(tokens, 0)} KV tokens each (< 4096); lower awake_per_gpu")  # fmt: skip
-    return replace(
-        profile,
-        decode_c0=profile.decode_c0 * awake,
-        decode_c1=profile.decode_c1 * awake,
-        decode_c2=profile.decode_c2 * awake,
-        prefill_p0=profile.prefill_p0 * awake,
-        prefill_p1=profile.prefill_p1 * awake,
-        kv_capacity_tokens=tokens,
-    )
+    return replace(profile.slowed(awake), kv_capacity_tokens=tokens)
 
 
 @dataclass(slots=True)
