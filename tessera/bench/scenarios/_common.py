@@ -40,6 +40,14 @@ def saturation_rate(requests: Sequence[Request], cluster: ClusterConfig) -> floa
     return float(metrics["throughput_rps"])
 
 
+def rate_points(rate: float | None, loads: Sequence[float], capacity: float) -> tuple[list[float], list[str]]:
+    """The rates (requests/s) a load sweep runs and their row labels: ``--rate R`` alone, else each
+    load as a fraction of ``capacity``."""
+    if rate is not None:
+        return [rate], [f"rate={rate:g}"]
+    return [x * capacity for x in loads], [f"load={x:g}" for x in loads]
+
+
 def with_rate(requests: Sequence[Request], rate: float) -> list[Request]:
     """Copies with arrivals rescaled to ``rate`` requests/s (shape of the trace kept)."""
     from tessera.sim.workloads import scale_to_rate

@@ -47,6 +47,7 @@ from tessera.bench.scenarios._common import (
     parse_loads,
     plot_metric_vs_load,
     priority_delays,
+    rate_points,
     saturation_rate,
     strongest,
     tolerance,
@@ -81,8 +82,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     base = trace_requests(config, AZURE_CONV, n)
     assign_classes(base, classes, np.random.default_rng(config.seed + 7))
     capacity = saturation_rate(base, cluster)
-    rates = [config.rate] if config.rate is not None else [x * capacity for x in loads]
-    labels = [f"rate={config.rate:g}"] if config.rate is not None else [f"load={x:g}" for x in loads]
+    rates, labels = rate_points(config.rate, loads, capacity)
     delays = priority_delays(opts)
     progress(0, total=n * (len(POLICIES) + 1 + len(delays)) * len(rates))
     rows = []

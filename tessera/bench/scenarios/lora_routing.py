@@ -38,7 +38,7 @@ import numpy as np
 
 from tessera.bench.runner import AZURE_CONV, cluster_config_from, option, run_one, trace_requests
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
-from tessera.bench.scenarios._common import parse_loads, saturation_rate, with_rate
+from tessera.bench.scenarios._common import parse_loads, rate_points, saturation_rate, with_rate
 from tessera.core.lora import ADAPTER_LOAD_S, LORA_STEP_OVERHEAD, LoraCost
 from tessera.core.registry import make_policy
 from tessera.core.request import Request, ServiceClass
@@ -90,8 +90,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     rng = np.random.default_rng(config.seed)
     for r, k in zip(base, rng.choice(count, size=len(base), p=adapter_weights(count, zipf)), strict=True):
         r.model = names[k]
-    rates = [config.rate] if config.rate is not None else [x * capacity for x in loads]
-    labels = [f"rate={config.rate:g}"] if config.rate is not None else [f"load={x:g}" for x in loads]
+    rates, labels = rate_points(config.rate, loads, capacity)
     progress(0, total=len(base) * len(ROWS) * len(rates))
     rows: list[dict[str, Any]] = []
     for rate, label in zip(rates, labels, strict=True):

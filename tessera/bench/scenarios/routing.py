@@ -55,6 +55,7 @@ from tessera.bench.scenarios._common import (
     baseline_checks,
     parse_loads,
     plot_metric_vs_load,
+    rate_points,
     saturation_rate,
     tolerance,
     with_rate,
@@ -124,8 +125,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     for r in base:
         r.service_class = interactive
     capacity = saturation_rate(base, replace(cached, engine=replace(cached.engine, prefix_caching=False)))
-    rates = [config.rate] if config.rate is not None else [x * capacity for x in loads]
-    labels = [f"rate={config.rate:g}"] if config.rate is not None else [f"load={x:g}" for x in loads]
+    rates, labels = rate_points(config.rate, loads, capacity)
     progress(0, total=len(base) * len(ROWS) * len(rates))
     rows: list[dict[str, Any]] = []
     for rate, label in zip(rates, labels, strict=True):
