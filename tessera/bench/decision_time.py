@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tessera.bench.runner import option
+from tessera.bench.runner import option, require_positive
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 
 DESCRIPTION = "the pod scheduler's decision time with several models' queues (target <= 1 ms p50)"
@@ -151,9 +151,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     batch = option(opts, "batch", 32, int)
     default = "fcfs,edf,isrtf,seallm,round-robin-sharing,qlm"
     policies = [p for p in str(option(opts, "policies", default, str)).split(",") if p]
-    for key, value in (("models", models), ("queued", queued), ("decisions", decisions), ("batch", batch)):
-        if value < 1:
-            raise ValueError(f"--set {key}={value}: must be >= 1")
+    require_positive(models=models, queued=queued, decisions=decisions, batch=batch)
     progress(0, total=len(policies))
     results, checks = decision_rows(policies, models, queued, decisions, batch, config.seed, progress)
     cfg = {**config.as_dict(), "models": models, "queued": queued, "decisions": decisions, "batch": batch}

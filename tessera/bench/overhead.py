@@ -31,7 +31,7 @@ import numpy as np
 
 from tessera.bench.decision_time import decision_rows
 from tessera.bench.machine import MachineWatch, Stalls
-from tessera.bench.runner import option
+from tessera.bench.runner import option, require_positive
 from tessera.bench.scenarios import BenchConfig, BenchReport, Progress
 
 DESCRIPTION = "worker in front of real vLLM vs vLLM directly (tiny model, 32 streams) + decision time"
@@ -103,14 +103,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     decisions = option(opts, "decisions", 200, int)
     seqs = option(opts, "max_num_seqs", 64, int)
     policies = [p for p in str(option(opts, "policies", "fcfs,isrtf,qoe,qlm", str)).split(",") if p]
-    for key, value in (
-        ("streams", streams),
-        ("max_tokens", max_tokens),
-        ("rounds", rounds),
-        ("queued", queued),
-    ):
-        if value < 1:
-            raise ValueError(f"--set {key}={value}: must be >= 1")
+    require_positive(streams=streams, max_tokens=max_tokens, rounds=rounds, queued=queued)
     rng = random.Random(config.seed)
     progress(0, total=2 * rounds + len(policies) + 1)
     direct: list[list[Any]] = []

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tessera.bench.runner import option
+from tessera.bench.runner import option, require_positive
 from tessera.bench.scenarios import Progress
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "bench" / "data" / "humaneval_smollm2.jsonl.gz"
@@ -47,9 +47,7 @@ def online_rows(opts: dict[str, Any], progress: Progress) -> tuple[list[dict[str
     refit_every = option(opts, "refit_every", 100, int)
     sample_size = option(opts, "sample_size", 2000, int)
     threads = option(opts, "threads", 1, int)
-    for key, value in (("rounds", rounds), ("decisions", decisions), ("batch", batch), ("threads", threads)):
-        if value < 1:
-            raise ValueError(f"--set {key}={value}: must be >= 1")
+    require_positive(rounds=rounds, decisions=decisions, batch=batch, threads=threads)
     pairs = load_pairs(data)
     settings = {
         "off": OnlineSettings(refit_every=1_000_000, min_samples=100, sample_size=sample_size),

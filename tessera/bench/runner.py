@@ -46,6 +46,13 @@ CLUSTER_OPTIONS: dict[str, Any] = {
 }
 
 
+def require_positive(**values: int) -> None:
+    """ValueError naming the first ``--set key=value`` below 1 (counts a bench needs at least one of)."""
+    for key, value in values.items():
+        if value < 1:
+            raise ValueError(f"--set {key}={value}: must be >= 1")
+
+
 def option(options: dict[str, Any], key: str, default: Any, kind: type | None = None) -> Any:
     """``options[key]`` converted to ``kind`` (the default's type), with a clear error."""
     if key not in options or options[key] is None:
