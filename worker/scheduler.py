@@ -276,7 +276,7 @@ class InstanceScheduler:
         # Engine (base) -> its slots: the base's first, then its adapters'.
         self.groups: dict[str, list[EngineSlot]] = {}
         for model, slot in self.slots.items():
-            self.groups.setdefault(self.adapter_of.get(model, model), []).append(slot)
+            self.groups.setdefault(self._engine_of(model), []).append(slot)
         self.stats_interval_s = stats_interval_s
         self.metrics = metrics
         self.clock = clock
@@ -583,7 +583,7 @@ class InstanceScheduler:
             if len(self.inflight) >= self.max_batch:
                 break
             slot = self.slots[req.model]
-            engine = self.adapter_of.get(req.model, req.model)
+            engine = self._engine_of(req.model)
             if not slot.ok or not self._awake(engine):
                 continue  # its engine is down or asleep: it waits
             base = self.slots[engine]
@@ -669,6 +669,10 @@ class InstanceScheduler:
             running=self._in_engine(engine),
             max_running=slot.max_running,
         )
+
+    def _engine_of(self, model: str) -> str:
+        """The engine (``groups`` key) that runs ``model``: its base for an adapter, else itself."""
+        return self.adapter_of.get(model, model)
 
     def _in_engine(self, engine: str) -> int:
         """Requests in flight on ``engine``, its adapters' included."""
@@ -791,7 +795,7 @@ class InstanceScheduler:
         self.inflight[job] = None
         if not slot.inflight:
             slot.busy_since = now
-        if not self._in_engine(self.adapter_of.get(req.model, req.model)):
+        if not self._in_engine(self._engine_of(req.model)):
             self._busy_engines += 1
         slot.inflight[job] = None
         slot.running[job.class_name] += 1
@@ -867,7 +871,7 @@ class InstanceScheduler:
             return
         # Instance iterations, as the simulator counts them: one step of every busy engine (each of an
         # engine's in-flight streams gets a token a step; with one model, the engine's own steps).
-        iters = n / max(1, self._in_engine(self.adapter_of.get(req.model, req.model)) * self._busy_engines)
+        iters = n / max(1, self._in_engine(self._engine_of(req.model)) * self._busy_engines)
         self._iters += iters
         self._iterations += iters
         if self._recheck_tokens is not None and self._iters >= self._recheck_tokens:
@@ -882,7 +886,7 @@ class InstanceScheduler:
         del slot.inflight[job]
         slot.running[job.class_name] -= 1
         slot.tenant_running[job.class_name, job.req.tenant] -= 1
-        if not self._in_engine(self.adapter_of.get(job.req.model, job.req.model)):
+        if not self._in_engine(self._engine_of(job.req.model)):
             self._busy_engines -= 1
         if not slot.inflight and slot.busy_since is not None:
             self.metrics.engine_busy.labels(slot.model).inc(max(0.0, now - slot.busy_since))

@@ -517,8 +517,8 @@ class RouterState:
             load = self.loads.get((backend, adapter))
             if load is not None:
                 load.adapter_of = base
-                # In a GPU slot: running there; an engine that reports no requests (an older worker)
-                # is read by what it holds.
+                # In a GPU slot: running there. A worker that has reported no adapter request yet
+                # (none arrived since it started) is read by what its engine holds.
                 held = running.get(base) if running or waiting else resident.get(base)
                 load.resident_adapters = frozenset(held or ())
                 load.waiting_adapters = frozenset(waiting.get(base, ()))
