@@ -4,14 +4,13 @@ only once its new group is ready (readiness set by hand, as the StatefulSet cont
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import time
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from test_operator_load_placement import POOL, class_body, pool_body
+from test_operator_load_placement import class_body, pool_body
 from test_operator_rollout import service
 
 from tessera.bench.cluster import Harness, emulated_cluster
@@ -55,11 +54,10 @@ async def set_ready(h: Harness, sts: dict[str, Any]) -> None:
     assert response.status == 200, await response.text()
 
 
-async def resync(h: Harness, namespace: str) -> None:
-    """One pool pass now, as the periodic resync would run it (it is a minute away)."""
-    services = await h.list("LLMService", namespace)
-    classes = await h.list("RequestClass", namespace)
-    await asyncio.to_thread(h.controller().reconcile_pool, namespace, POOL, services, classes, time.time())
+async def resync(h: Harness, pool: dict[str, Any]) -> None:
+    """One pool pass by the running operator now, rather than at its periodic resync (a minute away):
+    an annotation changed on the pool marks it, as ``kubectl annotate`` would."""
+    await h.patch(pool, {"metadata": {"annotations": {"test.tessera.dev/nudge": str(time.time_ns())}}})
 
 
 def condition(body: dict[str, Any] | None, type_: str) -> dict[str, Any]:
@@ -84,7 +82,7 @@ async def test_the_pool_serves_the_good_service_and_reports_the_bad_one_until_it
     async def good_ready():
         return condition(await cluster.get(good), "Ready").get("status") == "True"
 
-    await resync(cluster, namespace)
+    await resync(cluster, docs[0])
     await cluster.eventually(good_ready)
 
     async def bad_reported():
@@ -138,7 +136,7 @@ async def test_a_replan_keeps_the_unchanged_group_and_drops_the_old_one_once_the
     async def pool_ready():
         return condition(await cluster.get(docs[0]), "Ready").get("status") == "True"
 
-    await resync(cluster, namespace)
+    await resync(cluster, docs[0])
     await cluster.eventually(pool_ready)
     before = {k: v for k, v in (await cluster.children(namespace)).items() if kept_name in k[1]}
     assert len(before) == 4
