@@ -22,14 +22,15 @@ def _load(rate: float, prompt: float, output: float, arrivals: tuple[float, ...]
 
 def test_adapter_loads_add_to_their_base_s() -> None:
     merged = with_adapter_loads(
-        _load(1.0, 100, 50, (0.0, 2.0)), [_load(3.0, 200, 10, (1.0,)), _load(0.0, 1, 1)]
+        _load(1.0, 100, 50, (0.0, 2.0)), {"support": _load(3.0, 200, 10, (1.0,)), "idle": _load(0.0, 1, 1)}
     )
     assert merged.rate == 4.0 and merged.adapter_rate == 3.0
     assert merged.prompt_tokens == pytest.approx((100 + 3 * 200) / 4)
     assert merged.output_tokens == pytest.approx((50 + 3 * 10) / 4)
-    assert [h.arrival for h in merged.history] == [0.0, 1.0, 2.0]
+    assert [(h.arrival, h.adapter) for h in merged.history] == [(0.0, None), (1.0, "support"), (2.0, None)]
+    assert merged.adapters == ("support", "idle")
     base = _load(1.0, 100, 50)
-    assert with_adapter_loads(base, []) is base
+    assert with_adapter_loads(base, {}) is base
 
 
 def test_a_charged_profile_pays_the_overhead_on_every_step() -> None:
