@@ -156,3 +156,14 @@ def test_the_operator_s_placement_estimates_a_base_worse_with_fewer_lora_slots_t
     assert worse is not None and better is not None
     assert better >= 0.99 and worse < better - 0.1
     assert few.plan.estimated_norm_latency > 2 * enough.plan.estimated_norm_latency
+
+
+def test_a_co_resident_group_replays_its_base_s_adapters_as_the_base_s_own_requests() -> None:
+    """The simulator does not model adapters beside another model's co-resident engine: there the slot
+    limit is not charged (the requests run as the base's); a swapping group charges it."""
+    other = ServiceInput("other", 2 * 2**30, H100.kv_bytes_per_token, H100, mean_output_tokens=50)
+    group = [Group(0, 1, services=["base", "other"])]
+    co_resident = replace(ONE_GPU, engines_sleep=False)
+    alone = simulate_performance(ONE_GPU, [_base(2)], [Group(0, 1, services=["base"])])
+    assert simulate_performance(co_resident, [_base(2), other], group).slo_attainment >= 0.99
+    assert simulate_performance(ONE_GPU, [_base(2), other], group).slo_attainment == alone.slo_attainment

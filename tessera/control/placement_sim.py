@@ -20,6 +20,10 @@ mode ``tessera.core.sharing.sharing_mode`` gives for the pool, as the operator's
 - the policy is a core policy: a group's pods run its first service's (``ServiceInput.policy``; SeaLLM's
   ``DoublingBudget`` with the placement's statistics where that is seallm or unset), unless the caller
   names one (the benches' ``FCFS``, ``RoundRobinSharing``);
+- a base's LoRA adapters (``ServiceInput.lora``) are models of its instances' engine, as the pods run
+  them (``tessera.sim.engine``): their requests (``HistoryRequest.adapter``) take the engine's
+  ``max_loras`` slots (``engine_batch``) and a first use loads the adapter (``lora_engine``), except on a
+  co-resident group of several models, where they replay as the base's own (``simulated_adapters``);
 - the dispatcher is the core ``least-loaded`` route (fewest outstanding requests, SeaLLM §3) over the
   instances whose KV pool can hold the request; a request none can hold is rejected (never served).
 
