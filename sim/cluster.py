@@ -329,11 +329,13 @@ class Cluster:
         cold: bool = True,
         profiles: Mapping[str, StepProfile] | None = None,
         policy: PolicyFactory | None = None,
+        engine: EngineConfig | None = None,
     ) -> SimInstance:
         """Create an instance now; with ``cold`` it is ready after its profile's cold start.
         ``profiles`` replaces the cluster's profiles of these models on this instance (its own
         tensor-parallel degree or KV pool); ``policy`` the cluster's policy factory (the policy its
-        pod runs)."""
+        pod runs); ``engine`` the cluster's engine settings (its own adapter slots)."""
+        engine = engine or self.config.engine
         known = self.config.profiles if profiles is None else profiles
         of = self.config.adapters
         # an adapter is served by its base's instance
@@ -343,12 +345,12 @@ class Cluster:
             raise ValueError(f"cannot add an instance for models {names}; known: {list(known)}")
         profiles = {m: known[m] for m in names}
         first = profiles[names[0]]
-        kind = CoResidentInstance if self.config.engine.co_resident and len(profiles) > 1 else SimInstance
+        kind = CoResidentInstance if engine.co_resident and len(profiles) > 1 else SimInstance
         inst = kind(
             f"i{next(self._names)}",
             profiles,
             (policy or self.policy_factory)(),
-            self.config.engine,
+            engine,
             role=role,
             created_at=self.now,
             ready_at=self.now + (first.cold_start_s if cold else 0.0),

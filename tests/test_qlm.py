@@ -196,6 +196,73 @@ def test_violation_walk_charges_drain_and_swap_hand_computed() -> None:
     assert first_violation([a, a, late_b], "a", 2, 7, tail_aware=False) is None
 
 
+def test_the_walk_charges_an_adapter_load_not_a_swap_between_adapters_of_one_engine() -> None:
+    costs = GroupCosts(10, 9, 30, 1)
+    a1, a2, base, other = (QueuedGroup(m, costs, slack=100) for m in ("a1", "a2", "base", "other"))
+    of = {"a1": "base", "a2": "base"}
+    # a1 runs now (held: no load), a2 loads in 0.5 s, the base needs none, another model is a swap
+    starts = start_times(
+        [a1, a2, base, other], "base", 2, 7, adapter_of=of, adapter_load_s=0.5, held_adapters={"a1"}
+    )
+    assert starts == pytest.approx([2, 12.5, 22.5, 32.5 + 20 + 7])
+    assert start_times([a1, a2], "base", 2, 7) == pytest.approx([2 + 7, 19 + 20 + 7])  # no adapters known
+    assert first_violation([a1, a2], "base", 2, 7, True, adapter_of=of, adapter_load_s=0.5) is None
+
+
+def test_estimated_waits_behind_another_adapter_of_the_engine_match_the_simulator() -> None:
+    """Two adapters' groups on one base's engine: the second starts once the first's members have all
+    started, plus its load, as the simulator serves it; a model swap (20 s and more) is no part of it."""
+    reqs = [_req(i, 0.0, model="a1" if i < 48 else "a2") for i in range(96)]
+    seeds = {(m, "batch"): (50.0, 100.0, 0.0) for m in ("a1", "a2")}
+    snaps: list[tuple[float, dict[int, float], float]] = []
+
+    class Probe(QLMPolicy):
+        def schedule(self, view: InstanceView) -> Decision:
+            if not snaps and view.now >= 1.0:
+                snaps.append((view.now, self.estimated_waits(view.now), self.swap_time()))
+            return super().schedule(view)
+
+    config = ClusterConfig(
+        {"base": load_profile("a100-llama3-8b")},
+        engine=EngineConfig(max_batch=16),
+        adapters={"a1": "base", "a2": "base"},
+    )
+    done, _ = run_one(reqs, lambda: Probe(reorder=False, token_seeds=seeds, eps_window_s=math.inf), config)
+    t, estimates, swap = snaps[0]
+    second = [r for r in done if r.model == "a2"]
+    est = np.array([estimates[id(r)] for r in second])
+    waits = np.array([r.first_scheduled_at - t for r in second])
+    assert est.sum() / waits.sum() == pytest.approx(1.0, abs=0.15)
+    assert np.abs(est - waits).max() < 1.0 < swap / 10
+
+
+def test_the_milp_orders_adapters_groups_as_their_engine_s_without_swaps() -> None:
+    """Three adapters' chat and batch requests interleaved on one base's engine. Priced as models of
+    their own, every change between them was a swap: every solve fell back to EDF (13 of 13), its
+    reorders evicted running work, and chat met 54 % of its TTFT SLO; as their base's, plans hold."""
+    chat = ServiceClass("chat", "interactive", ttft_slo_s=2.0)
+    reqs = [
+        Request(f"r{i}", i * 0.05, 200, 200, model=f"a{i % 3}", service_class=chat if i % 2 else BATCH,
+                true_output_tokens=200)
+        for i in range(300)
+    ]  # fmt: skip
+    adapters = {f"a{k}": "base" for k in range(3)}
+    config = ClusterConfig(
+        {"base": load_profile("a100-llama3-8b")}, engine=EngineConfig(max_batch=32), adapters=adapters
+    )
+    policies: list[QLMPolicy] = []
+
+    def make() -> QLMPolicy:
+        policies.append(QLMPolicy())
+        return policies[-1]
+
+    _, metrics = run_one(reqs, make, config)
+    (policy,) = policies
+    assert policy.counters["model_swaps"] == 0
+    assert policy.counters["fallbacks"] < policy.counters["solves"]
+    assert metrics["slo_attainment_by_class"]["chat"] > 0.6
+
+
 # ---- MILP ---------------------------------------------------------------------------------------------
 def _brute_force(groups, queues, tail_aware=True):  # type: ignore[no-untyped-def]
     best = None

@@ -8,7 +8,7 @@ decisions out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sized
 
 from tessera.api import LLMService, ServingPool
 
@@ -103,8 +103,9 @@ def lora_args(pool: ServingPool, adapters: list[LLMService]) -> list[str]:
     ]
 
 
-def lora_slots(pool: ServingPool, adapters: list[LLMService]) -> tuple[int, int]:
+def lora_slots(pool: ServingPool, adapters: Sized) -> tuple[int, int]:
     """(``--max-loras``, ``--max-cpu-loras``) of a base serving ``adapters`` (``lora_args``): what its
-    vLLM server starts with and what the pod's scheduler bounds its batches and loads by."""
+    vLLM server starts with, what the pod's scheduler bounds its batches and loads by, and what the
+    placement's simulated estimator gives its engine."""
     slots = pool.spec.max_loras or len(adapters)
     return slots, max(slots, len(adapters))

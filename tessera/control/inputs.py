@@ -25,9 +25,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tessera.api import LLMService, RequestClassSpec, ServingPool, parse_quantity
+from tessera.control.adapters import lora_slots
 from tessera.control.metrics_queries import ModelLoad, load_step_s
 from tessera.core.lora import LoraCost, charged_profile
-from tessera.core.planners import ChironSettings, HistoryRequest, IntervalMetrics, PoolInput, ServiceInput
+from tessera.core.planners import (
+    ChironSettings,
+    HistoryRequest,
+    IntervalMetrics,
+    LoraAdapters,
+    PoolInput,
+    ServiceInput,
+)
 from tessera.core.profile import StepProfile
 from tessera.core.profiles import PROFILES
 from tessera.core.request import ServiceClass
@@ -122,6 +130,7 @@ class ServiceLoad:
     history: tuple[HistoryRequest, ...] = ()
     outstanding: float | None = None  # requests the workers held at the window's end (measured only)
     adapter_rate: float = 0.0  # of ``rate``, the requests of the service's LoRA adapters (a base's)
+    adapters: tuple[str, ...] = ()  # a base's LoRA adapters (idle ones too), as its history names them
 
     def to_status(self) -> dict[str, Any]:
         """The LLMService's ``status.load`` JSON (PlannedLoad)."""
@@ -250,21 +259,24 @@ def slo_scale(
     return strictest[0] / profile.exec_time(prompt, max(1, output)) if strictest else DEFAULT_SLO_SCALE
 
 
-def with_adapter_loads(base: ServiceLoad, adapters: Sequence[ServiceLoad]) -> ServiceLoad:
-    """The load a base model's instances serve: its own and its LoRA adapters' (each adapter's requests
-    run on the base's engine, so they are the base's compute): rates summed, mean lengths weighted by
-    rate, histories merged in arrival order (the latest ``MAX_HISTORY_REQUESTS``), backlogs summed; the
+def with_adapter_loads(base: ServiceLoad, adapters: Mapping[str, ServiceLoad]) -> ServiceLoad:
+    """The load a base model's instances serve: its own and its LoRA adapters' (``adapters``: each
+    adapter's load by its name; their requests run on the base's engine, so they are the base's
+    compute): rates summed, mean lengths weighted by rate, histories merged in arrival order (the latest
+    ``MAX_HISTORY_REQUESTS``), each adapter's requests naming it (``HistoryRequest.adapter``: the
+    simulated estimator runs them as the engine does, in its adapter slots), backlogs summed; the
     sources stay the base's."""
     if not adapters:
         return base
-    loads = [base, *adapters]
+    loads = [base, *adapters.values()]
     rate = sum(x.rate for x in loads)
     weights = [x.rate for x in loads] if rate > 0 else [1.0] * len(loads)
 
     def mean(values: list[float]) -> float:
         return sum(w * v for w, v in zip(weights, values, strict=True)) / sum(weights)
 
-    history = sorted((h for x in loads for h in x.history), key=lambda h: h.arrival)[-MAX_HISTORY_REQUESTS:]
+    named = [*base.history, *(replace(h, adapter=a) for a, x in adapters.items() for h in x.history)]
+    history = sorted(named, key=lambda h: h.arrival)[-MAX_HISTORY_REQUESTS:]
     backlog = [x.outstanding for x in loads if x.outstanding is not None]
     return replace(
         base,
@@ -273,7 +285,8 @@ def with_adapter_loads(base: ServiceLoad, adapters: Sequence[ServiceLoad]) -> Se
         output_tokens=mean([x.output_tokens for x in loads]),
         history=tuple(history),
         outstanding=sum(backlog) if backlog else None,
-        adapter_rate=sum(x.rate for x in adapters),
+        adapter_rate=sum(x.rate for x in adapters.values()),
+        adapters=tuple(adapters),
     )
 
 
@@ -289,8 +302,14 @@ def service_input(
     profile = service_profile(pool, service)
     weights = parse_quantity(model.weights_size) if model.weights_size else profile.weights_bytes
     load = load or service_load(service, None, 0.0)
+    cost = LoraCost()
     if load.adapter_rate > 0:  # its engine's steps pay the adapters' LoRA overhead
-        profile = charged_profile(profile, LoraCost())
+        profile = charged_profile(profile, cost)
+    # Its engine's adapter slots as the operator renders them: the simulated estimator runs its
+    # adapters' requests in them
+    lora = (
+        LoraAdapters(load.adapters, *lora_slots(pool, load.adapters), cost.load_s) if load.adapters else None
+    )
     prompt, output = round(load.prompt_tokens), max(1, round(load.output_tokens))
     reference = profile.at_tp(model.tensor_parallel_size)
     strictest = strictest_class(service, classes, reference, prompt, output) if classes is not None else None
@@ -315,6 +334,7 @@ def service_input(
         policy=service.spec.scheduling.resolved_policy(
             any(classes[c.name].kind == "batch" for c in service.spec.request_classes if c.name in classes)
         ),
+        lora=lora,
     )
 
 

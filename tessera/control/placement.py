@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tessera.control.placement_sim import (
     ENGINE,
@@ -543,11 +543,7 @@ def simulate_performance(
         for s in services
         for _ in range(s.backlog)
     ]
-    reqs = backlog + [
-        (s.name, HistoryRequest(h.arrival - t0, h.prompt_tokens, h.output_tokens))
-        for s in services
-        for h in s.history
-    ]
+    reqs = backlog + [(s.name, replace(h, arrival=h.arrival - t0)) for s in services for h in s.history]
     plan = to_plan("seallm", groups, None)
     horizon = 2 * (t1 - t0) + 60.0
     served, cluster = serve(pool, services, plan, reqs, stats=stats, horizon=horizon)
@@ -564,7 +560,10 @@ def simulate_performance(
 def attainment_by_group(cluster: Cluster, outcomes: Sequence[RequestOutcome]) -> dict[GroupKey, float]:
     """SLO attainment of ``outcomes`` by the group (services, TP) of the instance that served each (a
     request no instance took is in none)."""
-    key_of = {i.name: (tuple(sorted(i.profiles)), i.gpus) for i in (*cluster.instances, *cluster.retired)}
+    key_of = {  # an instance's models, less the adapters its bases run
+        i.name: (tuple(sorted(m for m in i.profiles if m not in i.adapter_of)), i.gpus)
+        for i in (*cluster.instances, *cluster.retired)
+    }
     tally: dict[GroupKey, list[int]] = {}
     for o in outcomes:
         key = key_of.get(o.instance) if o.instance is not None else None

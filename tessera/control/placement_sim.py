@@ -20,6 +20,10 @@ mode ``tessera.core.sharing.sharing_mode`` gives for the pool, as the operator's
 - the policy is a core policy: a group's pods run its first service's (``ServiceInput.policy``; SeaLLM's
   ``DoublingBudget`` with the placement's statistics where that is seallm or unset), unless the caller
   names one (the benches' ``FCFS``, ``RoundRobinSharing``);
+- a base's LoRA adapters (``ServiceInput.lora``) are models of its instances' engine, as the pods run
+  them (``tessera.sim.engine``): their requests (``HistoryRequest.adapter``) take the engine's
+  ``max_loras`` slots (``engine_batch``) and a first use loads the adapter (``lora_engine``), except on a
+  co-resident group of several models, where they replay as the base's own (``simulated_adapters``);
 - the dispatcher is the core ``least-loaded`` route (fewest outstanding requests, SeaLLM §3) over the
   instances whose KV pool can hold the request; a request none can hold is rejected (never served).
 
@@ -31,10 +35,11 @@ execution time at the service's tp_min); ``L_N = L_r / L̂_s``. Pure: a virtual 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from tessera.core.lora import LoraCost
 from tessera.core.planners.types import HistoryRequest, PlacementPlan, PoolInput, ServiceInput
 from tessera.core.policies.seallm import DoublingBudget, ServiceStats
 from tessera.core.policy import Policy
@@ -255,19 +260,63 @@ class Dispatcher(RouteRouter):
 
 
 def to_requests(
-    requests: Iterable[tuple[str, HistoryRequest]], services: Sequence[ServiceInput] = ()
+    requests: Iterable[tuple[str, HistoryRequest]],
+    services: Sequence[ServiceInput] = (),
+    adapters: Mapping[str, str] | None = None,
 ) -> list[Request]:
-    """Simulator requests (model = service name), in arrival order; each in its service's ``slo_class``
-    where ``services`` gives one (else the default class, which sets no SLO)."""
+    """Simulator requests (model = service name, or the adapter a request named where ``adapters``, the
+    adapters run as adapters (``simulated_adapters``), holds it), in arrival order; each in its
+    service's ``slo_class`` where ``services`` gives one (else the default class, which sets no SLO)."""
     classes = {s.name: s.slo_class for s in services if s.slo_class is not None}
+    adapters = adapters or {}
     ordered = sorted(requests, key=lambda x: x[1].arrival)
     return [
         Request(
-            f"r{i}", h.arrival, h.prompt_tokens, max(1, h.output_tokens), model=name,
+            f"r{i}", h.arrival, h.prompt_tokens, max(1, h.output_tokens),
+            model=h.adapter if h.adapter in adapters else name,
             true_output_tokens=max(1, h.output_tokens), service_class=classes.get(name, ServiceClass()),
         )
         for i, (name, h) in enumerate(ordered)
     ]  # fmt: skip
+
+
+def adapter_bases(services: Sequence[ServiceInput]) -> dict[str, str]:
+    """Each LoRA adapter of ``services`` -> the service (its base) whose requests it serves."""
+    return {a: s.name for s in services if s.lora is not None for a in s.lora.names}
+
+
+def simulated_adapters(
+    services: Sequence[ServiceInput], plan: PlacementPlan, sharing: Sharing
+) -> dict[str, str]:
+    """The adapters a replay of ``plan`` runs as adapters, in their base's engine slots (adapter -> its
+    base): every base's, except those of a base that a co-resident group shares with another model (the
+    simulator does not model adapters there: their requests are replayed as the base's own, so the slot
+    limit is not charged on such a group)."""
+    shared = (
+        {n for g in plan.groups if len(g.services) > 1 for n in g.services}
+        if sharing == "co-resident"
+        else set()
+    )
+    return {a: b for a, b in adapter_bases(services).items() if b not in shared}
+
+
+def lora_engine(
+    engine: EngineConfig, services: Sequence[ServiceInput], adapters: Mapping[str, str]
+) -> EngineConfig:
+    """``engine`` for an instance of ``services`` whose bases run their ``adapters`` (adapter -> base):
+    the bases' adapter slots (``LoraAdapters``; one instance has one slot count, the largest of its
+    bases': a pool's ``maxLoras`` gives every base the same, and unset gives each one slot per adapter,
+    never binding), an adapter cache holding all their held adapters, and the cost of a load. No step
+    overhead: the services' profiles already pay it on every step (``charged_profile``)."""
+    loras = [s.lora for s in services if s.lora is not None and s.name in adapters.values()]
+    if not loras:
+        return engine
+    return replace(
+        engine,
+        max_loras=max(x.max_loras for x in loras),
+        max_cpu_loras=sum(x.max_cpu_loras for x in loras),
+        lora_cost=LoraCost(load_s=max(x.load_s for x in loras), step_overhead=0.0),
+    )
 
 
 def pod_policy(services: Sequence[ServiceInput], stats: dict[str, ServiceStats]) -> Callable[[], Policy]:
@@ -288,12 +337,14 @@ def new_cluster(
     engine: EngineConfig | None = None,
     *,
     sharing: Sharing | None = None,
+    adapters: Mapping[str, str] | None = None,
 ) -> Cluster:
     """An empty cluster for ``services`` (instances come from ``add_group``); ``engine`` defaults to the
-    one of ``sharing`` (default: ``pool_sharing``)."""
+    one of ``sharing`` (default: ``pool_sharing``); ``adapters`` (adapter -> its base, one of
+    ``services``) run on their base's instances."""
     profiles = {s.name: s.profile.at_tp(s.tp_min) for s in services}
     engine = engine or ENGINES[sharing or pool_sharing(pool)]
-    config = ClusterConfig(profiles=profiles, instances=0, engine=engine)
+    config = ClusterConfig(profiles=profiles, instances=0, engine=engine, adapters=dict(adapters or {}))
     return Cluster(config, policy, router=Dispatcher(), controller=controller)
 
 
@@ -309,11 +360,12 @@ def add_group(
 ) -> SimInstance:
     """Start one instance of a group of ``services`` on ``tp`` GPUs now (after ``switch``'s stall), its
     models sharing it as ``sharing`` says (``group_profiles``), under ``policy`` (default: the
-    cluster's)."""
+    cluster's), its bases' adapters (the cluster's) in their slots (``lora_engine``)."""
     stall = switch.stall_s(services, tp) if switch is not None else 0.0
     profiles = group_profiles(pool, services, tp, stall_s=stall, sharing=sharing)
+    engine = lora_engine(cluster.config.engine, services, cluster.config.adapters)
     return cluster.add_instance(
-        models=list(profiles), profiles=profiles, cold=switch is not None, policy=policy
+        models=list(profiles), profiles=profiles, cold=switch is not None, policy=policy, engine=engine
     )
 
 
@@ -326,11 +378,12 @@ def outcomes(
     """The requests' outcomes as seen at ``end``: a request not finished by then (or never served) is
     censored at ``end``: ``end − a + exec_ref``. A finished request meets its SLO as the workers judge
     it (``tessera.core.slo.slo_met``) when its class sets one, else when its latency is within
-    ``slo_scale`` x ``exec_ref`` (SeaLLM's bound)."""
+    ``slo_scale`` x ``exec_ref`` (SeaLLM's bound). An adapter's request is its base service's."""
     by_name = {s.name: s for s in services}
+    base_of = adapter_bases(services)
     out = []
     for r in requests:
-        s = by_name[r.model]
+        s = by_name[base_of.get(r.model, r.model)]
         ref = exec_ref(s, r.prompt_tokens, r.target_output_tokens)
         done = r.finished_at is not None and r.finished_at <= end
         lat = r.finished_at - r.arrival if done else max(end, r.arrival) - r.arrival + ref
@@ -339,10 +392,10 @@ def outcomes(
         met = done and (judged if judged is not None else lat <= s.slo_scale * ref)
         out.append(
             RequestOutcome(
-                service=r.model,
+                service=s.name,
                 arrival=r.arrival,
                 latency=lat,
-                norm_latency=lat / stats[r.model].mean_exec_s,
+                norm_latency=lat / stats[s.name].mean_exec_s,
                 slo_met=met,
                 ttft=first - r.arrival if done and first is not None else None,
                 finished=done,
@@ -369,19 +422,22 @@ def serve(
     them, and an overloaded plan's backlog is not played out for nothing. ``policy`` makes every
     instance's policy (default: each group's pods' own, ``pod_policy``); ``sharing`` says how a group's
     models share it (default: as the pool's pods do, ``pool_sharing``); ``engine`` replaces the
-    instances' engine settings."""
+    instances' engine settings. A base's LoRA adapters run in its engine's slots, as the pods run them
+    (``simulated_adapters``; DB gives an adapter its base's statistics)."""
     by_name = {s.name: s for s in services}
     unplaced = sorted({n for n, _ in requests} - {n for g in plan.groups for n in g.services})
     if unplaced:
         raise ValueError(f"plan hosts no instance of services {unplaced} that have requests")
-    factory = policy or (lambda: DoublingBudget(dict(stats)))
-    cluster = new_cluster(pool, services, factory, engine=engine, sharing=sharing)
+    adapters = simulated_adapters(services, plan, sharing or pool_sharing(pool))
+    with_adapters = {**stats, **{a: stats[b] for a, b in adapters.items()}}
+    factory = policy or (lambda: DoublingBudget(dict(with_adapters)))
+    cluster = new_cluster(pool, services, factory, engine=engine, sharing=sharing, adapters=adapters)
     for g in plan.groups:
         members = [by_name[n] for n in g.services]
-        own = policy or pod_policy(members, stats)
+        own = policy or pod_policy(members, with_adapters)
         for _ in range(g.replicas.total):
             add_group(cluster, pool, members, g.tp, sharing=sharing, policy=own)
-    reqs = to_requests(requests, services)
+    reqs = to_requests(requests, services, adapters)
     if reqs:
         cluster.run(reqs, until=horizon)
     end = horizon if math.isfinite(horizon) else max((r.finished_at or 0.0 for r in reqs), default=0.0)

@@ -388,10 +388,10 @@ def desired_pool(
         loads = {
             name: with_adapter_loads(
                 load,
-                [
-                    service_load(a, (measured or {}).get(a.spec.model.name), window)
+                {
+                    a.name: service_load(a, (measured or {}).get(a.spec.model.name), window)
                     for a in adapters_of(name, adapters)
-                ],
+                },
             )
             for name, load in loads.items()
         }

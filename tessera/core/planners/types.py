@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tessera.core.lora import ADAPTER_LOAD_S
 from tessera.core.profile import StepProfile
 from tessera.core.request import ServiceClass
 
@@ -60,11 +61,48 @@ class PoolInput:
 
 @dataclass(frozen=True, slots=True)
 class HistoryRequest:
-    """One request of a service's recent history (placement replays these)."""
+    """One request of a service's recent history (placement replays these). ``adapter``: the LoRA
+    adapter the request named, of the service's base model (``ServiceInput.lora``); None: the service's
+    own model."""
 
     arrival: float
     prompt_tokens: int
     output_tokens: int
+    adapter: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 0 or self.output_tokens < 0:
+            raise ValueError(
+                f"a history request has prompt and output tokens >= 0, not {self.prompt_tokens} and "
+                f"{self.output_tokens}"
+            )
+        if self.adapter is not None and not self.adapter:
+            raise ValueError("a history request's adapter is a name or None, not an empty string")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapters:
+    """A base model's LoRA adapters as the placement estimators see them: their ``names`` (as its
+    history's requests name them; idle ones too, since they size the engine), the adapters one batch
+    mixes (``max_loras``, vLLM's --max-loras) and its engine holds (``max_cpu_loras``), as the operator
+    renders them, and ``load_s``, what loading one the engine does not hold costs. The LoRA step
+    overhead is not here: it is in the service's profile (``tessera.core.lora.charged_profile``)."""
+
+    names: tuple[str, ...]
+    max_loras: int
+    max_cpu_loras: int
+    load_s: float = ADAPTER_LOAD_S
+
+    def __post_init__(self) -> None:
+        if not self.names or any(not n for n in self.names) or len(set(self.names)) != len(self.names):
+            raise ValueError(f"LoRA adapters need distinct, non-empty names, not {list(self.names)}")
+        if self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"LoRA adapters need max_loras >= 1 and max_cpu_loras >= max_loras, not {self.max_loras} "
+                f"and {self.max_cpu_loras}"
+            )
+        if not 0 <= self.load_s <= 60:
+            raise ValueError(f"an adapter load takes 0 to 60 seconds, not {self.load_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +132,8 @@ class ServiceInput:
     # The scheduling policy the service's pods run (its resolved ``scheduling.policy``; a group's pod runs
     # its first service's); None: SeaLLM's DB, the paper's
     policy: str | None = None
+    # A base model's LoRA adapters, whose requests its history holds (they run on its engine); None: none
+    lora: LoraAdapters | None = None
 
     def __post_init__(self) -> None:
         if self.tp_min < 1 or self.tp_min & (self.tp_min - 1):
@@ -110,6 +150,15 @@ class ServiceInput:
             raise ValueError(
                 f"service {self.name!r}: max_replicas {self.max_replicas} is below min_replicas "
                 f"{self.min_replicas} (and at least 1)"
+            )
+        adapters = frozenset(self.lora.names) if self.lora is not None else frozenset()
+        if self.name in adapters:
+            raise ValueError(f"service {self.name!r}: an adapter of its own cannot take its name")
+        unknown = sorted({h.adapter for h in self.history if h.adapter is not None} - adapters)
+        if unknown:
+            raise ValueError(
+                f"service {self.name!r}: its history names adapters {unknown} it has not "
+                f"(its adapters: {sorted(adapters) or 'none'})"
             )
 
     def replica_cap(self) -> float:

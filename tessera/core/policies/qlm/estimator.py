@@ -100,7 +100,7 @@ All functions are pure: time comes in as an argument.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from tessera.core.profile import StepProfile
@@ -280,21 +280,36 @@ class QueuedGroup:
 
 
 def start_times(
-    groups: Sequence[QueuedGroup], loaded_model: str | None, residual: float, swap_s: float
+    groups: Sequence[QueuedGroup],
+    loaded_model: str | None,
+    residual: float,
+    swap_s: float,
+    *,
+    adapter_of: Mapping[str, str] | None = None,
+    adapter_load_s: float = 0.0,
+    held_adapters: Collection[str] = (),
 ) -> list[float]:
     """Estimated start of every group in VQ order (the violation check's walk; Eq. 10 for one VQ).
 
     Same-model groups ahead add their drain W; a model change adds the swap time S
     plus the completion of the previous group beyond its drain (C - W), because the
-    instance drains before it swaps.
+    instance drains before it swaps. A change between two models of one engine (``adapter_of``: each
+    LoRA adapter's base; an adapter of the base, or the base after one) is no swap: the batch mixes
+    them, nothing drains, and a change to an adapter adds its load ``adapter_load_s`` unless it is in
+    ``held_adapters`` (those of the running batch; CHOICE: any other is charged as if the engine did
+    not hold it).
     """
+    of = adapter_of or {}
     t_acc = residual
     prev: QueuedGroup | None = None
     prev_model = loaded_model
     starts = []
     for group in groups:
         if prev_model is not None and group.model != prev_model:
-            t_acc += swap_s + (prev.costs.beyond_drain if prev is not None else 0.0)
+            if of.get(group.model, group.model) == of.get(prev_model, prev_model):
+                t_acc += adapter_load_s if group.model in of and group.model not in held_adapters else 0.0
+            else:
+                t_acc += swap_s + (prev.costs.beyond_drain if prev is not None else 0.0)
         starts.append(t_acc)
         t_acc += group.costs.drain
         prev, prev_model = group, group.model
@@ -302,17 +317,33 @@ def start_times(
 
 
 def first_violation(
-    groups: Sequence[QueuedGroup], loaded_model: str | None, residual: float, swap_s: float, tail_aware: bool
+    groups: Sequence[QueuedGroup],
+    loaded_model: str | None,
+    residual: float,
+    swap_s: float,
+    tail_aware: bool,
+    *,
+    adapter_of: Mapping[str, str] | None = None,
+    adapter_load_s: float = 0.0,
+    held_adapters: Collection[str] = (),
 ) -> int | None:
     """Index of the first group predicted to miss its SLO, or None (the violation check).
 
     ``tail_aware``: compare the start plus the group's own span to its SLO point
     (``GroupCosts.slo_span``: its last member's first token, or its completion) with the slack (our
-    default); otherwise only the start (paper-literal).
+    default); otherwise only the start (paper-literal). ``adapter_of``, ``adapter_load_s``,
+    ``held_adapters``: as ``start_times``.
     """
-    for idx, (group, start) in enumerate(
-        zip(groups, start_times(groups, loaded_model, residual, swap_s), strict=True)
-    ):
+    starts = start_times(
+        groups,
+        loaded_model,
+        residual,
+        swap_s,
+        adapter_of=adapter_of,
+        adapter_load_s=adapter_load_s,
+        held_adapters=held_adapters,
+    )
+    for idx, (group, start) in enumerate(zip(groups, starts, strict=True)):
         if start + (group.costs.slo_span if tail_aware else 0.0) > group.slack:
             return idx
     return None

@@ -35,7 +35,10 @@ Load balancing is the router's: the live router's ``least-wait`` route sends eac
 instance of least estimated wait, counting every model's requests there and a model swap where the
 instance has none of this model's (``tessera.core.routing.swap_penalty``); the simulator routes
 through the same route.
-Assumes one GPU-resident model per instance (a swap flushes the KV cache), as the paper.
+Assumes one GPU-resident model per instance (a swap flushes the KV cache), as the paper. LoRA adapters
+of that model (``InstanceView.adapter_of``) run in its engine: the waiting-time estimate charges a
+change to another adapter's group its load (``adapter_load_s``), not a swap, and the MILP orders their
+groups as the base's.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
+from tessera.core.lora import ADAPTER_LOAD_S, batch_adapters
 from tessera.core.policies.qlm.estimator import (
     EngineRates,
     EpsMeter,
@@ -134,6 +138,11 @@ class QLMSettings(PolicySettings):
     engine_reinit_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
         default=20.0, description="Seconds an engine takes to restart on a model swap."
     )
+    adapter_load_s: Annotated[float, Field(ge=0, le=60, allow_inf_nan=False)] = Field(
+        default=ADAPTER_LOAD_S,
+        description="Seconds loading a LoRA adapter takes: what the waiting-time estimate charges a change "
+        "to another adapter of the engine's base, instead of a model swap.",
+    )
     disk_to_cpu_bytes_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
         default=2e9, description="Disk to host memory bandwidth for model weights, bytes/s."
     )
@@ -185,6 +194,7 @@ class QLMPolicy(Policy):
         stats_alpha: float = 0.005,
         token_seeds: TokenSeeds | None = None,
         engine_reinit_s: float = 20.0,
+        adapter_load_s: float = ADAPTER_LOAD_S,
         disk_to_cpu_bytes_per_s: float = 2e9,
         cpu_model_bytes: float = 40e9,
         warm_start: bool = True,
@@ -203,6 +213,9 @@ class QLMPolicy(Policy):
             raise ValueError(f"eps (offline-profiled inefficiency factor) must be >= 1, got {eps}")
         if min_resolve_interval_s < 0 or context_len < 1 or default_batch < 1:
             raise ValueError("min_resolve_interval_s >= 0, context_len >= 1 and default_batch >= 1 required")
+        if not 0 <= adapter_load_s <= 60:
+            raise ValueError(f"adapter_load_s must be 0 to 60 seconds, got {adapter_load_s}")
+        self.adapter_load_s = adapter_load_s
         self.delta_rg = delta_rg
         self.z = z
         self.reorder = reorder
@@ -251,6 +264,8 @@ class QLMPolicy(Policy):
         self._solving = False
         self.gate = SwapGate(self.tiers)
         self._active_model: str | None = None
+        self._adapter_of: Mapping[str, str] = {}  # the engine's LoRA adapters -> their base (the view's)
+        self._held_adapters: frozenset[str] = frozenset()  # adapters of the running batch
         self.counters: dict[str, float] = {"solves": 0, "fallbacks": 0, "evicted": 0, "model_swaps": 0}
         self.solve_times: list[float] = []
 
@@ -417,7 +432,8 @@ class QLMPolicy(Policy):
             stats = self.stats[group_key(req)]
             remaining.append(max(stats.mu_out - req.generated, 1.0) * rates.eps * rates.decode_time(stats))
         model = model if model is not None else (head.model if head is not None else self._active_model)
-        return min(remaining) if model is None or model == self._active_model else max(remaining)
+        same_engine = model is None or self._adapter_of.get(model, model) == self._active_model
+        return min(remaining) if same_engine else max(remaining)
 
     def queued(self, now: float, z: float | None = None) -> list[tuple[RequestGroup, QueuedGroup]]:
         """Groups with waiting requests, in VQ order, as the violation walk sees them."""
@@ -431,7 +447,15 @@ class QLMPolicy(Policy):
         """Estimated wait until start of every waiting request (id(request) -> seconds), request-level:
         the group's start plus the drain of its members ahead (Eq. 2, 3)."""
         pairs = self.queued(now, z)
-        starts = start_times([q for _, q in pairs], self._active_model, self.residual(now), self.swap_time())
+        starts = start_times(
+            [q for _, q in pairs],
+            self._active_model,
+            self.residual(now),
+            self.swap_time(),
+            adapter_of=self._adapter_of,
+            adapter_load_s=self.adapter_load_s,
+            held_adapters=self._held_adapters,
+        )
         out: dict[int, float] = {}
         rates = self._rates()
         for (group, _), start in zip(pairs, starts, strict=True):
@@ -480,6 +504,8 @@ class QLMPolicy(Policy):
         self._refresh_rates(view)
         self._sync(view)
         self._active_model = view.active_model
+        self._adapter_of = view.adapter_of
+        self._held_adapters = batch_adapters(view.running, view.adapter_of)
 
     def _refresh_rates(self, view: InstanceView) -> None:
         if self.rates is None:
@@ -553,19 +579,33 @@ class QLMPolicy(Policy):
         pairs = self.queued(now)
         residual = self.residual(now)
         swap = self.swap_time()
-        if (
-            first_violation([q for _, q in pairs], view.active_model, residual, swap, self.solver.tail_aware)
-            is None
-        ):
+        late = first_violation(
+            [q for _, q in pairs],
+            view.active_model,
+            residual,
+            swap,
+            self.solver.tail_aware,
+            adapter_of=self._adapter_of,
+            adapter_load_s=self.adapter_load_s,
+            held_adapters=self._held_adapters,
+        )
+        if late is None:
             self._check_due = False
             return None
         if now - self._last_solve < self.min_resolve_interval_s:
             return self._last_solve + self.min_resolve_interval_s
         self._check_due = False
         self._last_solve = now
+        # The MILP sees an adapter's group as its engine's (its base's): a change between them is no swap
+        # there either; their loads (adapter_load_s, a fraction of a second) are left out of its order.
         groups = [
             GroupSpec(
-                g.id, g.model, q.slack, {self.vq.name: q.costs}, current=self.vq.name, priority=g.priority
+                g.id,
+                self._adapter_of.get(g.model, g.model),
+                q.slack,
+                {self.vq.name: q.costs},
+                current=self.vq.name,
+                priority=g.priority,
             )
             for g, q in pairs
         ]
