@@ -236,6 +236,22 @@ def test_estimated_waits_behind_another_adapter_of_the_engine_match_the_simulato
     assert np.abs(est - waits).max() < 1.0 < swap / 10
 
 
+def test_one_decision_mixes_adapters_groups_up_to_the_engine_s_lora_slots() -> None:
+    """Three adapters' groups queued on one base's engine with room for all: with two LoRA slots the
+    first two groups start in the same decision, as vLLM mixes them (not one group per decision), and
+    the third waits for a slot."""
+    reqs = [_req(i, 0.0, model=f"a{i // 4}") for i in range(12)]
+    config = ClusterConfig(
+        {"base": load_profile("a100-llama3-8b")},
+        engine=EngineConfig(max_batch=16, max_loras=2),
+        adapters={f"a{k}": "base" for k in range(3)},
+    )
+    done, _ = run_one(reqs, lambda: QLMPolicy(reorder=False), config)
+    starts = {m: {r.first_scheduled_at for r in done if r.model == m} for m in ("a0", "a1", "a2")}
+    assert starts["a0"] == starts["a1"] == {0.0}
+    assert min(starts["a2"]) >= min(r.finished_at for r in done if r.model != "a2")
+
+
 def test_the_milp_orders_adapters_groups_as_their_engine_s_without_swaps() -> None:
     """Three adapters' chat and batch requests interleaved on one base's engine. Priced as models of
     their own, every change between them was a swap: every solve fell back to EDF (13 of 13), its

@@ -37,8 +37,9 @@ instance has none of this model's (``tessera.core.routing.swap_penalty``); the s
 through the same route.
 Assumes one GPU-resident model per instance (a swap flushes the KV cache), as the paper. LoRA adapters
 of that model (``InstanceView.adapter_of``) run in its engine: the waiting-time estimate charges a
-change to another adapter's group its load (``adapter_load_s``), not a swap, and the MILP orders their
-groups as the base's.
+change to another adapter's group its load (``adapter_load_s``), not a swap, the MILP orders their
+groups as the base's, and a decision pulls from consecutive groups of one engine while the batch has a
+LoRA slot for their adapter (``InstanceView.max_loras``), as vLLM mixes adapters in one batch.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from tessera.core.lora import ADAPTER_LOAD_S, batch_adapters
+from tessera.core.lora import ADAPTER_LOAD_S, admits, batch_adapters
 from tessera.core.policies.qlm.estimator import (
     EngineRates,
     EpsMeter,
@@ -338,7 +339,7 @@ class QLMPolicy(Policy):
             )
             self.counters["evicted"] += len(victims)
         kept = [r for r in running if r not in victims]
-        pulls = self._pulls(head_pos, head.model, view.max_batch - len(kept), now)
+        pulls = self._pulls(head_pos, view, kept, now)
         run = sorted(kept + pulls, key=lambda r: pos_of.get(id(r), position[id(self.grouper.of[id(r)])]))
         return Decision(
             run=run,
@@ -346,17 +347,25 @@ class QLMPolicy(Policy):
             recheck_at=recheck_at,
         )
 
-    def _pulls(self, head_pos: int, model: str, room: int, now: float) -> list[Request]:
-        """Up to ``room`` waiting requests of the loaded ``model`` from the head group on, in VQ order (a
-        later model waits for its swap). With ``late_last`` the late ones met before the ``room``-th
-        on-time one go after every on-time one due within ``late_set_back_s`` (and those ahead of it in
-        VQ order), ahead of the rest; the on-time ones keep their VQ order."""
+    def _pulls(self, head_pos: int, view: InstanceView, kept: list[Request], now: float) -> list[Request]:
+        """Up to the batch's room of waiting requests of the loaded engine from the head group on, in VQ
+        order (another engine's model waits for its swap). The groups of one base's LoRA adapters are
+        one engine's: they are pulled together while the batch has a slot for their adapter
+        (``view.max_loras``), as vLLM mixes them. With ``late_last`` the late ones met before the
+        room-th on-time one go after every on-time one due within ``late_set_back_s`` (and those ahead
+        of it in VQ order), ahead of the rest; the on-time ones keep their VQ order."""
+        room = view.max_batch - len(kept)
+        in_batch = set(batch_adapters(kept, view.adapter_of))
         on_time: list[Request] = []
         late: list[Request] = []
         cut = 0  # the late requests go after on_time[:cut], which ends with the last one due soon
-        for req in self._waiting(head_pos, model):
+        for req in self._waiting(head_pos, view):
             if len(on_time) >= room:
                 break
+            if view.max_loras > 0 and not admits(in_batch, req.model, view.adapter_of, view.max_loras):
+                continue
+            if req.model in view.adapter_of:
+                in_batch.add(req.model)
             if self._late(req, now):
                 late.append(req)
             else:
@@ -365,11 +374,12 @@ class QLMPolicy(Policy):
                     cut = len(on_time)
         return (on_time[:cut] + late + on_time[cut:])[: max(room, 0)]
 
-    def _waiting(self, head_pos: int, model: str) -> Iterator[Request]:
-        """The waiting requests of ``model``'s groups from the head on, in VQ order, up to another
-        model's group."""
+    def _waiting(self, head_pos: int, view: InstanceView) -> Iterator[Request]:
+        """The waiting requests of the head group's engine from the head on, in VQ order, up to another
+        engine's group."""
+        engine = view.engine_of(self.vq.groups[head_pos].model)
         for group in self.vq.groups[head_pos:]:
-            if group.model != model:
+            if view.engine_of(group.model) != engine:
                 return
             yield from group.pending()
 
