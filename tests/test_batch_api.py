@@ -31,6 +31,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 KEY_A = "sk-team-a-0123456789abcdef"
 KEY_B = "sk-team-b-0123456789abcdef"
 KEY_CHAT = "sk-chat-only-0123456789ab"  # a key that may not use the batch class
+KEY_TIGHT = "sk-team-tight-0123456789ab"  # a tenant whose per-minute token budget is small
+TIGHT_TOKENS_PER_MINUTE = 300
 CHAT = "/v1/chat/completions"
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -41,7 +43,9 @@ class Stack:
     def __init__(self, tmp: Path) -> None:
         keys = tmp / "keys.json"
         entries = [{"key": KEY_A, "tenant": "team-a"}, {"key": KEY_B, "tenant": "team-b"},
-                   {"key": KEY_CHAT, "tenant": "chat", "classes": ["chat"]}]  # fmt: skip
+                   {"key": KEY_CHAT, "tenant": "chat", "classes": ["chat"]},
+                   {"key": KEY_TIGHT, "tenant": "team-tight",
+                    "quota": {"tokensPerMinute": TIGHT_TOKENS_PER_MINUTE}}]  # fmt: skip
         keys.write_text(json.dumps({"keys": entries}))
         plan = plan_local(
             load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=1
@@ -186,6 +190,25 @@ def test_bad_input_fails_naming_the_line(stack: Stack) -> None:
     _, err = _every_id_once(client, batch, 2)
     assert [x["custom_id"] for x in err] == ["req-1"] and err[0]["response"]["status_code"] == 400
     assert "context length" in err[0]["response"]["body"]["error"]["message"]
+
+
+def test_a_line_that_can_never_be_admitted_is_answered_at_once(stack: Stack) -> None:
+    """A 429 that says the line can never fit its tenant's budget is its answer, not backpressure: the
+    job completes (long before its window) with that line in the error file and the others served."""
+    client = stack.client(KEY_TIGHT)
+    lines = [_chat_line(stack.model, 0), _chat_line(stack.model, 1, max_tokens=2 * TIGHT_TOKENS_PER_MINUTE),
+             _chat_line(stack.model, 2)]  # fmt: skip
+    created = client.batches.create(input_file_id=_upload(client, lines).id, endpoint=CHAT,
+                                    completion_window="24h")  # fmt: skip
+    batch = _wait(client, created.id, timeout_s=60.0)
+    assert batch.status == "completed", batch.request_counts
+    out, err = _every_id_once(client, batch, 3)
+    assert sorted(x["custom_id"] for x in out) == ["req-0", "req-2"]
+    assert [x["custom_id"] for x in err] == ["req-1"] and err[0]["error"] is None
+    refused = err[0]["response"]
+    assert refused["status_code"] == 429
+    assert refused["body"]["error"]["code"] == "request_too_large"
+    assert refused["body"]["error"]["type"] == "rate_limit_error" and refused["body"]["error"]["message"]
 
 
 def _long_job(stack: Stack, client: Any, n: int, window: str, max_tokens: int = 400) -> Any:

@@ -96,8 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="Do not run the batch component (default: `tessera batch` serves /v1/files and "
                          "/v1/batches behind the router, its state in RUN_DIR/batch).")  # fmt: skip
     up.add_argument("--api-keys", type=Path, default=None,
-                    help="API keys file (as `tessera router --api-keys`): every request needs a key, and "
-                         "each key's tenant sees only its own files and batches.")  # fmt: skip
+                    help="API keys file (as `tessera router --api-keys`): every request needs a key, "
+                         "each tenant's quota is enforced, and each key's tenant sees only its own files "
+                         "and batches.")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="Router address (default 127.0.0.1).")
     up.add_argument("--port", type=int, default=8000, help="Router port (default 8000).")
     up.add_argument("--run-dir", type=Path, default=Path(".tessera-local"),

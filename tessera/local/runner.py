@@ -43,6 +43,7 @@ from tessera.router.app import ClassInfo, RouterState, create_router_app, router
 from tessera.router.auth import ApiKeys
 from tessera.router.chiron_hold import ChironHold
 from tessera.router.protocol import RouterServer, router_server_config
+from tessera.router.quota import QuotaStore
 
 LIVE_PERIOD_S = 1.0
 RATE_WINDOW_S = 5.0
@@ -249,8 +250,9 @@ class LocalStack:
         (``tessera.core.routing.ROUTES``); one that reads what the engines hold has every vLLM server the
         workers launch publish its KV events. ``batch``: also run the batch component (``tessera batch``,
         its state under ``<run_dir>/batch``) behind the router's /v1/files and /v1/batches. ``api_keys``:
-        the router authenticates every request (``tessera.router.auth``). ``restart_backoff``: how long a
-        worker that died waits for its restart (default: ``RestartBackoff()``, the kubelet's)."""
+        the router authenticates every request and enforces each tenant's quota (``tessera.router.auth``).
+        ``restart_backoff``: how long a worker that died waits for its restart (default:
+        ``RestartBackoff()``, the kubelet's)."""
         self.plan = plan
         self.route = route
         self.supervisor = Supervisor(run_dir, kv_events=uses_engine_blocks(ROUTES[route]),
@@ -297,7 +299,9 @@ class LocalStack:
                 backoff=self.wake_backoff,
                 tick_s=self.activation_tick_s,
             )
-        app = create_router_app(self.state, activator=self.activator, api_keys=self.api_keys,
+        # One router process: the tenants' quotas are counted in its own windows, as a lone replica's.
+        quota = QuotaStore(None) if self.api_keys is not None else None
+        app = create_router_app(self.state, activator=self.activator, api_keys=self.api_keys, quota=quota,
                                 batch=self.batch.link if self.batch is not None else None)  # fmt: skip
         self._server = _RouterServer(router_server_config(app, host=self.host, port=self.port))
         self._task = asyncio.create_task(self._serve(self._server), name="router")
