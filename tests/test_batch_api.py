@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.api import load_documents
 from tessera.local.control_plane import LocalEngine, plan_local
@@ -222,6 +224,14 @@ def test_cancel_stops_feeding_and_answers_the_unsent(stack: Stack) -> None:
     client = stack.client()
     batch = _long_job(stack, client, 400, "24h")
     _wait(client, batch.id, until=("in_progress",))
+    # What is not sent yet is on the component's /metrics (Prometheus', no token), due at the expiry.
+    assert stack.local.batch is not None
+    text = httpx.get(f"{stack.local.batch.link.url}/metrics", timeout=10).text
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    (pending,) = families["tessera_batch_pending_lines"]
+    assert pending.labels == {"model": stack.model, "class": "offline"} and 0 < pending.value <= 400
+    (deadline,) = families["tessera_batch_earliest_deadline_seconds"]
+    assert deadline.value == batch.expires_at
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     batch = _wait(client, batch.id)

@@ -241,7 +241,7 @@ def test_service_monitor_selects_the_operators_worker_services() -> None:
     from tessera.control import children
 
     monitors = {m["metadata"]["name"]: m for m in _render("manifests/monitoring")}
-    assert sorted(monitors) == ["tessera-router", "tessera-workers"]
+    assert sorted(monitors) == ["tessera-batch", "tessera-router", "tessera-workers"]
     assert all(m["kind"] == "ServiceMonitor" for m in monitors.values())
     monitor = monitors["tessera-workers"]
     selector = monitor["spec"]["selector"]

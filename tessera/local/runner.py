@@ -321,8 +321,9 @@ class LocalStack:
         if self.autoscale:
             groups = self.plan.groups
             paused = self.actuator.asleep if self.actuator is not None else set()
+            batch_url = self.batch.link.url if self.batch is not None else None
             self.autoscaler = LocalAutoscaler(groups, self.supervisor, self.state, report=self.report,
-                                              paused=paused)  # fmt: skip
+                                              paused=paused, batch_url=batch_url)  # fmt: skip
             self._scaling = asyncio.create_task(self.autoscaler.run(), name="autoscaler")
 
     async def _reap(self) -> None:
