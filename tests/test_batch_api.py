@@ -9,6 +9,7 @@ exactly once; one key cannot see, read, cancel or delete another's files and bat
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import threading
 import time
@@ -42,7 +43,7 @@ FINAL = ("completed", "failed", "expired", "cancelled")
 class Stack:
     """A local-mode stack served from its own event loop (the tests are synchronous clients)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, with_keys: bool = True) -> None:
         keys = tmp / "keys.json"
         entries = [{"key": KEY_A, "tenant": "team-a"}, {"key": KEY_B, "tenant": "team-b"},
                    {"key": KEY_CHAT, "tenant": "chat", "classes": ["chat"]},
@@ -54,7 +55,7 @@ class Stack:
         )
         self.model = plan.instances[0].config.models[0].name
         self.local = LocalStack(plan, tmp / "run", "127.0.0.1", free_port(), autoscale=False, batch=True,
-                                api_keys=ApiKeys(keys))  # fmt: skip
+                                api_keys=ApiKeys(keys) if with_keys else None)  # fmt: skip
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -292,3 +293,41 @@ def test_keys_see_only_their_own_files_and_batches(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError, match="kind batch"):
         source = _upload(chat_only, [_chat_line(stack.model, 0)])
         chat_only.batches.create(input_file_id=source.id, endpoint=CHAT, completion_window="24h")
+
+
+def test_a_job_beside_a_chat_load_is_followed_to_its_end(tmp_path: Path) -> None:
+    """What `tessera local up --batch-job` and `tessera bench batch-local` run (local mode without API
+    keys, as the load driver sends none): the load's chat requests alone, then beside a Batch API job
+    made from its batch requests, whose progress the live table shows."""
+    stack = Stack(tmp_path, with_keys=False)
+    try:
+        _job_beside_chat(stack)
+    finally:
+        stack.close()
+
+
+def _job_beside_chat(stack: Stack) -> None:
+    from tessera.local.batch_job import JobWatch
+    from tessera.local.load import LiveCounters, LoadItem, Workload
+    from tessera.local.runner import LoadSettings, compare_batch_job, live_table
+    from tessera.router.app import class_infos
+
+    classes = class_infos(stack.local.plan.instances[0].config)
+    items = [LoadItem(i, 0.2 * i, stack.model, "chat" if i % 2 else "offline", 8, 6, f"question {i}")
+             for i in range(8)]  # fmt: skip
+    out = io.StringIO()
+    run = compare_batch_job(stack.local, Workload(tuple(items), 0), classes, LoadSettings(live=True), 10,
+                            out=out)  # fmt: skip
+    (done,) = asyncio.run_coroutine_threadsafe(run, stack.loop).result(120)
+    assert done.alone["requests"] == done.with_job["requests"] == 4  # the chat requests only
+    assert done.alone["failed"] == done.with_job["failed"] == 0
+    job = done.job
+    assert (job.status, job.total, job.completed) == ("completed", 10, 10) and job.makespan_s is not None
+    text = out.getvalue()
+    assert "batch job batch_" in text and "same chat load" in text and "+ batch job" in text
+    client = stack.client()
+    lines = _lines(client, client.batches.retrieve(job.id).output_file_id)
+    assert sorted(x["custom_id"] for x in lines) == sorted(f"line-{n}" for n in range(10))
+    assert {x["response"]["body"]["usage"]["completion_tokens"] <= 6 for x in lines} == {True}
+    table = live_table(LiveCounters(t0=0.0), None, "qlm", JobWatch("batch_x", "in_progress", 10, 3, 1))
+    assert table.caption == "batch job batch_x: in_progress, 4/10 lines (1 failed)"

@@ -7,8 +7,10 @@ on ``--host:--port`` (``--route`` picks how it ranks instances: with ``precise-p
 vLLM publishes its KV events and the router follows them). Pools with autoscaling enabled run the
 operator's Chiron global autoscaler over the local workers (``--no-autoscale`` keeps the planned counts).
 With ``--trace FILE`` it also drives that trace, prints the report and exits (``--compare-policy P``:
-then the same trace again under policy P, switched in place, and both side by side); without, it serves
-until Ctrl-C.
+then the same trace again under policy P, switched in place, and both side by side; ``--batch-job N``:
+first the trace's interactive requests alone and beside a Batch API job of N lines made from its batch
+requests, with the job's progress in the live table and both side by side); without, it serves until
+Ctrl-C.
 
 ``tessera local load --trace FILE`` drives a trace against a running endpoint (``--endpoint``) with a
 live table, and ends with the report (``--json``, ``--plot``).
@@ -108,6 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--compare-policy", default=None, metavar="POLICY",
                     help="With --trace: then replay it under POLICY (switched in place, engines keep "
                          "running) and print both runs side by side.")  # fmt: skip
+    up.add_argument("--batch-job", type=positive_int, default=None, metavar="N",
+                    help="With --trace: first run its interactive requests alone and beside a Batch API "
+                         "job of N lines (the trace's batch prompts, through /v1/batches; the job's "
+                         "progress in the live table) and print both side by side.")  # fmt: skip
     _add_load_flags(up, required=False)
     load = sub.add_parser("load", help="Drive a trace against a running endpoint; live table and report.")
     load.add_argument("--endpoint", default="http://127.0.0.1:8000", help="Router base URL.")
@@ -173,8 +179,6 @@ def _launch_source(
     known model (``tessera models list``).
     """
     from tessera.api import LLMService
-    from tessera.api.worker_config import ProfileSpec
-    from tessera.core.profiles import PROFILES
     from tessera.models.cache import resolve_model
     from tessera.models.registry import KNOWN
 
@@ -186,11 +190,7 @@ def _launch_source(
     if value is None:
         return None, args.dtype or "auto", None
     resolved = resolve_model(value)
-    known = resolved.known
-    profile = None
-    if known is not None and known.cpu_profile is not None:
-        profile = ProfileSpec.from_profile(PROFILES[known.cpu_profile]).to_json()
-    return str(resolved.path), args.dtype or (known.dtype if known is not None else "auto"), profile
+    return str(resolved.path), args.dtype or resolved.dtype, resolved.worker_profile()
 
 
 def _check_launches(plan: LocalPlan) -> None:
@@ -208,6 +208,9 @@ def _check_compare(args: argparse.Namespace, policies: set[str]) -> None:
     from tessera.core.registry import POLICIES, policy_class
     from tessera.local.control_plane import LocalPlanError
 
+    if args.batch_job is not None and (args.trace is None or args.no_batch):
+        raise LocalPlanError("--batch-job needs --trace (its interactive requests are the chat load) and "
+                             "the batch component (leave out --no-batch)")  # fmt: skip
     if args.compare_policy is None:
         return
     if args.trace is None:
@@ -225,7 +228,7 @@ def _check_compare(args: argparse.Namespace, policies: set[str]) -> None:
 async def _up(args: argparse.Namespace) -> int:
     from tessera.api import load_documents
     from tessera.local.control_plane import LocalEngine, plan_local
-    from tessera.local.runner import LocalStack, compare_policies, describe_plan, run_load
+    from tessera.local.runner import LocalStack, compare_batch_job, compare_policies, describe_plan, run_load
     from tessera.router.app import class_infos
     from tessera.router.auth import ApiKeys
 
@@ -263,6 +266,11 @@ async def _up(args: argparse.Namespace) -> int:
             print("serving; Ctrl-C stops", flush=True)
             await stack.wait()
             return 0
+        if args.batch_job is not None:  # first: under the workers' own policy
+            print(f"the chat requests alone, then beside a Batch API job of {args.batch_job} lines:",
+                  flush=True)  # fmt: skip
+            await compare_batch_job(stack, workload, classes, _settings(args), args.batch_job)
+            print("\nthe whole load:", flush=True)
         if args.compare_policy is not None:
             policy = policies.pop()
             await compare_policies(stack, workload, classes, _settings(args), policy, args.compare_policy)

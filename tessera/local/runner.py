@@ -14,7 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -24,6 +24,7 @@ import httpx
 from tessera.core.activation import Backoff, unit_idle_after
 from tessera.core.routing import ROUTES, uses_engine_blocks
 from tessera.local.autoscaler import LocalAutoscaler
+from tessera.local.batch_job import JobWatch, follow, job_endpoint, job_lines, submit
 from tessera.local.batch_process import BatchProcess
 from tessera.local.control_plane import LocalPlan
 from tessera.local.load import LiveCounters, Outcome, Workload, drive, outstanding_of
@@ -46,6 +47,7 @@ from tessera.router.protocol import RouterServer, router_server_config
 from tessera.router.quota import QuotaStore
 
 LIVE_PERIOD_S = 1.0
+JOB_WINDOW = "1h"  # the completion window of a job beside a load (its lines' deadline)
 RATE_WINDOW_S = 5.0
 REAP_PERIOD_S = 0.5  # how often the stack looks for workers that died
 
@@ -84,8 +86,14 @@ def describe_plan(plan: LocalPlan, autoscale: bool = True) -> str:
     return "\n".join(lines)
 
 
-def live_table(counters: LiveCounters, status: dict[str, Any] | None, label: str | None = None) -> Any:
-    """The live table: elapsed, rate, sent, outstanding at the router, finished, failed, SLO by class."""
+def live_table(
+    counters: LiveCounters,
+    status: dict[str, Any] | None,
+    label: str | None = None,
+    job: JobWatch | None = None,
+) -> Any:
+    """The live table: elapsed, rate, sent, outstanding at the router, finished, failed, SLO by class,
+    and the progress of a Batch API job running beside the load (``job``)."""
     from rich.table import Table
 
     now = time.monotonic() - (counters.t0 or time.monotonic())
@@ -100,6 +108,8 @@ def live_table(counters: LiveCounters, status: dict[str, Any] | None, label: str
     table.add_row(f"{now:.0f} s", f"{rate:.1f}/s", str(counters.sent), queue, str(ok),
                   str(len(counters.ended) - ok))  # fmt: skip
     rows = class_rows(counters.ended)
+    if job is not None:
+        table.caption = job.describe()
     if rows:
         slo = Table(show_edge=False)
         for col in ("class", "finished", "TTFT mean", "SLO met"):
@@ -170,6 +180,65 @@ async def compare_policies(
     return summaries
 
 
+@dataclass(frozen=True, slots=True)
+class JobRound:
+    """One round of ``compare_batch_job``: the chat load alone, then (or before) with the job."""
+
+    alone: dict[str, Any]
+    with_job: dict[str, Any]
+    job: JobWatch
+
+
+async def compare_batch_job(
+    stack: LocalStack,
+    workload: Workload,
+    classes: dict[str, ClassInfo],
+    settings: LoadSettings,
+    size: int,
+    *,
+    rounds: int = 1,
+    window: str = JOB_WINDOW,
+    out: TextIO = sys.stdout,
+) -> list[JobRound]:
+    """The interactive requests of ``workload`` alone and with a Batch API job of ``size`` lines (made
+    from its batch requests, else from all of them: ``tessera.local.batch_job``) submitted at the
+    load's start, in ``rounds`` interleaved rounds (the job first in odd ones); each run with the job
+    waits for the job's end. Prints each round's side-by-side report; returns the rounds."""
+    assert stack.state is not None and stack.batch is not None, "start the stack with its batch component"
+    kinds = {n: c.service_class.kind for n, c in classes.items()}
+    chat = Workload(tuple(i for i in workload.items if kinds[i.class_name] == "interactive"), 0)
+    if not chat.items:
+        raise ValueError("the load has no interactive request to measure beside the batch job")
+    source = [i for i in workload.items if kinds[i.class_name] == "batch"] or list(workload.items)
+    endpoint = job_endpoint(source)
+    data = job_lines(source, size, endpoint)
+    header = stack.state.class_header
+    policy = "/".join(sorted({i.config.scheduling.policy for i in stack.plan.instances}))
+    done: list[JobRound] = []
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        for r in range(rounds):
+            summaries: dict[str, dict[str, Any]] = {}
+            watch = JobWatch()
+            for with_job in (False, True) if r % 2 == 0 else (True, False):
+                name = "+ batch job" if with_job else "alone"
+                run = replace(
+                    settings, json_path=None, plot_dir=None, answers=0, label=f"{policy}, chat {name}"
+                )
+                following = None
+                if with_job:
+                    await submit(client, stack.endpoint, data, endpoint, window, watch)
+                    following = asyncio.create_task(follow(client, stack.endpoint, watch))
+                summaries[name], _ = await _measure(stack.endpoint, chat, classes, header, run, stack.status,
+                                                    out, job=watch if with_job else None)  # fmt: skip
+                if following is not None:
+                    await following
+                    print(f"{watch.describe()}, {watch.makespan_s:.1f} s from submission to its end",
+                          file=out)  # fmt: skip
+            print("\n" + render_comparison(summaries, title="same chat load"), file=out, flush=True)
+            done.append(JobRound(summaries["alone"], summaries["+ batch job"], watch))
+    return done
+
+
 def _write_json(path: Path, results: list[dict[str, Any]], out: TextIO) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"scenario": "local-load", "results": results}, indent=2))
@@ -184,27 +253,32 @@ async def _measure(
     settings: LoadSettings,
     status_fn: Callable[[], Awaitable[dict[str, Any] | None]],
     out: TextIO,
+    job: JobWatch | None = None,
 ) -> tuple[dict[str, Any], list[Outcome]]:
-    """Drive ``workload`` with a live table and print its report; the summary and the outcomes."""
+    """Drive ``workload`` with a live table (with ``job``'s progress) and print its report; the summary
+    and the outcomes."""
     counters = LiveCounters()
     task = asyncio.create_task(drive(endpoint, workload, classes, class_header, counters=counters))
     if settings.live and out.isatty():
         from rich.console import Console
         from rich.live import Live
 
-        first = live_table(counters, None, settings.label)
+        first = live_table(counters, None, settings.label, job)
         with Live(first, console=Console(file=out), refresh_per_second=4) as live:
             while not task.done():
                 await asyncio.wait({task}, timeout=LIVE_PERIOD_S)
-                live.update(live_table(counters, await status_fn(), settings.label))
+                live.update(live_table(counters, await status_fn(), settings.label, job))
     elif settings.live:  # not a terminal: a progress line every few seconds
         while not task.done():
             await asyncio.wait({task}, timeout=5.0)
             status = await status_fn()
             ok = sum(1 for o in counters.ended if o.ok)
             queue = "-" if status is None else outstanding_of(status)
-            print(f"  sent {counters.sent}/{len(workload.items)}  queue {queue}  finished {ok}  "
-                  f"failed {len(counters.ended) - ok}", file=out, flush=True)  # fmt: skip
+            line = (
+                f"  sent {counters.sent}/{len(workload.items)}  queue {queue}  finished {ok}  "
+                f"failed {len(counters.ended) - ok}"
+            )
+            print(line if job is None else f"{line}  {job.describe()}", file=out, flush=True)
     outcomes, wall = await task
     summary = summarize_outcomes(outcomes, wall)
     if settings.label is not None:
