@@ -128,6 +128,7 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Dispatch `up` / `load`."""
     from tessera.api import SpecError
+    from tessera.local.batch_job import BatchJobError
     from tessera.local.batch_process import BatchStartError
     from tessera.local.control_plane import LocalPlanError
     from tessera.local.load import WorkloadError
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             return asyncio.run(_up(args))
         return asyncio.run(_load(args))
     except (SpecError, LocalPlanError, WorkloadError, WorkerStartError, PolicySwitchError, ModelCacheError,
-            ModelFitError, OSError, BatchStartError, ApiKeysError) as exc:  # fmt: skip
+            ModelFitError, OSError, BatchStartError, BatchJobError, ApiKeysError) as exc:  # fmt: skip
         return _fail(str(exc))
 
 

@@ -27,7 +27,7 @@ from tessera.local.autoscaler import LocalAutoscaler
 from tessera.local.batch_job import JobWatch, follow, job_endpoint, job_lines, submit
 from tessera.local.batch_process import BatchProcess
 from tessera.local.control_plane import LocalPlan
-from tessera.local.load import LiveCounters, Outcome, Workload, drive, outstanding_of
+from tessera.local.load import LiveCounters, Outcome, Workload, WorkloadError, drive, outstanding_of
 from tessera.local.report import (
     class_rows,
     render_answers,
@@ -202,13 +202,14 @@ async def compare_batch_job(
 ) -> list[JobRound]:
     """The interactive requests of ``workload`` alone and with a Batch API job of ``size`` lines (made
     from its batch requests, else from all of them: ``tessera.local.batch_job``) submitted at the
-    load's start, in ``rounds`` interleaved rounds (the job first in odd ones); each run with the job
-    waits for the job's end. Prints each round's side-by-side report; returns the rounds."""
+    load's start, in ``rounds`` interleaved rounds (the job first in every second round); each run with
+    the job waits for the job's end. Prints each round's side-by-side report; returns the rounds.
+    WorkloadError without interactive requests; BatchJobError when the router refuses the job."""
     assert stack.state is not None and stack.batch is not None, "start the stack with its batch component"
     kinds = {n: c.service_class.kind for n, c in classes.items()}
     chat = Workload(tuple(i for i in workload.items if kinds[i.class_name] == "interactive"), 0)
     if not chat.items:
-        raise ValueError("the load has no interactive request to measure beside the batch job")
+        raise WorkloadError("the trace has no interactive request to measure beside the batch job")
     source = [i for i in workload.items if kinds[i.class_name] == "batch"] or list(workload.items)
     endpoint = job_endpoint(source)
     data = job_lines(source, size, endpoint)
@@ -224,16 +225,19 @@ async def compare_batch_job(
                 run = replace(
                     settings, json_path=None, plot_dir=None, answers=0, label=f"{policy}, chat {name}"
                 )
-                following = None
-                if with_job:
-                    await submit(client, stack.endpoint, data, endpoint, window, watch)
-                    following = asyncio.create_task(follow(client, stack.endpoint, watch))
-                summaries[name], _ = await _measure(stack.endpoint, chat, classes, header, run, stack.status,
-                                                    out, job=watch if with_job else None)  # fmt: skip
-                if following is not None:
+                if not with_job:
+                    summaries[name], _ = await _measure(stack.endpoint, chat, classes, header, run,
+                                                        stack.status, out)  # fmt: skip
+                    continue
+                await submit(client, stack.endpoint, data, endpoint, window, watch)
+                following = asyncio.create_task(follow(client, stack.endpoint, watch))
+                try:
+                    summaries[name], _ = await _measure(stack.endpoint, chat, classes, header, run,
+                                                        stack.status, out, job=watch)  # fmt: skip
                     await following
-                    print(f"{watch.describe()}, {watch.makespan_s:.1f} s from submission to its end",
-                          file=out)  # fmt: skip
+                finally:
+                    following.cancel()
+                print(f"{watch.describe()}, {watch.makespan_s:.1f} s from submission to its end", file=out)
             print("\n" + render_comparison(summaries, title="same chat load"), file=out, flush=True)
             done.append(JobRound(summaries["alone"], summaries["+ batch job"], watch))
     return done
