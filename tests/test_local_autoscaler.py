@@ -4,6 +4,7 @@ keeps role order and stops a leaving worker only once the router has nothing out
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,8 +14,7 @@ from prometheus_client import generate_latest
 
 from tessera.api import load_documents
 from tessera.batch.metrics import backlog_registry
-from tessera.batch.rules import InputLine
-from tessera.batch.store import BatchStore, output_line
+from tessera.batch.store import BatchStore
 from tessera.control.metrics_queries import snapshot_from_results
 from tessera.core.chiron import GroupMemory, evaluate_group
 from tessera.core.planners import BatchGroup, ChironSettings, RoleCounts
@@ -79,21 +79,9 @@ def test_scrapes_read_as_the_operators_queries_give_the_snapshot() -> None:
     assert snap.instances_with_interactive == 0 and snap.batch_queue == ()
 
 
-def _job(tmp: Path, lines: int, answered: int, in_flight: int, created: int, window_s: int) -> BatchStore:
-    """A batch component's store with one job in progress: ``answered`` lines answered with 200 output
-    tokens each, ``in_flight`` more sent, the rest not sent yet."""
-    store = BatchStore(tmp)
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    batch = store.create_batch("t", "file-x", "/v1/chat/completions", f"{window_s}s", window_s, None, None,
-                               ("x-tessera-class", "offline", "offline"), created)  # fmt: skip
-    store.start(batch["id"], [InputLine(i, f"req-{i}", body) for i in range(lines)], created)
-    for index, custom_id, _ in store.claim(batch["id"], answered + in_flight)[:answered]:
-        answer = {"id": "c", "usage": {"prompt_tokens": 5, "completion_tokens": 200}}
-        store.record(batch["id"], index, True, output_line(batch["id"], index, custom_id, 200, answer))
-    return store
-
-
-def test_the_batch_components_backlog_reaches_the_snapshot_and_launches_just_in_time(tmp_path: Path) -> None:
+def test_the_batch_components_backlog_reaches_the_snapshot_and_launches_just_in_time(
+    batch_job_store: Callable[..., BatchStore],
+) -> None:
     """The lines the feeder has not sent (1,960 of a 2,000-line job, 20 in flight) are in no queue the
     workers or the router export: only the batch component's gauges show them, with their expiry and
     the output length of the answered lines. With them Chiron's just-in-time rule waits while a batch
@@ -101,7 +89,7 @@ def test_the_batch_components_backlog_reaches_the_snapshot_and_launches_just_in_
     evaluation that does (1,959 lines x 200 tokens at 2,000 tokens/s after a 15 s load: 210.9 s, so
     at 215 s left and not at 220 s). Without them the 20 lines in flight look like no backlog at all."""
     created, window = 1_000_000, 300
-    store = _job(tmp_path, 2000, answered=20, in_flight=20, created=created, window_s=window)
+    store = batch_job_store(2000, answered=20, in_flight=20, created=created, window_s=window)
     text = generate_latest(backlog_registry(store)).decode()
     assert 'tessera_batch_pending_lines{class="offline",model="m"} 1960.0' in text
     group = replace(plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine()).groups[0].group,
