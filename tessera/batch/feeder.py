@@ -155,7 +155,7 @@ class Feeder:
     async def _send(self, batch: dict[str, Any], index: int, custom_id: str, body: dict[str, Any]) -> None:
         """Send one line until it has an answer; record it (or hand the line back when cancelled)."""
         batch_id, expires = batch["id"], float(batch["expires_at"])
-        header, value, _ = json.loads(batch["batch_class"])
+        header, value = json.loads(batch["batch_class"])[:2]  # then the class name (its metrics' label)
         # The job's tenant: the router counts the line against its quota, as the tenant's own requests.
         headers = {header: value, TOKEN_HEADER: self.settings.token, DEADLINE_HEADER: f"{expires:.3f}",
                    TENANT_HEADER: batch["tenant"]}  # fmt: skip
