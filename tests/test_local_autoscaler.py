@@ -211,6 +211,38 @@ async def test_batch_work_the_router_holds_starts_a_batch_instance() -> None:
     await scaler.close()
 
 
+async def test_the_autoscaler_scrapes_the_batch_components_backlog(
+    batch_job_store: Callable[..., BatchStore],
+) -> None:
+    """Local mode's loop reads the batch component's /metrics (``batch_url``) at each evaluation: a job
+    whose unsent lines would miss their expiry without a batch instance gets one, where the same loop
+    without the component's backlog sees no batch work at all (nothing in flight, nothing held)."""
+    plan = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=3)
+    created = 1_000_000
+    store = batch_job_store(2000, answered=20, in_flight=0, created=created, window_s=300)
+    model = plan.groups[0].config.models[0].name
+    backlog = generate_latest(backlog_registry(store)).decode().replace('model="m"', f'model="{model}"')
+    idle = _text({"chat": 0, "offline": 0}, {}, 0)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=backlog if request.url.host == "batch" else idle)
+
+    replicas = {}
+    for batch_url in ("http://batch", None):
+        workers = [WorkerProcess(i, 9000 + i.ordinal, Path("c"), Path("l")) for i in plan.instances]
+        supervisor = _Supervisor(workers)
+        router = RouterState([w.backend() for w in workers], hold=ChironHold())
+        scaler = LocalAutoscaler(plan.groups, supervisor, router, report=lambda _: None,  # type: ignore[arg-type]
+                                 batch_url=batch_url, wall_clock=lambda: created + 10.0)  # fmt: skip
+        interval = scaler.groups[0].scaling.settings.eval_interval_s
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await scaler.step(client, now=100.0)
+            await scaler.step(client, now=100.0 + interval)
+        replicas[batch_url] = scaler.groups[0].replicas
+        await scaler.close()
+    assert replicas["http://batch"].batch >= 1 and replicas[None].batch == 0, replicas
+
+
 async def test_interactive_work_the_router_holds_is_evaluated_at_once() -> None:
     """An interactive request held for want of room makes the group's evaluation due before its
     interval, as the simulator's Chiron controller evaluates at once; without one it waits."""
