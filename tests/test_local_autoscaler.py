@@ -4,18 +4,23 @@ keeps role order and stops a leaving worker only once the router has nothing out
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from tessera.api import load_documents
+from tessera.batch.metrics import backlog_registry
+from tessera.batch.store import BatchStore
 from tessera.control.metrics_queries import snapshot_from_results
-from tessera.core.planners import BatchGroup, RoleCounts
+from tessera.core.chiron import GroupMemory, evaluate_group
+from tessera.core.planners import BatchGroup, ChironSettings, RoleCounts
 from tessera.local.autoscaler import LocalAutoscaler, effective_counts
 from tessera.local.control_plane import LocalEngine, plan_local
-from tessera.local.scrape import results_from_scrapes
+from tessera.local.scrape import batch_results, results_from_scrapes
 from tessera.local.supervisor import WorkerProcess
 from tessera.router.app import RouterState
 from tessera.router.backends import Backend
@@ -72,6 +77,46 @@ def test_scrapes_read_as_the_operators_queries_give_the_snapshot() -> None:
     assert snap.batch_instance_tokens_per_s == pytest.approx(24.0)
     assert snap.interactive_arrival_rps == pytest.approx(30 / 5.0)  # chat requests started; not offline's
     assert snap.instances_with_interactive == 0 and snap.batch_queue == ()
+
+
+def test_the_batch_components_backlog_reaches_the_snapshot_and_launches_just_in_time(
+    batch_job_store: Callable[..., BatchStore],
+) -> None:
+    """The lines the feeder has not sent (1,960 of a 2,000-line job, 20 in flight) are in no queue the
+    workers or the router export: only the batch component's gauges show them, with their expiry and
+    the output length of the answered lines. With them Chiron's just-in-time rule waits while a batch
+    instance launched at the next evaluation still meets the deadline, then launches one at the last
+    evaluation that does (1,959 lines x 200 tokens at 2,000 tokens/s after a 15 s load: 210.9 s, so
+    at 215 s left and not at 220 s). Without them the 20 lines in flight look like no backlog at all."""
+    created, window = 1_000_000, 300
+    store = batch_job_store(2000, answered=20, in_flight=20, created=created, window_s=window)
+    text = generate_latest(backlog_registry(store)).decode()
+    assert 'tessera_batch_pending_lines{class="offline",model="m"} 1960.0' in text
+    group = replace(plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine()).groups[0].group,
+                    replicas=RoleCounts(interactive=1, mixed=1), roles=("interactive", "mixed"))  # fmt: skip
+    scrapes = {"p-0": _text({"chat": 0}, {}, 0), "p-1": _text({"offline": 20}, {}, 0)}
+    settings = ChironSettings(just_in_time=True, scale_down_evaluations=1000, max_instances=8)
+    seen: dict[bool, list[tuple[float, int, str]]] = {True: [], False: []}
+    for with_backlog in (True, False):
+        memory = GroupMemory()
+        for step in range(20):
+            now, unix = 50.0 + 5 * step, created + 5.0 * step
+            results, _ = results_from_scrapes(scrapes, KINDS, {}, now)
+            if with_backlog:
+                results |= batch_results(text, ("m",), KINDS, unix, now)
+            snap = snapshot_from_results(results, group, {"offline": 3600.0}, now)
+            assert snap is not None
+            evaluation = evaluate_group(snap, memory, settings, now)
+            memory = evaluation.memory
+            assert evaluation.decision is not None
+            seen[with_backlog].append((created + window - unix, evaluation.decision.desired.batch,
+                                       evaluation.reason))  # fmt: skip
+    assert all(batch == 0 for _, batch, _ in seen[False])
+    launches = [(left, batch) for left, batch, _ in seen[True] if batch]
+    assert launches[0] == (215.0, 1)
+    # Every evaluation before it waited, from the first: the deadline was known all along.
+    waits = [left for left, batch, reason in seen[True] if left > 215.0 and "(just in time): wait" in reason]
+    assert waits == [300.0 - 5 * i for i in range(17)]
 
 
 class _Supervisor:
@@ -164,6 +209,38 @@ async def test_batch_work_the_router_holds_starts_a_batch_instance() -> None:
     await asyncio.gather(*held, return_exceptions=True)
     assert router.hold.held() == {}
     await scaler.close()
+
+
+async def test_the_autoscaler_scrapes_the_batch_components_backlog(
+    batch_job_store: Callable[..., BatchStore],
+) -> None:
+    """Local mode's loop reads the batch component's /metrics (``batch_url``) at each evaluation: a job
+    whose unsent lines would miss their expiry without a batch instance gets one, where the same loop
+    without the component's backlog sees no batch work at all (nothing in flight, nothing held)."""
+    plan = plan_local(load_documents(EXAMPLES / "quickstart.yaml"), LocalEngine(), max_instances_per_group=3)
+    created = 1_000_000
+    store = batch_job_store(2000, answered=20, in_flight=0, created=created, window_s=300)
+    model = plan.groups[0].config.models[0].name
+    backlog = generate_latest(backlog_registry(store)).decode().replace('model="m"', f'model="{model}"')
+    idle = _text({"chat": 0, "offline": 0}, {}, 0)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text=backlog if request.url.host == "batch" else idle)
+
+    replicas = {}
+    for batch_url in ("http://batch", None):
+        workers = [WorkerProcess(i, 9000 + i.ordinal, Path("c"), Path("l")) for i in plan.instances]
+        supervisor = _Supervisor(workers)
+        router = RouterState([w.backend() for w in workers], hold=ChironHold())
+        scaler = LocalAutoscaler(plan.groups, supervisor, router, report=lambda _: None,  # type: ignore[arg-type]
+                                 batch_url=batch_url, wall_clock=lambda: created + 10.0)  # fmt: skip
+        interval = scaler.groups[0].scaling.settings.eval_interval_s
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await scaler.step(client, now=100.0)
+            await scaler.step(client, now=100.0 + interval)
+        replicas[batch_url] = scaler.groups[0].replicas
+        await scaler.close()
+    assert replicas["http://batch"].batch >= 1 and replicas[None].batch == 0, replicas
 
 
 async def test_interactive_work_the_router_holds_is_evaluated_at_once() -> None:

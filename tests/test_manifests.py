@@ -49,7 +49,7 @@ def test_kinds_and_namespace(objects: list[dict[str, Any]]) -> None:
         ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment"]
         + ["CustomResourceDefinition"] * 3
         + ["Role", "RoleBinding"]  # the router's, in the namespace it serves (test_router_manifests)
-        + ["NetworkPolicy"] * 3
+        + ["NetworkPolicy"] * 4
     )
     assert _one(objects, "Namespace")["metadata"]["name"] == "tessera-system"
     for obj in objects:
@@ -116,7 +116,8 @@ def test_network_policies_guard_the_router_s_metrics_port_and_the_operator(
         "tessera-workers",
         "tessera-router",
         "tessera-operator",
-    }  # workers: test_network_
+        "tessera-batch",
+    }  # workers: test_network_manifests, batch: test_batch_manifests
     operator = _one(objects, "Deployment")["spec"]["template"]
     policy = policies["tessera-operator"]
     assert policy["metadata"]["namespace"] == "tessera-system" and policy["spec"]["policyTypes"] == [
@@ -241,7 +242,7 @@ def test_service_monitor_selects_the_operators_worker_services() -> None:
     from tessera.control import children
 
     monitors = {m["metadata"]["name"]: m for m in _render("manifests/monitoring")}
-    assert sorted(monitors) == ["tessera-router", "tessera-workers"]
+    assert sorted(monitors) == ["tessera-batch", "tessera-router", "tessera-workers"]
     assert all(m["kind"] == "ServiceMonitor" for m in monitors.values())
     monitor = monitors["tessera-workers"]
     selector = monitor["spec"]["selector"]

@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
 import pytest
 import pytest_asyncio
+from prometheus_client import start_http_server
 
+from tessera.batch.metrics import backlog_registry
+from tessera.batch.store import BatchStore
 from tessera.bench.cluster import (
     PROMETHEUS,
     SCRAPE_S,
@@ -36,7 +39,7 @@ from tessera.bench.cluster import (
 from tessera.bench.harness import WorkerChild, stream_one
 from tessera.control.metrics_queries import group_queries
 from tessera.core.chiron import autoscale as autoscale_module
-from tessera.core.planners import MetricsSnapshot, ScalingDecision
+from tessera.core.planners import GroupPlan, MetricsSnapshot, RoleCounts, ScalingDecision
 from tessera.core.planners.chiron import chiron_decide
 from tessera.operator.prometheus import PrometheusMetrics
 from tessera.worker.engines.vllm_process import free_port
@@ -213,4 +216,47 @@ async def test_every_snapshot_query_parses_for_names_with_hyphens_and_dots(tmp_p
         for name, query in queries.items():
             assert await promql(prom.url, query) is not None, name  # raises on a refused query
     finally:
+        await asyncio.to_thread(prom.stop)
+
+
+async def test_the_batch_components_backlog_reaches_the_operators_snapshot(
+    tmp_path: Path, batch_job_store: Callable[..., BatchStore]
+) -> None:
+    """A real Prometheus scrapes the batch component's gauges (through the manifests' relabelling, as
+    one more target), and the operator's own ``PrometheusMetrics.snapshot`` reads the unsent lines as a
+    group due at the job's expiry on its own clock, with the answered lines' output length."""
+    created = int(time.time())
+    store = batch_job_store(100, answered=10, in_flight=5, created=created, window_s=300)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=backlog_registry(store))
+    prom = Prometheus(free_port(), tmp_path)
+    try:
+        await asyncio.to_thread(prom.wait_ready)
+        # The pod discovery labels of a worker pod of the group: the snapshot needs one scraped pod.
+        labels = {"__meta_kubernetes_namespace": "ns", "__meta_kubernetes_pod_name": "p-g-0",
+                  "__meta_kubernetes_pod_container_port_name": "http",
+                  "__meta_kubernetes_pod_label_app_kubernetes_io_managed_by": "tessera-operator",
+                  "__meta_kubernetes_pod_label_tessera_dev_pool": "p",
+                  "__meta_kubernetes_pod_label_tessera_dev_group": "g",
+                  "__meta_kubernetes_pod_annotation_prometheus_io_scrape": "true",
+                  "__meta_kubernetes_pod_annotation_prometheus_io_path": "/metrics"}  # fmt: skip
+        prom.set_targets([(f"127.0.0.1:{server.server_port}", labels)])
+        metrics = PrometheusMetrics(prom.url)
+        group = GroupPlan("g", ("svc",), 1, RoleCounts(interactive=1))
+        kinds, deadlines = {"chat": "interactive", "offline": "batch"}, {"offline": 3600.0}
+        deadline = time.monotonic() + 20
+        while True:
+            snap = await asyncio.to_thread(
+                metrics.snapshot, "ns", "p", group, kinds, deadlines, 1000.0, ("m",)
+            )
+            if snap is not None and snap.batch_queue:
+                break
+            assert time.monotonic() < deadline, "Prometheus never had the batch component's gauges"
+            await asyncio.sleep(0.5)
+        (unsent,) = snap.batch_queue
+        assert unsent.count == 85
+        assert 1000.0 + 300 - 25 < unsent.deadline <= 1000.0 + 300 - (time.time() - created) + 1
+        assert (snap.mean_output_tokens, snap.std_output_tokens) == (200.0, 0.0)
+    finally:
+        server.shutdown()
+        thread.join(5)
         await asyncio.to_thread(prom.stop)

@@ -267,6 +267,29 @@ def test_what_the_router_holds_counts_as_the_groups_queued_work() -> None:
     assert snap.interactive_queued == 2 + 5  # the workers' queues and the router's hold
 
 
+def test_the_batch_components_unsent_lines_are_one_more_group_due_at_their_expiry() -> None:
+    group = GroupPlan("g", ("svc",), 1, RoleCounts(interactive=1))
+    kinds = {"chat": "interactive", "offline": "batch"}
+    queries = group_queries("ns", "p", "g", kinds, "2m", ("m",))
+    jobs = 'model=~"m",class=~"offline"'
+    assert queries["batch_pending"] == f"sum by (class) (tessera_batch_pending_lines{{{jobs}}})"
+    assert queries["batch_pending_left"].endswith(" - time()")
+    results = {
+        "up": [_sample(1, pod="p-g-0")],
+        "held": [_sample(40, **{"class": "offline"})],
+        "batch_pending": [_sample(1960, **{"class": "offline"}), _sample(0, **{"class": "chat"})],
+        "batch_pending_left": [_sample(215, **{"class": "offline"})],
+        "batch_output_mean": [_sample(200)],
+        "batch_output_std": [_sample(12)],
+    }
+    snap = snapshot_from_results(results, group, {"offline": 600.0}, now=1000.0)
+    assert snap is not None
+    assert sorted((g.count, g.deadline) for g in snap.batch_queue) == [(40, 1600.0), (1960, 1215.0)]
+    assert (snap.mean_output_tokens, snap.std_output_tokens) == (200.0, 12.0)
+    bare = snapshot_from_results({"up": results["up"]}, group, {"offline": 600.0}, now=1000.0)
+    assert bare is not None and bare.mean_output_tokens is None and bare.batch_queue == ()
+
+
 def test_attainment_from_prometheus_results() -> None:
     rows = attainment_from_results(
         {

@@ -16,6 +16,13 @@ Secret key). Each request between them carries it in ``x-tessera-batch-token``:
 
 ``x-tessera-deadline`` is an absolute time, seconds since the Unix epoch (the batch's ``expires_at``),
 so that it means the same on every machine; the router and the worker turn it into their own clock.
+
+What the feeder has not sent yet is out of every queue the autoscaler reads, so the batch component
+exports it on its ``/metrics`` (no token: aggregates by model and class only), and the operator's
+queries and local mode's scrapes count it in Chiron's global queue: ``PENDING_METRIC`` (the lines of
+the batches in progress not sent yet), ``DEADLINE_METRIC`` (the Unix time of the earliest expiry among
+them), ``OUTPUT_MEAN_METRIC`` and ``OUTPUT_STD_METRIC`` (the output lengths of those batches' answered
+lines: the μ_o and σ_o of Chiron's waiting-time estimate), each labelled ``model`` and ``class``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ TENANT_HEADER = "x-tessera-tenant"
 MODELS_HEADER = "x-tessera-models"
 CLASSES_HEADER = "x-tessera-batch-classes"
 DEADLINE_HEADER = "x-tessera-deadline"
+PENDING_METRIC = "tessera_batch_pending_lines"
+DEADLINE_METRIC = "tessera_batch_earliest_deadline_seconds"
+OUTPUT_MEAN_METRIC = "tessera_batch_output_tokens_mean"
+OUTPUT_STD_METRIC = "tessera_batch_output_tokens_stddev"
 NO_KEYS_TENANT = "default"  # the tenant of every caller of a router without API keys
 
 

@@ -4,11 +4,12 @@
 ``limit``), ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``, ``DELETE /v1/files/{id}``;
 ``POST /v1/batches`` (``input_file_id``, ``endpoint``, ``completion_window``, ``metadata``),
 ``GET /v1/batches`` (``after``, ``limit``), ``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``;
-``/health``. Objects and errors have OpenAI's shapes.
+``/health``; ``/metrics`` (the backlog, ``tessera.batch.metrics``). Objects and errors have OpenAI's
+shapes.
 
-Every request must carry the router's token (``tessera.api.batch_link``); the tenant it names owns
-what it creates, and another tenant's file or batch does not exist for it (404, never 403: one tenant
-learns nothing of another's ids).
+Every request but ``/health`` and ``/metrics`` must carry the router's token
+(``tessera.api.batch_link``); the tenant it names owns what it creates, and another tenant's file or
+batch does not exist for it (404, never 403: one tenant learns nothing of another's ids).
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from fastapi import FastAPI, File, Form, Query, UploadFile
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tessera.api.batch_link import CLASSES_HEADER, MODELS_HEADER, TENANT_HEADER, TOKEN_HEADER
 from tessera.api.openai_errors import ApiError
 from tessera.batch.feeder import Feeder
+from tessera.batch.metrics import backlog_registry
 from tessera.batch.rules import ENDPOINTS, MAX_FILE_BYTES, WindowError, window_seconds
 from tessera.batch.store import BatchStore
 
@@ -136,7 +139,7 @@ def create_batch_app(store: BatchStore, feeder: Feeder, token: str, class_name: 
         value = http.headers.get(MODELS_HEADER)
         return None if value is None else [m for m in value.split(",") if m]
 
-    def batch_class_of(http: HttpRequest) -> tuple[str, str]:
+    def batch_class_of(http: HttpRequest) -> tuple[str, str, str]:
         try:
             classes = json.loads(http.headers.get(CLASSES_HEADER, "{}"))
         except json.JSONDecodeError:
@@ -147,13 +150,13 @@ def create_batch_app(store: BatchStore, feeder: Feeder, token: str, class_name: 
                                     f"or not allowed for this API key; batch classes: "
                                     f"{', '.join(sorted(classes)) or '(none)'}")  # fmt: skip
             header, value = classes[class_name]
-            return str(header), str(value)
+            return str(header), str(value), class_name
         if len(classes) != 1:
             raise ApiError(400, "batch jobs need exactly one request class of kind batch that this API key "
                                 f"may use; there are: {', '.join(sorted(classes)) or '(none)'} (pick one "
                                 "with tessera batch --class)")  # fmt: skip
-        header, value = next(iter(classes.values()))
-        return str(header), str(value)
+        name, (header, value) = next(iter(classes.items()))
+        return str(header), str(value), str(name)
 
     def now() -> int:
         return int(time.time())
@@ -173,6 +176,13 @@ def create_batch_app(store: BatchStore, feeder: Feeder, token: str, class_name: 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    registry = backlog_registry(store)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # No token: Prometheus scrapes it; it tells counts by model and class, nothing of a tenant.
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/files")
     async def upload(http: HttpRequest, file: Annotated[UploadFile, File()],

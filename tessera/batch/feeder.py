@@ -6,9 +6,11 @@ expiry as its deadline (``x-tessera-deadline``, honoured by EDF, QLM and Chiron'
 feeder token (``tessera.api.batch_link``). At most ``concurrency`` lines are in flight at once over all
 batches; the router's hold keeps them until an instance has room, so the pool sets the pace. A 429 or
 503 is backpressure: the line waits (``Retry-After``, at most ``MAX_BACKOFF_S``) and is sent again,
-until the job expires. A connection failure or another 5xx is retried ``MAX_ATTEMPTS`` times, then
-answered in the error file with the last status. Any other answer is the line's result: 2xx in the
-output file, else in the error file (a body the model server refuses: its 400 and message).
+until the job expires. A 429 that says the request can never be admitted (``PERMANENT_CODES``: larger
+than its tenant's whole per-minute budget) is no backpressure: waiting would never help, so it is the
+line's answer at once. A connection failure, a 408 or another 5xx is retried ``MAX_ATTEMPTS`` times,
+then answered in the error file with the last status. Any other answer is the line's result: 2xx in
+the output file, else in the error file (a body the model server refuses: its 400 and message).
 
 Cancel stops claiming lines at once; lines in flight finish, then every unsent line is answered
 ``batch_cancelled`` and the batch is ``cancelled``. At expiry the unsent lines are answered
@@ -39,6 +41,7 @@ MAX_BACKOFF_S = 10.0
 EXPIRY_GRACE_S = 30.0
 EXPIRED = "This request could not be executed before the completion window expired."
 CANCELLED = "This request was not sent: the batch was cancelled."
+PERMANENT_CODES = frozenset({"request_too_large"})  # error codes of a 429 that no wait can cure
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +155,7 @@ class Feeder:
     async def _send(self, batch: dict[str, Any], index: int, custom_id: str, body: dict[str, Any]) -> None:
         """Send one line until it has an answer; record it (or hand the line back when cancelled)."""
         batch_id, expires = batch["id"], float(batch["expires_at"])
-        header, value = json.loads(batch["batch_class"])
+        header, value = json.loads(batch["batch_class"])[:2]  # then the class name (its metrics' label)
         # The job's tenant: the router counts the line against its quota, as the tenant's own requests.
         headers = {header: value, TOKEN_HEADER: self.settings.token, DEADLINE_HEADER: f"{expires:.3f}",
                    TENANT_HEADER: batch["tenant"]}  # fmt: skip
@@ -182,10 +185,10 @@ class Feeder:
                     return
                 await asyncio.sleep(min(MAX_BACKOFF_S, 0.5 * 2**failures))
                 continue
-            if resp.status_code in (429, 503):
+            if resp.status_code in (429, 503) and not _permanent(resp):
                 await asyncio.sleep(_retry_after(resp, failures))
                 continue
-            if resp.status_code >= 500 and failures + 1 < MAX_ATTEMPTS:
+            if (resp.status_code >= 500 or resp.status_code == 408) and failures + 1 < MAX_ATTEMPTS:
                 failures += 1
                 await asyncio.sleep(min(MAX_BACKOFF_S, 0.5 * 2**failures))
                 continue
@@ -199,6 +202,15 @@ class Feeder:
     def _record(self, batch_id: str, index: int, custom_id: str, status: int, answer: Any) -> None:
         line = output_line(batch_id, index, custom_id, status, answer)
         self.store.record(batch_id, index, 200 <= status < 300, line)
+
+
+def _permanent(resp: httpx.Response) -> bool:
+    """Whether a refusal says the request can never be served as it is (its error code)."""
+    try:
+        error = resp.json().get("error")
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") in PERMANENT_CODES
 
 
 def _retry_after(resp: httpx.Response, failures: int) -> float:

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import secrets
 import sqlite3
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,9 +165,10 @@ class BatchStore:
 
     def create_batch(self, tenant: str, input_file_id: str, endpoint: str, window: str, window_s: int,
                      metadata: dict[str, str] | None, models: Iterable[str] | None,
-                     batch_class: tuple[str, str], now: int) -> dict[str, Any]:  # fmt: skip
+                     batch_class: tuple[str, str, str], now: int) -> dict[str, Any]:  # fmt: skip
         """A new batch of ``tenant``, validating; ``models``: those its lines may name (None: any);
-        ``batch_class``: the header and value that make each line a request of the batch class."""
+        ``batch_class``: the header and value that make each line a request of the batch class, and the
+        class's name (what the pending-lines metrics are labelled with)."""
         batch_id = new_id("batch_")
         with self._tx() as db:
             db.execute(
@@ -233,6 +236,26 @@ class BatchStore:
             db.execute("UPDATE batches SET total = ? WHERE id = ?", (len(lines), batch_id))
             db.execute("UPDATE batches SET status = 'in_progress', in_progress_at = ? "
                        "WHERE id = ? AND status = 'validating'", (now, batch_id))  # fmt: skip
+
+    def backlog(self) -> list[Backlog]:
+        """The unsent lines of the batches in progress by model and class: how many, their earliest
+        expiry, and the output lengths (``usage.completion_tokens``) of those batches' answered lines."""
+        rows = self.db.execute(
+            "SELECT model, class, SUM(pending), MIN(CASE WHEN pending THEN expires END), COUNT(x), AVG(x), "
+            "AVG(x * x) FROM (SELECT json_extract(l.body, '$.model') AS model, "
+            "json_extract(b.batch_class, '$[2]') AS class, l.state = 'pending' AS pending, "
+            "b.expires_at AS expires, CASE WHEN l.ok = 1 THEN "
+            "CAST(json_extract(l.result, '$.response.body.usage.completion_tokens') AS REAL) END AS x "
+            "FROM lines l JOIN batches b ON b.id = l.batch_id WHERE b.status = 'in_progress') "
+            "GROUP BY model, class"
+        ).fetchall()
+        out = []
+        for model, name, pending, deadline, answered, mean, square in rows:
+            if model is None or name is None:
+                continue
+            std = math.sqrt(max(0.0, square - mean * mean)) if answered else None
+            out.append(Backlog(str(model), str(name), int(pending or 0), deadline, int(answered), mean, std))
+        return out
 
     def fail(self, batch_id: str, errors: list[LineError], now: int) -> None:
         """The batch failed validation with ``errors``."""
@@ -311,6 +334,19 @@ class BatchStore:
             db.execute(f"UPDATE batches SET status = ?, {final}_at = ?, output_file_id = ?, "
                        "error_file_id = ? WHERE id = ?",
                        (final, now, ids["output_file_id"], ids["error_file_id"], batch_id))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """What is left of the batches in progress for one model and class (``BatchStore.backlog``)."""
+
+    model: str
+    class_name: str
+    pending: int  # lines not sent yet
+    earliest_deadline: float | None  # Unix time: the earliest expiry among them (None: none pending)
+    answered: int  # lines answered 2xx with a usage count, whose output lengths follow
+    mean_output_tokens: float | None
+    std_output_tokens: float | None
 
 
 def output_line(batch_id: str, index: int, custom_id: str, status: int, body: Any) -> dict[str, Any]:

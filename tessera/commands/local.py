@@ -7,8 +7,10 @@ on ``--host:--port`` (``--route`` picks how it ranks instances: with ``precise-p
 vLLM publishes its KV events and the router follows them). Pools with autoscaling enabled run the
 operator's Chiron global autoscaler over the local workers (``--no-autoscale`` keeps the planned counts).
 With ``--trace FILE`` it also drives that trace, prints the report and exits (``--compare-policy P``:
-then the same trace again under policy P, switched in place, and both side by side); without, it serves
-until Ctrl-C.
+then the same trace again under policy P, switched in place, and both side by side; ``--batch-job N``:
+first the trace's interactive requests alone and beside a Batch API job of N lines made from its batch
+requests, with the job's progress in the live table and both side by side); without, it serves until
+Ctrl-C.
 
 ``tessera local load --trace FILE`` drives a trace against a running endpoint (``--endpoint``) with a
 live table, and ends with the report (``--json``, ``--plot``).
@@ -96,8 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="Do not run the batch component (default: `tessera batch` serves /v1/files and "
                          "/v1/batches behind the router, its state in RUN_DIR/batch).")  # fmt: skip
     up.add_argument("--api-keys", type=Path, default=None,
-                    help="API keys file (as `tessera router --api-keys`): every request needs a key, and "
-                         "each key's tenant sees only its own files and batches.")  # fmt: skip
+                    help="API keys file (as `tessera router --api-keys`): every request needs a key, "
+                         "each tenant's quota is enforced, and each key's tenant sees only its own files "
+                         "and batches.")  # fmt: skip
     up.add_argument("--host", default="127.0.0.1", help="Router address (default 127.0.0.1).")
     up.add_argument("--port", type=int, default=8000, help="Router port (default 8000).")
     up.add_argument("--run-dir", type=Path, default=Path(".tessera-local"),
@@ -107,6 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--compare-policy", default=None, metavar="POLICY",
                     help="With --trace: then replay it under POLICY (switched in place, engines keep "
                          "running) and print both runs side by side.")  # fmt: skip
+    up.add_argument("--batch-job", type=positive_int, default=None, metavar="N",
+                    help="With --trace: first run its interactive requests alone and beside a Batch API "
+                         "job of N lines (the trace's batch prompts, through /v1/batches; the job's "
+                         "progress in the live table) and print both side by side.")  # fmt: skip
     _add_load_flags(up, required=False)
     load = sub.add_parser("load", help="Drive a trace against a running endpoint; live table and report.")
     load.add_argument("--endpoint", default="http://127.0.0.1:8000", help="Router base URL.")
@@ -121,6 +128,7 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     """Dispatch `up` / `load`."""
     from tessera.api import SpecError
+    from tessera.local.batch_job import BatchJobError
     from tessera.local.batch_process import BatchStartError
     from tessera.local.control_plane import LocalPlanError
     from tessera.local.load import WorkloadError
@@ -136,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             return asyncio.run(_up(args))
         return asyncio.run(_load(args))
     except (SpecError, LocalPlanError, WorkloadError, WorkerStartError, PolicySwitchError, ModelCacheError,
-            ModelFitError, OSError, BatchStartError, ApiKeysError) as exc:  # fmt: skip
+            ModelFitError, OSError, BatchStartError, BatchJobError, ApiKeysError) as exc:  # fmt: skip
         return _fail(str(exc))
 
 
@@ -172,8 +180,6 @@ def _launch_source(
     known model (``tessera models list``).
     """
     from tessera.api import LLMService
-    from tessera.api.worker_config import ProfileSpec
-    from tessera.core.profiles import PROFILES
     from tessera.models.cache import resolve_model
     from tessera.models.registry import KNOWN
 
@@ -185,11 +191,7 @@ def _launch_source(
     if value is None:
         return None, args.dtype or "auto", None
     resolved = resolve_model(value)
-    known = resolved.known
-    profile = None
-    if known is not None and known.cpu_profile is not None:
-        profile = ProfileSpec.from_profile(PROFILES[known.cpu_profile]).to_json()
-    return str(resolved.path), args.dtype or (known.dtype if known is not None else "auto"), profile
+    return str(resolved.path), args.dtype or resolved.dtype, resolved.worker_profile()
 
 
 def _check_launches(plan: LocalPlan) -> None:
@@ -207,6 +209,9 @@ def _check_compare(args: argparse.Namespace, policies: set[str]) -> None:
     from tessera.core.registry import POLICIES, policy_class
     from tessera.local.control_plane import LocalPlanError
 
+    if args.batch_job is not None and (args.trace is None or args.no_batch):
+        raise LocalPlanError("--batch-job needs --trace (its interactive requests are the chat load) and "
+                             "the batch component (leave out --no-batch)")  # fmt: skip
     if args.compare_policy is None:
         return
     if args.trace is None:
@@ -224,7 +229,7 @@ def _check_compare(args: argparse.Namespace, policies: set[str]) -> None:
 async def _up(args: argparse.Namespace) -> int:
     from tessera.api import load_documents
     from tessera.local.control_plane import LocalEngine, plan_local
-    from tessera.local.runner import LocalStack, compare_policies, describe_plan, run_load
+    from tessera.local.runner import LocalStack, compare_batch_job, compare_policies, describe_plan, run_load
     from tessera.router.app import class_infos
     from tessera.router.auth import ApiKeys
 
@@ -262,6 +267,11 @@ async def _up(args: argparse.Namespace) -> int:
             print("serving; Ctrl-C stops", flush=True)
             await stack.wait()
             return 0
+        if args.batch_job is not None:  # first: under the workers' own policy
+            print(f"the chat requests alone, then beside a Batch API job of {args.batch_job} lines:",
+                  flush=True)  # fmt: skip
+            await compare_batch_job(stack, workload, classes, _settings(args), args.batch_job)
+            print("\nthe whole load:", flush=True)
         if args.compare_policy is not None:
             policy = policies.pop()
             await compare_policies(stack, workload, classes, _settings(args), policy, args.compare_policy)

@@ -13,7 +13,9 @@ new pod or class: it counts from zero too), and the queue and in-flight gauges a
 arrivals count the requests still held as well as those that ended. The router's ``tessera_router_*``
 series are not used there: they carry no pool label, and a model name is only unique within a pool. The
 one the autoscaler reads is what the router's Chiron dispatch holds (``tessera_router_chiron_held_requests``,
-by model and class): the router itself serves a model name as one model over every pool it routes to. Prompt
+by model and class): the router itself serves a model name as one model over every pool it routes to. So
+are the batch component's gauges of the lines it has not sent yet (``tessera.api.batch_link``), by model
+and class, with their earliest expiry and the output lengths of their jobs' answered lines. Prompt
 lengths come from the workers' ``tessera_prompt_tokens`` counter (prompt tokens of finished requests).
 
 Pure: the operator's ``PrometheusMetrics`` (``tessera.operator.prometheus``) sends the queries; local
@@ -28,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tessera.api.batch_link import DEADLINE_METRIC, OUTPUT_MEAN_METRIC, OUTPUT_STD_METRIC, PENDING_METRIC
 from tessera.core.planners import ROLES, BatchGroup, GroupPlan, MetricsSnapshot, Role, RoleCounts
 
 Query = Callable[[str], list[dict[str, Any]]]
@@ -93,7 +96,14 @@ def group_queries(
     sel = selector(namespace=namespace, pool=pool, group=group)
     interactive = class_regex([c for c, k in kinds.items() if k == "interactive"])
     batch = class_regex([c for c, k in kinds.items() if k == "batch"])
+    jobs = f'model=~"{class_regex(models)}",class=~"{batch}"'
     return {
+        "batch_pending": f"sum by (class) ({PENDING_METRIC}{{{jobs}}})",
+        # Seconds left, so that the snapshot puts the deadline on the autoscaler's own clock.
+        "batch_pending_left": f"min by (class) ({DEADLINE_METRIC}{{{jobs}}}) - time()",
+        # The longest mean of the group's models and classes: the estimate errs towards launching early.
+        "batch_output_mean": f"max({OUTPUT_MEAN_METRIC}{{{jobs}}})",
+        "batch_output_std": f"max({OUTPUT_STD_METRIC}{{{jobs}}})",
         "held": (
             f'sum by (class) (tessera_router_chiron_held_requests{{model=~"{class_regex(models)}",'
             f'class=~"{class_regex(list(kinds))}"}})'
@@ -124,8 +134,10 @@ def snapshot_from_results(
     pod's role is its ordinal's in ``GroupPlan.roles``.
     Batch groups: the workers export queue lengths and the router the requests its Chiron dispatch keeps
     back, not arrival times, so each batch class is one request group (both counts together) whose
-    deadline is ``now`` plus the class deadline (optimistic for requests that already waited). Returns
-    None when no worker of the group was scraped yet.
+    deadline is ``now`` plus the class deadline (optimistic for requests that already waited). The
+    lines the batch component has not sent yet are one more group per class, due at their earliest
+    expiry (``batch_pending_left`` seconds from ``now``), and their jobs' answered lines give the mean
+    and spread of the output length. Returns None when no worker of the group was scraped yet.
     """
     up = results.get("up") or []
     if not up:
@@ -153,6 +165,15 @@ def snapshot_from_results(
     batch_queue = tuple(
         BatchGroup(count=int(n), deadline=now + deadlines[name]) for name, n in sorted(queued.items())
     )
+    left = _by_class(results.get("batch_pending_left") or [])
+    unsent = _by_class(results.get("batch_pending") or [])
+    batch_queue += tuple(
+        BatchGroup(count=int(n), deadline=now + left[name])
+        for name, n in sorted(unsent.items())
+        if n >= 1 and name in deadlines and name in left
+    )
+    output_mean = _total(results.get("batch_output_mean") or [])
+    output_std = _total(results.get("batch_output_std") or [])
     tokens = _total(results.get("batch_tokens") or [])
     rate = results.get("interactive_rate")
     return MetricsSnapshot(
@@ -167,7 +188,19 @@ def snapshot_from_results(
         if tokens > 0 and ready_counts.batch
         else None,
         interactive_arrival_rps=_total(rate) if rate else None,
+        mean_output_tokens=output_mean if results.get("batch_output_mean") else None,
+        std_output_tokens=output_std if results.get("batch_output_std") else None,
     )
+
+
+def _by_class(result: list[dict[str, Any]]) -> dict[str, float]:
+    """A ``by (class)`` result as class -> value (samples without a class or a number left out)."""
+    out: dict[str, float] = {}
+    for sample in result:
+        name, value = sample.get("metric", {}).get("class"), _value(sample)
+        if name and not math.isnan(value):
+            out[name] = value
+    return out
 
 
 def attainment_queries(namespace: str, pool: str, model: str, window: str) -> dict[str, str]:
@@ -189,13 +222,7 @@ def attainment_from_results(results: Mapping[str, list[dict[str, Any]]]) -> list
     """ClassAttainment JSON (LLMService status) per class with finished requests in the window."""
 
     def by_class(key: str) -> dict[str, float]:
-        out = {}
-        for sample in results.get(key) or []:
-            value = _value(sample)
-            name = sample.get("metric", {}).get("class")
-            if name and not math.isnan(value):
-                out[name] = value
-        return out
+        return _by_class(results.get(key) or [])
 
     met, missed = by_class("met"), by_class("missed")
     p99, itl_sum, itl_count = by_class("p99_ttft"), by_class("itl_sum"), by_class("itl_count")

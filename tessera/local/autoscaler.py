@@ -5,7 +5,8 @@ the group for want of room (as the simulator's Chiron controller does; the opera
 interval only), each placement group (with autoscaling enabled) is evaluated as the operator evaluates
 it: the same classes, deadlines and settings
 (``group_scaling``, capped by ``--max-instances``), the same snapshot (``snapshot_from_results`` over
-direct scrapes, ``tessera.local.scrape``, and what the in-process router holds) and the same step
+direct scrapes, ``tessera.local.scrape``: the workers' and the batch component's, whose lines not sent
+yet count with their deadline, and what the in-process router holds) and the same step
 (the core's ``evaluate_group``). A decision is carried out the way a StatefulSet carries it out:
 ordinals keep their roles where they can (the core's ``assign_roles``), new ordinals start as new worker
 processes (the router takes them once they answer ``/ready``), and the highest ordinals go. A leaving
@@ -31,7 +32,7 @@ from tessera.core.chiron import GroupMemory, evaluate_group
 from tessera.core.planners import ROLES, Role, RoleCounts
 from tessera.core.routing import InstanceLoad
 from tessera.local.control_plane import LocalGroup
-from tessera.local.scrape import Counters, results_from_scrapes
+from tessera.local.scrape import Counters, batch_results, results_from_scrapes
 from tessera.local.supervisor import Supervisor, WorkerProcess
 from tessera.router.app import RouterState
 
@@ -71,8 +72,12 @@ class LocalAutoscaler:
         clock: Callable[[], float] = time.monotonic,
         drain_timeout_s: float = 600.0,
         paused: Collection[str] = (),
+        batch_url: str | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        """``paused``: groups (by name, a live view) scaled to zero, which the autoscaler leaves alone."""
+        """``paused``: groups (by name, a live view) scaled to zero, which the autoscaler leaves alone.
+        ``batch_url``: the batch component, whose backlog is scraped too; ``wall_clock``: Unix time, to
+        put its deadlines on ``clock``."""
         self.groups = [
             _Group(
                 g, group_scaling(g.desired, g.group, g.instance_cap), effective_counts(g, g.group.replicas)
@@ -86,6 +91,8 @@ class LocalAutoscaler:
         self.clock = clock
         self.drain_timeout_s = drain_timeout_s
         self.paused = paused
+        self.batch_url = batch_url
+        self.wall_clock = wall_clock
         self.actions: list[str] = []  # every scaling decision carried out, as reported
         self._drains: set[asyncio.Task[None]] = set()
 
@@ -111,6 +118,7 @@ class LocalAutoscaler:
         """One pass: every group whose interval has passed, or whose interactive work the router holds
         for want of room (Chiron evaluates at once then), is measured, decided and resized."""
         held_by_model = self.router.hold.held()
+        backlog: list[str | None] = []  # the batch component's /metrics, scraped once per pass when needed
         for g in self.groups:
             if g.local.group.name in self.paused:
                 continue
@@ -126,6 +134,11 @@ class LocalAutoscaler:
             texts = await asyncio.gather(*(_scrape(client, w) for w in workers))
             scrapes = {w.instance.name: t for w, t in zip(workers, texts, strict=True)}
             results, g.counters = results_from_scrapes(scrapes, g.scaling.kinds, g.counters, now, held)
+            if self.batch_url is not None:
+                if not backlog:
+                    backlog.append(await _get_metrics(client, self.batch_url))
+                unix = self.wall_clock()
+                results |= batch_results(backlog[0], g.scaling.models, g.scaling.kinds, unix, now)
             plan = replace(g.local.group, replicas=g.replicas, roles=tuple(w.instance.role for w in workers))
             snapshot = snapshot_from_results(results, plan, g.scaling.deadlines, now)
             step = evaluate_group(snapshot, g.memory, g.scaling.settings, now)
@@ -190,10 +203,13 @@ class LocalAutoscaler:
 async def _scrape(client: httpx.AsyncClient, worker: WorkerProcess) -> str | None:
     """A worker's /metrics text; None when it does not answer (still starting, or gone) or is dead
     (reaped, waiting for its restart: whatever answers on its old port is not it)."""
-    if worker.dead:
-        return None
+    return None if worker.dead else await _get_metrics(client, worker.url)
+
+
+async def _get_metrics(client: httpx.AsyncClient, url: str) -> str | None:
+    """The /metrics text at ``url``; None when it does not answer."""
     try:
-        response = await client.get(f"{worker.url}/metrics")
+        response = await client.get(f"{url}/metrics")
     except httpx.HTTPError:
         return None
     return response.text if response.status_code == 200 else None

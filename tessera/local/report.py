@@ -144,12 +144,13 @@ def write_plots(outcomes: Sequence[Outcome], directory: Path) -> list[Path]:
     return paths
 
 
-def render_comparison(summaries: dict[str, dict[str, Any]]) -> str:
-    """The reports of runs of the same load under different policies, side by side (one column each)."""
+def render_comparison(summaries: dict[str, dict[str, Any]], title: str = "same load, policy") -> str:
+    """The reports of runs of the same load (under different policies, or beside other work), side by
+    side (one column each, named by its key)."""
     names = list(summaries)
     first = summaries[names[0]]
     label_width = 30
-    header = f"{'same load, policy':<{label_width}}" + "".join(f"{n:>12}" for n in names)
+    header = f"{title:<{label_width}}" + "".join(f"{n:>12}" for n in names)
     lines = [header, "-" * len(header)]
 
     def row(label: str, values: list[Any], unit: str = "", share: bool = False) -> None:

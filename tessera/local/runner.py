@@ -14,7 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -24,9 +24,10 @@ import httpx
 from tessera.core.activation import Backoff, unit_idle_after
 from tessera.core.routing import ROUTES, uses_engine_blocks
 from tessera.local.autoscaler import LocalAutoscaler
+from tessera.local.batch_job import JobWatch, follow, job_endpoint, job_lines, submit
 from tessera.local.batch_process import BatchProcess
 from tessera.local.control_plane import LocalPlan
-from tessera.local.load import LiveCounters, Outcome, Workload, drive, outstanding_of
+from tessera.local.load import LiveCounters, Outcome, Workload, WorkloadError, drive, outstanding_of
 from tessera.local.report import (
     class_rows,
     render_answers,
@@ -43,8 +44,10 @@ from tessera.router.app import ClassInfo, RouterState, create_router_app, router
 from tessera.router.auth import ApiKeys
 from tessera.router.chiron_hold import ChironHold
 from tessera.router.protocol import RouterServer, router_server_config
+from tessera.router.quota import QuotaStore
 
 LIVE_PERIOD_S = 1.0
+JOB_WINDOW = "1h"  # the completion window of a job beside a load (its lines' deadline)
 RATE_WINDOW_S = 5.0
 REAP_PERIOD_S = 0.5  # how often the stack looks for workers that died
 
@@ -83,8 +86,14 @@ def describe_plan(plan: LocalPlan, autoscale: bool = True) -> str:
     return "\n".join(lines)
 
 
-def live_table(counters: LiveCounters, status: dict[str, Any] | None, label: str | None = None) -> Any:
-    """The live table: elapsed, rate, sent, outstanding at the router, finished, failed, SLO by class."""
+def live_table(
+    counters: LiveCounters,
+    status: dict[str, Any] | None,
+    label: str | None = None,
+    job: JobWatch | None = None,
+) -> Any:
+    """The live table: elapsed, rate, sent, outstanding at the router, finished, failed, SLO by class,
+    and the progress of a Batch API job running beside the load (``job``)."""
     from rich.table import Table
 
     now = time.monotonic() - (counters.t0 or time.monotonic())
@@ -99,6 +108,8 @@ def live_table(counters: LiveCounters, status: dict[str, Any] | None, label: str
     table.add_row(f"{now:.0f} s", f"{rate:.1f}/s", str(counters.sent), queue, str(ok),
                   str(len(counters.ended) - ok))  # fmt: skip
     rows = class_rows(counters.ended)
+    if job is not None:
+        table.caption = job.describe()
     if rows:
         slo = Table(show_edge=False)
         for col in ("class", "finished", "TTFT mean", "SLO met"):
@@ -169,6 +180,69 @@ async def compare_policies(
     return summaries
 
 
+@dataclass(frozen=True, slots=True)
+class JobRound:
+    """One round of ``compare_batch_job``: the chat load alone, then (or before) with the job."""
+
+    alone: dict[str, Any]
+    with_job: dict[str, Any]
+    job: JobWatch
+
+
+async def compare_batch_job(
+    stack: LocalStack,
+    workload: Workload,
+    classes: dict[str, ClassInfo],
+    settings: LoadSettings,
+    size: int,
+    *,
+    rounds: int = 1,
+    window: str = JOB_WINDOW,
+    out: TextIO = sys.stdout,
+) -> list[JobRound]:
+    """The interactive requests of ``workload`` alone and with a Batch API job of ``size`` lines (made
+    from its batch requests, else from all of them: ``tessera.local.batch_job``) submitted at the
+    load's start, in ``rounds`` interleaved rounds (the job first in every second round); each run with
+    the job waits for the job's end. Prints each round's side-by-side report; returns the rounds.
+    WorkloadError without interactive requests; BatchJobError when the router refuses the job."""
+    assert stack.state is not None and stack.batch is not None, "start the stack with its batch component"
+    kinds = {n: c.service_class.kind for n, c in classes.items()}
+    chat = Workload(tuple(i for i in workload.items if kinds[i.class_name] == "interactive"), 0)
+    if not chat.items:
+        raise WorkloadError("the trace has no interactive request to measure beside the batch job")
+    source = [i for i in workload.items if kinds[i.class_name] == "batch"] or list(workload.items)
+    endpoint = job_endpoint(source)
+    data = job_lines(source, size, endpoint)
+    header = stack.state.class_header
+    policy = "/".join(sorted({i.config.scheduling.policy for i in stack.plan.instances}))
+    done: list[JobRound] = []
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        for r in range(rounds):
+            summaries: dict[str, dict[str, Any]] = {}
+            watch = JobWatch()
+            for with_job in (False, True) if r % 2 == 0 else (True, False):
+                name = "+ batch job" if with_job else "alone"
+                run = replace(
+                    settings, json_path=None, plot_dir=None, answers=0, label=f"{policy}, chat {name}"
+                )
+                if not with_job:
+                    summaries[name], _ = await _measure(stack.endpoint, chat, classes, header, run,
+                                                        stack.status, out)  # fmt: skip
+                    continue
+                await submit(client, stack.endpoint, data, endpoint, window, watch)
+                following = asyncio.create_task(follow(client, stack.endpoint, watch))
+                try:
+                    summaries[name], _ = await _measure(stack.endpoint, chat, classes, header, run,
+                                                        stack.status, out, job=watch)  # fmt: skip
+                    await following
+                finally:
+                    following.cancel()
+                print(f"{watch.describe()}, {watch.makespan_s:.1f} s from submission to its end", file=out)
+            print("\n" + render_comparison(summaries, title="same chat load"), file=out, flush=True)
+            done.append(JobRound(summaries["alone"], summaries["+ batch job"], watch))
+    return done
+
+
 def _write_json(path: Path, results: list[dict[str, Any]], out: TextIO) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"scenario": "local-load", "results": results}, indent=2))
@@ -183,27 +257,32 @@ async def _measure(
     settings: LoadSettings,
     status_fn: Callable[[], Awaitable[dict[str, Any] | None]],
     out: TextIO,
+    job: JobWatch | None = None,
 ) -> tuple[dict[str, Any], list[Outcome]]:
-    """Drive ``workload`` with a live table and print its report; the summary and the outcomes."""
+    """Drive ``workload`` with a live table (with ``job``'s progress) and print its report; the summary
+    and the outcomes."""
     counters = LiveCounters()
     task = asyncio.create_task(drive(endpoint, workload, classes, class_header, counters=counters))
     if settings.live and out.isatty():
         from rich.console import Console
         from rich.live import Live
 
-        first = live_table(counters, None, settings.label)
+        first = live_table(counters, None, settings.label, job)
         with Live(first, console=Console(file=out), refresh_per_second=4) as live:
             while not task.done():
                 await asyncio.wait({task}, timeout=LIVE_PERIOD_S)
-                live.update(live_table(counters, await status_fn(), settings.label))
+                live.update(live_table(counters, await status_fn(), settings.label, job))
     elif settings.live:  # not a terminal: a progress line every few seconds
         while not task.done():
             await asyncio.wait({task}, timeout=5.0)
             status = await status_fn()
             ok = sum(1 for o in counters.ended if o.ok)
             queue = "-" if status is None else outstanding_of(status)
-            print(f"  sent {counters.sent}/{len(workload.items)}  queue {queue}  finished {ok}  "
-                  f"failed {len(counters.ended) - ok}", file=out, flush=True)  # fmt: skip
+            line = (
+                f"  sent {counters.sent}/{len(workload.items)}  queue {queue}  finished {ok}  "
+                f"failed {len(counters.ended) - ok}"
+            )
+            print(line if job is None else f"{line}  {job.describe()}", file=out, flush=True)
     outcomes, wall = await task
     summary = summarize_outcomes(outcomes, wall)
     if settings.label is not None:
@@ -249,8 +328,9 @@ class LocalStack:
         (``tessera.core.routing.ROUTES``); one that reads what the engines hold has every vLLM server the
         workers launch publish its KV events. ``batch``: also run the batch component (``tessera batch``,
         its state under ``<run_dir>/batch``) behind the router's /v1/files and /v1/batches. ``api_keys``:
-        the router authenticates every request (``tessera.router.auth``). ``restart_backoff``: how long a
-        worker that died waits for its restart (default: ``RestartBackoff()``, the kubelet's)."""
+        the router authenticates every request and enforces each tenant's quota (``tessera.router.auth``).
+        ``restart_backoff``: how long a worker that died waits for its restart (default:
+        ``RestartBackoff()``, the kubelet's)."""
         self.plan = plan
         self.route = route
         self.supervisor = Supervisor(run_dir, kv_events=uses_engine_blocks(ROUTES[route]),
@@ -297,7 +377,9 @@ class LocalStack:
                 backoff=self.wake_backoff,
                 tick_s=self.activation_tick_s,
             )
-        app = create_router_app(self.state, activator=self.activator, api_keys=self.api_keys,
+        # One router process: the tenants' quotas are counted in its own windows, as a lone replica's.
+        quota = QuotaStore(None) if self.api_keys is not None else None
+        app = create_router_app(self.state, activator=self.activator, api_keys=self.api_keys, quota=quota,
                                 batch=self.batch.link if self.batch is not None else None)  # fmt: skip
         self._server = _RouterServer(router_server_config(app, host=self.host, port=self.port))
         self._task = asyncio.create_task(self._serve(self._server), name="router")
@@ -317,8 +399,9 @@ class LocalStack:
         if self.autoscale:
             groups = self.plan.groups
             paused = self.actuator.asleep if self.actuator is not None else set()
+            batch_url = self.batch.link.url if self.batch is not None else None
             self.autoscaler = LocalAutoscaler(groups, self.supervisor, self.state, report=self.report,
-                                              paused=paused)  # fmt: skip
+                                              paused=paused, batch_url=batch_url)  # fmt: skip
             self._scaling = asyncio.create_task(self.autoscaler.run(), name="autoscaler")
 
     async def _reap(self) -> None:

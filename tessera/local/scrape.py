@@ -5,17 +5,20 @@ samples into the results the operator's queries would return (``tessera.control.
 group_queries``: the same names and shapes), so the operator's own ``snapshot_from_results`` builds the
 autoscaler's snapshot and both paths read the workers the same way. The one difference: the batch
 token rate and the interactive request rate are taken over the time since the previous scrape, not
-Prometheus' 2-minute window.
+Prometheus' 2-minute window. The batch component's backlog gauges (``tessera.api.batch_link``) come
+from its own ``/metrics`` (``batch_results``).
 
 Pure: scrape texts, the previous counters and the time come in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from tessera.api.batch_link import DEADLINE_METRIC, OUTPUT_MEAN_METRIC, OUTPUT_STD_METRIC, PENDING_METRIC
 
 Results = dict[str, list[dict[str, Any]]]
 Counters = dict[str, tuple[float, float, float]]  # pod -> (time, batch ITL, interactive TTFT samples)
@@ -87,3 +90,37 @@ def results_from_scrapes(
         "held": [_sample(n, now, **{"class": c}) for c, n in sorted((held or {}).items()) if c in kinds],
     }
     return results, counters
+
+
+def batch_results(
+    text: str | None, models: Collection[str], kinds: Mapping[str, str], now_unix: float, now: float
+) -> Results:
+    """The results of ``group_queries``' batch-component queries (``batch_pending``,
+    ``batch_pending_left``, ``batch_output_mean``, ``batch_output_std``) for a group serving ``models``
+    with the classes ``kinds``, from the batch component's /metrics ``text`` (None: not scraped, so
+    none). ``now_unix``: the Unix time of the scrape, for the seconds left before each deadline."""
+    if text is None:
+        return {}
+    pending: dict[str, float] = {}
+    left: dict[str, float] = {}
+    means: list[float] = []
+    stds: list[float] = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name = s.labels.get("class", "")
+            if s.labels.get("model") not in models or kinds.get(name) != "batch":
+                continue
+            if s.name == PENDING_METRIC:
+                pending[name] = pending.get(name, 0.0) + s.value
+            elif s.name == DEADLINE_METRIC:
+                left[name] = min(left.get(name, s.value - now_unix), s.value - now_unix)
+            elif s.name == OUTPUT_MEAN_METRIC:
+                means.append(s.value)
+            elif s.name == OUTPUT_STD_METRIC:
+                stds.append(s.value)
+    return {
+        "batch_pending": [_sample(v, now, **{"class": c}) for c, v in sorted(pending.items())],
+        "batch_pending_left": [_sample(v, now, **{"class": c}) for c, v in sorted(left.items())],
+        "batch_output_mean": [_sample(max(means), now)] if means else [],
+        "batch_output_std": [_sample(max(stds), now)] if stds else [],
+    }

@@ -146,6 +146,20 @@ class ResolvedModel:
     path: Path
     known: KnownModel | None = None
 
+    @property
+    def dtype(self) -> str:
+        """The dtype vLLM serves it with: a known model's, else ``auto``."""
+        return self.known.dtype if self.known is not None else "auto"
+
+    def worker_profile(self) -> dict[str, float] | None:
+        """Its step profile measured on the CPU, as a worker's ProfileSpec JSON (None: none measured)."""
+        from tessera.api.worker_config import ProfileSpec
+        from tessera.core.profiles import PROFILES
+
+        if self.known is None or self.known.cpu_profile is None:
+            return None
+        return ProfileSpec.from_profile(PROFILES[self.known.cpu_profile]).to_json()
+
 
 def resolve_model(value: str, root: Path | str | None = None) -> ResolvedModel:
     """A ``--model`` value as a folder: a known model name (its verified cache folder) or a model folder.

@@ -46,6 +46,7 @@ SCENARIOS: dict[str, str] = {
     "router": "tessera.bench.router_overhead",
     "fair-share": "tessera.bench.scenarios.fair_share",
     "batch-job": "tessera.bench.scenarios.batch_job",
+    "batch-local": "tessera.bench.batch_local",
     "lora-density": "tessera.bench.scenarios.lora_density",
     "lora-routing": "tessera.bench.scenarios.lora_routing",
 }
