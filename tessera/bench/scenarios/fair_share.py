@@ -19,14 +19,16 @@ at the critical load of its half. The report's config carries both (``slo_capaci
 Rows (the inner policy ``policy``, default fcfs): ``<policy>:tenants=a`` (a alone),
 ``<policy>:tenants=a:half-batch`` (a alone with half the batch slots: a reference for a strict split of
 the slots between the tenants, optimistic since b's prefills and fuller batches do not slow a's steps
-here), ``<policy>:tenants=a+b``
-(both, no fair share), ``<policy>:tenants=a+b:vtc`` (both, the policy inside VTC with weights
-``input_weight`` 1 and ``output_weight`` 2), ``<policy>:tenants=a+b:vtc+preempt`` (VTC with its
-``preempt`` ablation) and two references for what any order of admissions can give a, FCFS within each
-tenant: ``tenants=a+b:a-first`` (a's requests always admitted before b's, b filling every slot left:
-strict priority, no preemption) and ``tenants=a+b:a-first:b-half`` (the same, b never holding more
-than its half of the batch slots). The contract's metrics are tenant a's; ``b_p99_ttft_s``,
-``b_slo_attainment`` and ``b_output_tokens_per_s`` are b's. The VTC row also reports
+here), ``<policy>:tenants=a+b`` (both, no fair share), ``<policy>:tenants=a+b:vtc`` (both, the policy
+inside VTC with weights ``input_weight`` 1 and ``output_weight`` 2), ``<policy>:tenants=a+b:vtc+preempt``
+(VTC with its ``preempt`` ablation), ``<policy>:tenants=a+b:vtc+credit`` (VTC whose lift leaves a
+tenant with requests running up to ``lift_credit``, default 65536, below the least backlogged
+counter: ``tessera.core.fair_share``; its bound is then 2U + the credit) and two references for what
+any order of admissions can give a, FCFS within each tenant: ``tenants=a+b:a-first`` (a's requests
+always admitted before b's, b filling every slot left: strict priority, no preemption) and
+``tenants=a+b:a-first:b-half`` (the same, b never holding more than its half of the batch slots).
+The contract's metrics are tenant a's; ``b_p99_ttft_s``,
+``b_slo_attainment`` and ``b_output_tokens_per_s`` are b's. The VTC rows also report
 ``max_service_gap`` (the largest difference in weighted service between a and b over an interval both
 were backlogged, at the wrapper's decision points) and ``vtc_bound`` (the paper's 2U: twice the largest
 weighted tokens of one request), and where a's TTFT goes (means over a's requests, seconds):
@@ -42,7 +44,7 @@ Checks: with VTC, a's TTFT p99 within ``ttft_factor`` (1.2) × alone and its SLO
 fail: the flood takes the queue); the service gap within the bound.
 
 Options (``--set``): requests, flood, ttft_slo, policy, input_weight, output_weight, ttft_factor,
-slo_points, capacity (slo, saturation), capacity_attainment, and the cluster options of
+slo_points, capacity (slo, saturation), capacity_attainment, lift_credit, and the cluster options of
 ``tessera.bench.runner.CLUSTER_OPTIONS`` (max_batch default 32).
 """
 
@@ -83,6 +85,7 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     factor, points = option(opts, "ttft_factor", 1.2, float), option(opts, "slo_points", 3.0, float)
     reading = option(opts, "capacity", "slo", str)
     attainment = option(opts, "capacity_attainment", 0.99, float)
+    credit = option(opts, "lift_credit", 65536.0, float)
     if n_a < 2 or not flood > 0 or not slo > 0:
         raise ValueError(f"requests must be >= 2, flood and ttft_slo > 0; got {n_a}, {flood}, {slo}")
     if reading not in CAPACITY_READINGS or not 0 < attainment <= 1:
@@ -112,36 +115,40 @@ def run(config: BenchConfig, progress: Progress) -> BenchReport:
     both = sorted(tenant_a + tenant_b, key=lambda r: r.arrival)
     built: list[_Traced] = []
 
-    def vtc(preempt: bool) -> Callable[[], Policy]:
+    def vtc(preempt: bool = False, lift_credit: float = 0.0) -> Callable[[], Policy]:
         def factory() -> Policy:
-            fair = FairShare(make_policy(inner), input_weight=w_in, output_weight=w_out, preempt=preempt)
+            fair = FairShare(make_policy(inner), input_weight=w_in, output_weight=w_out, preempt=preempt,
+                             lift_credit=lift_credit)  # fmt: skip
             built.append(_Traced(fair, "a", "b"))
             return built[-1]
 
         return factory
 
     half = replace(cluster, engine=replace(cluster.engine, max_batch=max(1, cluster.engine.max_batch // 2)))
-    progress(0, total=n_a * 7 + n_b * 5)
+    progress(0, total=n_a * 8 + n_b * 6)
     rows = [
         _row(f"{inner}:tenants=a", tenant_a, lambda: make_policy(inner), cluster, progress),
         _row(f"{inner}:tenants=a:half-batch", tenant_a, lambda: make_policy(inner), half, progress),
         _row(f"{inner}:tenants=a+b", both, lambda: make_policy(inner), cluster, progress),
-        _row(f"{inner}:tenants=a+b:vtc", both, vtc(False), cluster, progress),
-        _row(f"{inner}:tenants=a+b:vtc+preempt", both, vtc(True), cluster, progress),
+        _row(f"{inner}:tenants=a+b:vtc", both, vtc(), cluster, progress),
+        _row(f"{inner}:tenants=a+b:vtc+preempt", both, vtc(preempt=True), cluster, progress),
+        _row(f"{inner}:tenants=a+b:vtc+credit", both, vtc(lift_credit=credit), cluster, progress),
         _row("fcfs:tenants=a+b:a-first", both, lambda: _TenantFirst("a"), cluster, progress),
         _row("fcfs:tenants=a+b:a-first:b-half", both, lambda: _TenantFirst("a", 0.5), cluster, progress),
     ]
     bound = 2 * max(w_in * r.prompt_tokens + w_out * r.target_output_tokens for r in both)
     alone = rows[0]
     checks = [_check(row, alone, factor, points) for row in rows[1:]]
-    for row, traced in zip(rows[3:5], built, strict=True):
-        gap = traced.fair.max_service_gap
-        row.update(max_service_gap=gap, vtc_bound=bound, vtc_preempted=traced.fair.preempted,
-                   **traced.breakdown(n_a))  # fmt: skip
+    for row, traced in zip(rows[3:6], built, strict=True):
+        fair = traced.fair
+        gap, limit = fair.max_service_gap, bound + fair.lift_credit
+        row.update(max_service_gap=gap, vtc_bound=limit, vtc_preempted=fair.preempted)
+        row.update(traced.breakdown(n_a))
         checks.append(f"{row['policy']} largest service gap of a and b both backlogged {gap:.0f} vs VTC's "
-                      f"bound 2U {bound:.0f}: {'PASS' if gap <= bound else 'FAIL'}")  # fmt: skip
+                      f"bound 2U{' + credit' if fair.lift_credit else ''} {limit:.0f}: "
+                      f"{'PASS' if gap <= limit else 'FAIL'}")  # fmt: skip
     cfg = {**config.as_dict(), "requests": n_a, "flood": flood, "ttft_slo": slo, "policy": inner,
-           "input_weight": w_in, "output_weight": w_out, "capacity": reading,
+           "input_weight": w_in, "output_weight": w_out, "lift_credit": credit, "capacity": reading,
            "capacity_attainment": attainment, "capacity_rps": capacity, "slo_capacity_rps": within_slo,
            "saturation_rps": saturation, "rate_a_rps": rate_a,
            "cluster": {"instances": cluster.instances, "max_batch": cluster.engine.max_batch,
