@@ -2,6 +2,7 @@
 VTC (docs/bench.md, "Fair share between tenants").
 
     .venv/bin/python bench/fair_share_live.py --fair on  [--rate-a 3.5 --flood 10 --seconds 30]
+    .venv/bin/python bench/fair_share_live.py --fair on --lift-credit 65536
     .venv/bin/python bench/fair_share_live.py --fair off
     .venv/bin/python bench/fair_share_live.py --fair off --flood 0   # a alone
 
@@ -54,7 +55,7 @@ spec:
   model: {{name: {model}, maxModelLength: 8192, weightsSize: 16Gi}}
   poolRef: {{name: pool}}
   requestClasses: [{{name: chat}}]
-  scheduling: {{policy: fcfs, fairShare: {{enabled: {fair}}}}}
+  scheduling: {{policy: fcfs, fairShare: {{enabled: {fair}, liftCredit: {credit}}}}}
 """
 
 
@@ -92,8 +93,8 @@ async def _load(port: int, args: argparse.Namespace) -> dict:
         await asyncio.gather(*(_tenant(client, KEYS[t], args.rate_a * (args.flood if t == "b" else 1), args,
                                        seed, *got[t]) for seed, t in enumerate(KEYS)))  # fmt: skip
     ttfts, codes = got["a"]
-    return {"fair": args.fair, "rate_a": args.rate_a, "flood": args.flood, "seconds": args.seconds,
-            "max_queued": args.max_queued,
+    return {"fair": args.fair, "lift_credit": args.lift_credit, "rate_a": args.rate_a, "flood": args.flood,
+            "seconds": args.seconds, "max_queued": args.max_queued,
             "a_requests": len(codes), "a_ok": codes.count(200),
             "a_p50_ttft_s": float(np.percentile(ttfts, 50)), "a_p99_ttft_s": float(np.percentile(ttfts, 99)),
             "a_within_2s": float(np.mean([x <= 2 for x in ttfts])),
@@ -117,13 +118,14 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--max-queued", type=int, default=5000, help="the chat class's queue bound")
+    parser.add_argument("--lift-credit", type=float, default=0.0, help="VTC's fairShare.liftCredit")
     parser.add_argument("--port", type=int, default=18431)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        (folder / "spec.yaml").write_text(
-            SPEC.format(model=MODEL, fair=str(args.fair == "on").lower(), max_queued=args.max_queued)
-        )
+        fair = str(args.fair == "on").lower()
+        spec = SPEC.format(model=MODEL, fair=fair, max_queued=args.max_queued, credit=args.lift_credit)
+        (folder / "spec.yaml").write_text(spec)
         (folder / "keys.yaml").write_text("keys:\n" + "".join(
             f"  - {{key: {k}, tenant: team-{t}}}\n" for t, k in KEYS.items()))  # fmt: skip
         command = [sys.executable, "-m", "tessera", "local", "up", "-f", str(folder / "spec.yaml"),

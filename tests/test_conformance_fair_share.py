@@ -14,6 +14,7 @@ the largest service gap.
 
 from __future__ import annotations
 
+import pytest
 from scheduler_harness import run_iterations
 from test_conformance import MODEL, Recorder, _engine_config, _profile, _scheduler
 
@@ -38,23 +39,25 @@ def _requests() -> list[Request]:
     ]
 
 
-def _policy() -> FairShare:
+def _policy(credit: float) -> FairShare:
+    share = {"enabled": True, "liftCredit": credit}
     config = parse_config({"models": [{"name": MODEL, "engine": "sim"}],
-                           "scheduling": {"policy": "fcfs", "fairShare": {"enabled": True}}})  # fmt: skip
+                           "scheduling": {"policy": "fcfs", "fairShare": share}})  # fmt: skip
     policy = config.make_policy()
     assert isinstance(policy, FairShare)
     return policy
 
 
-async def test_a_two_tenant_trace_gives_the_same_views_decisions_and_counters() -> None:
+@pytest.mark.parametrize("credit", [0.0, 500.0])  # the paper's lift, and one leaving a credit
+async def test_a_two_tenant_trace_gives_the_same_views_decisions_and_counters(credit: float) -> None:
     profile, max_batch = _profile(), 2
-    sim_vtc = _policy()
+    sim_vtc = _policy(credit)
     sim_rec = Recorder(sim_vtc)
     Cluster(ClusterConfig({MODEL: profile}, 1, _engine_config(max_batch)), lambda: sim_rec).run(_requests())
     assert sim_vtc.max_service_gap > 0  # both tenants were backlogged together
 
     now = 0.0
-    worker_vtc = _policy()
+    worker_vtc = _policy(credit)
     worker_rec = Recorder(worker_vtc)
     sched = _scheduler(worker_rec, profile, max_batch, lambda: now)
     pending = [Job(r, list(range(1, r.prompt_tokens + 1)), {}) for r in _requests()]

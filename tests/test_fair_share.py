@@ -115,6 +115,35 @@ def test_a_tenant_arriving_before_the_engine_shows_an_admission_is_lifted_past_i
     assert policy.counters[("chat", "a")] == 40.0  # b's admitted prompt, not 0
 
 
+@pytest.mark.parametrize("credit", [0.0, 100.0])
+def test_a_tenant_with_requests_running_is_lifted_to_the_credit_below_the_least(credit: float) -> None:
+    """The paper's lift raises a to b's counter when a's queue empties, though a's request still runs;
+    with ``lift_credit`` it stays up to the credit below. A tenant with nothing running gets the full lift."""
+    entry = BASE.models[0]
+    profile = entry.profile.to_profile(MODEL, 100_000)
+    policy = FairShare(make_policy("fcfs"), lift_credit=credit)
+    a0, a1 = (Request(f"a{i}", 0.0, 40, 900, MODEL, CHAT, tenant="a") for i in range(2))
+    b0, b1 = (Request(f"b{i}", 0.0, 40, 900, MODEL, CHAT, tenant="b") for i in range(2))
+
+    def decide(*running: Request) -> list[Request]:
+        return policy.schedule(InstanceView(0.0, "i", list(running), 2, 100_000, 0, profile)).run
+
+    policy.add(a0, 0.0)
+    assert decide() == [a0]
+    policy.add(b0, 0.0)
+    policy.add(b1, 0.0)
+    assert decide(a0) == [a0, b0]  # a's prompt charged (40); b lifted to it and admitted
+    b0.generated = 500
+    decide(a0, b0)  # b: 40 + 40 + 2 x 500; b1 waits (no slot)
+    assert policy.counter("chat", "b") == 1080.0
+    policy.add(a1, 0.0)  # a0 still runs
+    assert policy.counter("chat", "a") == 1080.0 - credit
+    policy.add(Request("c0", 0.0, 40, 10, MODEL, CHAT, tenant="c"), 0.0)  # nothing of c's running
+    assert policy.counter("chat", "c") == 1080.0 - credit  # the least backlogged, a's, in full
+    with pytest.raises(ValueError, match="lift_credit"):
+        FairShare(make_policy("fcfs"), lift_credit=-1.0)
+
+
 @pytest.mark.parametrize("inner", ["fcfs", "edf", "srtf-oracle"])
 def test_the_service_gap_of_two_backlogged_tenants_stays_within_vtcs_bound(inner: str) -> None:
     rng = random.Random(7)

@@ -16,6 +16,15 @@ class FairShareSpec(ApiModel):
     enabled: bool = Field(default=False, description="Share each class's service fairly between tenants.")
     input_weight: float = Field(default=1.0, ge=0, le=1000, description="Service counted per prompt token.")
     output_weight: float = Field(default=2.0, ge=0, le=1000, description="Service counted per output token.")
+    lift_credit: float = Field(
+        default=0.0,
+        ge=0,
+        le=1e9,
+        description="Weighted service a tenant whose requests are still running may stay below the least "
+        "backlogged tenant's counter when it has requests waiting again (0: VTC's lift, to that counter). "
+        "It keeps a tenant sending less than its share ahead of a flood; the service gap bound becomes "
+        "twice the largest request's weighted tokens plus this credit.",
+    )
 
     @model_validator(mode="after")
     def _counts_something(self) -> FairShareSpec:

@@ -463,12 +463,13 @@ class WorkerConfig(ApiModel):
     def make_policy(self) -> Policy:
         """A new instance of the policy the pod's schedulers run (``scheduling.policy`` with its
         settings, inside VTC's fair share when ``scheduling.fairShare`` is on): the worker's, and the
-        simulated pod's in ``tessera bench load-shift`` and ``fair-share``."""
+        simulated pod's in ``tessera bench load-shift``."""
         policy = make_policy(self.scheduling.policy, **self.scheduling.settings)
         share = self.scheduling.fair_share
         if not share.enabled:
             return policy
-        return FairShare(policy, input_weight=share.input_weight, output_weight=share.output_weight)
+        return FairShare(policy, input_weight=share.input_weight, output_weight=share.output_weight,
+                         lift_credit=share.lift_credit)  # fmt: skip
 
     @property
     def adapter_of(self) -> dict[str, str]:

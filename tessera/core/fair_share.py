@@ -9,6 +9,14 @@ with requests waiting) whose counter is least; a tenant that becomes backlogged 
 least counter among the backlogged ones (to the counter of the tenant admitted last when none is),
 so a tenant that was idle cannot bank service and then starve the others.
 
+The lift's credit (CHOICE ``lift_credit``, default 0: the paper's lift). The paper lifts a tenant
+whenever it has no request waiting, even while its requests run. A tenant sending less than its
+share then loses, at each of its arrivals, the service the others got ahead of it while its own
+requests ran, and waits behind them in the order though it is the one served less: at its share's
+critical load that is most of its TTFT. With ``lift_credit`` c, a tenant that still has requests
+running (so was not idle) is lifted only to c below the least backlogged counter; an idle tenant gets
+the paper's lift. What a tenant can bank is thus at most c, and the bound below becomes ``2U + c``.
+
 ``FairShare`` wraps an inner policy, as ``tessera.core.chiron.ChironPolicy`` does: the inner policy
 holds every running and preempted request and, per class, the waiting requests of one tenant only,
 the least served; its own order decides among them and between classes. The other tenants' waiting
@@ -33,7 +41,8 @@ preempting each other by turns.
 The paper's bound (its Theorem 4.1): over any interval during which two tenants are both
 backlogged, the weighted service each receives differs by at most ``2 * U``, ``U`` the largest
 weighted tokens of one request (``input_weight * prompt + output_weight * output``).
-``max_service_gap`` is the largest difference this wrapper saw, at its decision points.
+``max_service_gap`` is the largest difference this wrapper saw, at its decision points; with
+``lift_credit`` c the bound is ``2U + c``.
 """
 
 from __future__ import annotations
@@ -65,11 +74,20 @@ class FairShare(Policy):
     """VTC fair share between tenants around ``inner`` (module docstring)."""
 
     def __init__(
-        self, inner: Policy, *, input_weight: float = 1.0, output_weight: float = 2.0, preempt: bool = False
+        self,
+        inner: Policy,
+        *,
+        input_weight: float = 1.0,
+        output_weight: float = 2.0,
+        preempt: bool = False,
+        lift_credit: float = 0.0,
     ) -> None:
         if not (input_weight >= 0 and output_weight >= 0 and input_weight + output_weight > 0):
             raise ValueError(f"VTC weights must be >= 0, not both 0; got input {input_weight}, "
                              f"output {output_weight}")  # fmt: skip
+        if not 0 <= lift_credit < math.inf:
+            raise ValueError(f"VTC's lift_credit must be finite and >= 0; got {lift_credit}")
+        self.lift_credit = lift_credit
         self.inner = inner
         # The wrapper reports the policy it wraps (metrics, logs, the oracle check of benchmarks).
         self.name = inner.name
@@ -84,6 +102,7 @@ class FairShare(Policy):
         self.max_request_service = 0.0  # U: the largest weighted tokens of one finished request
         self._classes: dict[str, _Class] = {}
         self._started: set[int] = set()  # id(req) of requests whose admission was charged
+        self._live: dict[Key, int] = {}  # per tenant, its requests charged and not yet removed
         self._charged_out: dict[int, int] = {}  # id(req) -> generated tokens charged so far
         self._given: set[int] = set()  # id(req) of waiting requests handed to the inner policy
         self._since: dict[tuple[str, str, str], tuple[float, float]] = {}  # pair backlogged: services then
@@ -121,16 +140,16 @@ class FairShare(Policy):
         if ran:
             self._charge(req)
             self.max_request_service = max(self.max_request_service, self._request_service(req))
+        self._charged_out.pop(rid, None)
+        if rid in self._started:
+            self._started.discard(rid)
+            self._live[req.service_class.name, req.tenant] -= 1
         if rid in waiting and rid not in self._given:  # held here (the inner policy does not hold it)
             del waiting[rid]
             cls.held[req.tenant].remove(req)
-            self._started.discard(rid)
-            self._charged_out.pop(rid, None)
             return
         waiting.pop(rid, None)
         self._given.discard(rid)
-        self._started.discard(rid)
-        self._charged_out.pop(rid, None)
         self.inner.remove(req, now)
 
     def __len__(self) -> int:
@@ -179,10 +198,12 @@ class FairShare(Policy):
 
     def _lift(self, name: str, cls: _Class, tenant: str) -> None:
         """The counter of a tenant becoming backlogged: at least the least backlogged counter (the last
-        admitted tenant's when none is backlogged)."""
+        admitted tenant's when none is backlogged), less ``lift_credit`` while its requests run."""
         others = [self._counted((name, t)) for t in cls.backlogged() if t != tenant]
         floor = min(others) if others else self._counted((name, cls.last)) if cls.last else 0.0
         key = (name, tenant)
+        if self._live.get(key, 0):
+            floor -= self.lift_credit
         self.counters[key] = max(self.counters.get(key, 0.0), floor)
 
     def _counted(self, key: Key) -> float:
@@ -201,6 +222,7 @@ class FairShare(Policy):
                 self._given.discard(rid)
         else:
             self._started.add(rid)
+            self._live[key] = self._live.get(key, 0) + 1
             cls.waiting.get(req.tenant, {}).pop(rid, None)
             self._given.discard(rid)
             cls.last = req.tenant

@@ -11,6 +11,7 @@ import numpy as np
 from tessera.bench.runner import run_one
 from tessera.core.registry import make_policy
 from tessera.core.request import Request
+from tessera.core.slo import summarize
 from tessera.sim.cluster import ClusterConfig
 from tessera.sim.workloads import copy_requests
 
@@ -38,6 +39,40 @@ def saturation_rate(requests: Sequence[Request], cluster: ClusterConfig) -> floa
         r.arrival = 0.0
     _, metrics = run_one(burst, lambda: make_policy("fcfs"), cluster)
     return float(metrics["throughput_rps"])
+
+
+def slo_capacity(
+    make: Callable[[float], list[Request]],
+    cluster: ClusterConfig,
+    attainment: float,
+    limit: float,
+    steps: int = 14,
+) -> float:
+    """The largest rate (requests/s) up to ``limit`` at which FCFS meets the SLO of at least
+    ``attainment`` of the requests ``make(rate)`` builds at that rate, by bisection. ``limit`` is the
+    saturated throughput (``saturation_rate``): past it the queue grows without end, whatever a run
+    too short to show it measures. ``make`` should scale one arrival pattern (same seed), so that
+    attainment falls as the rate grows."""
+    if not 0 < attainment <= 1 or not limit > 0:
+        raise ValueError(f"an SLO capacity needs 0 < attainment <= 1 and limit > 0; got {attainment}, "
+                         f"{limit}")  # fmt: skip
+
+    def meets(rate: float) -> bool:
+        done, _ = run_one(make(rate), lambda: make_policy("fcfs"), cluster)
+        met = summarize(done, qoe=False).get("slo_attainment")
+        if met is None:
+            raise ValueError("an SLO capacity needs requests whose class sets an SLO")
+        return bool(met >= attainment)
+
+    if meets(limit):
+        return limit
+    lo, hi = 0.0, limit
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
+    if lo == 0.0:
+        raise ValueError(f"FCFS misses {attainment:.1%} of the SLO at every rate down to {hi:.3g} req/s")
+    return lo
 
 
 def rate_points(rate: float | None, loads: Sequence[float], capacity: float) -> tuple[list[float], list[str]]:
