@@ -352,6 +352,8 @@ def test_prequential_replay_reports_online_head_and_baselines(
         late["head"]["step0"]["kendall_tau"], late["running_mean"]["step0"]["kendall_tau"], 0.5
     )
     assert late["online"]["step0"]["n"] == 60
+    # ... also among the requests one correction predicted (a refit every 10: six groups of 10)
+    assert late["online"]["step0_tau_per_refit"] > max(late["head"]["step0_tau_per_refit"], 0.5)
     assert got["new_prompt_requests"] == 0 and got["after_seen_new_prompts"] is None  # pass 2 repeats all
     with pytest.raises(ValueError, match="leaves no request"):
         prequential(text_predictor, path, settings, after=60)

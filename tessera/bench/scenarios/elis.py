@@ -35,8 +35,9 @@ head's folder for ``text``; default the shipped one), window (50), guard_credit 
 ``isrtf`` row's tail guard: credit as a share of the decode rate, and the wait in recent mean JCTs
 after which it starts; default the policy's), aging (the ``isrtf`` row's linear aging, tokens/s of
 credit per second of age; default the policy's, 0), max_wait (``isrtf-tail``'s promotion wait in
-recent mean JCTs; default the policy's), refit_every, min_samples, prior_weight, arrival_prior_weight
-and embedding_prior_weight (the online learner's, default ``OnlineSettings``'), tolerance (0.10),
+recent mean JCTs; default the policy's), refit_every, min_samples, prior_weight, arrival_prior_weight,
+embedding_prior_weight, arrival_blend and memory_bandwidth (the online learner's, default
+``OnlineSettings``'), tolerance (0.10),
 rate_dist (with a rate series as ``--trace``), and the cluster options of
 ``tessera.bench.runner.CLUSTER_OPTIONS``.
 """
@@ -281,6 +282,8 @@ def _online_settings(opts: Any) -> Any:
         "prior_weight": option(opts, "prior_weight", None, float),
         "arrival_prior_weight": option(opts, "arrival_prior_weight", None, float),
         "embedding_prior_weight": option(opts, "embedding_prior_weight", None, float),
+        "arrival_blend": option(opts, "arrival_blend", None, str),
+        "memory_bandwidth": option(opts, "memory_bandwidth", None, float),
     }
     return OnlineSettings(background=False, **{k: v for k, v in given.items() if v is not None})
 
