@@ -354,6 +354,7 @@ def test_prequential_replay_reports_online_head_and_baselines(
     assert late["online"]["step0"]["n"] == 60
     # ... also among the requests one correction predicted (a refit every 10: six groups of 10)
     assert late["online"]["step0_tau_per_refit"] > max(late["head"]["step0_tau_per_refit"], 0.5)
+    assert np.isfinite(late["online"]["within_step_tau_per_refit"])
     assert got["new_prompt_requests"] == 0 and got["after_seen_new_prompts"] is None  # pass 2 repeats all
     with pytest.raises(ValueError, match="leaves no request"):
         prequential(text_predictor, path, settings, after=60)

@@ -189,7 +189,12 @@ def _print_ranking(title: str, m: dict) -> None:
     print(
         f"{title:<13} τ step 0 {m['step0']['kendall_tau']:6.3f}  within step {m['within_step_tau']:6.3f}  "
         f"pooled {m['kendall_tau']:6.3f}  MAE {m['mae']:6.1f} (step 0 {m['step0']['mae']:6.1f})"
-        + (f"  τ step 0 per refit {m['step0_tau_per_refit']:6.3f}" if "step0_tau_per_refit" in m else "")
+        + (
+            f"  per refit: τ step 0 {m['step0_tau_per_refit']:6.3f}, within step "
+            f"{m['within_step_tau_per_refit']:6.3f}"
+            if "step0_tau_per_refit" in m
+            else ""
+        )
     )
 
 

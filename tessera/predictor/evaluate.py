@@ -128,7 +128,7 @@ def prequential(
     each segment has ``step0_tau_per_refit``: the mean over refits of τ among the requests that
     arrived between two refits (``within_step_tau``: at least 10), predicted under one correction
     as a queue compares them; the pooled figure also ranks requests predicted under different
-    refits against each other."""
+    refits against each other. ``within_step_tau_per_refit`` is the same for every step."""
     if passes < 1 or after < 0:
         raise ValueError(f"passes must be >= 1 and after >= 0, got {passes} and {after}")
     pairs = unseen_by_head(load_pairs(data), predictor.meta)
@@ -191,9 +191,13 @@ def prequential(
             for name in ("online", "head", "running_mean")
         }
         first = sel & (step == 0)
+        by_step_and_refit = step * (int(refit.max()) + 1) + refit
         for name in out:
             out[name]["step0_tau_per_refit"] = within_step_tau(
                 arr[name][first], arr["true"][first], refit[first]
+            )
+            out[name]["within_step_tau_per_refit"] = within_step_tau(
+                arr[name][sel], arr["true"][sel], by_step_and_refit[sel]
             )
         out["position_only"] = out["online"].pop("position_only")
         for name in ("head", "running_mean"):
