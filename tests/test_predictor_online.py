@@ -80,8 +80,11 @@ def test_the_correction_learns_the_ranking_and_its_prior_is_the_head() -> None:
     learner.fitted = Fitted(fit_correction(SampleTables.of(train), 10.0, 10.0), None)
     tau = kendalltau(learner.adjust(head, scalars, prompts, arrival), length).statistic
     assert tau > 0.7  # the head alone (a constant) ranks nothing
-    # later positions are the calibration's, none here: the head's
-    assert np.array_equal(learner.adjust(head, scalars, prompts, arrival + 50), head)
+    # later positions are the calibration's, none here: the head's at the arrival correction's scale,
+    # so that the bias alone moves no queued request against a running one
+    bias = learner.fitted.arrival.bias
+    got = learner.adjust(head, scalars, prompts, arrival + 50)
+    assert bias < -0.3 and np.allclose(np.log1p(got), np.log1p(head) + bias)
     # an overwhelming prior keeps the head's predictions
     learner.fitted = Fitted(fit_correction(SampleTables.of(train), 1e6, 1e6), None)
     assert np.allclose(learner.adjust(head, scalars, prompts, arrival), head, rtol=0.02)

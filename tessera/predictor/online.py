@@ -218,7 +218,8 @@ class Correction:
 
 @dataclass(frozen=True, slots=True)
 class Fitted:
-    """What a refit installs: the arrival correction and the later steps' calibration (None: the head)."""
+    """What a refit installs: the arrival correction and the later steps' calibration (None: the
+    head's later predictions scaled by the arrival correction's bias)."""
 
     arrival: Correction | None
     later: Correction | None
@@ -436,34 +437,40 @@ def blend_weight(tables: SampleTables, settings: OnlineSettings) -> float:
     return float(BLEND_GRID[int(np.argmax(blend_scores(tables, settings)))])  # the first of equals
 
 
-def fit_later(tables: SampleTables, prior_weight: float) -> Correction:
-    """The later steps' calibration fitted on ``tables``."""
+def fit_later(tables: SampleTables, prior_weight: float, base: float = 0.0) -> Correction:
+    """The later steps' calibration fitted on ``tables``, shrunk towards the log shift ``base`` (the
+    arrival correction's bias: what the later steps get without a calibration)."""
     x, head, remaining, _ = later_table(tables)
-    return ridge_correction(x, head, remaining, prior_weight, len(tables))
+    fit = ridge_correction(x, _shifted(head, base), remaining, prior_weight, len(tables))
+    return replace(fit, bias=fit.bias + base)
+
+
+def _shifted(pred: np.ndarray, shift: float) -> np.ndarray:
+    """``pred`` scaled in log1p space by ``shift``."""
+    return np.expm1(np.log1p(np.maximum(pred, 0.0)) + shift)
 
 
 def validated_fit(tables: SampleTables, settings: OnlineSettings) -> Fitted:
     """The arrival correction at its validated blend weight (``blend_weight``; always installed: its
     weight 0 is the head's order at the sample's scale), and the later steps' calibration if, fitted
-    on the older requests, it beats the head on the newest ``holdout_fraction`` in τ pooled over
-    every step (it ranks running requests against queued ones); then refitted on the whole sample."""
+    on the older requests, it beats the later steps scaled by the arrival bias alone on the newest
+    ``holdout_fraction`` in τ pooled over every step (it ranks running requests against queued
+    ones); then refitted on the whole sample."""
     weight = blend_weight(tables, settings)
     n_hold = max(1, int(len(tables) * settings.holdout_fraction))
     older, newest = tables.rows(0, len(tables) - n_hold), tables.rows(len(tables) - n_hold, len(tables))
     keep_later = False
     if len(older.later) and len(newest.later):
+        arrival = _fit_arrival(older, settings).blended(weight)
         x, head, length = arrival_table(newest)
-        first = _fit_arrival(older, settings).blended(weight).apply(head, x)
         lx, lhead, remaining, _ = later_table(newest)
-        calibrated = fit_later(older, settings.prior_weight).apply(lhead, lx)
-        true = np.concatenate([length, remaining])
+        calibrated = fit_later(older, settings.prior_weight, arrival.bias).apply(lhead, lx)
+        first, true = arrival.apply(head, x), np.concatenate([length, remaining])
         keep_later = _tau(np.concatenate([first, calibrated]), true) > _tau(
-            np.concatenate([first, lhead]), true
+            np.concatenate([first, _shifted(lhead, arrival.bias)]), true
         )
-    return Fitted(
-        _fit_arrival(tables, settings).blended(weight),
-        fit_later(tables, settings.prior_weight) if keep_later else None,
-    )
+    arrival = _fit_arrival(tables, settings).blended(weight)
+    return Fitted(arrival, fit_later(tables, settings.prior_weight, arrival.bias) if keep_later else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -692,7 +699,9 @@ class OnlineLearner:
         self, head_prediction: np.ndarray, scalars: np.ndarray, prompt_emb: np.ndarray, generated: np.ndarray
     ) -> np.ndarray:
         """The installed corrections applied to the head's predictions: at arrival (``generated`` 0)
-        the arrival correction, later the calibration; the head's own where none is installed."""
+        the arrival correction, later the calibration, or without one the arrival correction's bias
+        (so that the bias alone never moves a queued request against a running one); the head's own
+        where nothing is installed."""
         fitted = self.fitted  # one read: a refit may install another meanwhile
         out = np.asarray(head_prediction, dtype=np.float64).copy()
         if fitted is None or not len(out):
@@ -702,8 +711,11 @@ class OnlineLearner:
             out[new] = fitted.arrival.apply(
                 out[new], correction_inputs(out[new], scalars[new], prompt_emb[new])
             )
-        if fitted.later is not None and (~new).any():
-            out[~new] = fitted.later.apply(out[~new], later_inputs(out[~new], scalars[~new]))
+        if (~new).any():
+            if fitted.later is not None:
+                out[~new] = fitted.later.apply(out[~new], later_inputs(out[~new], scalars[~new]))
+            elif fitted.arrival is not None:
+                out[~new] = _shifted(out[~new], fitted.arrival.bias)
         return out
 
     def stats(self) -> dict[str, float | int]:
