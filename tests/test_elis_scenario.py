@@ -77,6 +77,7 @@ def test_elis_runs_the_online_row_and_leads_isrtf_rows_with_their_ranking(tmp_pa
     by = {r["policy"]: r for r in report.results}
     online = by["isrtf:batch=1,online"]
     assert list(online)[:4] == ["policy", "step0_tau", "within_step_tau", "pooled_tau"]
+    assert -1.0 <= online["step0_tau_per_refit"] <= 1.0  # τ among the requests of one refit
     assert "step0_tau" in by["isrtf:batch=1"] and "step0_tau" not in by["fcfs:batch=1"]
     (learner,) = report.config["online"]["learners"]["isrtf:batch=1,online"]
     # ISRTF hands a finished request over at its next prediction: the last one's never comes

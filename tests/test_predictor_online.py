@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,13 +21,17 @@ from tessera.predictor.evaluate import prequential, ranking_report
 from tessera.predictor.features import N_SCALARS
 from tessera.predictor.model import TextLengthPredictor
 from tessera.predictor.online import (
+    BLEND_GRID,
     FinishedRequest,
     Fitted,
     OnlineLearner,
     OnlineSettings,
     SampleTables,
+    blend_scores,
+    blend_weight,
     fit_correction,
     shared_learner,
+    validated_fit,
     within_step_tau,
 )
 
@@ -55,11 +60,13 @@ def arrays(recs: list[FinishedRequest]) -> tuple[np.ndarray, np.ndarray, np.ndar
 @pytest.mark.parametrize(
     ("field", "value"),
     [("refit_every", 0), ("refit_seconds", float("nan")), ("sample_size", 10), ("prior_weight", 0.0),
-     ("holdout_fraction", 0.9), ("min_samples", 5)],
+     ("holdout_fraction", 0.9), ("min_samples", 5), ("blend_folds", 1), ("memory_bandwidth", -1.0)],
 )  # fmt: skip
 def test_settings_out_of_bounds_are_refused_naming_them(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"online {field} must be in"):
         OnlineSettings(**{field: value})
+    with pytest.raises(ValueError, match="online arrival_blend must be one of"):
+        OnlineSettings(arrival_blend="half")
     with pytest.raises(ValueError, match=r"min_samples .* must be <= sample_size"):
         OnlineSettings(min_samples=500, sample_size=100)
 
@@ -73,8 +80,11 @@ def test_the_correction_learns_the_ranking_and_its_prior_is_the_head() -> None:
     learner.fitted = Fitted(fit_correction(SampleTables.of(train), 10.0, 10.0), None)
     tau = kendalltau(learner.adjust(head, scalars, prompts, arrival), length).statistic
     assert tau > 0.7  # the head alone (a constant) ranks nothing
-    # later positions are the calibration's, none here: the head's
-    assert np.array_equal(learner.adjust(head, scalars, prompts, arrival + 50), head)
+    # later positions are the calibration's, none here: the head's at the arrival correction's scale,
+    # so that the bias alone moves no queued request against a running one
+    bias = learner.fitted.arrival.bias
+    got = learner.adjust(head, scalars, prompts, arrival + 50)
+    assert bias < -0.3 and np.allclose(np.log1p(got), np.log1p(head) + bias)
     # an overwhelming prior keeps the head's predictions
     learner.fitted = Fitted(fit_correction(SampleTables.of(train), 1e6, 1e6), None)
     assert np.allclose(learner.adjust(head, scalars, prompts, arrival), head, rtol=0.02)
@@ -128,23 +138,77 @@ def test_refits_after_refit_seconds_on_its_clock() -> None:
     assert len(learner.refit_seconds) == 1
 
 
-def test_a_refit_that_does_not_beat_the_head_keeps_the_head() -> None:
-    # lengths unrelated to anything the correction reads: it cannot rank the holdout better
+def test_a_refit_that_cannot_rank_better_than_the_head_keeps_its_order_at_the_samples_scale() -> None:
+    # the head ranks every answer exactly, at twice its length: no correction can rank better, and
+    # the learnt bias still puts the predictions on the answers' scale
     rng = np.random.default_rng(5)
-    recs = [
-        FinishedRequest(rng.normal(size=DIM).astype(np.float32), 100.0, np.zeros(N_SCALARS, np.float32),
-                        int(rng.integers(1, 500)), False, NO_LATER)
-        for _ in range(200)
-    ]  # fmt: skip
-    recs += [FinishedRequest(r.prompt_emb, float(r.length), r.scalars, r.length, False, NO_LATER)
-             for r in records(50)]  # fmt: skip
+    recs = []
+    for _ in range(250):
+        length = int(rng.integers(1, 500))
+        recs.append(FinishedRequest(rng.normal(size=DIM).astype(np.float32), 2.0 * length,
+                                    np.zeros(N_SCALARS, np.float32), length, False, NO_LATER))  # fmt: skip
     learner = OnlineLearner(
         OnlineSettings(refit_every=250, min_samples=250, sample_size=250, background=False)
     )
     for rec in recs:
         learner.record(rec)
-    # the newest 50 are predicted exactly by the head: no correction can rank them better
-    assert learner.rejected == 1 and learner.refits == 0 and learner.fitted == Fitted(None, None)
+    assert learner.rejected == 1 and learner.refits == 0 and learner.stats()["blend_weight_last"] == 0.0
+    assert learner.fitted is not None and learner.fitted.arrival is not None
+    head, scalars, prompts, length = arrays(records(100, seed=9))
+    head = head * np.exp(np.random.default_rng(1).normal(size=len(head)))  # a head that varies
+    got = learner.adjust(head, scalars, prompts, np.zeros(len(head), dtype=int))
+    assert kendalltau(got, head).statistic == pytest.approx(1.0)  # the head's order
+    assert np.median(got / head) == pytest.approx(0.5, rel=0.1)  # the sample's scale
+
+
+def test_the_validated_blend_ranks_the_sample_at_least_as_well_as_the_head() -> None:
+    # lengths follow the embedding and the head ranks nothing: the correction's order is kept (with a
+    # constant head every weight above 0 gives that order)
+    assert blend_weight(SampleTables.of(records(300)), OnlineSettings()) > 0
+    # lengths follow neither: whatever weight is chosen scores at least the head's order (weight 0)
+    rng = np.random.default_rng(3)
+    noise = [FinishedRequest(r.prompt_emb, float(r.length) * np.exp(rng.normal()), r.scalars,
+                             int(rng.integers(1, 500)), False, NO_LATER) for r in records(300)]  # fmt: skip
+    settings = OnlineSettings(arrival_prior_weight=0.01, embedding_prior_weight=1.0)
+    scores = blend_scores(SampleTables.of(noise), settings)
+    weight = blend_weight(SampleTables.of(noise), settings)
+    assert scores[BLEND_GRID.index(weight)] == scores.max() >= scores[0]
+    assert blend_weight(SampleTables.of(noise), replace(settings, arrival_blend="full")) == 1.0
+
+
+def test_the_arrival_correction_reads_the_prompt_length() -> None:
+    # the length follows the prompt length (an arrival scalar), the embedding is noise
+    rng = np.random.default_rng(2)
+    recs = []
+    for _ in range(300):
+        prompt = int(rng.integers(5, 2000))
+        scalars = np.array([0, 0, np.log1p(prompt) / 8, 1, 1, 1], np.float32)
+        length = int(np.exp(2.0 + 0.5 * np.log(prompt) + 0.2 * rng.normal()))
+        recs.append(FinishedRequest(rng.normal(size=DIM).astype(np.float32), 100.0, scalars, length,
+                                    False, NO_LATER))  # fmt: skip
+    learner = OnlineLearner(OnlineSettings(background=False))
+    learner.fitted = validated_fit(SampleTables.of(recs[:200]), learner.settings)
+    head, scalars, prompts, length = arrays(recs[200:])
+    got = learner.adjust(head, scalars, prompts, np.zeros(len(head), dtype=int))
+    assert kendalltau(got, length).statistic > 0.6
+
+
+def test_the_prompt_memory_learns_repeated_prompts_the_linear_part_cannot() -> None:
+    # 60 prompts, each asked 6 times, each with its own typical length unrelated to its embedding
+    rng = np.random.default_rng(4)
+    prompts = rng.normal(size=(60, DIM)).astype(np.float32)
+    typical = np.exp(rng.uniform(2, 6, size=60))
+    recs = [FinishedRequest(prompts[k], 100.0, np.zeros(N_SCALARS, np.float32),
+                            int(typical[k] * np.exp(0.1 * rng.normal())), False, NO_LATER)
+            for k in rng.integers(0, 60, size=360)]  # fmt: skip
+    head, scalars, emb, length = arrays(recs[300:])
+    arrival = np.zeros(len(head), dtype=int)
+    taus = {}
+    for bandwidth in (0.0, 0.02):
+        learner = OnlineLearner(OnlineSettings(memory_bandwidth=bandwidth, background=False))
+        learner.fitted = validated_fit(SampleTables.of(recs[:300]), learner.settings)
+        taus[bandwidth] = kendalltau(learner.adjust(head, scalars, emb, arrival), length).statistic
+    assert taus[0.02] > 0.8 > taus[0.0] + 0.2
 
 
 def test_a_failed_refit_keeps_the_previous_correction_counted_and_logged(
@@ -291,6 +355,9 @@ def test_prequential_replay_reports_online_head_and_baselines(
         late["head"]["step0"]["kendall_tau"], late["running_mean"]["step0"]["kendall_tau"], 0.5
     )
     assert late["online"]["step0"]["n"] == 60
+    # ... also among the requests one correction predicted (a refit every 10: six groups of 10)
+    assert late["online"]["step0_tau_per_refit"] > max(late["head"]["step0_tau_per_refit"], 0.5)
+    assert np.isfinite(late["online"]["within_step_tau_per_refit"])
     assert got["new_prompt_requests"] == 0 and got["after_seen_new_prompts"] is None  # pass 2 repeats all
     with pytest.raises(ValueError, match="leaves no request"):
         prequential(text_predictor, path, settings, after=60)

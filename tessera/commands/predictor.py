@@ -166,6 +166,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ev.add_argument(
         "--embedding-prior-weight", type=float, default=None, help="--online: arrival embedding's penalty"
     )
+    ev.add_argument(
+        "--arrival-blend",
+        choices=("validated", "full"),
+        default=None,
+        help="--online: the arrival correction's weight chosen on the sample, or all of it",
+    )
+    ev.add_argument(
+        "--memory-bandwidth", type=float, default=None, help="--online: the prompt memory's (0: none)"
+    )
 
 
 def _print_metrics(title: str, m: dict) -> None:
@@ -180,6 +189,12 @@ def _print_ranking(title: str, m: dict) -> None:
     print(
         f"{title:<13} τ step 0 {m['step0']['kendall_tau']:6.3f}  within step {m['within_step_tau']:6.3f}  "
         f"pooled {m['kendall_tau']:6.3f}  MAE {m['mae']:6.1f} (step 0 {m['step0']['mae']:6.1f})"
+        + (
+            f"  per refit: τ step 0 {m['step0_tau_per_refit']:6.3f}, within step "
+            f"{m['within_step_tau_per_refit']:6.3f}"
+            if "step0_tau_per_refit" in m
+            else ""
+        )
     )
 
 
@@ -201,6 +216,8 @@ def _eval_online(args: argparse.Namespace) -> int:
         "prior_weight": args.prior_weight,
         "arrival_prior_weight": args.arrival_prior_weight,
         "embedding_prior_weight": args.embedding_prior_weight,
+        "arrival_blend": args.arrival_blend,
+        "memory_bandwidth": args.memory_bandwidth,
     }
     settings = replace(settings, **{k: v for k, v in given.items() if v is not None})
     predictor = TextLengthPredictor(args.model, tokenizer=args.tokenizer, threads=args.threads, online=None)
@@ -223,7 +240,8 @@ def _eval_online(args: argparse.Namespace) -> int:
     learner = result["learner"]
     print(
         f"learner: {learner['seen']} finished requests, {learner['refits']} refits installed, "
-        f"{learner['rejected']} kept the head, {learner['failed']} failed; refit time "
+        f"{learner['rejected']} kept the head's order, {learner['failed']} failed; last arrival blend "
+        f"weight {learner['blend_weight_last']:.2f}; refit time "
         f"{learner['refit_wall_s_total']:.2f} s in all (CPU {learner['refit_cpu_s_total']:.2f} s, "
         f"max {learner['refit_wall_s_max'] * 1e3:.0f} ms)"
     )

@@ -31,6 +31,7 @@ from tessera.predictor.dataset import (
     sample_per_prompt,
     sample_rows,
     step_points,
+    unseen_by_head,
 )
 from tessera.predictor.metrics import regression_metrics
 from tessera.predictor.model import TextLengthPredictor
@@ -117,15 +118,22 @@ def prequential(
     one_per_prompt: bool = False,
     max_rows: int | None = None,
 ) -> dict:
-    """Replay ``data``'s rows (all of them; ``one_per_prompt``: one answer per prompt) in a seeded
-    arrival order, ``passes`` times (each pass reshuffled): predict every step of a request, then
-    let the learner learn from it. Reports the online predictor, the head alone, the running mean of
-    finished lengths and position alone, over the requests that arrived after the learner had seen
-    ``after`` (and over all, and over those after ``after`` whose prompt no earlier request had), plus
-    the learner's refit counts and costs."""
+    """Replay ``data``'s rows (those whose prompt the head never trained on, ``unseen_by_head``:
+    every row of another file, the held-out split of the head's own; ``one_per_prompt``: one answer
+    per prompt) in a seeded arrival order, ``passes`` times (each pass reshuffled): predict every
+    step of a request, then let the learner learn from it. Reports the online predictor, the head
+    alone, the running mean of finished lengths and position alone, over the requests that arrived
+    after the learner had seen ``after`` (and over all, and over those after ``after`` whose prompt
+    no earlier request had), plus the learner's refit counts and costs. Beside the pooled step-0 τ
+    each segment has ``step0_tau_per_refit``: the mean over refits of τ among the requests that
+    arrived between two refits (``within_step_tau``: at least 10), predicted under one correction
+    as a queue compares them; the pooled figure also ranks requests predicted under different
+    refits against each other. ``within_step_tau_per_refit`` is the same for every step."""
     if passes < 1 or after < 0:
         raise ValueError(f"passes must be >= 1 and after >= 0, got {passes} and {after}")
-    pairs = load_pairs(data)
+    pairs = unseen_by_head(load_pairs(data), predictor.meta)
+    if not pairs:
+        raise ValueError(f"{data} has no row whose prompt the head did not train on")
     if one_per_prompt:
         pairs = sample_per_prompt(pairs, 1, seed)
     pairs = sample_rows(pairs, max_rows, seed)
@@ -140,6 +148,7 @@ def prequential(
     served, window = predictor.served, predictor.window
     cols: dict[str, list[float]] = {"online": [], "head": [], "running_mean": [], "true": [], "step": []}
     arrival_index: list[int] = []
+    refit_index: list[int] = []  # per prediction: the learner's refits so far (installed or not)
     novel: list[bool] = []  # per prediction: its prompt had not been seen finished before
     seen_prompts: set[str] = set()
     total, count = 0.0, 0
@@ -163,6 +172,7 @@ def prequential(
             cols["true"].append(length - generated)
             cols["step"].append(k)
             arrival_index.append(index)
+            refit_index.append(learner.refits + learner.rejected + learner.failed)
             novel.append(pair.group not in seen_prompts)
         req.generated, req.phase = length, Phase.FINISHED
         predictor.forget(req)
@@ -173,11 +183,22 @@ def prequential(
     late = np.asarray(arrival_index) >= after
     new = late & np.asarray(novel, dtype=bool)
 
+    refit = np.asarray(refit_index)
+
     def scored(sel: np.ndarray) -> dict:
         out = {
             name: ranking_report(arr[name][sel], arr["true"][sel], step[sel])
             for name in ("online", "head", "running_mean")
         }
+        first = sel & (step == 0)
+        by_step_and_refit = step * (int(refit.max()) + 1) + refit
+        for name in out:
+            out[name]["step0_tau_per_refit"] = within_step_tau(
+                arr[name][first], arr["true"][first], refit[first]
+            )
+            out[name]["within_step_tau_per_refit"] = within_step_tau(
+                arr[name][sel], arr["true"][sel], by_step_and_refit[sel]
+            )
         out["position_only"] = out["online"].pop("position_only")
         for name in ("head", "running_mean"):
             out[name].pop("position_only")

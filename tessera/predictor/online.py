@@ -6,28 +6,33 @@ every answer it serves. ``OnlineLearner`` keeps a bounded sample of recently fin
 refits, every ``refit_every`` finished requests or ``refit_seconds`` seconds, a correction of the
 shipped head on them.
 
-The correction (CHOICE: cheap, and the shipped head is its prior by construction): ridge regression of
-the log residual at arrival, ``log1p(true length) − log1p(head's prediction)``, on standardised inputs
-— the head's own log prediction, the feature vector's scalars (prompt length among them) and the
-prompt embedding — with every coefficient shrunk towards 0, that is towards the head: the scalars
-and the intercept by ``arrival_prior_weight``, the embedding by ``embedding_prior_weight``
-(``fit_correction`` says why two). Its inputs are what the predictor computed when the request arrived,
-so a refit embeds nothing and runs no head pass. Before ``min_samples`` finished requests the head
-predicts alone. Only the prediction at arrival is corrected: it orders the queue ISRTF reorders, and
-on the smollm2 held-out prompts a correction of the later steps too (fitted on every step) lowered
-the mean within-step τ from 0.118 to 0.014-0.090, the head reading the answer so far better than a
-linear model does; at arrival alone it raised step-0 τ from 0.233 to 0.262 (prior weight 100, a refit
-every 50 requests from 50 on, prequential) and left the later steps as they were.
+The correction (CHOICE: cheap, and the shipped head is its prior by construction): at arrival, a
+residual on the head's log prediction, ``log1p(true length) − log1p(head's prediction)``, made of
 
-A refit is validated before it replaces anything: fitted on the older part of the sample, it must
-beat the head on the newest ``holdout_fraction`` in Kendall τ at arrival (the order ISRTF needs),
-else the head stays (``rejected``). A refit that raises or gives
-non-finite coefficients, or whose process dies, keeps the previous correction (``failed``, logged).
+- a ridge regression on standardised inputs — the head's own log prediction, the arrival scalars
+  (the prompt length among them) and the prompt embedding — with every coefficient shrunk towards
+  0, that is towards the head: the scalars and the intercept by ``arrival_prior_weight``, the
+  embedding by ``embedding_prior_weight`` (``fit_correction`` says why two);
+- a prompt memory (``Memory``) of what the ridge left unexplained for prompts seen before;
+- a blend weight on the ridge's slopes and the memory (not on its intercept, the scale), chosen on
+  the sample itself by a prequential validation (``blend_weight``): weight 0 is the head's order, so
+  on the sample's own later requests the blend ranks at least as well as the head.
+
+Its inputs are what the predictor computed when the request arrived, so a refit embeds nothing and
+runs no head pass. Before ``min_samples`` finished requests the head predicts alone. The later
+steps get a calibration by position only (``later_inputs``), installed only if it beats the head on
+the newest ``holdout_fraction`` of the sample: on the smollm2 held-out prompts a correction of the
+later steps by the request's own inputs (fitted on every step) lowered the mean within-step τ from
+0.118 to 0.014-0.090, the head reading the answer so far better than a linear model does.
+
+A refit that raises or gives non-finite coefficients, or whose process dies, keeps the previous
+correction (``failed``, logged).
 
 Refits run off the decision path (``background``): the caller only appends to the sample (one row
 copied into preallocated columns) and wakes a refit thread; that thread copies the sample's columns
 and hands them to a refit process of its own (started once, in Linux's idle scheduling class),
-which fits and sends back the small correction. A thread of the worker's process would hold its
+which fits and sends back the correction (with the memory's unit prompt embeddings: 3 MB at 2,000
+requests). A thread of the worker's process would hold its
 interpreter lock through the fit's Python parts and, on a loaded 2-core machine, lengthened the
 tail of the decisions' prediction time (p99 43 ms against 17.7 ms without refits); in a process
 the worker holds the lock only for the copy, the send and the install. Predictions read whichever
@@ -43,6 +48,7 @@ sample and the correction.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import pickle
@@ -52,7 +58,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -63,6 +69,8 @@ log = logging.getLogger(__name__)
 
 REFIT_NICE = 19  # the refit process's nice, beside the idle scheduling class (Linux)
 MIN_STEP_SAMPLES = 10  # a step's τ enters the within-step mean only with this many requests at it
+ARRIVAL_BLENDS = ("validated", "full")
+BLEND_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)  # the arrival correction's weights "validated" chooses among
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +86,16 @@ class OnlineSettings:
     # length) and intercept, and on the prompt embedding's coordinates (see ``fit_correction``)
     arrival_prior_weight: float = 1.0
     embedding_prior_weight: float = 1000.0
-    holdout_fraction: float = 0.2  # newest share of the sample a refit must do better on than the head
+    holdout_fraction: float = 0.2  # newest share of the sample the later calibration must do better on
+    # how much of the arrival correction's ranking is used (see ``blend_weight``): "validated" (the
+    # weight in BLEND_GRID that ranks best on the sample, fitted on older requests and scored on newer
+    # ones) or "full" (all of it, unchecked)
+    arrival_blend: str = "validated"
+    blend_folds: int = 5  # the sample's time-ordered folds for "validated"
+    # the prompt memory (``Memory``): cosine-distance scale of "the same prompt" (0: no memory), and
+    # its prior in requests' worth of the ridge's residual 0
+    memory_bandwidth: float = 0.02
+    memory_prior: float = 1.0
     background: bool = True  # refit in a process of its own (False: inline, for virtual-clock replays)
 
     def __post_init__(self) -> None:
@@ -91,11 +108,18 @@ class OnlineSettings:
             "arrival_prior_weight": (0.01, 1e6),
             "embedding_prior_weight": (1.0, 1e9),
             "holdout_fraction": (0.05, 0.5),
+            "blend_folds": (2, 20),
+            "memory_bandwidth": (0.0, 1.0),
+            "memory_prior": (0.01, 1e6),
         }
         for name, (low, high) in bounds.items():
             value = getattr(self, name)
             if not low <= value <= high:  # NaN fails too
                 raise ValueError(f"online {name} must be in [{low:g}, {high:g}], got {value}")
+        if self.arrival_blend not in ARRIVAL_BLENDS:
+            raise ValueError(
+                f"online arrival_blend must be one of {ARRIVAL_BLENDS}, got {self.arrival_blend!r}"
+            )
         if self.min_samples > self.sample_size:
             raise ValueError(
                 f"online min_samples ({self.min_samples}) must be <= sample_size ({self.sample_size})"
@@ -117,9 +141,10 @@ class FinishedRequest:
 
 
 def correction_inputs(head_prediction: np.ndarray, scalars: np.ndarray, prompt_emb: np.ndarray) -> np.ndarray:
-    """The arrival correction's inputs (n × (1 + scalars + embedding)): log head prediction, scalars,
-    prompt embedding."""
-    return np.concatenate([later_inputs(head_prediction, scalars), prompt_emb], axis=1)
+    """The arrival correction's inputs (n × (1 + scalars + embedding)): the head's log prediction, the
+    arrival scalars (of which the prompt length varies) and the prompt embedding."""
+    log_head = np.log1p(np.maximum(np.asarray(head_prediction, dtype=np.float64), 0.0))
+    return np.concatenate([log_head[:, None], scalars, prompt_emb], axis=1)
 
 
 def later_inputs(head_prediction: np.ndarray, scalars: np.ndarray) -> np.ndarray:
@@ -134,24 +159,82 @@ def later_inputs(head_prediction: np.ndarray, scalars: np.ndarray) -> np.ndarray
 
 
 @dataclass(frozen=True, slots=True)
+class Memory:
+    """What the finished requests left unexplained, by prompt: a request whose prompt embedding is
+    close to finished ones' is shifted by their mean residual (weights ``exp((cos − 1) / bandwidth)``,
+    shrunk towards 0 by ``prior`` requests' worth). With the default bandwidth 0.02 a prompt at cosine
+    0.9 weighs e^-5 of the same prompt, so it is a memory of repeated prompts (templates, retries),
+    not a nearest-neighbour regression: on the HumanEval prompts, all distinct tasks, neighbours
+    ranked new prompts worse than the linear part (leave-one-prompt-out τ 0.03-0.12, docs/bench.md)."""
+
+    keys: np.ndarray  # m × embedding: the sample's distinct prompts, unit length (float32)
+    residual: np.ndarray  # m: the sum of each prompt's log residuals left by the ridge, times the blend
+    count: np.ndarray  # m: finished requests with that prompt
+    bandwidth: float
+    prior: float
+
+    @classmethod
+    def of(cls, prompt_emb: np.ndarray, residual: np.ndarray, bandwidth: float, prior: float) -> Memory:
+        """The memory of the residuals of requests with these prompt embeddings; a prompt asked
+        several times is one key (the weights of equal keys are equal, so the shift is unchanged)."""
+        keys, owner = np.unique(_unit(prompt_emb), axis=0, return_inverse=True)
+        owner = owner.ravel()
+        sums = np.bincount(owner, weights=residual, minlength=len(keys))
+        return cls(keys, sums, np.bincount(owner, minlength=len(keys)).astype(np.float64), bandwidth, prior)
+
+    def shift(self, prompt_emb: np.ndarray) -> np.ndarray:
+        """The log shift of each prompt (rows of ``prompt_emb``).
+
+        The similarities are an einsum, not a matrix product: for a few prompts against 2,000 keys
+        the worker's multi-threaded BLAS took 6-8 ms per call on the loaded 2-core machine (its
+        threads contend with the worker's), numpy's own loop 0.5 ms."""
+        cos = np.einsum("ij,kj->ik", _unit(prompt_emb), self.keys)
+        weights = np.exp((cos - 1.0) / self.bandwidth)
+        return (weights @ self.residual) / (weights @ self.count + self.prior)
+
+
+def _unit(emb: np.ndarray) -> np.ndarray:
+    emb = np.asarray(emb, dtype=np.float32)
+    return emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+
+
+@dataclass(frozen=True, slots=True)
 class Correction:
-    """A fitted log-residual correction of the head: standardisation and ridge coefficients."""
+    """A fitted log-residual correction of the head: standardisation, ridge coefficients, and at
+    arrival the prompt memory and the blend weight the coefficients and the memory were scaled by."""
 
     mean: np.ndarray
     std: np.ndarray
     coef: np.ndarray
     bias: float
     samples: int  # finished requests it was fitted on
+    memory: Memory | None = None  # the arrival correction's (it reads the inputs' last columns)
+    blend: float = 1.0  # weight of the ranking part (coefficients and memory; not the bias)
 
     def apply(self, head_prediction: np.ndarray, inputs: np.ndarray) -> np.ndarray:
         """Corrected remaining tokens for the head's predictions and their inputs."""
-        shift = ((inputs - self.mean) / self.std) @ self.coef + self.bias
-        return np.expm1(np.log1p(np.maximum(head_prediction, 0.0)) + shift)
+        return np.expm1(np.log1p(np.maximum(head_prediction, 0.0)) + self.shift(inputs))
+
+    def shift(self, inputs: np.ndarray) -> np.ndarray:
+        """The log shift of the head's predictions for ``inputs``."""
+        out = ((inputs - self.mean) / self.std) @ self.coef + self.bias
+        if self.memory is not None:
+            out = out + self.memory.shift(inputs[:, -self.memory.keys.shape[1] :])
+        return out
+
+    def blended(self, weight: float) -> Correction:
+        """The same correction with ``weight`` of its ranking part: 0 keeps the head's order (and this
+        correction's bias, the scale), 1 is the whole fit."""
+        memory = self.memory
+        if memory is not None:
+            memory = replace(memory, residual=memory.residual * weight)
+        return replace(self, coef=self.coef * weight, memory=memory, blend=self.blend * weight)
 
 
 @dataclass(frozen=True, slots=True)
 class Fitted:
-    """What a refit installs: the arrival correction and the later steps' calibration (None: the head)."""
+    """What a refit installs: the arrival correction and the later steps' calibration (None: the
+    head's later predictions scaled by the arrival correction's bias)."""
 
     arrival: Correction | None
     later: Correction | None
@@ -295,9 +378,17 @@ def ridge_correction(
     return Correction(mean, std, sol[:-1], float(sol[-1]), n)
 
 
-def fit_correction(tables: SampleTables, scalar_weight: float, embedding_weight: float) -> Correction:
-    """The arrival correction fitted on ``tables``: the scalar inputs and the intercept shrunk by
-    ``scalar_weight``, the embedding's coordinates by ``embedding_weight``.
+def fit_correction(
+    tables: SampleTables,
+    scalar_weight: float,
+    embedding_weight: float,
+    memory_bandwidth: float = 0.0,
+    memory_prior: float = 1.0,
+) -> Correction:
+    """The arrival correction fitted on ``tables``, whole (blend 1): a ridge on the head's log
+    prediction, the scalars and the intercept shrunk by ``scalar_weight``, on the embedding's
+    coordinates by ``embedding_weight``; then, with ``memory_bandwidth`` > 0, the prompt memory of
+    the ridge's residuals.
 
     CHOICE (two penalties): the embedding's 384 coordinates overfit a few hundred requests, while the
     few scalars (prompt length, the head's own prediction) carry what transfers between prompts.
@@ -309,38 +400,91 @@ def fit_correction(tables: SampleTables, scalar_weight: float, embedding_weight:
     dim = tables.prompt_emb.shape[1]
     penalty = np.full(x.shape[1] + 1, float(scalar_weight))
     penalty[x.shape[1] - dim : x.shape[1]] = embedding_weight
-    return ridge_correction(x, head, length, penalty, len(tables))
+    ridge = ridge_correction(x, head, length, penalty, len(tables))
+    if memory_bandwidth <= 0:
+        return ridge
+    left = np.log1p(length) - np.log1p(np.maximum(head, 0.0)) - ridge.shift(x)
+    return replace(ridge, memory=Memory.of(tables.prompt_emb, left, memory_bandwidth, memory_prior))
 
 
-def fit_later(tables: SampleTables, prior_weight: float) -> Correction:
-    """The later steps' calibration fitted on ``tables``."""
+def _fit_arrival(tables: SampleTables, settings: OnlineSettings) -> Correction:
+    return fit_correction(
+        tables,
+        settings.arrival_prior_weight,
+        settings.embedding_prior_weight,
+        settings.memory_bandwidth,
+        settings.memory_prior,
+    )
+
+
+def blend_scores(tables: SampleTables, settings: OnlineSettings) -> np.ndarray:
+    """Kendall τ at arrival of each blend in ``BLEND_GRID`` (``log head + bias + w · (ridge slopes +
+    memory)``) on the sample itself, prequentially: the sample cut into ``blend_folds`` folds in
+    arrival order, each fold after the first predicted by a correction fitted on the folds before it
+    and scored by its own τ (the requests one correction predicts, as a queue sees them; all tied
+    scores 0), the folds weighted by their size."""
+    cuts = np.linspace(0, len(tables), settings.blend_folds + 1).astype(int)
+    scores = np.zeros(len(BLEND_GRID))
+    for lo, hi in itertools.pairwise(cuts[1:]):
+        if hi - lo < 2 or lo < 2:
+            continue
+        fit = _fit_arrival(tables.rows(0, lo), settings)
+        x, head, length = arrival_table(tables.rows(lo, hi))
+        base, ranking = np.log1p(np.maximum(head, 0.0)), fit.shift(x) - fit.bias
+        for i, weight in enumerate(BLEND_GRID):
+            tau = _tau(base + weight * ranking, length)
+            scores[i] += (hi - lo) * (tau if np.isfinite(tau) else 0.0)
+    return scores / max(1, len(tables) - int(cuts[1]))
+
+
+def blend_weight(tables: SampleTables, settings: OnlineSettings) -> float:
+    """How much of the arrival correction's ranking to use: the weight in ``BLEND_GRID`` with the best
+    ``blend_scores`` (a tie keeps the smaller weight). Weight 0 is the head's order, so the blend
+    ranks the sample's later folds at least as well as the head (CHOICE ``arrival_blend``: "full"
+    takes weight 1 unchecked).
+
+    Why: a correction that only had to beat the head on the newest fifth (20-80 requests, too few to
+    tell τ apart) replaced it or fell back to it refit by refit, so the predictions' scale jumped
+    between refits; here the bias, the scale, is always the sample's and only the order is chosen."""
+    if settings.arrival_blend == "full":
+        return 1.0
+    return float(BLEND_GRID[int(np.argmax(blend_scores(tables, settings)))])  # the first of equals
+
+
+def fit_later(tables: SampleTables, prior_weight: float, base: float = 0.0) -> Correction:
+    """The later steps' calibration fitted on ``tables``, shrunk towards the log shift ``base`` (the
+    arrival correction's bias: what the later steps get without a calibration)."""
     x, head, remaining, _ = later_table(tables)
-    return ridge_correction(x, head, remaining, prior_weight, len(tables))
+    fit = ridge_correction(x, _shifted(head, base), remaining, prior_weight, len(tables))
+    return replace(fit, bias=fit.bias + base)
+
+
+def _shifted(pred: np.ndarray, shift: float) -> np.ndarray:
+    """``pred`` scaled in log1p space by ``shift``."""
+    return np.expm1(np.log1p(np.maximum(pred, 0.0)) + shift)
 
 
 def validated_fit(tables: SampleTables, settings: OnlineSettings) -> Fitted:
-    """Each part fitted on the older requests must beat the head on the newest ``holdout_fraction``:
-    the arrival correction in τ at arrival, the later calibration in τ pooled over every step (it
-    ranks running requests against queued ones); the parts that do are refitted on the whole sample."""
+    """The arrival correction at its validated blend weight (``blend_weight``; always installed: its
+    weight 0 is the head's order at the sample's scale), and the later steps' calibration if, fitted
+    on the older requests, it beats the later steps scaled by the arrival bias alone on the newest
+    ``holdout_fraction`` in τ pooled over every step (it ranks running requests against queued
+    ones); then refitted on the whole sample."""
+    weight = blend_weight(tables, settings)
     n_hold = max(1, int(len(tables) * settings.holdout_fraction))
-    prior, weights = settings.prior_weight, (settings.arrival_prior_weight, settings.embedding_prior_weight)
     older, newest = tables.rows(0, len(tables) - n_hold), tables.rows(len(tables) - n_hold, len(tables))
-    x, head, length = arrival_table(newest)
-    arrival = fit_correction(older, *weights).apply(head, x)
-    keep_arrival = not _tau(arrival, length) <= _tau(head, length)  # NaN (all equal): trust the fit
-    first = arrival if keep_arrival else head
     keep_later = False
     if len(older.later) and len(newest.later):
+        arrival = _fit_arrival(older, settings).blended(weight)
+        x, head, length = arrival_table(newest)
         lx, lhead, remaining, _ = later_table(newest)
-        calibrated = fit_later(older, prior).apply(lhead, lx)
-        true = np.concatenate([length, remaining])
+        calibrated = fit_later(older, settings.prior_weight, arrival.bias).apply(lhead, lx)
+        first, true = arrival.apply(head, x), np.concatenate([length, remaining])
         keep_later = _tau(np.concatenate([first, calibrated]), true) > _tau(
-            np.concatenate([first, lhead]), true
+            np.concatenate([first, _shifted(lhead, arrival.bias)]), true
         )
-    return Fitted(
-        fit_correction(tables, *weights) if keep_arrival else None,
-        fit_later(tables, prior) if keep_later else None,
-    )
+    arrival = _fit_arrival(tables, settings).blended(weight)
+    return Fitted(arrival, fit_later(tables, settings.prior_weight, arrival.bias) if keep_later else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,7 +609,8 @@ class OnlineLearner:
         self._since_refit = 0
         self._last_refit = clock()
         self.refits = 0  # refits installed
-        self.rejected = 0  # refits that did not beat the head on the holdout (the head kept)
+        self.rejected = 0  # refits that kept the head's order (blend weight 0, no later calibration)
+        self.blend_weights: list[float] = []  # each refit's arrival blend weight (``blend_weight``)
         self.failed = 0  # refits that raised (the previous correction kept)
         self.refit_seconds: list[float] = []  # wall time of each refit's fit, where it ran
         self.refit_cpu_seconds: list[float] = []  # CPU time of each refit's fit, where it ran
@@ -535,10 +680,12 @@ class OnlineLearner:
             self.failed += 1
             log.warning("online refit of the length predictor failed (%s); keeping the previous head", exc)
         else:
-            if outcome.fitted.arrival is None and outcome.fitted.later is None:
+            arrival = outcome.fitted.arrival
+            if (arrival is None or arrival.blend == 0.0) and outcome.fitted.later is None:
                 self.rejected += 1
             else:
                 self.refits += 1
+            self.blend_weights.append(1.0 if arrival is None else arrival.blend)
             self.fitted = outcome.fitted
             self.refit_seconds.append(outcome.wall_s)
             self.refit_cpu_seconds.append(outcome.cpu_s)
@@ -566,7 +713,9 @@ class OnlineLearner:
         self, head_prediction: np.ndarray, scalars: np.ndarray, prompt_emb: np.ndarray, generated: np.ndarray
     ) -> np.ndarray:
         """The installed corrections applied to the head's predictions: at arrival (``generated`` 0)
-        the arrival correction, later the calibration; the head's own where none is installed."""
+        the arrival correction, later the calibration, or without one the arrival correction's bias
+        (so that the bias alone never moves a queued request against a running one); the head's own
+        where nothing is installed."""
         fitted = self.fitted  # one read: a refit may install another meanwhile
         out = np.asarray(head_prediction, dtype=np.float64).copy()
         if fitted is None or not len(out):
@@ -576,8 +725,11 @@ class OnlineLearner:
             out[new] = fitted.arrival.apply(
                 out[new], correction_inputs(out[new], scalars[new], prompt_emb[new])
             )
-        if fitted.later is not None and (~new).any():
-            out[~new] = fitted.later.apply(out[~new], later_inputs(out[~new], scalars[~new]))
+        if (~new).any():
+            if fitted.later is not None:
+                out[~new] = fitted.later.apply(out[~new], later_inputs(out[~new], scalars[~new]))
+            elif fitted.arrival is not None:
+                out[~new] = _shifted(out[~new], fitted.arrival.bias)
         return out
 
     def stats(self) -> dict[str, float | int]:
@@ -587,6 +739,8 @@ class OnlineLearner:
             "kept": len(self._ring),
             "refits": self.refits,
             "rejected": self.rejected,
+            "blend_weight_last": self.blend_weights[-1] if self.blend_weights else float("nan"),
+            "blend_weight_mean": float(np.mean(self.blend_weights)) if self.blend_weights else float("nan"),
             "failed": self.failed,
             "refit_wall_s_total": float(sum(self.refit_seconds)),
             "refit_cpu_s_total": float(sum(self.refit_cpu_seconds)),
@@ -617,11 +771,14 @@ __all__ = [
     "Correction",
     "FinishedRequest",
     "Fitted",
+    "Memory",
     "OnlineLearner",
     "OnlineSettings",
     "RefitOutcome",
     "RefitProcess",
     "SampleTables",
+    "blend_scores",
+    "blend_weight",
     "fit_correction",
     "fit_later",
     "refit_job",

@@ -27,7 +27,9 @@ and ISRTF's mean-JCT reductions, the guard's tail (p99 JCT <= 1.5x FCFS's, keepi
 guard-off mean-JCT gain), and every row against ``fcfs`` on throughput and p99 JCT (``tolerance``).
 Every ISRTF row leads with the ranking its predictions gave (``step0_tau``: Kendall τ of the
 predictions at arrival against the true lengths; ``within_step_tau``: the mean τ among predictions at
-the same window step; ``pooled_tau``: over all predictions), what ISRTF's order rests on.
+the same window step; ``pooled_tau``: over all predictions; ``step0_tau_per_refit``: τ at arrival
+among the predictions one installed online correction made, averaged over refits, since the pooled
+figures also rank predictions of different refits against each other), what ISRTF's order rests on.
 
 Options (``--set``): requests (400), batches ("1,2,4"), seeds (5), data (AlpacaEval text; any JSONL
 with ``prompt`` and ``response`` text), predictor (text | running-mean | constant), artifact (a trained
@@ -35,8 +37,9 @@ head's folder for ``text``; default the shipped one), window (50), guard_credit 
 ``isrtf`` row's tail guard: credit as a share of the decode rate, and the wait in recent mean JCTs
 after which it starts; default the policy's), aging (the ``isrtf`` row's linear aging, tokens/s of
 credit per second of age; default the policy's, 0), max_wait (``isrtf-tail``'s promotion wait in
-recent mean JCTs; default the policy's), refit_every, min_samples, prior_weight, arrival_prior_weight
-and embedding_prior_weight (the online learner's, default ``OnlineSettings``'), tolerance (0.10),
+recent mean JCTs; default the policy's), refit_every, min_samples, prior_weight, arrival_prior_weight,
+embedding_prior_weight, arrival_blend and memory_bandwidth (the online learner's, default
+``OnlineSettings``'), tolerance (0.10),
 rate_dist (with a rate series as ``--trace``), and the cluster options of
 ``tessera.bench.runner.CLUSTER_OPTIONS``.
 """
@@ -281,6 +284,8 @@ def _online_settings(opts: Any) -> Any:
         "prior_weight": option(opts, "prior_weight", None, float),
         "arrival_prior_weight": option(opts, "arrival_prior_weight", None, float),
         "embedding_prior_weight": option(opts, "embedding_prior_weight", None, float),
+        "arrival_blend": option(opts, "arrival_blend", None, str),
+        "memory_bandwidth": option(opts, "memory_bandwidth", None, float),
     }
     return OnlineSettings(background=False, **{k: v for k, v in given.items() if v is not None})
 
@@ -307,14 +312,17 @@ class _Recorder:
         self.inner = inner
         self.window = window
         self.served = getattr(inner, "served", None)
-        self.rows: list[tuple[int, float, int]] = []  # (window step, prediction, true remaining)
+        # (window step, prediction, true remaining, the online learner's refits so far)
+        self.rows: list[tuple[int, float, int, int]] = []
 
     def predict_remaining(self, requests: list[Request]) -> list[float]:
         """The inner predictions, recorded."""
         preds = self.inner.predict_remaining(requests)
+        learner = getattr(self.inner, "online", None)
+        refits = 0 if learner is None else learner.refits + learner.rejected + learner.failed
         for req, pred in zip(requests, preds, strict=True):
             self.rows.append(
-                (req.generated // self.window, float(pred), req.target_output_tokens - req.generated)
+                (req.generated // self.window, float(pred), req.target_output_tokens - req.generated, refits)
             )
         return preds
 
@@ -329,17 +337,24 @@ class _Recorder:
             forget(req)
 
     def ranking(self) -> dict[str, float]:
-        """τ at arrival, mean τ within a step, pooled τ of the recorded predictions."""
+        """τ at arrival, mean τ within a step, pooled τ of the recorded predictions, and τ at arrival
+        among the predictions one installed correction made (``step0_tau_per_refit``: the mean over
+        refits; the pooled figure also ranks predictions of different refits against each other)."""
         from tessera.predictor.evaluate import ranking_report
+        from tessera.predictor.online import within_step_tau
 
-        arr = np.array(self.rows, dtype=np.float64).reshape(-1, 3)
+        arr = np.array(self.rows, dtype=np.float64).reshape(-1, 4)
         if len(arr) < 2:
-            return {"step0_tau": float("nan"), "within_step_tau": float("nan"), "pooled_tau": float("nan")}
-        got = ranking_report(arr[:, 1], arr[:, 2], arr[:, 0].astype(int))
+            nan = float("nan")
+            return {"step0_tau": nan, "within_step_tau": nan, "pooled_tau": nan, "step0_tau_per_refit": nan}
+        step = arr[:, 0].astype(int)
+        got = ranking_report(arr[:, 1], arr[:, 2], step)
+        first = step == 0
         return {
             "step0_tau": got["step0"]["kendall_tau"],
             "within_step_tau": got["within_step_tau"],
             "pooled_tau": got["kendall_tau"],
+            "step0_tau_per_refit": within_step_tau(arr[first, 1], arr[first, 2], arr[first, 3].astype(int)),
         }
 
 
@@ -395,7 +410,8 @@ def _checks(b: int, by: dict[str, dict[str, Any]], tol: float) -> list[str]:
         out.append(
             f"isrtf:batch={b},online recovers {kept:.0%} of the oracle's reduction "
             f"(isrtf {red_i / red_o:.0%}), p99 JCT {ratio:.2f}x fcfs's; τ at arrival "
-            f"{online['step0_tau']:.3f} (isrtf {isrtf['step0_tau']:.3f})" + (target if b == 1 else "")
+            f"{online['step0_tau']:.3f} (isrtf {isrtf['step0_tau']:.3f}), per refit "
+            f"{online['step0_tau_per_refit']:.3f}" + (target if b == 1 else "")
         )
     rest = [r for r in by.values() if r is not fcfs]
     return [line for line in out if line] + baseline_checks(rest, fcfs, tol)
