@@ -39,8 +39,10 @@ class VolumeSource(ApiModel):
 
 
 # Where an adapter's files are: an absolute directory the base's vLLM server reads (a mounted volume or
-# the pool's model cache), or a Hugging Face id (hf://org/name or org/name) it downloads.
-ADAPTER_SOURCE_PATTERN = r"^(/.+|(hf://)?[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+)$"
+# the pool's model cache), a Hugging Face id (hf://org/name or org/name) it downloads, or the name of an
+# adapter `tessera models pull` builds (a bare name, no slash: local mode serves its cache folder).
+PULLED_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+ADAPTER_SOURCE_PATTERN = rf"^(/.+|(hf://)?[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+|{PULLED_NAME_PATTERN})$"
 MAX_ADAPTER_RANK = 512  # vLLM's largest --max-lora-rank
 
 
@@ -58,13 +60,20 @@ class AdapterSpec(ApiModel):
         max_length=1024,
         pattern=ADAPTER_SOURCE_PATTERN,
         description="The adapter's files: an absolute directory in the engine container (a mounted volume "
-        "or the pool's model cache), or a Hugging Face id (org/name or hf://org/name).",
+        "or the pool's model cache), a Hugging Face id (org/name or hf://org/name), or the name of an "
+        "adapter that `tessera models pull` builds (e.g. smollm2-lora): local mode serves the folder it "
+        "built; the operator refuses such a name (a cluster has no such cache).",
     )
     rank: int = Field(
         ge=1,
         le=MAX_ADAPTER_RANK,
         description="The adapter's LoRA rank (r); at most the pool's maxLoraRank.",
     )
+
+    @property
+    def pulled(self) -> bool:
+        """Whether ``source`` names an adapter of ``tessera models pull`` (a bare name) rather than files."""
+        return "/" not in self.source
 
 
 class ModelSpec(ApiModel):

@@ -51,7 +51,9 @@ def _add_load_flags(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--plot", type=Path, default=None, help="Write PNG plots into this folder.")
     p.add_argument("--no-live", action="store_true", help="No live table (only the final report).")
     p.add_argument("--answers", type=int, default=0,
-                   help="Print this many answers to the trace's text prompts (default 0).")  # fmt: skip
+                   help="Print this many answers to the trace's text prompts (default 0); `up` with "
+                        "LoRA adapters then also asks each base and its adapters this many of the "
+                        "trace's chat prompts and prints their answers side by side.")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -194,6 +196,27 @@ def _launch_source(
     return str(resolved.path), args.dtype or resolved.dtype, resolved.worker_profile()
 
 
+def adapter_folders(resources: Sequence[object]) -> dict[str, str]:
+    """The cache folder of each adapter source that names an adapter of ``tessera models pull``, checked
+    against the model of the adapter's base (ModelCacheError: unknown, of another base, or not built).
+    An adapter whose base is not among ``resources`` is left to the plan, which names that fault."""
+    from tessera.api import LLMService
+    from tessera.models.cache import ModelCacheError, resolve_adapter
+
+    services = {r.name: r for r in resources if isinstance(r, LLMService)}
+    folders: dict[str, str] = {}
+    for service in services.values():
+        adapter = service.spec.model.adapter
+        if adapter is None or not adapter.pulled or adapter.base not in services:
+            continue
+        try:
+            folder = resolve_adapter(adapter.source, services[adapter.base].spec.model.name)
+        except ModelCacheError as exc:
+            raise ModelCacheError(f"LLMService {service.name}: {exc}") from None
+        folders[adapter.source] = str(folder)
+    return folders
+
+
 def _check_launches(plan: LocalPlan) -> None:
     """Refuse, before anything starts, a launched model whose KV for one request cannot fit."""
     from tessera.models.fit import check_kv_fits
@@ -229,7 +252,15 @@ def _check_compare(args: argparse.Namespace, policies: set[str]) -> None:
 async def _up(args: argparse.Namespace) -> int:
     from tessera.api import load_documents
     from tessera.local.control_plane import LocalEngine, plan_local
-    from tessera.local.runner import LocalStack, compare_batch_job, compare_policies, describe_plan, run_load
+    from tessera.local.runner import (
+        LocalStack,
+        adapter_families,
+        ask_adapters,
+        compare_batch_job,
+        compare_policies,
+        describe_plan,
+        run_load,
+    )
     from tessera.router.app import class_infos
     from tessera.router.auth import ApiKeys
 
@@ -237,10 +268,11 @@ async def _up(args: argparse.Namespace) -> int:
         return _fail(f"--port {args.port} is not a TCP port (1-65535)")
     resources = [r for path in args.files for r in load_documents(path)]
     model_dir, dtype, profile = _launch_source(args, resources)
+    folders = adapter_folders(resources)
     engine = LocalEngine(args.engine, model_dir, args.vllm_url, args.kv_cache_gib, args.max_model_len, dtype,
                          args.enforce_eager, profile, args.vllm_kv_events, args.tokenizer)  # fmt: skip
     cap = args.max_instances if args.max_instances is not None else (1 if args.engine == "vllm" else None)
-    plan = plan_local(resources, engine, max_instances_per_group=cap)
+    plan = plan_local(resources, engine, max_instances_per_group=cap, adapter_folders=folders)
     _check_launches(plan)
     policies = {i.config.scheduling.policy for i in plan.instances}
     _check_compare(args, policies)
@@ -275,9 +307,11 @@ async def _up(args: argparse.Namespace) -> int:
         if args.compare_policy is not None:
             policy = policies.pop()
             await compare_policies(stack, workload, classes, _settings(args), policy, args.compare_policy)
-            return 0
-        await run_load(stack.endpoint, workload, classes, stack.state.class_header, _settings(args),
-                       stack.status)  # fmt: skip
+        else:
+            await run_load(stack.endpoint, workload, classes, stack.state.class_header, _settings(args),
+                           stack.status)  # fmt: skip
+        if args.answers and adapter_families(plan):  # after the load: its figures are the base's alone
+            await ask_adapters(stack, workload, classes, args.answers)
         return 0
     finally:
         await stack.stop()

@@ -32,8 +32,9 @@ def adapter_problems(
 
     ``services`` are the pool's valid services by name, ``rejected`` the messages of the pool's others
     (a base there is named with its own fault). An adapter is refused when its base is not a valid
-    service of the pool, is itself an adapter, when it asks for scale to zero of its own, or when its
-    rank is above the pool's ``maxLoraRank``.
+    service of the pool, is itself an adapter, when it asks for scale to zero of its own, when its
+    source names an adapter of ``tessera models pull`` (local mode puts the folder it built in its
+    place first), or when its rank is above the pool's ``maxLoraRank``.
     """
     problems: dict[str, tuple[str, str]] = {}
     for name, service in services.items():
@@ -59,6 +60,13 @@ def adapter_problems(
                 INVALID_ADAPTER,
                 f"base LLMService {adapter.base!r} is itself an adapter (of "
                 f"{base.spec.model.adapter.base!r}); an adapter's base must be a full model: name that one",
+            )
+        elif adapter.pulled:
+            problems[name] = (
+                INVALID_ADAPTER,
+                f"spec.model.adapter.source {adapter.source!r} names an adapter that `tessera models pull` "
+                "builds, which only local mode (`tessera local up`) serves from its cache; on a cluster give "
+                "the adapter's directory in the engine container or a Hugging Face id (org/name)",
             )
         elif adapter.rank > pool.spec.max_lora_rank:
             problems[name] = (

@@ -9,7 +9,7 @@ operator would apply. Only the engine differs: every model entry is rewritten fo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -163,15 +163,23 @@ def plan_local(
     *,
     max_instances_per_group: int | None = None,
     now: float = 0.0,
+    adapter_folders: Mapping[str, str] | None = None,
 ) -> LocalPlan:
     """Decide every pool as the operator would and list the worker instances to start.
 
     ``max_instances_per_group`` caps each group's instances for a small machine (the first ordinals
-    stay, as a StatefulSet scaled down keeps them). Raises LocalPlanError when nothing can run.
+    stay, as a StatefulSet scaled down keeps them). ``adapter_folders``: the folder of each adapter
+    source that names an adapter of ``tessera models pull`` (found by the caller, in the model cache),
+    put in the source's place before the operator's decision. Raises LocalPlanError when nothing can run.
     """
     if max_instances_per_group is not None and max_instances_per_group < 1:
         raise LocalPlanError(f"the instance cap must be >= 1, got {max_instances_per_group}")
     bodies = [_body(r) for r in resources]
+    folders = adapter_folders or {}
+    for body in bodies:
+        adapter = body["spec"]["model"].get("adapter") if body["kind"] == "LLMService" else None
+        if adapter is not None and adapter["source"] in folders:
+            adapter["source"] = folders[adapter["source"]]
     pools = [b for b in bodies if b["kind"] == "ServingPool"]
     services = [b for b in bodies if b["kind"] == "LLMService"]
     classes = [b for b in bodies if b["kind"] == "RequestClass"]

@@ -30,7 +30,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -181,6 +181,21 @@ def build_workload(
     if not items:
         raise WorkloadError("no request in the trace within --duration / --max-requests")
     return Workload(tuple(items), clipped)
+
+
+def same_prompts(
+    workload: Workload, classes: dict[str, ClassInfo], models: Sequence[str], count: int
+) -> Workload:
+    """The first ``count`` interactive text prompts of ``workload``, each sent at once to every model of
+    ``models`` (with its class and length as in the workload): the same question to a base model and
+    its adapters, answered side by side. Empty when the workload has no such prompt."""
+    kinds = {name: info.service_class.kind for name, info in classes.items()}
+    prompts = [
+        i for i in workload.items if i.prompt_text is not None and kinds[i.class_name] == "interactive"
+    ]
+    items = [replace(item, index=n * len(models) + k, at=0.0, model=model)
+             for n, item in enumerate(prompts[:count]) for k, model in enumerate(models)]  # fmt: skip
+    return Workload(tuple(items), 0)
 
 
 @dataclass(slots=True)

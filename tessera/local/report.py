@@ -188,6 +188,30 @@ def render_answers(outcomes: Sequence[Outcome], count: int, width: int = 300) ->
     return "\n".join(lines)
 
 
+def render_same_prompts(outcomes: Sequence[Outcome], wall_s: float, width: int = 300) -> str:
+    """The answers of several models to the same prompts (``same_prompts``), grouped by prompt in the
+    order sent: each model's answer (or its error) under the question."""
+    if not outcomes:
+        return "no text prompt of an interactive class to ask the models"
+    models = list(dict.fromkeys(o.item.model for o in outcomes))
+    pad = max(len(m) for m in models)
+    lines = [f"the same prompts to {', '.join(models)} (greedy, at once; {wall_s:.1f} s):"]
+    asked: list[str] = []
+    for o in outcomes:
+        question = " ".join((o.item.prompt_text or "").split())
+        if not asked or asked[-1] != question:
+            asked.append(question)
+            lines.append(f"  Q: {question[:width]}")
+        if o.error is not None:
+            lines.append(f"    {o.item.model:<{pad}}  failed: {o.error}")
+            continue
+        text = " ".join(o.answer.split())
+        more = "..." if len(text) > width else ""
+        cut = "" if o.finish == "stop" else f" [cut at {o.request.generated} tokens]"
+        lines.append(f"    {o.item.model:<{pad}}  A: {text[:width]}{more}{cut}")
+    return "\n".join(lines)
+
+
 def write_comparison_plot(outcomes: dict[str, Sequence[Outcome]], directory: Path) -> Path:
     """One PNG: the TTFT CDF of each class (one panel each), one line per policy."""
     import matplotlib

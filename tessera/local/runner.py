@@ -27,12 +27,22 @@ from tessera.local.autoscaler import LocalAutoscaler
 from tessera.local.batch_job import JobWatch, follow, job_endpoint, job_lines, submit
 from tessera.local.batch_process import BatchProcess
 from tessera.local.control_plane import LocalPlan
-from tessera.local.load import LiveCounters, Outcome, Workload, WorkloadError, drive, outstanding_of
+from tessera.local.load import (
+    LiveCounters,
+    Outcome,
+    Workload,
+    WorkloadError,
+    drive,
+    endpoint_info,
+    outstanding_of,
+    same_prompts,
+)
 from tessera.local.report import (
     class_rows,
     render_answers,
     render_comparison,
     render_report,
+    render_same_prompts,
     summarize_outcomes,
     write_comparison_plot,
     write_plots,
@@ -241,6 +251,32 @@ async def compare_batch_job(
             print("\n" + render_comparison(summaries, title="same chat load"), file=out, flush=True)
             done.append(JobRound(summaries["alone"], summaries["+ batch job"], watch))
     return done
+
+
+def adapter_families(plan: LocalPlan) -> list[list[str]]:
+    """Each base model that adapters share, then its adapters: the model names, by base."""
+    models = {m.name: m.adapter_of for i in plan.instances for m in i.config.models}
+    bases = sorted({b for b in models.values() if b is not None})
+    return [[b, *sorted(a for a, of in models.items() if of == b)] for b in bases]
+
+
+async def ask_adapters(
+    stack: LocalStack, workload: Workload, classes: dict[str, ClassInfo], count: int, out: TextIO = sys.stdout
+) -> list[Outcome]:
+    """The models the router lists (``/v1/models``), then the first ``count`` interactive text prompts
+    of ``workload`` sent at once to each base model with adapters and to its adapters, through the
+    router as the load sends them, and their answers side by side; the outcomes."""
+    assert stack.state is not None, "start the stack first"
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        _, _, served = await endpoint_info(stack.endpoint, client)
+    print(f"\nmodels the router lists (/v1/models): {', '.join(sorted(served))}", file=out)
+    outcomes: list[Outcome] = []
+    for family in adapter_families(stack.plan):
+        asked, wall = await drive(stack.endpoint, same_prompts(workload, classes, family, count), classes,
+                                  stack.state.class_header)  # fmt: skip
+        print(render_same_prompts(asked, wall), file=out, flush=True)
+        outcomes += asked
+    return outcomes
 
 
 def _write_json(path: Path, results: list[dict[str, Any]], out: TextIO) -> None:

@@ -181,3 +181,24 @@ def resolve_model(value: str, root: Path | str | None = None) -> ResolvedModel:
             f"--model {value!r}: {path} has no config.json (not a Hugging Face model folder)"
         )
     return ResolvedModel(path.resolve())
+
+
+def resolve_adapter(name: str, base_model: str, root: Path | str | None = None) -> Path:
+    """The verified cache folder of the known adapter ``name``, to serve on the model ``base_model``.
+
+    ModelCacheError says what is wrong: not a known adapter (the known ones listed), an adapter of
+    another base model, or not built (with the command that builds it).
+    """
+    adapters = sorted(m.name for m in KNOWN.values() if m.base is not None)
+    known = KNOWN.get(name)
+    if known is None or known.base is None:
+        raise ModelCacheError(
+            f"adapter source {name!r} is not an adapter that `tessera models pull` builds; known adapters: "
+            f"{', '.join(adapters)} (else give the adapter's folder as an absolute path)"
+        )
+    if known.base != base_model:
+        raise ModelCacheError(
+            f"adapter {name!r} was trained on the model {known.base!r}, but its base serves {base_model!r}; "
+            f"name {known.base!r} as the base LLMService's model"
+        )
+    return cached_model(name, root)
