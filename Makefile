@@ -82,13 +82,16 @@ demo: demo-$(DEMO)
 # the CPU behind one worker and the router on localhost:8000. A batch job and people chatting share it
 # (real prompts): first the chat requests alone and beside a small OpenAI Batch API job (24 lines, its
 # progress in the live table, chat TTFT side by side), then the whole load under the spec's policy and
-# FCFS (switched in place), side by side, with a few answers and plots in .tessera-local/. About 4
-# minutes on 2 cores once the model is built (the batch part: two runs of the 44 s chat load).
+# FCFS (switched in place), side by side, with a few answers and plots in .tessera-local/. The load goes
+# to the base (--target-model); then the LoRA adapter smollm2-tessera, trained offline by the pull of
+# smollm2-lora and served by the same vLLM server, answers three chat prompts beside its base. About 4
+# minutes on 2 cores once the models are built (the batch part: two runs of the 44 s chat load).
 demo-real: venv
 	$(VENV)/bin/tessera models pull smollm2
+	$(VENV)/bin/tessera models pull smollm2-lora
 	$(VENV)/bin/tessera local up -f examples/demo-real.yaml --engine vllm --model smollm2 --enforce-eager \
-	  --trace examples/traces/demo-real.jsonl --batch-job 24 --compare-policy fcfs --answers 3 \
-	  --json .tessera-local/demo-report.json --plot .tessera-local/plots
+	  --trace examples/traces/demo-real.jsonl --target-model smollm2 --batch-job 24 --compare-policy fcfs \
+	  --answers 3 --json .tessera-local/demo-report.json --plot .tessera-local/plots
 
 # Local mode on the quickstart: 4 simulated-engine workers + the router on localhost:8000, the first
 # 60 s of the bundled Azure conv trace (30% sent as batch), then the report; exits by itself.

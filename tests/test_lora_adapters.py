@@ -30,7 +30,9 @@ def _quickstart() -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, 
     return pool, services, classes
 
 
-def _adapter(name: str, base: str = "llama-8b", rank: int = 8, **model: Any) -> dict[str, Any]:
+def _adapter(
+    name: str, base: str = "llama-8b", rank: int = 8, source: str | None = None, **model: Any
+) -> dict[str, Any]:
     return {
         "apiVersion": "tessera.dev/v1alpha1",
         "kind": "LLMService",
@@ -38,7 +40,7 @@ def _adapter(name: str, base: str = "llama-8b", rank: int = 8, **model: Any) -> 
         "spec": {
             "model": {
                 "name": f"org/{name}",
-                "adapter": {"base": base, "source": f"/adapters/{name}", "rank": rank},
+                "adapter": {"base": base, "source": source or f"/adapters/{name}", "rank": rank},
             }
             | model,
             "poolRef": {"name": "h100-pool"},
@@ -151,6 +153,11 @@ def test_the_pool_sets_slots_and_rank_and_a_base_without_adapters_gets_no_lora_f
             "rank 64 is above ServingPool 'h100-pool''s maxLoraRank 16",
         ),
         (_adapter("x", base="x"), INVALID_ADAPTER, "names this service itself"),
+        (  # a cluster has no cache of `tessera models pull`: only local mode serves such a name
+            _adapter("x", source="smollm2-lora"),
+            INVALID_ADAPTER,
+            "source 'smollm2-lora' names an adapter that `tessera models pull` builds, which only local",
+        ),
     ],
 )
 def test_an_adapter_that_cannot_be_served_is_refused_on_its_own_status(
@@ -216,6 +223,9 @@ def test_the_spec_refuses_a_missing_source_a_huge_rank_and_weights_of_its_own() 
         parse({}, {"source": "relative/dir/x"})
     parse({}, {"source": "hf://org/adapter"})
     parse({}, {"source": "org/adapter"})
+    parse({}, {"source": "smollm2-lora"})  # an adapter of `tessera models pull` (local mode)
+    with pytest.raises(SpecError, match="source"):
+        parse({}, {"source": "-lora"})
 
 
 def test_the_worker_configuration_refuses_an_adapter_of_no_full_model() -> None:

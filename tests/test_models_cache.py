@@ -159,6 +159,15 @@ def test_cli_list_pull_and_local_up_messages(
         "smollm2      built" in listed
         and "smollm2-lora not built (missing): run `tessera models pull smollm2-lora`" in listed
     )  # names aligned on the longest
+    # The spec's adapter names the pulled smollm2-lora: refused with its pull command until it is built.
+    assert main([*up, "--model", "smollm2"]) == 2
+    err = capsys.readouterr().err
+    assert "LLMService smollm2-tessera: model 'smollm2-lora' is missing in the cache" in err
+    assert "`tessera models pull smollm2-lora`" in err
+    adapter = tmp_path / "cache" / "smollm2-lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    write_manifest(adapter, KNOWN["smollm2-lora"], None)
     # A model whose KV for one request cannot fit is refused before any process starts.
     assert main([*up, "--model", "smollm2", "--max-model-len", "30000"]) == 2
     assert "needs 1.29 GiB of KV cache" in capsys.readouterr().err
