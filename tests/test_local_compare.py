@@ -11,9 +11,12 @@ import pytest
 
 from tessera.api import load_documents
 from tessera.api.traces import load_trace
+from tessera.commands import local as local_command
 from tessera.local.control_plane import LocalEngine, plan_local
 from tessera.local.load import WorkloadOptions, build_workload
-from tessera.local.runner import LoadSettings, LocalStack, compare_policies
+from tessera.local.runner import LoadSettings, LocalStack, ask_adapters, compare_policies
+from tessera.models.cache import CACHE_ENV, write_manifest
+from tessera.models.registry import KNOWN
 from tessera.router.app import class_infos
 from tessera.worker.engines.vllm_process import free_port
 
@@ -63,3 +66,34 @@ async def test_policy_then_fcfs_on_the_same_load_side_by_side(tmp_path: Path) ->
     assert [r["policy"] for r in report["results"]] == ["qlm", "fcfs"]
     plots = {p.relative_to(tmp_path / "plots").as_posix() for p in (tmp_path / "plots").rglob("*.png")}
     assert {"ttft_by_policy.png", "qlm/ttft_cdf.png", "fcfs/ttft_cdf.png"} <= plots
+
+
+async def test_the_demo_asks_its_adapter_and_its_base_the_same_chat_prompts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo's last part on sim workers: the router lists the base and its adapter, and each of the
+    first chat prompts is answered by both, through the router."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "smollm2-lora"
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text('{"r": 8}')
+    write_manifest(folder, KNOWN["smollm2-lora"], None)
+    docs = load_documents(EXAMPLES / "demo-real.yaml")
+    plan = plan_local(docs, LocalEngine(), adapter_folders=local_command.adapter_folders(docs))
+    classes = class_infos(plan.instances[0].config)
+    rows = load_trace(EXAMPLES / "traces" / "demo-real.jsonl")
+    options = WorkloadOptions(model="smollm2", max_output_tokens=8)
+    workload = build_workload(rows, classes, {"smollm2": 2048}, options)
+    stack = LocalStack(plan, tmp_path / "run", "127.0.0.1", free_port(), autoscale=False, batch=False)
+    await stack.start(60.0)
+    out = io.StringIO()
+    try:
+        outcomes = await ask_adapters(stack, workload, classes, 2, out)
+    finally:
+        await stack.stop()
+    text = out.getvalue()
+    assert "models the router lists (/v1/models): smollm2, smollm2-tessera" in text
+    assert [(o.item.model, o.ok) for o in outcomes] == [("smollm2", True), ("smollm2-tessera", True)] * 2
+    assert {o.instance for o in outcomes} == {plan.instances[0].name}  # the base's worker serves both
+    assert "the same prompts to smollm2, smollm2-tessera" in text and text.count("  Q: ") == 2
+    assert text.count("    smollm2-tessera  A: ") == 2
