@@ -310,7 +310,7 @@ async def _up(args: argparse.Namespace) -> int:
         else:
             await run_load(stack.endpoint, workload, classes, stack.state.class_header, _settings(args),
                            stack.status)  # fmt: skip
-        if args.answers and adapter_families(plan):  # after the load: its figures are the base's alone
+        if args.answers and adapter_families(plan):  # after the load: its figures leave these out
             await ask_adapters(stack, workload, classes, args.answers)
         return 0
     finally:

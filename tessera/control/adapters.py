@@ -32,9 +32,9 @@ def adapter_problems(
 
     ``services`` are the pool's valid services by name, ``rejected`` the messages of the pool's others
     (a base there is named with its own fault). An adapter is refused when its base is not a valid
-    service of the pool, is itself an adapter, when it asks for scale to zero of its own, when its
-    source names an adapter of ``tessera models pull`` (local mode puts the folder it built in its
-    place first), or when its rank is above the pool's ``maxLoraRank``.
+    service of the pool or is itself an adapter, when its source names an adapter of ``tessera models
+    pull`` (local mode puts the folder it built in its place first), or when its rank is above the
+    pool's ``maxLoraRank``.
     """
     problems: dict[str, tuple[str, str]] = {}
     for name, service in services.items():
