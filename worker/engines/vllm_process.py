@@ -9,6 +9,8 @@ stall the server).
 Facts about vLLM 0.32 this relies on (checked against its ``--help`` and source):
 ``--enable-sleep-mode`` exists but only CUDA and ROCm support it; ``/sleep``, ``/wake_up`` and
 ``/is_sleeping`` are served only with ``VLLM_SERVER_DEV_MODE=1``; ``/tokenize`` is always served.
+Its CPU LoRA ops give a base request batched beside an adapter's the adapter's delta once every slot is
+full; ``vllm_fixes`` mends that in the server's processes (``vllm_site`` first on its ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import httpx
 
 from tessera.api.serving_pool import BATCHED_TOKENS_FLAG, sets_flag
 from tessera.core.prefix import kv_events_config
+
+VLLM_SITE = str(Path(__file__).with_name("vllm_site"))  # its sitecustomize applies ``vllm_fixes``
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -129,8 +133,10 @@ class VLLMServer:
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: offline, CPU KV cache size, dev mode when asked, then ``env``."""
+        """The server's environment: offline, CPU KV cache size, dev mode when asked, ``vllm_site`` first
+        on ``PYTHONPATH`` (inherited by the engine processes vLLM spawns), then ``env``."""
         env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (VLLM_SITE, env.get("PYTHONPATH")) if p)
         env["HF_HUB_OFFLINE"] = "1"
         env["TRANSFORMERS_OFFLINE"] = "1"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_gib)
