@@ -118,7 +118,7 @@ ADAPTER_LOAD_S = 0.1
 # (ASSUMED until measured: a rank-16 adapter adds under 1% of an 8B model's FLOPs, but the batched
 # multi-adapter kernels cost more than their FLOPs; S-LoRA and Punica report per-token slowdowns of this
 # order against the base model alone). CPU vLLM runs LoRA through plain torch versions of those kernels
-# and measured 1.41-1.44x the base's throughput cost for SmolLM2, and no extra cost for mixing two
+# and measured 1.41-1.58x the base's throughput cost for SmolLM2, and no extra cost for mixing two
 # adapters (`tessera bench real-lora`): a figure for CPU pods, not for a GPU's kernels.
 LORA_STEP_OVERHEAD = 0.2
 
