@@ -6,6 +6,7 @@ vLLM's own on tensors; the integration half asks the session's tiny-model server
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import subprocess
 import sys
@@ -25,16 +26,10 @@ PROMPT = {
 }
 
 
-def _ops():  # type: ignore[no-untyped-def]
-    import importlib
-
-    return importlib.import_module(LORA_TORCH_OPS)
-
-
 def test_the_pinned_vllm_gives_an_unadapted_token_the_last_slots_delta_and_the_fix_none() -> None:
     import torch
 
-    ops = _ops()
+    ops = importlib.import_module(LORA_TORCH_OPS)
     torch.manual_seed(0)
     x = torch.randn(3, 16)
     a = torch.randn(1, 1, 4, 16)  # one slot, full: rank 4
