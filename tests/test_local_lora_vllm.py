@@ -1,7 +1,8 @@
 """A LoRA adapter LLMService in local mode on real vLLM (CPU): the session's tiny-model server, which
 serves LoRA as a base model's server does, behind a local worker and the router. A chat to the
 adapter's name through the router (the official ``openai`` client) gets vLLM's own greedy answer for
-that adapter while base requests are served beside it; an unknown name is a 404 naming the models."""
+that adapter while base requests are served beside it, also with every LoRA slot full (a second adapter
+asked at once); an unknown name is a 404 naming the models."""
 
 from __future__ import annotations
 
@@ -58,6 +59,23 @@ spec:
 """
 
 
+# A second adapter service of the same weights: with both asked, every one of the server's LoRA slots
+# (TINY_MAX_LORAS, 2) holds an adapter while base requests run beside them.
+SECOND = "tiny-adapter-b"
+SECOND_SPEC = f"""
+---
+apiVersion: tessera.dev/v1alpha1
+kind: LLMService
+metadata: {{name: adapter-b}}
+spec:
+  model:
+    name: {SECOND}
+    adapter: {{base: base, source: SOURCE, rank: {TINY_LORA_RANK}}}
+  poolRef: {{name: lora-pool}}
+  requestClasses: [{{name: chat}}]
+"""
+
+
 async def _answer(client: openai.AsyncOpenAI, model: str) -> str:
     reply = await client.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)  # type: ignore[arg-type]
     return reply.choices[0].message.content or ""
@@ -79,7 +97,7 @@ async def test_a_chat_to_the_adapter_gets_vllms_own_adapter_answer_beside_base_r
     vllm_server: VLLMServer, tiny_adapter_dir: Path, tmp_path: Path
 ) -> None:
     spec = tmp_path / "lora.yaml"
-    spec.write_text(SPEC.replace("SOURCE", str(tiny_adapter_dir)))
+    spec.write_text((SPEC + SECOND_SPEC).replace("SOURCE", str(tiny_adapter_dir)))
     plan = plan_local(load_documents(spec), LocalEngine("vllm", vllm_url=vllm_server.url))
     stack = LocalStack(plan, tmp_path / "run", "127.0.0.1", free_port(), autoscale=False, batch=False)
     headers = {stack_header: "chat"} if (stack_header := "X-Tessera-Class") else {}
@@ -88,9 +106,11 @@ async def test_a_chat_to_the_adapter_gets_vllms_own_adapter_answer_beside_base_r
         router = openai.AsyncOpenAI(
             base_url=f"{stack.endpoint}/v1", api_key="unused", default_headers=headers
         )
-        # the adapter's request and three of the base's, at the same time through the router
+        # the adapters' requests and three of the base's, at the same time through the router
         answers = await asyncio.gather(
-            _answer(router, ADAPTER), *(_answer(router, TINY_MODEL_NAME) for _ in range(3))
+            _answer(router, ADAPTER),
+            _answer(router, SECOND),
+            *(_answer(router, TINY_MODEL_NAME) for _ in range(3)),
         )
         (worker,) = stack.supervisor.workers
         metrics = await _metrics_once(worker.url, f'tessera_lora_slots{{model="{TINY_MODEL_NAME}"}}')
@@ -106,12 +126,13 @@ async def test_a_chat_to_the_adapter_gets_vllms_own_adapter_answer_beside_base_r
     finally:
         await direct.close()
         # the shared server is left as found
-        httpx.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": ADAPTER}, timeout=30)
-    adapter_answer, *base_answers = answers
-    assert adapter_answer == own_adapter and base_answers == [own_base] * 3
+        for name in (ADAPTER, SECOND):
+            httpx.post(f"{vllm_server.url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=30)
+    adapter_answer, second_answer, *base_answers = answers
+    assert adapter_answer == own_adapter == second_answer and base_answers == [own_base] * 3
     assert adapter_answer != own_base  # the adapter changes vLLM's greedy answer
     assert "no-such-adapter" in str(unknown.value) and ADAPTER in str(unknown.value)
-    assert TINY_MODEL_NAME in str(unknown.value) and listed == {TINY_MODEL_NAME, ADAPTER}
+    assert TINY_MODEL_NAME in str(unknown.value) and listed == {TINY_MODEL_NAME, ADAPTER, SECOND}
     # the worker reports what its engine holds: the adapter resident, the base's slots as vLLM has them
     assert f'tessera_lora_adapter_resident{{base="{TINY_MODEL_NAME}",model="{ADAPTER}"}} 1.0' in metrics
     assert f'tessera_lora_slots{{model="{TINY_MODEL_NAME}"}} {float(TINY_MAX_LORAS)}' in metrics
